@@ -1,0 +1,33 @@
+# evalpipe developer entry points. `make demo` and `make test` are README's Quick start.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 30000
+DATA_DIR ?= $(abspath ../shared/data)
+export EVALPIPE_DATA_DIR ?= $(DATA_DIR)
+
+.PHONY: install demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch first, pinned to the CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build.
+install: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+
+# Serve the default tiny model, run 20 GSM8K questions against it, print the summary, stop the server.
+demo: install
+	@set -e; \
+	$(VENV)/bin/evalpipe serve --port $(PORT) > results/demo-server.log 2>&1 & pid=$$!; \
+	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	for i in $$(seq 1 120); do curl -sf http://127.0.0.1:$(PORT)/health_generate >/dev/null && break; \
+	  kill -0 $$pid 2>/dev/null || { tail -20 results/demo-server.log; exit 1; }; sleep 1; done; \
+	$(VENV)/bin/evalpipe run gsm8k --base-url http://127.0.0.1:$(PORT)/v1 --num-examples 20 --max-tokens 64 --arm demo
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache *.egg-info
