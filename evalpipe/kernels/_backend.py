@@ -1,0 +1,45 @@
+"""Backend choice shared by every fused op: Triton on CUDA inputs that pass the op's guards, the reference elsewhere.
+
+Each public op takes `backend="auto" | "triton" | "reference"`. "auto" picks Triton only when every tensor is on
+CUDA, Triton imports, and the op's own guard accepts the shapes/dtypes. "triton" forces the kernel (on CPU that
+needs TRITON_INTERPRET=1, which is how the tests run it); "reference" forces the plain PyTorch chain.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpret_mode() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(backend: str, tensors: list[torch.Tensor], guard_ok: bool) -> bool:
+    """Decide whether to launch the Triton kernel; raise on an impossible forced choice."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' requested but triton is not installed")
+        if not on_cuda and not interpret_mode():
+            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+        if not guard_ok:
+            raise ValueError("backend='triton' requested but the inputs fail this kernel's shape/dtype guard")
+        return True
+    return on_cuda and guard_ok and triton_available()
