@@ -1,0 +1,185 @@
+"""Block speculation: the acceptance rules and the per-request statistics.
+
+A verify step scores G+1 rows per request (last committed token + G drafts). Row i of the target's output is the
+target's next-token distribution after the committed prefix plus drafts d_1..d_i, so one forward is enough to decide
+how many drafts survive and which token follows them:
+
+- greedy: the longest prefix of drafts equal to the target argmax, plus the target argmax after it (the bonus);
+- sampled: standard speculative rejection sampling (Leviathan et al. / Chen et al.): accept d_i with probability
+  min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a sample of norm(max(p_i - q_i, 0)) and stop; when every
+  draft survives, emit a bonus sample of p_G. The emitted tokens are distributed exactly as plain sampling from p.
+  A drafter without a distribution (n-gram lookup) passes q = one-hot of its proposal, which the same rule handles;
+- simulated (performance runs only): accept a prescribed number of drafts without checking them.
+
+Lengths here count drafts ("accepted drafts", 0..G); the accept length of SGLang's statistics adds the bonus.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor | list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance of one request's block.
+
+    target_logits: [G+1, V], row i scores the token after draft i (row 0: after the last committed token).
+    drafts: G token ids. Returns (emitted tokens = accepted drafts + bonus, number of accepted drafts).
+    Ties in the argmax resolve to the lowest token id (torch.argmax), exactly as in plain greedy decoding.
+    """
+    target = torch.argmax(target_logits, dim=-1).tolist()
+    drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return drafts[:n] + [target[n]], n
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def rejection_accept(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    drafts: torch.Tensor | list[int],
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Speculative rejection sampling of one request's block.
+
+    target_probs: [G+1, V] target distributions (after temperature/top-p/top-k), row i after draft i.
+    draft_probs: [G, V] the distributions each draft was sampled from (same transform), row i for draft i+1.
+    Returns (emitted tokens, number of accepted drafts); at least one token is always emitted.
+    """
+    drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
+    p = target_probs.to(torch.float64)
+    q = draft_probs.to(torch.float64)
+    if p.shape[0] != len(drafts) + 1 or q.shape[0] != len(drafts):
+        raise ValueError(f"need G+1 target rows and G draft rows for G={len(drafts)} drafts, "
+                         f"got {p.shape[0]} and {q.shape[0]}")
+    emitted: list[int] = []
+    uniforms = torch.rand(len(drafts), generator=generator, dtype=torch.float64)
+    for i, d in enumerate(drafts):
+        p_d, q_d = float(p[i, d]), float(q[i, d])
+        # accept iff u < p/q, written without the division; q_d == 0 cannot be drafted, reject if it is.
+        if q_d > 0.0 and float(uniforms[i]) * q_d < p_d:
+            emitted.append(d)
+            continue
+        residual = torch.clamp(p[i] - q[i], min=0.0)
+        total = float(residual.sum())
+        # residual is all zero only when p == q on the support, where rejection has probability 0; p is the
+        # correct fallback for the float round-off case.
+        emitted.append(_draw(residual / total if total > 0.0 else p[i], generator))
+        return emitted, i
+    emitted.append(_draw(p[len(drafts)], generator))
+    return emitted, len(drafts)
+
+
+class SimulatedAcceptance:
+    """Accept lengths (bonus included) whose running mean is exactly `mean`: a deterministic floor/ceil mix.
+
+    Error diffusion: each call adds the fractional part to a carry and returns ceil when the carry reaches 1, so
+    after n calls the realised mean is within 1/n of `mean` (SGLang's `match-expected` method, minus its randomness).
+    """
+
+    def __init__(self, mean: float, block_size: int):
+        if not 1.0 <= mean <= block_size + 1:
+            raise ValueError(f"simulated accept length must be in [1, G+1] = [1, {block_size + 1}], got {mean}")
+        self.mean = float(mean)
+        self.block_size = block_size
+        self._floor = math.floor(self.mean)
+        self._frac = self.mean - self._floor
+        self._carry = 0.0
+
+    def next_length(self) -> int:
+        """The next accept length in [1, G+1] (accepted drafts + bonus)."""
+        self._carry += self._frac
+        if self._carry >= 1.0 - 1e-12:
+            self._carry -= 1.0
+            return min(self._floor + 1, self.block_size + 1)
+        return self._floor
+
+
+def simulated_accept(target_token_after: list[int], drafts: list[int], accept_length: int) -> tuple[list[int], int]:
+    """Simulated acceptance: commit the first accept_length-1 drafts unchecked, then the target's token after them.
+
+    target_token_after: the target's chosen token for each of the G+1 rows (argmax or sample), so the bonus is a
+    real target token ("real-draft-token" mode of SGLang). Output quality is meaningless under simulation.
+    """
+    n = accept_length - 1
+    return list(drafts[:n]) + [int(target_token_after[n])], n
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculation counters, reported on every choice as the `spec` object.
+
+    histogram[i] = number of verify steps that accepted exactly i drafts (0..G), so sum(histogram) == verify_steps
+    and sum(i * histogram[i]) == accepted_drafts. accept_length = completion tokens / verify steps (bonus included,
+    SGLang's definition; the token produced by prefill counts as a completion token, which inflates short outputs).
+    """
+
+    block_size: int
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.histogram:
+            self.histogram = [0] * (self.block_size + 1)
+
+    def record(self, accepted: int) -> None:
+        """Record one verify step that proposed block_size drafts and accepted `accepted` of them."""
+        self.verify_steps += 1
+        self.draft_tokens += self.block_size
+        self.accepted_drafts += accepted
+        self.histogram[accepted] += 1
+
+    def to_dict(self, completion_tokens: int) -> dict:
+        return {
+            "verify_steps": self.verify_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_drafts": self.accepted_drafts,
+            "accept_length": (completion_tokens / self.verify_steps) if self.verify_steps else None,
+            "accept_histogram": list(self.histogram),
+        }
+
+
+@dataclass
+class ServerSpecTotals:
+    """Server-wide sums over finished requests, for the averages in /get_server_info."""
+
+    requests: int = 0
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
+    completion_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    def add(self, stats: SpecStats, completion_tokens: int) -> None:
+        if len(self.histogram) < len(stats.histogram):
+            self.histogram += [0] * (len(stats.histogram) - len(self.histogram))
+        for i, h in enumerate(stats.histogram):
+            self.histogram[i] += h
+        self.requests += 1
+        self.verify_steps += stats.verify_steps
+        self.draft_tokens += stats.draft_tokens
+        self.accepted_drafts += stats.accepted_drafts
+        self.completion_tokens += completion_tokens
+
+    def to_dict(self) -> dict:
+        steps = self.verify_steps
+        return {
+            "requests": self.requests,
+            "verify_steps": steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_drafts": self.accepted_drafts,
+            "completion_tokens": self.completion_tokens,
+            "avg_accept_length": self.completion_tokens / steps if steps else None,
+            "avg_accepted_drafts_per_step": self.accepted_drafts / steps if steps else None,
+            "accept_rate": self.accepted_drafts / self.draft_tokens if self.draft_tokens else None,
+            "accept_histogram": list(self.histogram),
+        }

@@ -1,0 +1,176 @@
+"""Acceptance math of block speculation, at tensor level (no model).
+
+Distribution test: a toy target and a toy drafter are first-order Markov chains over a tiny vocabulary, so the exact
+law of the first K generated tokens is known in closed form. Speculative sampling (draft G tokens from the drafter,
+accept/reject with `rejection_accept`, repeat) must reproduce that law. Chi-square goodness of fit over all V**K
+sequences, fixed seeds; the test fails when p < P_THRESHOLD = 1e-3 (a correct sampler fails a given seed with
+probability 0.1%; the seeds are fixed, so the result is deterministic). A negative control (accept every draft)
+proves that the test can tell a wrong sampler apart at this sample size.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from evalpipe.engine.speculative import (
+    SimulatedAcceptance,
+    SpecStats,
+    greedy_accept,
+    rejection_accept,
+    simulated_accept,
+)
+
+V = 5           # vocabulary
+K = 3           # tokens per generated sequence whose joint law is tested
+SAMPLES = 6000
+P_THRESHOLD = 1e-3
+
+
+def _chain(seed: int, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Row-stochastic [V, V] transition matrix from random logits, filtered like a sampler would (zeros included)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(V, V, generator=g, dtype=torch.float64) * 1.5 / temperature
+    probs = torch.softmax(logits, dim=-1)
+    if top_k is not None:
+        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p is not None:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _exact_law(target: torch.Tensor, start: int) -> np.ndarray:
+    law = np.zeros([V] * K)
+    for seq in itertools.product(range(V), repeat=K):
+        prob, prev = 1.0, start
+        for t in seq:
+            prob *= float(target[prev, t])
+            prev = t
+        law[seq] = prob
+    return law.reshape(-1)
+
+
+def _speculative_sequences(target, draft, block, seed, accept=rejection_accept) -> np.ndarray:
+    """Generate SAMPLES sequences of K tokens by block speculation; return counts over the V**K cells."""
+    g = torch.Generator().manual_seed(seed)
+    counts = np.zeros(V ** K, dtype=np.int64)
+    for _ in range(SAMPLES):
+        out, prev = [], 0
+        while len(out) < K:
+            drafts, q_rows, cur = [], [], prev
+            for _ in range(block):
+                cur = int(torch.multinomial(draft[cur], 1, generator=g))
+                q_rows.append(draft[drafts[-1] if drafts else prev])
+                drafts.append(cur)
+            contexts = [prev] + drafts
+            p_rows = torch.stack([target[c] for c in contexts])
+            emitted, _ = accept(p_rows, torch.stack(q_rows), drafts, g)
+            out += emitted
+            prev = out[-1]
+        counts[int(np.ravel_multi_index(out[:K], [V] * K))] += 1
+    return counts
+
+
+def _chi_square_p(counts: np.ndarray, law: np.ndarray) -> float:
+    support = law > 0
+    assert counts[~support].sum() == 0, "a sequence of zero target probability was generated"
+    expected = law[support] * counts.sum()
+    return float(scipy.stats.chisquare(counts[support], expected).pvalue)
+
+
+@pytest.mark.parametrize(
+    "label,block,filters",
+    [
+        ("plain T=1", 3, {}),
+        ("T=0.7 top_k=3", 2, {"temperature": 0.7, "top_k": 3}),
+        ("top_p=0.8", 4, {"top_p": 0.8}),
+    ],
+)
+def test_speculative_sampling_matches_target_law(label, block, filters):
+    target = _chain(1, **filters)
+    draft = _chain(2, **filters)  # same transform applied to the drafter's distribution
+    law = _exact_law(target, start=0)
+    counts = _speculative_sequences(target, draft, block, seed=1234)
+    p = _chi_square_p(counts, law)
+    print(f"{label}: chi-square p = {p:.4f} over {SAMPLES} sequences of {K} tokens")
+    assert p > P_THRESHOLD, f"{label}: speculative samples do not follow the target law (p={p:.2e})"
+
+
+def test_one_hot_drafter_matches_target_law():
+    """A drafter without a distribution (n-gram lookup) passes q = one-hot of its proposal."""
+    target = _chain(3)
+    proposal = torch.eye(V, dtype=torch.float64)[[1, 2, 3, 4, 0]]  # deterministic "next token" table
+    counts = _speculative_sequences(target, proposal, 3, seed=99)
+    p = _chi_square_p(counts, _exact_law(target, start=0))
+    assert p > P_THRESHOLD, f"one-hot drafter: p={p:.2e}"
+
+
+def test_chi_square_rejects_a_wrong_sampler():
+    """Negative control: accepting every draft samples the drafter's law, which the test must reject."""
+
+    def accept_all(p_rows, q_rows, drafts, g):
+        return list(drafts) + [int(torch.multinomial(p_rows[-1], 1, generator=g))], len(drafts)
+
+    target, draft = _chain(1), _chain(2)
+    counts = _speculative_sequences(target, draft, 3, seed=1234, accept=accept_all)
+    assert _chi_square_p(counts, _exact_law(target, start=0)) < P_THRESHOLD
+
+
+def test_greedy_accept_longest_prefix_plus_bonus():
+    logits = torch.full((4, 6), -1.0)
+    for row, tok in enumerate([2, 5, 1, 3]):  # target argmax per row
+        logits[row, tok] = 1.0
+    assert greedy_accept(logits, [2, 5, 1]) == ([2, 5, 1, 3], 3)
+    assert greedy_accept(logits, [2, 5, 0]) == ([2, 5, 1], 2)
+    assert greedy_accept(logits, [4, 5, 1]) == ([2], 0)
+    tie = torch.zeros(1, 6)
+    assert greedy_accept(tie, []) == ([0], 0)  # ties go to the lowest id, as torch.argmax in plain decoding
+
+
+def test_rejection_accept_certain_cases():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert rejection_accept(p, torch.tensor([[0.0, 1.0, 0.0]]), [1], g) == ([1, 2], 1)  # p/q = 1: always kept
+    assert rejection_accept(p, torch.tensor([[1.0, 0.0, 0.0]]), [0], g) == ([1], 0)  # p(d) = 0: always replaced
+    with pytest.raises(ValueError):
+        rejection_accept(p, p, [1], g)
+
+
+@pytest.mark.parametrize("mean,block", [(5.5, 5), (3.3, 5), (1.0, 5), (6.0, 5), (2.71, 9)])
+def test_simulated_acceptance_realised_mean(mean, block):
+    sim = SimulatedAcceptance(mean, block)
+    lengths = [sim.next_length() for _ in range(1000)]
+    assert set(lengths) <= {int(np.floor(mean)), int(np.ceil(mean))}
+    assert all(1 <= n <= block + 1 for n in lengths)
+    assert abs(np.mean(lengths) - mean) <= 0.02
+
+
+def test_simulated_acceptance_rejects_impossible_means():
+    for bad in (0.5, 6.5):
+        with pytest.raises(ValueError):
+            SimulatedAcceptance(bad, 5)
+
+
+def test_simulated_accept_commits_drafts_then_target_token():
+    assert simulated_accept([9, 8, 7, 6], [1, 2, 3], 3) == ([1, 2, 7], 2)
+    assert simulated_accept([9, 8, 7, 6], [1, 2, 3], 1) == ([9], 0)
+
+
+def test_spec_stats_consistency():
+    stats = SpecStats(block_size=3)
+    for accepted in [0, 3, 1, 1, 2]:
+        stats.record(accepted)
+    d = stats.to_dict(completion_tokens=13)
+    assert d["verify_steps"] == sum(d["accept_histogram"]) == 5
+    assert d["accepted_drafts"] == sum(i * h for i, h in enumerate(d["accept_histogram"])) == 7
+    assert d["draft_tokens"] == 15
+    assert d["accept_length"] == pytest.approx(13 / 5)
+    assert SpecStats(block_size=2).to_dict(completion_tokens=1)["accept_length"] is None
