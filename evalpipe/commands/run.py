@@ -1,0 +1,170 @@
+"""`evalpipe run LANE --base-url URL`: run a lane, record every response, print the summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from evalpipe.lanes import LANE_MODULES, get_lane
+
+# lane-protocol flags: recorded as overrides; not allowed together with --resume (the run keeps its protocol)
+PROTOCOL_FLAGS = ("max_tokens", "temperature", "seed", "top_p", "num_examples", "repeats", "lane_concurrency")
+
+
+def _parse_seed(ctx, param, value):
+    if value is None:
+        return None
+    if str(value).lower() in ("none", "null", "unset"):
+        return "none"
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter("an integer, or 'none' to send no seed") from None
+
+
+@click.command(name="run")
+@click.argument("lane", required=False, type=click.Choice(list(LANE_MODULES)))
+@click.option("--base-url", required=True, help="OpenAI-compatible endpoint including /v1, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models. "
+              "A name the server does not list is an error before any request.")
+@click.option("--api-key", envvar="EVALPIPE_API_KEY", default=None, help="Bearer key (env EVALPIPE_API_KEY). Never recorded.")
+@click.option("--concurrency", "lane_concurrency", type=click.IntRange(1, 4096), default=None,
+              help="Requests in flight. Default: the lane's (gsm8k 64, aime26 1, aime26-x16 64). Recorded.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results"),
+              show_default=True, help="Parent folder; the run goes to <out>/<lane>/<run_id>/.")
+@click.option("--arm", default="default", show_default=True,
+              help="Label of this arm (e.g. spec_on, spec_off); part of the run id and every record.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=3600.0, show_default=True,
+              help="Per-request timeout in seconds (a timeout is retried like a transport error).")
+@click.option("--max-tokens", type=click.IntRange(1), default=None, help="Override the lane's max_tokens.")
+@click.option("--temperature", type=click.FloatRange(0.0), default=None, help="Override the lane's temperature.")
+@click.option("--seed", callback=_parse_seed, default=None, help="Override the lane's seed; 'none' sends no seed.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Override the lane's top_p.")
+@click.option("--num-examples", type=click.IntRange(1), default=None, help="Score only the first N scored items.")
+@click.option("--repeats", type=click.IntRange(1), default=None, help="Responses per item (default: the lane's).")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`.")
+@click.option("--allow-data-drift", is_flag=True, help="Run even when the data or prompt hashes differ from "
+              "manifests/<lane>.json (recorded in manifest and summary).")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Continue RUN_DIR: items with a non-error record are skipped, error records are retried "
+              "(the old ones move to superseded.jsonl), the rest is appended. Lane flags come from its manifest.")
+@click.option("--no-token-ids", is_flag=True, help="Do not ask for output token ids (return_token_ids: true); "
+              "use with servers that reject unknown fields.")
+@click.option("--logprobs", type=click.IntRange(0, 20), default=None, help="Request logprobs (top N) and record them.")
+@click.option("--max-retries", type=click.IntRange(0, 20), default=3, show_default=True,
+              help="Retries for transport errors, timeouts, 5xx and malformed bodies (never 4xx).")
+@click.option("--retry-backoff", type=click.FloatRange(0.0), default=1.0, show_default=True,
+              help="First retry delay in seconds; doubles per retry, capped at 30 s.")
+@click.option("--grader-timeout", type=click.FloatRange(0.001), default=30.0, show_default=True,
+              help="Hard per-answer timeout of the AIME grader process; a miss is recorded as grader_timeout.")
+@click.option("--grader-workers", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Grader processes for AIME lanes.")
+@click.option("--fsync", is_flag=True, help="fsync responses.jsonl after every record (survives power loss; slower). "
+              "Without it every record is still flushed, which survives a killed process.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, timeout_s, max_tokens, temperature,
+            seed, top_p, num_examples, repeats, data_dir, allow_data_drift, resume_dir, no_token_ids, logprobs,
+            max_retries, retry_backoff, grader_timeout, grader_workers, fsync, no_progress):
+    """Run LANE against an OpenAI-compatible endpoint and write responses.jsonl, summary.json, manifest.json.
+
+    Every planned item lands exactly once: a final failure is an error record, never a dropped item.
+    Accuracy is over all planned items. Ctrl-C keeps landed records, writes a partial summary and exits 130.
+    """
+    from evalpipe.runner import RunConfig, Runner, RunError
+    from evalpipe.records import MANIFEST_FILE
+
+    overrides = {}
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
+        if value is not None:
+            overrides[name] = value
+    if seed is not None:
+        overrides["seed"] = None if seed == "none" else seed
+
+    if resume_dir is not None:
+        given = [f"--{n.replace('_', '-')}" for n, v in (("max_tokens", max_tokens), ("temperature", temperature),
+                 ("seed", seed), ("top_p", top_p), ("num_examples", num_examples), ("repeats", repeats),
+                 ("concurrency", lane_concurrency)) if v is not None]
+        if given:
+            raise click.UsageError(f"--resume keeps the run's own protocol; drop {', '.join(given)}")
+        mpath = resume_dir / MANIFEST_FILE
+        if not mpath.exists():
+            raise click.UsageError(f"{resume_dir} is not a run folder (no {MANIFEST_FILE})")
+        try:
+            old = json.loads(mpath.read_text())
+            eff = old["start"]["lane"]["effective"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise click.ClickException(f"{mpath} is unreadable ({exc}); cannot resume") from None
+        if lane is not None and lane != old["lane"]:
+            raise click.UsageError(f"{resume_dir} is a {old['lane']!r} run, not {lane!r}")
+        lane = old["lane"]
+        arm = old["arm"]
+        overrides = dict(old["start"]["lane"]["overrides"])
+        num_examples, repeats = eff.get("num_examples"), None
+        if eff.get("repeats") != get_lane(lane).repeats:
+            repeats = eff.get("repeats")
+        lane_concurrency = eff.get("concurrency")
+        model = model or eff.get("model")
+        if model != eff.get("model"):
+            raise click.UsageError(f"run used model {eff.get('model')!r}; cannot resume with {model!r}")
+        allow_data_drift = allow_data_drift or old["start"]["dataset"].get("allow_data_drift", False)
+        if eff.get("return_token_ids") is False:
+            no_token_ids = True
+        if logprobs is None:
+            logprobs = eff.get("logprobs")
+    elif lane is None:
+        raise click.UsageError("give a LANE (see `evalpipe lanes`) or --resume RUN_DIR")
+
+    cfg = RunConfig(
+        lane=get_lane(lane), base_url=base_url, model=model, api_key=api_key, arm=arm, out_dir=out_dir,
+        concurrency=lane_concurrency, timeout_s=timeout_s, max_retries=max_retries, retry_backoff_s=retry_backoff,
+        overrides=overrides, num_examples=num_examples, repeats=repeats, data_dir=data_dir,
+        allow_data_drift=allow_data_drift, token_ids=not no_token_ids, logprobs=logprobs,
+        grader_workers=grader_workers, grader_timeout_s=grader_timeout, fsync=fsync, progress=not no_progress,
+        resume_dir=resume_dir, command_line=list(sys.argv),
+    )
+    try:
+        outcome = Runner(cfg).execute()
+    except RunError as exc:
+        raise click.ClickException(str(exc)) from None
+    print_summary(outcome.summary, outcome.run_dir)
+    if outcome.exit_code:
+        click.echo(f"evalpipe run: {outcome.message}", err=True)
+        sys.exit(outcome.exit_code)
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    """A compact table on stdout, then the run folder."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.2f}%"
+
+    t = Table(title=f"{summary['lane']} [{summary.get('arm')}]  {summary.get('model')}", show_header=True)
+    for col in ("accuracy", "correct", "planned", "records", "errors", "truncated",
+                "invalid" if "n_invalid" in summary else "no answer", "partial"):
+        t.add_column(col, justify="right")
+    t.add_row(
+        pct(summary.get("accuracy")), str(summary["n_correct"]), str(summary["n_planned"]), str(summary["n_records"]),
+        str(summary["n_errors"]), str(summary["n_truncated"]),
+        str(summary.get("n_invalid", summary.get("n_no_answer"))), str(summary.get("partial")),
+    )
+    console = Console(soft_wrap=True)
+    console.print(t)
+    extra = [f"{k}={pct(summary[k])}" for k in summary if k.startswith(("pass@", "majority@")) and k[-1].isdigit()]
+    if "no_answer" in summary:
+        extra.append(f"no_answer={pct(summary['no_answer'])}")
+    if extra:
+        console.print("secondary: " + "  ".join(extra))
+    if summary.get("manifest_changed"):
+        console.print(f"[bold red]manifest changed during the run:[/] {summary.get('manifest_changes')}")
+    if summary.get("data_drift"):
+        console.print("[bold yellow]data drift allowed: hashes differ from the pins[/]")
+    rps = summary.get("requests_per_s")
+    wall = summary.get("wall_s")
+    console.print(f"wall {wall:.2f}s, {rps:.1f} req/s" if wall and rps else "")
+    console.print(f"run folder: {run_dir}")

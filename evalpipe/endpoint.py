@@ -1,0 +1,97 @@
+"""What the server says about itself, and the speculative statistics it puts on a response.
+
+Why: a score means nothing without the server's identity (model list, launch args, speculative config),
+and a server that *simulates* acceptance (a fixed accept length instead of real verification) must never be
+scored as if it were real speculative decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import httpx
+
+SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
+
+
+def server_root(base_url: str) -> str:
+    """`http://h:p/v1` -> `http://h:p` (server-level endpoints live outside the OpenAI prefix)."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+class EndpointError(Exception):
+    """The endpoint is unreachable or does not behave like an OpenAI-compatible server."""
+
+
+def fetch_models(base_url: str, api_key: Optional[str], timeout_s: float = 30.0) -> dict:
+    """GET {base_url}/models -> the raw JSON (must contain `data: [{id: ...}, ...]`)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/models"
+    try:
+        r = httpx.get(url, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise EndpointError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+    if r.status_code != 200:
+        raise EndpointError(f"GET {url} returned HTTP {r.status_code}: {r.text[:300]}")
+    try:
+        body = r.json()
+        ids = [m["id"] for m in body["data"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EndpointError(f"GET {url} did not return an OpenAI model list: {r.text[:300]}") from exc
+    if not ids:
+        raise EndpointError(f"GET {url} lists no models; pass --model explicitly is not enough: nothing is served")
+    return body
+
+
+def fetch_server_info(base_url: str, api_key: Optional[str], timeout_s: float = 30.0) -> tuple[Optional[str], Any]:
+    """(path, json) from the first of /get_server_info, /server_info that answers 200 with JSON, else (None, None)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    root = server_root(base_url)
+    for path in SERVER_INFO_PATHS:
+        try:
+            r = httpx.get(root + path, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError:
+            continue
+        if r.status_code == 200:
+            try:
+                return path, r.json()
+            except ValueError:
+                continue
+    return None, None
+
+
+def _simulate_value(info: Any) -> Any:
+    if not isinstance(info, dict):
+        return None
+    if "simulate_acc_len" in info:
+        return info["simulate_acc_len"]
+    spec = info.get("speculative")
+    if isinstance(spec, dict) and "simulate_acc_len" in spec:
+        return spec["simulate_acc_len"]
+    return None
+
+
+def simulation_reason(server_info: Any) -> Optional[str]:
+    """A message when the server says speculative acceptance is simulated, else None."""
+    value = _simulate_value(server_info)
+    if value is None or value == -1 or value == "-1" or value is False:
+        return None
+    return f"the server reports simulated speculative acceptance (simulate_acc_len={value!r})"
+
+
+def spec_from_response(body: dict, choice: dict) -> Optional[dict]:
+    """The speculative statistics block: `choice.spec`, else response-level `sglext`, else `meta_info` spec_* keys."""
+    spec = choice.get("spec")
+    if isinstance(spec, dict):
+        return spec
+    ext = body.get("sglext")
+    if isinstance(ext, dict):
+        return ext.get("spec") if isinstance(ext.get("spec"), dict) else ext
+    for holder in (choice, body):
+        meta = holder.get("meta_info")
+        if isinstance(meta, dict):
+            block = {k: v for k, v in meta.items() if k.startswith("spec_")}
+            if block:
+                return block
+    return None

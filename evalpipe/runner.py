@@ -1,0 +1,549 @@
+"""Drive one lane against an OpenAI-compatible endpoint and write the run folder.
+
+Flow: load + hash-check the lane data -> ask the server who it is (model list, server info; refuse a
+simulated-acceptance server) -> write manifest(start) -> send every planned (question, repeat) through
+`concurrency` asyncio workers, each response graded and appended to responses.jsonl as it lands ->
+summary.json + manifest(end). Ctrl-C keeps landed records and writes a partial summary.
+
+Transport: `AsyncOpenAI.post(path, body=..., cast_to=httpx.Response)` (the client's documented route for
+arbitrary bodies): the body we record is byte-for-byte the body we send, and skipping pydantic parsing keeps
+the hot path lean. The client's own retries are off; ours retry transport errors, timeouts, 5xx and
+malformed bodies with exponential backoff, never 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+import openai
+
+from evalpipe import manifest as manifest_mod
+from evalpipe.data import DataError
+from evalpipe.endpoint import (
+    EndpointError,
+    fetch_models,
+    fetch_server_info,
+    simulation_reason,
+    spec_from_response,
+)
+from evalpipe.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
+from evalpipe.lanes import Item, Lane, LaneData, computed_pins, id_list_sha256, pin_differences, prompt_stream_sha256
+from evalpipe.records import (
+    MANIFEST_FILE,
+    RESPONSES_FILE,
+    SCHEMA_VERSION,
+    SUMMARY_FILE,
+    SUPERSEDED_FILE,
+    RecordWriter,
+    read_records,
+    record_key,
+    rewrite_records,
+    write_json,
+)
+from evalpipe.summary import compute_summary
+
+
+class RunError(Exception):
+    """A run cannot start or must stop; the message says why and what to do."""
+
+
+class SimulatedAcceptance(RunError):
+    pass
+
+
+# keys of server_info that move by themselves while serving; left out of the start/end comparison
+VOLATILE_SERVER_KEYS = {
+    "internal_states", "last_gen_throughput", "memory_usage", "load", "uptime", "uptime_s", "num_running_reqs",
+    "num_waiting_reqs", "num_queue_reqs", "timestamp", "now", "stats",
+}
+
+
+def _stable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _stable(v) for k, v in obj.items() if k not in VOLATILE_SERVER_KEYS}
+    if isinstance(obj, list):
+        return [_stable(v) for v in obj]
+    return obj
+
+
+@dataclass
+class RunConfig:
+    lane: Lane
+    base_url: str
+    model: Optional[str] = None
+    api_key: Optional[str] = None
+    arm: str = "default"
+    out_dir: Path = Path("results")
+    concurrency: Optional[int] = None
+    timeout_s: float = 3600.0
+    max_retries: int = 3
+    retry_backoff_s: float = 1.0
+    overrides: dict = field(default_factory=dict)  # param name -> value (None = "do not send")
+    num_examples: Optional[int] = None
+    repeats: Optional[int] = None
+    data_dir: Optional[Path] = None
+    allow_data_drift: bool = False
+    token_ids: bool = True
+    logprobs: Optional[int] = None
+    grader_workers: int = 2
+    grader_timeout_s: float = 30.0
+    fsync: bool = False
+    progress: bool = True
+    resume_dir: Optional[Path] = None
+    command_line: list = field(default_factory=list)
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    summary: dict
+    exit_code: int
+    message: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------------------- request bodies
+
+
+def effective_params(lane: Lane, overrides: dict) -> dict:
+    params = dict(lane.params)
+    params.update(overrides)
+    return params
+
+
+def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int]) -> dict:
+    """The exact JSON body for one request. `None`-valued params are not sent (e.g. the x16 lane's seed)."""
+    body: dict = {"model": model}
+    if lane.api == "completions":
+        body["prompt"] = item.prompt
+    else:
+        body["messages"] = item.prompt
+    for k, v in params.items():
+        if v is not None:
+            body[k] = v
+    if token_ids:
+        body["return_token_ids"] = True
+    if logprobs is not None:
+        if lane.api == "completions":
+            body["logprobs"] = logprobs
+        else:
+            body["logprobs"] = True
+            body["top_logprobs"] = logprobs
+    return body
+
+
+# -------------------------------------------------------------------------------------------- the runner
+
+
+class Runner:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.lane = cfg.lane
+        self.interrupted: Optional[str] = None
+        self.refused: Optional[str] = None
+
+    # ---- setup ------------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        cfg, lane = self.cfg, self.lane
+        try:
+            self.data: LaneData = lane.load(cfg.data_dir, cfg.allow_data_drift)
+        except DataError as exc:
+            raise RunError(str(exc)) from exc
+        self.pin_diffs = pin_differences(lane, self.data)
+        if self.pin_diffs and not cfg.allow_data_drift:
+            raise RunError(
+                f"lane {lane.name}: hashes differ from manifests/{lane.name}.json:\n  " + "\n  ".join(self.pin_diffs)
+                + "\nThe prompts are not the pinned ones; pass --allow-data-drift to run anyway (recorded)."
+            )
+        items = self.data.items
+        if cfg.num_examples is not None:
+            if cfg.num_examples < 1:
+                raise RunError("--num-examples must be >= 1")
+            items = items[: cfg.num_examples]
+        self.items = items
+        self.repeats = cfg.repeats if cfg.repeats is not None else lane.repeats
+        if self.repeats < 1:
+            raise RunError("--repeats must be >= 1")
+        self.concurrency = cfg.concurrency or lane.concurrency
+        self.params = effective_params(lane, cfg.overrides)
+
+        # who is the server? (before any generation request)
+        try:
+            models_json = fetch_models(cfg.base_url, cfg.api_key)
+        except EndpointError as exc:
+            raise RunError(str(exc)) from exc
+        served = [m["id"] for m in models_json["data"]]
+        if cfg.model is None:
+            self.model = served[0]
+        elif cfg.model not in served:
+            raise RunError(f"--model {cfg.model!r} is not served by {cfg.base_url} (it lists: {', '.join(served)})")
+        else:
+            self.model = cfg.model
+        info_path, info = fetch_server_info(cfg.base_url, cfg.api_key)
+        reason = simulation_reason(info)
+        if reason:
+            raise SimulatedAcceptance(f"refusing to score: {reason}. Restart the server without simulation.")
+        self.server_facts = {"models": models_json, "server_info_path": info_path, "server_info": info}
+
+    def _snapshot(self, server: dict) -> dict:
+        cfg, lane, data = self.cfg, self.lane, self.data
+        selected_digests = [it.prompt_sha256 for it in self.items]
+        return manifest_mod.capture(
+            lane_desc=lane.describe(),
+            overrides=dict(cfg.overrides),
+            effective={
+                "params": self.params, "concurrency": self.concurrency, "repeats": self.repeats,
+                "num_examples": cfg.num_examples, "timeout_s": cfg.timeout_s, "max_retries": cfg.max_retries,
+                "retry_backoff_s": cfg.retry_backoff_s, "return_token_ids": cfg.token_ids, "logprobs": cfg.logprobs,
+                "grader_timeout_s": cfg.grader_timeout_s, "model": self.model, "arm": cfg.arm,
+            },
+            data_facts={
+                "path": data.dataset_path,
+                "sha256": data.dataset_sha256,
+                "data_drift": data.data_drift,
+                "allow_data_drift": cfg.allow_data_drift,
+                "pin_differences": self.pin_diffs,
+                "all_items": computed_pins(lane, data),
+                "selected_id_list_sha256": id_list_sha256([it.question_id for it in self.items]),
+                "selected_n_items": len(self.items),
+                **data.extra,
+            },
+            prompt_facts={
+                "template_id": data.template_id,
+                "template_sha256": data.template_sha256,
+                "prompt_stream_sha256_all": data.stream_sha256(),
+                "prompt_stream_sha256_selected": prompt_stream_sha256(selected_digests),
+            },
+            endpoint={"base_url": cfg.base_url, "api": lane.api, "model": self.model},
+            server=_stable(server),
+        )
+
+    # ---- run folder -------------------------------------------------------------------------------------
+
+    def open_run_dir(self) -> None:
+        cfg = self.cfg
+        self.existing: list[dict] = []
+        self.resumed = None
+        if cfg.resume_dir is not None:
+            self.run_dir = Path(cfg.resume_dir)
+            old_manifest = json.loads((self.run_dir / MANIFEST_FILE).read_text())
+            self.run_id = old_manifest["run_id"]
+            read = read_records(self.run_dir / RESPONSES_FILE)
+            if read.bad_lines:
+                raise RunError(f"{self.run_dir / RESPONSES_FILE}: lines {read.bad_lines[:10]} are not JSON; refusing to resume")
+            keep, superseded = [], []
+            seen = set()
+            for r in read.records:
+                k = record_key(r)
+                if r.get("error") or k in seen:
+                    superseded.append(r)
+                else:
+                    keep.append(r)
+                    seen.add(k)
+            if superseded:
+                with open(self.run_dir / SUPERSEDED_FILE, "a", encoding="utf-8") as fh:
+                    for r in superseded:
+                        fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+            if superseded or read.torn_tail:
+                rewrite_records(self.run_dir / RESPONSES_FILE, keep)
+            self.existing = keep
+            self.manifest = old_manifest
+            self.resumed = {
+                "at": time.time(), "kept_records": len(keep), "superseded_error_records": len(superseded),
+                "dropped_torn_line": read.torn_tail,
+            }
+            self.manifest.setdefault("resumes", []).append(self.resumed)
+        else:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            self.run_id = f"{cfg.arm}-{stamp}-{secrets.token_hex(3)}"
+            self.run_dir = Path(cfg.out_dir) / self.lane.name / self.run_id
+            self.run_dir.mkdir(parents=True, exist_ok=False)
+            self.manifest = {
+                "schema_version": SCHEMA_VERSION,
+                "run_id": self.run_id,
+                "arm": cfg.arm,
+                "lane": self.lane.name,
+                "command_line": cfg.command_line,
+                "started_at": time.time(),
+                "start": None,
+                "end": None,
+            }
+        self.manifest["start" if self.resumed is None else "resume_start"] = self._snapshot(self.server_facts)
+        if self.resumed is not None:
+            protocol, _ = manifest_mod.differences(self.manifest["start"], self.manifest["resume_start"])
+            if protocol:
+                raise RunError("cannot resume: the protocol changed since the run started:\n  " + "\n  ".join(protocol))
+        write_json(self.run_dir / MANIFEST_FILE, self.manifest)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+
+    async def _send(self, client: openai.AsyncOpenAI, body: dict) -> tuple[Optional[dict], dict, list]:
+        """POST with bounded retries. Returns (json, deciding-attempt info, attempts list)."""
+        path = "/completions" if self.lane.api == "completions" else "/chat/completions"
+        attempts: list[dict] = []
+        n_tries = 1 + max(0, self.cfg.max_retries)
+        for i in range(n_tries):
+            start = time.time()
+            t0 = time.perf_counter()
+            err: Optional[dict] = None
+            retryable = False
+            try:
+                resp = await client.post(path, body=body, cast_to=httpx.Response)
+                try:
+                    data = json.loads(resp.content)
+                    choice = data["choices"][0]
+                    if not isinstance(choice, dict):
+                        raise TypeError("choice is not an object")
+                except (ValueError, KeyError, IndexError, TypeError) as exc:
+                    err = {"type": "malformed_response", "status": resp.status_code,
+                           "message": f"{type(exc).__name__}: {exc}; body starts {resp.text[:200]!r}"}
+                    retryable = True
+                else:
+                    attempts.append({"start": start, "end": time.time(), "error": None})
+                    return data, {"latency_s": time.perf_counter() - t0}, attempts
+            except openai.APIStatusError as exc:
+                err = {"type": type(exc).__name__, "status": exc.status_code, "message": str(exc)[:2000]}
+                retryable = exc.status_code >= 500
+            except (openai.APITimeoutError, openai.APIConnectionError) as exc:
+                err = {"type": type(exc).__name__, "status": None, "message": str(exc)[:2000]}
+                retryable = True
+            attempts.append({"start": start, "end": time.time(), "error": err})
+            if not retryable or i == n_tries - 1:
+                err = dict(err, retries_exhausted=retryable)
+                return None, {"latency_s": time.perf_counter() - t0, "error": err}, attempts
+            await asyncio.sleep(min(30.0, self.cfg.retry_backoff_s * (2 ** i)))
+        raise AssertionError("unreachable")
+
+    async def _grade(self, item: Item, text: str, truncated: bool) -> tuple[Any, bool, str]:
+        """(extracted_answer, correct, grade_status) from the raw response text."""
+        return await grade_text(self.lane.grader, item.expected_answer, text, truncated, self.pool)
+
+    def _record(self, item: Item, rep: int, seq: int, body: dict, data: Optional[dict], info: dict,
+                attempts: list, extracted: Any, correct: bool, status: str) -> dict:
+        choice = data["choices"][0] if data else {}
+        if self.lane.api == "chat":
+            msg = choice.get("message") or {}
+            text = msg.get("content") or ""
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        else:
+            text = choice.get("text") or ""
+            reasoning = None
+        finish = choice.get("finish_reason") if data else None
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "arm": self.cfg.arm,
+            "lane": self.lane.name,
+            "question_id": item.question_id,
+            "repeat_index": rep,
+            "request_seq": seq,
+            "endpoint": self.cfg.base_url,
+            "model": self.model,
+            "prompt_sha256": item.prompt_sha256,
+            "request": body,
+            "response_text": text,
+            "reasoning_text": reasoning,
+            "finish_reason": finish,
+            "matched_stop": choice.get("matched_stop"),
+            "truncated": finish == "length",
+            "error": info.get("error"),
+            "attempts": attempts,
+            "usage": data.get("usage") if data else None,
+            "latency_s": info["latency_s"],
+            "spec": spec_from_response(data, choice) if data else None,
+            "output_token_ids": choice.get("token_ids"),
+            "logprobs": choice.get("logprobs") if self.cfg.logprobs is not None else None,
+            "extracted_answer": extracted,
+            "expected_answer": item.expected_answer,
+            "correct": correct,
+            "grade_status": status,
+            "response_id": data.get("id") if data else None,
+            "model_reported": data.get("model") if data else None,
+            "created_at": time.time(),
+        }
+
+    async def _worker(self, client, queue: asyncio.Queue, writer: RecordWriter, bar) -> None:
+        while True:
+            try:
+                item, rep = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            self.seq += 1
+            seq = self.seq
+            body = build_body(self.lane, self.model, item, self.params, self.cfg.token_ids, self.cfg.logprobs)
+            data, info, attempts = await self._send(client, body)
+            if data is None:
+                extracted, correct, status = None, False, "request_error"
+            else:
+                choice = data["choices"][0]
+                text = (choice.get("message") or {}).get("content") if self.lane.api == "chat" else choice.get("text")
+                extracted, correct, status = await self._grade(item, text or "", choice.get("finish_reason") == "length")
+            rec = self._record(item, rep, seq, body, data, info, attempts, extracted, correct, status)
+            writer.write(rec)
+            self.records.append(rec)
+            self.n_done += 1
+            self.n_correct += bool(correct)
+            self.n_err += bool(rec["error"])
+            self.n_trunc += bool(rec["truncated"])
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(
+                    f"acc={self.n_correct / max(1, self.n_done):.3f} err={self.n_err} trunc={self.n_trunc}",
+                    refresh=False,
+                )
+            if isinstance(rec["spec"], dict) and rec["spec"].get("simulated") is True and self.refused is None:
+                self.refused = "a response reports simulated speculative acceptance (spec.simulated = true)"
+                me = asyncio.current_task()
+                for t in self._workers:
+                    if t is not me:
+                        t.cancel()
+                return
+
+    async def _drive(self, todo: list[tuple[Item, int]]) -> None:
+        cfg = self.cfg
+        queue: asyncio.Queue = asyncio.Queue()
+        for pair in todo:
+            queue.put_nowait(pair)
+        limits = httpx.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8)
+        http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)))
+        client = openai.AsyncOpenAI(
+            base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY", max_retries=0, timeout=cfg.timeout_s, http_client=http
+        )
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.n_planned, initial=len(self.existing), desc=f"{self.lane.name}[{cfg.arm}]",
+                       unit="req", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+        loop = asyncio.get_running_loop()
+        workers = self._workers = [asyncio.create_task(self._worker(client, queue, self.writer, bar))
+                   for _ in range(min(self.concurrency, max(1, len(todo))))]
+
+        def on_signal(name: str) -> None:
+            if self.interrupted is None:
+                self.interrupted = name
+                for t in workers:
+                    t.cancel()
+
+        for sig, name in ((signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM")):
+            try:
+                loop.add_signal_handler(sig, on_signal, name)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            results = await asyncio.gather(*workers, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                    raise r
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.remove_signal_handler(sig)
+                except (NotImplementedError, RuntimeError):
+                    pass
+            if bar is not None:
+                bar.close()
+            await client.close()
+
+    # ---- main -------------------------------------------------------------------------------------------
+
+    def execute(self) -> Outcome:
+        self.prepare()
+        self.open_run_dir()
+        plan = [(it, r) for it in self.items for r in range(self.repeats)]  # question-major
+        self.n_planned = len(plan)
+        done = {record_key(r) for r in self.existing}
+        todo = [(it, r) for it, r in plan if (self.lane.name, it.question_id, r) not in done]
+        self.records: list[dict] = list(self.existing)
+        self.seq = max((int(r.get("request_seq", 0)) for r in self.existing), default=0)
+        self.n_done = len(self.existing)
+        self.n_correct = sum(1 for r in self.existing if r.get("correct"))
+        self.n_err = 0
+        self.n_trunc = sum(1 for r in self.existing if r.get("truncated"))
+        self.pool = None
+        t0 = time.perf_counter()
+        self.writer = RecordWriter(self.run_dir / RESPONSES_FILE, fsync=self.cfg.fsync)
+        try:
+            if self.lane.grader == "ns_last_boxed" and todo:
+                self.pool = GraderPool(workers=self.cfg.grader_workers, timeout_s=self.cfg.grader_timeout_s)
+            asyncio.run(self._drive(todo))
+        finally:
+            self.writer.close()
+            if self.pool is not None:
+                self.pool.close()
+        wall = time.perf_counter() - t0
+        return self.finish(wall, len(todo))
+
+    def finish(self, wall: float, n_sent_planned: int) -> Outcome:
+        end = self._snapshot(self._refetch_server())
+        start = self.manifest.get("resume_start") or self.manifest["start"]
+        protocol, warnings = manifest_mod.differences(start, end)
+        self.manifest["end"] = end
+        self.manifest["finished_at"] = time.time()
+        self.manifest["consistent"] = not protocol
+        self.manifest["differences"] = protocol
+        self.manifest["code_changes_during_run"] = warnings
+        n_new = len(self.records) - len(self.existing)
+        meta = {
+            "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.cfg.base_url,
+            "interrupted": self.interrupted, "refused": self.refused,
+            "wall_s": wall, "requests_per_s": (n_new / wall) if wall > 0 else None,
+            "overrides": dict(self.cfg.overrides, **({"num_examples": self.cfg.num_examples} if self.cfg.num_examples else {}),
+                              **({"repeats": self.cfg.repeats} if self.cfg.repeats is not None else {})),
+            "data_drift": self.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
+            "resumed": self.resumed is not None,
+        }
+        summary = compute_summary(
+            lane_name=self.lane.name, grader=self.lane.grader, repeats=self.repeats,
+            planned_question_ids=[it.question_id for it in self.items], records=self.records, meta=meta,
+        )
+        summary["partial"] = bool(self.interrupted or self.refused or summary["n_missing"] > 0)
+        if self.refused:
+            summary["accuracy"] = None
+        write_json(self.run_dir / SUMMARY_FILE, summary)
+        self.manifest["counts"] = {k: summary.get(k) for k in ("n_planned", "n_records", "n_errors", "n_truncated")}
+        write_json(self.run_dir / MANIFEST_FILE, self.manifest)
+        if self.refused:
+            return Outcome(self.run_dir, summary, 3, f"refusing to score: {self.refused}; records kept in {self.run_dir}")
+        if self.interrupted:
+            code = 130 if self.interrupted == "SIGINT" else 143
+            return Outcome(self.run_dir, summary, code, f"interrupted ({self.interrupted}): partial summary written")
+        return Outcome(self.run_dir, summary, 0)
+
+    def _refetch_server(self) -> dict:
+        try:
+            models = fetch_models(self.cfg.base_url, self.cfg.api_key)
+        except EndpointError as exc:
+            models = {"error": str(exc)}
+        path, info = fetch_server_info(self.cfg.base_url, self.cfg.api_key)
+        return {"models": models, "server_info_path": path, "server_info": info}
+
+
+async def grade_text(grader: str, expected: Any, text: str, truncated: bool, pool: Optional[GraderPool]) -> tuple[Any, bool, str]:
+    """Shared by the runner and `evalpipe audit`: (extracted_answer, correct, grade_status)."""
+    if grader == "legacy_last_int":
+        value = legacy_answer_value(text)
+        if truncated:
+            return value, False, "truncated"
+        if value == INVALID:
+            return value, False, "no_answer"
+        return value, value == expected, "ok"
+    if grader == "ns_last_boxed":
+        pred = extract_boxed(text)
+        if truncated:
+            return pred, False, "truncated"
+        if pred is None:
+            return None, False, "no_answer"
+        res = await pool.agrade(expected, pred)
+        return pred, res.correct, res.status
+    raise ValueError(f"unknown grader {grader!r}")

@@ -1,0 +1,173 @@
+"""Summarise a run from its records alone, so `evalpipe audit` can recompute it bit for bit.
+
+Denominators are always the *planned* items: an error, a truncation, a missing record (partial run) or an
+unparsable answer all count as wrong. For the repeated lane the headline is pass@1 over all responses;
+pass@k / majority@k come from sgl-eval's vendored NeMo-Skills `MathMetrics` and are secondary.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Iterable, Optional
+
+from evalpipe.records import SCHEMA_VERSION, record_key
+
+
+def _quantile(sorted_vals: list[float], q: float) -> Optional[float]:
+    if not sorted_vals:
+        return None
+    idx = min(len(sorted_vals) - 1, max(0, int(round(q * (len(sorted_vals) - 1)))))
+    return sorted_vals[idx]
+
+
+def _usage_int(usage: Any, key: str) -> int:
+    if not isinstance(usage, dict):
+        return 0
+    v = usage.get(key)
+    return int(v) if isinstance(v, (int, float)) else 0
+
+
+def _reasoning_tokens(usage: Any) -> int:
+    if not isinstance(usage, dict):
+        return 0
+    details = usage.get("completion_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), (int, float)):
+        return int(details["reasoning_tokens"])
+    return _usage_int(usage, "reasoning_tokens")
+
+
+def dedupe(records: Iterable[dict]) -> tuple[dict, int]:
+    """{key: last record} and how many records were duplicates of an earlier key."""
+    by_key: dict = {}
+    dups = 0
+    for r in records:
+        k = record_key(r)
+        if k in by_key:
+            dups += 1
+        by_key[k] = r
+    return by_key, dups
+
+
+def repeated_metrics(by_key: dict, lane_name: str, question_ids: list, repeats: int) -> dict:
+    """pass@k, majority@k, no_answer and pass@1 spread via the vendored NS MathMetrics.
+
+    A planned response with no record is fed as a wrong, answerless sample (never padded by copying)."""
+    from sgl_eval._vendored.nemo_skills.math_metrics import MathMetrics
+
+    metrics = MathMetrics()
+    for qid in question_ids:
+        preds = []
+        for r in range(repeats):
+            rec = by_key.get((lane_name, qid, r))
+            if rec is None:
+                preds.append({"predicted_answer": None, "symbolic_correct": False})
+            else:
+                ans = rec.get("extracted_answer")
+                preds.append({
+                    "predicted_answer": None if ans is None else str(ans),
+                    "symbolic_correct": bool(rec.get("correct")),
+                    "num_generated_tokens": _usage_int(rec.get("usage"), "completion_tokens"),
+                })
+        metrics.update(preds)
+    raw = metrics.get_metrics()
+    k = repeats
+    avg = raw.get(f"pass@1[avg-of-{k}]", {})
+    stats = avg.get("symbolic_correct_statistics", {})
+    return {
+        f"pass@{k}": raw.get(f"pass@{k}", {}).get("symbolic_correct", 0.0) / 100.0,
+        f"majority@{k}": raw.get(f"majority@{k}", {}).get("symbolic_correct", 0.0) / 100.0,
+        "no_answer": avg.get("no_answer", 0.0) / 100.0,
+        "pass@1_ns": avg.get("symbolic_correct", 0.0) / 100.0,
+        "pass@1_std_across_repeats": stats.get("std_dev_across_runs"),
+        "pass@1_sem_across_repeats": stats.get("std_err_across_runs"),
+    }
+
+
+def compute_summary(
+    *,
+    lane_name: str,
+    grader: str,
+    repeats: int,
+    planned_question_ids: list,
+    records: list[dict],
+    meta: dict,
+) -> dict:
+    """The summary dict. `meta` carries run-level facts not derivable from records (arm, partial, ...)."""
+    planned = [(lane_name, q, r) for q in planned_question_ids for r in range(repeats)]
+    planned_set = set(planned)
+    by_key, n_dups = dedupe(records)
+    unplanned = [k for k in by_key if k not in planned_set]
+    recs = [by_key[k] for k in planned if k in by_key]
+
+    n_planned = len(planned)
+    n_correct = sum(1 for r in recs if r.get("correct") is True)
+    n_errors = sum(1 for r in recs if r.get("error"))
+    n_trunc = sum(1 for r in recs if r.get("truncated"))
+    status_counts: dict[str, int] = {}
+    for r in recs:
+        status_counts[r.get("grade_status")] = status_counts.get(r.get("grade_status"), 0) + 1
+
+    latencies = sorted(float(r["latency_s"]) for r in recs if isinstance(r.get("latency_s"), (int, float)))
+    ok_recs = [r for r in recs if not r.get("error")]
+    completion = [_usage_int(r.get("usage"), "completion_tokens") for r in ok_recs]
+    summary: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "lane": lane_name,
+        "arm": meta.get("arm"),
+        "run_id": meta.get("run_id"),
+        "model": meta.get("model"),
+        "endpoint": meta.get("endpoint"),
+        "n_planned": n_planned,
+        "n_records": len(recs),
+        "n_missing": n_planned - len(recs),
+        "n_correct": n_correct,
+        "accuracy": (n_correct / n_planned) if n_planned else None,
+        "accuracy_definition": "correct / n_planned (errors, truncations, missing and unanswered count as wrong)",
+        "n_truncated": n_trunc,
+        "n_errors": n_errors,
+        "n_grader_timeouts": status_counts.get("grader_timeout", 0),
+        "n_grader_errors": status_counts.get("grader_error", 0),
+        "grade_status_counts": dict(sorted((str(k), v) for k, v in status_counts.items())),
+        "n_duplicate_records": n_dups,
+        "n_unplanned_records": len(unplanned),
+    }
+    if grader == "legacy_last_int":
+        # INVALID = a response (not an error record) with no parsable digits
+        summary["n_invalid"] = sum(1 for r in ok_recs if r.get("grade_status") == "no_answer")
+    else:
+        summary["n_no_answer"] = sum(1 for r in recs if r.get("extracted_answer") is None)
+    if repeats > 1:
+        summary["pass@1"] = summary["accuracy"]
+        summary.update(repeated_metrics(by_key, lane_name, planned_question_ids, repeats))
+    summary["tokens"] = {
+        "prompt_total": sum(_usage_int(r.get("usage"), "prompt_tokens") for r in ok_recs),
+        "completion_total": sum(completion),
+        "completion_mean": (sum(completion) / len(completion)) if completion else None,
+        "completion_max": max(completion) if completion else None,
+        "reasoning_total": sum(_reasoning_tokens(r.get("usage")) for r in ok_recs),
+    }
+    summary["latency_s"] = {
+        "mean": statistics.fmean(latencies) if latencies else None,
+        "p50": _quantile(latencies, 0.5),
+        "p90": _quantile(latencies, 0.9),
+        "p99": _quantile(latencies, 0.99),
+        "max": latencies[-1] if latencies else None,
+    }
+    spec_recs = [r["spec"] for r in recs if isinstance(r.get("spec"), dict)]
+    summary["n_records_with_spec"] = len(spec_recs)
+    accept = [s["accept_length"] for s in spec_recs if isinstance(s.get("accept_length"), (int, float))]
+    summary["spec_accept_length_mean"] = statistics.fmean(accept) if accept else None
+    for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
+                "manifest_changed", "manifest_changes", "resumed"):
+        if key in meta:
+            summary[key] = meta[key]
+    summary.setdefault("partial", summary["n_missing"] > 0)
+    return summary
+
+
+# keys audit recomputes from records and compares (run-level facts such as wall time are not re-derivable)
+RECOMPUTABLE_KEYS = (
+    "lane", "n_planned", "n_records", "n_missing", "n_correct", "accuracy", "n_truncated", "n_errors",
+    "n_grader_timeouts", "n_grader_errors", "grade_status_counts", "n_duplicate_records", "n_unplanned_records",
+    "n_invalid", "n_no_answer", "pass@1", "tokens", "latency_s", "n_records_with_spec", "spec_accept_length_mean",
+)
