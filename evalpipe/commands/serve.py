@@ -1,0 +1,112 @@
+"""`evalpipe serve`: the native engine behind an OpenAI-compatible HTTP API.
+
+The port opens first and the model loads on a background thread (health routes answer 503 meanwhile); the
+ready line with the URL is printed once weights are loaded and the engine thread runs. Ctrl-C or SIGTERM stops
+uvicorn, then the engine, and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import click
+
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", "model", default=None, metavar="PATH",
+              help="Checkpoint directory (config.json + *.safetensors, DeepSeek-V4 format). "
+                   "Default: the built-in tiny random model evalpipe-tiny-dsv4 (nonsense answers).")
+@click.option("--tokenizer", default=None, metavar="PATH",
+              help="Hugging Face tokenizer directory (local files). Default: the model directory's tokenizer "
+                   "if it has one, else the built-in byte-level tokenizer.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=30000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to bind (0 picks a free one).")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES), help="Weight/activation dtype.")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(DEVICES), help="Where the model runs.")
+@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(1),
+              help="Most sequences running at once (each choice of a request is one sequence).")
+@click.option("--max-tokens-per-step", default=512, show_default=True, type=click.IntRange(1),
+              help="Rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size).")
+@click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(0),
+              help="Most sequences waiting for a slot; beyond it requests get 503 with Retry-After.")
+@click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(2),
+              help="Longest prompt + completion per sequence, in tokens.")
+@click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' (all routes but /health*). Also read from EVALPIPE_API_KEY.")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
+def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
+            api_key, log_level):
+    """Serve a model (the built-in tiny one by default) on http://HOST:PORT/v1 until Ctrl-C."""
+    from pathlib import Path
+
+    if model is not None and not Path(model).exists():
+        raise click.BadParameter(f"{model} does not exist", param_hint="--model")
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise click.BadParameter(f"{tokenizer} does not exist", param_hint="--tokenizer")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
+
+    import uvicorn
+
+    from evalpipe.server.app import create_app
+    from evalpipe.server.state import ServerSettings, ServerState
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = _bind(host, port)
+    port = sock.getsockname()[1]
+    settings = ServerSettings(
+        model=model, tokenizer=tokenizer, host=host, port=port, dtype=dtype, device=device, max_batch=max_batch,
+        max_tokens_per_step=max_tokens_per_step, max_queue=max_queue, max_seq_len=max_seq_len, api_key=api_key,
+        argv=["evalpipe", *sys.argv[1:]],
+    )
+    failure: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_ready(state: ServerState) -> None:
+        url = f"http://{_display_host(host)}:{port}/v1"
+        click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {dtype} on {device}, "
+                   f"loaded in {state.load_seconds:.1f}s)")
+        sys.stdout.flush()
+
+    def on_error(message: str) -> None:
+        failure.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    state = ServerState(settings, on_ready=on_ready, on_error=on_error)
+    config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    click.echo(f"evalpipe serve: loading {model or 'evalpipe-tiny-dsv4'} on http://{_display_host(host)}:{port} ...")
+    server.run(sockets=[sock])
+    if failure:
+        raise click.ClickException(f"model failed to load: {failure[0]}")
+    click.echo("evalpipe serve: stopped")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading, so a busy port is reported at once (and --port 0 knows its port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise click.ClickException(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _display_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)

@@ -1,0 +1,341 @@
+"""The engine loop: scheduler + runner + sampling, run on one background thread, fed by the HTTP server.
+
+`Engine.step()` is one forward: the scheduler's prompt chunks plus the decode rows of every running sequence,
+then sampling, stop checks and one `SeqEvent` per advanced sequence. How decode rows are proposed and turned
+into committed tokens is delegated to a `Decoder`; `PlainDecoder` feeds the last token and samples one. A
+speculative decoder plugs in at the same place: `propose` returns the last token plus drafts (`width` rows),
+`accept` verifies them against the target rows, rolls the runner back, and returns the tokens it committed.
+Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before
+`propose`) and `release(slot)` (called when a sequence's runner slot is given back).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from evalpipe.engine.sampling import SamplingParams, sample, sampling_probs, token_logprobs
+from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status
+
+log = logging.getLogger("evalpipe.engine")
+
+__all__ = ["Engine", "PlainDecoder", "Decoder", "SeqEvent", "QueueFull"]
+
+
+@dataclass
+class SeqEvent:
+    """What one step did to one sequence: the tokens it committed and the text they released."""
+
+    index: int  # choice index within the request
+    token_ids: list[int]
+    text: str  # new visible text (stop strings and partial UTF-8 held back)
+    logprobs: list[dict] | None  # per committed token: {"id", "logprob", "top": [(id, logprob), ...]}
+    completion_tokens: int  # cumulative generated tokens of this sequence
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    matched_stop: int | str | None = None
+    spec: dict | None = None  # speculation statistics (None while speculation is off)
+    error: str | None = None
+
+
+class Decoder(Protocol):
+    """How running sequences advance by one step (plain decoding or speculation)."""
+
+    width: int  # rows per sequence per step
+    all_logits: bool  # the runner must return every row's logits, not only each sequence's last one
+
+    def propose(self, seq: Sequence) -> list[int]: ...
+
+    def accept(self, seq: Sequence, logits: torch.Tensor) -> list[int]: ...
+
+    def stats(self, seq: Sequence) -> dict | None: ...
+
+    def describe(self) -> dict: ...
+
+
+class PlainDecoder:
+    """One row per sequence: feed the last committed token, sample the next one."""
+
+    width = 1
+    all_logits = False
+
+    def propose(self, seq: Sequence) -> list[int]:
+        return [seq.last_token]
+
+    def accept(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        return [int(sample(sampling_probs(logits[-1], seq.params), seq.generator))]
+
+    def stats(self, seq: Sequence) -> dict | None:
+        return None
+
+    def describe(self) -> dict:
+        return {"mode": "off", "simulate_acc_len": None}
+
+
+class Engine:
+    """Owns the runner; all runner calls happen on the engine thread (or the caller of `step`)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        tokenizer: Any,
+        *,
+        max_batch: int = 64,
+        max_tokens_per_step: int = 512,
+        max_queue: int = 1024,
+        decoder: Decoder | None = None,
+        exhausted: tuple[type[BaseException], ...] = (),
+    ):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.decoder = decoder or PlainDecoder()
+        self.eos_token_id = _eos_id(runner, tokenizer)
+        self.scheduler = Scheduler(
+            self._allocate_slot,
+            self._free_slot,
+            max_batch=max_batch,
+            max_tokens_per_step=max_tokens_per_step,
+            max_queue=max_queue,
+            decode_width=self.decoder.width,
+            exhausted=exhausted,
+        )
+        self.allocated_slots = 0
+        self.stats = {"requests": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0}
+        self._cond = threading.Condition()
+        self._aborts: list[Sequence] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- called from any thread ------------------------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue the sequences of one request; raises QueueFull (nothing queued) when the queue is full."""
+        for seq in seqs:
+            seq.generator = seq.params.generator(getattr(self.runner, "device", "cpu"))
+            seq.state = {"detok": self.tokenizer.detokenizer(), "text": "", "sent": 0, "checked": 0}
+        with self._cond:
+            self.scheduler.add(seqs)
+            self.stats["requests"] += 1
+            self.stats["prompt_tokens"] += sum(len(s.prompt) for s in seqs)
+            self._cond.notify()
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Cancel sequences (client gone); their runner slots are freed before the next forward."""
+        with self._cond:
+            for seq in seqs:
+                if seq.status is not Status.FINISHED and not seq.aborted:
+                    seq.aborted = True
+                    self._aborts.append(seq)
+            self._cond.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="evalpipe-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def describe(self) -> dict:
+        with self._cond:
+            return {
+                **self.scheduler.describe(),
+                "allocated_slots": self.allocated_slots,
+                "stats": dict(self.stats),
+            }
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._aborts and not self.scheduler.running and not self.scheduler.waiting:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            self.step()
+        with self._cond:
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._finish(seq, "abort")
+
+    def step(self) -> int:
+        """Run one forward over the planned rows; returns how many sequences advanced."""
+        with self._cond:
+            for seq in self._aborts:
+                if seq.status is not Status.FINISHED:
+                    self.stats["aborted"] += 1
+                    self._finish(seq, "abort", notify=False)
+            self._aborts.clear()
+            plan = self.scheduler.schedule()
+        if plan.empty:
+            return 0
+        prepare = getattr(self.decoder, "prepare", None)  # optional batch hook: draft all decode rows at once
+        slots: list[int] = []
+        rows: list[list[int]] = []
+        for chunk in plan.prefills:
+            slots.append(chunk.seq.slot)
+            rows.append(chunk.tokens)
+        try:
+            if prepare is not None and plan.decodes:
+                prepare(plan.decodes)
+            for seq in plan.decodes:
+                slots.append(seq.slot)
+                rows.append(self.decoder.propose(seq))
+            logits = self.runner.forward(slots, rows, all_logits=self.decoder.all_logits)
+            committed = self._commit_tokens(plan, rows, logits)
+        except Exception as exc:  # keep serving: fail this step's sequences, not the server
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            with self._cond:
+                for seq in [c.seq for c in plan.prefills] + plan.decodes:
+                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return 0
+        with self._cond:
+            self.stats["steps"] += 1
+            for seq, (tokens, logit_rows) in committed.items():
+                if not seq.aborted and seq.status is Status.RUNNING:
+                    self._emit(seq, tokens, logit_rows)
+        return len(committed)
+
+    def _commit_tokens(self, plan, rows, logits) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
+        """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""
+        out: dict[Sequence, tuple[list[int], torch.Tensor]] = {}
+        offset = 0
+        width = [len(r) if self.decoder.all_logits else 1 for r in rows]
+        for chunk, w in zip(plan.prefills, width):
+            if chunk.last:
+                row = logits[offset + w - 1: offset + w]
+                out[chunk.seq] = ([int(sample(sampling_probs(row[0], chunk.seq.params), chunk.seq.generator))], row)
+            offset += w
+        for seq, w in zip(plan.decodes, width[len(plan.prefills):]):
+            seq_rows = logits[offset: offset + w]
+            tokens = self.decoder.accept(seq, seq_rows)
+            out[seq] = (tokens, seq_rows[: len(tokens)])
+            offset += w
+        return out
+
+    # -- output processing (engine thread, under the lock) -----------------------------------------
+    def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor) -> None:
+        params, st = seq.params, seq.state
+        taken: list[int] = []
+        reason: str | None = None
+        stop_hit = False
+        for tok in tokens:
+            seq.output.append(tok)
+            taken.append(tok)
+            if tok in params.stop_token_ids or (tok == self.eos_token_id and not params.ignore_eos):
+                reason, seq.matched_stop = "stop", tok
+                break
+            st["text"] += st["detok"].push([tok])
+            if params.stop and self._find_stop(seq):
+                reason, stop_hit = "stop", True
+                break
+            if len(seq.output) >= params.max_tokens or len(seq.prompt) + len(seq.output) >= self._max_len():
+                reason = "length"
+                break
+        if reason is not None and not stop_hit:
+            st["text"] += st["detok"].flush()
+        end = len(st["text"]) if reason is not None else len(st["text"]) - _stop_holdback(st["text"], params.stop)
+        delta = st["text"][st["sent"]:max(end, st["sent"])]
+        st["sent"] = max(end, st["sent"])
+        lps = None
+        if params.logprobs is not None:
+            pairs = token_logprobs(logit_rows[: len(taken)], torch.tensor(taken), params.logprobs)
+            lps = [{"id": t, "logprob": lp, "top": top} for t, (lp, top) in zip(taken, pairs)]
+        self.stats["generated_tokens"] += len(taken)
+        if reason is not None:
+            self._finish(seq, reason, notify=False)
+        self._send(seq, SeqEvent(
+            index=seq.index, token_ids=taken, text=delta, logprobs=lps, completion_tokens=len(seq.output),
+            finish_reason=reason, matched_stop=seq.matched_stop if reason else None,
+            spec=self.decoder.stats(seq),
+        ))
+
+    def _find_stop(self, seq: Sequence) -> bool:
+        """Search the new text for a stop string; on a match cut the text before it and record the match."""
+        st = seq.state
+        text = st["text"]
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, st["checked"] - longest + 1)
+        best = None
+        for s in seq.params.stop:
+            i = text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        st["checked"] = len(text)
+        if best is None:
+            return False
+        st["text"] = text[: best[0]]
+        seq.matched_stop = best[1]
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, *, notify: bool = True, error: str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        if notify:
+            self._send(seq, SeqEvent(
+                index=seq.index, token_ids=[], text="", logprobs=None, completion_tokens=len(seq.output),
+                finish_reason=reason, spec=self.decoder.stats(seq), error=error,
+            ))
+
+    def _send(self, seq: Sequence, event: SeqEvent) -> None:
+        if seq.on_event is not None:
+            try:
+                seq.on_event(event)
+            except Exception:  # a closed event loop must not kill the engine thread
+                log.warning("dropping event for sequence %s:\n%s", seq.id, traceback.format_exc())
+
+    def _allocate_slot(self) -> int:
+        slot = self.runner.allocate()
+        self.allocated_slots += 1
+        return slot
+
+    def _free_slot(self, slot: int) -> None:
+        release = getattr(self.decoder, "release", None)  # optional hook: drop the decoder's per-slot state
+        if release is not None:
+            release(slot)
+        self.runner.free(slot)
+        self.allocated_slots -= 1
+
+    def _max_len(self) -> int:
+        return int(getattr(self.runner, "max_seq_len", 1 << 62))
+
+
+def _eos_id(runner: Any, tokenizer: Any) -> int | None:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(runner, "config", None), "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string (held back from streams)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def make_sequences(
+    prompt: list[int], params: SamplingParams, n: int, on_event: Callable[[SeqEvent], None], first_index: int = 0,
+) -> list[Sequence]:
+    """n choices of one prompt; with a seed, choice i samples with seed + i so the choices differ yet repeat."""
+    seqs = []
+    for i in range(n):
+        p = params if params.seed is None or i == 0 else _with_seed(params, params.seed + i)
+        seqs.append(Sequence(prompt=list(prompt), params=p, index=first_index + i, on_event=on_event))
+    return seqs
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

@@ -1,0 +1,93 @@
+"""Per-request sampling: one probability transform shared by plain decoding and speculative verification.
+
+`sampling_probs(logits, params)` turns raw logits (any number of rows of one request) into the distribution that
+is sampled from: temperature, then top-k, then top-p, then min-p; greedy (temperature 0) gives the one-hot of
+the argmax, so speculative rejection sampling degenerates to exact greedy acceptance. `sample(probs, generator)`
+draws one token per row with the request's own `torch.Generator`, so the same seed and inputs give the same
+tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one sequence (one choice) is sampled with; validated by the server before it gets here."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
+        """The request's random stream: seeded from `seed`, else from the OS; None under greedy (no randomness)."""
+        if self.greedy:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        return gen
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Distribution to sample from, float32, same shape as `logits` ([V] or [rows, V])."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+        drop_sorted = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row (int64, shape probs.shape[:-1]); exponential race, so zero-probability ids never win.
+
+    With `generator=None` the argmax is taken (greedy one-hot probabilities need no randomness).
+    """
+    if generator is None:
+        return probs.argmax(-1)
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(1.0, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row: (logprob of the chosen token, the top_k (id, logprob) pairs) from the raw model distribution.
+
+    Logprobs are those of the model itself (log-softmax of the raw logits, before temperature or truncation),
+    which is what vLLM and SGLang report by default.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, token_ids.view(-1, 1)).view(-1).tolist()
+    if top_k > 0:
+        vals, ids = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in chosen]
+    return list(zip(chosen, tops))

@@ -1,0 +1,187 @@
+"""Continuous batching: which sequences advance in the next forward, and by how many rows.
+
+Every step, each sequence that has finished its prompt gets `decode_width` rows (1 for plain decoding, G+1
+for a speculative verify); the rest of the `max_tokens_per_step` row budget goes to prompt chunks, first of
+sequences already admitted, then of new ones taken FIFO from the waiting queue while fewer than `max_batch`
+are running and the runner still has a free slot. The queue is bounded: `add` raises `QueueFull` beyond
+`max_queue` waiting sequences. Runner slots are taken at admission and given back at once on finish or abort.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+
+from evalpipe.engine.sampling import SamplingParams
+
+# Prompt rows a step always offers when prompts are pending, even if decode rows use the whole budget,
+# so that a full decode batch cannot starve a newly admitted prompt.
+MIN_PREFILL_ROWS = 16
+
+
+class QueueFull(RuntimeError):
+    """More sequences are waiting than `max_queue` allows; the server answers 503 with Retry-After."""
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of one request: its prompt, what it has generated, and where its state lives in the runner."""
+
+    prompt: list[int]
+    params: SamplingParams
+    index: int = 0  # choice index within its request
+    on_event: Callable[[Any], None] | None = None  # called from the engine thread with each SeqEvent
+    id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    slot: int | None = None  # runner sequence handle while RUNNING
+    num_prefilled: int = 0  # prompt tokens already fed to the runner
+    output: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    aborted: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    state: dict = field(default_factory=dict)  # engine-side output state (detokenizer, text, stats)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    tokens: list[int]
+    last: bool  # this chunk ends the prompt: its final row's logits give the first generated token
+
+
+@dataclass
+class StepPlan:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocate: Callable[[], int],
+        free: Callable[[int], None],
+        *,
+        max_batch: int = 64,
+        max_tokens_per_step: int = 512,
+        max_queue: int = 1024,
+        decode_width: int = 1,
+        exhausted: tuple[type[BaseException], ...] = (),
+    ):
+        if max_batch < 1 or max_tokens_per_step < 1 or max_queue < 0:
+            raise ValueError("max_batch and max_tokens_per_step must be >= 1, max_queue >= 0")
+        self._allocate = allocate
+        self._free = free
+        self._exhausted = exhausted  # exception types meaning "no slot now, try later"
+        self.max_batch = max_batch
+        self.max_tokens_per_step = max_tokens_per_step
+        self.max_queue = max_queue
+        self.decode_width = decode_width
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- admission and removal -------------------------------------------------------------------
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences together (all or none), FIFO."""
+        if len(self.waiting) + len(seqs) > self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} sequences waiting; the queue holds {self.max_queue}")
+        self.waiting.extend(seqs)
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Take a sequence out of the schedule and give its runner slot back now."""
+        if seq.status is Status.FINISHED:
+            return
+        if reason is not None:
+            seq.finish_reason = reason
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        if seq.slot is not None:
+            self._free(seq.slot)
+            seq.slot = None
+        seq.status = Status.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        seq.aborted = True
+        self.finish(seq, "abort")
+
+    # -- planning ----------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_tokens_per_step
+        for seq in self.running:
+            if not seq.prefilling:
+                plan.decodes.append(seq)
+                budget -= self.decode_width
+        pending = any(s.prefilling for s in self.running) or bool(self.waiting)
+        prefill_budget = max(budget, min(MIN_PREFILL_ROWS, self.max_tokens_per_step)) if pending else 0
+        for seq in self.running:
+            if prefill_budget <= 0:
+                break
+            if seq.prefilling:
+                prefill_budget -= self._plan_chunk(plan, seq, prefill_budget)
+        while prefill_budget > 0 and self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            try:
+                slot = self._allocate()
+            except self._exhausted:
+                break
+            self.waiting.popleft()
+            seq.slot, seq.status = slot, Status.RUNNING
+            self.running.append(seq)
+            prefill_budget -= self._plan_chunk(plan, seq, prefill_budget)
+        return plan
+
+    @staticmethod
+    def _plan_chunk(plan: StepPlan, seq: Sequence, budget: int) -> int:
+        start = seq.num_prefilled
+        end = min(len(seq.prompt), start + budget)
+        plan.prefills.append(PrefillChunk(seq, seq.prompt[start:end], last=end == len(seq.prompt)))
+        seq.num_prefilled = end
+        return end - start
+
+    # -- introspection -----------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def describe(self) -> dict:
+        return {
+            "max_batch": self.max_batch,
+            "max_tokens_per_step": self.max_tokens_per_step,
+            "max_queue": self.max_queue,
+            "decode_width": self.decode_width,
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+        }

@@ -1,0 +1,192 @@
+"""Tokenizers for the native server: an offline byte-level one for the tiny model, or a Hugging Face one.
+
+Both expose the same small surface the server needs: `encode`, `apply_chat_template`, `token_text` (for
+logprobs), and `detokenizer()` for streaming text that never splits a multi-byte UTF-8 character.
+
+Byte-level layout (vocab 272, fits any model with vocab_size >= 272): id 0 `<|bos|>`, 1 `<|eos|>`, 2..15 the
+specials below, byte b at id 16 + b. Ids at or above 272 (the tiny model's vocab is 512) are reserved: they
+decode to nothing, like skipped special tokens in vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+
+SPECIAL_TOKENS = [
+    "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>", "<|pad|>",
+    "<|end|>", "<|tool|>", "<|reserved_10|>", "<|reserved_11|>", "<|reserved_12|>", "<|reserved_13|>",
+    "<|reserved_14|>", "<|reserved_15|>",
+]
+BYTE_OFFSET = len(SPECIAL_TOKENS)
+BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
+# Specials that are part of the visible text (the reasoning markers); every other special is skipped on decode.
+VISIBLE_SPECIALS = {"<think>", "</think>"}
+
+# The byte tokenizer's chat template (same Jinja mechanism as Hugging Face's `apply_chat_template`).
+# `thinking` (or its alias `enable_thinking`) opens a `<think>` block after the assistant tag; default off.
+BYTE_CHAT_TEMPLATE = (
+    "<|bos|>"
+    "{%- for m in messages -%}"
+    "{%- if m.role in ('system', 'developer') -%}<|system|>"
+    "{%- elif m.role == 'user' -%}<|user|>"
+    "{%- elif m.role == 'tool' -%}<|tool|>"
+    "{%- else -%}<|assistant|>{%- endif -%}"
+    "{{ m.content }}<|end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- if thinking or enable_thinking -%}<think>{%- endif -%}{%- endif -%}"
+)
+
+
+class Detokenizer(Protocol):
+    def push(self, token_ids: list[int]) -> str: ...
+    def flush(self) -> str: ...
+
+
+class ByteTokenizer:
+    """Offline byte-level tokenizer: every string round-trips, no files needed."""
+
+    name = "evalpipe-byte"
+    bos_token_id = 0
+    eos_token_id = 1
+    vocab_size = BYTE_VOCAB_SIZE
+
+    def __init__(self):
+        self._special_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+        self._special_re = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+        self._template = jinja2.Environment(undefined=jinja2.ChainableUndefined).from_string(BYTE_CHAT_TEMPLATE)
+
+    def encode(self, text: str) -> list[int]:
+        """Bytes of `text`, with special-token strings mapped to their ids (as Hugging Face tokenizers do)."""
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            ids.extend(BYTE_OFFSET + b for b in text[pos:m.start()].encode("utf-8"))
+            ids.append(self._special_ids[m.group()])
+            pos = m.end()
+        ids.extend(BYTE_OFFSET + b for b in text[pos:].encode("utf-8"))
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if BYTE_OFFSET <= token_id < BYTE_VOCAB_SIZE:
+            return bytes([token_id - BYTE_OFFSET])
+        if 0 <= token_id < BYTE_OFFSET and SPECIAL_TOKENS[token_id] in VISIBLE_SPECIALS:
+            return SPECIAL_TOKENS[token_id].encode()
+        return b""
+
+    def token_text(self, token_id: int) -> str:
+        """One token as logprobs show it: its visible text, or its special name (`<|reserved_300|>` above 271)."""
+        if BYTE_OFFSET <= token_id < BYTE_VOCAB_SIZE:
+            return self.token_bytes(token_id).decode("utf-8", errors="replace")
+        if 0 <= token_id < BYTE_OFFSET:
+            return SPECIAL_TOKENS[token_id]
+        return f"<|reserved_{token_id}|>"
+
+    def decode(self, token_ids: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text)
+
+    def detokenizer(self) -> "ByteDetokenizer":
+        return ByteDetokenizer(self)
+
+    def describe(self) -> dict:
+        return {"kind": "byte", "name": self.name, "vocab_size": self.vocab_size, "chat_template": BYTE_CHAT_TEMPLATE}
+
+
+class ByteDetokenizer:
+    """Streams text from byte tokens; an incomplete UTF-8 character is held back until its last byte arrives."""
+
+    def __init__(self, tokenizer: ByteTokenizer):
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: list[int]) -> str:
+        return self._utf8.decode(b"".join(self._tok.token_bytes(t) for t in token_ids))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory (local files only) with its own chat template."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.name = str(path)
+        self.bos_token_id = self._tok.bos_token_id
+        self.eos_token_id = self._tok.eos_token_id
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        if "thinking" in kwargs and "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = kwargs["thinking"]
+        out = self._tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+        )
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def detokenizer(self) -> "HFDetokenizer":
+        return HFDetokenizer(self)
+
+    def describe(self) -> dict:
+        return {"kind": "huggingface", "name": self.name, "vocab_size": self.vocab_size}
+
+
+class HFDetokenizer:
+    """Prefix/read-offset incremental decoding (as vLLM does): text ending in U+FFFD waits for more tokens."""
+
+    def __init__(self, tokenizer: HFTokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        new_text = self._tok.decode(self._ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        new_text = self._tok.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text):]
+
+
+def load_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """The byte tokenizer when `path` is None, else the Hugging Face tokenizer stored at `path`."""
+    if path is None:
+        return ByteTokenizer()
+    if not Path(path).exists():
+        raise FileNotFoundError(f"tokenizer path {path} does not exist")
+    return HFTokenizer(path)
+
+
+def has_hf_tokenizer(path: str | Path) -> bool:
+    """True when a model directory also carries tokenizer files (then `serve --model` uses them)."""
+    p = Path(path)
+    return p.is_dir() and any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP layer over the native engine (FastAPI + uvicorn)."""

@@ -1,0 +1,140 @@
+"""The FastAPI application: OpenAI routes, health and info routes, API-key check, error bodies.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /health_generate,
+GET /get_server_info (alias /server_info), GET|POST /flush_cache, GET /version. With an API key configured,
+every route except /health and /health_generate needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from evalpipe import __version__
+from evalpipe.engine.engine import SeqEvent
+from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.scheduler import QueueFull, Sequence
+from evalpipe.server import generation
+from evalpipe.server.errors import APIError, install_error_handlers
+from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest
+from evalpipe.server.state import ServerState
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state.start_loading()
+        yield
+        state.shutdown()
+
+    app = FastAPI(title="evalpipe native server", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    def require_key(request: Request) -> None:
+        key = state.settings.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given.lower().startswith("bearer ") else ""
+        if not token:
+            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def require_ready() -> None:
+        if state.load_error:
+            raise APIError(503, f"model failed to load: {state.load_error}", type="server_error")
+        if not state.ready.is_set():
+            raise APIError(503, "The model is still loading. Retry later.", code="model_loading",
+                           headers={"Retry-After": "1"})
+
+    open_routes = APIRouter()
+    routes = APIRouter(dependencies=[Depends(require_key)])
+
+    @open_routes.get("/health")
+    async def health():
+        if not state.ready.is_set():
+            return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
+        return {"status": "ok"}
+
+    @open_routes.get("/health_generate")
+    async def health_generate():
+        if not state.ready.is_set():
+            return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
+        ok = await _one_token(state)
+        if not ok:
+            return JSONResponse({"status": "generation failed or timed out"}, status_code=503)
+        return {"status": "ok"}
+
+    @routes.get("/v1/models")
+    async def models():
+        require_ready()
+        limit = getattr(state.runner, "max_seq_len", state.settings.max_seq_len)
+        return {"object": "list", "data": [{
+            "id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "evalpipe",
+            "root": state.settings.model or state.model_id, "max_model_len": limit,
+        }]}
+
+    @routes.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        require_ready()
+        return await generation.respond(state, generation.completion_job(state, req), request)
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        require_ready()
+        return await generation.respond(state, generation.chat_job(state, req), request)
+
+    @routes.get("/get_server_info")
+    @routes.get("/server_info")
+    async def server_info():
+        return state.info()
+
+    @routes.get("/flush_cache")
+    @routes.post("/flush_cache")
+    async def flush_cache():
+        # The engine keeps no prefix cache: every request prefills from scratch, so there is nothing to drop.
+        return {"flushed": True, "cached_tokens": 0, "message": "no prefix cache in this engine; nothing to flush"}
+
+    @routes.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    app.include_router(open_routes)
+    app.include_router(routes)
+    return app
+
+
+async def _one_token(state: ServerState) -> bool:
+    """Generate one greedy token from the BOS token through the whole engine path."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def on_event(ev: SeqEvent) -> None:
+        if ev.finish_reason is not None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ev))
+
+    bos = getattr(state.tokenizer, "bos_token_id", None)
+    bos = bos if bos is not None else getattr(state.runner.config, "bos_token_id", 0) or 0
+    seq = Sequence(prompt=[bos], params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                   on_event=on_event)
+    try:
+        state.engine.submit([seq])
+    except QueueFull:
+        return False
+    t0 = time.perf_counter()
+    try:
+        ev = await asyncio.wait_for(done, HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        state.engine.abort([seq])
+        return False
+    state.last_health_generate_s = time.perf_counter() - t0
+    return ev.error is None and len(seq.output) == 1

@@ -1,0 +1,80 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+FastAPI's 422 for invalid bodies becomes a 400 (as vLLM and SGLang do), unknown routes keep their 404/405, and
+an unexpected exception becomes a 500 with the same body shape instead of a bare traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("evalpipe.server")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 503: "server_overloaded"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "server_error")
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                           code="invalid_json")
+    param = loc[0] if loc else None  # the top-level field, as OpenAI reports it
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    where = f"{'.'.join(loc)}: " if loc else ""
+    return bad_request(f"{where}{msg}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(_: Request, exc: json.JSONDecodeError):
+        return bad_request(f"request body is not valid JSON: {exc}", code="invalid_json").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()

@@ -1,0 +1,328 @@
+"""From a validated OpenAI request to engine sequences, and from engine events to OpenAI responses or SSE chunks.
+
+One request becomes `len(prompts) * n` sequences (choice index = prompt_index * n + i). Events arrive from the
+engine thread through an asyncio queue; a client that goes away (stream closed, or disconnect noticed while
+waiting) has its unfinished sequences aborted, which frees their runner slots before the next forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from evalpipe import __version__
+from evalpipe.engine.engine import SeqEvent, make_sequences
+from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.scheduler import QueueFull, Sequence
+from evalpipe.server.errors import APIError, bad_request
+from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+
+DISCONNECT_POLL_S = 1.0  # how often a waiting handler checks whether its client is still there
+RETRY_AFTER_S = "1"
+
+
+@dataclass
+class Choice:
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    spec: dict | None = None
+
+
+@dataclass
+class Job:
+    """One HTTP generation request on its way through the engine."""
+
+    chat: bool
+    model: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # per prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    want_logprobs: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    seqs: list[Sequence] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
+    queue: asyncio.Queue | None = None
+
+    def __post_init__(self):
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.choices = [Choice(prompt_ids=p) for p in self.prompts for _ in range(self.n)]
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+# -- request -> job -----------------------------------------------------------------------------------
+def check_model(state, requested: str | None) -> None:
+    if requested is None or requested in (state.model_id, state.settings.model):
+        return
+    raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+def _sampling(state, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    vocab = int(getattr(state.runner.config, "vocab_size", 1 << 31))
+    stop_ids = tuple(req.stop_token_ids or ())
+    bad = [t for t in stop_ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", param="stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+        min_p=req.min_p, seed=req.seed, stop=tuple(req.stop_list()), stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos, logprobs=logprobs,
+    )
+
+
+def _check_length(state, prompt: list[int], max_tokens: int | None, param: str) -> int:
+    """The max_tokens to use; 400 context_length_exceeded when prompt + completion cannot fit."""
+    limit = int(getattr(state.runner, "max_seq_len", state.settings.max_seq_len))
+    if max_tokens is None:
+        max_tokens = limit - len(prompt)
+    if len(prompt) >= limit or len(prompt) + max_tokens > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the {param}, {max_tokens} in the completion). "
+            "Please reduce the length of the prompt or of the completion.",
+            param=param, code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _common(req) -> tuple[bool, bool]:
+    unsupported = check_unsupported(req)
+    if unsupported:
+        raise bad_request(unsupported[1], param=unsupported[0])
+    opts = req.stream_options
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+
+def chat_job(state, req: ChatCompletionRequest) -> Job:
+    check_model(state, req.model)
+    include_usage, continuous = _common(req)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    try:
+        prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+    except Exception as exc:
+        raise bad_request(f"chat template failed: {exc}", param="messages") from None
+    max_tokens = _check_length(state, prompt, req.max_completion_tokens or req.max_tokens, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return Job(
+        chat=True, model=state.model_id, prompts=[prompt], params=[_sampling(state, req, max_tokens, logprobs)],
+        n=req.n, stream=req.stream, include_usage=include_usage, continuous_usage=continuous,
+        return_token_ids=req.return_token_ids, want_logprobs=req.logprobs,
+    )
+
+
+def completion_job(state, req: CompletionRequest) -> Job:
+    check_model(state, req.model)
+    include_usage, continuous = _common(req)
+    vocab = int(getattr(state.runner.config, "vocab_size", 1 << 31))
+    try:
+        raw = req.prompts()
+    except ValueError as exc:
+        raise bad_request(str(exc), param="prompt") from None
+    prompts: list[list[int]] = []
+    for p in raw:
+        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise bad_request("prompt must contain at least one token", param="prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        prompts.append(ids)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    params = [_sampling(state, req, _check_length(state, p, max_tokens, "prompt"), req.logprobs) for p in prompts]
+    return Job(
+        chat=False, model=state.model_id, prompts=prompts, params=params, n=req.n, stream=req.stream,
+        include_usage=include_usage, continuous_usage=continuous, return_token_ids=req.return_token_ids,
+        want_logprobs=req.logprobs is not None,
+    )
+
+
+# -- running -----------------------------------------------------------------------------------------
+def submit(state, job: Job) -> None:
+    loop = asyncio.get_running_loop()
+    job.queue = asyncio.Queue()
+
+    def on_event(event: SeqEvent, _queue=job.queue) -> None:
+        loop.call_soon_threadsafe(_queue.put_nowait, event)
+
+    for i, (prompt, params) in enumerate(zip(job.prompts, job.params)):
+        job.seqs += make_sequences(prompt, params, job.n, on_event, first_index=i * job.n)
+    try:
+        state.engine.submit(job.seqs)
+    except QueueFull as exc:
+        raise APIError(503, f"The server is overloaded: {exc}. Retry later.", code="queue_full",
+                       headers={"Retry-After": RETRY_AFTER_S}) from None
+
+
+async def events(state, job: Job, request: Request | None) -> AsyncIterator[SeqEvent]:
+    """The job's engine events until every choice has finished; aborts the rest if the caller stops early."""
+    remaining = len(job.seqs)
+    try:
+        while remaining:
+            try:
+                event = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    return
+                continue
+            if event.finish_reason is not None:
+                remaining -= 1
+            _apply(job, event)
+            yield event
+    finally:
+        state.engine.abort(job.seqs)  # no-op for finished sequences
+
+
+def _apply(job: Job, ev: SeqEvent) -> None:
+    c = job.choices[ev.index]
+    c.text += ev.text
+    c.token_ids += ev.token_ids
+    if ev.logprobs:
+        c.logprobs += ev.logprobs
+    if ev.finish_reason is not None:
+        c.finish_reason, c.matched_stop, c.spec = ev.finish_reason, ev.matched_stop, ev.spec
+
+
+async def respond(state, job: Job, request: Request):
+    submit(state, job)
+    if job.stream:
+        return StreamingResponse(_sse(state, job, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async for ev in events(state, job, request):
+        if ev.error:
+            raise APIError(500, f"generation failed: {ev.error}", type="server_error")
+    return JSONResponse(_full_response(state, job))
+
+
+def _full_response(state, job: Job) -> dict:
+    choices = []
+    for i, c in enumerate(job.choices):
+        choice: dict[str, Any] = {"index": i}
+        if job.chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = _chat_logprobs(state, c.logprobs) if job.want_logprobs else None
+        else:
+            choice["text"] = c.text
+            choice["logprobs"] = _legacy_logprobs(state, c.logprobs, 0) if job.want_logprobs else None
+        choice.update(finish_reason=_finish(c.finish_reason), matched_stop=c.matched_stop, spec=c.spec)
+        if job.return_token_ids:
+            choice["prompt_token_ids"] = c.prompt_ids
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
+    return {
+        "id": job.id, "object": "chat.completion" if job.chat else "text_completion", "created": job.created,
+        "model": job.model, "system_fingerprint": fingerprint(state), "choices": choices, "usage": job.usage(),
+    }
+
+
+async def _sse(state, job: Job, request: Request) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if job.chat else "text_completion"
+    with_usage = job.include_usage or job.continuous_usage
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+                "system_fingerprint": fingerprint(state), "choices": choices}
+        if with_usage:
+            body["usage"] = usage if usage is not None else (job.usage() if job.continuous_usage else None)
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(",", ":"))}\n\n"
+
+    started: set[int] = set()
+    if job.chat:  # the role comes first, before any token, as in OpenAI's streams
+        for i, c in enumerate(job.choices):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            if job.return_token_ids:
+                first["prompt_token_ids"] = c.prompt_ids
+            started.add(i)
+            yield chunk([first])
+    async for ev in events(state, job, request):
+        if ev.error:
+            err = APIError(500, f"generation failed: {ev.error}", type="server_error").body()
+            yield f"data: {json.dumps(err)}\n\n"
+            break
+        if not ev.token_ids and ev.finish_reason is None:
+            continue
+        c = job.choices[ev.index]
+        offset = len(c.text) - len(ev.text)
+        choice: dict[str, Any] = {"index": ev.index}
+        if job.chat:
+            choice["delta"] = {"content": ev.text}
+            choice["logprobs"] = _chat_logprobs(state, ev.logprobs or []) if job.want_logprobs else None
+        else:
+            choice["text"] = ev.text
+            choice["logprobs"] = _legacy_logprobs(state, ev.logprobs or [], offset) if job.want_logprobs else None
+        choice["finish_reason"] = _finish(ev.finish_reason)
+        choice["matched_stop"] = ev.matched_stop
+        if ev.finish_reason is not None:
+            choice["spec"] = ev.spec
+        if job.return_token_ids:
+            choice["token_ids"] = ev.token_ids
+            if ev.index not in started:
+                choice["prompt_token_ids"] = c.prompt_ids
+        started.add(ev.index)
+        yield chunk([choice])
+    else:
+        if job.include_usage:
+            yield chunk([], job.usage())
+    yield "data: [DONE]\n\n"
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+# -- logprobs ----------------------------------------------------------------------------------------
+def _token_bytes(state, token_id: int) -> list[int]:
+    tb = getattr(state.tokenizer, "token_bytes", None)
+    return list(tb(token_id)) if tb is not None else list(state.tokenizer.token_text(token_id).encode())
+
+
+def _chat_logprobs(state, entries: list[dict]) -> dict:
+    text = state.tokenizer.token_text
+    content = []
+    for e in entries:
+        content.append({
+            "token": text(e["id"]), "logprob": e["logprob"], "bytes": _token_bytes(state, e["id"]),
+            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": _token_bytes(state, t)} for t, lp in e["top"]],
+        })
+    return {"content": content}
+
+
+def _legacy_logprobs(state, entries: list[dict], offset: int) -> dict:
+    text = state.tokenizer.token_text
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(text(e["id"]))
+        lps.append(e["logprob"])
+        tops.append({text(t): lp for t, lp in e["top"]})
+        offsets.append(offset)
+        offset += len(state.tokenizer.decode([e["id"]]))
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def fingerprint(state) -> str:
+    return f"evalpipe-{__version__}-{state.model_id}-{state.settings.dtype}-{state.settings.device}"

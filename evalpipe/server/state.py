@@ -1,0 +1,172 @@
+"""What the server holds: its settings, and the engine it loads on a background thread after binding.
+
+Loading after the port is open lets `/health` and `/health_generate` answer 503 while weights are created or
+read, which is how launchers (and SGLang) tell "starting" from "dead".
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from evalpipe import __version__
+from evalpipe.engine.engine import Engine
+
+log = logging.getLogger("evalpipe.server")
+
+
+@dataclass
+class ServerSettings:
+    model: str | None = None
+    tokenizer: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch: int = 64
+    max_tokens_per_step: int = 512
+    max_queue: int = 1024
+    max_seq_len: int = 4096
+    api_key: str | None = None
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+
+    def public(self) -> dict:
+        d = asdict(self)
+        d["api_key"] = "<set>" if self.api_key else None
+        return d
+
+
+def default_runner_factory(settings: ServerSettings) -> Any:
+    from evalpipe.engine.runner import ModelRunner
+
+    return ModelRunner(
+        settings.model, device=settings.device, dtype=getattr(torch, settings.dtype),
+        max_seqs=settings.max_batch, max_seq_len=settings.max_seq_len,
+    )
+
+
+def default_tokenizer_factory(settings: ServerSettings) -> Any:
+    from evalpipe.engine.tokenizer import has_hf_tokenizer, load_tokenizer
+
+    path = settings.tokenizer
+    if path is None and settings.model is not None and has_hf_tokenizer(settings.model):
+        path = settings.model
+    return load_tokenizer(path)
+
+
+class ServerState:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        runner_factory: Callable[[ServerSettings], Any] = default_runner_factory,
+        tokenizer_factory: Callable[[ServerSettings], Any] = default_tokenizer_factory,
+        decoder_factory: Callable[[ServerSettings, Any], Any] | None = None,
+        on_ready: Callable[["ServerState"], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
+    ):
+        self.settings = settings
+        self._runner_factory = runner_factory
+        self._tokenizer_factory = tokenizer_factory
+        self._decoder_factory = decoder_factory  # (settings, runner) -> Decoder; None: plain decoding
+        self._on_ready = on_ready
+        self._on_error = on_error
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.engine: Engine | None = None
+        self.runner: Any = None
+        self.tokenizer: Any = None
+        self.model_id: str = settings.model or "evalpipe-tiny-dsv4"
+        self.started_at = time.time()
+        self.load_seconds: float | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        threading.Thread(target=self._load, name="evalpipe-loader", daemon=True).start()
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.tokenizer = self._tokenizer_factory(self.settings)
+            self.runner = self._runner_factory(self.settings)
+            self.model_id = getattr(self.runner, "model_name", None) or self.model_id
+            vocab = getattr(self.runner.config, "vocab_size", None)
+            if vocab is not None and self.tokenizer.vocab_size > vocab:
+                raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
+            exhausted = _runner_exceptions(self.runner, "PoolExhausted")
+            decoder = self._decoder_factory(self.settings, self.runner) if self._decoder_factory else None
+            self.engine = Engine(
+                self.runner, self.tokenizer, max_batch=self.settings.max_batch,
+                max_tokens_per_step=self.settings.max_tokens_per_step, max_queue=self.settings.max_queue,
+                decoder=decoder, exhausted=exhausted,
+            )
+            self.engine.start()
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("model loading failed:\n%s", traceback.format_exc())
+            if self._on_error:
+                self._on_error(self.load_error)
+            return
+        self.load_seconds = time.perf_counter() - t0
+        self.ready.set()
+        if self._on_ready:
+            self._on_ready(self)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+    # -- introspection -----------------------------------------------------------------------------
+    def info(self) -> dict:
+        s = self.settings
+        info: dict[str, Any] = {
+            "model": self.model_id,
+            "model_path": s.model,
+            "version": __version__,
+            "ready": self.ready.is_set(),
+            "load_error": self.load_error,
+            "load_seconds": self.load_seconds,
+            "dtype": s.dtype,
+            "device": s.device,
+            "launch": {"argv": s.argv, "command": shlex.join(s.argv)},
+            "server_args": s.public(),
+            "engine": {
+                "max_batch": s.max_batch, "max_tokens_per_step": s.max_tokens_per_step,
+                "max_queue": s.max_queue, "max_seq_len": s.max_seq_len,
+            },
+            "speculative": {"mode": "off", "simulate_acc_len": None},
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        }
+        if self.runner is not None:
+            cfg = self.runner.config
+            info["config"] = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+            info["runner"] = _safe(self.runner.describe)
+            info["engine"]["max_seq_len"] = getattr(self.runner, "max_seq_len", s.max_seq_len)
+        if self.tokenizer is not None:
+            info["tokenizer"] = self.tokenizer.describe()
+        if self.engine is not None:
+            info["speculative"] = self.engine.decoder.describe()
+            info["engine"].update(self.engine.describe())
+        return info
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # introspection must never break /get_server_info
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _runner_exceptions(runner: Any, name: str) -> tuple[type[BaseException], ...]:
+    """The runner module's `name` exception (PoolExhausted: no free slot now, admit later), if it defines one."""
+    exc = getattr(sys.modules.get(type(runner).__module__), name, None)
+    return (exc,) if isinstance(exc, type) and issubclass(exc, BaseException) else ()
