@@ -1,0 +1,114 @@
+"""DeepSeek-V4 attention for serving: low-rank q with norms, one shared K=V head with a per-head sink, interleaved
+partial RoPE, sliding window over a per-request ring, compressed entries (all visible ones for HCA, indexer top-k
+for CSA), inverse RoPE on the output and the grouped output projection (o_a_proj per group, then o_b_proj)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from evalpipe.engine.cache import LayerPool
+from evalpipe.engine.compressor import Compressor, Indexer
+from evalpipe.engine.config import CSA, SLIDING, RopeTable, compress_ratio
+from evalpipe.engine.forward_batch import ForwardBatch, entry_index, window_keys_index
+from evalpipe.engine.primitives import apply_rope, rms_norm, unweighted_rms_norm
+
+
+class Attention:
+    def __init__(self, sd: dict, prefix: str, config, layer_type: str, ropes: dict[str, RopeTable]):
+        self.layer_type = layer_type
+        self.heads, self.head_dim, self.eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
+        self.window = config.sliding_window
+        self.groups, self.o_rank = config.o_groups, config.o_lora_rank
+        self.rope = ropes["main" if layer_type == SLIDING else "compress"]
+        self.q_a = sd[prefix + "q_a_proj.weight"]
+        self.q_a_norm = sd[prefix + "q_a_norm.weight"].float()
+        self.q_b = sd[prefix + "q_b_proj.weight"]
+        self.kv_proj = sd[prefix + "kv_proj.weight"]
+        self.kv_norm = sd[prefix + "kv_norm.weight"].float()
+        group_in = self.heads * self.head_dim // self.groups
+        self.o_a = sd[prefix + "o_a_proj.weight"].view(self.groups, self.o_rank, group_in)
+        self.o_b = sd[prefix + "o_b_proj.weight"]
+        self.sinks = sd[prefix + "sinks"].float()
+        self.ratio = compress_ratio(config, layer_type)
+        self.compressor = self.indexer = None
+        if layer_type != SLIDING:
+            self.compressor = Compressor(sd, prefix + "compressor.", ratio=self.ratio, dim=self.head_dim,
+                                         overlap=layer_type == CSA, eps=self.eps, rope=ropes["compress"])
+            if layer_type == CSA:
+                self.indexer = Indexer(sd, prefix + "compressor.indexer.", config, ropes["compress"])
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, pool: LayerPool) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = self.rope.cos[batch.pos], self.rope.sin[batch.pos]
+        q_residual = rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps)
+        q = F.linear(q_residual, self.q_b).view(T, self.heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_rope(rms_norm(F.linear(x, self.kv_proj), self.kv_norm, self.eps), cos, sin)
+
+        comp_proj = idx_proj = idx_q = None
+        if self.compressor is not None:
+            comp_proj = self.compressor.project(x)
+            self.compressor.pool(comp_proj, batch, pool.compressor)
+        if self.indexer is not None:
+            idx_proj = self.indexer.compressor.project(x)
+            self.indexer.compressor.pool(idx_proj, batch, pool.indexer)
+            idx_q = self.indexer.queries(x, q_residual, batch.pos)
+
+        out = torch.empty_like(q)
+        for group in batch.groups:
+            out[group.rows] = self._attend(q, kv, group, batch, pool, idx_q)
+
+        # rings last: the reads above must see the pre-forward history
+        self._store_ring(pool.window, kv, batch, batch.pools.window_ring)
+        if comp_proj is not None:
+            self._store_ring(pool.compressor.ring, comp_proj, batch, pool.compressor.ring_size)
+        if idx_proj is not None:
+            self._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
+
+        out = apply_rope(out, cos, -sin)
+        grouped = out.view(T, self.groups, -1).transpose(0, 1)  # [g, T, group_in]
+        grouped = torch.bmm(grouped, self.o_a.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+        return F.linear(grouped, self.o_b)
+
+    @staticmethod
+    def _store_ring(ring: torch.Tensor, values: torch.Tensor, batch: ForwardBatch, ring_size: int) -> None:
+        rows, cells = batch.ring_writes(ring_size)
+        ring.index_copy_(0, cells, values[rows].to(ring.dtype))
+
+    def _attend(self, q, kv, group, batch: ForwardBatch, pool: LayerPool, idx_q) -> torch.Tensor:
+        scale = self.head_dim**-0.5
+        qg = q[group.rows]  # [G, n, H, D]
+        cells, key_ok = window_keys_index(group, batch.pools.window_ring, self.window)
+        keys = torch.cat([pool.window[cells], kv[group.rows]], dim=1)  # [G, W-1+n, D]
+        win = keys.unfold(1, self.window, 1)  # [G, n, D, W]: window of query i = positions t-W+1 .. t
+        logits = [torch.einsum("gnhd,gndw->gnhw", qg, win) * scale]
+        logits[0] = logits[0].masked_fill(~key_ok[:, :, None, :], float("-inf"))
+
+        comp = None
+        if self.compressor is not None:
+            rows, visible = entry_index(group, batch.pools, self.ratio)
+            entries = pool.compressor.entries[rows]  # [G, E, D]
+            if self.indexer is not None:
+                picked = self.indexer.select(*idx_q, group, batch.pools, pool.indexer)  # [G, n, k]
+                g = torch.arange(group.size, device=picked.device)[:, None, None]
+                comp = entries[g, picked.clamp(min=0)]  # [G, n, k, D]
+                cl = torch.einsum("gnhd,gnkd->gnhk", qg, comp) * scale
+                cl = cl.masked_fill((picked < 0)[:, :, None, :], float("-inf"))
+            else:
+                comp = entries
+                cl = torch.einsum("gnhd,ged->gnhe", qg, comp) * scale
+                cl = cl.masked_fill(~visible[:, :, None, :], float("-inf"))
+            logits.append(cl)
+        sink = self.sinks.view(1, 1, -1, 1).expand(group.size, group.n, -1, 1).to(qg.dtype)
+        combined = torch.cat(logits + [sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(dim=-1)
+        out = torch.einsum("gnhw,gndw->gnhd", probs[..., : self.window], win)
+        if comp is not None:
+            pc = probs[..., self.window: -1]
+            if comp.dim() == 4:
+                out = out + torch.einsum("gnhk,gnkd->gnhd", pc, comp)
+            else:
+                out = out + torch.einsum("gnhe,ged->gnhd", pc, comp)
+        return out

@@ -1,0 +1,164 @@
+"""Preallocated per-request state pools and the page table that addresses them.
+
+A request (sequence slot) owns:
+  * fixed-size rings, indexed by `slot * R + position % R` (one region per slot):
+      - the sliding-window KV ring of every layer (R = sliding_window - 1 + rollback_margin),
+      - the compressor ring of every CSA/HCA layer and of every CSA indexer: the *projected* rows
+        `[kv | gate]` (before position bias) that pending and overlapping windows still need
+        (R = look-back + rollback_margin, look-back = 2*ratio with overlap (CSA), ratio without (HCA));
+  * a list of pages (page table row) for the compressed-KV entries and indexer keys: page p of a request covers
+    positions [p*P, (p+1)*P), i.e. P/ratio entries of each compressed layer;
+  * a length.
+
+Invariant (why rollback needs no undo pass): every state cell is addressed by absolute position, never by "how
+many were appended". After any sequence of forwards ending at length L, ring slot `position % R` holds the value
+computed from the token prefix [0..position] for every position in [L - R, L), and compressed entry w is final for
+every w < L // ratio. A forward starting at position s reads ring positions [s - look-back, s) and entries
+w < (s + n) // ratio only, writing the same cells it would write on a fresh history. So truncating to L' keeps the
+state valid as long as L - L' <= rollback_margin (the rings still hold [L' - look-back, L')); the runner falls back
+to re-prefilling the kept prefix for deeper rollbacks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from evalpipe.engine.config import CSA, HCA, SLIDING, compress_ratio
+
+
+class PoolExhausted(RuntimeError):
+    """No free sequence slot or no free page: the scheduler should wait for a request to finish."""
+
+
+@dataclass
+class CompressorPool:
+    ratio: int
+    lookback: int  # positions before a forward's first row that its windows may still need
+    ring_size: int
+    ring: torch.Tensor  # [max_seqs * ring_size, 2 * proj_dim] projected (kv | gate) rows
+    entries: torch.Tensor  # [(num_pages + 1) * P // ratio, entry_dim]; the last page is a write sink
+
+
+@dataclass
+class LayerPool:
+    window: torch.Tensor  # [max_seqs * Rw, head_dim] sliding-window K(=V) ring
+    compressor: CompressorPool | None = None
+    indexer: CompressorPool | None = None
+
+
+class StatePools:
+    def __init__(self, config, *, max_seqs: int, max_seq_len: int, device, dtype, rollback_margin: int = 32,
+                 page_tokens: int | None = None, num_pages: int | None = None):
+        self.max_seqs, self.max_seq_len, self.margin = max_seqs, max_seq_len, rollback_margin
+        self.device, self.dtype = torch.device(device), dtype
+        ratios = [compress_ratio(config, t) for t in config.layer_types if t != SLIDING]
+        lcm = math.lcm(*ratios) if ratios else 1
+        self.page_tokens = page_tokens or lcm * max(1, math.ceil(64 / lcm))
+        if any(self.page_tokens % r for r in ratios):
+            raise ValueError(f"page_tokens {self.page_tokens} must be a multiple of every compress ratio {ratios}")
+        self.pages_per_seq = math.ceil(max_seq_len / self.page_tokens)
+        self.num_pages = num_pages if num_pages is not None else max_seqs * self.pages_per_seq
+        self.trash_page = self.num_pages
+        self.window_ring = config.sliding_window - 1 + rollback_margin
+        self.page_table = torch.full((max_seqs, self.pages_per_seq), self.trash_page, dtype=torch.long)
+        self._page_table_dev = None
+        self.free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self.seq_pages: dict[int, list[int]] = {}
+        self.layers: list[LayerPool] = []
+        kw = dict(device=self.device, dtype=dtype)
+        for layer_type in config.layer_types:
+            window = torch.zeros(max_seqs * self.window_ring, config.head_dim, **kw)
+            pool = LayerPool(window)
+            if layer_type != SLIDING:
+                r = compress_ratio(config, layer_type)
+                overlap = layer_type == CSA
+                pool.compressor = self._compressor_pool(r, overlap, config.head_dim, **kw)
+                if layer_type == CSA:
+                    pool.indexer = self._compressor_pool(r, True, config.index_head_dim, **kw)
+            self.layers.append(pool)
+
+    def _compressor_pool(self, ratio, overlap, entry_dim, **kw) -> CompressorPool:
+        lookback = 2 * ratio if overlap else ratio
+        ring_size = lookback + self.margin
+        proj_dim = entry_dim * (2 if overlap else 1)
+        ring = torch.zeros(self.max_seqs * ring_size, 2 * proj_dim, **kw)
+        entries = torch.zeros((self.num_pages + 1) * self.page_tokens // ratio, entry_dim, **kw)
+        return CompressorPool(ratio, lookback, ring_size, ring, entries)
+
+    # ---- page allocation -------------------------------------------------------------------------------------
+    def pages_needed(self, seq: int, length: int) -> int:
+        return max(0, math.ceil(length / self.page_tokens) - len(self.seq_pages.get(seq, [])))
+
+    def reserve(self, wants: dict[int, int]) -> None:
+        """Give each seq enough pages for its new length, all or nothing (PoolExhausted leaves nothing changed)."""
+        total = sum(self.pages_needed(seq, length) for seq, length in wants.items())
+        if total > len(self.free_pages):
+            raise PoolExhausted(f"need {total} pages, {len(self.free_pages)} free")
+        for seq, length in wants.items():
+            pages = self.seq_pages.setdefault(seq, [])
+            for _ in range(self.pages_needed(seq, length)):
+                page = self.free_pages.pop()
+                self.page_table[seq, len(pages)] = page
+                pages.append(page)
+                self._page_table_dev = None
+
+    def shrink(self, seq: int, length: int) -> None:
+        """Return the pages past `length` (a rollback or a free)."""
+        pages = self.seq_pages.get(seq, [])
+        keep = math.ceil(length / self.page_tokens)
+        while len(pages) > keep:
+            page = pages.pop()
+            self.page_table[seq, len(pages)] = self.trash_page
+            self.free_pages.append(page)
+            self._page_table_dev = None
+
+    def page_table_on_device(self) -> torch.Tensor:
+        if self._page_table_dev is None:
+            self._page_table_dev = self.page_table.to(self.device)
+        return self._page_table_dev
+
+    def entry_rows(self, slots: torch.Tensor, entries: torch.Tensor, ratio: int) -> torch.Tensor:
+        """Pool row of compressed entry `entries` (any shape, broadcast with slots[..., None]) of each slot."""
+        per_page = self.page_tokens // ratio
+        table = self.page_table_on_device()
+        page_col = (entries * ratio) // self.page_tokens
+        page_col = page_col.clamp(max=self.pages_per_seq - 1)
+        pages = table[slots.view(-1, *([1] * (entries.dim() - 1))), page_col]
+        return pages * per_page + entries % per_page
+
+    # ---- inspection (tests, rollback checks) -----------------------------------------------------------------
+    def snapshot(self, seq: int, length: int) -> dict[str, torch.Tensor]:
+        """The live state of `seq` at `length`, ordered by position: what a fresh history of the same tokens must
+        reproduce. Rings: the positions a next forward may read; entries: all final entries."""
+        out = {}
+        slot = torch.tensor([seq], device=self.device)
+        for i, pool in enumerate(self.layers):
+            lo = max(0, length - (self.window_ring - self.margin))
+            pos = torch.arange(lo, length, device=self.device)
+            out[f"layer{i}.window"] = pool.window[seq * self.window_ring + pos % self.window_ring]
+            for name, comp in (("compressor", pool.compressor), ("indexer", pool.indexer)):
+                if comp is None:
+                    continue
+                ring = comp.ring_size
+                pos = torch.arange(max(0, length - comp.lookback), length, device=self.device)
+                out[f"layer{i}.{name}.ring"] = comp.ring[seq * ring + pos % ring]
+                n = length // comp.ratio
+                rows = self.entry_rows(slot, torch.arange(n, device=self.device)[None], comp.ratio)[0]
+                out[f"layer{i}.{name}.entries"] = comp.entries[rows]
+        return out
+
+    def describe(self) -> dict:
+        nbytes = sum(t.numel() * t.element_size() for t in self._tensors())
+        return {"max_seqs": self.max_seqs, "max_seq_len": self.max_seq_len, "page_tokens": self.page_tokens,
+                "num_pages": self.num_pages, "free_pages": len(self.free_pages),
+                "window_ring": self.window_ring, "rollback_margin": self.margin, "state_bytes": nbytes}
+
+    def _tensors(self):
+        for pool in self.layers:
+            yield pool.window
+            for comp in (pool.compressor, pool.indexer):
+                if comp is not None:
+                    yield comp.ring
+                    yield comp.entries

@@ -1,0 +1,135 @@
+"""Per-forward row metadata: the new rows of all requests flattened request-major, plus the gather indices every
+layer needs (computed once per forward and shared by all layers with the same ring size or ratio).
+
+Requests with the same number of new rows form a group and are attended together with no padding on the query
+axis (all decodes are one group; all k+1-row verifies are one group; each prefill chunk of a distinct length is
+its own group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from evalpipe.engine.cache import StatePools
+
+
+@dataclass
+class Group:
+    n: int  # new rows per request
+    slots: torch.Tensor  # [G]
+    starts: torch.Tensor  # [G] position of the first new row
+    rows: torch.Tensor  # [G, n] flattened row ids
+    pos: torch.Tensor  # [G, n] absolute positions
+    memo: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.slots.shape[0]
+
+
+class ForwardBatch:
+    def __init__(self, pools: StatePools, slots: list[int], starts: list[int], counts: list[int],
+                 input_ids: torch.Tensor):
+        dev = pools.device
+        self.pools = pools
+        self.input_ids = input_ids
+        self.num_rows = int(sum(counts))
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        self.last_rows = torch.tensor([o - 1 for o in offsets[1:]], device=dev)
+        counts_t = torch.tensor(counts)
+        row_req = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+        starts_t, slots_t = torch.tensor(starts), torch.tensor(slots)
+        row_pos = starts_t[row_req] + torch.arange(self.num_rows) - torch.tensor(offsets[:-1])[row_req]
+        self.pos = row_pos.to(dev)
+        self.slot = slots_t[row_req].to(dev)
+        self.end = (starts_t + counts_t)[row_req].to(dev)  # length of the row's request after this forward
+        self.groups: list[Group] = []
+        by_count: dict[int, list[int]] = {}
+        for i, c in enumerate(counts):
+            by_count.setdefault(c, []).append(i)
+        for n, reqs in by_count.items():
+            idx = torch.tensor(reqs)
+            rows = torch.tensor(offsets[:-1])[idx][:, None] + torch.arange(n)[None]
+            self.groups.append(Group(n, slots_t[idx].to(dev), starts_t[idx].to(dev), rows.to(dev),
+                                     row_pos[rows].to(dev)))
+        self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, ring cells) to store after a layer: each request's last `ring_size` new rows at
+        `slot * ring_size + position % ring_size` (earlier rows would be overwritten in the same scatter)."""
+        if ring_size not in self._ring_writes:
+            keep = self.pos >= self.end - ring_size
+            rows = keep.nonzero().squeeze(1)
+            cells = self.slot[rows] * ring_size + self.pos[rows] % ring_size
+            self._ring_writes[ring_size] = (rows, cells)
+        return self._ring_writes[ring_size]
+
+
+def window_keys_index(group: Group, ring_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring cells of the `window - 1` positions before each request's first new row, and the validity
+    [G, n, window] of each query's window keys (key position >= 0)."""
+    key = ("window", ring_size, window)
+    if key not in group.memo:
+        past = group.starts[:, None] - (window - 1) + torch.arange(window - 1, device=group.starts.device)[None]
+        cells = group.slots[:, None] * ring_size + past % ring_size
+        key_pos = group.pos[:, :, None] - (window - 1) + torch.arange(window, device=group.pos.device)
+        group.memo[key] = (cells, key_pos >= 0)
+    return group.memo[key]
+
+
+@dataclass
+class WindowPlan:
+    """Where the compression windows completed by this forward read their rows and write their entry."""
+
+    past_cells: torch.Tensor  # [G, lookback] ring cells of positions start-lookback .. start-1
+    cur: torch.Tensor  # [G, nw, ratio] index into cat(past, new) of the window's rows
+    prev: torch.Tensor | None  # [G, nw, ratio] same for the previous window (overlap only)
+    has_prev: torch.Tensor | None  # [G, nw] window index >= 1
+    entry_pos: torch.Tensor  # [G, nw] absolute position of the window start (RoPE position of the entry)
+    out_rows: torch.Tensor  # [G, nw] pool rows to write (trash page for padding windows)
+
+
+def window_plan(group: Group, pools: StatePools, ratio: int, lookback: int, ring_size: int,
+                overlap: bool) -> WindowPlan:
+    key = ("plan", ratio, lookback, ring_size, overlap)
+    if key in group.memo:
+        return group.memo[key]
+    dev = group.starts.device
+    start, n = group.starts, group.n
+    base = start - lookback  # position of index 0 of cat(past, new)
+    past = base[:, None] + torch.arange(lookback, device=dev)[None]
+    past_cells = group.slots[:, None] * ring_size + past % ring_size
+    nw = n // ratio + 1
+    first = start // ratio
+    w = first[:, None] + torch.arange(nw, device=dev)[None]  # [G, nw]
+    valid = w < ((start + n) // ratio)[:, None]
+    slots_in = torch.arange(ratio, device=dev)
+    limit = lookback + n - 1
+    cur = (w[..., None] * ratio + slots_in - base[:, None, None]).clamp(0, limit)
+    prev = has_prev = None
+    if overlap:
+        prev = ((w[..., None] - 1) * ratio + slots_in - base[:, None, None]).clamp(0, limit)
+        has_prev = w >= 1
+    rows = pools.entry_rows(group.slots, w, ratio)
+    trash = pools.trash_page * (pools.page_tokens // ratio)
+    out_rows = torch.where(valid, rows, torch.full_like(rows, trash))
+    plan = WindowPlan(past_cells, cur, prev, has_prev, w * ratio, out_rows)
+    group.memo[key] = plan
+    return plan
+
+
+def entry_index(group: Group, pools: StatePools, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool rows [G, E] of entries 0..E-1 (E = most entries any request of the group has after this forward) and
+    the causal visibility [G, n, E] of entry w to the query at position t: w < (t + 1) // ratio."""
+    key = ("entries", ratio)
+    if key not in group.memo:
+        dev = group.starts.device
+        count = int(((group.starts + group.n) // ratio).max())
+        w = torch.arange(count, device=dev)
+        rows = pools.entry_rows(group.slots, w[None].expand(group.size, -1), ratio)
+        visible = w[None, None] < ((group.pos + 1) // ratio)[..., None]
+        group.memo[key] = (rows, visible)
+    return group.memo[key]

@@ -1,0 +1,144 @@
+"""ModelRunner: the engine's model half. Owns the weights and the state pools; a sequence is a slot with pages and
+a length. One `forward` appends any number of tokens to any number of sequences in a single batched model pass."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from evalpipe.engine.cache import PoolExhausted, StatePools
+from evalpipe.engine.config import TINY_MODEL_NAME, load_config
+from evalpipe.engine.forward_batch import ForwardBatch
+from evalpipe.engine.model import DeepseekV4Model
+from evalpipe.engine.weights import default_checkpoint, load_state_dict
+
+__all__ = ["ModelRunner", "PoolExhausted"]
+
+
+class ModelRunner:
+    def __init__(self, model_path: str | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_seqs: int = 64, max_seq_len: int = 4096, rollback_margin: int = 32,
+                 num_pages: int | None = None):
+        if model_path is None:
+            path, self.model_name = default_checkpoint(), TINY_MODEL_NAME
+        else:
+            path = Path(model_path)
+            self.model_name = path.resolve().name
+        self.model_path = str(path)
+        self.config = load_config(path)
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_seq_len, self.max_seqs = int(max_seq_len), int(max_seqs)
+        self.model = DeepseekV4Model(self.config, load_state_dict(path), dtype=dtype, device=self.device,
+                                     max_positions=self.max_seq_len)
+        self.pools = StatePools(self.config, max_seqs=self.max_seqs, max_seq_len=self.max_seq_len,
+                                device=self.device, dtype=dtype, rollback_margin=rollback_margin,
+                                num_pages=num_pages)
+        self._free_slots = list(range(self.max_seqs - 1, -1, -1))
+        self._tokens: dict[int, list[int]] = {}  # per live slot: every appended token (for deep rollbacks)
+
+    # ---- slots -----------------------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self._free_slots:
+            raise PoolExhausted(f"all {self.max_seqs} sequence slots are in use")
+        seq = self._free_slots.pop()
+        self._tokens[seq] = []
+        return seq
+
+    def free(self, seq: int) -> None:
+        self._check(seq)
+        self.pools.shrink(seq, 0)
+        del self._tokens[seq]
+        self._free_slots.append(seq)
+
+    def seq_len(self, seq: int) -> int:
+        self._check(seq)
+        return len(self._tokens[seq])
+
+    def tokens(self, seq: int) -> list[int]:
+        self._check(seq)
+        return list(self._tokens[seq])
+
+    def _check(self, seq: int) -> None:
+        if seq not in self._tokens:
+            raise KeyError(f"sequence {seq} is not allocated")
+
+    # ---- model -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
+        if len(seqs) != len(tokens) or not seqs:
+            raise ValueError("forward needs one non-empty token list per sequence")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("a sequence may appear only once per forward")
+        starts, counts = [], []
+        vocab = self.config.vocab_size
+        for seq, toks in zip(seqs, tokens):
+            self._check(seq)
+            if not toks:
+                raise ValueError(f"sequence {seq}: empty token list")
+            if any(not 0 <= t < vocab for t in toks):
+                raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
+            start = len(self._tokens[seq])
+            if start + len(toks) > self.max_seq_len:
+                raise ValueError(f"sequence {seq}: length {start + len(toks)} exceeds max_seq_len {self.max_seq_len}")
+            starts.append(start)
+            counts.append(len(toks))
+        self.pools.reserve({seq: s + c for seq, s, c in zip(seqs, starts, counts)})
+        flat = [t for toks in tokens for t in toks]
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        batch = ForwardBatch(self.pools, seqs, starts, counts, input_ids)
+        rows = torch.arange(batch.num_rows, device=self.device) if all_logits else batch.last_rows
+        logits = self.model.forward(batch, self.pools, rows)
+        for seq, toks in zip(seqs, tokens):
+            self._tokens[seq].extend(int(t) for t in toks)
+        return logits
+
+    @torch.inference_mode()
+    def truncate(self, seq: int, new_len: int) -> None:
+        """Roll back to the first `new_len` tokens. Within `rollback_margin` tokens this only moves the length (the
+        position-indexed state needs no undo, see cache.py); deeper, the kept prefix is re-prefilled."""
+        self._check(seq)
+        old = len(self._tokens[seq])
+        if not 0 <= new_len <= old:
+            raise ValueError(f"truncate({seq}, {new_len}): length is {old}")
+        kept = self._tokens[seq][:new_len]
+        if old - new_len <= self.pools.margin:
+            self._tokens[seq] = kept
+            self.pools.shrink(seq, new_len)
+            return
+        self._tokens[seq] = []
+        self.pools.shrink(seq, 0)
+        chunk = 512
+        for i in range(0, new_len, chunk):
+            self.forward([seq], [kept[i:i + chunk]])
+
+    def state_snapshot(self, seq: int) -> dict[str, torch.Tensor]:
+        """Copies of the live state of `seq` (rings it may still read, final entries), ordered by position."""
+        return {k: v.clone() for k, v in self.pools.snapshot(seq, self.seq_len(seq)).items()}
+
+    def describe(self) -> dict:
+        c = self.config
+        return {
+            "model": self.model_name,
+            "model_path": self.model_path,
+            "architecture": "DeepseekV4ForCausalLM",
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "parameters": self.model.num_parameters,
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "layer_types": list(c.layer_types),
+            "mlp_layer_types": list(c.mlp_layer_types),
+            "compress_rates": dict(c.compress_rates),
+            "sliding_window": c.sliding_window,
+            "index_topk": c.index_topk,
+            "bos_token_id": c.bos_token_id,
+            "eos_token_id": c.eos_token_id,
+            "max_seq_len": self.max_seq_len,
+            "live_sequences": len(self._tokens),
+            "pools": self.pools.describe(),
+            "threads": torch.get_num_threads(),
+            "pid": os.getpid(),
+        }
