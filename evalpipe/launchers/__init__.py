@@ -1,0 +1,24 @@
+"""Launchers: start the native engine, SGLang or vLLM the same way, with clean environments and receipts."""
+
+from __future__ import annotations
+
+from evalpipe.launchers.base import LaunchOptions, Launcher
+from evalpipe.launchers.errors import LaunchConfigError, ServerStartError
+
+ENGINES = ("native", "sglang", "vllm")
+
+
+def make_launcher(options: LaunchOptions, parent_env=None) -> Launcher:
+    """The launcher for `options.engine`; raises LaunchConfigError for settings that engine refuses."""
+    if options.engine == "native":
+        from evalpipe.launchers.native import NativeLauncher as cls
+    elif options.engine == "sglang":
+        from evalpipe.launchers.sglang import SGLangLauncher as cls
+    elif options.engine == "vllm":
+        from evalpipe.launchers.vllm import VLLMLauncher as cls
+    else:
+        raise LaunchConfigError(f"unknown engine {options.engine!r}; choose one of {', '.join(ENGINES)}")
+    return cls(options, parent_env=parent_env)
+
+
+__all__ = ["ENGINES", "LaunchConfigError", "LaunchOptions", "Launcher", "ServerStartError", "make_launcher"]

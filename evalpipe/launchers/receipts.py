@@ -1,0 +1,211 @@
+"""Launch receipts: what was started and what the server says it is running, and how two receipts differ.
+
+A receipt is the evidence that an A/B was fair: argv and environment (secrets redacted), engine version, the
+server's own report of its effective settings (`/get_server_info` or `/server_info`, `/v1/models`), the GPUs it
+saw, and when it started, became ready and stopped. `receipt_differences` lists every difference between two
+receipts that the declared flags do not explain.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import platform
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable
+
+import httpx
+
+from evalpipe.launchers.base import Launcher
+from evalpipe.launchers.env import redact_tree, scrub_values
+
+RECEIPT_SCHEMA = 1
+
+
+def fetch_json(client: httpx.Client, url: str):
+    """GET a JSON document; None when the server has no such endpoint or answers with something else."""
+    try:
+        response = client.get(url, timeout=30)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def server_report(launcher: Launcher) -> dict:
+    """Ask the running server about itself: effective settings, served models, version."""
+    report: dict = {"server_info": None, "server_info_path": None, "models": None, "version": None}
+    with httpx.Client(base_url=launcher.base_url, headers=launcher.headers()) as client:
+        for path in launcher.info_paths:
+            info = fetch_json(client, path)
+            if isinstance(info, dict):
+                report["server_info"], report["server_info_path"] = redact_tree(info), path
+                break
+        report["models"] = fetch_json(client, "/v1/models")
+        if launcher.version_path:
+            version = fetch_json(client, launcher.version_path)
+            report["version"] = version.get("version") if isinstance(version, dict) else None
+    return report
+
+
+def gpu_list() -> list[str] | None:
+    """`nvidia-smi -L` lines, or None where there is no NVIDIA driver."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
+
+
+def engine_version(launcher: Launcher, report: dict) -> str | None:
+    """Prefer what the server reports; fall back to the installed distribution in this interpreter."""
+    info = report.get("server_info") or {}
+    for value in (report.get("version"), info.get("version"), info.get("evalpipe_version")):
+        if isinstance(value, str) and value:
+            return value
+    distribution = {"native": "evalpipe", "sglang": "sglang", "vllm": "vllm"}[launcher.engine]
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def build_receipt(launcher: Launcher, report: dict | None = None) -> dict:
+    """The whole receipt of a launch; call after `wait_ready` (and again after `stop` to record the stop)."""
+    report = report if report is not None else {}
+    receipt = {
+        "schema": RECEIPT_SCHEMA,
+        **launcher.describe(),
+        "engine_version": engine_version(launcher, report) if report else None,
+        "server_info_path": report.get("server_info_path"),
+        "server_info": report.get("server_info"),
+        "models": report.get("models"),
+        "gpus": gpu_list(),
+        "host": {"hostname": platform.node(), "platform": platform.platform(), "cwd": os.getcwd()},
+    }
+    return scrub_values(receipt, launcher.secret_values())
+
+
+def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
+    """Settings the server reports that an accuracy run must not have: lossy thresholds, unrequested simulation."""
+    problems = []
+    for key, value in flatten(info or {}).items():
+        leaf = key.rsplit(".", 1)[-1].lower()
+        if "accept_threshold" in leaf and isinstance(value, (int, float)) and float(value) != 1.0:
+            problems.append(f"server reports {key}={value}: lossy acceptance (accuracy runs need 1.0)")
+        if (
+            "simulat" in leaf
+            and launcher.options.simulate_acc_len is None
+            and value not in (None, False, -1, -1.0, "", "off", 0)
+        ):
+            problems.append(f"server reports {key}={value!r}: simulated acceptance is on but was not requested")
+    return problems
+
+
+def write_receipt(path: str | os.PathLike, receipt: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(receipt, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# ----- comparing two receipts ------------------------------------------------------------------------
+
+# Keys that differ between any two boots of the same settings: ports, pids, clocks, running statistics.
+VOLATILE_KEYS = (
+    "port", "pid", "*_pid", "created", "*time*", "*uptime*", "*timestamp*", "*url*", "internal_states",
+    "*throughput*", "*accept_length*", "*accept_rate*", "stats", "*_stats", "statistics", "*_ct", "*count*",
+    "launch_command", "command", "argv", "cmdline", "log", "log_path", "*_at",
+    "num_requests*", "num_running_*", "num_waiting_*", "*memory_usage*", "*_tokens_total", "load",
+    "verify_steps", "draft_tokens", "accepted_drafts", "histogram",
+)
+# A declared speculation flag explains every speculation-shaped setting the server derives from it.
+SPECULATION_WORDS = ("spec", "draft", "block_size", "accept", "simulat", "dspark", "eagle", "nextn")
+
+
+def flatten(value, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(flatten(item, f"{prefix}[{i}]"))
+        return out
+    return {prefix: value}
+
+
+def _norm(name: str) -> str:
+    return name.lstrip("-").replace("-", "_").lower()
+
+
+def _volatile(path: str) -> bool:
+    parts = [p.split("[")[0].lower() for p in path.split(".")]
+    return any(fnmatch.fnmatchcase(part, pattern) for part in parts for pattern in VOLATILE_KEYS)
+
+
+def explained(path: str, declared: Iterable[str], allow: Iterable[str] = ()) -> bool:
+    """Is a differing key accounted for by a declared flag (or a user's --allow-diff glob)?"""
+    lowered = path.lower()
+    if any(fnmatch.fnmatchcase(lowered, pattern.lower()) for pattern in allow):
+        return True
+    names = [_norm(flag) for flag in declared]
+    if any(name and name in lowered for name in names):
+        return True
+    if any(any(word in name for word in SPECULATION_WORDS) for name in names):
+        return any(word in lowered for word in SPECULATION_WORDS)
+    return False
+
+
+def _model_ids(models) -> list:
+    if isinstance(models, dict) and isinstance(models.get("data"), list):
+        return sorted(str(m.get("id")) for m in models["data"] if isinstance(m, dict))
+    return [] if models is None else [json.dumps(models, sort_keys=True)]
+
+
+def receipt_differences(a: dict, b: dict, declared: Iterable[str] = (), allow: Iterable[str] = ()) -> list[str]:
+    """Human-readable differences between receipts `a` and `b` not explained by `declared` flags.
+
+    Compared: engine and its version, GPU list, served model ids, the child environment (names set on purpose
+    count as declared), and every non-volatile field of the server's own settings report.
+    """
+    declared = list(declared)
+    problems: list[str] = []
+
+    def check(label: str, x, y) -> None:
+        if x != y:
+            problems.append(f"{label}: A={x!r} B={y!r}")
+
+    check("engine", a.get("engine"), b.get("engine"))
+    check("engine_version", a.get("engine_version"), b.get("engine_version"))
+    check("gpus", a.get("gpus"), b.get("gpus"))
+    check("served models", _model_ids(a.get("models")), _model_ids(b.get("models")))
+    env_a, env_b = a.get("env") or {}, b.get("env") or {}
+    for name in sorted(set(env_a) | set(env_b)):
+        if env_a.get(name) != env_b.get(name) and not explained(name, declared, allow):
+            problems.append(f"env {name}: A={env_a.get(name)!r} B={env_b.get(name)!r}")
+    info_a, info_b = a.get("server_info"), b.get("server_info")
+    if (info_a is None) != (info_b is None):
+        problems.append(f"server info: A={'present' if info_a else 'missing'} B={'present' if info_b else 'missing'}")
+    elif info_a is not None:
+        flat_a, flat_b = flatten(info_a), flatten(info_b)
+        for key in sorted(set(flat_a) | set(flat_b)):
+            va, vb = flat_a.get(key, "<absent>"), flat_b.get(key, "<absent>")
+            if va != vb and not _volatile(key) and not explained(key, declared, allow):
+                problems.append(f"server setting {key}: A={va!r} B={vb!r}")
+    return problems
