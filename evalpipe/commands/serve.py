@@ -110,3 +110,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _display_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)
+
+
+# `--engine sglang|vllm` and `--dry-run` go to evalpipe/launchers (issue 7); native command lines are unchanged.
+from evalpipe.launchers.dispatch import with_engine_dispatch  # noqa: E402
+
+command = with_engine_dispatch(command)
