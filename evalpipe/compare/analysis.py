@@ -1,0 +1,333 @@
+"""Everything `evalpipe compare` says about two run folders, as one JSON-ready dict.
+
+The dict is compare.json; the terminal table and report.html are views of it and add nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any
+
+import numpy as np
+
+from evalpipe.compare import stats
+from evalpipe.compare.agreement import compare_outputs, summarize_agreement
+from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
+
+SCHEMA_VERSION = 1
+GSM8K_INVALID = -9999999
+
+# Manifest keys that differ between any two runs by construction: listed as volatile, never flagged.
+VOLATILE_LEAVES = {
+    "run_id", "arm", "started_at", "ended_at", "start_time", "end_time", "finished_at", "created", "created_at",
+    "timestamp", "time", "wall_s", "duration_s", "out_dir", "run_dir", "output_dir", "pid", "output_sha256",
+    "responses_sha256", "n_records", "n_done", "done", "captured_at", "command_line",
+}
+
+
+def is_correct(rec: dict) -> bool:
+    """Errors and truncations count as wrong: they stay in the denominator."""
+    return bool(rec.get("correct")) and not rec.get("error")
+
+
+def is_invalid(rec: dict) -> bool:
+    """No extractable answer, counted as `evalpipe run` counts it: grade_status `no_answer` on a non-error record
+    (a truncated record is graded `truncated`, not invalid). Records without a grade_status fall back to the
+    extracted answer (None or GSM8K's INVALID value)."""
+    if rec.get("error"):
+        return False
+    status = rec.get("grade_status")
+    if status is not None:
+        return status in ("no_answer", "invalid")
+    ans = rec.get("extracted_answer")
+    return ans is None or ans == GSM8K_INVALID or ans == str(GSM8K_INVALID)
+
+
+def is_truncated(rec: dict) -> bool:
+    return bool(rec.get("truncated")) or rec.get("finish_reason") == "length"
+
+
+def completion_tokens(rec: dict) -> int | None:
+    usage = rec.get("usage") or {}
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), (int, float)):
+        return int(usage["completion_tokens"])
+    ids = rec.get("output_token_ids")
+    return len(ids) if isinstance(ids, list) else None
+
+
+def arm_overview(run: RunFolder) -> dict:
+    recs = list(run.by_key.values())
+    n_planned = run.summary.get("n_planned")
+    if not isinstance(n_planned, int):
+        n_planned = len(recs)
+    n_correct = sum(is_correct(r) for r in recs)
+    return {
+        "path": str(run.path),
+        "run_id": run.run_id,
+        "arm": run.arm,
+        "lane": run.lane,
+        "n_planned": n_planned,
+        "n_records": len(recs),
+        "n_duplicate_records": run.duplicates,
+        "n_correct": n_correct,
+        "accuracy": n_correct / n_planned if n_planned else None,
+        "summary_accuracy": run.summary.get("accuracy"),
+        "partial": bool(run.summary.get("partial")),
+    }
+
+
+def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> dict:
+    """Truncation, error and invalid/no-answer counts and rates per arm and their difference (B - A)."""
+    out = {}
+    for name, pred in (("truncated", is_truncated), ("error", lambda r: bool(r.get("error"))), ("invalid", is_invalid)):
+        ka, kb = sum(map(pred, recs_a)), sum(map(pred, recs_b))
+        ra, rb = (ka / n_a if n_a else None), (kb / n_b if n_b else None)
+        out[name] = {"n_a": ka, "n_b": kb, "denominator_a": n_a, "denominator_b": n_b, "rate_a": ra, "rate_b": rb,
+                     "diff": (rb - ra) if ra is not None and rb is not None else None}
+    return out
+
+
+def spec_stats(recs: list[dict]) -> dict:
+    """Accept-length mean and distribution from the records' `spec` (null when speculation was off).
+
+    Per record the accept length is the server's figure, else completion_tokens / verify steps. Per-step
+    lengths (`accept_lengths`), a histogram by length (`accept_length_histogram`) or by accepted drafts
+    (`accept_histogram`, the native engine's; length = drafts + 1) feed the
+    distribution; else the per-record means do. The token-weighted mean is sum(tokens) / sum(steps).
+    """
+    per_record: list[float] = []
+    steps: list[int] = []
+    tok_sum = step_sum = 0
+    n_with = 0
+    for r in recs:
+        spec = r.get("spec")
+        if not isinstance(spec, dict):
+            continue
+        n_with += 1
+        verify = _first_num(spec, ("verify_steps", "verify_ct", "spec_verify_ct", "num_verify_steps"))
+        tokens = _first_num(spec, ("num_tokens", "accepted_tokens_total")) or completion_tokens(r)
+        al = _first_num(spec, ("accept_length", "spec_accept_length", "avg_accept_length", "mean_accept_length"))
+        if al is None and verify and tokens:
+            al = tokens / verify
+        if al is not None:
+            per_record.append(float(al))
+        if verify and tokens:
+            tok_sum += tokens
+            step_sum += verify
+        lengths = spec.get("accept_lengths")
+        hist = spec.get("accept_length_histogram")
+        drafts_hist = spec.get("accept_histogram", spec.get("spec_correct_drafts_histogram"))
+        if isinstance(drafts_hist, list) and not isinstance(lengths, list) and hist is None:
+            # index = accepted drafts per verify step; the accept length adds the bonus token
+            hist = [0] + [int(c or 0) for c in drafts_hist]
+        if isinstance(lengths, list):
+            steps.extend(int(x) for x in lengths if isinstance(x, (int, float)))
+        elif isinstance(hist, list):
+            for length, count in enumerate(hist):
+                steps.extend([length] * int(count or 0))
+        elif isinstance(hist, dict):
+            for length, count in hist.items():
+                steps.extend([int(length)] * int(count or 0))
+    source = steps if steps else [round(x) for x in per_record]
+    histogram: dict[str, int] = {}
+    for x in source:
+        histogram[str(int(x))] = histogram.get(str(int(x)), 0) + 1
+    return {
+        "n_records_with_spec": n_with,
+        "accept_length_mean": float(np.mean(per_record)) if per_record else None,
+        "accept_length_token_weighted": tok_sum / step_sum if step_sum else None,
+        "accept_length_median": float(np.median(per_record)) if per_record else None,
+        "histogram_basis": "per-step accept lengths" if steps else "per-record mean accept length, rounded",
+        "histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
+        "per_record": per_record,
+    }
+
+
+def _first_num(d: dict, names: tuple[str, ...]) -> float | None:
+    for n in names:
+        v = d.get(n)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def speed_stats(recs: list[dict]) -> dict:
+    """Client latency and completion tokens per second, per record and in aggregate."""
+    lat = [float(r["latency_s"]) for r in recs if isinstance(r.get("latency_s"), (int, float)) and not r.get("error")]
+    tps, tok_total, lat_total = [], 0, 0.0
+    for r in recs:
+        ct, ls = completion_tokens(r), r.get("latency_s")
+        if ct is not None and isinstance(ls, (int, float)) and ls > 0 and not r.get("error"):
+            tps.append(ct / ls)
+            tok_total += ct
+            lat_total += ls
+    return {
+        "n": len(lat),
+        "latency_median_s": _q(lat, 0.5), "latency_p90_s": _q(lat, 0.9), "latency_mean_s": _mean(lat),
+        "tokens_per_s_median": _q(tps, 0.5), "tokens_per_s_mean": _mean(tps),
+        "tokens_per_s_aggregate": tok_total / lat_total if lat_total else None,
+        "completion_tokens_total": tok_total,
+        "latency_s": lat,
+        "tokens_per_s": tps,
+    }
+
+
+def _q(xs: list[float], q: float) -> float | None:
+    return float(np.quantile(xs, q)) if xs else None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(np.mean(xs)) if xs else None
+
+
+def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
+    """Every differing manifest key (dotted), grouped, with the intended ones (glob patterns) marked."""
+    fa, fb = flatten(manifest_view(ma)), flatten(manifest_view(mb))
+    rows, volatile = [], []
+    for key in sorted(set(fa) | set(fb)):
+        va, vb = fa.get(key, "<absent>"), fb.get(key, "<absent>")
+        if va == vb:
+            continue
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf in VOLATILE_LEAVES:
+            volatile.append(key)
+            continue
+        mark = any(fnmatch.fnmatchcase(key, pat) or fnmatch.fnmatchcase(leaf, pat) for pat in intended)
+        rows.append({"key": key, "category": _category(key), "a": va, "b": vb, "intended": mark})
+    return {
+        "intended_patterns": list(intended),
+        "differences": rows,
+        "n_intended": sum(r["intended"] for r in rows),
+        "n_unintended": sum(not r["intended"] for r in rows),
+        "volatile_keys_ignored": volatile,
+    }
+
+
+def manifest_view(manifest: dict) -> dict:
+    """The provenance snapshot with packages as {name: version}, so a changed package is one row."""
+    view = dict(snapshot(manifest))
+    pkgs = view.get("packages")
+    if isinstance(pkgs, list):
+        view["packages"] = {p.split("==", 1)[0]: (p.split("==", 1)[1] if "==" in p else "") for p in map(str, pkgs)}
+    return view
+
+
+def _category(key: str) -> str:
+    k = key.lower()
+    for cat, words in (("packages", ("package",)), ("sources", ("git", "commit", "diff", "version", "source")),
+                       ("server", ("server", "endpoint", "model", "spec", "launch")),
+                       ("dataset", ("dataset", "data")), ("lane", ("lane", "override", "prompt", "template"))):
+        if any(w in k for w in words):
+            return cat
+    return "other"
+
+
+def flip_list(pairs: dict[tuple[str, int], tuple[dict, dict]], agreement: dict) -> list[dict]:
+    """Every question answered right in exactly one arm, with what each arm said."""
+    flips = []
+    for key, (ra, rb) in pairs.items():
+        ca, cb = is_correct(ra), is_correct(rb)
+        if ca == cb:
+            continue
+        ag = agreement.get(key) or {}
+        flips.append({
+            "question_id": key[0], "repeat_index": key[1],
+            "direction": "gained" if cb else "lost",
+            "expected_answer": rb.get("expected_answer", ra.get("expected_answer")),
+            "answer_a": ra.get("extracted_answer"), "answer_b": rb.get("extracted_answer"),
+            "correct_a": ca, "correct_b": cb,
+            "finish_reason_a": ra.get("finish_reason"), "finish_reason_b": rb.get("finish_reason"),
+            "tokens_a": completion_tokens(ra), "tokens_b": completion_tokens(rb),
+            "error_a": (ra.get("error") or {}).get("type") if ra.get("error") else None,
+            "error_b": (rb.get("error") or {}).get("type") if rb.get("error") else None,
+            "divergence_position": ag.get("position"), "divergence_basis": ag.get("basis"),
+            "logprob_gap": (ag.get("logprob") or {}).get("gap"),
+        })
+    flips.sort(key=lambda f: _id_sort_key(f["question_id"]))
+    return flips
+
+
+def _id_sort_key(qid) -> tuple:
+    if isinstance(qid, int):
+        return (0, qid, "")
+    return (1, 0, str(qid))
+
+
+def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resamples: int,
+            intended: list[str], forced: list[str]) -> dict:
+    """The whole comparison of run A (reference) and run B (candidate)."""
+    common = sorted(set(a.by_key) & set(b.by_key), key=lambda k: (_id_sort_key(k[0]), k[1]))
+    only_a = sorted(set(a.by_key) - set(b.by_key))
+    only_b = sorted(set(b.by_key) - set(a.by_key))
+    pairs = {k: (a.by_key[k], b.by_key[k]) for k in common}
+    over_a, over_b = arm_overview(a), arm_overview(b)
+    result: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "runs",
+        "lane": a.lane,
+        "forced": bool(forced),
+        "forced_over": forced,
+        "arms": {"a": over_a, "b": over_b},
+        "accuracy": {
+            "a": over_a["accuracy"], "b": over_b["accuracy"],
+            "denominator_a": over_a["n_planned"], "denominator_b": over_b["n_planned"],
+            "diff": (over_b["accuracy"] - over_a["accuracy"])
+            if over_a["accuracy"] is not None and over_b["accuracy"] is not None else None,
+        },
+        "paired_keys": len(common),
+        "keys_only_in_a": [list(k) for k in only_a],
+        "keys_only_in_b": [list(k) for k in only_b],
+        "repeated": a.repeated or b.repeated,
+        "settings": {"margin_pts": margin_pts, "seed": seed, "n_resamples": n_resamples,
+                     "confidence": stats.DEFAULT_CONFIDENCE},
+    }
+    recs_a, recs_b = list(a.by_key.values()), list(b.by_key.values())
+    result["rates"] = rate_block(recs_a, recs_b, over_a["n_planned"], over_b["n_planned"])
+    if result["repeated"]:
+        oa: dict = {}
+        ob: dict = {}
+        for (qid, _), rec in a.by_key.items():
+            oa.setdefault(qid, []).append(float(is_correct(rec)))
+        for (qid, _), rec in b.by_key.items():
+            ob.setdefault(qid, []).append(float(is_correct(rec)))
+        ids = sorted(set(oa) & set(ob), key=_id_sort_key)
+        result["repeated_stats"] = stats.compare_repeated(
+            {q: np.array(oa[q]) for q in ids}, {q: np.array(ob[q]) for q in ids},
+            n_permutations=n_resamples, seed=seed)
+        result["agreement"] = {"note": "not computed: repeats at temperature > 0 share no randomness across arms"}
+        result["flips"] = []
+    else:
+        ca = np.array([is_correct(pairs[k][0]) for k in common], dtype=bool)
+        cb = np.array([is_correct(pairs[k][1]) for k in common], dtype=bool)
+        greedy = stats.compare_greedy(ca, cb, margin_pts=margin_pts, n_resamples=n_resamples, seed=seed)
+        result["greedy"] = greedy.to_dict()
+        for name, pred in (("truncated", is_truncated), ("error", lambda r: bool(r.get("error"))),
+                           ("invalid", is_invalid)):
+            fa = np.array([pred(pairs[k][0]) for k in common], dtype=bool)
+            fb = np.array([pred(pairs[k][1]) for k in common], dtype=bool)
+            result["rates"][name]["mcnemar_p"] = stats.mcnemar_exact(int(np.sum(fb & ~fa)), int(np.sum(fa & ~fb)))
+        per_pair = {k: compare_outputs(*pairs[k]) for k in common}
+        result["agreement"] = summarize_agreement(list(per_pair.items()))
+        result["flips"] = flip_list(pairs, per_pair)
+        result["per_question"] = [
+            {"question_id": k[0], "correct_a": bool(x), "correct_b": bool(y),
+             "identical": per_pair[k]["identical"], "divergence_position": per_pair[k]["position"]}
+            for k, x, y in zip(common, ca, cb)]
+    result["spec"] = {"a": spec_stats(recs_a), "b": spec_stats(recs_b)}
+    result["speed"] = {"a": speed_stats(recs_a), "b": speed_stats(recs_b)}
+    result["manifest_diff"] = manifest_differences(a.manifest, b.manifest, intended)
+    return _clean(result)
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe: NaN and inf become null."""
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, np.generic):
+        return _clean(obj.item())
+    return obj

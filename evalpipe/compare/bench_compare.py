@@ -1,0 +1,64 @@
+"""Compare two bench folders: ratio of medians (B / A) with a bootstrap interval, per measured quantity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from evalpipe.compare import stats
+from evalpipe.compare.runfolder import BENCH, RunFolderError
+
+# Settings that must match for two benches to measure the same thing.
+PROTOCOL_KEYS = ("input_len", "output_len", "concurrency", "input_ids_sha256", "temperature", "ignore_eos")
+METRICS = ("decode_tokens_per_s", "ttft_s", "total_s")
+
+
+def is_bench_folder(path: str | Path) -> bool:
+    return (Path(path) / BENCH).is_file()
+
+
+def load_bench(path: str | Path) -> dict:
+    p = Path(path) / BENCH
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunFolderError(f"{p}: unreadable bench.json ({exc})") from exc
+    if not isinstance(data, dict) or "requests" not in data:
+        raise RunFolderError(f"{p}: not a bench.json written by `evalpipe bench`")
+    data["_path"] = str(Path(path))
+    return data
+
+
+def bench_problems(a: dict, b: dict) -> list[str]:
+    ca, cb = a.get("config", {}), b.get("config", {})
+    problems = [f"bench setting {k} differs: {ca.get(k)!r} vs {cb.get(k)!r}" for k in PROTOCOL_KEYS if ca.get(k) != cb.get(k)]
+    for d, label in ((a, "A"), (b, "B")):
+        if d.get("partial"):
+            problems.append(f"bench {label} ({d['_path']}) is partial")
+    return problems
+
+
+def kept_values(bench: dict, metric: str) -> list[float]:
+    """Every non-warm-up, non-error value of `metric` (low outliers included)."""
+    return [r[metric] for r in bench["requests"]
+            if not r.get("warmup") and not r.get("error") and isinstance(r.get(metric), (int, float))]
+
+
+def compare_benches(a: dict, b: dict, *, seed: int, n_resamples: int, forced: list[str]) -> dict:
+    metrics = {}
+    for m in METRICS:
+        va, vb = kept_values(a, m), kept_values(b, m)
+        res = stats.bootstrap_ratio_of_medians(va, vb, n_resamples=n_resamples, seed=seed)
+        res["values_a"], res["values_b"] = va, vb
+        metrics[m] = res
+    acc = {k: (d.get("results") or {}).get("accept_length_median") for k, d in (("a", a), ("b", b))}
+    return {
+        "schema_version": 1,
+        "kind": "bench",
+        "forced": bool(forced),
+        "forced_over": forced,
+        "arms": {"a": {"path": a["_path"], "config": a.get("config")}, "b": {"path": b["_path"], "config": b.get("config")}},
+        "metrics": metrics,
+        "accept_length_median": acc,
+        "settings": {"seed": seed, "n_resamples": n_resamples, "confidence": stats.DEFAULT_CONFIDENCE},
+    }

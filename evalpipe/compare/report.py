@@ -1,0 +1,389 @@
+"""Views of a comparison: compare.json, a rich terminal table, and a self-contained report.html.
+
+The HTML embeds its PNG plots as base64 data URIs (matplotlib Agg), so it opens offline from any folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+COLORS = {"a": "#4c72b0", "b": "#dd8452"}
+
+
+def write_json(result: dict, out_dir: Path) -> Path:
+    path = out_dir / "compare.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------- formatting helpers
+
+def pct(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def pts(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{100 * x:+.{digits}f} pt"
+
+
+def num(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e-3 and x != 0 else f"{x:.{digits}f}"
+    return str(x)
+
+
+def label(result: dict, arm: str) -> str:
+    a = result["arms"][arm]
+    return f"{arm.upper()}: {a.get('arm') or a.get('path')}"
+
+
+# ----------------------------------------------------------------------------- terminal
+
+def print_terminal(result: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    if result["kind"] == "bench":
+        _print_bench(result, console)
+        return
+    la, lb = label(result, "a"), label(result, "b")
+    t = Table(title=f"evalpipe compare — lane {result.get('lane')}", show_lines=False)
+    t.add_column("")
+    t.add_column(la)
+    t.add_column(lb)
+    t.add_column("B - A")
+    acc, arms = result["accuracy"], result["arms"]
+    t.add_row("accuracy", f"{pct(acc['a'])} ({arms['a']['n_correct']}/{acc['denominator_a']})",
+              f"{pct(acc['b'])} ({arms['b']['n_correct']}/{acc['denominator_b']})", pts(acc["diff"]))
+    for name, r in result["rates"].items():
+        t.add_row(f"{name} rate", f"{pct(r['rate_a'])} ({r['n_a']})", f"{pct(r['rate_b'])} ({r['n_b']})", pts(r["diff"]))
+    sp = result["spec"]
+    t.add_row("accept length (mean)", num(sp["a"]["accept_length_mean"]), num(sp["b"]["accept_length_mean"]), "")
+    sd = result["speed"]
+    t.add_row("latency median (s)", num(sd["a"]["latency_median_s"]), num(sd["b"]["latency_median_s"]), "")
+    t.add_row("tokens/s median", num(sd["a"]["tokens_per_s_median"], 1), num(sd["b"]["tokens_per_s_median"], 1), "")
+    console.print(t)
+    for line in headline_lines(result):
+        console.print(line)
+    flips = result.get("flips") or []
+    if flips:
+        ft = Table(title=f"flips ({len(flips)})")
+        for col in ("id", "dir", "expected", "answer A", "answer B", "finish A/B", "tokens A/B", "diverge"):
+            ft.add_column(col)
+        for f in flips:
+            cells = (f["question_id"], f["direction"], f["expected_answer"], f["answer_a"], f["answer_b"],
+                     f"{f['finish_reason_a']}/{f['finish_reason_b']}", f"{f['tokens_a']}/{f['tokens_b']}",
+                     f["divergence_position"])
+            ft.add_row(*(escape(str(c)) for c in cells))
+        console.print(ft)
+
+
+def headline_lines(result: dict) -> list[str]:
+    """The few sentences that answer "did anything move"."""
+    lines = []
+    if result.get("forced"):
+        lines.append("[bold red]FORCED[/]: compared despite: " + escape("; ".join(result["forced_over"])))
+    g = result.get("greedy")
+    if g:
+        bs = g["bootstrap"]
+        lines.append(
+            f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
+            f"exact McNemar p = {g['mcnemar_p']:.4g}; paired bootstrap {int(100 * bs['confidence'])}% CI of B - A "
+            f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}] ({bs['n_resamples']} resamples, seed {bs['seed']}); "
+            f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]")
+    r = result.get("repeated_stats")
+    if r:
+        pt = r["permutation_test"]
+        lines.append(
+            f"repeated: {r['n_questions']} questions, mean rate A {pct(r['mean_rate_a'])} B {pct(r['mean_rate_b'])}, "
+            f"diff {pts(r['diff'])}; SE fixed-question {pts(r['se_fixed_question'])}, clustered "
+            f"{pts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}")
+    ag = result.get("agreement") or {}
+    if "n_pairs" in ag:
+        lines.append(
+            f"output agreement: {ag['n_identical']}/{ag['n_pairs']} identical ({pct(ag['share_identical'])}) by "
+            f"{', '.join(f'{k} {v}' for k, v in ag['basis_counts'].items()) or 'n/a'}; first divergence median "
+            f"{num(ag['first_divergence_median'], 1)}; logprob gap median {num(ag['logprob_gap_median'])}")
+    md = result.get("manifest_diff") or {}
+    if md.get("differences"):
+        lines.append(f"manifest: {len(md['differences'])} difference(s), {md['n_intended']} marked intended, "
+                     f"[bold]{md['n_unintended']} not marked intended[/]:")
+        for d in md["differences"]:
+            tag = "intended" if d["intended"] else "UNINTENDED?"
+            lines.append(escape(f"  [{d['category']}] {d['key']}: {_short(d['a'])} -> {_short(d['b'])}  ({tag})"))
+    else:
+        lines.append("manifest: no differences outside volatile keys")
+    return lines
+
+
+def _short(v: Any, n: int = 80) -> str:
+    s = json.dumps(v, default=str) if not isinstance(v, str) else v
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _print_bench(result: dict, console: Console) -> None:
+    t = Table(title="evalpipe compare — bench (ratio of medians B / A)")
+    for col in ("metric", "median A", "median B", "B / A", "95% CI", "n A", "n B"):
+        t.add_column(col)
+    for name, m in result["metrics"].items():
+        t.add_row(name, num(m.get("median_a")), num(m.get("median_b")), num(m.get("ratio")),
+                  f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]", str(m.get("n_a")), str(m.get("n_b")))
+    console.print(t)
+    if result.get("forced"):
+        console.print("[bold red]FORCED[/]: compared despite: " + escape("; ".join(result["forced_over"])))
+
+
+# ----------------------------------------------------------------------------- plots
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def plot_per_question(result: dict) -> str:
+    """Per-question accuracy, A on x and B on y: rates for repeated lanes, jittered 0/1 for greedy ones."""
+    fig, ax = plt.subplots(figsize=(5, 5))
+    if result.get("repeated_stats"):
+        pq = result["repeated_stats"]["per_question"]
+        xs = np.array([q["rate_a"] for q in pq])
+        ys = np.array([q["rate_b"] for q in pq])
+        ax.scatter(xs, ys, alpha=0.7, color=COLORS["b"])
+        ax.set_title("per-question success rate")
+    else:
+        pq = result.get("per_question") or []
+        xs = np.array([float(q["correct_a"]) for q in pq])
+        ys = np.array([float(q["correct_b"]) for q in pq])
+        rng = np.random.default_rng(0)
+        ax.scatter(xs + rng.uniform(-0.12, 0.12, xs.size), ys + rng.uniform(-0.12, 0.12, ys.size), s=10, alpha=0.5,
+                   color=COLORS["b"])
+        for x in (0, 1):
+            for y in (0, 1):
+                n = int(np.sum((xs == x) & (ys == y)))
+                ax.annotate(f"n={n}", (x, y + 0.2), ha="center", fontsize=11, weight="bold")
+        ax.set_xticks([0, 1], ["wrong", "right"])
+        ax.set_yticks([0, 1], ["wrong", "right"])
+        ax.set_title("per-question correctness (jittered)")
+    ax.plot([-0.3, 1.3], [-0.3, 1.3], color="gray", lw=0.8, ls="--")
+    ax.set_xlim(-0.3, 1.4)
+    ax.set_ylim(-0.3, 1.4)
+    ax.set_xlabel(label(result, "a"))
+    ax.set_ylabel(label(result, "b"))
+    return _png(fig)
+
+
+def plot_accept_lengths(result: dict) -> str | None:
+    sp = result["spec"]
+    if not (sp["a"]["histogram"] or sp["b"]["histogram"]):
+        return None
+    keys = sorted({int(k) for arm in ("a", "b") for k in sp[arm]["histogram"]})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.4
+    for i, arm in enumerate(("a", "b")):
+        h = sp[arm]["histogram"]
+        total = sum(h.values()) or 1
+        ax.bar(np.array(keys) + (i - 0.5) * width, [h.get(str(k), 0) / total for k in keys], width=width,
+               label=f"{label(result, arm)} (mean {num(sp[arm]['accept_length_mean'], 2)})", color=COLORS[arm])
+    ax.set_xlabel("accept length (tokens per verify step)")
+    ax.set_ylabel("share")
+    ax.set_title("accept-length distribution")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_latency(result: dict) -> str | None:
+    sd = result["speed"]
+    if not (sd["a"]["latency_s"] or sd["b"]["latency_s"]):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, key, title in ((axes[0], "latency_s", "latency (s)"), (axes[1], "tokens_per_s", "tokens/s per response")):
+        vals = [v for arm in ("a", "b") for v in sd[arm][key]]
+        if not vals:
+            ax.set_visible(False)
+            continue
+        bins = np.histogram_bin_edges(vals, bins=30)
+        for arm in ("a", "b"):
+            if sd[arm][key]:
+                ax.hist(sd[arm][key], bins=bins, alpha=0.55, label=label(result, arm), color=COLORS[arm])
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_bench(result: dict) -> str:
+    metrics = result["metrics"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.5))
+    for ax, (name, m) in zip(np.atleast_1d(axes), metrics.items()):
+        for i, arm in enumerate(("a", "b")):
+            vals = m.get(f"values_{arm}") or []
+            ax.scatter(np.full(len(vals), i) + np.linspace(-0.1, 0.1, len(vals)) if vals else [], vals,
+                       color=COLORS[arm], alpha=0.8)
+            if vals:
+                ax.hlines(np.median(vals), i - 0.2, i + 0.2, color="black")
+        ax.set_xticks([0, 1], ["A", "B"])
+        ax.set_title(f"{name}: B/A {num(m.get('ratio'))}")
+    return _png(fig)
+
+
+# ----------------------------------------------------------------------------- HTML
+
+CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:14px}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f0f0f0} .bad{color:#b00;font-weight:bold} .ok{color:#070} .muted{color:#777}
+img{max-width:100%;border:1px solid #eee;margin:0.5em 0} code{background:#f6f6f6}
+"""
+
+
+def _e(x: Any) -> str:
+    if x is None:
+        return "<span class='muted'>n/a</span>"
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    return html.escape(x if isinstance(x, str) else json.dumps(x, default=str))
+
+
+def _img(b64: str | None, alt: str, cls: str) -> str:
+    if b64 is None:
+        return f"<p class='muted'>{html.escape(alt)}: nothing recorded.</p>"
+    return f"<img class='{cls}' alt='{html.escape(alt)}' src='data:image/png;base64,{b64}'>"
+
+
+def _table(headers: list[str], rows: list[list[Any]], table_id: str | None = None) -> str:
+    tid = f" id='{table_id}'" if table_id else ""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c if isinstance(c, _Raw) else _e(c)}</td>" for c in r) + "</tr>"
+                   for r in rows)
+    return f"<table{tid}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+class _Raw(str):
+    """Already-escaped HTML cell content."""
+
+
+def render_html(result: dict) -> str:
+    if result["kind"] == "bench":
+        return _render_bench_html(result)
+    a, b = result["arms"]["a"], result["arms"]["b"]
+    parts = [f"<h1>evalpipe compare — lane {_e(result.get('lane'))}</h1>"]
+    parts.append(_table(["arm", "folder", "run id", "label"],
+                        [["A (reference)", a["path"], a["run_id"], a["arm"]], ["B (candidate)", b["path"], b["run_id"], b["arm"]]]))
+    parts.append("<h2>Headline</h2><ul>" + "".join(
+        f"<li>{_Raw(_rich_to_html(line))}</li>" for line in headline_lines(result) if not line.startswith("  ")) + "</ul>")
+    acc = result["accuracy"]
+    rows = [["accuracy", f"{pct(acc['a'])} ({a['n_correct']}/{acc['denominator_a']})",
+             f"{pct(acc['b'])} ({b['n_correct']}/{acc['denominator_b']})", pts(acc["diff"]), ""]]
+    for name, r in result["rates"].items():
+        rows.append([f"{name} rate", f"{pct(r['rate_a'])} ({r['n_a']}/{r['denominator_a']})",
+                     f"{pct(r['rate_b'])} ({r['n_b']}/{r['denominator_b']})", pts(r["diff"]),
+                     num(r.get("mcnemar_p"), 4) if r.get("mcnemar_p") is not None else ""])
+    sp, sd = result["spec"], result["speed"]
+    rows.append(["accept length mean / token-weighted",
+                 f"{num(sp['a']['accept_length_mean'])} / {num(sp['a']['accept_length_token_weighted'])}",
+                 f"{num(sp['b']['accept_length_mean'])} / {num(sp['b']['accept_length_token_weighted'])}", "", ""])
+    rows.append(["latency median / p90 (s)", f"{num(sd['a']['latency_median_s'])} / {num(sd['a']['latency_p90_s'])}",
+                 f"{num(sd['b']['latency_median_s'])} / {num(sd['b']['latency_p90_s'])}", "", ""])
+    rows.append(["tokens/s median / aggregate",
+                 f"{num(sd['a']['tokens_per_s_median'], 1)} / {num(sd['a']['tokens_per_s_aggregate'], 1)}",
+                 f"{num(sd['b']['tokens_per_s_median'], 1)} / {num(sd['b']['tokens_per_s_aggregate'], 1)}", "", ""])
+    parts.append("<h2>Per arm</h2>" + _table(["", "A", "B", "B - A", "exact McNemar p"], rows, "arms"))
+    g = result.get("greedy")
+    if g:
+        bs = g["bootstrap"]
+        parts.append("<h2>Greedy paired statistics</h2>" + _table(["quantity", "value"], [
+            ["questions paired", g["n"]], ["both right / both wrong", f"{g['both_right']} / {g['both_wrong']}"],
+            ["B right, A wrong (gained)", g["b_only"]], ["A right, B wrong (lost)", g["a_only"]],
+            ["difference B - A", pts(g["diff"])], ["exact McNemar p (two-sided)", num(g["mcnemar_p"], 4)],
+            [f"paired bootstrap {int(100 * bs['confidence'])}% CI", f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}]"],
+            ["bootstrap resamples / seed", f"{bs['n_resamples']} / {bs['seed']}"],
+            [f"non-inferiority (margin {g['margin_pts']} pt)", g["verdict"]]], "greedy"))
+    r = result.get("repeated_stats")
+    if r:
+        pt = r["permutation_test"]
+        parts.append("<h2>Repeated-lane statistics</h2>" + _table(["quantity", "value"], [
+            ["questions", r["n_questions"]], ["responses A / B", f"{r['n_responses_a']} / {r['n_responses_b']}"],
+            ["mean per-question rate A / B", f"{pct(r['mean_rate_a'])} / {pct(r['mean_rate_b'])}"],
+            ["difference B - A", pts(r["diff"])], ["SE, fixed questions", pts(r["se_fixed_question"])],
+            ["SE, question-clustered", pts(r["se_clustered"])],
+            ["within-question permutation p", f"{num(pt['p_value'], 4)} ({pt['n_permutations']} permutations, seed {pt['seed']})"],
+        ], "repeated"))
+        parts.append("<h3>Per question</h3>" + _table(
+            ["id", "A k/n", "B k/n", "rate A", "rate B", "B - A"],
+            [[q["question_id"], f"{q['k_a']}/{q['n_a']}", f"{q['k_b']}/{q['n_b']}", pct(q["rate_a"]), pct(q["rate_b"]),
+              pts(q["diff"])] for q in r["per_question"]], "per-question"))
+    parts.append("<h2>Plots</h2>")
+    parts.append(_img(plot_per_question(result), "per-question accuracy A vs B", "plot plot-per-question"))
+    parts.append(_img(plot_accept_lengths(result), "accept-length histograms", "plot plot-accept-length"))
+    parts.append(_img(plot_latency(result), "latency distributions", "plot plot-latency"))
+    ag = result.get("agreement") or {}
+    parts.append("<h2>Output agreement</h2>")
+    if "n_pairs" in ag:
+        parts.append(_table(["quantity", "value"], [[k, v] for k, v in ag.items()], "agreement"))
+    else:
+        parts.append(f"<p>{_e(ag.get('note'))}</p>")
+    flips = result.get("flips") or []
+    if not result.get("repeated_stats"):
+        parts.append(f"<h2>Flip list ({len(flips)})</h2>")
+        parts.append(_table(
+            ["id", "direction", "expected", "answer A", "answer B", "finish A", "finish B", "tokens A", "tokens B",
+             "first divergence", "logprob gap"],
+            [[f["question_id"], f["direction"], f["expected_answer"], f["answer_a"], f["answer_b"], f["finish_reason_a"],
+              f["finish_reason_b"], f["tokens_a"], f["tokens_b"], f["divergence_position"], f["logprob_gap"]]
+             for f in flips], "flips"))
+    md = result["manifest_diff"]
+    parts.append("<h2>Manifest differences</h2>")
+    parts.append(f"<p>Intended patterns: {_e(', '.join(md['intended_patterns']) or 'none given (use --intended)')}. "
+                 f"Volatile keys ignored: {len(md['volatile_keys_ignored'])}.</p>")
+    parts.append(_table(["category", "key", "A", "B", "status"], [
+        [d["category"], d["key"], d["a"], d["b"],
+         _Raw("<span class='ok'>intended</span>" if d["intended"] else "<span class='bad'>not marked intended</span>")]
+        for d in md["differences"]], "manifest-diff"))
+    if result.get("forced"):
+        parts.insert(1, "<p class='bad'>FORCED comparison despite: " + html.escape("; ".join(result["forced_over"])) + "</p>")
+    return _page("evalpipe compare", "".join(parts))
+
+
+def _render_bench_html(result: dict) -> str:
+    rows = [[name, num(m.get("median_a")), num(m.get("median_b")), num(m.get("ratio")),
+             f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]", m.get("n_a"), m.get("n_b")]
+            for name, m in result["metrics"].items()]
+    parts = ["<h1>evalpipe compare — bench</h1>",
+             _table(["arm", "folder"], [["A", result["arms"]["a"]["path"]], ["B", result["arms"]["b"]["path"]]]),
+             "<h2>Ratio of medians (B / A), unpaired bootstrap interval</h2>",
+             _table(["metric", "median A", "median B", "B / A", "95% CI", "n A", "n B"], rows, "bench"),
+             _img(plot_bench(result), "per-request values", "plot plot-bench")]
+    if result.get("forced"):
+        parts.insert(1, "<p class='bad'>FORCED comparison despite: " + html.escape("; ".join(result["forced_over"])) + "</p>")
+    return _page("evalpipe compare (bench)", "".join(parts))
+
+
+def _rich_to_html(line: str) -> str:
+    s = html.escape(line.replace("\\[", "["))
+    return s.replace("[bold red]", "<b class='bad'>").replace("[bold]", "<b>").replace("[/]", "</b>")
+
+
+def _page(title: str, body: str) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body>{body}</body></html>\n")
+
+
+def write_html(result: dict, out_dir: Path) -> Path:
+    path = out_dir / "report.html"
+    path.write_text(render_html(result), encoding="utf-8")
+    return path

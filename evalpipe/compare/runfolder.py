@@ -1,0 +1,232 @@
+"""Read a run folder (responses.jsonl, summary.json, manifest.json) and decide whether two are comparable.
+
+Two runs are comparable only when they asked the same questions the same way: equal prompt-stream
+hashes, dataset hashes and lane protocols, and neither is partial. Anything else is refused unless
+the user forces it, and the forced reasons are written into compare.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from evalpipe.records import read_records
+
+RESPONSES = "responses.jsonl"
+SUMMARY = "summary.json"
+MANIFEST = "manifest.json"
+BENCH = "bench.json"
+
+# Manifest keys searched (depth first) for each identity; the first one found wins.
+PROMPT_STREAM_KEYS = ("prompt_stream_sha256_selected", "prompt_stream_sha256")
+DATASET_KEYS = ("dataset_sha256", "file_sha256", "data_sha256")
+HELD_OUT_KEYS = ("held_out_ids_sha256", "id_list_sha256", "ids_sha256", "selected_ids_sha256")
+LANE_SPEC_KEYS = ("lane_spec", "protocol", "lane_protocol")
+OVERRIDES_KEYS = ("overrides",)
+
+
+class RunFolderError(Exception):
+    """A folder that is not a readable run folder."""
+
+
+@dataclass
+class RunFolder:
+    path: Path
+    records: list[dict]
+    summary: dict
+    manifest: dict
+    bad_lines: int = 0
+    duplicates: int = 0
+    by_key: dict[tuple[str, int], dict] = field(default_factory=dict)
+
+    @property
+    def lane(self) -> str | None:
+        lanes = {r.get("lane") for r in self.records if r.get("lane") is not None}
+        if len(lanes) == 1:
+            return next(iter(lanes))
+        return self.summary.get("lane") or find_key(self.manifest, ("lane",))
+
+    @property
+    def arm(self) -> str:
+        arms = {r.get("arm") for r in self.records if r.get("arm")}
+        return self.summary.get("arm") or (next(iter(arms)) if len(arms) == 1 else self.path.name)
+
+    @property
+    def run_id(self) -> str:
+        ids = {r.get("run_id") for r in self.records if r.get("run_id")}
+        return next(iter(ids)) if len(ids) == 1 else self.path.name
+
+    @property
+    def repeated(self) -> bool:
+        return any(int(r.get("repeat_index") or 0) > 0 for r in self.records)
+
+    def partial_reasons(self) -> list[str]:
+        reasons = []
+        if self.summary.get("partial"):
+            reasons.append("summary.json says partial: true")
+        planned = self.summary.get("n_planned")
+        if isinstance(planned, int) and len(self.by_key) < planned:
+            reasons.append(f"{len(self.by_key)} of {planned} planned items have a record")
+        if self.bad_lines:
+            reasons.append(f"{self.bad_lines} unreadable line(s) in {RESPONSES}")
+        if self.summary.get("manifest_changed") or self.manifest.get("consistent") is False:
+            reasons.append("manifest changed between start and end of the run")
+        return reasons
+
+
+def find_key(obj: Any, names: Iterable[str]) -> Any:
+    """First value stored under any of `names`, searching nested dicts breadth first."""
+    names = tuple(names)
+    queue = [obj]
+    while queue:
+        cur = queue.pop(0)
+        if isinstance(cur, dict):
+            for name in names:
+                if name in cur and cur[name] is not None:
+                    return cur[name]
+            queue.extend(v for v in cur.values() if isinstance(v, dict))
+    return None
+
+
+def snapshot(manifest: dict) -> dict:
+    """The provenance snapshot `evalpipe run` wrote (end, else start); a flat manifest is its own snapshot."""
+    for key in ("end", "start", "resume_start"):
+        if isinstance(manifest.get(key), dict):
+            return manifest[key]
+    return manifest
+
+
+def _get(d: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(p)
+    return d
+
+
+def prompt_stream_sha(manifest: dict) -> Any:
+    """Hash of the prompts actually sent: the selected items' stream, else any prompt-stream hash recorded."""
+    snap = snapshot(manifest)
+    return (_get(snap, "prompts", "prompt_stream_sha256_selected") or _get(snap, "prompts", "prompt_stream_sha256")
+            or find_key(snap, PROMPT_STREAM_KEYS))
+
+
+def dataset_sha(manifest: dict) -> Any:
+    snap = snapshot(manifest)
+    direct = _get(snap, "dataset", "sha256")
+    if direct is not None:
+        return direct
+    return find_key(snap, DATASET_KEYS)
+
+
+def held_out_sha(manifest: dict) -> Any:
+    snap = snapshot(manifest)
+    return _get(snap, "dataset", "selected_id_list_sha256") or find_key(snap, HELD_OUT_KEYS)
+
+
+def lane_protocol(manifest: dict, summary: dict) -> Any:
+    """Lane spec, the sampling parameters actually sent, and repeats: what the arms must share."""
+    snap = snapshot(manifest)
+    lane = snap.get("lane") if isinstance(snap.get("lane"), dict) else None
+    if lane is not None and ("spec" in lane or "effective" in lane):
+        eff = lane.get("effective") or {}
+        return {"spec": lane.get("spec"), "params": eff.get("params"), "repeats": eff.get("repeats")}
+    spec = find_key(snap, LANE_SPEC_KEYS)
+    overrides = find_key(snap, OVERRIDES_KEYS)
+    if spec is None and overrides is None:
+        return None
+    return {"spec": spec, "overrides": overrides or {}}
+
+
+def record_key(rec: dict) -> tuple[Any, int]:
+    """(question_id as recorded, repeat_index): the join key between arms (both run one lane)."""
+    qid = rec.get("question_id")
+    if not isinstance(qid, (int, str)):
+        qid = json.dumps(qid, sort_keys=True)
+    return (qid, int(rec.get("repeat_index") or 0))
+
+
+def load_run(path: str | Path) -> RunFolder:
+    folder = Path(path)
+    responses = folder / RESPONSES
+    if not folder.is_dir():
+        raise RunFolderError(f"{folder}: not a directory")
+    if not responses.is_file():
+        raise RunFolderError(f"{folder}: no {RESPONSES} (is this a run folder?)")
+    read = read_records(responses)
+    records = read.records
+    bad = len(read.bad_lines) + int(read.torn_tail)
+    summary = _read_json(folder / SUMMARY)
+    manifest = _read_json(folder / MANIFEST)
+    run = RunFolder(path=folder, records=records, summary=summary, manifest=manifest, bad_lines=bad)
+    # A resumed run appends: the last non-error record for a key wins, an error only when nothing else landed.
+    for rec in records:
+        key = record_key(rec)
+        old = run.by_key.get(key)
+        if old is not None:
+            run.duplicates += 1
+            if rec.get("error") and not old.get("error"):
+                continue
+        run.by_key[key] = rec
+    return run
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RunFolderError(f"{path}: not valid JSON ({exc})") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def comparability_problems(a: RunFolder, b: RunFolder) -> list[str]:
+    """Every reason the two runs should not be compared; empty when they are comparable."""
+    problems: list[str] = []
+    if a.lane != b.lane:
+        problems.append(f"lanes differ: {a.lane!r} vs {b.lane!r}")
+    ha, hb = prompt_stream_sha(a.manifest), prompt_stream_sha(b.manifest)
+    if ha is None or hb is None:
+        missing = [str(r.path) for r, h in ((a, ha), (b, hb)) if h is None]
+        problems.append(f"prompt-stream hash missing from manifest of {', '.join(missing)}")
+    elif ha != hb:
+        problems.append(f"prompt-stream hashes differ: {ha} vs {hb}")
+    da, db = dataset_sha(a.manifest), dataset_sha(b.manifest)
+    if da != db:
+        problems.append(f"dataset hashes differ: {da} vs {db}")
+    ia, ib = held_out_sha(a.manifest), held_out_sha(b.manifest)
+    if ia != ib:
+        problems.append(f"held-out id lists differ: {ia} vs {ib}")
+    pa, pb = lane_protocol(a.manifest, a.summary), lane_protocol(b.manifest, b.summary)
+    if pa != pb:
+        problems.append("lane protocols differ: " + "; ".join(_dict_diff_lines(pa, pb)))
+    for run, label in ((a, "A"), (b, "B")):
+        for reason in run.partial_reasons():
+            problems.append(f"run {label} ({run.path}) is partial: {reason}")
+    if a.repeated != b.repeated:
+        problems.append("one run has repeats (repeat_index > 0) and the other does not")
+    return problems
+
+
+def _dict_diff_lines(a: Any, b: Any, limit: int = 8) -> list[str]:
+    fa, fb = flatten(a or {}), flatten(b or {})
+    lines = [f"{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+    return lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted-key view of nested dicts; lists are kept whole as values."""
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict) and v:
+                out.update(flatten(v, key))
+            else:
+                out[key] = v
+    else:
+        out[prefix or "value"] = obj
+    return out
