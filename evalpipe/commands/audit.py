@@ -1,0 +1,42 @@
+"""`evalpipe audit RUN_DIR`: rebuild prompts, re-grade, recompute the summary, check completeness and manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command(name="audit")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder holding gsm8k/test.jsonl when the run's recorded dataset path is not present here.")
+@click.option("--grader-timeout", type=click.FloatRange(0.001), default=None,
+              help="Hard per-answer grader timeout for re-grading (default: the run's own).")
+@click.option("--grader-workers", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Grader processes for AIME lanes.")
+def command(run_dir, data_dir, grader_timeout, grader_workers):
+    """Re-check RUN_DIR from its raw records; print what differs and exit 1 when anything does.
+
+    Checks: records (schema), prompts (rebuilt and hashed), grades (re-graded from raw text), complete (every
+    planned item exactly once), summary (recomputed), manifest (start == end, pins). A partial run fails
+    `complete`. A change of evalpipe's own source during the run is a warning only.
+    """
+    from evalpipe.audit import MAX_SHOWN, audit_run
+
+    if not (run_dir / "manifest.json").exists():
+        raise click.UsageError(f"{run_dir} is not a run folder (no manifest.json)")
+    report = audit_run(run_dir, data_dir=data_dir, grader_timeout_s=grader_timeout, grader_workers=grader_workers)
+    for c in report.checks:
+        click.echo(f"{'OK  ' if c.ok else 'FAIL'} {c.name}")
+        for p in c.problems[:MAX_SHOWN]:
+            click.echo(f"       {p}")
+        if len(c.problems) > MAX_SHOWN:
+            click.echo(f"       ... and {len(c.problems) - MAX_SHOWN} more")
+        for n in c.notes:
+            click.echo(f"       note: {n}")
+    for w in report.warnings:
+        click.echo(f"WARN {w}")
+    click.echo(f"audit {'passed' if report.ok else 'FAILED'}: {run_dir}")
+    if not report.ok:
+        raise SystemExit(1)
