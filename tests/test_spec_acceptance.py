@@ -160,8 +160,10 @@ def test_simulated_acceptance_rejects_impossible_means():
 
 
 def test_simulated_accept_commits_drafts_then_target_token():
-    assert simulated_accept([9, 8, 7, 6], [1, 2, 3], 3) == ([1, 2, 7], 2)
-    assert simulated_accept([9, 8, 7, 6], [1, 2, 3], 1) == ([9], 0)
+    target = [9, 8, 7, 6]
+    assert simulated_accept([1, 2, 3], 3, target.__getitem__) == ([1, 2, 7], 2)
+    assert simulated_accept([1, 2, 3], 1, target.__getitem__) == ([9], 0)
+    assert simulated_accept([1, 2], 6, target.__getitem__) == ([1, 2, 7], 2)  # capped at the drafts available
 
 
 def test_spec_stats_consistency():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -102,14 +103,14 @@ class SimulatedAcceptance:
         return self._floor
 
 
-def simulated_accept(target_token_after: list[int], drafts: list[int], accept_length: int) -> tuple[list[int], int]:
+def simulated_accept(drafts: list[int], accept_length: int, target_token: Callable[[int], int]) -> tuple[list[int], int]:
     """Simulated acceptance: commit the first accept_length-1 drafts unchecked, then the target's token after them.
 
-    target_token_after: the target's chosen token for each of the G+1 rows (argmax or sample), so the bonus is a
-    real target token ("real-draft-token" mode of SGLang). Output quality is meaningless under simulation.
+    target_token(row) gives the target's choice (argmax or sample) at a verify row, so the bonus is a real target
+    token (SGLang's "real-draft-token" mode). Output quality is meaningless under simulation.
     """
-    n = accept_length - 1
-    return list(drafts[:n]) + [int(target_token_after[n])], n
+    n = min(accept_length - 1, len(drafts))
+    return list(drafts[:n]) + [int(target_token(n))], n
 
 
 @dataclass
