@@ -1,0 +1,297 @@
+"""Streamed decode-throughput protocol (serving notes section E).
+
+Per request: decode tokens/s = (final completion tokens - tokens in the first streamed event)
+/ (time of last event - time of first event), which leaves prefill out. Token counts per event are exact:
+the chunk's `token_ids` (we ask for `return_token_ids`) or the difference of cumulative usage
+(`stream_options.continuous_usage_stats`). Chunks are never counted: one speculative step can carry
+several tokens. A server that gives neither count is refused rather than guessed at.
+
+Every event time and count is kept in bench.json so the numbers can be recomputed from the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import httpx
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class BenchError(Exception):
+    """The bench cannot produce honest numbers (unreachable server, no exact token counts, ...)."""
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    model: Optional[str] = None
+    api_key: Optional[str] = None
+    input_len: int = 4096
+    output_len: int = 1024
+    rounds: int = 6
+    warmup: int = 1
+    concurrency: int = 1
+    seed: int = 0
+    token_id_range: Optional[tuple[int, int]] = None
+    flush: bool = True
+    timeout_s: float = 600.0
+    extra_body: dict = field(default_factory=dict)
+
+
+def server_root(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
+
+
+def make_inputs(seed: int, n: int, length: int, low: int, high: int) -> list[list[int]]:
+    """n fixed random prompts of `length` token ids in [low, high) from numpy's default_rng(seed)."""
+    return np.random.default_rng(seed).integers(low, high, size=(n, length)).tolist()
+
+
+def inputs_sha256(inputs: list[list[int]]) -> str:
+    """sha256 of the compact JSON of the id lists (no spaces), the form recorded in bench.json."""
+    return hashlib.sha256(json.dumps(inputs, separators=(",", ":")).encode()).hexdigest()
+
+
+def decode_rate(events: list[list[float]], final_tokens: Optional[int]) -> Optional[float]:
+    """(final tokens - tokens in first event) / (t_last - t_first); None with fewer than two events.
+
+    events: [[t_seconds_since_send, tokens_in_event], ...] in arrival order, content events only.
+    """
+    if final_tokens is None or len(events) < 2:
+        return None
+    dt = events[-1][0] - events[0][0]
+    if dt <= 0:
+        return None
+    return (final_tokens - events[0][1]) / dt
+
+
+def _event_tokens(chunk: dict, prev_cum: Optional[int]) -> tuple[Optional[int], Optional[int], str]:
+    """(tokens in this event, cumulative completion tokens after it, source of the count)."""
+    choices = chunk.get("choices") or []
+    usage = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else None
+    cum = usage.get("completion_tokens") if usage else None
+    ids = [c.get("token_ids") for c in choices if isinstance(c, dict)]
+    if ids and all(isinstance(x, list) for x in ids):
+        return sum(len(x) for x in ids), cum, "token_ids"
+    if cum is not None:
+        return cum - (prev_cum or 0), cum, "continuous_usage"
+    return None, cum, "none"
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> dict:
+    """One streamed completion; times are perf_counter seconds since the request was sent."""
+    out: dict[str, Any] = {"events": [], "error": None, "completion_tokens": None, "spec": None,
+                           "count_sources": [], "usage_mismatch": False, "finish_reason": None}
+    t0 = time.perf_counter()
+    prev_cum: Optional[int] = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:2000]
+                out["error"] = {"type": "http", "status": resp.status_code, "message": text}
+                return out
+            async for line in resp.aiter_lines():
+                t = time.perf_counter() - t0
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk and not chunk.get("choices"):
+                    out["error"] = {"type": "stream", "status": None, "message": json.dumps(chunk["error"])[:2000]}
+                    break
+                n, cum, source = _event_tokens(chunk, prev_cum)
+                usage = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else None
+                for c in chunk.get("choices") or []:
+                    if isinstance(c, dict):
+                        if isinstance(c.get("spec"), dict):
+                            out["spec"] = c["spec"]
+                        if c.get("finish_reason"):
+                            out["finish_reason"] = c["finish_reason"]
+                if chunk.get("choices"):
+                    if n is None:
+                        raise BenchError("the server's stream chunks carry neither token_ids nor cumulative usage "
+                                         "(continuous_usage_stats); exact per-event token counts are unavailable")
+                    if source == "token_ids" and cum is not None and prev_cum is not None and cum - prev_cum != n:
+                        out["usage_mismatch"] = True
+                    if n > 0:
+                        out["events"].append([t, n])
+                        out["count_sources"].append(source)
+                if cum is not None:
+                    prev_cum = cum
+                if usage and not chunk.get("choices"):
+                    out["completion_tokens"] = usage.get("completion_tokens")
+        out["total_s"] = time.perf_counter() - t0
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        out["error"] = {"type": type(exc).__name__, "status": None, "message": str(exc)[:2000]}
+    if out["completion_tokens"] is None and prev_cum is not None:
+        out["completion_tokens"] = prev_cum
+    if out["completion_tokens"] is None and out["events"]:
+        out["completion_tokens"] = int(sum(n for _, n in out["events"]))
+    return out
+
+
+def _find(obj: Any, name: str) -> Any:
+    queue = [obj]
+    while queue:
+        cur = queue.pop(0)
+        if isinstance(cur, dict):
+            if name in cur and cur[name] is not None:
+                return cur[name]
+            queue.extend(v for v in cur.values() if isinstance(v, dict))
+    return None
+
+
+async def _get_json(client: httpx.AsyncClient, url: str, headers: dict) -> Optional[dict]:
+    try:
+        r = await client.get(url, headers=headers)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        data = r.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+async def _flush(client: httpx.AsyncClient, root: str, headers: dict) -> bool:
+    try:
+        r = await client.post(f"{root}/flush_cache", headers=headers)
+    except httpx.HTTPError:
+        return False
+    return 200 <= r.status_code < 300
+
+
+def _server_accept_length(info: Optional[dict]) -> Optional[float]:
+    for name in ("avg_spec_accept_length", "avg_accept_length"):
+        v = _find(info, name) if info else None
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    return float(statistics.median(xs)) if xs else None
+
+
+async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Run warm-up + measured rounds; return the bench.json dict."""
+    root = server_root(cfg.base_url)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=cfg.concurrency + 4)) as client:
+        models = await _get_json(client, f"{cfg.base_url.rstrip('/')}/models", headers)
+        if models is None:
+            raise BenchError(f"cannot list models at {cfg.base_url.rstrip('/')}/models; is the server up?")
+        ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
+        model = cfg.model or (ids[0] if ids else None)
+        if model is None:
+            raise BenchError("the server lists no model; pass --model")
+        if cfg.model and ids and cfg.model not in ids:
+            raise BenchError(f"model {cfg.model!r} is not served (served: {ids})")
+        info = await _get_json(client, f"{root}/get_server_info", headers) or await _get_json(
+            client, f"{root}/server_info", headers)
+        if cfg.token_id_range:
+            low, high = cfg.token_id_range
+            range_source = "--token-id-range"
+        else:
+            vocab = _find(info, "vocab_size") if info else None
+            if isinstance(vocab, int) and vocab > 8:
+                low, high = min(100, vocab // 4), min(vocab, 30000)
+                range_source = f"server vocab_size {vocab}"
+            else:
+                low, high = 100, 30000
+                range_source = "default (server reports no vocab_size)"
+        inputs = make_inputs(cfg.seed, cfg.concurrency, cfg.input_len, low, high)
+        flush_offered = await _flush(client, root, headers) if cfg.flush else False
+        url = f"{cfg.base_url.rstrip('/')}/completions"
+        requests: list[dict] = []
+        server_accept: list[Optional[float]] = []
+        total_rounds = cfg.warmup + cfg.rounds
+        for rnd in range(total_rounds):
+            flushed = await _flush(client, root, headers) if (cfg.flush and flush_offered) else False
+            bodies = [{
+                "model": model, "prompt": inputs[slot], "max_tokens": cfg.output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **cfg.extra_body,
+            } for slot in range(cfg.concurrency)]
+            results = await asyncio.gather(*(stream_request(client, url, b, headers) for b in bodies))
+            for slot, res in enumerate(results):
+                ev = res["events"]
+                rate = decode_rate(ev, res["completion_tokens"]) if not res["error"] else None
+                spec = res["spec"]
+                requests.append({
+                    "round": rnd, "slot": slot, "warmup": rnd < cfg.warmup, "flushed_before": flushed,
+                    "error": res["error"], "finish_reason": res["finish_reason"],
+                    "completion_tokens": res["completion_tokens"],
+                    "first_event_tokens": ev[0][1] if ev else None,
+                    "n_events": len(ev),
+                    "t_first": ev[0][0] if ev else None, "t_last": ev[-1][0] if ev else None,
+                    "ttft_s": ev[0][0] if ev else None, "total_s": res.get("total_s"),
+                    "decode_tokens_per_s": rate,
+                    "dropped_reason": None if rate is not None or res["error"] else "fewer than 2 content events",
+                    "count_source": sorted(set(res["count_sources"])),
+                    "usage_mismatch": res["usage_mismatch"],
+                    "accept_length": spec.get("accept_length") if isinstance(spec, dict) else None,
+                    "spec": spec,
+                    "events": ev,
+                })
+            after = await _get_json(client, f"{root}/get_server_info", headers)
+            server_accept.append(_server_accept_length(after))
+            if progress:
+                progress(rnd + 1, total_rounds)
+    kept = [r for r in requests if not r["warmup"] and not r["error"]]
+
+    def values(key: str) -> list[float]:
+        return [r[key] for r in kept if isinstance(r.get(key), (int, float))]
+
+    results_block = {
+        name: {"median": _median(values(name)), "values": values(name)}
+        for name in ("decode_tokens_per_s", "ttft_s", "total_s")
+    }
+    acc = values("accept_length")
+    results_block["accept_length_median"] = _median(acc)
+    results_block["accept_length_values"] = acc
+    results_block["server_avg_accept_length_after_each_round"] = server_accept
+    results_block["n_kept"] = len(kept)
+    results_block["n_errors"] = sum(1 for r in requests if r["error"])
+    results_block["n_dropped"] = sum(1 for r in kept if r["decode_tokens_per_s"] is None)
+    from evalpipe.manifest import code_provenance, installed_packages, python_platform
+
+    config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
+    config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
+                  input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
+                  decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "bench",
+        "created_at": time.time(),
+        "config": config,
+        "server": {"models": models, "server_info": info, "flush_cache_offered": flush_offered},
+        "provenance": {"code": code_provenance(), "packages": installed_packages(), "python": python_platform()},
+        "partial": False,
+        "results": results_block,
+        "requests": requests,
+    }
+
+
+def write_bench(result: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path

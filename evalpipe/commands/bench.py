@@ -1,0 +1,82 @@
+"""`evalpipe bench`: streamed decode throughput against an OpenAI-compatible endpoint, prefill excluded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import click
+
+
+@click.command(name="bench")
+@click.option("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--model", default=None, help="Model id [default: the first id the server lists].")
+@click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", help="Bearer key (env EVALPIPE_API_KEY).")
+@click.option("--input-len", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Prompt length in token ids (fixed random ids from --seed, sent as a token-id prompt).")
+@click.option("--output-len", type=click.IntRange(min=2), default=1024, show_default=True,
+              help="Completion tokens per request (ignore_eos keeps every request this long).")
+@click.option("--rounds", type=click.IntRange(min=1), default=6, show_default=True,
+              help="Measured rounds; every value is kept, low outliers included.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Warm-up rounds run first and dropped (graphs, compilation, caches).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests in flight per round (one distinct prompt per slot).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input ids (recorded).")
+@click.option("--token-id-range", type=(int, int), default=None, metavar="LOW HIGH",
+              help="Draw input ids from [LOW, HIGH) [default: from the server's vocab_size, else 100 30000].")
+@click.option("--no-flush", is_flag=True, help="Do not POST /flush_cache between rounds even if the server offers it.")
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for bench.json [default: results/bench/<timestamp>].")
+def command(base_url, model, api_key, input_len, output_len, rounds, warmup, concurrency, seed, token_id_range,
+            no_flush, timeout_s, out_dir):
+    """Measure streamed decode throughput: (final tokens - first-event tokens) / (t_last - t_first) per request.
+
+    Token counts per streamed event are exact (chunk token_ids or cumulative usage), never chunk counts. The
+    server cache is flushed between rounds where /flush_cache exists. Also records TTFT, total time and the
+    server's accept length when reported. Writes bench.json (every event time and count) and prints medians.
+    """
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from evalpipe.bench import BenchConfig, BenchError, run_bench, write_bench
+
+    cfg = BenchConfig(base_url=base_url, model=model, api_key=api_key, input_len=input_len, output_len=output_len,
+                      rounds=rounds, warmup=warmup, concurrency=concurrency, seed=seed,
+                      token_id_range=tuple(token_id_range) if token_id_range else None, flush=not no_flush,
+                      timeout_s=timeout_s)
+    bar = tqdm(total=warmup + rounds, desc="bench rounds", unit="round")
+
+    def progress(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+
+    try:
+        result = asyncio.run(run_bench(cfg, progress))
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        bar.close()
+    out = Path(out_dir) if out_dir else Path("results") / "bench" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path = write_bench(result, out)
+    res = result["results"]
+    t = Table(title=f"evalpipe bench — {result['config']['model']} in={input_len} out={output_len} c={concurrency}")
+    for col in ("metric", "median", "values (measured rounds)"):
+        t.add_column(col)
+    for name in ("decode_tokens_per_s", "ttft_s", "total_s"):
+        vals = res[name]["values"]
+        t.add_row(name, "n/a" if res[name]["median"] is None else f"{res[name]['median']:.4g}",
+                  ", ".join(f"{v:.4g}" for v in vals))
+    if res["accept_length_values"]:
+        t.add_row("accept_length", f"{res['accept_length_median']:.4g}",
+                  ", ".join(f"{v:.3g}" for v in res["accept_length_values"]))
+    Console().print(t)
+    if res["n_errors"]:
+        click.echo(f"warning: {res['n_errors']} request(s) failed; see bench.json", err=True)
+    if res["n_dropped"]:
+        click.echo(f"warning: {res['n_dropped']} request(s) had fewer than 2 content events (no decode rate)", err=True)
+    click.echo(f"flush_cache offered: {result['server']['flush_cache_offered']}; wrote {path}")
+    if res["n_kept"] == 0:
+        raise click.ClickException("no measured request succeeded")

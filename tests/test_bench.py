@@ -1,0 +1,99 @@
+"""`evalpipe bench`: exact per-event token counts, the decode-rate formula recomputed from bench.json,
+warm-up dropped, cache flushed between rounds; against a scripted streaming peer and the native engine."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from evalpipe.bench import inputs_sha256, make_inputs  # noqa: E402
+from evalpipe.commands.bench import command as bench_cmd  # noqa: E402
+from test_bench_peer import start_peer  # noqa: E402
+
+GROUPS = [3, 1, 2, 4, 1, 5]  # tokens per streamed event: a chunk counter would see 6, not 16
+
+
+def formula(req: dict) -> float:
+    ev = req["events"]
+    return (req["completion_tokens"] - ev[0][1]) / (ev[-1][0] - ev[0][0])
+
+
+def test_bench_against_scripted_peer(tmp_path):
+    with start_peer(stream_groups=GROUPS, event_delay_s=0.03, accept_length=2.5) as (base_url, stats):
+        res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "12", "--output-len", "16",
+                                             "--rounds", "3", "--warmup", "1", "--concurrency", "2",
+                                             "--out", str(tmp_path / "b")])
+        assert res.exit_code == 0, res.output
+        peer = stats()
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    reqs = bench["requests"]
+    assert len(reqs) == (1 + 3) * 2
+    assert sum(r["warmup"] for r in reqs) == 2
+    kept = [r for r in reqs if not r["warmup"]]
+    for r in kept:
+        assert [n for _, n in r["events"]] == GROUPS  # exact counts per event, not one per chunk
+        assert r["completion_tokens"] == sum(GROUPS)
+        assert r["first_event_tokens"] == GROUPS[0]
+        assert r["count_source"] == ["token_ids"] and not r["usage_mismatch"]
+        assert r["decode_tokens_per_s"] == pytest.approx(formula(r), rel=1e-12)
+        assert r["ttft_s"] == r["events"][0][0] and r["total_s"] >= r["t_last"]
+        assert r["accept_length"] == 2.5
+    values = bench["results"]["decode_tokens_per_s"]["values"]
+    assert values == [r["decode_tokens_per_s"] for r in kept]  # warm-up dropped, every measured value kept
+    assert bench["results"]["decode_tokens_per_s"]["median"] == pytest.approx(statistics.median(values))
+    # the peer sleeps 30 ms before each of 6 events: 13 tokens after the first event over ~5 gaps of 30 ms
+    assert 13 / (5 * 0.03) / 4 < statistics.median(values) < 13 / (5 * 0.03) * 1.05
+    cfg = bench["config"]
+    assert cfg["token_id_range"] == [100, 512] and cfg["input_ids_sha256"] == inputs_sha256(
+        make_inputs(0, 2, 12, 100, 512))
+    assert bench["server"]["flush_cache_offered"] is True
+    assert peer["flushes"] == 1 + 4  # the probe, then one before each of the 4 rounds
+    assert "decode_tokens_per_s" in res.output
+
+
+def test_bench_refuses_a_stream_without_token_counts(tmp_path):
+    """A server whose chunks carry neither token_ids nor cumulative usage cannot be measured honestly."""
+    with start_peer(stream_groups=[2, 2]) as (base_url, _):
+        res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "4", "--output-len", "4",
+                                             "--rounds", "1", "--warmup", "0", "--out", str(tmp_path / "b")])
+        assert res.exit_code == 0, res.output  # token_ids present: fine
+        from evalpipe.bench import BenchConfig, BenchError, run_bench
+        import asyncio
+
+        cfg = BenchConfig(base_url=base_url, input_len=4, output_len=4, rounds=1, warmup=0,
+                          extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}})
+        with pytest.raises(BenchError, match="exact per-event token counts"):
+            asyncio.run(run_bench(cfg))
+
+
+@pytest.fixture(scope="module")
+def native_server():
+    from server_harness import ServerProcess
+
+    srv = ServerProcess("--max-seq-len", "256")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_bench_against_native_engine(native_server, tmp_path):
+    res = CliRunner().invoke(bench_cmd, ["--base-url", native_server.base + "/v1", "--input-len", "8",
+                                         "--output-len", "4", "--rounds", "1", "--warmup", "1",
+                                         "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    kept = [r for r in bench["requests"] if not r["warmup"]]
+    assert len(kept) == 1 and bench["results"]["n_errors"] == 0
+    for r in kept:
+        assert r["completion_tokens"] == 4  # ignore_eos honoured
+        assert sum(n for _, n in r["events"]) == 4
+        assert r["decode_tokens_per_s"] == pytest.approx(formula(r), rel=1e-12)
+    assert bench["config"]["token_id_range_source"].startswith("server vocab_size")
