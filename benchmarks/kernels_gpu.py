@@ -1,0 +1,576 @@
+"""GPU check and benchmark of the fused verify stack (issue 4): run once on an NVIDIA H200.
+
+    python benchmarks/kernels_gpu.py                      # all five ops
+    python benchmarks/kernels_gpu.py --ops indexer,q_rope # a subset
+
+For each op, in this one run: compile the Triton kernels for real; run the correctness checks of
+docs/kernels.md at production shapes against the PyTorch references (exact equality); capture the fused op in a
+CUDA graph and replay it with changed inputs; time fused vs the unfused reference chain (both CUDA-graph replayed,
+median over many replays) and against the memory-bandwidth floor (bytes moved / measured copy bandwidth).
+Prints every check, then one table: op, shape, fused us, unfused us, speedup, % of bandwidth floor, target.
+Each op section runs in its own try/except, so one failure still prints the rest; exit status 1 if anything failed.
+
+Adding an op: write `section_<name>(bench: Bench)` using `bench.check(...)`, `bench.graph_replay_check(...)` and
+`bench.time_pair(...)`, and register it in SECTIONS. The slots for ops 4 (mxfp8) and 5 (c2_verify) are at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# q_rope_store prefill check: 65536 tokens make the padded [T, 64, 512] bf16 buffer 4 GiB (> 2 GiB: int64 offsets)
+PREFILL_TOKENS = 65536
+
+# --------------------------------------------------------------------------------------------- shared machinery
+
+
+@dataclass
+class TimingRow:
+    op: str
+    shape: str
+    fused_us: float
+    unfused_us: float
+    floor_us: float
+    target: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.unfused_us / self.fused_us if self.fused_us > 0 else float("nan")
+
+
+@dataclass
+class Bench:
+    """Shared helpers: exact-check bookkeeping, CUDA-graph capture, graph-replayed timing, bandwidth floor."""
+
+    device: torch.device
+    replays: int
+    inner: int
+    copy_bytes_per_s: float = 0.0
+    checks: list[tuple[str, str, bool, str]] = field(default_factory=list)
+    rows: list[TimingRow] = field(default_factory=list)
+    section_errors: list[tuple[str, str]] = field(default_factory=list)
+    current_op: str = ""
+
+    # -- correctness ------------------------------------------------------------------------------------------
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks.append((self.current_op, name, bool(ok), detail))
+        mark = "ok  " if ok else "FAIL"
+        print(f"  [{mark}] {self.current_op}: {name}{(' -- ' + detail) if detail else ''}", flush=True)
+        return bool(ok)
+
+    @staticmethod
+    def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm up (compiles Triton) on a side stream, then capture one call; returns (graph, static outputs)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        torch.cuda.synchronize()
+        return graph, out
+
+    def graph_replay_check(
+        self,
+        name: str,
+        fused: Callable[[], object],
+        mutate: Callable[[int], None],
+        expect: Callable[[], object],
+        equal: Callable[[object, object], bool],
+        rounds: int = 3,
+    ) -> bool:
+        """Capture `fused` once; `rounds` times: mutate the static inputs in place, replay, compare with `expect()`."""
+        graph, out = self.capture(fused)
+        ok = True
+        for i in range(rounds):
+            mutate(i)
+            graph.replay()
+            torch.cuda.synchronize()
+            ok &= bool(equal(out, expect()))
+        return self.check(f"graph replay x{rounds} with changed inputs: {name}", ok)
+
+    # -- timing -----------------------------------------------------------------------------------------------
+    def graph_time_us(self, fn: Callable[[], object]) -> float:
+        """Median over `replays` of one graph replay holding `inner` back-to-back calls, per call, in us."""
+        graph, _ = self.capture(lambda: [fn() for _ in range(self.inner)])
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.replays)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.replays)]
+        for s, e in zip(starts, ends):
+            s.record()
+            graph.replay()
+            e.record()
+        torch.cuda.synchronize()
+        per_call_ms = [s.elapsed_time(e) / self.inner for s, e in zip(starts, ends)]
+        del graph
+        return statistics.median(per_call_ms) * 1000.0
+
+    def measure_copy_bandwidth(self, nbytes: int = 1 << 30) -> float:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        saved = self.inner
+        self.inner = 5
+        us = self.graph_time_us(lambda: dst.copy_(src))
+        self.inner = saved
+        self.copy_bytes_per_s = 2 * nbytes / (us * 1e-6)
+        del src, dst
+        torch.cuda.empty_cache()
+        return self.copy_bytes_per_s
+
+    def time_pair(self, shape: str, fused: Callable, unfused: Callable, bytes_moved: int, target: str = "") -> TimingRow:
+        fused_us = self.graph_time_us(fused)
+        unfused_us = self.graph_time_us(unfused)
+        floor_us = bytes_moved / self.copy_bytes_per_s * 1e6
+        row = TimingRow(self.current_op, shape, fused_us, unfused_us, floor_us, target)
+        self.rows.append(row)
+        print(f"  [time] {self.current_op} {shape}: fused {fused_us:.2f} us, unfused {unfused_us:.2f} us, "
+              f"x{row.speedup:.2f}, floor {floor_us:.2f} us", flush=True)
+        torch.cuda.empty_cache()
+        return row
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality of the stored bits (NaN payloads included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    return torch.equal(a, b)
+
+
+def equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and torch.equal(
+        a.nan_to_num(0.0, 0.0, 0.0), b.nan_to_num(0.0, 0.0, 0.0)
+    ) and torch.equal(a.isinf() & (a > 0), b.isinf() & (b > 0)) and torch.equal(a.isinf() & (a < 0), b.isinf() & (b < 0))
+
+
+def pair_equal(a, b) -> bool:
+    """(tensor, tensor-or-None) results compared exactly (floats with equal_nan)."""
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if not (x is None and y is None):
+                return False
+        elif x.dtype.is_floating_point:
+            if not equal_nan(x, y):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------- op 1: indexer_postprocess
+
+
+def _indexer_inputs(rows, width, k, index_dtype, page_size, gen, device):
+    """Row-strided scores/indices/page table (views of wider buffers) with the PR's special scores."""
+    scores = torch.randn(rows, width + 64, generator=gen, device=device)[:, 16 : 16 + width]
+    if width:
+        scores[0, 0] = float("-inf")
+        if rows > 1:
+            scores[1, 0] = float("nan")
+        if rows > 2:
+            scores[2, 0] = float("inf")
+        if rows > 3:
+            scores[3] = float("-inf")
+    indices = torch.randint(-2, width + 2, (rows, k + 8), generator=gen, device=device).to(index_dtype)[:, 4 : 4 + k]
+    indices[:, :5] = 0
+    pages = math.ceil(width / page_size)
+    table = torch.randint(0, 1 << 20, (rows, pages + 4), generator=gen, device=device, dtype=torch.int32)
+    return scores, indices, table[:, 2 : 2 + pages]
+
+
+def section_indexer(bench: Bench) -> None:
+    from evalpipe.kernels.candidate_block_mask import candidate_block_mask
+    from evalpipe.kernels.indexer_postprocess import indexer_postprocess, indexer_postprocess_reference
+
+    dev, ps, k = bench.device, 64, 512
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ok = True
+    for rows in (1, 2, 6, 64, 384):
+        for width in (1, 65, 4096, 16384):
+            for index_dtype in (torch.int32, torch.int64):
+                scores, indices, table = _indexer_inputs(rows, width, k, index_dtype, ps, gen, dev)
+                for raw in (False, True):
+                    got = indexer_postprocess(scores, indices, table, ps, return_raw=raw, backend="triton")
+                    want = indexer_postprocess_reference(scores, indices, table, ps, return_raw=raw)
+                    ok &= pair_equal(got, want)
+    bench.check("R {1,2,6,64,384} x W {1,65,4096,16384} x int32/int64 x raw on/off, exact", ok)
+
+    # graph replay: R = 6, W = 4096; mutate scores (first 32 cols -inf), indices in [-1, W), pages
+    scores, indices, table = _indexer_inputs(6, 4096, k, torch.int32, ps, gen, dev)
+
+    def mutate(i):
+        scores.copy_(torch.randn(scores.shape, generator=gen, device=dev))
+        scores[:, :32] = float("-inf")
+        indices.copy_(torch.randint(-1, 4096, indices.shape, generator=gen, device=dev).to(indices.dtype))
+        table.copy_(torch.randint(0, 1 << 20, table.shape, generator=gen, device=dev, dtype=torch.int32))
+
+    bench.graph_replay_check(
+        "R=6 W=4096",
+        lambda: indexer_postprocess(scores, indices, table, ps, return_raw=True, backend="triton"),
+        mutate,
+        lambda: indexer_postprocess_reference(scores, indices, table, ps, return_raw=True),
+        pair_equal,
+    )
+
+    # 384 rows (64 requests x 6 verify rows): candidate-masked top-k + filter == plain top-k as a multiset
+    width, rows = 16384, 384
+    base = torch.tensor([0, 506, 4096, 16378], device=dev).repeat(16)  # 64 requests; the last ends at 16384
+    lens = (base[:, None] + torch.arange(1, 7, device=dev)[None, :]).reshape(-1).clamp(max=width).to(torch.int32)
+    logits = torch.randn(rows, width, generator=gen, device=dev)
+    logits[torch.arange(width, device=dev)[None, :] >= lens[:, None].long()] = 1e6  # unread positions: must not win
+    _, keep = candidate_block_mask(logits, lens, 2048, 8, backend="triton")  # source layer publishes
+    restricted, _ = candidate_block_mask(logits, lens, 2048, 8, keep, backend="triton")  # consumer layer
+    top = torch.topk(restricted, k, dim=1, sorted=False).indices.to(torch.int32)
+    table = torch.arange(width // ps, device=dev, dtype=torch.int32).repeat(rows, 1)
+    _, raw = indexer_postprocess(restricted, top, table, ps, return_raw=True, backend="triton")
+    multiset_ok = True
+    for r in range(rows):
+        n = int(lens[r])
+        want = torch.topk(logits[r, :n], min(k, n)).indices.sort().values
+        got = raw[r][raw[r] >= 0].long().sort().values
+        multiset_ok &= torch.equal(got, want)
+    bench.check("384 rows, lens {0,506,4096,16378}+1..6: candidate-masked top-k + filter == plain top-k (multiset)",
+                multiset_ok)
+
+    for rows, width in [(2, 4096), (6, 16384), (48, 16384), (384, 16384)]:
+        scores, indices, table = _indexer_inputs(rows, width, k, torch.int32, ps, gen, dev)
+        indices.clamp_(0, width - 1)
+        moved = rows * k * (4 + 4 + 4 + 4 + 4)  # index read, score + page gathers, page + raw writes
+        bench.time_pair(
+            f"R={rows} W={width} K={k} raw",
+            lambda: indexer_postprocess(scores, indices, table, ps, return_raw=True, backend="triton"),
+            lambda: indexer_postprocess_reference(scores, indices, table, ps, return_raw=True),
+            moved,
+            target=">=2x",
+        )
+
+
+# --------------------------------------------------------------------------------- op 2: candidate_block_mask
+
+
+def _candidate_inputs(rows, width, gen, device):
+    logits = torch.randn(rows, width + 32, generator=gen, device=device)[:, 8 : 8 + width]
+    pattern = [0, 1, width // 2, width - 1, width, width]
+    lens = torch.tensor([pattern[i % 6] for i in range(rows)], dtype=torch.int32, device=device)
+    if rows >= 6:
+        logits[3] = 0.0
+        logits[4, 0] = float("nan")
+        logits[5] = float("-inf")
+    return logits, lens
+
+
+def section_candidate(bench: Bench) -> None:
+    from evalpipe.kernels.candidate_block_mask import candidate_block_mask, candidate_block_mask_reference
+
+    dev = bench.device
+    gen = torch.Generator(device=dev).manual_seed(1)
+    bad = []
+    matrix = [(65, 32, 8), (4096, 128, 8), (32768, 2048, 8), (1048576, 2048, 8), (4096, 8, 2048), (1048576, 8, 2048)]
+    for width, group, topk in matrix:
+        logits, lens = _candidate_inputs(6, width, gen, dev)
+        for lens_t in (lens, lens.long()):
+            got = candidate_block_mask(logits, lens_t, topk, group, backend="triton")
+            want = candidate_block_mask_reference(logits, lens_t, topk, group)
+            if not pair_equal(got, want):
+                rows = [r for r in range(6) if not pair_equal((got[0][r], got[1][r]), (want[0][r], want[1][r]))]
+                bad.append(f"source W={width} G={group} top{topk} {lens_t.dtype} rows {rows}")
+            pub = want[1]
+            if not pair_equal(
+                candidate_block_mask(logits, lens_t, topk, group, pub, backend="triton"),
+                candidate_block_mask_reference(logits, lens_t, topk, group, pub),
+            ):
+                bad.append(f"consumer W={width} G={group}")
+    bench.check("PR matrix (W,G,topk) incl. W=1,048,576, source + consumer, int32/int64 lens, equal_nan",
+                not bad, "; ".join(bad) + (" (row 3 = all-equal ties)" if bad else ""))
+
+    logits, lens = _candidate_inputs(48, 131072, gen, dev)
+
+    def mutate(i):
+        logits.copy_(torch.randn(logits.shape, generator=gen, device=dev))
+        logits[i, :100] = float("nan")
+        lens.copy_(torch.randint(0, 131073, lens.shape, generator=gen, device=dev).to(torch.int32))
+
+    bench.graph_replay_check(
+        "source R=48 W=131072 G=8 topk=2048",
+        lambda: candidate_block_mask(logits, lens, 2048, 8, backend="triton"),
+        mutate,
+        lambda: candidate_block_mask_reference(logits, lens, 2048, 8),
+        pair_equal,
+    )
+    published = torch.rand(logits.shape, generator=gen, device=dev) < 0.3
+
+    def mutate_consumer(i):
+        mutate(i)
+        published.copy_(torch.rand(logits.shape, generator=gen, device=dev) < 0.3)
+
+    bench.graph_replay_check(
+        "consumer R=48 W=131072",
+        lambda: candidate_block_mask(logits, lens, 2048, 8, published, backend="triton"),
+        mutate_consumer,
+        lambda: candidate_block_mask_reference(logits, lens, 2048, 8, published),
+        pair_equal,
+    )
+
+    for rows, width in [(6, 16384), (6, 131072), (6, 1048576), (48, 131072)]:
+        logits, lens = _candidate_inputs(rows, width, gen, dev)
+        nb = width // 8
+        moved = rows * width * (4 + 4 + 1) + rows * nb * 4 * 2  # logits in, masked + keep out, block scores
+        bench.time_pair(
+            f"source R={rows} W={width} G=8 top2048",
+            lambda: candidate_block_mask(logits, lens, 2048, 8, backend="triton"),
+            lambda: candidate_block_mask_reference(logits, lens, 2048, 8),
+            moved,
+            target=">=2x",
+        )
+    for rows, width in [(6, 131072), (48, 131072)]:
+        logits, lens = _candidate_inputs(rows, width, gen, dev)
+        published = torch.rand(logits.shape, generator=gen, device=dev) < 0.3
+        bench.time_pair(
+            f"consumer R={rows} W={width}",
+            lambda: candidate_block_mask(logits, lens, 2048, 8, published, backend="triton"),
+            lambda: candidate_block_mask_reference(logits, lens, 2048, 8, published),
+            rows * width * (4 + 1 + 4),
+            target=">=2x",
+        )
+
+
+# --------------------------------------------------------------------------------------- op 3: q_rope_store
+
+
+def _rope_tables(max_pos, rope_dim, device, theta=160000.0):
+    inv = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device) / rope_dim)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64, device=device), inv)
+    return angles.cos().float().contiguous(), angles.sin().float().contiguous()
+
+
+def section_q_rope(bench: Bench) -> None:
+    from evalpipe.kernels.q_rope_store import q_rope_store, q_rope_store_reference
+    from evalpipe.kernels.rope import apply_interleaved_rope
+
+    dev, dim, padded, poison = bench.device, 512, 64, 7.0
+    gen = torch.Generator(device=dev).manual_seed(2)
+    cos, sin = _rope_tables(65536 + 8, 64, dev)
+
+    def q_slice(tokens, heads):
+        wide = (torch.randn(tokens, heads + 1, dim, generator=gen, device=dev) * 4).to(torch.bfloat16)
+        return wide[:, :heads]  # a [T, H+1, 512] slice
+
+    ok = True
+    for tokens in (1, 2, 5, 6, 8):
+        for heads in (8, 16, 32):
+            for pos_dtype in (torch.int32, torch.int64):
+                q = q_slice(tokens, heads)
+                before = q.clone()
+                pos = torch.randint(0, 65536, (tokens,), generator=gen, device=dev).to(pos_dtype)
+                out = torch.full((tokens, padded, dim), poison, dtype=torch.bfloat16, device=dev)
+                ref = torch.full_like(out, poison)
+                q_rope_store(q, out[:, :heads], cos, sin, pos, backend="triton")
+                q_rope_store_reference(q, ref[:, :heads], cos, sin, pos)
+                engine = apply_interleaved_rope(q, cos[pos.long()].unsqueeze(1), sin[pos.long()].unsqueeze(1))
+                ok &= bitwise_equal(out, ref) and bitwise_equal(out[:, :heads], engine)
+                ok &= bitwise_equal(q, before) and bool((out[:, heads:] == poison).all())
+    bench.check("T {1,2,5,6,8} x H {8,16,32} x int32/int64: bitwise == engine RoPE + copy, q unchanged, pad heads 7.0", ok)
+
+    # prefill size whose padded buffer exceeds 2 GiB (int64 offsets): T = PREFILL_TOKENS, H = 16
+    tokens = PREFILL_TOKENS
+    q = q_slice(tokens, 16)
+    pos = torch.arange(tokens, device=dev)
+    out = torch.full((tokens, padded, dim), poison, dtype=torch.bfloat16, device=dev)
+    q_rope_store(q, out[:, :16], cos, sin, pos, backend="triton")
+    ref = torch.empty_like(q)
+    q_rope_store_reference(q, ref, cos, sin, pos)
+    big_ok = bitwise_equal(out[:, :16], ref) and bool((out[-1, 16:] == poison).all())
+    bench.check(f"T={tokens} H=16 prefill into a {out.numel() * 2 / 2**30:.1f} GiB buffer, bitwise", big_ok)
+    del q, out, ref
+    torch.cuda.empty_cache()
+
+    # graph replay: T = 6, H = 16, positions 4096..4101 then random each replay
+    q = q_slice(6, 16)
+    pos = torch.arange(4096, 4102, device=dev, dtype=torch.int32)
+    out = torch.full((6, padded, dim), poison, dtype=torch.bfloat16, device=dev)
+
+    def mutate(i):
+        q.copy_((torch.randn(q.shape, generator=gen, device=dev) * 4).to(torch.bfloat16))
+        if i:
+            pos.copy_(torch.randint(0, 65536, (6,), generator=gen, device=dev, dtype=torch.int32))
+
+    def expect():
+        ref = torch.full_like(out, poison)
+        q_rope_store_reference(q, ref[:, :16], cos, sin, pos)
+        return ref
+
+    def fused():
+        q_rope_store(q, out[:, :16], cos, sin, pos, backend="triton")
+        return out
+
+    bench.graph_replay_check(
+        "T=6 H=16",
+        fused,
+        mutate,
+        expect,
+        lambda got, want: bitwise_equal(out, want),
+    )
+
+    for tokens in (6, 48, 384, 4096):
+        q = q_slice(tokens, 16)
+        pos = torch.randint(0, 65536, (tokens,), generator=gen, device=dev)
+        out = torch.zeros((tokens, padded, dim), dtype=torch.bfloat16, device=dev)
+        moved = 2 * tokens * 16 * dim * 2 + tokens * 32 * 4 * 2
+        bench.time_pair(
+            f"T={tokens} H=16 D=512 rope=64 -> [T,64,512]",
+            lambda: q_rope_store(q, out[:, :16], cos, sin, pos, backend="triton"),
+            lambda: q_rope_store_reference(q, out[:, :16], cos, sin, pos),
+            moved,
+            target=">=2x",
+        )
+
+
+# ------------------------------------------------------------------- op 4: mxfp8 (slot for the mxfp8 engineer)
+
+
+def section_mxfp8(bench: Bench) -> None:
+    """SLOT for op 4 (mxfp8_quantize / wo_a_mxfp8 / mxfp8_linear): filled in by the engineer who owns mxfp8.py.
+
+    Expected: magnitudes {0, 1e-37, 1e-7, 1, 448, 1e10}, M = 1..8 and > 128, WO-A [2, 1024, 4096] with M = 2..8,
+    graph replay after filling scales with 255; timing target: wo_a_mxfp8 for M <= 8 within 1.5x of reading
+    its weights once (pass target="<=1.5x weight read").
+    """
+    raise NotImplementedError("op 4 section not written yet (owned by the mxfp8/c2 engineer)")
+
+
+# --------------------------------------------------------------- op 5: c2_verify (slot for the c2_verify engineer)
+
+
+def section_c2_verify(bench: Bench) -> None:
+    """SLOT for op 5 (c2_verify): filled in by the engineer who owns c2_verify.py.
+
+    Expected: 1024-wide kv|gate rows, batch 1..128, 6 rows per request; D launches == one launch bitwise;
+    graph replay; timing target: batch 1 x 6 rows at or below 2.5 us (pass target="<=2.5us").
+    """
+    raise NotImplementedError("op 5 section not written yet (owned by the mxfp8/c2 engineer)")
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+SECTIONS: dict[str, Callable[[Bench], None]] = {
+    "indexer": section_indexer,
+    "candidate": section_candidate,
+    "q_rope": section_q_rope,
+    "mxfp8": section_mxfp8,
+    "c2": section_c2_verify,
+}
+
+
+def target_verdict(row: TimingRow) -> str:
+    if row.target == ">=2x":
+        return "met" if row.speedup >= 2.0 else "MISSED"
+    if row.target.startswith("<=") and row.target.endswith("us"):
+        return "met" if row.fused_us <= float(row.target[2:-2]) else "MISSED"
+    if row.target.startswith("<=") and row.target.endswith("x floor"):
+        return "met" if row.fused_us <= float(row.target[2:].split("x")[0]) * row.floor_us else "MISSED"
+    return ""
+
+
+def print_table(bench: Bench) -> None:
+    header = ["op", "shape", "fused us", "unfused us", "speedup", "floor us", "% of bw floor", "target"]
+    body = [
+        [
+            r.op, r.shape, f"{r.fused_us:.2f}", f"{r.unfused_us:.2f}", f"{r.speedup:.2f}x", f"{r.floor_us:.2f}",
+            f"{100 * r.floor_us / r.fused_us:.1f}%", f"{r.target} {target_verdict(r)}".strip(),
+        ]
+        for r in bench.rows
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    print(line(header))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for cells in body:
+        print(line(cells))
+
+
+def import_kernel_modules() -> None:
+    """Import `evalpipe.kernels`; if a sibling op's module is missing or broken, still let the others import.
+
+    The package __init__ imports all five ops, so one missing module would otherwise stop every section.
+    """
+    try:
+        import evalpipe.kernels  # noqa: F401
+    except Exception as exc:
+        import os
+        import types
+
+        import evalpipe
+
+        print(f"warning: `import evalpipe.kernels` failed ({type(exc).__name__}: {exc}); importing ops one by one")
+        for name in [m for m in sys.modules if m == "evalpipe.kernels" or m.startswith("evalpipe.kernels.")]:
+            del sys.modules[name]
+        package = types.ModuleType("evalpipe.kernels")
+        package.__path__ = [os.path.join(os.path.dirname(evalpipe.__file__), "kernels")]
+        sys.modules["evalpipe.kernels"] = package
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
+    parser.add_argument("--replays", type=int, default=200, help="graph replays per timing (median taken)")
+    parser.add_argument("--inner", type=int, default=20, help="back-to-back calls captured per graph replay")
+    args = parser.parse_args(argv)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown ops {unknown}; choose from {list(SECTIONS)}")
+    if not torch.cuda.is_available():
+        print("kernels_gpu.py needs a CUDA GPU (this is the H200 benchmark; CPU checks live in tests/kernels)")
+        return 2
+
+    import triton
+
+    import_kernel_modules()
+    bench = Bench(device=torch.device("cuda"), replays=args.replays, inner=args.inner)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    bw = bench.measure_copy_bandwidth()
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write of a 1 GiB buffer)\n", flush=True)
+
+    for name in ops:
+        bench.current_op = name
+        print(f"== {name}", flush=True)
+        started = time.time()
+        try:
+            SECTIONS[name](bench)
+        except Exception as exc:  # one op failing must not hide the others
+            traceback.print_exc()
+            bench.section_errors.append((name, f"{type(exc).__name__}: {exc}"))
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        print(f"   ({time.time() - started:.1f} s)\n", flush=True)
+
+    failed = [c for c in bench.checks if not c[2]]
+    print(f"checks: {len(bench.checks) - len(failed)} passed, {len(failed)} failed")
+    for op, name, _, detail in failed:
+        print(f"  FAILED {op}: {name} {detail}")
+    for op, err in bench.section_errors:
+        print(f"  SECTION ERROR {op}: {err}")
+    print()
+    print_table(bench)
+    return 1 if failed or bench.section_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
