@@ -147,3 +147,28 @@ class SpeculativeDecoder:
             spec = seq.state["spec"] = _SeqSpec(stats=SpecStats(self.block_size), sim=sim)
             self._live[seq.slot] = seq
         return spec
+
+
+SPECULATIVE_MODES = ("off", "block")
+
+
+def default_drafter(runner: Any) -> str:
+    """layerskip over the first half of the target's layers (2 of the tiny model's 4): cheap, no extra weights,
+    and natural partial acceptance even with random weights."""
+    return f"layerskip:{max(1, int(runner.config.num_hidden_layers) // 2)}"
+
+
+def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | None:
+    """The engine's decoder for the server settings: None (plain decoding) unless `speculative == "block"`.
+
+    Reads `speculative`, `block_size`, `drafter` (None: `default_drafter`) and `simulate_acc_len` (None: off)."""
+    from evalpipe.engine.drafters import build_drafter
+
+    mode = getattr(settings, "speculative", "off") or "off"
+    if mode not in SPECULATIVE_MODES:
+        raise ValueError(f"speculative mode must be one of {SPECULATIVE_MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    spec = getattr(settings, "drafter", None) or default_drafter(runner)
+    return SpeculativeDecoder(runner, build_drafter(spec, runner), block_size=int(getattr(settings, "block_size", 5)),
+                              simulate_acc_len=getattr(settings, "simulate_acc_len", None))

@@ -151,7 +151,8 @@ class SpecStats:
 
 @dataclass
 class ServerSpecTotals:
-    """Server-wide sums over finished requests, for the averages in /get_server_info."""
+    """Server-wide sums over finished sequences that ran at least one verify step (a max_tokens=1 request never
+    does), for the averages in /get_server_info."""
 
     requests: int = 0
     verify_steps: int = 0
