@@ -137,7 +137,7 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
         items = []
 
     # ---- grades
-    timeout = grader_timeout_s or eff.get("grader_timeout_s") or 30.0
+    timeout = grader_timeout_s or start.get("transport", {}).get("grader_timeout_s") or 30.0
     regraded = _regrade(lane.grader, records, timeout, grader_workers)
     for r, (extracted, correct, status) in zip(records, regraded):
         if r.get("error"):

@@ -22,8 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sgl_eval._vendored.nemo_skills.math_grader import search_boxed
-
 # ---------------------------------------------------------------------------------------------- GSM8K legacy
 
 INVALID = -9999999
@@ -48,6 +46,8 @@ def legacy_answer_value(text: Optional[str]) -> int:
 
 def extract_boxed(text: Optional[str]) -> Optional[str]:
     """Content of the last `\\boxed{...}` (brace-matched), as the vendored NS extractor returns it."""
+    from sgl_eval._vendored.nemo_skills.math_grader import search_boxed  # imports sympy: only on AIME lanes
+
     return search_boxed(text or "")
 
 

@@ -48,11 +48,25 @@ def code_provenance() -> dict:
 
 
 def installed_packages() -> list[str]:
+    """Sorted `name==version` of every installed distribution.
+
+    Read from the `*.dist-info` folder names (cheap, runs twice per run); only folders whose name carries no
+    version (e.g. an editable `*.egg-info`) fall back to parsing their metadata."""
     names = set()
-    for d in importlib.metadata.distributions():
-        name = d.metadata.get("Name")
-        if name:
-            names.add(f"{name.lower()}=={d.version}")
+    for entry in dict.fromkeys(sys.path):
+        base = Path(entry or ".")
+        if not base.is_dir():
+            continue
+        for info in list(base.glob("*.dist-info")) + list(base.glob("*.egg-info")):
+            stem = info.name.rsplit(".", 1)[0]
+            name, sep, version = stem.partition("-")
+            if not sep or not version:
+                try:
+                    meta = importlib.metadata.Distribution.at(info).metadata
+                    name, version = meta.get("Name") or name, meta.get("Version") or ""
+                except Exception:
+                    continue
+            names.add(f"{name.lower().replace('_', '-')}=={version}")
     return sorted(names)
 
 
@@ -65,9 +79,10 @@ def python_platform() -> dict:
     }
 
 
-def capture(*, lane_desc: dict, overrides: dict, effective: dict, data_facts: dict, prompt_facts: dict,
-            endpoint: dict, server: dict) -> dict:
-    """One snapshot. Sections are compared key by key between start and end."""
+def capture(*, lane_desc: dict, overrides: dict, effective: dict, transport: dict, data_facts: dict,
+            prompt_facts: dict, endpoint: dict, server: dict) -> dict:
+    """One snapshot. Sections are compared key by key between start and end (`transport` is not: a resume
+    may use another timeout or retry policy without changing what was asked)."""
     return {
         "captured_at": time.time(),
         "code": code_provenance(),
@@ -76,6 +91,7 @@ def capture(*, lane_desc: dict, overrides: dict, effective: dict, data_facts: di
         "dataset": data_facts,
         "prompts": prompt_facts,
         "lane": {"spec": lane_desc, "overrides": overrides, "effective": effective},
+        "transport": transport,
         "endpoint": endpoint,
         "server": server,
     }

@@ -203,9 +203,13 @@ class Runner:
             overrides=dict(cfg.overrides),
             effective={
                 "params": self.params, "concurrency": self.concurrency, "repeats": self.repeats,
-                "num_examples": cfg.num_examples, "timeout_s": cfg.timeout_s, "max_retries": cfg.max_retries,
-                "retry_backoff_s": cfg.retry_backoff_s, "return_token_ids": cfg.token_ids, "logprobs": cfg.logprobs,
-                "grader_timeout_s": cfg.grader_timeout_s, "model": self.model, "arm": cfg.arm,
+                "num_examples": cfg.num_examples, "return_token_ids": cfg.token_ids, "logprobs": cfg.logprobs,
+                "model": self.model, "arm": cfg.arm,
+            },
+            transport={
+                "timeout_s": cfg.timeout_s, "max_retries": cfg.max_retries, "retry_backoff_s": cfg.retry_backoff_s,
+                "retry_policy": "transport errors, timeouts, 5xx, malformed bodies; never 4xx; backoff doubles, cap 30 s",
+                "grader_timeout_s": cfg.grader_timeout_s, "grader_workers": cfg.grader_workers, "fsync": cfg.fsync,
             },
             data_facts={
                 "path": data.dataset_path,

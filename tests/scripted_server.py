@@ -13,7 +13,8 @@ Python API (reuse it in your tests):
 
 or the context manager `scripted_server(**config)` yielding `base_url`.
 
-Config keys (all optional; the whole dict is also POSTable to `/scripted/config` to change it at runtime):
+Config keys (all optional; any subset is also POSTable to `/scripted/config` (`set_config`) to change it at
+runtime, which also restarts the per-question counts that `fail_first` uses):
   mode         "correct" | "wrong" | "truncated" | "error500" | "error400" | "timeout" | "malformed" |
                "no_answer" | "mixed"   (default "correct")
                mixed = deterministic per question: by sha256(question) % 10 -> 0-5 correct, 6 wrong,
@@ -200,6 +201,7 @@ class ScriptedApp:
                                                 "bodies": self.bodies[-50:]})
         if path == "/scripted/config" and method == "POST":
             self.cfg.update(json.loads(raw))
+            self.per_question = {}  # fail_first counts restart with every new configuration
             return await self._json(send, 200, {"ok": True})
         if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             return await self._generate(send, json.loads(raw), chat=path.endswith("chat/completions"))

@@ -153,7 +153,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         str(summary["n_errors"]), str(summary["n_truncated"]),
         str(summary.get("n_invalid", summary.get("n_no_answer"))), str(summary.get("partial")),
     )
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     console.print(t)
     extra = [f"{k}={pct(summary[k])}" for k in summary if k.startswith(("pass@", "majority@")) and k[-1].isdigit()]
     if "no_answer" in summary:

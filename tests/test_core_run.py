@@ -1,0 +1,307 @@
+"""`evalpipe run` and `evalpipe audit` as real subprocesses against the scripted server over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from evalpipe.grading import legacy_answer_value
+from evalpipe.records import REQUIRED_KEYS
+from tests.core_helpers import DATA_DIR, evalpipe_cmd, load_run, only_run_dir, run_cli, run_lane
+from tests.scripted_server import (
+    DEFAULT_CONFIG,
+    answer_table,
+    mixed_bucket,
+    server_stats,
+    set_config,
+    start_scripted_server,
+    stop_scripted_server,
+)
+
+GSM8K_ROWS = [json.loads(l) for l in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One scripted server for the module; each test sets the behaviour it needs."""
+    answers = {**answer_table("gsm8k", DATA_DIR), **answer_table("aime26")}
+    base_url, proc = start_scripted_server(answers=answers)
+    yield base_url
+    stop_scripted_server(proc)
+
+
+@pytest.fixture
+def srv(server):
+    def configure(**changes):
+        cfg = {k: v for k, v in DEFAULT_CONFIG.items() if k != "answers"}
+        cfg.update(changes)
+        set_config(server, **cfg)
+        return server
+
+    return configure
+
+
+def _n_requests(base_url):
+    return server_stats(base_url)["n_requests"]
+
+
+def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(srv, tmp_path):
+    url = srv(mode="mixed")
+    n = 120
+    r = run_lane("gsm8k", url, tmp_path, "--num-examples", n, "--concurrency", 16, "--max-retries", 1, "--arm", "spec_off")
+    assert r.returncode == 0, r.stderr
+    assert "accuracy" in r.stdout and "run folder:" in r.stdout
+    run_dir = only_run_dir(tmp_path, "gsm8k")
+    assert run_dir.name.startswith("spec_off-")
+    records, summary, manifest = load_run(run_dir)
+
+    ids = list(range(5, 5 + n))
+    assert sorted(rec["question_id"] for rec in records) == ids  # exactly once each
+    for rec in records:
+        assert not [k for k in REQUIRED_KEYS if k not in rec]
+    buckets = {i: mixed_bucket(GSM8K_ROWS[i]["question"]) for i in ids}
+    by_id = {rec["question_id"]: rec for rec in records}
+    for i, b in buckets.items():
+        rec = by_id[i]
+        assert rec["correct"] == (b == "correct"), (i, b, rec["grade_status"])
+        assert rec["expected_answer"] == legacy_answer_value(GSM8K_ROWS[i]["answer"])
+        if b == "error500":
+            assert rec["error"]["status"] == 500 and len(rec["attempts"]) == 2 and rec["response_text"] == ""
+            assert rec["grade_status"] == "request_error"
+        if b == "truncated":
+            # the scripted truncation still contains the gold number: a truncation counts wrong anyway
+            assert rec["truncated"] and rec["finish_reason"] == "length" and rec["grade_status"] == "truncated"
+        if b == "correct":
+            assert rec["output_token_ids"] and rec["request"]["return_token_ids"] is True
+    expected_correct = sum(b == "correct" for b in buckets.values())
+    assert summary["n_planned"] == summary["n_records"] == n
+    assert summary["n_correct"] == expected_correct
+    assert summary["accuracy"] == pytest.approx(expected_correct / n)
+    assert summary["n_errors"] == sum(b == "error500" for b in buckets.values()) > 0
+    assert summary["n_truncated"] == sum(b == "truncated" for b in buckets.values()) > 0
+    assert summary["n_invalid"] == sum(b == "no_answer" for b in buckets.values()) > 0
+    assert summary["partial"] is False and summary["arm"] == "spec_off"
+
+    # request as sent: the lane's protocol, no key; manifest pins and provenance
+    body = records[0]["request"]
+    assert body["stop"] == ["Question", "Assistant:", "<|separator|>"] and body["seed"] == 0
+    assert body["max_tokens"] == 4096 and body["temperature"] == 0.0 and "api_key" not in json.dumps(body)
+    start = manifest["start"]
+    assert start["dataset"]["sha256"] == "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"
+    assert start["prompts"]["prompt_stream_sha256_all"].startswith("23c9eb5e8819755f")
+    assert start["server"]["models"]["data"][0]["id"] == "scripted-model"
+    assert start["server"]["server_info_path"] == "/get_server_info"
+    assert any(p.startswith("openai==") for p in start["packages"])
+    assert manifest["end"] is not None and manifest["consistent"] is True
+
+    # audit passes on the honest run ...
+    a = run_cli("audit", run_dir)
+    assert a.returncode == 0, a.stdout + a.stderr
+    assert "audit passed" in a.stdout
+    # ... and fails once one record's raw text is edited
+    lines = (run_dir / "responses.jsonl").read_text().splitlines()
+    k = next(j for j, l in enumerate(lines) if json.loads(l)["grade_status"] == "no_answer")
+    rec = json.loads(lines[k])
+    rec["response_text"] = " edited.\n#### " + str(rec["expected_answer"])
+    lines[k] = json.dumps(rec)
+    (run_dir / "responses.jsonl").write_text("\n".join(lines) + "\n")
+    a = run_cli("audit", run_dir)
+    assert a.returncode == 1
+    assert "FAIL grades" in a.stdout and str(rec["question_id"]) in a.stdout
+
+
+def test_unlisted_model_is_an_error_before_any_request(srv, tmp_path):
+    url = srv(mode="correct")
+    before = _n_requests(url)
+    r = run_lane("gsm8k", url, tmp_path, "--num-examples", 3, "--model", "not-served")
+    assert r.returncode == 1
+    assert "not-served" in r.stderr and "scripted-model" in r.stderr and "Traceback" not in r.stderr
+    assert _n_requests(url) == before
+    assert not (tmp_path / "gsm8k").exists()
+
+
+def test_4xx_is_not_retried_and_5xx_is_retried_then_recorded(srv, tmp_path):
+    url = srv(mode="error400")
+    before = _n_requests(url)
+    r = run_lane("gsm8k", url, tmp_path / "a", "--num-examples", 3, "--max-retries", 3)
+    assert r.returncode == 0, r.stderr
+    records, summary, _ = load_run(only_run_dir(tmp_path / "a", "gsm8k"))
+    assert _n_requests(url) - before == 3
+    assert all(len(x["attempts"]) == 1 and x["error"]["status"] == 400 for x in records)
+    assert summary["n_errors"] == 3 and summary["accuracy"] == 0.0
+
+    url = srv(mode="error500")
+    before = _n_requests(url)
+    r = run_lane("gsm8k", url, tmp_path / "b", "--num-examples", 3, "--max-retries", 2)
+    records, summary, _ = load_run(only_run_dir(tmp_path / "b", "gsm8k"))
+    assert _n_requests(url) - before == 9
+    assert all(len(x["attempts"]) == 3 and x["error"]["status"] == 500 and x["error"]["retries_exhausted"] for x in records)
+    assert summary["n_records"] == summary["n_errors"] == 3
+
+    url = srv(mode="correct", fail_first=1)  # one 500, then success: the record is clean
+    r = run_lane("gsm8k", url, tmp_path / "c", "--num-examples", 2, "--max-retries", 2)
+    records, summary, _ = load_run(only_run_dir(tmp_path / "c", "gsm8k"))
+    assert all(len(x["attempts"]) == 2 and x["error"] is None and x["correct"] for x in records)
+    assert summary["accuracy"] == 1.0
+
+
+def test_timeouts_and_malformed_bodies_become_error_records(srv, tmp_path):
+    url = srv(mode="timeout", timeout_sleep_s=5)
+    r = run_lane("gsm8k", url, tmp_path / "t", "--num-examples", 2, "--timeout", "0.3", "--max-retries", 1)
+    records, summary, _ = load_run(only_run_dir(tmp_path / "t", "gsm8k"))
+    assert all(x["error"]["type"] == "APITimeoutError" and len(x["attempts"]) == 2 for x in records)
+    assert summary["n_errors"] == 2 and summary["accuracy"] == 0.0
+
+    url = srv(mode="malformed")
+    r = run_lane("gsm8k", url, tmp_path / "m", "--num-examples", 2, "--max-retries", 1)
+    records, summary, _ = load_run(only_run_dir(tmp_path / "m", "gsm8k"))
+    assert all(x["error"]["type"] == "malformed_response" for x in records)
+    assert summary["n_records"] == 2 and summary["n_errors"] == 2
+
+
+def test_data_drift_is_refused_unless_allowed(srv, tmp_path):
+    url = srv(mode="correct")
+    drifted = tmp_path / "data" / "gsm8k"
+    drifted.mkdir(parents=True)
+    text = (DATA_DIR / "gsm8k" / "test.jsonl").read_text()
+    (drifted / "test.jsonl").write_text(text.replace("Janet", "Janey", 1))
+    r = run_lane("gsm8k", url, tmp_path / "out", "--num-examples", 2, "--data-dir", tmp_path / "data")
+    assert r.returncode == 1 and "--allow-data-drift" in r.stderr and "sha256" in r.stderr
+    assert not (tmp_path / "out").exists()
+    r = run_lane("gsm8k", url, tmp_path / "out", "--num-examples", 2, "--data-dir", tmp_path / "data", "--allow-data-drift")
+    assert r.returncode == 0, r.stderr
+    _, summary, manifest = load_run(only_run_dir(tmp_path / "out", "gsm8k"))
+    assert summary["data_drift"] is True and manifest["start"]["dataset"]["allow_data_drift"] is True
+    assert manifest["start"]["dataset"]["pin_differences"]
+
+
+def test_overrides_are_sent_and_recorded(srv, tmp_path):
+    url = srv(mode="correct", spec={"verify_steps": 3, "accept_length": 2.5, "simulated": False})
+    r = run_lane("gsm8k", url, tmp_path, "--num-examples", 2, "--max-tokens", 64, "--temperature", 0.5,
+                 "--seed", "none", "--top-p", 0.9, "--no-token-ids")
+    assert r.returncode == 0, r.stderr
+    records, summary, manifest = load_run(only_run_dir(tmp_path, "gsm8k"))
+    body = records[0]["request"]
+    assert body["max_tokens"] == 64 and body["temperature"] == 0.5 and body["top_p"] == 0.9
+    assert "seed" not in body and "return_token_ids" not in body and records[0]["output_token_ids"] is None
+    assert summary["overrides"] == {"max_tokens": 64, "temperature": 0.5, "seed": None, "top_p": 0.9, "num_examples": 2}
+    assert manifest["start"]["lane"]["overrides"]["seed"] is None
+    assert records[0]["spec"]["accept_length"] == 2.5 and summary["spec_accept_length_mean"] == 2.5
+
+
+def test_simulated_acceptance_is_refused(srv, tmp_path):
+    url = srv(mode="correct", server_info={"speculative": {"simulate_acc_len": 3.0}})
+    before = _n_requests(url)
+    r = run_lane("gsm8k", url, tmp_path / "a", "--num-examples", 2)
+    assert r.returncode == 1 and "simulat" in r.stderr and _n_requests(url) == before
+
+    url = srv(mode="correct", spec={"accept_length": 3.0, "simulated": True})
+    r = run_lane("gsm8k", url, tmp_path / "b", "--num-examples", 20, "--concurrency", 1)
+    assert r.returncode == 3 and "simulated" in r.stderr
+    records, summary, _ = load_run(only_run_dir(tmp_path / "b", "gsm8k"))
+    assert 1 <= len(records) < 20  # kept, and the run stopped
+    assert summary["refused"] and summary["accuracy"] is None and summary["partial"] is True
+
+
+def test_sigint_keeps_records_then_resume_completes_without_duplicates(srv, tmp_path):
+    url = srv(mode="mixed", delay_s=0.02)
+    n = 300
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        evalpipe_cmd("run", "gsm8k", "--base-url", url, "--out", out, "--num-examples", n, "--concurrency", 4,
+                     "--max-retries", 0, "--no-progress"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 60
+    responses = None
+    while time.time() < deadline:
+        found = list(out.glob("gsm8k/*/responses.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 20:
+            responses = found[0]
+            break
+        time.sleep(0.05)
+    assert responses is not None, proc.stderr.read() if proc.poll() is not None else "no records appeared"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    run_dir = responses.parent
+    records, summary, manifest = load_run(run_dir)  # every line parses
+    assert 20 <= len(records) < n
+    assert summary["partial"] is True and summary["interrupted"] == "SIGINT"
+    assert summary["n_records"] == len(records) and summary["n_planned"] == n
+    assert summary["accuracy"] == pytest.approx(summary["n_correct"] / n)
+    assert manifest["end"] is not None
+    a = run_cli("audit", run_dir)
+    assert a.returncode == 1 and "FAIL complete" in a.stdout and "partial" in a.stdout
+
+    # resume with a healthy server: error records are retried, nothing is duplicated
+    url = srv(mode="correct")
+    n_errors_before = sum(1 for x in records if x["error"])
+    r = run_cli("run", "--resume", run_dir, "--base-url", url, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    records2, summary2, manifest2 = load_run(run_dir)
+    keys = [(x["question_id"], x["repeat_index"]) for x in records2]
+    assert len(keys) == len(set(keys)) == n
+    assert summary2["partial"] is False and summary2["resumed"] is True and summary2["n_errors"] == 0
+    assert len(manifest2["resumes"]) == 1
+    superseded = run_dir / "superseded.jsonl"
+    assert (len(superseded.read_text().splitlines()) if superseded.exists() else 0) == n_errors_before
+    kept = {x["question_id"]: x for x in records if not x["error"]}
+    after = {y["question_id"]: y for y in records2}
+    assert all(after[q] == rec for q, rec in kept.items())  # landed records are kept verbatim
+    a = run_cli("audit", run_dir)
+    assert a.returncode == 0, a.stdout
+
+
+def test_resume_refuses_protocol_flags(srv, tmp_path):
+    url = srv(mode="correct")
+    run_lane("gsm8k", url, tmp_path, "--num-examples", 2)
+    run_dir = only_run_dir(tmp_path, "gsm8k")
+    r = run_cli("run", "--resume", run_dir, "--base-url", url, "--temperature", "1")
+    assert r.returncode == 2 and "--temperature" in r.stderr
+
+
+def test_aime_x16_subset_metrics_and_audit(srv, tmp_path):
+    url = srv(mode="mixed")
+    r = run_lane("aime26-x16", url, tmp_path, "--num-examples", 3, "--grader-workers", 1)
+    assert r.returncode == 0, r.stderr
+    run_dir = only_run_dir(tmp_path, "aime26-x16")
+    records, summary, _ = load_run(run_dir)
+    assert summary["n_planned"] == summary["n_records"] == 48
+    assert sorted({x["repeat_index"] for x in records}) == list(range(16))
+    assert "seed" not in records[0]["request"] and records[0]["request"]["chat_template_kwargs"] == {"thinking": True}
+    assert records[0]["reasoning_text"] == "thinking..."
+    per_q = {}
+    for x in records:
+        per_q.setdefault(x["question_id"], []).append(x["correct"])
+    # mixed mode is deterministic per question: all 16 repeats share one behaviour
+    assert all(len(set(v)) == 1 for v in per_q.values())
+    n_right_q = sum(v[0] for v in per_q.values())
+    assert summary["accuracy"] == summary["pass@1"] == pytest.approx(16 * n_right_q / 48)
+    assert summary["pass@16"] == pytest.approx(n_right_q / 3) and summary["majority@16"] == pytest.approx(n_right_q / 3)
+    a = run_cli("audit", run_dir)
+    assert a.returncode == 0, a.stdout
+
+
+def test_aime_grader_timeout_is_recorded_not_hung(server, tmp_path):
+    """A pathological boxed answer makes math-verify work ~10 s; the hard timeout (1 s) records grader_timeout."""
+    table = answer_table("aime26")
+    first_problem = next(iter(table))
+    set_config(server, **{k: v for k, v in DEFAULT_CONFIG.items() if k != "answers"},
+               answers={**table, first_problem: "9^{9^{9^{9}}}"})
+    try:
+        r = run_lane("aime26", server, tmp_path, "--num-examples", 2, "--grader-timeout", 1, "--grader-workers", 1)
+        assert r.returncode == 0, r.stderr
+        records, summary, _ = load_run(only_run_dir(tmp_path, "aime26"))
+        by_id = {x["question_id"]: x for x in records}
+        assert by_id["aime26-0"]["grade_status"] == "grader_timeout" and by_id["aime26-0"]["correct"] is False
+        assert by_id["aime26-1"]["grade_status"] == "ok" and by_id["aime26-1"]["correct"] is True
+        assert summary["n_grader_timeouts"] == 1 and summary["accuracy"] == 0.5
+    finally:
+        set_config(server, answers={**table, **answer_table("gsm8k", DATA_DIR)})
