@@ -52,16 +52,37 @@ def candidate_block_mask_reference(
     topk_blocks: int,
     block_size: int,
     published: torch.Tensor | None = None,
+    *,
+    masked_out: torch.Tensor | None = None,
+    keep_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The unfused torch chain (pad -> reshape -> max -> where -> topk -> scatter -> repeat_interleave)."""
     _check(logits, lens, topk_blocks, block_size, published)
+    _check_outputs(logits, published, masked_out, keep_out)
+    masked, keep = _reference_chain(logits, lens, topk_blocks, block_size, published)
+    if masked_out is not None:
+        masked = masked_out.copy_(masked)
+    if keep_out is not None and keep is not None:
+        keep = keep_out.copy_(keep)
+    return masked, keep
+
+
+def _check_outputs(logits, published, masked_out, keep_out):
+    for name, buf, dtype in (("masked_out", masked_out, torch.float32), ("keep_out", keep_out, torch.bool)):
+        if buf is not None and (buf.shape != logits.shape or buf.dtype != dtype or buf.device != logits.device):
+            raise ValueError(f"{name} must be {dtype} {tuple(logits.shape)} on {logits.device}, got {buf.dtype}{tuple(buf.shape)}")
+    if keep_out is not None and published is not None:
+        raise ValueError("keep_out is only written in source mode (published=None)")
+
+
+def _reference_chain(logits, lens, topk_blocks, block_size, published):
+    """The plain chain itself, on fresh tensors (the module docstring's pseudo-code, step by step)."""
     rows, width = logits.shape
     seq_len = lens.long().clamp(0, width)
     visible = torch.arange(width, device=logits.device)[None, :] < seq_len[:, None]
-    neg_inf = torch.tensor(float("-inf"), device=logits.device)
     if published is not None:
-        return torch.where(visible & published, logits.float(), neg_inf), None
-    masked = torch.where(visible, logits.float(), neg_inf)
+        return logits.float().masked_fill(~(visible & published), float("-inf")), None
+    masked = logits.float().masked_fill(~visible, float("-inf"))
     nblocks = -(-width // block_size)
     if rows == 0 or width == 0:
         return masked, torch.zeros((rows, width), dtype=torch.bool, device=logits.device)
@@ -74,7 +95,7 @@ def candidate_block_mask_reference(
     val, sel = torch.topk(bscore, min(topk_blocks, nblocks), dim=1, sorted=False)
     block_keep = torch.zeros((rows, nblocks), dtype=torch.bool, device=logits.device)
     block_keep.scatter_(1, sel, val > float("-inf"))
-    keep = block_keep.repeat_interleave(block_size, dim=1)[:, :width]
+    keep = block_keep.repeat_interleave(block_size, dim=1, output_size=nblocks * block_size)[:, :width]
     return masked, keep
 
 
@@ -140,12 +161,14 @@ if triton is not None:
         tl.store(out_ptr + row * o_row + cols, tl.where((cols < seq_len) & (pub != 0), x, float("-inf")), mask=in_w)
 
 
-def _triton_guard(logits, lens, block_size, published) -> bool:
+def _triton_guard(logits, lens, block_size, published, masked_out, keep_out) -> bool:
     tensors = [logits, lens] + ([published] if published is not None else [])
+    outs = [t for t in (masked_out, keep_out) if t is not None]
     return (
         logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and block_size <= MAX_TRITON_BLOCK
         and all(t.device == logits.device for t in tensors)
+        and all(t.stride(1) == 1 or t.shape[1] <= 1 for t in outs)
     )
 
 
@@ -156,6 +179,8 @@ def candidate_block_mask(
     block_size: int,
     published: torch.Tensor | None = None,
     *,
+    masked_out: torch.Tensor | None = None,
+    keep_out: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Source mode: (masked fp32 logits [R, W], keep bool [R, W]); consumer mode: (restricted logits, None).
@@ -164,16 +189,21 @@ def candidate_block_mask(
     lens:        [R] int32 | int64 visible length per verify row (clamped to [0, W]).
     topk_blocks: blocks kept per row (production 2048); block_size: positions per block (production 8).
     published:   None (source mode) or the source layer's bool keep mask [R, W] (consumer mode), any strides.
+    masked_out / keep_out: optional persistent fp32 / bool [R, W] buffers (unit column stride for the kernel);
+    every element is rewritten on each call.
     Works up to W = 1,048,576. Exact (equal_nan) vs `candidate_block_mask_reference`; CUDA-graph safe.
     """
     _check(logits, lens, topk_blocks, block_size, published)
-    guard = _triton_guard(logits, lens, block_size, published)
+    _check_outputs(logits, published, masked_out, keep_out)
+    guard = _triton_guard(logits, lens, block_size, published, masked_out, keep_out)
     tensors = [logits, lens] + ([published] if published is not None else [])
     if not use_triton(backend, tensors, guard):
-        return candidate_block_mask_reference(logits, lens, topk_blocks, block_size, published)
+        return candidate_block_mask_reference(
+            logits, lens, topk_blocks, block_size, published, masked_out=masked_out, keep_out=keep_out
+        )
     rows, width = logits.shape
     device = logits.device
-    masked = torch.empty((rows, width), dtype=torch.float32, device=device)
+    masked = masked_out if masked_out is not None else torch.empty((rows, width), dtype=torch.float32, device=device)
     if published is not None:
         if rows and width:
             pub = published.view(torch.uint8)
@@ -181,7 +211,7 @@ def candidate_block_mask(
                 logits, lens, pub, masked, width, *logits.stride(), *pub.stride(), masked.stride(0), TILE_W=TILE
             )
         return masked, None
-    keep = torch.empty((rows, width), dtype=torch.bool, device=device)
+    keep = keep_out if keep_out is not None else torch.empty((rows, width), dtype=torch.bool, device=device)
     if rows == 0 or width == 0:
         keep.zero_()
         return masked, keep

@@ -117,6 +117,24 @@ def test_ties_lengths_and_poison_free_outputs():
     assert_same(candidate_block_mask(logits, lens, 3, 8, backend="triton"), candidate_block_mask_reference(logits, lens, 3, 8))
 
 
+def test_persistent_output_buffers_fully_rewritten_and_nothing_else():
+    logits, lens = make_case(203, seed=4)
+    for published in (None, candidate_block_mask_reference(logits, lens, 6, 8)[1]):
+        want = candidate_block_mask_reference(logits, lens, 6, 8, published)
+        masked_buf = torch.full((6, 211), 12345.0)
+        keep_buf = torch.ones((6, 211), dtype=torch.bool)  # poison: everything "kept"
+        masked_out, keep_out = masked_buf[:, 4:207], keep_buf[:, 4:207]  # row-strided views
+        got = candidate_block_mask(
+            logits, lens, 6, 8, published, masked_out=masked_out,
+            keep_out=keep_out if published is None else None, backend="triton",
+        )
+        assert got[0].data_ptr() == masked_out.data_ptr()
+        assert_same((masked_out, keep_out if published is None else None), want)
+        assert (masked_buf[:, :4] == 12345.0).all() and (masked_buf[:, 207:] == 12345.0).all()
+        assert keep_buf[:, :4].all() and keep_buf[:, 207:].all()
+        assert not (masked_out == 12345.0).any()
+
+
 def test_empty_and_dispatch(monkeypatch):
     for shape in [(0, 64), (3, 0)]:
         logits = torch.randn(shape)
