@@ -37,7 +37,7 @@ def main() -> None:
             json.dump({"server": os.getpid(), "child": child.pid}, f)
     info = {
         "version": "0.0-fake",
-        "engine_args": engine_args,
+        "argv": engine_args,
         "environ": {k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "VLLM_", "FAKE_"))},
         "port": args.port,
         **json.loads(args.fake_info_json),

@@ -22,9 +22,10 @@ SIMULATION_VARIABLES = ("SGLANG_SIMULATE_ACC_LEN",)
 
 REDACTED = "<redacted>"
 _ENV_SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD")
-# Structured keys (argv flags, server-info fields) are matched by whole words: `tokenizer_path` and
-# `speculative_num_draft_tokens` are settings, `api_key` and `hf_token` are secrets.
-_WORD_SECRETS = {"key", "apikey", "token", "secret", "password", "passwd"}
+# Structured keys (argv flags, server-info fields) are matched by words, narrowly: `api_key`, `hf_token` and
+# `ssl_keyfile_password` are secrets; `tokenizer_path`, `bos_token_id` and `num_key_value_heads` are settings.
+_SECRET_WORDS = {"secret", "password", "passwd", "apikey", "credentials"}
+_TOKEN_OWNERS = {"hf", "auth", "access", "bearer", "hub", "refresh", "session", "github", "gh", "api"}
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,14 @@ def is_secret_env_name(name: str) -> bool:
 
 
 def is_secret_field(name: str) -> bool:
-    words = re.split(r"[^a-z0-9]+", name.lower().lstrip("-"))
-    return any(word in _WORD_SECRETS for word in words) or "api_key" in name.lower().replace("-", "_")
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    if not words:
+        return False
+    if any(w in _SECRET_WORDS for w in words) or words in (["key"], ["token"]):
+        return True
+    if any(a == "api" and b == "key" for a, b in zip(words, words[1:])):
+        return True
+    return words[-1] == "token" and len(words) > 1 and words[-2] in _TOKEN_OWNERS
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:

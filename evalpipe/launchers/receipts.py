@@ -130,10 +130,10 @@ VOLATILE_KEYS = (
     "*throughput*", "*accept_length*", "*accept_rate*", "stats", "*_stats", "statistics", "*_ct", "*count*",
     "launch_command", "command", "argv", "cmdline", "log", "log_path", "*_at",
     "num_requests*", "num_running_*", "num_waiting_*", "*memory_usage*", "*_tokens_total", "load",
-    "verify_steps", "draft_tokens", "accepted_drafts", "histogram",
+    "verify_steps", "draft_tokens", "accepted_drafts", "histogram", "*seconds*", "free_*", "ready", "load_error",
 )
 # A declared speculation flag explains every speculation-shaped setting the server derives from it.
-SPECULATION_WORDS = ("spec", "draft", "block_size", "accept", "simulat", "dspark", "eagle", "nextn")
+SPECULATION_WORDS = ("spec", "draft", "block_size", "accept", "simulat", "dspark", "eagle", "nextn", "decode_width", "verify")
 
 
 def flatten(value, prefix: str = "") -> dict[str, object]:

@@ -1,0 +1,289 @@
+"""The A/B sequence behind `evalpipe ab`: boot, check receipts, run lanes, stop; then compare and report.
+
+Kept apart from the click command so that the order of events (and what is written when something fails) is
+readable in one place. Every boot goes through a launcher and is stopped in a `finally`, so an error or Ctrl-C
+never leaves a server running; `ab.json` is rewritten after every step, so a failed A/B still says how far it got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+
+from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
+from evalpipe.launchers.base import free_port
+from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences
+
+INDEX_FILE = "ab.json"
+REPORT_FILE = "report.html"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class ABRun:
+    out: Path
+    lanes: list[str]
+    options: dict[str, LaunchOptions]
+    port_given: dict[str, bool]
+    args: dict[str, str]
+    order: str
+    declared: list[str]
+    allow: list[str] = field(default_factory=list)
+    ready_timeout: float = 900.0
+    num_examples: int | None = None
+    max_tokens: int | None = None
+    concurrency: int | None = None
+    logprobs: int | None = 2
+    tie_threshold: float = 1e-4
+    margin: float = 1.0
+    data_dir: Path | None = None
+    command_line: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        from evalpipe.commands.ab import arm_labels
+
+        self.labels = arm_labels(self.order)
+        self.index: dict = {
+            "schema": 1,
+            "status": "running",
+            "started_at": _now(),
+            "finished_at": None,
+            "command": self.command_line,
+            "lanes": self.lanes,
+            "order": self.order,
+            "args": self.args,
+            "declared_flags": self.declared,
+            "allow_diff": self.allow,
+            "protocol": {"num_examples": self.num_examples, "max_tokens": self.max_tokens,
+                         "concurrency": self.concurrency, "logprobs": self.logprobs},
+            "tie_rule": (
+                f"a differing greedy output is a numerical tie when, at the first differing token, the logprob gap "
+                f"between the two arms' choices is below {self.tie_threshold:g} (needs recorded logprobs)"
+            ),
+            "arms": [],
+            "receipt_checks": [],
+            "comparisons": [],
+            "warnings": [],
+            "error": None,
+        }
+
+    # ----- bookkeeping ----------------------------------------------------------------------------------
+    def save(self) -> None:
+        from evalpipe.launchers.ab_report import write_report
+
+        (self.out / INDEX_FILE).write_text(json.dumps(self.index, indent=2, default=str) + "\n")
+        write_report(self.out, self.index)
+
+    def fail(self, message: str, status: str = "failed") -> int:
+        self.index.update(status=status, error=message, finished_at=_now())
+        self.save()
+        click.echo(f"evalpipe ab: {message}", err=True)
+        return 130 if status == "interrupted" else 1
+
+    # ----- the sequence ---------------------------------------------------------------------------------
+    def execute(self, preflight: bool = False) -> int:
+        labels = self.labels
+        if preflight:
+            labels = [("A", "A1"), ("B", "B1")]
+            self.index["preflight"] = True
+        receipts: dict[str, dict] = {}
+        first_of: dict[str, str] = {}
+        try:
+            for side, label in labels:
+                arm = {"label": label, "side": side, "dir": f"arms/{label}", "receipt": f"arms/{label}/receipt.json",
+                       "log": f"arms/{label}/server.log", "runs": {}, "status": "booting"}
+                self.index["arms"].append(arm)
+                self.save()
+                problem = self.run_arm(side, label, arm, receipts, first_of, run_lanes=not preflight)
+                if problem:
+                    return self.fail(problem, status="refused" if arm["status"] == "refused" else "failed")
+        except KeyboardInterrupt:
+            return self.fail("interrupted; every server was stopped", status="interrupted")
+        if not preflight:
+            self.compare_all()
+        self.index.update(status="done", finished_at=_now())
+        self.save()
+        click.echo(f"report: {self.out / REPORT_FILE}")
+        return 0
+
+    def run_arm(self, side, label, arm, receipts, first_of, run_lanes: bool) -> str | None:
+        """Boot one arm, check it, run its lanes, stop it. Returns a failure message, or None."""
+        from evalpipe.launchers.cli import boot, finish
+
+        options = self.options[side]
+        if not self.port_given[side]:
+            options = dataclasses.replace(options, port=free_port())
+        launcher = make_launcher(options)
+        arm_dir = self.out / arm["dir"]
+        receipt_path = self.out / arm["receipt"]
+        click.echo(f"[{label}] booting {launcher.engine}: {launcher.shell_command()}", err=True)
+        try:
+            receipt = boot(launcher, receipt_path, self.out / arm["log"], self.ready_timeout)
+        except ServerStartError as exc:
+            arm["status"] = "boot failed"
+            return f"[{label}] {exc}"
+        try:
+            receipts[label] = receipt
+            arm["status"] = "ready"
+            problems = self.check_receipt(side, label, receipt, receipts, first_of)
+            if problems:
+                arm["status"] = "refused"
+                return f"[{label}] receipt differs beyond the declared flags {self.declared or '(none)'}:\n  " + "\n  ".join(problems)
+            first_of.setdefault(side, label)
+            if run_lanes:
+                for lane in self.lanes:
+                    arm["status"] = f"running {lane}"
+                    self.save()
+                    run_dir, code, message = self.run_lane(lane, label, launcher, arm_dir / "runs")
+                    arm["runs"][lane] = str(run_dir.relative_to(self.out)) if run_dir else None
+                    if code:
+                        arm["status"] = f"{lane} failed"
+                        if code in (130, 143):
+                            raise KeyboardInterrupt
+                        return f"[{label}] lane {lane}: {message}"
+            arm["status"] = "done"
+        finally:
+            receipt = finish(launcher, receipt_path, receipts.get(label, receipt))
+            receipts[label] = receipt
+            self.save()
+        return None
+
+    def check_receipt(self, side, label, receipt, receipts, first_of) -> list[str]:
+        """Same side: everything equal. Other side: differences only where the declared flags explain them."""
+        problems = []
+        for other_side, declared in ((side, []), ("B" if side == "A" else "A", self.declared)):
+            other = first_of.get(other_side)
+            if other is None:
+                continue
+            found = receipt_differences(receipts[other], receipt, declared=declared, allow=self.allow)
+            self.index["receipt_checks"].append(
+                {"arm": label, "against": other, "declared": declared, "differences": found, "ok": not found}
+            )
+            problems += [f"vs {other}: {p}" for p in found]
+        return problems
+
+    def run_lane(self, lane: str, label: str, launcher, out: Path):
+        """Run one lane in-process through evalpipe's runner; returns (run_dir, exit_code, message)."""
+        from evalpipe.lanes import get_lane
+        from evalpipe.runner import RunConfig, Runner, RunError
+
+        overrides = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
+        config = RunConfig(
+            lane=get_lane(lane), base_url=launcher.base_url + "/v1", api_key=launcher.options.api_key, arm=label,
+            out_dir=out, concurrency=self.concurrency, overrides=overrides, num_examples=self.num_examples,
+            data_dir=self.data_dir, logprobs=self.logprobs, command_line=self.command_line,
+        )
+        try:
+            outcome = Runner(config).execute()
+        except RunError as exc:
+            return None, 1, str(exc)
+        return outcome.run_dir, outcome.exit_code, outcome.message
+
+    # ----- comparisons ----------------------------------------------------------------------------------
+    def compare_all(self) -> None:
+        from evalpipe.commands.ab import comparison_pairs
+
+        runs = {arm["label"]: arm["runs"] for arm in self.index["arms"]}
+        for lane in self.lanes:
+            for kind, x, y in comparison_pairs(self.labels):
+                entry = {"lane": lane, "kind": kind, "a": x, "b": y, "dir": f"compare/{lane}/{x}-vs-{y}"}
+                self.index["comparisons"].append(entry)
+                try:
+                    entry.update(self.compare_pair(runs[x][lane], runs[y][lane], self.out / entry["dir"], kind))
+                except Exception as exc:  # a failed compare is reported, the others still run
+                    entry["error"] = f"{type(exc).__name__}: {exc}"
+                    entry["traceback"] = traceback.format_exc(limit=5)
+                self.save()
+        self.warn_on_idle_speculation()
+
+    def intended_patterns(self, kind: str) -> list[str]:
+        if kind == "boot":
+            return []
+        patterns = [f"*{name}*" for name in self.declared]
+        if any(any(w in name for w in SPECULATION_WORDS) for name in self.declared):
+            patterns += [f"*{w}*" for w in SPECULATION_WORDS]
+        return patterns
+
+    def compare_pair(self, run_x: str, run_y: str, out: Path, kind: str) -> dict:
+        from evalpipe.commands.compare import command as compare_command
+
+        args = [str(self.out / run_x), str(self.out / run_y), "--out", str(out), "--margin", str(self.margin)]
+        for pattern in self.intended_patterns(kind):
+            args += ["--intended", pattern]
+        try:
+            compare_command.main(args, prog_name="evalpipe compare", standalone_mode=False)
+        except click.ClickException as exc:
+            return {"error": exc.format_message()}
+        result = json.loads((out / "compare.json").read_text())
+        summary = {
+            "report": f"{out.relative_to(self.out)}/report.html",
+            "accuracy_a": result.get("accuracy", {}).get("a"),
+            "accuracy_b": result.get("accuracy", {}).get("b"),
+            "accuracy_diff": result.get("accuracy", {}).get("diff"),
+            "greedy": {k: v for k, v in (result.get("greedy") or {}).items() if not isinstance(v, (list, dict))},
+            "agreement": result.get("agreement"),
+            "spec": result.get("spec"),
+        }
+        summary["ties"] = self.tie_analysis(self.out / run_x, self.out / run_y)
+        return summary
+
+    def tie_analysis(self, run_x: Path, run_y: Path) -> dict:
+        """Classify every non-identical greedy output: numerical tie, real difference, or undecidable."""
+        from evalpipe.compare.agreement import compare_outputs
+        from evalpipe.compare.runfolder import load_run
+
+        a, b = load_run(run_x), load_run(run_y)
+        common = sorted(set(a.by_key) & set(b.by_key), key=str)
+        ties, real, undecided = [], [], []
+        for key in common:
+            result = compare_outputs(a.by_key[key], b.by_key[key])
+            if result["identical"]:
+                continue
+            gap = (result.get("logprob") or {}).get("gap")
+            row = {"question_id": key[0], "repeat_index": key[1], "position": result["position"],
+                   "basis": result["basis"], "gap": gap}
+            if gap is None:
+                undecided.append(row)
+            elif abs(gap) < self.tie_threshold:
+                ties.append(row)
+            else:
+                real.append(row)
+        n = len(common)
+        identical = n - len(ties) - len(real) - len(undecided)
+        return {
+            "n_pairs": n,
+            "n_identical": identical,
+            "n_ties": len(ties),
+            "n_real_differences": len(real),
+            "n_undecided": len(undecided),
+            "agreement": identical / n if n else None,
+            "agreement_with_ties": (identical + len(ties)) / n if n else None,
+            "ties": ties,
+            "real_differences": real,
+            "undecided": undecided,
+        }
+
+    def warn_on_idle_speculation(self) -> None:
+        """Accuracy alone hides speculation that never ran: flag a speculative arm whose accept length is <= 1."""
+        for side in ("A", "B"):
+            if not self.options[side].speculation_on:
+                continue
+            for entry in self.index["comparisons"]:
+                if entry.get("kind") != "ab" or not entry.get("spec"):
+                    continue
+                stats = entry["spec"].get("a" if side == "A" else "b") or {}
+                mean = stats.get("accept_length_mean") if isinstance(stats, dict) else None
+                if mean is None or mean <= 1.0:
+                    self.index["warnings"].append(
+                        f"arm {side} declares speculation but {entry['lane']} {entry['a' if side == 'A' else 'b']} "
+                        f"reports accept length {mean!r}: speculation may not have run"
+                    )

@@ -1,0 +1,105 @@
+"""`evalpipe ab`: arm bookkeeping, refusals, the receipt fairness check (preflight against scripted stand-in
+servers), and a real A/B on the native engine (tiny model, gsm8k 30 questions, max_tokens 32, order ABBA)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evalpipe.commands.ab import arm_labels, comparison_pairs, declared_flags
+from evalpipe.launchers.base import group_members
+from evalpipe.launchers.cli import parse_serve_args
+
+PY = sys.executable
+FAKE = str(Path(__file__).with_name("fake_engine_server.py"))
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / "data")
+
+
+def evalpipe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EVALPIPE_DATA_DIR": str(DATA_DIR)}
+    return subprocess.run([PY, "-m", "evalpipe.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_arm_order_and_pairs():
+    labels = arm_labels("ABBA")
+    assert labels == [("A", "A1"), ("B", "B1"), ("B", "B2"), ("A", "A2")]
+    assert comparison_pairs(labels) == [("ab", "A1", "B1"), ("ab", "A2", "B2"), ("boot", "A1", "A2"), ("boot", "B1", "B2")]
+    assert comparison_pairs(arm_labels("AB")) == [("ab", "A1", "B1")]
+    assert comparison_pairs(arm_labels("AABB")) == [("ab", "A1", "B1"), ("ab", "A2", "B2"), ("boot", "A1", "A2"), ("boot", "B1", "B2")]
+
+
+def test_declared_flags_are_what_differs_between_the_arms():
+    a, _ = parse_serve_args(shlex.split("--engine sglang --model M --tp 8 --speculative off --mem-fraction-static 0.8"))
+    b, given = parse_serve_args(shlex.split(
+        "--engine sglang --model M --tp 8 --speculative dspark --draft-model D --mem-fraction-static 0.7 "
+        "--set-env SGLANG_ENABLE_SPEC_V2=True"))
+    assert declared_flags(a, b) == ["speculative", "draft_model", "--mem-fraction-static", "SGLANG_ENABLE_SPEC_V2"]
+    assert declared_flags(a, a) == []
+    assert {"engine", "model", "tp", "speculative", "draft_model", "set_env", "extra_args"} <= given
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lanes", "nope", "--a", "", "--b", ""], "unknown lane"),
+        (["--lanes", "gsm8k", "--a", "", "--b", "", "--order", "AAC"], "--order"),
+        (["--lanes", "gsm8k", "--a", "--speculative dspark", "--b", ""], "arm A:"),
+        (["--lanes", "gsm8k", "--a", "", "--b", "--engine sglang"], "arm B: sglang needs --model"),
+        (["--lanes", "gsm8k", "--a", "--dry-run", "--b", ""], "set by `evalpipe ab` itself"),
+        (["--lanes", "gsm8k", "--a", "--tp 'unclosed", "--b", ""], "--a:"),
+    ],
+)
+def test_bad_input_is_a_usage_error(args, message, tmp_path):
+    result = evalpipe("ab", *args, "--out", str(tmp_path / "ab"), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "ab").exists()
+
+
+def _fake_arm(info: dict) -> str:
+    engine_command = f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-info-json {shlex.quote(json.dumps(info))}"
+    return f"--engine-command {shlex.quote(engine_command)}"
+
+
+def test_preflight_refuses_an_undeclared_difference_and_stops_both_servers(tmp_path):
+    common = "--engine sglang --model some/model --set-env FAKE_SHARED=1"
+    a = _fake_arm({"mem_fraction_static": 0.8, "speculative_algorithm": None})
+    b = _fake_arm({"mem_fraction_static": 0.7, "speculative_algorithm": "DSPARK"})
+    out = tmp_path / "ab"
+    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", a, "--b", b, "--preflight",
+                      "--out", str(out), "--ready-timeout", "60", timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "receipt differs beyond the declared flags ['engine_command']" in result.stderr
+    assert "server setting mem_fraction_static: A=0.8 B=0.7" in result.stderr
+    assert "server setting speculative_algorithm: A=None B='DSPARK'" in result.stderr
+    index = json.loads((out / "ab.json").read_text())
+    assert index["status"] == "refused" and [arm["status"] for arm in index["arms"]] == ["done", "refused"]
+    assert (out / "report.html").read_text().count("mem_fraction_static") >= 1
+    for arm in ("A1", "B1"):
+        receipt = json.loads((out / "arms" / arm / "receipt.json").read_text())
+        assert receipt["stopped_at"] and not _alive(receipt["pid"]) and not group_members(receipt["pid"])
+        assert receipt["env_set"] == {"FAKE_SHARED": "1"}
+
+    # The same pair passes when the differences are allowed explicitly.
+    out2 = tmp_path / "ab2"
+    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", a, "--b", b, "--preflight",
+                      "--allow-diff", "mem_fraction_static", "--allow-diff", "speculative_*",
+                      "--out", str(out2), "--ready-timeout", "60", timeout=120)
+    assert result.returncode == 0, result.stderr
+    index = json.loads((out2 / "ab.json").read_text())
+    assert index["status"] == "done" and index["preflight"] is True
+    assert [c["ok"] for c in index["receipt_checks"]] == [True]
