@@ -128,3 +128,17 @@ def test_bf16_rounding_helper_matches_torch_on_every_kind_of_float():
     y = torch.empty(x.shape, dtype=torch.bfloat16)
     _round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
     assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+def test_kernel_bitwise_equals_the_engines_own_rope_then_copy():
+    """The contract against the real engine: evalpipe.engine.primitives.apply_rope (per-dim cos/sin tables)."""
+    from evalpipe.engine.primitives import apply_rope
+
+    cos_full, sin_full = COS.repeat_interleave(2, dim=-1) * 0.9, SIN.repeat_interleave(2, dim=-1) * 0.9  # YaRN-like
+    q = make_q(6, 16, seed=21)
+    positions = torch.tensor([4096, 4097, 4098, 4099, 4100, 4101])
+    engine = apply_rope(q, cos_full[positions], sin_full[positions])
+    out = torch.full((6, PADDED_HEADS, HEAD_DIM), POISON, dtype=torch.bfloat16)
+    q_rope_store(q, out[:, :16], cos_full[:, ::2].contiguous(), sin_full[:, ::2].contiguous(), positions, backend="triton")
+    assert torch.equal(bits(out[:, :16]), bits(engine))
+    assert not torch.equal(bits(engine), bits(q))
