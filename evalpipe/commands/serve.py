@@ -8,6 +8,7 @@ uvicorn, then the engine, and the command exits 0.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 
@@ -88,10 +89,22 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
                             timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
     click.echo(f"evalpipe serve: loading {model or 'evalpipe-tiny-dsv4'} on http://{_display_host(host)}:{port} ...")
-    server.run(sockets=[sock])
+    # uvicorn re-raises the signal that stopped it once it has shut down; a SIGINT/SIGTERM is a clean stop here.
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        state.shutdown()
     if failure:
         raise click.ClickException(f"model failed to load: {failure[0]}")
     click.echo("evalpipe serve: stopped")
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _bind(host: str, port: int) -> socket.socket:

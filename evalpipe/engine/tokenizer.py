@@ -79,9 +79,11 @@ class ByteTokenizer:
         return b""
 
     def token_text(self, token_id: int) -> str:
-        """One token as logprobs show it: its visible text, or its special name (`<|reserved_300|>` above 271)."""
+        """One token as logprobs show it: its text, `bytes:\\xNN` for a byte that is not UTF-8 on its own
+        (OpenAI's convention, which keeps top-logprob keys distinct), or its special name (`<|reserved_300|>`)."""
         if BYTE_OFFSET <= token_id < BYTE_VOCAB_SIZE:
-            return self.token_bytes(token_id).decode("utf-8", errors="replace")
+            b = token_id - BYTE_OFFSET
+            return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
         if 0 <= token_id < BYTE_OFFSET:
             return SPECIAL_TOKENS[token_id]
         return f"<|reserved_{token_id}|>"

@@ -249,7 +249,7 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[str]:
                 "system_fingerprint": fingerprint(state), "choices": choices}
         if with_usage:
             body["usage"] = usage if usage is not None else (job.usage() if job.continuous_usage else None)
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(",", ":"))}\n\n"
+        return _data(body)
 
     started: set[int] = set()
     if job.chat:  # the role comes first, before any token, as in OpenAI's streams
@@ -262,7 +262,7 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[str]:
     async for ev in events(state, job, request):
         if ev.error:
             err = APIError(500, f"generation failed: {ev.error}", type="server_error").body()
-            yield f"data: {json.dumps(err)}\n\n"
+            yield _data(err)
             break
         if not ev.token_ids and ev.finish_reason is None:
             continue
@@ -289,6 +289,10 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[str]:
         if job.include_usage:
             yield chunk([], job.usage())
     yield "data: [DONE]\n\n"
+
+
+def _data(body: dict) -> str:
+    return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 def _finish(reason: str | None) -> str | None:

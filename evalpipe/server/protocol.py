@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOP_LOGPROBS = 20
 
@@ -42,12 +42,6 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     return_token_ids: bool = False
     user: str | None = None
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -93,12 +87,6 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
-
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
@@ -120,7 +108,11 @@ class CompletionRequest(_Sampling):
 
 
 def check_unsupported(req: _Sampling) -> tuple[str, str] | None:
-    """(param, message) for the first field this engine cannot honour, else None."""
+    """(param, message) for the first field this engine cannot honour or combination it refuses, else None."""
+    if req.stream_options is not None and not req.stream:
+        return "stream_options", "stream_options is only allowed when stream is true"
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        return "top_logprobs", "top_logprobs requires logprobs to be true"
     if req.repetition_penalty is not None and req.repetition_penalty != 1.0:
         return "repetition_penalty", "repetition_penalty is not supported by this engine (only 1.0)"
     for name in ("frequency_penalty", "presence_penalty"):

@@ -37,6 +37,12 @@ class ServerSettings:
     max_seq_len: int = 4096
     api_key: str | None = None
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
+    # block speculation (evalpipe/engine/spec_decoder.py): "off" | "block", G drafts per verify, drafter spec
+    # (None: layerskip over half the layers), simulated accept length (None: off; performance runs only)
+    speculative: str = "off"
+    block_size: int = 5
+    drafter: str | None = None
+    simulate_acc_len: float | None = None
 
     def public(self) -> dict:
         d = asdict(self)
@@ -51,6 +57,13 @@ def default_runner_factory(settings: ServerSettings) -> Any:
         settings.model, device=settings.device, dtype=getattr(torch, settings.dtype),
         max_seqs=settings.max_batch, max_seq_len=settings.max_seq_len,
     )
+
+
+def default_decoder_factory(settings: ServerSettings, runner: Any) -> Any:
+    """Plain decoding (None) unless settings.speculative == "block"."""
+    from evalpipe.engine.spec_decoder import decoder_from_settings
+
+    return decoder_from_settings(settings, runner)
 
 
 def default_tokenizer_factory(settings: ServerSettings) -> Any:
@@ -69,7 +82,7 @@ class ServerState:
         *,
         runner_factory: Callable[[ServerSettings], Any] = default_runner_factory,
         tokenizer_factory: Callable[[ServerSettings], Any] = default_tokenizer_factory,
-        decoder_factory: Callable[[ServerSettings, Any], Any] | None = None,
+        decoder_factory: Callable[[ServerSettings, Any], Any] | None = default_decoder_factory,
         on_ready: Callable[["ServerState"], None] | None = None,
         on_error: Callable[[str], None] | None = None,
     ):
@@ -142,7 +155,8 @@ class ServerState:
                 "max_batch": s.max_batch, "max_tokens_per_step": s.max_tokens_per_step,
                 "max_queue": s.max_queue, "max_seq_len": s.max_seq_len,
             },
-            "speculative": {"mode": "off", "simulate_acc_len": None},
+            "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
+                            "simulate_acc_len": s.simulate_acc_len},
             "torch": torch.__version__,
             "python": sys.version.split()[0],
         }
