@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evalpipe.commands.ab import arm_labels, comparison_pairs, declared_flags
+from evalpipe.commands.ab import arm_labels, comparison_pairs, declared_flags, merge_args
 from evalpipe.launchers.base import group_members
 from evalpipe.launchers.cli import parse_serve_args
 
@@ -40,6 +40,12 @@ def test_arm_order_and_pairs():
     assert comparison_pairs(labels) == [("ab", "A1", "B1"), ("ab", "A2", "B2"), ("boot", "A1", "A2"), ("boot", "B1", "B2")]
     assert comparison_pairs(arm_labels("AB")) == [("ab", "A1", "B1")]
     assert comparison_pairs(arm_labels("AABB")) == [("ab", "A1", "B1"), ("ab", "A2", "B2"), ("boot", "A1", "A2"), ("boot", "B1", "B2")]
+
+
+def test_common_and_arm_arguments_merge_around_passthrough():
+    assert merge_args(["--engine", "sglang", "--", "--nnodes", "2"], ["--speculative", "off", "--", "--x", "1"]) == [
+        "--engine", "sglang", "--speculative", "off", "--", "--nnodes", "2", "--x", "1"]
+    assert merge_args(["--tp", "8"], ["--speculative", "off"]) == ["--tp", "8", "--speculative", "off"]
 
 
 def test_declared_flags_are_what_differs_between_the_arms():

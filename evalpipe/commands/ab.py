@@ -29,12 +29,22 @@ def _split(text: str, what: str) -> list[str]:
         raise click.UsageError(f"{what}: {exc}") from None
 
 
+def merge_args(common: list[str], own: list[str]) -> list[str]:
+    """Common then own arguments; each side's `--` passthrough part goes after every evalpipe flag."""
+    def split(args):
+        return (args[: args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
+
+    (common_flags, common_rest), (own_flags, own_rest) = split(common), split(own)
+    rest = common_rest + own_rest
+    return common_flags + own_flags + (["--", *rest] if rest else [])
+
+
 def _parse_arm(side: str, common: list[str], own: list[str]):
     from evalpipe.launchers import LaunchConfigError, make_launcher
     from evalpipe.launchers.cli import parse_serve_args
 
     try:
-        options, given = parse_serve_args(common + own)
+        options, given = parse_serve_args(merge_args(common, own))
         make_launcher(options)  # refuse bad settings before anything boots
     except click.UsageError as exc:
         raise click.UsageError(f"arm {side}: {exc.format_message()}") from None
