@@ -161,8 +161,9 @@ def save_checkpoint(config, state: dict[str, torch.Tensor], out_dir: str | Path)
     from transformers import DeepseekV4ForCausalLM
 
     out_dir = Path(out_dir)
-    model = DeepseekV4ForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with torch.device("meta"):  # no random init: every persistent tensor is assigned from `state`
+        model = DeepseekV4ForCausalLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or [k for k in missing if "rotary" not in k]:
         raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")

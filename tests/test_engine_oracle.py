@@ -1,0 +1,132 @@
+"""The native engine against transformers' DeepseekV4ForCausalLM (float32, CPU).
+
+Oracle = transformers' *full-sequence* forward recomputed at every step (its cached `generate` is not causal-exact,
+see ../shared/docs/oracle-notes.md). Four random tiny configs cover sliding, CSA (ratio 4, overlapping
+compressor + lightning indexer with active top-k), HCA at ratio 2 and at larger ratios, MoE and hash-MoE, YaRN and
+plain compress RoPE. Prompts cross the sliding window and many compression boundaries.
+
+Greedy tokens must match; where they differ, the oracle's top-2 logit margin at the first differing step must be
+below TIE_MARGIN (a numerical tie, e.g. an exact indexer top-k tie broken differently) and is reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evalpipe.engine.config import load_config
+from evalpipe.engine.runner import ModelRunner
+from evalpipe.engine.weights import init_tiny_weights, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+PREFILL_LOGIT_BOUND = 1e-4  # max |engine - oracle| over every prefill row's logits (observed ~5e-6)
+TIE_MARGIN = 1e-4
+NEW_TOKENS = 32
+
+_BASE = dict(vocab_size=512, bos_token_id=0, eos_token_id=1, hidden_size=128, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=64, o_groups=2,
+             o_lora_rank=32, index_n_heads=8, index_head_dim=16, n_routed_experts=6, num_experts_per_tok=2,
+             n_shared_experts=1, moe_intermediate_size=64, hc_mult=4, hc_sinkhorn_iters=20,
+             max_position_embeddings=4096)
+S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+CONFIGS = {
+    # the default model's schedule: every attention type, HCA ratio 2, YaRN compress rope
+    "mixed-hca2": dict(seed=1, num_hidden_layers=4, layer_types=[S, C, H, C], sliding_window=16, index_topk=4,
+                       compress_rates={C: 4, H: 2}, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+                       rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256}),
+    # larger HCA ratio, HCA first, plain compress rope, sigmoid router
+    "hca8-csa": dict(seed=2, num_hidden_layers=3, layer_types=[H, C, S], sliding_window=12, index_topk=6,
+                     compress_rates={C: 4, H: 8}, mlp_layer_types=["moe", "hash_moe", "moe"],
+                     scoring_func="sigmoid"),
+    # CSA-heavy with a small top-k and a short window
+    "csa-only": dict(seed=3, num_hidden_layers=3, layer_types=[C, C, H], sliding_window=8, index_topk=3,
+                     compress_rates={C: 4, H: 16}, mlp_layer_types=["hash_moe", "moe", "moe"],
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+    # ratio-2 HCA everywhere but one sliding layer
+    "hca2-sliding": dict(seed=4, num_hidden_layers=3, layer_types=[H, S, H], sliding_window=20, index_topk=4,
+                         compress_rates={C: 4, H: 2}, mlp_layer_types=["moe", "moe", "hash_moe"]),
+}
+PROMPT_LENGTHS = (7, 45)  # below / above every window; the decodes then cross more window and ratio boundaries
+
+
+def make_checkpoint(tmp_dir, name: str) -> str:
+    spec = dict(CONFIGS[name])
+    seed = spec.pop("seed")
+    config = load_config({**_BASE, **spec})
+    out = tmp_dir / name
+    save_checkpoint(config, init_tiny_weights(config, seed=seed), out)
+    return str(out)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny ops: threading only adds barrier cost (and thrashes on a shared 2-core box)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsv4")
+    return {name: make_checkpoint(root, name) for name in CONFIGS}
+
+
+def oracle_greedy(model, prompt: list[int], steps: int):
+    """Greedy tokens recomputed from the full sequence each step, with each step's top-2 margin."""
+    seq, tokens, margins = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([seq])).logits[0, -1].double()
+            top2 = torch.topk(logits, 2).values
+            tokens.append(int(logits.argmax()))
+            margins.append(float(top2[0] - top2[1]))
+            seq.append(tokens[-1])
+    return tokens, margins
+
+
+def engine_greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+    seq = runner.allocate()
+    try:
+        logits = runner.forward([seq], [prompt])
+        out = []
+        for _ in range(steps):
+            out.append(int(logits[0].argmax()))
+            logits = runner.forward([seq], [[out[-1]]])
+        return out
+    finally:
+        runner.free(seq)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_and_prefill_match_transformers(checkpoints, name, capsys):
+    path = checkpoints[name]
+    oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = ModelRunner(path, max_seqs=4, max_seq_len=256)
+    gen = torch.Generator().manual_seed(CONFIGS[name]["seed"])
+    report = []
+    for length in PROMPT_LENGTHS:
+        prompt = torch.randint(16, 272, (length,), generator=gen).tolist()
+
+        # prefill logits, every row, against the oracle's full forward
+        seq = runner.allocate()
+        got = runner.forward([seq], [prompt], all_logits=True)
+        runner.free(seq)
+        with torch.no_grad():
+            want = oracle(torch.tensor([prompt])).logits[0]
+        diff = float((got - want).abs().max())
+        assert diff < PREFILL_LOGIT_BOUND, f"{name} L={length}: prefill logits differ by {diff:.3g}"
+
+        mine = engine_greedy(runner, prompt, NEW_TOKENS)
+        ref, margins = oracle_greedy(oracle, prompt, NEW_TOKENS)
+        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        if first is None:
+            report.append(f"{name} L={length}: {NEW_TOKENS}/{NEW_TOKENS} greedy tokens equal, prefill diff {diff:.2e}")
+        else:
+            report.append(f"{name} L={length}: first difference at new token {first}, oracle top-2 margin "
+                          f"{margins[first]:.3g} (tie bound {TIE_MARGIN})")
+            assert margins[first] < TIE_MARGIN, report[-1]
+    with capsys.disabled():
+        print("\n" + "\n".join(report))

@@ -1,0 +1,185 @@
+"""ModelRunner behaviour that serving and speculation rely on: the seeded default checkpoint, batch independence,
+chunked prefill, rollback (truncate) and pool accounting. CPU, float32, the default tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evalpipe.engine.config import TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.runner import ModelRunner, PoolExhausted
+from evalpipe.engine.weights import init_tiny_weights, load_state_dict
+
+LOGIT_TOL = 2e-5  # same math, different batch shapes: float32 reassociation only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny ops: threading only adds barrier cost (and thrashes on a shared 2-core box)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("evalpipe-cache")
+
+
+@pytest.fixture(scope="module")
+def runner(cache_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
+    try:
+        yield ModelRunner(max_seqs=40, max_seq_len=512)
+    finally:
+        mp.undo()
+
+
+def greedy(runner, seq, logits, steps):
+    out = []
+    for _ in range(steps):
+        out.append(int(logits[0].argmax()))
+        logits = runner.forward([seq], [[out[-1]]])
+    return out
+
+
+def prompt(n, seed):
+    return torch.randint(16, 272, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_default_checkpoint_is_seeded_cached_and_loadable_by_transformers(runner, cache_dir):
+    config = tiny_config()
+    assert runner.model_name == TINY_MODEL_NAME
+    assert runner.config.vocab_size == 512 and runner.config.bos_token_id == 0 and runner.config.eos_token_id == 1
+    assert set(runner.config.layer_types) == {"sliding_attention", "compressed_sparse_attention",
+                                              "heavily_compressed_attention"}
+    assert set(runner.config.mlp_layer_types) == {"moe", "hash_moe"}
+    assert runner.config.compress_rates["heavily_compressed_attention"] == 2
+    path = runner.model_path
+    assert path.startswith(str(cache_dir)) and config_hash(config) in path
+    info = runner.describe()
+    assert 1_000_000 < info["parameters"] < 20_000_000 and info["dtype"] == "float32"
+    assert info["pools"]["max_seqs"] == 40
+
+    on_disk = load_state_dict(path)
+    fresh = init_tiny_weights(config, seed=0)
+    assert on_disk.keys() == fresh.keys()
+    assert all(torch.equal(on_disk[k], fresh[k]) for k in fresh)
+
+    transformers = pytest.importorskip("transformers")
+    oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = prompt(40, 0)
+    seq = runner.allocate()
+    got = runner.forward([seq], [ids], all_logits=True)
+    runner.free(seq)
+    with torch.no_grad():
+        want = oracle(torch.tensor([ids])).logits[0]
+    assert float((got - want).abs().max()) < 1e-4
+
+
+def test_same_request_alone_and_among_32_concurrent(runner):
+    target, steps = prompt(37, 1), 24
+    seq = runner.allocate()
+    alone = greedy(runner, seq, runner.forward([seq], [target]), steps)
+    runner.free(seq)
+
+    others = [runner.allocate() for _ in range(32)]
+    lengths = [1 + (7 * i) % 61 for i in range(32)]
+    seq = runner.allocate()
+    # half the others prefill together with the target; the rest join while it is decoding (mixed batches)
+    first = others[:16]
+    logits = runner.forward(first + [seq], [prompt(lengths[i], 100 + i) for i in range(16)] + [target])
+    nxt = {s: int(logits[i].argmax()) for i, s in enumerate(first + [seq])}
+    mine, late = [], list(zip(others[16:], range(16, 32)))
+    for step in range(steps):
+        mine.append(nxt[seq])
+        seqs = list(nxt)
+        toks = [[nxt[s]] for s in seqs]
+        if step % 3 == 1 and late:  # a new request's prefill chunk rides along with the decodes
+            s, i = late.pop()
+            seqs.append(s)
+            toks.append(prompt(lengths[i], 100 + i))
+        logits = runner.forward(seqs, toks)
+        nxt = {s: int(logits[i].argmax()) for i, s in enumerate(seqs)}
+    for s in others + [seq]:
+        runner.free(s)
+    assert mine == alone
+
+
+def test_chunked_prefill_equals_one_shot(runner):
+    ids = prompt(100, 2)
+    a, b = runner.allocate(), runner.allocate()
+    one_shot = runner.forward([a], [ids], all_logits=True)
+    chunks, rows, at = [13, 1, 30, 2, 54], [], 0
+    for c in chunks:
+        rows.append(runner.forward([b], [ids[at:at + c]], all_logits=True))
+        at += c
+    chunked = torch.cat(rows)
+    assert chunked.shape == one_shot.shape
+    assert float((chunked - one_shot).abs().max()) < LOGIT_TOL
+    assert greedy(runner, a, one_shot[-1:], 16) == greedy(runner, b, chunked[-1:], 16)
+    runner.free(a)
+    runner.free(b)
+
+
+def _assert_same_state(x, y, tol):
+    assert x.keys() == y.keys()
+    for k in x:
+        assert x[k].shape == y[k].shape, k
+        if x[k].numel():
+            assert float((x[k] - y[k]).abs().max()) <= tol, k
+
+
+@pytest.mark.parametrize("rejected", [1, 5, 31, 45])
+def test_truncate_then_diverge_equals_fresh(runner, rejected):
+    """Append a prefix, then `rejected` tokens, roll back, append a different continuation: logits and state
+    equal a sequence that only ever saw prefix + continuation (45 > rollback margin -> re-prefill path)."""
+    prefix, bad, good = prompt(61, 3), prompt(rejected, 4), prompt(6, 5)
+    a, b = runner.allocate(), runner.allocate()
+    runner.forward([a], [prefix])
+    runner.forward([a], [bad], all_logits=True)
+    runner.truncate(a, len(prefix))
+    assert runner.seq_len(a) == len(prefix) and runner.tokens(a) == prefix
+    got = runner.forward([a], [good], all_logits=True)
+    runner.forward([b], [prefix])
+    want = runner.forward([b], [good], all_logits=True)
+    exact = rejected <= runner.pools.margin
+    if exact:  # the shallow path moves only the length: bit-identical
+        assert torch.equal(got, want)
+    assert float((got - want).abs().max()) < LOGIT_TOL
+    _assert_same_state(runner.state_snapshot(a), runner.state_snapshot(b), 0.0 if exact else LOGIT_TOL)
+    # and the sequences keep agreeing afterwards
+    assert greedy(runner, a, got[-1:], 8) == greedy(runner, b, want[-1:], 8)
+    runner.free(a)
+    runner.free(b)
+
+
+def test_slots_pages_and_validation(cache_dir, monkeypatch):
+    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
+    small = ModelRunner(max_seqs=2, max_seq_len=256, num_pages=3)  # page = 64 tokens
+    a, b = small.allocate(), small.allocate()
+    with pytest.raises(PoolExhausted):
+        small.allocate()
+    small.forward([a], [prompt(130, 6)])  # 3 pages
+    with pytest.raises(PoolExhausted):
+        small.forward([b], [prompt(5, 7)])
+    assert small.seq_len(b) == 0  # nothing appended on failure
+    small.truncate(a, 100)  # frees the third page
+    small.forward([b], [prompt(5, 7)])
+    small.free(a)
+    c = small.allocate()
+    assert small.seq_len(c) == 0
+    with pytest.raises(ValueError):
+        small.forward([c], [[]])
+    with pytest.raises(ValueError):
+        small.forward([c], [[600]])
+    with pytest.raises(ValueError):
+        small.forward([c, c], [[5], [6]])
+    with pytest.raises(ValueError):
+        small.forward([c], [[5] * 257])
+    with pytest.raises(ValueError):
+        small.truncate(c, 3)
+    with pytest.raises(KeyError):
+        small.seq_len(99)
