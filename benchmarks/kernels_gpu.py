@@ -327,7 +327,7 @@ def section_candidate(bench: Bench) -> None:
         pair_equal,
     )
 
-    for rows, width in [(6, 16384), (6, 131072), (6, 1048576), (48, 131072)]:
+    for rows, width in [(6, 16384), (384, 16384), (6, 131072), (6, 1048576), (48, 131072)]:
         logits, lens = _candidate_inputs(rows, width, gen, dev)
         nb = width // 8
         moved = rows * width * (4 + 4 + 1) + rows * nb * 4 * 2  # logits in, masked + keep out, block scores

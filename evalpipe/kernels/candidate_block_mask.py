@@ -14,7 +14,8 @@ block; a row with L = 0 keeps nothing. Consumer mode: out[r, c] = logits[r, c] i
 
 Fused path: kernel 1 writes masked logits, clears keep and writes block scores (newest forced) in one pass;
 torch.topk selects (same call as the reference, on bitwise-equal scores, so ties resolve identically); kernel 2
-scatters the selected blocks and expands them to tokens. Consumer mode is one kernel. All outputs are exactly
+scatters the selected blocks and expands them to tokens. When topk_blocks >= nblocks every block is selected and
+kernel 1 writes the final keep mask itself (score > -inf) -- the same result without a ranking. Consumer mode is one kernel. All outputs are exactly
 (equal_nan) the reference's. The -0.0 -> +0.0 canonicalisation matters because GPU topk ranks by float bits.
 """
 
@@ -106,7 +107,7 @@ if triton is not None:
         logits_ptr, lens_ptr, masked_ptr, keep_ptr, bscore_ptr,
         width, nblocks, block_size,
         l_row, l_col, m_row, k_row, b_row,
-        BLOCKS: tl.constexpr, GP: tl.constexpr,
+        ALL_SELECTED: tl.constexpr, BLOCKS: tl.constexpr, GP: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         blocks = tl.program_id(1).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
@@ -117,7 +118,6 @@ if triton is not None:
         x = tl.load(logits_ptr + row * l_row + cols * l_col, mask=in_w, other=float("-inf")).to(tl.float32)
         m = tl.where(cols < seq_len, x, float("-inf"))
         tl.store(masked_ptr + row * m_row + cols, m, mask=in_w)
-        tl.store(keep_ptr + row * k_row + cols, tl.zeros_like(cols).to(tl.uint8), mask=in_w)
         is_nan = m != m
         has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
         best = tl.max(tl.where(is_nan, float("-inf"), m), axis=1)
@@ -125,7 +125,13 @@ if triton is not None:
         score = tl.where(score == 0.0, 0.0, score)
         newest = (seq_len > 0) & (blocks == (seq_len - 1) // block_size)
         score = tl.where(newest, float("inf"), score)
-        tl.store(bscore_ptr + row * b_row + blocks, score, mask=blocks < nblocks)
+        if ALL_SELECTED:
+            # topk_blocks >= nblocks: topk returns every block, so keep is just "score > -inf" (NaN fails)
+            kept = (score > float("-inf")).to(tl.uint8)
+            tl.store(keep_ptr + row * k_row + cols, kept[:, None] + tl.zeros_like(cols).to(tl.uint8), mask=in_w)
+        else:
+            tl.store(keep_ptr + row * k_row + cols, tl.zeros_like(cols).to(tl.uint8), mask=in_w)
+            tl.store(bscore_ptr + row * b_row + blocks, score, mask=blocks < nblocks)
 
     @triton.jit
     def _scatter_keep_kernel(
@@ -218,15 +224,18 @@ def candidate_block_mask(
     nblocks = triton.cdiv(width, block_size)
     group = triton.next_power_of_2(block_size)
     per_program = max(1, TILE // group)
-    bscore = torch.empty((rows, nblocks), dtype=torch.float32, device=device)
+    all_selected = topk_blocks >= nblocks
+    bscore = torch.empty((rows, 1 if all_selected else nblocks), dtype=torch.float32, device=device)
     keep_bytes = keep.view(torch.uint8)
     _mask_and_block_score_kernel[(rows, triton.cdiv(nblocks, per_program))](
         logits, lens, masked, keep_bytes, bscore,
         width, nblocks, block_size,
         *logits.stride(), masked.stride(0), keep_bytes.stride(0), bscore.stride(0),
-        BLOCKS=per_program, GP=group,
+        ALL_SELECTED=all_selected, BLOCKS=per_program, GP=group,
     )
-    k = min(topk_blocks, nblocks)
+    if all_selected:  # every block is selected: no ranking needed, the single kernel wrote the final keep mask
+        return masked, keep
+    k = topk_blocks
     val, sel = torch.topk(bscore, k, dim=1, sorted=False)
     _scatter_keep_kernel[(rows, triton.cdiv(k, per_program))](
         sel, val, keep_bytes,

@@ -118,14 +118,15 @@ def test_ties_lengths_and_poison_free_outputs():
 
 
 def test_persistent_output_buffers_fully_rewritten_and_nothing_else():
-    logits, lens = make_case(203, seed=4)
-    for published in (None, candidate_block_mask_reference(logits, lens, 6, 8)[1]):
-        want = candidate_block_mask_reference(logits, lens, 6, 8, published)
+    logits, lens = make_case(203, seed=4)  # 26 blocks: topk 6 ranks them, topk 64 selects all of them
+    cases = [(6, None), (64, None), (6, candidate_block_mask_reference(logits, lens, 6, 8)[1])]
+    for topk, published in cases:
+        want = candidate_block_mask_reference(logits, lens, topk, 8, published)
         masked_buf = torch.full((6, 211), 12345.0)
         keep_buf = torch.ones((6, 211), dtype=torch.bool)  # poison: everything "kept"
         masked_out, keep_out = masked_buf[:, 4:207], keep_buf[:, 4:207]  # row-strided views
         got = candidate_block_mask(
-            logits, lens, 6, 8, published, masked_out=masked_out,
+            logits, lens, topk, 8, published, masked_out=masked_out,
             keep_out=keep_out if published is None else None, backend="triton",
         )
         assert got[0].data_ptr() == masked_out.data_ptr()
