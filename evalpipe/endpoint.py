@@ -13,6 +13,21 @@ import httpx
 
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
 
+_SSL_CONTEXT = None
+
+
+def ssl_context():
+    """One TLS context for every client of a run: building one (loading the CA bundle) costs ~0.1 s each."""
+    global _SSL_CONTEXT
+    if _SSL_CONTEXT is None:
+        _SSL_CONTEXT = httpx.create_ssl_context()
+    return _SSL_CONTEXT
+
+
+def _get(url: str, headers: dict, timeout_s: float) -> httpx.Response:
+    with httpx.Client(verify=ssl_context(), timeout=timeout_s) as client:
+        return client.get(url, headers=headers)
+
 
 def server_root(base_url: str) -> str:
     """`http://h:p/v1` -> `http://h:p` (server-level endpoints live outside the OpenAI prefix)."""
@@ -29,7 +44,7 @@ def fetch_models(base_url: str, api_key: Optional[str], timeout_s: float = 30.0)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = base_url.rstrip("/") + "/models"
     try:
-        r = httpx.get(url, headers=headers, timeout=timeout_s)
+        r = _get(url, headers, timeout_s)
     except httpx.HTTPError as exc:
         raise EndpointError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
     if r.status_code != 200:
@@ -50,7 +65,7 @@ def fetch_server_info(base_url: str, api_key: Optional[str], timeout_s: float = 
     root = server_root(base_url)
     for path in SERVER_INFO_PATHS:
         try:
-            r = httpx.get(root + path, headers=headers, timeout=timeout_s)
+            r = _get(root + path, headers, timeout_s)
         except httpx.HTTPError:
             continue
         if r.status_code == 200:

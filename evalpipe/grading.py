@@ -169,8 +169,9 @@ class GraderPool:
     async def agrade(self, gold: Any, pred: Optional[str]) -> GradeResult:
         return await asyncio.get_running_loop().run_in_executor(self._threads, self.grade, gold, pred)
 
-    def close(self) -> None:
-        self._threads.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers; `wait=False` (after Ctrl-C) kills them without waiting for answers in progress."""
+        self._threads.shutdown(wait=wait, cancel_futures=not wait)
         with self._lock:
             workers = list(self._all)
             self._all.clear()

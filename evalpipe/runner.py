@@ -35,6 +35,7 @@ from evalpipe.endpoint import (
     fetch_server_info,
     simulation_reason,
     spec_from_response,
+    ssl_context,
 )
 from evalpipe.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
 from evalpipe.lanes import Item, Lane, LaneData, computed_pins, id_list_sha256, pin_differences, prompt_stream_sha256
@@ -51,6 +52,9 @@ from evalpipe.records import (
     write_json,
 )
 from evalpipe.summary import compute_summary
+
+
+CONNECTIONS_PER_CLIENT = 8
 
 
 class RunError(Exception):
@@ -418,11 +422,17 @@ class Runner:
         queue: asyncio.Queue = asyncio.Queue()
         for pair in todo:
             queue.put_nowait(pair)
-        limits = httpx.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8)
-        http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)))
-        client = openai.AsyncOpenAI(
-            base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY", max_retries=0, timeout=cfg.timeout_s, http_client=http
-        )
+        # httpcore's async pool scans every connection for every request (O(connections) per event), so 64
+        # connections in one pool cost more CPU than the requests themselves; shard into small pools instead.
+        n_clients = max(1, -(-self.concurrency // CONNECTIONS_PER_CLIENT))
+        per_client = -(-self.concurrency // n_clients)
+        clients = []
+        for _ in range(n_clients):
+            limits = httpx.Limits(max_connections=per_client + 2, max_keepalive_connections=per_client + 2)
+            http = openai.DefaultAsyncHttpxClient(
+                limits=limits, verify=ssl_context(), timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)))
+            clients.append(openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY", max_retries=0,
+                                              timeout=cfg.timeout_s, http_client=http))
         bar = None
         if cfg.progress:
             from tqdm import tqdm
@@ -430,8 +440,8 @@ class Runner:
             bar = tqdm(total=self.n_planned, initial=len(self.existing), desc=f"{self.lane.name}[{cfg.arm}]",
                        unit="req", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
         loop = asyncio.get_running_loop()
-        workers = self._workers = [asyncio.create_task(self._worker(client, queue, self.writer, bar))
-                   for _ in range(min(self.concurrency, max(1, len(todo))))]
+        workers = self._workers = [asyncio.create_task(self._worker(clients[i % n_clients], queue, self.writer, bar))
+                                   for i in range(min(self.concurrency, max(1, len(todo))))]
 
         def on_signal(name: str) -> None:
             if self.interrupted is None:
@@ -457,7 +467,8 @@ class Runner:
                     pass
             if bar is not None:
                 bar.close()
-            await client.close()
+            for client in clients:
+                await client.close()
 
     # ---- main -------------------------------------------------------------------------------------------
 
@@ -481,10 +492,12 @@ class Runner:
             if self.lane.grader == "ns_last_boxed" and todo:
                 self.pool = GraderPool(workers=self.cfg.grader_workers, timeout_s=self.cfg.grader_timeout_s)
             asyncio.run(self._drive(todo))
+        except KeyboardInterrupt:  # Ctrl-C before the loop's handler was installed (e.g. grader start-up)
+            self.interrupted = self.interrupted or "SIGINT"
         finally:
             self.writer.close()
             if self.pool is not None:
-                self.pool.close()
+                self.pool.close(wait=not self.interrupted)
         wall = time.perf_counter() - t0
         return self.finish(wall, len(todo))
 
