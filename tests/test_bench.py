@@ -97,3 +97,27 @@ def test_bench_against_native_engine(native_server, tmp_path):
         assert sum(n for _, n in r["events"]) == 4
         assert r["decode_tokens_per_s"] == pytest.approx(formula(r), rel=1e-12)
     assert bench["config"]["token_id_range_source"].startswith("server vocab_size")
+
+
+def test_repeat_against_native_engine(native_server, tmp_path):
+    """Distinct completions counted by `evalpipe repeat` equal those recomputed from its own records."""
+    from collections import Counter
+
+    from evalpipe.commands.repeat import command as repeat_cmd
+
+    res = CliRunner().invoke(repeat_cmd, ["--base-url", native_server.base + "/v1", "--repeats", "2",
+                                          "--fixtures", "arithmetic", "--conditions", "serial,burst",
+                                          "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    run_dir = next((tmp_path / "repeat").iterdir())
+    result = json.loads((run_dir / "repeat.json").read_text())
+    recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
+    groups = result["groups"]["arithmetic"]
+    assert set(groups) == {"serial", "burst"}
+    for cond, g in groups.items():
+        mine = [r for r in recs if r["question_id"] == f"arithmetic/{cond}"]
+        assert len(mine) == 2 and all(isinstance(r["output_token_ids"], list) for r in mine)
+        assert g["distinct"] == len(Counter(tuple(r["output_token_ids"]) for r in mine))
+        assert g["mode_basis"] == "token_ids"
+    assert groups["serial"]["distinct"] == 1  # batch 1 on CPU, same kernels each time: greedy is reproducible
+    assert groups["serial"]["mode_correct"] is False  # random weights: the control catches a model that cannot add

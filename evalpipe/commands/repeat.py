@@ -1,0 +1,97 @@
+"""`evalpipe repeat`: how many distinct completions does one prompt get over N identical greedy requests?"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import click
+
+CONDITION_HELP = "serial, burst, logprobs, prefix_fresh, prefix_reused"
+
+
+@click.command(name="repeat")
+@click.option("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--repeats", type=click.IntRange(min=2), default=8, show_default=True,
+              help="Identical requests per fixture and condition (N).")
+@click.option("--model", default=None, help="Model id [default: the first id the server lists].")
+@click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", help="Bearer key (env EVALPIPE_API_KEY).")
+@click.option("--fixtures", "fixture_ids", default=None, metavar="ID[,ID...]",
+              help="Subset of fixtures (arithmetic, exact_copy, regex_date, open_short, open_long_context) "
+                   "[default: all].")
+@click.option("--conditions", default=None, metavar="C[,C...]",
+              help=f"Subset of conditions ({CONDITION_HELP}) [default: all; prefix_* only where the server "
+                   "offers /flush_cache and reports cached tokens].")
+@click.option("--max-tokens", "open_max_tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="max_tokens of the open prompts (controls use their own short limits).")
+@click.option("--long-context-chars", type=click.IntRange(min=0), default=6000, show_default=True,
+              help="Characters of padding before the long-context copy of the open prompt.")
+@click.option("--no-token-ids", is_flag=True,
+              help="Do not ask for return_token_ids (for servers that reject it); identity is then judged on text.")
+@click.option("--arm", default="repeat", show_default=True, help="Label recorded on every response.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results", show_default=True,
+              help="Parent folder; the run lands in <out>/repeat/<run_id>/.")
+@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, help="Per-request timeout (s).")
+def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max_tokens, long_context_chars,
+            no_token_ids, arm, out_dir, timeout_s):
+    """Send each fixture N times at temperature 0 under several conditions and count distinct completions.
+
+    Reports per fixture and condition: distinct completions out of N, the modal completion's share, the first
+    divergence position from the mode (token ids where returned, else characters) and the logprob gap there,
+    and whether the controls were correct. Writes responses.jsonl (run-record form), repeat.json, manifest.json.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from evalpipe.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
+    from tasks.repeat_fixtures import fixtures
+
+    all_fx = fixtures(long_context_chars=long_context_chars, open_max_tokens=open_max_tokens)
+    if fixture_ids:
+        wanted = [x.strip() for x in fixture_ids.split(",") if x.strip()]
+        unknown = sorted(set(wanted) - {f.id for f in all_fx})
+        if unknown:
+            raise click.UsageError(f"unknown fixture(s) {unknown}; known: {[f.id for f in all_fx]}")
+        all_fx = [f for f in all_fx if f.id in wanted]
+    conds = tuple(CONDITIONS)
+    if conditions:
+        conds = tuple(x.strip() for x in conditions.split(",") if x.strip())
+        bad = sorted(set(conds) - set(CONDITIONS))
+        if bad:
+            raise click.UsageError(f"unknown condition(s) {bad}; known: {list(CONDITIONS)}")
+    cfg = RepeatConfig(base_url=base_url.rstrip("/"), fixtures=all_fx, repeats=repeats, conditions=conds, model=model,
+                       api_key=api_key, token_ids=not no_token_ids, timeout_s=timeout_s, arm=arm,
+                       out_dir=Path(out_dir))
+    bar = tqdm(total=planned_requests(cfg), desc="repeat", unit="req")
+    try:
+        result = asyncio.run(RepeatRun(cfg, progress=bar.update).run())
+    except RepeatError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except Exception as exc:  # connection refused and friends: a clear message, not a traceback
+        import openai
+
+        if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)):
+            raise click.ClickException(f"cannot talk to {base_url}: {exc}") from exc
+        raise
+    finally:
+        bar.close()
+    t = Table(title=f"evalpipe repeat — {result['config']['model']}, N = {repeats}, temperature 0")
+    for col in ("fixture", "condition", "distinct/N", "modal share", "first divergence", "logprob gap", "control"):
+        t.add_column(col)
+    for fx, conds_ in result["groups"].items():
+        for c, g in conds_.items():
+            control = ""
+            if "control_correct_share" in g:
+                control = f"{'right' if g['mode_correct'] else 'WRONG'} ({g['control_correct_share']:.0%})"
+            gap = g.get("logprob_gap_at_first_divergence")
+            t.add_row(fx, c, f"{g['distinct']}/{g['n']}" + (f" ({g['n_errors']} err)" if g["n_errors"] else ""),
+                      f"{g['modal_share']:.0%}" if "modal_share" in g else "n/a",
+                      str(g.get("first_divergence_from_mode") if g.get("first_divergence_from_mode") is not None else "-"),
+                      f"{gap:.3g}" if gap is not None else "-", escape(control))
+    Console().print(t)
+    for c, why in result["config"]["conditions_skipped"].items():
+        click.echo(f"skipped condition {c}: {why}")
+    run_dir = Path(out_dir) / "repeat" / result["run_id"]
+    click.echo(f"wrote {run_dir / 'repeat.json'} and {run_dir / 'responses.jsonl'}")

@@ -1,0 +1,272 @@
+"""The repeatability protocol (serving notes section D): one prompt N times at temperature 0, per condition.
+
+Greedy decoding is deterministic only for a fixed batch and kernel path; load, prefix-cache hits, logprob
+requests and speculation change the reduction order and can fork outputs. For every fixture and condition
+this counts distinct completions out of N, the modal completion's share, where the others leave the mode
+(and the logprob gap there when logprobs were recorded), and whether the checkable controls were right.
+
+Conditions: serial; burst (all N concurrently); logprobs (serial, with top-2 logprobs); prefix_fresh
+(cache flushed before each request) and prefix_reused (after a priming request) where the server offers
+/flush_cache and reports cached tokens. Every response is recorded in the run-record JSONL form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import httpx
+import openai
+
+from evalpipe.compare.agreement import first_divergence, logprob_gap
+from evalpipe.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
+from tasks.repeat_fixtures import Fixture, fixtures_sha256
+
+CONDITIONS = ("serial", "burst", "logprobs", "prefix_fresh", "prefix_reused")
+LANE = "repeat"
+TOP_LOGPROBS = 2
+
+
+@dataclass
+class RepeatConfig:
+    base_url: str
+    fixtures: list[Fixture]
+    repeats: int = 8
+    conditions: tuple[str, ...] = CONDITIONS
+    model: Optional[str] = None
+    api_key: Optional[str] = None
+    token_ids: bool = True
+    timeout_s: float = 300.0
+    arm: str = "repeat"
+    out_dir: Path = Path("results")
+    extra_body: dict = field(default_factory=dict)
+
+
+def server_root(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
+
+
+def output_key(rec: dict) -> Any:
+    """What "identical" means: the token ids when the server returned them, else the text."""
+    ids = rec.get("output_token_ids")
+    return ("ids", tuple(ids)) if isinstance(ids, list) else ("text", rec.get("response_text"))
+
+
+def cached_tokens(usage: Optional[dict]) -> Optional[int]:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    return usage.get("cached_tokens") if isinstance(usage.get("cached_tokens"), int) else None
+
+
+def summarize_group(fixture: Fixture, recs: list[dict]) -> dict:
+    """Distinct completions, modal share, divergence from the mode and control correctness for one group."""
+    ok = [r for r in recs if not r.get("error")]
+    counts = Counter(output_key(r) for r in ok)
+    out: dict[str, Any] = {"n": len(recs), "n_errors": len(recs) - len(ok), "distinct": len(counts)}
+    if not ok:
+        return out
+    mode_key, mode_n = counts.most_common(1)[0]
+    mode_rec = next(r for r in ok if output_key(r) == mode_key)
+    seq = (lambda r: list(output_key(r)[1] or ""))
+    divergences, gaps = [], []
+    for key in counts:
+        if key == mode_key:
+            continue
+        other = next(r for r in ok if output_key(r) == key)
+        pos = first_divergence(seq(mode_rec), seq(other))
+        divergences.append(pos)
+        if output_key(mode_rec)[0] == "ids" and pos is not None:
+            g = logprob_gap(mode_rec, other, pos)
+            if g and g.get("gap") is not None:
+                gaps.append({"position": pos, **g})
+    out.update(
+        modal_share=mode_n / len(ok),
+        mode_basis="token_ids" if mode_key[0] == "ids" else "text",
+        mode_text=mode_rec.get("response_text"),
+        first_divergence_from_mode=min(divergences) if divergences else None,
+        divergence_positions=sorted(divergences),
+        logprob_gap_at_first_divergence=(min(gaps, key=lambda g: g["position"])["gap"] if gaps else None),
+        logprob_gaps=gaps,
+        cached_tokens=[cached_tokens(r.get("usage")) for r in ok],
+    )
+    if fixture.kind != "open":
+        graded = [r.get("correct") for r in ok]
+        out.update(control_correct_share=sum(bool(g) for g in graded) / len(ok),
+                   mode_correct=bool(mode_rec.get("correct")), expected=fixture.expected)
+    return out
+
+
+class RepeatRun:
+    """Sends the requests, writes the records, and builds repeat.json."""
+
+    def __init__(self, cfg: RepeatConfig, progress: Optional[Callable[[int], None]] = None):
+        self.cfg = cfg
+        self.progress = progress
+        self.seq = 0
+        self.records: list[dict] = []
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), headers=headers)
+        self.client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "none",
+                                         timeout=cfg.timeout_s, max_retries=2)
+
+    async def flush(self) -> bool:
+        try:
+            r = await self.http.post(f"{server_root(self.cfg.base_url)}/flush_cache")
+        except httpx.HTTPError:
+            return False
+        return 200 <= r.status_code < 300
+
+    async def server_info(self) -> Optional[dict]:
+        root = server_root(self.cfg.base_url)
+        for path in ("/get_server_info", "/server_info"):
+            try:
+                r = await self.http.get(root + path)
+                if r.status_code == 200:
+                    return r.json()
+            except (httpx.HTTPError, ValueError):
+                continue
+        return None
+
+    async def one(self, fixture: Fixture, condition: str, index: int, *, logprobs: bool) -> dict:
+        body: dict[str, Any] = {"model": self.model, "prompt": fixture.prompt, "max_tokens": fixture.max_tokens,
+                                "temperature": 0.0, "top_p": 1.0}
+        extra = dict(self.cfg.extra_body)
+        if self.cfg.token_ids:
+            extra["return_token_ids"] = True
+        if logprobs:
+            body["logprobs"] = TOP_LOGPROBS
+        self.seq += 1
+        rec = {k: None for k in REQUIRED_KEYS}
+        rec.update(schema_version=SCHEMA_VERSION, run_id=self.run_id, arm=self.cfg.arm, lane=LANE,
+                   question_id=f"{fixture.id}/{condition}", repeat_index=index, request_seq=self.seq,
+                   endpoint=self.cfg.base_url + "/completions", model=self.model,
+                   prompt_sha256=hashlib.sha256(fixture.prompt.encode()).hexdigest(),
+                   request={**body, **extra}, fixture=fixture.id, condition=condition, expected_answer=fixture.expected)
+        start = time.time()
+        t0 = time.perf_counter()
+        try:
+            resp = await self.client.completions.create(**body, extra_body=extra or None)
+            data = resp.model_dump()
+            choice = (data.get("choices") or [{}])[0]
+            text = choice.get("text") or ""
+            finish = choice.get("finish_reason")
+            answer, correct = fixture.grade(text)
+            rec.update(response_text=text, finish_reason=finish, matched_stop=choice.get("matched_stop"),
+                       truncated=finish == "length", error=None, usage=data.get("usage"),
+                       spec=choice.get("spec") if isinstance(choice.get("spec"), dict) else None,
+                       output_token_ids=choice.get("token_ids") if isinstance(choice.get("token_ids"), list) else None,
+                       logprobs=choice.get("logprobs"), extracted_answer=answer, correct=correct,
+                       grade_status="ok" if fixture.kind != "open" else "ungraded")
+        except openai.APIError as exc:
+            status = getattr(exc, "status_code", None)
+            rec.update(response_text="", truncated=False, correct=False, grade_status="request_error",
+                       error={"type": type(exc).__name__, "status": status, "message": str(exc)[:2000]})
+        rec["latency_s"] = time.perf_counter() - t0
+        rec["attempts"] = [{"start": start, "end": time.time(), "error": rec["error"]}]
+        rec["created_at"] = time.time()
+        self.writer.write(rec)
+        self.records.append(rec)
+        if self.progress:
+            self.progress(1)
+        return rec
+
+    async def condition(self, fixture: Fixture, condition: str) -> list[dict]:
+        n = self.cfg.repeats
+        if condition == "burst":
+            return list(await asyncio.gather(*(self.one(fixture, condition, i, logprobs=False) for i in range(n))))
+        out = []
+        if condition == "prefix_reused":
+            await self.one(fixture, "prefix_reused_priming", 0, logprobs=False)
+        for i in range(n):
+            if condition == "prefix_fresh":
+                await self.flush()
+            out.append(await self.one(fixture, condition, i, logprobs=condition == "logprobs"))
+        return out
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        models = await self.client.models.list()
+        ids = [m.id for m in models.data]
+        if cfg.model and cfg.model not in ids:
+            raise RepeatError(f"model {cfg.model!r} is not served (served: {ids})")
+        if not cfg.model and not ids:
+            raise RepeatError("the server lists no model; pass --model")
+        self.model = cfg.model or ids[0]
+        info = await self.server_info()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        self.run_id = f"{cfg.arm}-{stamp}-{hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]}"
+        self.run_dir = Path(cfg.out_dir) / LANE / self.run_id
+        self.run_dir.mkdir(parents=True, exist_ok=False)
+        flush_offered = await self.flush()
+        # cached-token reporting: ask twice for the same short prompt and look at the usage block
+        probe = cfg.fixtures[0]
+        self.writer = RecordWriter(self.run_dir / "responses.jsonl")
+        skipped: dict[str, str] = {}
+        try:
+            reports_cached = None
+            if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions):
+                first = await self.one(probe, "cache_probe", 0, logprobs=False)
+                second = await self.one(probe, "cache_probe", 1, logprobs=False)
+                reports_cached = (cached_tokens(second.get("usage")) is not None
+                                  or cached_tokens(first.get("usage")) is not None)
+            conditions = []
+            for c in cfg.conditions:
+                if c in ("prefix_fresh", "prefix_reused") and not (flush_offered and reports_cached):
+                    skipped[c] = ("server offers no /flush_cache" if not flush_offered
+                                  else "server reports no cached_tokens in usage")
+                    continue
+                conditions.append(c)
+            groups: dict[str, dict[str, dict]] = {}
+            for fx in cfg.fixtures:
+                groups[fx.id] = {}
+                for c in conditions:
+                    recs = await self.condition(fx, c)
+                    groups[fx.id][c] = summarize_group(fx, recs)
+        finally:
+            self.writer.close()
+        from evalpipe.manifest import code_provenance, installed_packages, python_platform
+
+        result = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "repeat",
+            "run_id": self.run_id,
+            "arm": cfg.arm,
+            "config": {"base_url": cfg.base_url, "model": self.model, "repeats": cfg.repeats,
+                       "conditions": list(conditions), "conditions_skipped": skipped, "token_ids": cfg.token_ids,
+                       "temperature": 0.0, "top_logprobs": TOP_LOGPROBS,
+                       "fixtures": [f.describe() for f in cfg.fixtures],
+                       "fixtures_sha256": fixtures_sha256(cfg.fixtures)},
+            "server": {"models": ids, "server_info": info, "flush_cache_offered": flush_offered,
+                       "reports_cached_tokens": reports_cached},
+            "groups": groups,
+            "n_records": len(self.records),
+            "n_errors": sum(1 for r in self.records if r.get("error")),
+        }
+        manifest = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "arm": cfg.arm, "lane": LANE,
+                    "created_at": time.time(), "config": result["config"], "server": result["server"],
+                    "code": code_provenance(), "packages": installed_packages(), "python": python_platform()}
+        write_json(self.run_dir / "manifest.json", manifest)
+        write_json(self.run_dir / "repeat.json", result)
+        await self.http.aclose()
+        await self.client.close()
+        return result
+
+
+class RepeatError(Exception):
+    """The protocol cannot run (no model, wrong model)."""
+
+
+def planned_requests(cfg: RepeatConfig) -> int:
+    """Upper bound for the progress bar: probes + N per fixture and condition + one priming per fixture."""
+    per_fx = cfg.repeats * len(cfg.conditions) + ("prefix_reused" in cfg.conditions)
+    probes = 2 if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions) else 0
+    return probes + per_fx * len(cfg.fixtures)

@@ -1,0 +1,78 @@
+"""`evalpipe repeat` against a forced non-deterministic scripted peer (real process, real HTTP, openai client):
+distinct completions, modal share, divergence from the mode and the logprob gap there, controls, records."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from evalpipe.commands.repeat import command as repeat_cmd  # noqa: E402
+from evalpipe.records import REQUIRED_KEYS  # noqa: E402
+from test_bench_peer import start_peer  # noqa: E402
+
+V0 = [11, 12, 13, 14, 15, 16]
+V1 = [11, 12, 99, 14, 15, 16]  # leaves V0 at position 2
+V2 = [11, 12, 13, 14, 77, 16]  # leaves V0 at position 4
+
+
+def run_repeat(tmp_path: Path, variants, n: int, extra=()) -> tuple[dict, list[dict], str]:
+    with start_peer(variants=variants) as (base_url, stats):
+        res = CliRunner().invoke(repeat_cmd, ["--base-url", base_url, "--repeats", str(n), "--out", str(tmp_path),
+                                              "--fixtures", "arithmetic,open_short", *extra])
+        assert res.exit_code == 0, res.output
+        peer = stats()
+    run_dir = next((tmp_path / "repeat").iterdir())
+    result = json.loads((run_dir / "repeat.json").read_text())
+    recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
+    return result, recs, res.output + json.dumps(peer)
+
+
+def test_counts_distinct_completions_against_non_deterministic_peer(tmp_path):
+    result, recs, _ = run_repeat(tmp_path, [V0, V1, V2], n=4)
+    groups = result["groups"]
+    # the peer reports cached tokens and offers /flush_cache: all five conditions run
+    assert set(groups["open_short"]) == {"serial", "burst", "logprobs", "prefix_fresh", "prefix_reused"}
+    for fx, conds in groups.items():
+        for cond, g in conds.items():
+            assert g["n"] == 4 and g["n_errors"] == 0
+            assert g["distinct"] == 3, (fx, cond, g)  # 4 requests cycle through 3 variants
+            assert g["modal_share"] == 0.5
+            assert g["first_divergence_from_mode"] == 2
+            assert g["mode_basis"] == "token_ids"
+            # recompute from the records themselves
+            mine = [r for r in recs if r["question_id"] == f"{fx}/{cond}"]
+            assert len(mine) == 4
+            assert len(Counter(tuple(r["output_token_ids"]) for r in mine)) == g["distinct"]
+    # logprobs condition: the other token is not in the mode's top-2, so the gap is the mode's top1 - top2 margin
+    assert abs(groups["open_short"]["logprobs"]["logprob_gap_at_first_divergence"] - 0.25) < 1e-9
+    assert groups["open_short"]["serial"]["logprob_gap_at_first_divergence"] is None
+    # the peer answers "<11><12>..." : no 42 in it, so the arithmetic control is recorded as wrong
+    assert groups["arithmetic"]["serial"]["mode_correct"] is False
+    assert groups["arithmetic"]["serial"]["control_correct_share"] == 0.0
+    assert all(set(REQUIRED_KEYS) <= set(r) for r in recs)
+    fresh = [r for r in recs if r["condition"] == "prefix_fresh"]
+    reused = [r for r in recs if r["condition"] == "prefix_reused"]
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in fresh)
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in reused)
+
+
+def test_deterministic_peer_gives_one_completion(tmp_path):
+    result, recs, output = run_repeat(tmp_path, [V0], n=3, extra=("--conditions", "serial,burst", "--no-token-ids"))
+    for conds in result["groups"].values():
+        assert set(conds) == {"serial", "burst"}
+        for g in conds.values():
+            assert g["distinct"] == 1 and g["modal_share"] == 1.0 and g["first_divergence_from_mode"] is None
+            assert g["mode_basis"] == "text"  # no token ids asked for: identity judged on text
+    assert all(r["output_token_ids"] is None for r in recs)
+    assert "evalpipe repeat" in output and "serial" in output
+
+
+def test_unknown_fixture_is_a_usage_error(tmp_path):
+    res = CliRunner().invoke(repeat_cmd, ["--base-url", "http://127.0.0.1:9/v1", "--fixtures", "nope"])
+    assert res.exit_code == 2 and "unknown fixture" in res.output
