@@ -372,3 +372,35 @@ def test_bench_ratio_of_medians(tmp_path):
     c = write_bench(tmp_path / "C", vb, input_sha="bb")
     res = CliRunner().invoke(compare_cmd, [str(a), str(c), "--out", str(tmp_path / "o2")])
     assert res.exit_code != 0 and "input_ids_sha256" in res.output
+
+
+# ---------------------------------------------------------------------------------------------- real run folders
+
+def test_compare_on_folders_written_by_evalpipe_run(tmp_path):
+    """Two real `evalpipe run` subprocesses against scripted peers (always right vs. mixed), then compare."""
+    from tests.scripted_server import answer_table, scripted_server
+
+    answers = answer_table("gsm8k")
+    dirs = {}
+    for arm, mode in (("spec_off", "correct"), ("spec_on", "mixed")):
+        with scripted_server(mode=mode, answers=answers, fail_first=0,
+                             spec={"verify_steps": 2, "accept_histogram": [0, 2]} if mode == "mixed" else None) as url:
+            proc = subprocess.run([sys.executable, "-m", "evalpipe.cli", "run", "gsm8k", "--base-url", url,
+                                   "--num-examples", "30", "--arm", arm, "--out", str(tmp_path), "--max-retries", "0"],
+                                  capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        dirs[arm] = next((tmp_path / "gsm8k").glob(f"{arm}-*"))
+    res = CliRunner().invoke(compare_cmd, [str(dirs["spec_off"]), str(dirs["spec_on"]), "--out", str(tmp_path / "c"),
+                                          "--resamples", "1000", "--intended", "server.*", "--intended", "base_url"])
+    assert res.exit_code == 0, res.output
+    cmp = json.loads((tmp_path / "c" / "compare.json").read_text())
+    recs = {arm: {r["question_id"]: r for r in map(json.loads, (d / "responses.jsonl").read_text().splitlines())}
+            for arm, d in dirs.items()}
+    summary_b = json.loads((dirs["spec_on"] / "summary.json").read_text())
+    assert cmp["accuracy"]["b"] == pytest.approx(summary_b["accuracy"])
+    assert cmp["accuracy"]["a"] == 1.0
+    expected_flips = sorted(q for q in recs["spec_off"] if recs["spec_off"][q]["correct"] != recs["spec_on"][q]["correct"])
+    assert [f["question_id"] for f in cmp["flips"]] == expected_flips and expected_flips
+    assert cmp["greedy"]["mcnemar_p"] == pytest.approx(hand_mcnemar(0, len(expected_flips)))
+    assert cmp["rates"]["truncated"]["n_b"] == summary_b["n_truncated"]
+    assert cmp["spec"]["b"]["accept_length_token_weighted"] is not None

@@ -89,6 +89,9 @@ def compare_outputs(rec_a: dict, rec_b: dict) -> dict:
             seq_b = [p["token"] for p in token_logprobs(rec_b.get("logprobs")) or []]
     pos = first_divergence(seq_a, seq_b)
     out = {"identical": pos is None, "basis": basis_a, "position": pos, "len_a": len(seq_a), "len_b": len(seq_b)}
+    if pos is None and basis_a != "text":
+        # identical tokens must detokenize to identical text; anything else is a server or record fault
+        out["text_differs"] = (rec_a.get("response_text") or "") != (rec_b.get("response_text") or "")
     if pos is not None and basis_a != "text":
         gap = logprob_gap(rec_a, rec_b, pos)
         if gap is not None:
@@ -129,6 +132,7 @@ def summarize_agreement(pairs: list[tuple[str, dict]]) -> dict:
     identical = sum(1 for _, p in pairs if p["identical"])
     positions = [p["position"] for _, p in pairs if p["position"] is not None]
     gaps = [p["logprob"]["gap"] for _, p in pairs if "logprob" in p and p["logprob"].get("gap") is not None]
+    text_differs = sum(1 for _, p in pairs if p.get("text_differs"))
     bases: dict[str, int] = {}
     for _, p in pairs:
         bases[p["basis"]] = bases.get(p["basis"], 0) + 1
@@ -142,4 +146,5 @@ def summarize_agreement(pairs: list[tuple[str, dict]]) -> dict:
         "first_divergence_max": int(max(positions)) if positions else None,
         "logprob_gap_median": float(np.median(gaps)) if gaps else None,
         "n_with_logprob_gap": len(gaps),
+        "n_identical_tokens_but_text_differs": text_differs,
     }

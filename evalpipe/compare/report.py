@@ -118,6 +118,9 @@ def headline_lines(result: dict) -> list[str]:
             f"output agreement: {ag['n_identical']}/{ag['n_pairs']} identical ({pct(ag['share_identical'])}) by "
             f"{', '.join(f'{k} {v}' for k, v in ag['basis_counts'].items()) or 'n/a'}; first divergence median "
             f"{num(ag['first_divergence_median'], 1)}; logprob gap median {num(ag['logprob_gap_median'])}")
+        if ag.get("n_identical_tokens_but_text_differs"):
+            lines.append(f"[bold red]warning[/]: {ag['n_identical_tokens_but_text_differs']} pair(s) have identical "
+                         "token ids but different text (server detokenization or record fault)")
     md = result.get("manifest_diff") or {}
     if md.get("differences"):
         lines.append(f"manifest: {len(md['differences'])} difference(s), {md['n_intended']} marked intended, "
