@@ -220,6 +220,7 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
         url = f"{cfg.base_url.rstrip('/')}/completions"
         requests: list[dict] = []
         server_accept: list[Optional[float]] = []
+        rounds: list[dict] = []  # aggregate per round: all completion tokens over the round's wall time
         total_rounds = cfg.warmup + cfg.rounds
         for rnd in range(total_rounds):
             flushed = await _flush(client, root, headers) if (cfg.flush and flush_offered) else False
@@ -228,7 +229,12 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
                 "ignore_eos": True, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **cfg.extra_body,
             } for slot in range(cfg.concurrency)]
+            t_round = time.perf_counter()
             results = await asyncio.gather(*(stream_request(client, url, b, headers) for b in bodies))
+            wall = time.perf_counter() - t_round
+            round_tokens = sum(r["completion_tokens"] or 0 for r in results if not r["error"])
+            rounds.append({"round": rnd, "warmup": rnd < cfg.warmup, "wall_s": wall, "completion_tokens": round_tokens,
+                           "aggregate_tokens_per_s": round_tokens / wall if wall > 0 else None})
             for slot, res in enumerate(results):
                 ev = res["events"]
                 rate = decode_rate(ev, res["completion_tokens"]) if not res["error"] else None
@@ -266,6 +272,8 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
     results_block["accept_length_median"] = _median(acc)
     results_block["accept_length_values"] = acc
     results_block["server_avg_accept_length_after_each_round"] = server_accept
+    agg = [r["aggregate_tokens_per_s"] for r in rounds if not r["warmup"] and r["aggregate_tokens_per_s"]]
+    results_block["aggregate_tokens_per_s"] = {"median": _median(agg), "values": agg}
     results_block["n_kept"] = len(kept)
     results_block["n_errors"] = sum(1 for r in requests if r["error"])
     results_block["n_dropped"] = sum(1 for r in kept if r["decode_tokens_per_s"] is None)
@@ -284,6 +292,7 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
         "provenance": {"code": code_provenance(), "packages": installed_packages(), "python": python_platform()},
         "partial": False,
         "results": results_block,
+        "rounds": rounds,
         "requests": requests,
     }
 

@@ -65,7 +65,7 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     t = Table(title=f"evalpipe bench — {result['config']['model']} in={input_len} out={output_len} c={concurrency}")
     for col in ("metric", "median", "values (measured rounds)"):
         t.add_column(col)
-    for name in ("decode_tokens_per_s", "ttft_s", "total_s"):
+    for name in ("decode_tokens_per_s", "ttft_s", "total_s", "aggregate_tokens_per_s"):
         vals = res[name]["values"]
         t.add_row(name, "n/a" if res[name]["median"] is None else f"{res[name]['median']:.4g}",
                   ", ".join(f"{v:.4g}" for v in vals))
