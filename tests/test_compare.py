@@ -404,3 +404,13 @@ def test_compare_on_folders_written_by_evalpipe_run(tmp_path):
     assert cmp["greedy"]["mcnemar_p"] == pytest.approx(hand_mcnemar(0, len(expected_flips)))
     assert cmp["rates"]["truncated"]["n_b"] == summary_b["n_truncated"]
     assert cmp["spec"]["b"]["accept_length_token_weighted"] is not None
+
+
+def test_holm_adjustment_by_hand():
+    from evalpipe.compare.stats import holm
+
+    # sorted p: 0.01 (x3) = 0.03, 0.02 (x2) = 0.04, 0.04 (x1) = 0.04; None stays None
+    adj = holm([0.04, 0.01, None, 0.02])
+    assert adj[2] is None
+    assert [adj[0], adj[1], adj[3]] == pytest.approx([0.04, 0.03, 0.04])
+    assert holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])

@@ -326,10 +326,12 @@ def render_html(result: dict) -> str:
             ["SE, question-clustered", pts(r["se_clustered"])],
             ["within-question permutation p", f"{num(pt['p_value'], 4)} ({pt['n_permutations']} permutations, seed {pt['seed']})"],
         ], "repeated"))
-        parts.append("<h3>Per question</h3>" + _table(
-            ["id", "A k/n", "B k/n", "rate A", "rate B", "B - A"],
+        parts.append("<h3>Per question</h3><p class='muted'>Fisher's exact test per question with Holm adjustment "
+                     "is a flag for inspection, not the headline test.</p>" + _table(
+            ["id", "A k/n", "B k/n", "rate A", "rate B", "B - A", "Fisher p (Holm)", "flag"],
             [[q["question_id"], f"{q['k_a']}/{q['n_a']}", f"{q['k_b']}/{q['n_b']}", pct(q["rate_a"]), pct(q["rate_b"]),
-              pts(q["diff"])] for q in r["per_question"]], "per-question"))
+              pts(q["diff"]), num(q.get("fisher_p_holm"), 4), "FLAG" if q.get("flag") else ""]
+             for q in r["per_question"]], "per-question"))
     parts.append("<h2>Plots</h2>")
     parts.append(_img(plot_per_question(result), "per-question accuracy A vs B", "plot plot-per-question"))
     parts.append(_img(plot_accept_lengths(result), "accept-length histograms", "plot plot-accept-length"))

@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.stats import binomtest
+from scipy.stats import binomtest, fisher_exact
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
@@ -208,6 +208,19 @@ def within_question_permutation_test(
     }
 
 
+def holm(pvalues: list[float | None]) -> list[float | None]:
+    """Holm step-down adjusted p-values (None stays None); a per-question flag, not the headline test."""
+    idx = [i for i, p in enumerate(pvalues) if p is not None]
+    order = sorted(idx, key=lambda i: pvalues[i])
+    m = len(order)
+    out: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
 def compare_repeated(
     outcomes_a: dict[str, np.ndarray],
     outcomes_b: dict[str, np.ndarray],
@@ -224,9 +237,14 @@ def compare_repeated(
     d = pb - pa
     per_question = [
         {"question_id": q, "n_a": int(x.size), "n_b": int(y.size), "k_a": int(x.sum()), "k_b": int(y.sum()),
-         "rate_a": float(ra), "rate_b": float(rb), "diff": float(rb - ra)}
+         "rate_a": float(ra), "rate_b": float(rb), "diff": float(rb - ra),
+         "fisher_p": float(fisher_exact([[int(x.sum()), int(x.size - x.sum())],
+                                         [int(y.sum()), int(y.size - y.sum())]])[1]) if x.size and y.size else None}
         for q, x, y, ra, rb in zip(ids, oa, ob, pa, pb)
     ]
+    for row, adj in zip(per_question, holm([r["fisher_p"] for r in per_question])):
+        row["fisher_p_holm"] = adj
+        row["flag"] = adj is not None and adj < 0.05
     return {
         "n_questions": len(ids),
         "n_responses_a": int(sum(o.size for o in oa)),
