@@ -67,8 +67,12 @@ def run_sgl_eval(base_url: str, work: Path, concurrency: int) -> dict:
             if i >= 5:
                 fh.write(json.dumps({"id": f"gsm8k-{i}", "problem": q, "expected_answer": answers[q]}) + "\n")
     sgl = shutil.which("sgl-eval") or str(Path(sys.executable).with_name("sgl-eval"))
+    if not Path(sgl).exists():  # installed without its console script: same entry point through the interpreter
+        sgl_cmd = [sys.executable, "-c", "import sys; from sgl_eval.cli import main; sys.exit(main())"]
+    else:
+        sgl_cmd = [sgl]
     t0 = time.perf_counter()
-    r = subprocess.run([sgl, "run", "gsm8k", "--base-url", base_url, "--from-dataset", str(ds),
+    r = subprocess.run([*sgl_cmd, "run", "gsm8k", "--base-url", base_url, "--from-dataset", str(ds),
                         "--num-threads", str(concurrency), "--out-dir", str(work / "sgl")],
                        capture_output=True, text=True, cwd=work)
     wall = time.perf_counter() - t0
@@ -114,7 +118,7 @@ def main() -> None:
     best = {tool: min(rs, key=lambda r: r["wall_s"]) for tool, rs in results.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\nharness overhead: GSM8K 1314 items, concurrency {args.concurrency}, zero-latency scripted server, "
-          f"{os.cpu_count()} CPUs, load avg {load:.1f}, rounds {args.rounds} (best shown), server saw {n_server} requests")
+          f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} usable CPUs, load avg {load:.1f}, rounds {args.rounds} (best shown), server saw {n_server} requests")
     print(f"{'tool':<10} {'requests':>8} {'process wall s':>15} {'loop wall s':>12} {'req/s (process)':>16} "
           f"{'req/s (loop)':>13} {'harness CPU s':>14} {'server CPU s':>13} {'accuracy':>9}")
     for tool, r in best.items():
