@@ -456,29 +456,274 @@ def section_q_rope(bench: Bench) -> None:
         )
 
 
-# ------------------------------------------------------------------- op 4: mxfp8 (slot for the mxfp8 engineer)
+# ------------------------------------------------------------------------------------------------ op 4: mxfp8
+
+MX_MAGNITUDES = (0.0, 1e-37, 1e-7, 1.0, 448.0, 1e10)
+WO_A_SHAPE = (2, 1024, 4096)  # per-rank WO-A weight [G, R, Kg]
+WO_B_SHAPES = [(5120, 2048), (1792, 5120), (5120, 576)]  # w_b [N, K]
+
+
+def _mx_magnitude_rows(shape, gen, device):
+    """Random values whose 32-groups cycle through MX_MAGNITUDES (rotated by row), last dim a multiple of 32."""
+    x = torch.randn(*shape, generator=gen, device=device)
+    rows, groups = shape[-2], shape[-1] // 32
+    idx = (torch.arange(groups, device=device)[None, :] + torch.arange(rows, device=device)[:, None]) % len(MX_MAGNITUDES)
+    mags = torch.tensor(MX_MAGNITUDES, device=device)[idx].repeat_interleave(32, dim=1)
+    return x * mags
+
+
+def _mx_same_bytes(a, b) -> bool:
+    return torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scales, b.scales)
 
 
 def section_mxfp8(bench: Bench) -> None:
-    """SLOT for op 4 (mxfp8_quantize / wo_a_mxfp8 / mxfp8_linear): filled in by the engineer who owns mxfp8.py.
+    from evalpipe.kernels.mxfp8 import (
+        Mxfp8Tensor, mxfp8_linear, mxfp8_linear_reference, mxfp8_quantize, mxfp8_quantize_reference,
+        mxfp8_reduce_quantize, mxfp8_reduce_quantize_reference, reduce_partials_bf16, wo_a_mxfp8,
+        wo_a_partials, wo_a_partials_reference,
+    )
 
-    Expected: magnitudes {0, 1e-37, 1e-7, 1, 448, 1e10}, M = 1..8 and > 128, WO-A [2, 1024, 4096] with M = 2..8,
-    graph replay after filling scales with 255; timing target: wo_a_mxfp8 for M <= 8 within 1.5x of reading
-    its weights once (pass target="<=1.5x weight read").
-    """
-    raise NotImplementedError("op 4 section not written yet (owned by the mxfp8/c2 engineer)")
+    dev = bench.device
+    gen = torch.Generator(device=dev).manual_seed(4)
+    g, r, kg = WO_A_SHAPE
+    n = g * r
+
+    ok = True
+    for rows in (*range(1, 9), 130, 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            y = _mx_magnitude_rows((rows, n), gen, dev).to(dtype)
+            ok &= _mx_same_bytes(mxfp8_quantize(y, backend="triton"), mxfp8_quantize_reference(y))
+    bench.check(f"mxfp8_quantize M 1..8,130,300 x N {n} x fp32/bf16, magnitudes {MX_MAGNITUDES}: bytes exact", ok)
+
+    ok = True
+    for rows in (*range(1, 9), 130):
+        partials = _mx_magnitude_rows((8, rows, n), gen, dev)
+        ok &= _mx_same_bytes(mxfp8_reduce_quantize(partials, backend="triton"),
+                             mxfp8_reduce_quantize_reference(partials))
+    bench.check("reduce(s=0..7)+bf16+quantize on partials of every magnitude, M 1..8,130: bytes exact", ok)
+
+    weight = (torch.randn(g, r, kg, generator=gen, device=dev) / 64).to(torch.bfloat16)
+
+    def attn_view(rows):  # x [M, 2, 4096]: heads 0..15 of a padded [M, 64, 512] attention output
+        buf = torch.randn(rows, 64, 512, generator=gen, device=dev).to(torch.bfloat16)
+        return buf[:, :16].view(rows, g, kg)
+
+    exact, close, part_err, flips = True, True, 0.0, 0
+    for rows in (*range(1, 9), 130):
+        x = attn_view(rows)
+        part = wo_a_partials(x, weight, backend="triton")
+        ref_part = wo_a_partials_reference(x, weight)
+        part_err = max(part_err, ((part - ref_part).abs() / (ref_part.abs() + 1e-3)).max().item())
+        fused = wo_a_mxfp8(x, weight, backend="triton")
+        exact &= _mx_same_bytes(fused, mxfp8_reduce_quantize_reference(part))
+        ref = mxfp8_reduce_quantize_reference(ref_part)
+        flips += int((fused.data.view(torch.uint8) != ref.data.view(torch.uint8)).sum())
+        y = reduce_partials_bf16(ref_part).float()
+        scale = torch.exp2(ref.scale_grid().float() - 127).repeat_interleave(32, dim=1)
+        close &= bool(((fused.dequantize() - y).abs() <= y.abs() * 2.0 ** -3 + scale * 2.0 ** -9).all())
+    bench.check("wo_a_mxfp8 [2,1024,4096], x = view of [M,64,512], M 1..8,130: bytes == reference reduce+quantize "
+                "of the kernel's partials", exact)
+    bench.check("wo_a_mxfp8 vs all-reference chain: within one e4m3 step", close,
+                f"partials max rel err {part_err:.2e}; {flips} e4m3 codes differ from the all-reference chain "
+                "(bf16 ties after fp32 partials in another order)")
+
+    ok, worst = True, 0.0
+    for nb, kb in WO_B_SHAPES:
+        w_b = (torch.randn(nb, kb, generator=gen, device=dev) / math.sqrt(kb)).to(torch.bfloat16)
+        for rows in (1, 2, 8, 17, 300):
+            a = mxfp8_quantize_reference(torch.randn(rows, kb, generator=gen, device=dev))
+            got = mxfp8_linear(a, w_b, out_dtype=torch.float32, backend="triton")
+            want = mxfp8_linear_reference(a, w_b, out_dtype=torch.float32)
+            bound = kb * 2.0 ** -24 * (a.dequantize().abs() @ w_b.float().abs().t())
+            ok &= bool(((got - want).abs() <= bound).all())
+            worst = max(worst, ((got - want).abs() / (want.abs() + 1e-6)).max().item())
+    bench.check("mxfp8_linear (w_b [N,K] in (5120,2048),(1792,5120),(5120,576); M 1,2,8,17,300) == dequantized "
+                "fp32 reference within the fp32 accumulation-order bound", ok, f"max rel err {worst:.2e}")
+
+    # graph replay: quantize + WO-A into persistent buffers whose scales are refilled with 255 before each replay
+    rows = 8
+    x = attn_view(rows)
+    out = Mxfp8Tensor.empty(rows, n, device=dev)
+
+    def mutate(i):
+        x.copy_(torch.randn(x.shape, generator=gen, device=dev).to(torch.bfloat16) * (10.0 ** i))
+        out.scales.fill_(255)
+        out.data.view(torch.uint8).fill_(255)
+
+    bench.graph_replay_check(
+        "wo_a_mxfp8 M=8 into a 255-filled Mxfp8Tensor",
+        lambda: wo_a_mxfp8(x, weight, out=out, backend="triton"),
+        mutate,
+        lambda: mxfp8_reduce_quantize_reference(wo_a_partials(x, weight, backend="triton")),
+        lambda got, want: _mx_same_bytes(out, want),
+    )
+    y = torch.randn(rows, n, generator=gen, device=dev).to(torch.bfloat16)
+    qout = Mxfp8Tensor.empty(rows, n, device=dev)
+
+    def mutate_q(i):
+        y.copy_(_mx_magnitude_rows((rows, n), gen, dev).to(torch.bfloat16))
+        qout.scales.fill_(255)
+
+    bench.graph_replay_check(
+        "mxfp8_quantize M=8 N=2048 into a 255-filled Mxfp8Tensor",
+        lambda: mxfp8_quantize(y, out=qout, backend="triton"),
+        mutate_q,
+        lambda: mxfp8_quantize_reference(y),
+        lambda got, want: _mx_same_bytes(qout, want),
+    )
+
+    # timing. Unfused WO-A chain = what the model runs without the fusion: bf16 grouped bmm -> quantize (torch).
+    for rows in (2, 4, 8):
+        x = attn_view(rows)
+        out = Mxfp8Tensor.empty(rows, n, device=dev)
+        w_t = weight.transpose(1, 2)  # [G, Kg, R]
+
+        def unfused(x=x):
+            y = torch.bmm(x.transpose(0, 1), w_t).transpose(0, 1).reshape(x.shape[0], n)
+            return mxfp8_quantize_reference(y)
+
+        bench.time_pair(f"wo_a_mxfp8 M={rows} W[2,1024,4096]", lambda x=x, out=out: wo_a_mxfp8(
+            x, weight, out=out, backend="triton"), unfused, weight.numel() * 2, target="<=1.5x floor")
+    for rows in (8, 300):
+        y = torch.randn(rows, n, generator=gen, device=dev).to(torch.bfloat16)
+        out = Mxfp8Tensor.empty(rows, n, device=dev)
+        bench.time_pair(f"mxfp8_quantize M={rows} N={n}", lambda y=y, out=out: mxfp8_quantize(
+            y, out=out, backend="triton"), lambda y=y: mxfp8_quantize_reference(y), rows * n * 3 + out.scales.numel(),
+            target=">=2x")
+    w_b = (torch.randn(5120, n, generator=gen, device=dev) / 45).to(torch.bfloat16)
+    for rows in (2, 8):
+        a = mxfp8_quantize_reference(torch.randn(rows, n, generator=gen, device=dev))
+        bench.time_pair(f"mxfp8_linear M={rows} w_b[5120,2048]", lambda a=a: mxfp8_linear(a, w_b, backend="triton"),
+                        lambda a=a: mxfp8_linear_reference(a, w_b), w_b.numel() * 2, target=">=2x")
 
 
-# --------------------------------------------------------------- op 5: c2_verify (slot for the c2_verify engineer)
+# -------------------------------------------------------------------------------------------- op 5: c2_verify
+
+C2_HD, C2_ROPE, C2_PAGE, C2_D, C2_RING = 512, 64, 128, 6, 8  # kv|gate rows 1024 wide; ring 1 << (D+1).bit_length()
+
+
+class _C2Layer:
+    """One ratio-2 layer's weights, tables and persistent ring/pool for `slots` requests, seeded randomly."""
+
+    def __init__(self, slots, gen, dev, max_pos=4096, kv_dtype=torch.float32):
+        hd = C2_HD
+        self.bias = torch.randn(2, hd, generator=gen, device=dev)
+        self.norm_w = torch.rand(hd, generator=gen, device=dev) + 0.5
+        self.cos, self.sin = _rope_tables(max_pos, C2_ROPE, dev)
+        pages = max_pos // 2 // C2_PAGE
+        self.page_table = torch.randperm(slots * pages + 5, generator=gen, device=dev)[: slots * pages]
+        self.page_table = self.page_table.view(slots, pages).to(torch.int32)
+        self.ring = torch.randn(slots * C2_RING, 2 * hd, generator=gen, device=dev).to(kv_dtype)
+        self.pool = torch.randn((slots * pages + 5) * C2_PAGE, hd, generator=gen, device=dev).to(torch.bfloat16)
+
+    def run(self, fn, kv_gate, positions, req, valid, d, ring=None, pool=None):
+        fn(kv_gate, positions, req, valid, self.bias, self.norm_w, 1e-6, self.cos, self.sin, C2_ROPE,
+           self.ring if ring is None else ring, self.pool if pool is None else pool, self.page_table, C2_PAGE,
+           C2_RING, d)
+
+
+def _c2_rows(batch, d, gen, dev, kv_dtype=torch.float32, pos_dtype=torch.int64, n_pad=0, max_start=4000):
+    kv_gate = torch.randn(batch * d, 2 * C2_HD, generator=gen, device=dev).to(kv_dtype)
+    starts = torch.randint(8, max_start, (batch,), generator=gen, device=dev)
+    starts = starts - starts % 2 + torch.arange(batch, device=dev) % 2  # alternating head parity
+    live = torch.arange(batch, device=dev) < batch - n_pad
+    positions = torch.where(live[:, None], starts[:, None] + torch.arange(d, device=dev), 0).reshape(-1)
+    req = torch.randperm(batch, generator=gen, device=dev).repeat_interleave(d)  # padding aliases live slots
+    valid = live.repeat_interleave(d)
+    return kv_gate, positions.to(pos_dtype), req.to(pos_dtype), valid
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -32768 - ia, ia)  # sign-magnitude -> ordered integers
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
 
 
 def section_c2_verify(bench: Bench) -> None:
-    """SLOT for op 5 (c2_verify): filled in by the engineer who owns c2_verify.py.
+    from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
 
-    Expected: 1024-wide kv|gate rows, batch 1..128, 6 rows per request; D launches == one launch bitwise;
-    graph replay; timing target: batch 1 x 6 rows at or below 2.5 us (pass target="<=2.5us").
-    """
-    raise NotImplementedError("op 5 section not written yet (owned by the mxfp8/c2 engineer)")
+    dev = bench.device
+    gen = torch.Generator(device=dev).manual_seed(5)
+    fused = lambda *a: c2_verify(*a, backend="triton")  # noqa: E731
+    d = C2_D
+
+    ring_ok, single_ok, worst_ulps, differing = True, True, 0, 0
+    for batch in (1, 2, 3, 8, 32, 64, 128):
+        for kv_dtype, pos_dtype in ((torch.float32, torch.int64), (torch.bfloat16, torch.int32)):
+            layer = _C2Layer(batch, gen, dev, kv_dtype=kv_dtype)
+            rows = _c2_rows(batch, d, gen, dev, kv_dtype, pos_dtype, n_pad=1 if batch > 2 else 0)
+            f_ring, f_pool = layer.ring.clone(), layer.pool.clone()
+            r_ring, r_pool = layer.ring.clone(), layer.pool.clone()
+            s_ring, s_pool = layer.ring.clone(), layer.pool.clone()
+            layer.run(fused, *rows, d, f_ring, f_pool)
+            layer.run(c2_verify_reference, *rows, d, r_ring, r_pool)
+            for j in range(d):  # D single-row (decode) launches
+                idx = torch.arange(j, batch * d, d, device=dev)
+                layer.run(fused, *(t[idx] for t in rows), 1, s_ring, s_pool)
+            ring_ok &= bitwise_equal(f_ring, r_ring)
+            single_ok &= bitwise_equal(f_ring, s_ring) and bitwise_equal(f_pool, s_pool)
+            worst_ulps = max(worst_ulps, _bf16_ulps(f_pool, r_pool))
+            differing += int((f_pool != r_pool).any(1).sum())
+    bench.check("c2 hd 512 (kv|gate 1024), D 6, batch 1..128, fp32+int64 / bf16+int32, padded request: "
+                "ring bitwise == reference", ring_ok)
+    bench.check("c2: one D-row launch == D single-row launches, pool and ring bitwise", single_ok)
+    bench.check("c2: pool entries within 1 bf16 ulp of the reference", worst_ulps <= 1,
+                f"max {worst_ulps} ulp; {differing} entries not bitwise equal (exp/rsqrt/sum order on GPU)")
+
+    # rejected prefix: accept k of 6, verify again at pos0 + k == history that decoded only accepted rows
+    ok = True
+    layer = _C2Layer(3, gen, dev)
+    first = _c2_rows(3, d, gen, dev)
+    for accepted in range(1, d + 1):
+        second = list(_c2_rows(3, d, gen, dev))
+        second[1] = torch.where(first[3], first[1] + accepted, 0)
+        second[2] = first[2]
+        v_ring, v_pool = layer.ring.clone(), layer.pool.clone()
+        h_ring, h_pool = layer.ring.clone(), layer.pool.clone()
+        layer.run(fused, *first, d, v_ring, v_pool)
+        layer.run(fused, *second, d, v_ring, v_pool)
+        for j in range(accepted):
+            idx = torch.arange(j, 3 * d, d, device=dev)
+            layer.run(fused, *(t[idx] for t in first), 1, h_ring, h_pool)
+        layer.run(fused, *second, d, h_ring, h_pool)
+        ok &= bitwise_equal(v_ring, h_ring) and bitwise_equal(v_pool, h_pool)
+    bench.check("c2 rollback: accept 1..6 then next launch == history of accepted rows only (bitwise)", ok)
+
+    # graph replay with changed inputs (rows, positions) on the persistent ring/pool
+    batch = 8
+    layer = _C2Layer(batch, gen, dev)
+    rows = list(_c2_rows(batch, d, gen, dev, n_pad=1))
+    snapshot = {}
+
+    def mutate(i):
+        new = _c2_rows(batch, d, gen, dev, n_pad=1 + i % 2)
+        for t, s in zip(rows, new):
+            t.copy_(s)
+        snapshot["ring"], snapshot["pool"] = layer.ring.clone(), layer.pool.clone()
+
+    def expect():
+        ring, pool = snapshot["ring"], snapshot["pool"]
+        layer.run(c2_verify_reference, *rows, d, ring, pool)
+        return ring, pool
+
+    bench.graph_replay_check(
+        "c2 batch 8 x 6 rows, new rows/positions/padding each replay",
+        lambda: layer.run(fused, *rows, d),
+        mutate,
+        expect,
+        lambda got, want: bitwise_equal(layer.ring, want[0]) and _bf16_ulps(layer.pool, want[1]) <= 1,
+    )
+
+    for batch, dd in ((1, 6), (1, 2), (8, 6), (64, 6), (128, 6), (128, 2)):
+        layer = _C2Layer(batch, gen, dev)
+        rows = _c2_rows(batch, dd, gen, dev)
+        n_rows = batch * dd
+        moved = n_rows * 2 * C2_HD * 4 + n_rows // 2 * (C2_HD * 2 + 2 * C2_HD * 4) + batch * 2 * C2_HD * 4
+        bench.time_pair(f"c2_verify batch {batch} x {dd} rows, kv|gate 1024 fp32 -> bf16 pool",
+                        lambda layer=layer, rows=rows, dd=dd: layer.run(fused, *rows, dd),
+                        lambda layer=layer, rows=rows, dd=dd: layer.run(c2_verify_reference, *rows, dd),
+                        moved, target="<=2.5us" if (batch, dd) == (1, 6) else ">=2x")
 
 
 # --------------------------------------------------------------------------------------------------- driver

@@ -199,7 +199,11 @@ if triton is not None:
         pt_ptr, pt_stride, page_size, R, D,
         HD: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, TO_BF16: tl.constexpr, LIBDEVICE: tl.constexpr,
     ):
-        """One program per row; masked loads/stores instead of branches so padding rows touch no memory."""
+        """One program per row; masked loads/stores instead of branches so padding rows touch no memory.
+
+        Every load is issued before the first store (one dependent round trip after the row's metadata), which
+        is what keeps a 6-row launch short.
+        """
         row = tl.program_id(0).to(tl.int64)
         live = tl.load(valid_ptr + row).to(tl.int32) != 0
         pos = tl.load(pos_ptr + row).to(tl.int64)  # a row's own metadata is always in range
@@ -211,31 +215,24 @@ if triton is not None:
         inb = offs < HD
         zero = offs * 0  # scalar conditions are widened to vectors before use as masks (interpreter needs it)
         swp = offs ^ 1  # RoPE pair partner channel
+        mine = inb & ((zero + live.to(tl.int32)) != 0)
+        park = mine & ((zero + (pos % 2 == 0).to(tl.int32)) != 0)  # even: park the row in the ring, nothing else
+        work = mine & ((zero + odd.to(tl.int32)) != 0)  # odd: complete the pair and store the entry
+        from_ring = work & ((zero + is_head.to(tl.int32)) != 0)  # block head: partner from the ring
+        from_prev = work & ((zero + is_head.to(tl.int32)) == 0)  # later rows: previous row of this launch
+
         row_ptr = kvg_ptr + row * kvg_stride
-
-        # even positions: park the projected row in the ring (bit copy), nothing else.
-        park = inb & ((zero + (live & (pos % 2 == 0)).to(tl.int32)) != 0)
-        ring_dst = ring_ptr + (rq * R + pos % R) * ring_stride
-        kv_raw = tl.load(row_ptr + offs, mask=park, other=0.0)
-        g_raw = tl.load(row_ptr + HD + offs, mask=park, other=0.0)
-        tl.store(ring_dst + offs, kv_raw.to(ring_ptr.dtype.element_ty), mask=park)
-        tl.store(ring_dst + HD + offs, g_raw.to(ring_ptr.dtype.element_ty), mask=park)
-
-        # odd positions: partner from the ring (block head) or the previous row of this launch.
-        work = inb & ((zero + (live & odd).to(tl.int32)) != 0)
-        from_ring = work & ((zero + is_head.to(tl.int32)) != 0)
-        from_prev = work & ((zero + is_head.to(tl.int32)) == 0)
-        ring_src = ring_ptr + (rq * R + (pos - 1 + R) % R) * ring_stride
         prev_ptr = kvg_ptr + (row - 1) * kvg_stride
+        ring_src = ring_ptr + (rq * R + (pos - 1 + R) % R) * ring_stride
+        entry = pos // 2
+        rpos = tl.maximum(pos - 1, 0)
+        is_rope = offs >= HD - ROPE
+        pair = (offs - (HD - ROPE)) // 2
+        rmask = work & is_rope
 
-        b0 = tl.load(bias_ptr + offs, mask=work, other=0.0).to(tl.float32)
-        b1 = tl.load(bias_ptr + HD + offs, mask=work, other=0.0).to(tl.float32)
-        b0s = tl.load(bias_ptr + swp, mask=work, other=0.0).to(tl.float32)
-        b1s = tl.load(bias_ptr + HD + swp, mask=work, other=0.0).to(tl.float32)
-
-        # channel c and its RoPE partner channel c ^ 1 (recomputed so no cross-lane shuffle is needed)
-        kv_new = tl.load(row_ptr + offs, mask=work, other=0.0).to(tl.float32)
-        g_new = tl.load(row_ptr + HD + offs, mask=work, other=0.0).to(tl.float32)
+        # ---- loads: channel c and its RoPE partner channel c ^ 1 (recomputed, so no cross-lane shuffle)
+        kv_raw = tl.load(row_ptr + offs, mask=mine, other=0.0)
+        g_raw = tl.load(row_ptr + HD + offs, mask=mine, other=0.0)
         kv_new_s = tl.load(row_ptr + swp, mask=work, other=0.0).to(tl.float32)
         g_new_s = tl.load(row_ptr + HD + swp, mask=work, other=0.0).to(tl.float32)
         kv_old = tl.where(from_ring, tl.load(ring_src + offs, mask=from_ring, other=0.0).to(tl.float32),
@@ -246,7 +243,19 @@ if triton is not None:
                             tl.load(prev_ptr + swp, mask=from_prev, other=0.0).to(tl.float32))
         g_old_s = tl.where(from_ring, tl.load(ring_src + HD + swp, mask=from_ring, other=0.0).to(tl.float32),
                            tl.load(prev_ptr + HD + swp, mask=from_prev, other=0.0).to(tl.float32))
+        b0 = tl.load(bias_ptr + offs, mask=work, other=0.0).to(tl.float32)
+        b1 = tl.load(bias_ptr + HD + offs, mask=work, other=0.0).to(tl.float32)
+        b0s = tl.load(bias_ptr + swp, mask=work, other=0.0).to(tl.float32)
+        b1s = tl.load(bias_ptr + HD + swp, mask=work, other=0.0).to(tl.float32)
+        wn = tl.load(normw_ptr + offs, mask=work, other=0.0).to(tl.float32)
+        wns = tl.load(normw_ptr + swp, mask=work, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + rpos * cos_stride + pair, mask=rmask, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + rpos * sin_stride + pair, mask=rmask, other=0.0).to(tl.float32)
+        page = tl.load(pt_ptr + rq * pt_stride + entry // page_size + zero, mask=work, other=0).to(tl.int64)
 
+        # ---- pair pooling (closed-form 2-way softmax, fp32), RMSNorm, RoPE
+        kv_new = kv_raw.to(tl.float32)
+        g_new = g_raw.to(tl.float32)
         d = (g_old + b0) - (g_new + b1)
         e = _exp(-tl.abs(d), LIBDEVICE)
         w0 = tl.div_rn(tl.where(d > 0, 1.0, e), 1.0 + e)
@@ -260,27 +269,21 @@ if triton is not None:
 
         x = tl.where(inb, x, 0.0)
         rs = _rsqrt(tl.div_rn(tl.sum(x * x, axis=0), HD * 1.0) + eps, LIBDEVICE)
-        wn = tl.load(normw_ptr + offs, mask=work, other=0.0).to(tl.float32)
-        wns = tl.load(normw_ptr + swp, mask=work, other=0.0).to(tl.float32)
         n = _round_pool(wn * (x * rs), TO_BF16)
         ns = _round_pool(wns * (xs * rs), TO_BF16)
 
-        is_rope = offs >= HD - ROPE
-        pair = (offs - (HD - ROPE)) // 2
-        rpos = tl.maximum(pos - 1, 0)
-        rmask = work & is_rope
-        c = tl.load(cos_ptr + rpos * cos_stride + pair, mask=rmask, other=1.0).to(tl.float32)
-        s = tl.load(sin_ptr + rpos * sin_stride + pair, mask=rmask, other=0.0).to(tl.float32)
         first = (offs % 2) == 0
         ev = tl.where(first, n, ns)
         od = tl.where(first, ns, n)
         rot = tl.where(first, ev * c - od * s, ev * s + od * c)
         outv = tl.where(is_rope, _round_pool(rot, TO_BF16), n)
 
-        entry = pos // 2
-        page = tl.load(pt_ptr + rq * pt_stride + entry // page_size + zero, mask=work, other=0).to(tl.int64)
+        # ---- stores: ring park (bit copy) for even rows, the pool entry (exact cast) for odd rows
+        ring_dst = ring_ptr + (rq * R + pos % R) * ring_stride
+        tl.store(ring_dst + offs, kv_raw.to(ring_ptr.dtype.element_ty), mask=park)
+        tl.store(ring_dst + HD + offs, g_raw.to(ring_ptr.dtype.element_ty), mask=park)
         slot = page * page_size + entry % page_size
-        tl.store(pool_ptr + slot * pool_stride + offs, outv.to(pool_ptr.dtype.element_ty), mask=work)  # exact
+        tl.store(pool_ptr + slot * pool_stride + offs, outv.to(pool_ptr.dtype.element_ty), mask=work)
 
 
 def _triton_guard(kv_gate, cos, sin, kv_state, pool) -> bool:

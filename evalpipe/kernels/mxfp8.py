@@ -60,9 +60,7 @@ def swizzled_scale_offsets(rows: int, cols: int, device=None) -> torch.Tensor:
 def _e8m0_to_float(sf: torch.Tensor) -> torch.Tensor:
     """2^(sf - 127) as fp32, built from bits (byte 0 -> 2^-127, a subnormal)."""
     sf = sf.to(torch.int32)
-    normal = (sf << 23).view(torch.float32)
-    return torch.where(sf == 0, torch.tensor(0x00400000, dtype=torch.int32, device=sf.device).view(torch.float32),
-                       normal)
+    return torch.where(sf == 0, torch.full_like(sf, 0x00400000), sf << 23).view(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -288,10 +286,14 @@ if triton is not None:
         _quantize_tile(_rne_bf16(acc), M, row0, g0, data_ptr, data_stride, scale_ptr, GP, N, BM, GB)
 
     @triton.jit
-    def _wo_a_partials_kernel(x_ptr, sx_t, sx_g, w_ptr, sw_g, sw_n, p_ptr, M, R, Kg, split_len,
-                              G: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              BK: tl.constexpr, DOT_FP32: tl.constexpr):
-        """partial[s, t, g*R + n] = sum_{k in split s} x[t, g, k] * w[g, n, k]; fp32 accumulate (tl.dot)."""
+    def _wo_a_partials_kernel(x_ptr, sx_t, sx_g, w_ptr, sw_g, sw_n, p_ptr, M, R, Kg,
+                              SPLIT_LEN: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
+        """partial[s, t, g*R + n] = sum_{k in split s} x[t, g, k] * w[g, n, k]; fp32 accumulate (tl.dot).
+
+        The split loop is unrolled (SPLIT_LEN is a compile-time constant) so all weight tiles of a program are
+        requested up front: for M <= 16 this kernel is a weight-streaming GEMV and lives on memory parallelism.
+        """
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_gs = tl.program_id(2)
@@ -299,13 +301,13 @@ if triton is not None:
         s = pid_gs % S
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
-        k_lo = s * split_len
-        k_hi = tl.minimum(k_lo + split_len, Kg)
+        k_lo = s * SPLIT_LEN
+        k_hi = tl.minimum(k_lo + SPLIT_LEN, Kg)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         x_base = x_ptr + rows[:, None].to(tl.int64) * sx_t + g * sx_g
         w_base = w_ptr + g.to(tl.int64) * sw_g + cols[None, :].to(tl.int64) * sw_n
-        for k in range(k_lo, k_hi, BK):
-            ks = k + tl.arange(0, BK)
+        for kk in tl.static_range(0, SPLIT_LEN, BK):
+            ks = k_lo + kk + tl.arange(0, BK)
             kin = ks < k_hi
             a = tl.load(x_base + ks[None, :], mask=(rows < M)[:, None] & kin[None, :], other=0.0)
             b = tl.load(w_base + ks[:, None], mask=kin[:, None] & (cols < R)[None, :], other=0.0)
@@ -422,14 +424,17 @@ def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") 
         return wo_a_partials_reference(x, w_a)
     m, g, kg = x.shape
     r = w_a.shape[1]
-    split_len = wo_a_split_bounds(kg)[0][1]
+    split_len = _ceil_to(-(-kg // SPLITS), SPLIT_ALIGN)  # the split length of `wo_a_split_bounds`
     partials = torch.empty(SPLITS, m, g * r, dtype=torch.float32, device=x.device)
     if m == 0:
         return partials
-    bm, bn, bk = _rows_block(m), 64, 128
+    bm = _rows_block(m)
+    bn = 32 if m <= 16 else 64  # small M: more programs in flight over the 8 splits x G groups
+    bk = SPLIT_ALIGN
     grid = (triton.cdiv(m, bm), triton.cdiv(r, bn), g * SPLITS)
     _wo_a_partials_kernel[grid](x, x.stride(0), x.stride(1), w_a, w_a.stride(0), w_a.stride(1), partials,
-                                m, r, kg, split_len, G=g, S=SPLITS, BM=bm, BN=bn, BK=bk, DOT_FP32=interpret_mode())
+                                m, r, kg, SPLIT_LEN=split_len, G=g, S=SPLITS, BM=bm, BN=bn, BK=bk,
+                                DOT_FP32=interpret_mode())
     return partials
 
 
