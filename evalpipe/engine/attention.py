@@ -27,7 +27,7 @@ class Attention:
         self.kv_proj = sd[prefix + "kv_proj.weight"]
         self.kv_norm = sd[prefix + "kv_norm.weight"].float()
         group_in = self.heads * self.head_dim // self.groups
-        self.o_a = sd[prefix + "o_a_proj.weight"].view(self.groups, self.o_rank, group_in)
+        self.o_a_t = sd[prefix + "o_a_proj.weight"].view(self.groups, self.o_rank, group_in).transpose(1, 2)
         self.o_b = sd[prefix + "o_b_proj.weight"]
         self.sinks = sd[prefix + "sinks"].float()
         self.ratio = compress_ratio(config, layer_type)
@@ -40,11 +40,13 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pool: LayerPool) -> torch.Tensor:
         T = x.shape[0]
-        cos, sin = self.rope.cos[batch.pos], self.rope.sin[batch.pos]
+        cos, sin, neg_sin = batch.rope(self.rope)
         q_residual = rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps)
-        q = F.linear(q_residual, self.q_b).view(T, self.heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(rms_norm(F.linear(x, self.kv_proj), self.kv_norm, self.eps), cos, sin)
+        q = unweighted_rms_norm(F.linear(q_residual, self.q_b).view(T, self.heads, self.head_dim), self.eps)
+        kv = rms_norm(F.linear(x, self.kv_proj), self.kv_norm, self.eps)
+        # one RoPE call for the query heads and the shared K=V head
+        qkv = apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin, self.rope.rot)
+        q, kv = qkv[:, : self.heads], qkv[:, self.heads]
 
         comp_proj = idx_proj = idx_q = None
         if self.compressor is not None:
@@ -53,11 +55,14 @@ class Attention:
         if self.indexer is not None:
             idx_proj = self.indexer.compressor.project(x)
             self.indexer.compressor.pool(idx_proj, batch, pool.indexer)
-            idx_q = self.indexer.queries(x, q_residual, batch.pos)
+            idx_q = self.indexer.queries(x, q_residual, *batch.rope(self.indexer.rope)[:2])
 
-        out = torch.empty_like(q)
-        for group in batch.groups:
-            out[group.rows] = self._attend(q, kv, group, batch, pool, idx_q)
+        if len(batch.groups) == 1:
+            out = self._attend(q, kv, batch.groups[0], batch, pool, idx_q).view(T, self.heads, self.head_dim)
+        else:
+            out = torch.empty_like(q)
+            for group in batch.groups:
+                out[group.rows] = self._attend(q, kv, group, batch, pool, idx_q)
 
         # rings last: the reads above must see the pre-forward history
         self._store_ring(pool.window, kv, batch, batch.pools.window_ring)
@@ -66,9 +71,9 @@ class Attention:
         if idx_proj is not None:
             self._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
 
-        out = apply_rope(out, cos, -sin)
+        out = apply_rope(out, cos, neg_sin, self.rope.rot)
         grouped = out.view(T, self.groups, -1).transpose(0, 1)  # [g, T, group_in]
-        grouped = torch.bmm(grouped, self.o_a.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+        grouped = torch.bmm(grouped, self.o_a_t).transpose(0, 1).reshape(T, -1)
         return F.linear(grouped, self.o_b)
 
     @staticmethod
@@ -77,38 +82,34 @@ class Attention:
         ring.index_copy_(0, cells, values[rows].to(ring.dtype))
 
     def _attend(self, q, kv, group, batch: ForwardBatch, pool: LayerPool, idx_q) -> torch.Tensor:
+        """[G, n, H, D] attention output of one group: window keys from the ring + this forward's rows, then
+        compressed entries; one softmax over both with the per-head sink as an extra (dropped) column."""
         scale = self.head_dim**-0.5
         qg = q[group.rows]  # [G, n, H, D]
         cells, key_ok = window_keys_index(group, batch.pools.window_ring, self.window)
         keys = torch.cat([pool.window[cells], kv[group.rows]], dim=1)  # [G, W-1+n, D]
         win = keys.unfold(1, self.window, 1)  # [G, n, D, W]: window of query i = positions t-W+1 .. t
-        logits = [torch.einsum("gnhd,gndw->gnhw", qg, win) * scale]
-        logits[0] = logits[0].masked_fill(~key_ok[:, :, None, :], float("-inf"))
+        logits = [(torch.matmul(qg, win) * scale).masked_fill_(key_ok, float("-inf"))]
 
         comp = None
         if self.compressor is not None:
-            rows, visible = entry_index(group, batch.pools, self.ratio)
+            rows, _, hidden = entry_index(group, batch.pools, self.ratio)
             entries = pool.compressor.entries[rows]  # [G, E, D]
             if self.indexer is not None:
                 picked = self.indexer.select(*idx_q, group, batch.pools, pool.indexer)  # [G, n, k]
                 g = torch.arange(group.size, device=picked.device)[:, None, None]
                 comp = entries[g, picked.clamp(min=0)]  # [G, n, k, D]
-                cl = torch.einsum("gnhd,gnkd->gnhk", qg, comp) * scale
-                cl = cl.masked_fill((picked < 0)[:, :, None, :], float("-inf"))
+                cl = torch.matmul(qg, comp.transpose(-1, -2)) * scale
+                cl = cl.masked_fill_((picked < 0).unsqueeze(2), float("-inf"))
             else:
-                comp = entries
-                cl = torch.einsum("gnhd,ged->gnhe", qg, comp) * scale
-                cl = cl.masked_fill(~visible[:, :, None, :], float("-inf"))
+                comp = entries.unsqueeze(1)  # [G, 1, E, D]
+                cl = torch.matmul(qg, comp.transpose(-1, -2)) * scale
+                cl = cl.masked_fill_(hidden, float("-inf"))
             logits.append(cl)
-        sink = self.sinks.view(1, 1, -1, 1).expand(group.size, group.n, -1, 1).to(qg.dtype)
-        combined = torch.cat(logits + [sink], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = combined.softmax(dim=-1)
-        out = torch.einsum("gnhw,gndw->gnhd", probs[..., : self.window], win)
+        logits.append(self.sinks.expand(group.size, group.n, self.heads).unsqueeze(-1))
+        combined = torch.cat(logits, dim=-1)
+        probs = (combined - combined.amax(dim=-1, keepdim=True)).softmax(dim=-1)
+        out = torch.matmul(probs[..., : self.window], win.transpose(-1, -2))
         if comp is not None:
-            pc = probs[..., self.window: -1]
-            if comp.dim() == 4:
-                out = out + torch.einsum("gnhk,gnkd->gnhd", pc, comp)
-            else:
-                out = out + torch.einsum("gnhe,ged->gnhd", pc, comp)
+            out = out + torch.matmul(probs[..., self.window: -1], comp)
         return out

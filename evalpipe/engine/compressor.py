@@ -34,7 +34,7 @@ class Compressor:
         """Write the entries of every window completed by this forward into the paged entry pool."""
         for group in batch.groups:
             plan = window_plan(group, batch.pools, self.ratio, pool.lookback, pool.ring_size, self.overlap)
-            if plan.cur.shape[1] == 0:
+            if plan is None:  # no request of the group completes a window in this forward
                 continue
             rows = torch.cat([pool.ring[plan.past_cells], proj[group.rows]], dim=1)  # [G, lookback + n, 2P]
             g = torch.arange(group.size, device=rows.device)[:, None, None]
@@ -52,7 +52,7 @@ class Compressor:
                 gate = torch.cat([prev_gate, gate[..., d:]], dim=2)
             pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
             entries = rms_norm(pooled, self.norm_w, self.eps)
-            entries = apply_rope(entries, self.rope.cos[plan.entry_pos], self.rope.sin[plan.entry_pos])
+            entries = apply_rope(entries, self.rope.cos[plan.entry_pos], self.rope.sin[plan.entry_pos], self.rope.rot)
             pool.entries.index_copy_(0, plan.out_rows.flatten(), entries.flatten(0, 1).to(pool.entries.dtype))
 
 
@@ -74,22 +74,22 @@ class Indexer:
         self.weights_proj = sd[prefix + "scorer.weights_proj.weight"]
         self.rope = rope
 
-    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, pos: torch.Tensor):
+    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q = F.linear(q_residual, self.q_b).view(x.shape[0], self.heads, self.dim)
-        q = apply_rope(q, self.rope.cos[pos], self.rope.sin[pos])
+        q = apply_rope(q, cos, sin, self.rope.rot)
         weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5
         return q, weights
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
                pool: CompressorPool) -> torch.Tensor:
         """[G, n, k] selected entry indices per query (-1 = none), k = min(index_topk, entries in the group)."""
-        rows, visible = entry_index(group, pools, self.ratio)
+        rows, visible, _ = entry_index(group, pools, self.ratio)
         count = rows.shape[1]
         k = min(self.topk, count)
         if k == 0:
             return torch.empty(group.size, group.n, 0, dtype=torch.long, device=rows.device)
         keys = pool.entries[rows].float()  # [G, E, d]
-        scores = torch.einsum("gnhd,ged->gnhe", q[group.rows].float(), keys)
+        scores = torch.matmul(q[group.rows].float(), keys.transpose(1, 2).unsqueeze(1))  # [G, n, H, E]
         scores = F.relu(scores) * self.dim**-0.5
         scores = (scores * weights[group.rows].unsqueeze(-1)).sum(dim=2)  # [G, n, E]
         scores = scores.masked_fill(~visible, float("-inf"))

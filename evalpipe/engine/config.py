@@ -12,6 +12,8 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from evalpipe.engine.primitives import rotate_half_matrix
+
 TINY_MODEL_NAME = "evalpipe-tiny-dsv4"
 TINY_CONFIG_PATH = Path(__file__).with_name("tiny_config.json")
 
@@ -58,6 +60,7 @@ class RopeTable:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    rot: torch.Tensor  # [rope_dim, rope_dim] interleaved rotate-half (see primitives.apply_rope)
 
     @property
     def rope_dim(self) -> int:
@@ -80,5 +83,5 @@ def rope_tables(config: DeepseekV4Config, max_pos: int, device: str | torch.devi
         freqs = positions[:, None].float() * inv_freq.float()
         cos = (freqs.cos() * scaling).repeat_interleave(2, dim=-1)
         sin = (freqs.sin() * scaling).repeat_interleave(2, dim=-1)
-        tables[label] = RopeTable(cos.to(device), sin.to(device))
+        tables[label] = RopeTable(cos.to(device), sin.to(device), rotate_half_matrix(cos.shape[-1], device))
     return tables

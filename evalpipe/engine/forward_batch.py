@@ -17,6 +17,7 @@ from evalpipe.engine.cache import StatePools
 @dataclass
 class Group:
     n: int  # new rows per request
+    host_starts: list[int]
     slots: torch.Tensor  # [G]
     starts: torch.Tensor  # [G] position of the first new row
     rows: torch.Tensor  # [G, n] flattened row ids
@@ -53,9 +54,18 @@ class ForwardBatch:
         for n, reqs in by_count.items():
             idx = torch.tensor(reqs)
             rows = torch.tensor(offsets[:-1])[idx][:, None] + torch.arange(n)[None]
-            self.groups.append(Group(n, slots_t[idx].to(dev), starts_t[idx].to(dev), rows.to(dev),
+            self.groups.append(Group(n, [starts[i] for i in reqs], slots_t[idx].to(dev), starts_t[idx].to(dev), rows.to(dev),
                                      row_pos[rows].to(dev)))
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, -sin) of every row for a rope table, gathered once per forward."""
+        key = id(table)
+        if key not in self._rope:
+            sin = table.sin[self.pos]
+            self._rope[key] = (table.cos[self.pos], sin, -sin)
+        return self._rope[key]
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, ring cells) to store after a layer: each request's last `ring_size` new rows at
@@ -69,14 +79,14 @@ class ForwardBatch:
 
 
 def window_keys_index(group: Group, ring_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring cells of the `window - 1` positions before each request's first new row, and the validity
-    [G, n, window] of each query's window keys (key position >= 0)."""
+    """Ring cells of the `window - 1` positions before each request's first new row, and the mask
+    [G, n, 1, window] of each query's window keys that do not exist (position < 0)."""
     key = ("window", ring_size, window)
     if key not in group.memo:
         past = group.starts[:, None] - (window - 1) + torch.arange(window - 1, device=group.starts.device)[None]
         cells = group.slots[:, None] * ring_size + past % ring_size
         key_pos = group.pos[:, :, None] - (window - 1) + torch.arange(window, device=group.pos.device)
-        group.memo[key] = (cells, key_pos >= 0)
+        group.memo[key] = (cells, (key_pos < 0).unsqueeze(2))  # [G, n, 1, W] True = hidden
     return group.memo[key]
 
 
@@ -93,16 +103,20 @@ class WindowPlan:
 
 
 def window_plan(group: Group, pools: StatePools, ratio: int, lookback: int, ring_size: int,
-                overlap: bool) -> WindowPlan:
+                overlap: bool) -> WindowPlan | None:
+    """None when no request of the group completes a window (3 of 4 decode steps at ratio 4)."""
     key = ("plan", ratio, lookback, ring_size, overlap)
     if key in group.memo:
         return group.memo[key]
+    nw = max((s + group.n) // ratio - s // ratio for s in group.host_starts)
+    if nw == 0:
+        group.memo[key] = None
+        return None
     dev = group.starts.device
     start, n = group.starts, group.n
     base = start - lookback  # position of index 0 of cat(past, new)
     past = base[:, None] + torch.arange(lookback, device=dev)[None]
     past_cells = group.slots[:, None] * ring_size + past % ring_size
-    nw = n // ratio + 1
     first = start // ratio
     w = first[:, None] + torch.arange(nw, device=dev)[None]  # [G, nw]
     valid = w < ((start + n) // ratio)[:, None]
@@ -122,14 +136,15 @@ def window_plan(group: Group, pools: StatePools, ratio: int, lookback: int, ring
 
 
 def entry_index(group: Group, pools: StatePools, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows [G, E] of entries 0..E-1 (E = most entries any request of the group has after this forward) and
-    the causal visibility [G, n, E] of entry w to the query at position t: w < (t + 1) // ratio."""
+    """Pool rows [G, E] of entries 0..E-1 (E = most entries any request of the group has after this forward),
+    the causal visibility [G, n, E] of entry w to the query at position t (w < (t + 1) // ratio), and its
+    negation shaped [G, n, 1, E] as an attention mask."""
     key = ("entries", ratio)
     if key not in group.memo:
         dev = group.starts.device
-        count = int(((group.starts + group.n) // ratio).max())
+        count = max((s + group.n) // ratio for s in group.host_starts)
         w = torch.arange(count, device=dev)
         rows = pools.entry_rows(group.slots, w[None].expand(group.size, -1), ratio)
         visible = w[None, None] < ((group.pos + 1) // ratio)[..., None]
-        group.memo[key] = (rows, visible)
+        group.memo[key] = (rows, visible, (~visible).unsqueeze(2))
     return group.memo[key]

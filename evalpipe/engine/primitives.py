@@ -1,33 +1,48 @@
-"""Small numeric building blocks shared by the layers, written to round like transformers' DeepSeek-V4 in float32."""
+"""Small numeric building blocks shared by the layers, written to round like transformers' DeepSeek-V4 in float32
+(fused torch kernels where they give the same float32 result, fewer ops where the CPU is op-overhead bound)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in float32; the (float32) gain multiplies before the single cast back, as DeepSeek-V4 does."""
-    dtype = x.dtype
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(dtype) if weight is not None else xf.to(dtype)
+    return (weight * xf).to(x.dtype) if weight is not None else xf.to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Gain-free RMSNorm whose scale is computed in float32 but applied in x's dtype (q heads, mHC inputs)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_half_matrix(rope_dim: int, device=None) -> torch.Tensor:
+    """R with (x @ R) = interleaved rotate-half of x: pair (e, o) -> (-o, e). Exact in floating point (one signed
+    term per output, the rest zeros), so RoPE below rounds exactly like transformers' formula."""
+    r = torch.zeros(rope_dim, rope_dim)
+    idx = torch.arange(0, rope_dim, 2)
+    r[idx + 1, idx] = -1.0
+    r[idx, idx + 1] = 1.0
+    return r.to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """Interleaved RoPE on the trailing `cos.shape[-1]` channels of x: pair (2i, 2i+1) rotates by angle i.
 
     x is [..., rows, (heads,) dim]; cos/sin are [rows, rope_dim] (already repeated per pair) and broadcast over
-    the heads axis when x has one. Pass `-sin` for the inverse rotation."""
+    the heads axis when x has one. Pass `-sin` for the inverse rotation. `rot` = rotate_half_matrix(rope_dim)."""
     rd = cos.shape[-1]
     if x.dim() == cos.dim() + 1:
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    nope, rope = x[..., :-rd], x[..., -rd:]
-    pairs = rope.unflatten(-1, (rd // 2, 2))
-    rotated_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    rotated = ((rope.float() * cos) + (rotated_half.float() * sin)).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
+    rope = x[..., -rd:]
+    if rope.dtype != torch.float32:
+        rope = rope.float()
+    rotated = rope * cos + torch.matmul(rope, rot) * sin
+    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
