@@ -40,10 +40,24 @@ DEVICES = ("cpu", "cuda")
               help="Longest prompt + completion per sequence, in tokens.")
 @click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", metavar="KEY",
               help="Require 'Authorization: Bearer KEY' (all routes but /health*). Also read from EVALPIPE_API_KEY.")
+@click.option("--speculative", default="off", show_default=True, type=click.Choice(["off", "block"]),
+              help="Block speculative decoding: each step drafts G tokens per sequence and verifies the last token "
+                   "plus the G drafts (G+1 rows, request-major) in one target forward.")
+@click.option("--block-size", default=5, show_default=True, type=click.IntRange(1, 16), metavar="G",
+              help="Drafts per verify step with --speculative block.")
+@click.option("--drafter", default=None, metavar="SPEC",
+              help="Who drafts with --speculative block: layerskip:N (the target's first N layers + final norm "
+                   "and head), model:PATH (a separate small checkpoint, same tokenizer), ngram (prompt lookup), "
+                   "self (the target itself; 100% greedy acceptance). Default: layerskip over half the layers "
+                   "(layerskip:2 for the tiny model).")
+@click.option("--simulate-acc-len", default=None, type=float, metavar="X",
+              help="Performance runs only: accept a floor/ceil mix of X-1 drafts per step (mean exactly X, bonus "
+                   "included) without checking them. Reported in /get_server_info and every response; output "
+                   "quality is meaningless, so `evalpipe run` refuses to score against it.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
 def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
-            api_key, log_level):
+            api_key, speculative, block_size, drafter, simulate_acc_len, log_level):
     """Serve a model (the built-in tiny one by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
@@ -51,6 +65,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
         raise click.BadParameter(f"{model} does not exist", param_hint="--model")
     if tokenizer is not None and not Path(tokenizer).exists():
         raise click.BadParameter(f"{tokenizer} does not exist", param_hint="--tokenizer")
+    _check_speculation(speculative, block_size, drafter, simulate_acc_len)
     if device == "cuda":
         import torch
 
@@ -69,6 +84,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
         model=model, tokenizer=tokenizer, host=host, port=port, dtype=dtype, device=device, max_batch=max_batch,
         max_tokens_per_step=max_tokens_per_step, max_queue=max_queue, max_seq_len=max_seq_len, api_key=api_key,
         argv=["evalpipe", *sys.argv[1:]],
+        speculative=speculative, block_size=block_size, drafter=drafter, simulate_acc_len=simulate_acc_len,
     )
     failure: list[str] = []
     server: uvicorn.Server | None = None
@@ -101,6 +117,26 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
     if failure:
         raise click.ClickException(f"model failed to load: {failure[0]}")
     click.echo("evalpipe serve: stopped")
+
+
+def _check_speculation(mode, block_size, drafter, simulate_acc_len) -> None:
+    """Reject speculation flags that cannot work before anything loads (clear usage errors, no tracebacks)."""
+    from pathlib import Path
+
+    from evalpipe.engine.drafters import parse_drafter_spec
+
+    if mode == "off" and (drafter is not None or simulate_acc_len is not None):
+        raise click.UsageError("--drafter and --simulate-acc-len need --speculative block")
+    if drafter is not None:
+        try:
+            kind, arg = parse_drafter_spec(drafter)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--drafter") from None
+        if kind == "model" and not Path(arg).exists():
+            raise click.BadParameter(f"draft model {arg} does not exist", param_hint="--drafter")
+    if simulate_acc_len is not None and not 1.0 <= simulate_acc_len <= block_size + 1:
+        raise click.BadParameter(f"must be in [1, G+1] = [1, {block_size + 1}] for --block-size {block_size}, "
+                                 f"got {simulate_acc_len}", param_hint="--simulate-acc-len")
 
 
 def _raise_interrupt(signum, frame):

@@ -107,7 +107,8 @@ class SpeculativeDecoder:
     def stats(self, seq: Any) -> dict | None:
         spec = seq.state.get("spec")
         stats = spec.stats if spec is not None else SpecStats(self.block_size)
-        return stats.to_dict(completion_tokens=len(seq.output))
+        # simulate_acc_len rides on every response so that no consumer can mistake a simulated run for a real one
+        return {**stats.to_dict(completion_tokens=len(seq.output)), "simulate_acc_len": self.simulate_acc_len}
 
     def release(self, slot: int) -> None:
         seq = self._live.pop(slot, None)
