@@ -21,10 +21,9 @@ from typing import Any, Optional
 
 from evalpipe import manifest as manifest_mod
 from evalpipe.data import DataError, file_sha256
-from evalpipe.grading import GraderPool
+from evalpipe.grading import GraderPool, grade_text
 from evalpipe.lanes import get_lane, load_pins, prompt_sha256, prompt_stream_sha256
 from evalpipe.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
-from evalpipe.runner import grade_text
 from evalpipe.summary import RECOMPUTABLE_KEYS, compute_summary
 
 MAX_SHOWN = 20
@@ -83,9 +82,14 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
     summ = _load_json(run_dir / SUMMARY_FILE, c_sum)
     if man is None:
         return AuditReport(run_dir, checks, warnings)
-    lane = get_lane(man["lane"])
-    start = man.get("resume_start") or man["start"]
-    eff = start["lane"]["effective"]
+    try:
+        lane = get_lane(man["lane"])
+        start = man.get("resume_start") or man["start"]
+        eff = start["lane"]["effective"]
+        start["dataset"]["path"], start["prompts"]["prompt_stream_sha256_selected"]
+    except (KeyError, TypeError) as exc:
+        c_man.problems.append(f"manifest.json lacks the run's start snapshot ({type(exc).__name__}: {exc}); nothing to check against")
+        return AuditReport(run_dir, checks, warnings)
 
     # ---- records
     read = read_records(run_dir / RESPONSES_FILE)

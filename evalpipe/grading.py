@@ -188,3 +188,26 @@ class GraderPool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ------------------------------------------------------------------------------------------- one response
+
+
+async def grade_text(grader: str, expected: Any, text: str, truncated: bool, pool: Optional[GraderPool]) -> tuple[Any, bool, str]:
+    """Shared by the runner and `evalpipe audit`: (extracted_answer, correct, grade_status)."""
+    if grader == "legacy_last_int":
+        value = legacy_answer_value(text)
+        if truncated:
+            return value, False, "truncated"
+        if value == INVALID:
+            return value, False, "no_answer"
+        return value, value == expected, "ok"
+    if grader == "ns_last_boxed":
+        pred = extract_boxed(text)
+        if truncated:
+            return pred, False, "truncated"
+        if pred is None:
+            return None, False, "no_answer"
+        res = await pool.agrade(expected, pred)
+        return pred, res.correct, res.status
+    raise ValueError(f"unknown grader {grader!r}")

@@ -37,7 +37,7 @@ from evalpipe.endpoint import (
     spec_from_response,
     ssl_context,
 )
-from evalpipe.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
+from evalpipe.grading import GraderPool, grade_text
 from evalpipe.lanes import Item, Lane, LaneData, computed_pins, id_list_sha256, pin_differences, prompt_stream_sha256
 from evalpipe.records import (
     MANIFEST_FILE,
@@ -544,23 +544,3 @@ class Runner:
             models = {"error": str(exc)}
         path, info = fetch_server_info(self.cfg.base_url, self.cfg.api_key)
         return {"models": models, "server_info_path": path, "server_info": info}
-
-
-async def grade_text(grader: str, expected: Any, text: str, truncated: bool, pool: Optional[GraderPool]) -> tuple[Any, bool, str]:
-    """Shared by the runner and `evalpipe audit`: (extracted_answer, correct, grade_status)."""
-    if grader == "legacy_last_int":
-        value = legacy_answer_value(text)
-        if truncated:
-            return value, False, "truncated"
-        if value == INVALID:
-            return value, False, "no_answer"
-        return value, value == expected, "ok"
-    if grader == "ns_last_boxed":
-        pred = extract_boxed(text)
-        if truncated:
-            return pred, False, "truncated"
-        if pred is None:
-            return None, False, "no_answer"
-        res = await pool.agrade(expected, pred)
-        return pred, res.correct, res.status
-    raise ValueError(f"unknown grader {grader!r}")

@@ -126,6 +126,34 @@ def test_unlisted_model_is_an_error_before_any_request(srv, tmp_path):
     assert not (tmp_path / "gsm8k").exists()
 
 
+def test_unreachable_endpoint_is_a_clear_error(tmp_path):
+    from tests.scripted_server import free_port
+
+    r = run_lane("gsm8k", f"http://127.0.0.1:{free_port()}/v1", tmp_path, "--num-examples", 2)
+    assert r.returncode == 1 and "cannot reach" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_server_change_during_the_run_is_flagged(srv, tmp_path):
+    url = srv(mode="correct", delay_s=0.05, server_info={"version": "1"})
+    proc = subprocess.Popen(
+        evalpipe_cmd("run", "gsm8k", "--base-url", url, "--out", tmp_path, "--num-examples", 60, "--concurrency", 1,
+                     "--no-progress"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(tmp_path.glob("gsm8k/*/responses.jsonl")):
+        time.sleep(0.02)
+    set_config(url, server_info={"version": "2"}, delay_s=0.0)  # the server "restarts" mid-run
+    stdout, stderr = proc.communicate(timeout=60)
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert r.returncode == 0, r.stderr
+    run_dir = only_run_dir(tmp_path, "gsm8k")
+    _, summary, manifest = load_run(run_dir)
+    assert summary["manifest_changed"] is True and manifest["consistent"] is False
+    assert any("server" in d and "version" in d for d in summary["manifest_changes"])
+    assert "manifest changed" in r.stdout
+    a = run_cli("audit", run_dir)
+    assert a.returncode == 1 and "FAIL manifest" in a.stdout
+
+
 def test_4xx_is_not_retried_and_5xx_is_retried_then_recorded(srv, tmp_path):
     url = srv(mode="error400")
     before = _n_requests(url)
