@@ -48,8 +48,8 @@ DEVICES = ("cpu", "cuda")
 @click.option("--drafter", default=None, metavar="SPEC",
               help="Who drafts with --speculative block: layerskip:N (the target's first N layers + final norm "
                    "and head), model:PATH (a separate small checkpoint, same tokenizer), ngram (prompt lookup), "
-                   "self (the target itself; 100% greedy acceptance). Default: layerskip over half the layers "
-                   "(layerskip:2 for the tiny model).")
+                   "self (the target itself; 100% greedy acceptance). Default: layerskip over three quarters "
+                   "of the layers (layerskip:3 for the tiny model).")
 @click.option("--simulate-acc-len", default=None, type=float, metavar="X",
               help="Performance runs only: accept a floor/ceil mix of X-1 drafts per step (mean exactly X, bonus "
                    "included) without checking them. Reported in /get_server_info and every response; output "

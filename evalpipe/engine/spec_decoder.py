@@ -154,9 +154,10 @@ SPECULATIVE_MODES = ("off", "block")
 
 
 def default_drafter(runner: Any) -> str:
-    """layerskip over the first half of the target's layers (2 of the tiny model's 4): cheap, no extra weights,
-    and natural partial acceptance even with random weights."""
-    return f"layerskip:{max(1, int(runner.config.num_hidden_layers) // 2)}"
+    """layerskip over the first three quarters of the target's layers (layerskip:3 for the tiny model): no extra
+    weights, and natural partial acceptance even with random weights (tiny model, G=5: layerskip:3 accepts about
+    0.9 drafts per step spread over 0..4; layerskip:2 accepts 0 on ~88% of steps)."""
+    return f"layerskip:{max(1, (3 * int(runner.config.num_hidden_layers)) // 4)}"
 
 
 def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | None:

@@ -38,7 +38,7 @@ class ServerSettings:
     api_key: str | None = None
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     # block speculation (evalpipe/engine/spec_decoder.py): "off" | "block", G drafts per verify, drafter spec
-    # (None: layerskip over half the layers), simulated accept length (None: off; performance runs only)
+    # (None: layerskip over 3/4 of the layers), simulated accept length (None: off; performance runs only)
     speculative: str = "off"
     block_size: int = 5
     drafter: str | None = None
