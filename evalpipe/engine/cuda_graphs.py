@@ -1,0 +1,362 @@
+"""CUDA-graph capture of the fixed-shape decode and verify steps, per batch-size bucket.
+
+`GraphRunner` wraps a `ModelRunner` and has its interface (`forward`, `truncate`, `allocate`, ...). A forward in
+which every sequence feeds the same number of rows n, with n one of `widths` (1 = decode, G+1 = verify), and at
+most the largest bucket of sequences, runs the *static step* of bucket B (the smallest bucket that fits); any
+other forward (prefill chunks, mixed widths) goes to the wrapped runner unchanged.
+
+The static step is the engine's model with every data-dependent shape and host read removed:
+- inputs live in one persistent device buffer (token ids, starts, slots, row-valid flags and the page table), filled
+  by a single host-to-device copy before the step; everything else is derived on the device inside the step;
+- batches are padded with *whole* requests: a padding request uses the reserved `pad_slot` (its own ring regions,
+  no pages, so its page-table row is the trash page), position 0.., and row_valid 0. Every write is addressed by the
+  row's own metadata (ring cell slot*R + pos % R, entry rows through the slot's page-table row, or gated by
+  row_valid in the fused C2 kernel), so a padding row never touches a live request's state;
+- compressed entries are attended over the fixed maximum count (pages_per_seq * page_tokens / ratio) with the
+  causal visibility mask, instead of the live count (which needs a host read);
+- mHC and the routed experts use `graph_ops` (one kernel each; the eager MoE reads expert counts to the host).
+
+On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph` (after two warm-up runs that
+compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
+step runs eagerly (the "dry path"), which is what the CPU tests check against the plain runner.
+
+`fused=True` routes the verify path through `evalpipe.kernels`: `q_rope_store` for the RoPE of q, of the shared KV
+head and the inverse RoPE of the attention output; `c2_verify` for the ratio-2 compressors. `fused=False` keeps the
+engine's reference chains (`apply_rope`, `Compressor.pool`) in the same captured step, so fusion can be A/B'd in
+one build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from evalpipe.engine import graph_ops
+from evalpipe.engine.forward_batch import Group, entry_index
+from evalpipe.engine.primitives import rms_norm, unweighted_rms_norm
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_for(batch: int, buckets) -> int:
+    """Smallest bucket that holds `batch` requests (ValueError past the largest)."""
+    for b in sorted(buckets):
+        if b >= batch:
+            return b
+    raise ValueError(f"batch {batch} exceeds the largest graph bucket {max(buckets)}")
+
+
+def pack_step_inputs(tokens: list[list[int]], starts: list[int], slots: list[int], bucket: int, pad_slot: int,
+                     page_table: torch.Tensor) -> torch.Tensor:
+    """The step's one input buffer (int64, on the host): ids [B*n] | starts [B] | slots [B] | row_valid [B*n] |
+    page table. Requests past len(tokens) are padding: token 0, start 0, `pad_slot`, row_valid 0."""
+    n = len(tokens[0])
+    if any(len(t) != n for t in tokens):
+        raise ValueError("every request of a static step feeds the same number of rows")
+    pad = bucket - len(tokens)
+    if pad < 0:
+        raise ValueError(f"{len(tokens)} requests do not fit bucket {bucket}")
+    ids = [t for toks in tokens for t in toks] + [0] * (pad * n)
+    head = torch.tensor(ids + list(starts) + [0] * pad + list(slots) + [pad_slot] * pad
+                        + [1] * (len(tokens) * n) + [0] * (pad * n), dtype=torch.long)
+    return torch.cat([head, page_table.reshape(-1).to(torch.long)])
+
+
+class StaticBatch:
+    """The `ForwardBatch` interface over device buffers of fixed shape: B requests of n rows, one group."""
+
+    def __init__(self, pools, meta: torch.Tensor, B: int, n: int, consts: dict):
+        T = B * n
+        self.pools, self.num_rows = pools, T
+        self.input_ids = meta[:T]
+        starts, slots = meta[T:T + B], meta[T + B:T + 2 * B]
+        self.row_valid = meta[T + 2 * B:2 * T + 2 * B] != 0
+        pos = starts[:, None] + consts["ar_n"][None]  # [B, n]
+        self.pos = pos.reshape(-1)
+        self.slot = slots[:, None].expand(B, n).reshape(-1)
+        self.end = (starts + n)[:, None].expand(B, n).reshape(-1)
+        rows = consts["rows"]
+        self.last_rows = rows[:, -1]
+        # host_starts None: window plans take their fixed worst-case shape, `valid` masks the rest on device
+        self.groups = [Group(n=n, slots=slots, starts=starts, rows=rows, pos=pos, host_starts=None)]
+        self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        group = self.groups[0]
+        # entries: the fixed maximum count (as if every request ended at max_seq_len), built by the engine's own
+        # entry_index on a probe group, so there is no host read of the live maximum
+        probe = dataclasses.replace(group, memo={}, host_starts=[pools.max_seq_len - n])
+        for ratio in consts["ratios"]:
+            group.memo[("entries", ratio)] = entry_index(probe, pools, ratio)
+        self._flat_rows = rows.reshape(-1)
+
+    def rope(self, table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, -sin) of every row for a rope table, gathered once per step."""
+        key = id(table)
+        if key not in self._rope:
+            sin = table.sin[self.pos]
+            self._rope[key] = (table.cos[self.pos], sin, -sin)
+        return self._rope[key]
+
+    def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.groups[0].n > ring_size:
+            raise ValueError(f"static step of {self.groups[0].n} rows exceeds ring size {ring_size}")
+        if ring_size not in self._ring_writes:
+            self._ring_writes[ring_size] = (self._flat_rows, self.slot * ring_size + self.pos % ring_size)
+        return self._ring_writes[ring_size]
+
+
+class _Rope:
+    """Half-width (one value per pair) cos/sin tables for `evalpipe.kernels`, from an engine RopeTable."""
+
+    def __init__(self, table):
+        self.cos = table.cos[:, 0::2].contiguous()
+        self.sin = table.sin[:, 0::2].contiguous()
+        self.neg_sin = (-self.sin).contiguous()
+
+
+class StaticModel:
+    """The engine model's forward over a StaticBatch: same weights and layer objects, capture-safe ops."""
+
+    def __init__(self, model, *, fused: bool, kernel_backend: str = "auto"):
+        self.model, self.fused, self.backend = model, fused, kernel_backend
+        self._ropes: dict[int, _Rope] = {}
+        self._shared_gu = {}
+
+    def _rope(self, table) -> _Rope:
+        key = id(table)
+        if key not in self._ropes:
+            self._ropes[key] = _Rope(table)
+        return self._ropes[key]
+
+    def forward(self, batch: StaticBatch, pools) -> torch.Tensor:
+        m = self.model
+        eps = m.config.rms_norm_eps
+        x = F.embedding(batch.input_ids, m.embed)
+        streams = x.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()
+        for layer, pool in zip(m.layers, pools.layers):
+            post, comb, h = graph_ops.hc_pre(layer.attn_hc, streams)
+            a = self.attention(layer.attn, rms_norm(h, layer.attn_norm, eps), batch, pool)
+            streams = graph_ops.hc_merge(streams, a, post, comb)
+            post, comb, h = graph_ops.hc_pre(layer.ffn_hc, streams)
+            y = self.moe(layer.mlp, rms_norm(h, layer.mlp_norm, eps), batch.input_ids)
+            streams = graph_ops.hc_merge(streams, y, post, comb)
+        h = rms_norm(m.head(streams), m.norm, eps)
+        return F.linear(h, m.lm_head).float()
+
+    def _rotate(self, x: torch.Tensor, table, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Interleaved RoPE through `q_rope_store` (one kernel; bitwise equal to the engine's apply_rope)."""
+        from evalpipe.kernels import q_rope_store
+
+        r = self._rope(table)
+        x3 = x if x.dim() == 3 else x.unsqueeze(1)
+        out = q_rope_store(x3, torch.empty_like(x3), r.cos, r.neg_sin if inverse else r.sin, pos,
+                           backend=self.backend)
+        return out if x.dim() == 3 else out.squeeze(1)
+
+    def attention(self, attn, x: torch.Tensor, batch: StaticBatch, pool) -> torch.Tensor:
+        """fused off: the engine's own `Attention.__call__` (its reference chains) on the static batch; fused on:
+        the same steps with RoPE of q, of the K=V head and the inverse RoPE through `q_rope_store`, and the
+        ratio-2 compressor through `c2_verify`."""
+        if not self.fused:
+            return attn(x, batch, pool)
+        T = x.shape[0]
+        q_residual = rms_norm(F.linear(x, attn.q_a), attn.q_a_norm, attn.eps)
+        q = unweighted_rms_norm(F.linear(q_residual, attn.q_b).view(T, attn.heads, attn.head_dim), attn.eps)
+        kv = rms_norm(F.linear(x, attn.kv_proj), attn.kv_norm, attn.eps)
+        qkv = self._rotate(torch.cat([q, kv.unsqueeze(1)], dim=1), attn.rope, batch.pos)
+        q, kv = qkv[:, : attn.heads], qkv[:, attn.heads]
+
+        comp_proj = idx_proj = idx_q = None
+        if attn.compressor is not None:
+            comp_proj = attn.compressor.project(x)
+            self.compress(attn.compressor, comp_proj, batch, pool.compressor)
+        if attn.indexer is not None:
+            idx_proj = attn.indexer.compressor.project(x)
+            attn.indexer.compressor.pool(idx_proj, batch, pool.indexer)
+            if len(inspect.signature(attn.indexer.queries).parameters) == 3:  # (x, q_residual, pos)
+                idx_q = attn.indexer.queries(x, q_residual, batch.pos)
+            else:  # (x, q_residual, cos, sin)
+                idx_q = attn.indexer.queries(x, q_residual, *batch.rope(attn.indexer.rope)[:2])
+
+        out = attn._attend(q, kv, batch.groups[0], batch, pool, idx_q).reshape(T, attn.heads, attn.head_dim)
+        attn._store_ring(pool.window, kv, batch, batch.pools.window_ring)
+        if comp_proj is not None:
+            attn._store_ring(pool.compressor.ring, comp_proj, batch, pool.compressor.ring_size)
+        if idx_proj is not None:
+            attn._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
+
+        out = self._rotate(out, attn.rope, batch.pos, inverse=True)
+        grouped = out.view(T, attn.groups, -1).transpose(0, 1)
+        grouped = torch.bmm(grouped, attn.o_a_t).transpose(0, 1).reshape(T, -1)
+        return F.linear(grouped, attn.o_b)
+
+    def compress(self, comp, proj: torch.Tensor, batch: StaticBatch, cpool) -> None:
+        if not (comp.ratio == 2 and not comp.overlap):
+            comp.pool(proj, batch, cpool)
+            return
+        from evalpipe.kernels import c2_verify
+
+        r = self._rope(comp.rope)
+        pools = batch.pools
+        c2_verify(proj, batch.pos, batch.slot, batch.row_valid, comp.position_bias, comp.norm_w, comp.eps,
+                  r.cos, r.sin, comp.rope.rope_dim, cpool.ring, cpool.entries, pools.page_table_on_device(),
+                  pools.page_tokens // 2, cpool.ring_size, batch.groups[0].n, backend=self.backend)
+
+    def moe(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts read by device-side index (no sort, no host counts) plus the shared expert."""
+        idx, w = moe.route(x, input_ids)
+        T, K = idx.shape
+        flat = idx.reshape(-1)
+        gate, up = graph_ops.expert_gemv(x, flat, moe.gate_up, x_div=K).chunk(2, dim=-1)
+        h = moe._swiglu(gate, up)
+        y = graph_ops.expert_gemv(h, flat, moe.down, w.reshape(-1), out_dtype=torch.float32)
+        routed = y.view(T, K, -1).sum(dim=1).to(x.dtype)
+        g, u, d = moe.shared
+        key = id(moe)
+        if key not in self._shared_gu:  # one GEMM for the shared gate and up projections
+            self._shared_gu[key] = torch.cat([g, u], dim=0)
+        sg, su = F.linear(x, self._shared_gu[key]).chunk(2, dim=-1)
+        return routed + F.linear(moe._swiglu(sg, su), d)
+
+
+class _Step:
+    """One (bucket, width) static step: its input buffer, its output, and (on CUDA) its captured graph."""
+
+    def __init__(self, owner: "GraphRunner", B: int, n: int):
+        self.owner, self.B, self.n = owner, B, n
+        pools, dev = owner.runner.pools, owner.runner.device
+        size = 2 * B * n + 2 * B + pools.page_table.numel()
+        self.meta = torch.zeros(size, dtype=torch.long, device=dev)
+        self.page_table = self.meta[2 * B * n + 2 * B:].view_as(pools.page_table)
+        ratios = {c.ratio for p in pools.layers for c in (p.compressor, p.indexer) if c is not None}
+        self.consts = {
+            "ar_n": torch.arange(n, device=dev),
+            "rows": torch.arange(B * n, device=dev).view(B, n),
+            "ratios": sorted(ratios),
+        }
+        self.graph = None
+        self.logits: torch.Tensor | None = None
+        self.replays = 0
+
+    def _run(self) -> torch.Tensor:
+        runner = self.owner.runner
+        runner.pools._page_table_dev = self.page_table  # entry_rows() reads the table from this step's buffer
+        batch = StaticBatch(runner.pools, self.meta, self.B, self.n, self.consts)
+        return self.owner.static_model.forward(batch, runner.pools)
+
+    def fill_padding(self) -> None:
+        """Inputs that address only the pad slot: what warm-up and capture run on."""
+        runner = self.owner.runner
+        host = pack_step_inputs([[0] * self.n], [0], [self.owner.pad_slot], self.B, self.owner.pad_slot,
+                                runner.pools.page_table)
+        T = self.B * self.n
+        host[T + 2 * self.B:2 * T + 2 * self.B] = 0  # row_valid: no live row at all
+        self.meta.copy_(host)
+
+    def capture(self) -> None:
+        self.fill_padding()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the Triton kernels, initialises cuBLAS handles
+                self._run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.owner.mempool):
+            self.logits = self._run()
+        self.graph = graph
+
+    def __call__(self, host_meta: torch.Tensor) -> torch.Tensor:
+        self.meta.copy_(host_meta, non_blocking=False)
+        if self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+            return self.logits
+        self.logits = self._run()
+        return self.logits
+
+
+class GraphRunner:
+    """A ModelRunner whose fixed-width forwards (decode, verify) run captured static steps. See module docstring."""
+
+    def __init__(self, runner: Any, *, widths=(1,), buckets=DEFAULT_BUCKETS, fused: bool = True,
+                 use_graphs: bool | None = None, kernel_backend: str = "auto"):
+        self.runner = runner
+        self.widths = tuple(sorted(set(int(w) for w in widths)))
+        limit = runner.max_seqs - 1
+        self.buckets = tuple(b for b in sorted(set(buckets)) if b <= limit) or (1,)
+        self.fused = bool(fused)
+        self.use_graphs = runner.device.type == "cuda" if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need device cuda")
+        for ring in [runner.pools.window_ring] + [c.ring_size for p in runner.pools.layers
+                                                   for c in (p.compressor, p.indexer) if c is not None]:
+            if max(self.widths) > ring:
+                raise ValueError(f"width {max(self.widths)} exceeds ring size {ring}; raise rollback_margin")
+        self.pad_slot = runner.allocate()  # never reserves pages: its page-table row stays the trash page
+        self.static_model = StaticModel(runner.model, fused=self.fused, kernel_backend=kernel_backend)
+        self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.steps: dict[tuple[int, int], _Step] = {}
+
+    def __getattr__(self, name):  # the rest of the ModelRunner interface
+        return getattr(self.runner, name)
+
+    @property
+    def max_seqs(self) -> int:
+        return self.runner.max_seqs - 1  # one slot is the padding slot
+
+    def step_for(self, batch: int, width: int) -> _Step:
+        key = (bucket_for(batch, self.buckets), width)
+        if key not in self.steps:
+            step = _Step(self, *key)
+            if self.use_graphs:
+                step.capture()
+            self.steps[key] = step
+        return self.steps[key]
+
+    def capture_all(self) -> None:
+        """Capture every (bucket, width) step now (server start-up) instead of on first use."""
+        for b in self.buckets:
+            for w in self.widths:
+                self.step_for(b, w)
+
+    def graphable(self, seqs: list[int], tokens: list[list[int]]) -> bool:
+        return (bool(seqs) and len(seqs) == len(tokens) and len(seqs) <= self.buckets[-1]
+                and len({len(t) for t in tokens}) == 1 and len(tokens[0]) in self.widths)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
+        if not self.graphable(seqs, tokens) or self.pad_slot in seqs:
+            return self.runner.forward(seqs, tokens, all_logits=all_logits)
+        r = self.runner
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("a sequence may appear only once per forward")
+        n, vocab = len(tokens[0]), r.config.vocab_size
+        starts = []
+        for seq, toks in zip(seqs, tokens):
+            r._check(seq)
+            if any(not 0 <= t < vocab for t in toks):
+                raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
+            start = len(r._tokens[seq])
+            if start + n > r.max_seq_len:
+                raise ValueError(f"sequence {seq}: length {start + n} exceeds max_seq_len {r.max_seq_len}")
+            starts.append(start)
+        r.pools.reserve({seq: s + n for seq, s in zip(seqs, starts)})
+        step = self.step_for(len(seqs), n)
+        host = pack_step_inputs(tokens, starts, seqs, step.B, self.pad_slot, r.pools.page_table)
+        logits = step(host).view(step.B, n, -1)[: len(seqs)]
+        logits = (logits.reshape(len(seqs) * n, -1) if all_logits else logits[:, -1]).clone()
+        for seq, toks in zip(seqs, tokens):
+            r._tokens[seq].extend(int(t) for t in toks)
+        return logits
+
+    def describe(self) -> dict:
+        d = self.runner.describe()
+        d["cuda_graphs"] = {"enabled": self.use_graphs, "buckets": list(self.buckets), "widths": list(self.widths),
+                            "captured": sorted(f"{b}x{w}" for b, w in self.steps), "fused": self.fused,
+                            "pad_slot": self.pad_slot}
+        return d
