@@ -227,13 +227,20 @@ def test_health_info_flush(server, model):
     assert info["engine"]["max_batch"] == 8 and info["engine"]["max_seq_len"] == MAX_SEQ_LEN
     assert "serve" in info["launch"]["argv"] and info["version"]
     assert httpx.post(server.base + "/flush_cache").status_code == 200
+    assert info["internal_states"]["peak_rss_mb"] > 0
+    # outside internal_states the info is configuration only: serving a request does not change it
+    httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    again = httpx.get(server.base + "/get_server_info").json()
+    assert {k: v for k, v in again.items() if k != "internal_states"} == \
+        {k: v for k, v in info.items() if k != "internal_states"}
+    assert again["internal_states"]["stats"]["requests"] > info["internal_states"]["stats"]["requests"]
 
 
 def test_disconnect_mid_stream_frees_slots(server, model):
     def allocated():
-        return httpx.get(server.base + "/get_server_info").json()["engine"]["allocated_slots"]
+        return httpx.get(server.base + "/get_server_info").json()["internal_states"]["allocated_slots"]
 
-    before = httpx.get(server.base + "/get_server_info").json()["engine"]
+    before = httpx.get(server.base + "/get_server_info").json()["internal_states"]
     assert before["allocated_slots"] == 0
     prompt = "stream me"
     max_tokens = MAX_SEQ_LEN - len(TOK.encode(prompt))
@@ -249,7 +256,7 @@ def test_disconnect_mid_stream_frees_slots(server, model):
     deadline = time.monotonic() + 20
     while allocated() != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    after = httpx.get(server.base + "/get_server_info").json()["engine"]
+    after = httpx.get(server.base + "/get_server_info").json()["internal_states"]
     assert after["allocated_slots"] == 0 and after["running"] == 0 and after["waiting"] == 0
     assert after["stats"]["aborted"] == before["stats"]["aborted"] + 1
     assert after["stats"]["generated_tokens"] - before["stats"]["generated_tokens"] < max_tokens

@@ -58,9 +58,9 @@ def test_full_queue_answers_503_with_retry_after(server):
         waiter = threading.Thread(target=queued_request)
         waiter.start()
         deadline = time.monotonic() + 20
-        while info(server)["engine"]["waiting"] != 1 and time.monotonic() < deadline:
+        while info(server)["internal_states"]["waiting"] != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert info(server)["engine"]["waiting"] == 1  # the second request fills the one-place queue
+        assert info(server)["internal_states"]["waiting"] == 1  # the second request fills the one-place queue
         full = httpx.post(server.base + "/v1/completions", headers=AUTH, timeout=30,
                           json={"prompt": "c", "max_tokens": 2})
         assert full.status_code == 503
@@ -69,4 +69,4 @@ def test_full_queue_answers_503_with_retry_after(server):
     waiter.join(60)  # closing the long stream aborts it; the queued request then runs
     assert queued["resp"].status_code == 200
     assert queued["resp"].json()["usage"]["completion_tokens"] >= 1
-    assert info(server)["engine"]["allocated_slots"] == 0
+    assert info(server)["internal_states"]["allocated_slots"] == 0

@@ -145,7 +145,8 @@ class Engine:
     def describe(self) -> dict:
         with self._cond:
             return {
-                **self.scheduler.describe(),
+                "running": self.scheduler.num_running,
+                "waiting": self.scheduler.num_waiting,
                 "allocated_slots": self.allocated_slots,
                 "stats": dict(self.stats),
             }

@@ -160,17 +160,39 @@ class ServerState:
             "torch": torch.__version__,
             "python": sys.version.split()[0],
         }
+        # Everything that moves while serving lives under internal_states (SGLang's name), so that run manifests
+        # comparing /get_server_info at start and end see only configuration above it.
+        internal: dict[str, Any] = {}
         if self.runner is not None:
             cfg = self.runner.config
             info["config"] = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
-            info["runner"] = _safe(self.runner.describe)
+            described = _safe(self.runner.describe)
+            info["runner"] = {k: v for k, v in described.items() if k not in RUNNER_VOLATILE_KEYS}
+            internal["runner"] = described
             info["engine"]["max_seq_len"] = getattr(self.runner, "max_seq_len", s.max_seq_len)
         if self.tokenizer is not None:
             info["tokenizer"] = self.tokenizer.describe()
         if self.engine is not None:
-            info["speculative"] = self.engine.decoder.describe()
-            info["engine"].update(self.engine.describe())
+            spec = dict(self.engine.decoder.describe())
+            if "totals" in spec:
+                internal["speculative_totals"] = spec.pop("totals")
+            info["speculative"] = spec
+            internal.update(self.engine.describe())
+        internal["peak_rss_mb"] = _peak_rss_mb()
+        internal["uptime_s"] = time.time() - self.started_at
+        info["internal_states"] = internal
         return info
+
+
+# runner.describe() keys that change while serving (moved under internal_states only)
+RUNNER_VOLATILE_KEYS = {"live_sequences", "pools", "free_pages", "free_slots"}
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory of this server process (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _safe(fn: Callable[[], Any]) -> Any:
