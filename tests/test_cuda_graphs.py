@@ -166,33 +166,3 @@ def test_captured_graph_replays_equal_eager(cache_dir):
         last = int(a[0].argmax())
     assert graph.steps[(1, 1)].replays == 10
 
-
-@pytest.mark.parametrize("T", [1, 6])
-def test_graph_ops_triton_kernels_match_references(monkeypatch, T):
-    """The three Triton kernels, run in Triton's CPU interpreter, against their references (fresh random inputs,
-    float32, non-power-of-two sizes to exercise the masks)."""
-    from types import SimpleNamespace
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    gen = torch.Generator().manual_seed(T)
-    hc, D = 4, 200
-    m = SimpleNamespace(fn=torch.randn(2 * hc + hc * hc, hc * D, generator=gen) / 10,
-                        base=0.5 * torch.randn(2 * hc + hc * hc, generator=gen),
-                        scale=1 + 0.1 * torch.randn(3, generator=gen), hc=hc, iters=20, eps=1e-6, norm_eps=1e-6)
-    s = torch.randn(T, hc, D, generator=gen)
-    got = graph_ops.hc_pre(m, s, backend="triton")
-    ref = graph_ops.hc_pre(m, s, backend="reference")
-    for g, r in zip(got, ref):
-        assert torch.isfinite(g).all() and (g - r).abs().max().item() < 1e-5
-    y = torch.randn(T, D, generator=gen)
-    merged = graph_ops.hc_merge(s, y, ref[0], ref[1], backend="triton")
-    assert (merged - graph_ops.hc_merge_reference(s, y, ref[0], ref[1])).abs().max().item() < 1e-5
-    K = 3
-    x = torch.randn(T, 300, generator=gen)
-    W = torch.randn(7, 70, 300, generator=gen)
-    idx = torch.randint(0, 7, (T * K,), generator=gen)
-    scale = torch.rand(T * K, generator=gen)
-    for sc in (None, scale):
-        out = graph_ops.expert_gemv(x, idx, W, sc, x_div=K, backend="triton")
-        want = graph_ops.expert_gemv_reference(x, idx, W, sc, x_div=K)
-        assert out.shape == (T * K, 70) and (out - want).abs().max().item() < 1e-4
