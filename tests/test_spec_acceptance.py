@@ -17,6 +17,7 @@ import pytest
 import scipy.stats
 import torch
 
+from evalpipe.engine.sampling import SamplingParams, sampling_probs
 from evalpipe.engine.speculative import (
     SimulatedAcceptance,
     SpecStats,
@@ -31,19 +32,12 @@ SAMPLES = 6000
 P_THRESHOLD = 1e-3
 
 
-def _chain(seed: int, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """Row-stochastic [V, V] transition matrix from random logits, filtered like a sampler would (zeros included)."""
+def _chain(seed: int, **sampling) -> torch.Tensor:
+    """Row-stochastic [V, V] transition matrix: random logits through the engine's own sampling transform
+    (`sampling_probs`: temperature, top-k, top-p), so zeros appear exactly where the sampler puts them."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(V, V, generator=g, dtype=torch.float64) * 1.5 / temperature
-    probs = torch.softmax(logits, dim=-1)
-    if top_k is not None:
-        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if top_p is not None:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    logits = torch.randn(V, V, generator=g) * 1.5
+    probs = sampling_probs(logits, SamplingParams(**sampling)).to(torch.float64)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
@@ -82,7 +76,7 @@ def _speculative_sequences(target, draft, block, seed, accept=rejection_accept) 
 def _chi_square_p(counts: np.ndarray, law: np.ndarray) -> float:
     support = law > 0
     assert counts[~support].sum() == 0, "a sequence of zero target probability was generated"
-    expected = law[support] * counts.sum()
+    expected = law[support] / law[support].sum() * counts.sum()
     return float(scipy.stats.chisquare(counts[support], expected).pvalue)
 
 
