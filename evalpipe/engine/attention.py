@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from evalpipe.engine.cache import LayerPool
 from evalpipe.engine.compressor import Compressor, Indexer
 from evalpipe.engine.config import CSA, SLIDING, RopeTable, compress_ratio
-from evalpipe.engine.forward_batch import ForwardBatch, entry_index, window_keys_index
+from evalpipe.engine.forward_batch import ForwardBatch, entry_index, entry_mask, window_keys_index
 from evalpipe.engine.primitives import apply_rope, rms_norm, unweighted_rms_norm
 
 
@@ -27,7 +27,8 @@ class Attention:
         self.kv_proj = sd[prefix + "kv_proj.weight"]
         self.kv_norm = sd[prefix + "kv_norm.weight"].float()
         group_in = self.heads * self.head_dim // self.groups
-        self.o_a_t = sd[prefix + "o_a_proj.weight"].view(self.groups, self.o_rank, group_in).transpose(1, 2)
+        self.o_a = sd[prefix + "o_a_proj.weight"].view(self.groups, self.o_rank, group_in)  # [g, rank, in]
+        self.o_a_t = self.o_a.transpose(1, 2)
         self.o_b = sd[prefix + "o_b_proj.weight"]
         self.sinks = sd[prefix + "sinks"].float()
         self.ratio = compress_ratio(config, layer_type)
@@ -55,7 +56,7 @@ class Attention:
         if self.indexer is not None:
             idx_proj = self.indexer.compressor.project(x)
             self.indexer.compressor.pool(idx_proj, batch, pool.indexer)
-            idx_q = self.indexer.queries(x, q_residual, *batch.rope(self.indexer.rope)[:2])
+            idx_q = self.indexer.queries(x, q_residual, batch.pos)
 
         if len(batch.groups) == 1:
             out = self._attend(q, kv, batch.groups[0], batch, pool, idx_q).view(T, self.heads, self.head_dim)
@@ -93,7 +94,7 @@ class Attention:
 
         comp = None
         if self.compressor is not None:
-            rows, _, hidden = entry_index(group, batch.pools, self.ratio)
+            rows = entry_index(group, batch.pools, self.ratio)[0]
             entries = pool.compressor.entries[rows]  # [G, E, D]
             if self.indexer is not None:
                 picked = self.indexer.select(*idx_q, group, batch.pools, pool.indexer)  # [G, n, k]
@@ -104,7 +105,7 @@ class Attention:
             else:
                 comp = entries.unsqueeze(1)  # [G, 1, E, D]
                 cl = torch.matmul(qg, comp.transpose(-1, -2)) * scale
-                cl = cl.masked_fill_(hidden, float("-inf"))
+                cl = cl.masked_fill_(entry_mask(group, batch.pools, self.ratio), float("-inf"))
             logits.append(cl)
         logits.append(self.sinks.expand(group.size, group.n, self.heads).unsqueeze(-1))
         combined = torch.cat(logits, dim=-1)

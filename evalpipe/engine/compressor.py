@@ -74,16 +74,16 @@ class Indexer:
         self.weights_proj = sd[prefix + "scorer.weights_proj.weight"]
         self.rope = rope
 
-    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, pos: torch.Tensor):
         q = F.linear(q_residual, self.q_b).view(x.shape[0], self.heads, self.dim)
-        q = apply_rope(q, cos, sin, self.rope.rot)
+        q = apply_rope(q, self.rope.cos[pos], self.rope.sin[pos], self.rope.rot)
         weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5
         return q, weights
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
                pool: CompressorPool) -> torch.Tensor:
         """[G, n, k] selected entry indices per query (-1 = none), k = min(index_topk, entries in the group)."""
-        rows, visible, _ = entry_index(group, pools, self.ratio)
+        rows, visible = entry_index(group, pools, self.ratio)
         count = rows.shape[1]
         k = min(self.topk, count)
         if k == 0:

@@ -17,12 +17,12 @@ from evalpipe.engine.cache import StatePools
 @dataclass
 class Group:
     n: int  # new rows per request
-    host_starts: list[int]
     slots: torch.Tensor  # [G]
     starts: torch.Tensor  # [G] position of the first new row
     rows: torch.Tensor  # [G, n] flattened row ids
     pos: torch.Tensor  # [G, n] absolute positions
     memo: dict = field(default_factory=dict)
+    host_starts: list[int] | None = None  # the starts on the host, when known: shape decisions without a sync
 
     @property
     def size(self) -> int:
@@ -54,8 +54,8 @@ class ForwardBatch:
         for n, reqs in by_count.items():
             idx = torch.tensor(reqs)
             rows = torch.tensor(offsets[:-1])[idx][:, None] + torch.arange(n)[None]
-            self.groups.append(Group(n, [starts[i] for i in reqs], slots_t[idx].to(dev), starts_t[idx].to(dev), rows.to(dev),
-                                     row_pos[rows].to(dev)))
+            self.groups.append(Group(n, slots_t[idx].to(dev), starts_t[idx].to(dev), rows.to(dev),
+                                     row_pos[rows].to(dev), host_starts=[starts[i] for i in reqs]))
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -108,10 +108,13 @@ def window_plan(group: Group, pools: StatePools, ratio: int, lookback: int, ring
     key = ("plan", ratio, lookback, ring_size, overlap)
     if key in group.memo:
         return group.memo[key]
-    nw = max((s + group.n) // ratio - s // ratio for s in group.host_starts)
-    if nw == 0:
-        group.memo[key] = None
-        return None
+    if group.host_starts is not None:
+        nw = max((s + group.n) // ratio - s // ratio for s in group.host_starts)
+        if nw == 0:
+            group.memo[key] = None
+            return None
+    else:  # device-only metadata (static/graph steps): the fixed upper bound, padding windows go to trash
+        nw = group.n // ratio + 1
     dev = group.starts.device
     start, n = group.starts, group.n
     base = start - lookback  # position of index 0 of cat(past, new)
@@ -136,15 +139,25 @@ def window_plan(group: Group, pools: StatePools, ratio: int, lookback: int, ring
 
 
 def entry_index(group: Group, pools: StatePools, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows [G, E] of entries 0..E-1 (E = most entries any request of the group has after this forward),
-    the causal visibility [G, n, E] of entry w to the query at position t (w < (t + 1) // ratio), and its
-    negation shaped [G, n, 1, E] as an attention mask."""
+    """Pool rows [G, E] of entries 0..E-1 (E = most entries any request of the group has after this forward) and
+    the causal visibility [G, n, E] of entry w to the query at position t: w < (t + 1) // ratio."""
     key = ("entries", ratio)
     if key not in group.memo:
         dev = group.starts.device
-        count = max((s + group.n) // ratio for s in group.host_starts)
+        if group.host_starts is not None:
+            count = max((s + group.n) // ratio for s in group.host_starts)
+        else:
+            count = int(((group.starts + group.n) // ratio).max())
         w = torch.arange(count, device=dev)
         rows = pools.entry_rows(group.slots, w[None].expand(group.size, -1), ratio)
         visible = w[None, None] < ((group.pos + 1) // ratio)[..., None]
-        group.memo[key] = (rows, visible, (~visible).unsqueeze(2))
+        group.memo[key] = (rows, visible)
+    return group.memo[key]
+
+
+def entry_mask(group: Group, pools: StatePools, ratio: int) -> torch.Tensor:
+    """[G, n, 1, E] True where an entry is not (yet) visible to the query: the attention mask of entry_index."""
+    key = ("entry_mask", ratio)
+    if key not in group.memo:
+        group.memo[key] = (~entry_index(group, pools, ratio)[1]).unsqueeze(2)
     return group.memo[key]

@@ -33,12 +33,21 @@ def rotate_half_matrix(rope_dim: int, device=None) -> torch.Tensor:
     return r.to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+_ROT: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor | None = None) -> torch.Tensor:
     """Interleaved RoPE on the trailing `cos.shape[-1]` channels of x: pair (2i, 2i+1) rotates by angle i.
 
     x is [..., rows, (heads,) dim]; cos/sin are [rows, rope_dim] (already repeated per pair) and broadcast over
-    the heads axis when x has one. Pass `-sin` for the inverse rotation. `rot` = rotate_half_matrix(rope_dim)."""
+    the heads axis when x has one. Pass `-sin` for the inverse rotation. `rot` = rotate_half_matrix(rope_dim)
+    (built and cached when not given)."""
     rd = cos.shape[-1]
+    if rot is None:
+        key = (rd, str(cos.device))
+        if key not in _ROT:
+            _ROT[key] = rotate_half_matrix(rd, cos.device)
+        rot = _ROT[key]
     if x.dim() == cos.dim() + 1:
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     rope = x[..., -rd:]
