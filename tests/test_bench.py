@@ -80,7 +80,11 @@ def test_bench_refuses_a_stream_without_token_counts(tmp_path):
 def native_server():
     from server_harness import ServerProcess
 
-    srv = ServerProcess("--max-seq-len", "256")
+    # One intra-op thread: on a shared 2-core machine, OpenMP threads spinning against other processes made each
+    # tiny-model request 30-50x slower (8 tokens: 0.27 s with 1 thread, 8-15 s with 2 under load).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        srv = ServerProcess("--max-seq-len", "256")
     try:
         yield srv
     finally:
@@ -109,18 +113,19 @@ def test_repeat_against_native_engine(native_server, tmp_path):
     from evalpipe.commands.repeat import command as repeat_cmd
 
     res = CliRunner().invoke(repeat_cmd, ["--base-url", native_server.base + "/v1", "--repeats", "2",
-                                          "--fixtures", "arithmetic", "--conditions", "serial,burst",
+                                          "--fixtures", "arithmetic", "--conditions", "serial,burst,logprobs",
                                           "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     run_dir = next((tmp_path / "repeat").iterdir())
     result = json.loads((run_dir / "repeat.json").read_text())
     recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
     groups = result["groups"]["arithmetic"]
-    assert set(groups) == {"serial", "burst"}
+    assert set(groups) == {"serial", "burst", "logprobs"}
     for cond, g in groups.items():
         mine = [r for r in recs if r["question_id"] == f"arithmetic/{cond}"]
         assert len(mine) == 2 and all(isinstance(r["output_token_ids"], list) for r in mine)
         assert g["distinct"] == len(Counter(tuple(r["output_token_ids"]) for r in mine))
         assert g["mode_basis"] == "token_ids"
     assert groups["serial"]["distinct"] == 1  # batch 1 on CPU, same kernels each time: greedy is reproducible
+    assert all(r["logprobs"] for r in recs if r["condition"] == "logprobs")
     assert groups["serial"]["mode_correct"] is False  # random weights: the control catches a model that cannot add
