@@ -93,3 +93,15 @@ def test_token_logprobs_are_raw_log_softmax():
     assert out[1][0] == pytest.approx(float(ref[1, 0]))
     assert [i for i, _ in out[0][1]] == [0, 1]
     assert token_logprobs(logits, torch.tensor([1, 0]), top_k=0)[0][1] == []
+
+
+def test_sample_token_matches_the_two_step_path():
+    from evalpipe.engine.sampling import sample_token
+
+    greedy = SamplingParams(temperature=0.0)
+    assert sample_token(LOGITS, greedy, None) == int(sample(sampling_probs(LOGITS, greedy), None)) == 0
+    params = SamplingParams(temperature=0.8, top_k=4, seed=11)
+    a = [sample_token(LOGITS, params, g) for g in [params.generator()] for _ in range(50)]
+    gen = params.generator()
+    b = [int(sample(sampling_probs(LOGITS, params), gen)) for _ in range(50)]
+    assert a == b

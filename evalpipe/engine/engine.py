@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from evalpipe.engine.sampling import SamplingParams, sample, sampling_probs, token_logprobs
+from evalpipe.engine.sampling import SamplingParams, sample_token, token_logprobs
 from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status
 
 log = logging.getLogger("evalpipe.engine")
@@ -67,7 +67,7 @@ class PlainDecoder:
         return [seq.last_token]
 
     def accept(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
-        return [int(sample(sampling_probs(logits[-1], seq.params), seq.generator))]
+        return [sample_token(logits[-1], seq.params, seq.generator)]
 
     def stats(self, seq: Sequence) -> dict | None:
         return None
@@ -210,7 +210,7 @@ class Engine:
         for chunk, w in zip(plan.prefills, width):
             if chunk.last:
                 row = logits[offset + w - 1: offset + w]
-                out[chunk.seq] = ([int(sample(sampling_probs(row[0], chunk.seq.params), chunk.seq.generator))], row)
+                out[chunk.seq] = ([sample_token(row[0], chunk.seq.params, chunk.seq.generator)], row)
             offset += w
         for seq, w in zip(plan.decodes, width[len(plan.prefills):]):
             seq_rows = logits[offset: offset + w]

@@ -77,6 +77,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return (probs / noise).argmax(-1)
 
 
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of logits: `sample(sampling_probs(...))`, with greedy short-cut to the argmax."""
+    if params.greedy:
+        return int(logits.argmax(-1))
+    return int(sample(sampling_probs(logits, params), generator))
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per row: (logprob of the chosen token, the top_k (id, logprob) pairs) from the raw model distribution.
 
