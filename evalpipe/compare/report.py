@@ -40,6 +40,11 @@ def pts(x: float | None, digits: int = 2) -> str:
     return "n/a" if x is None else f"{100 * x:+.{digits}f} pt"
 
 
+def spts(x: float | None, digits: int = 2) -> str:
+    """Unsigned points, for standard errors."""
+    return "n/a" if x is None else f"{100 * x:.{digits}f} pt"
+
+
 def num(x: Any, digits: int = 3) -> str:
     if x is None:
         return "n/a"
@@ -110,8 +115,8 @@ def headline_lines(result: dict) -> list[str]:
         pt = r["permutation_test"]
         lines.append(
             f"repeated: {r['n_questions']} questions, mean rate A {pct(r['mean_rate_a'])} B {pct(r['mean_rate_b'])}, "
-            f"diff {pts(r['diff'])}; SE fixed-question {pts(r['se_fixed_question'])}, clustered "
-            f"{pts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}")
+            f"diff {pts(r['diff'])}; SE fixed-question {spts(r['se_fixed_question'])}, clustered "
+            f"{spts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}")
     ag = result.get("agreement") or {}
     if "n_pairs" in ag:
         lines.append(
@@ -167,6 +172,9 @@ def plot_per_question(result: dict) -> str:
         xs = np.array([q["rate_a"] for q in pq])
         ys = np.array([q["rate_b"] for q in pq])
         ax.scatter(xs, ys, alpha=0.7, color=COLORS["b"])
+        ax.plot([0, 1], [0, 1], color="gray", lw=0.8, ls="--")
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_ylim(-0.05, 1.05)
         ax.set_title("per-question success rate")
     else:
         pq = result.get("per_question") or []
@@ -182,9 +190,9 @@ def plot_per_question(result: dict) -> str:
         ax.set_xticks([0, 1], ["wrong", "right"])
         ax.set_yticks([0, 1], ["wrong", "right"])
         ax.set_title("per-question correctness (jittered)")
-    ax.plot([-0.3, 1.3], [-0.3, 1.3], color="gray", lw=0.8, ls="--")
-    ax.set_xlim(-0.3, 1.4)
-    ax.set_ylim(-0.3, 1.4)
+        ax.plot([-0.3, 1.3], [-0.3, 1.3], color="gray", lw=0.8, ls="--")
+        ax.set_xlim(-0.3, 1.4)
+        ax.set_ylim(-0.3, 1.4)
     ax.set_xlabel(label(result, "a"))
     ax.set_ylabel(label(result, "b"))
     return _png(fig)
@@ -322,8 +330,8 @@ def render_html(result: dict) -> str:
         parts.append("<h2>Repeated-lane statistics</h2>" + _table(["quantity", "value"], [
             ["questions", r["n_questions"]], ["responses A / B", f"{r['n_responses_a']} / {r['n_responses_b']}"],
             ["mean per-question rate A / B", f"{pct(r['mean_rate_a'])} / {pct(r['mean_rate_b'])}"],
-            ["difference B - A", pts(r["diff"])], ["SE, fixed questions", pts(r["se_fixed_question"])],
-            ["SE, question-clustered", pts(r["se_clustered"])],
+            ["difference B - A", pts(r["diff"])], ["SE, fixed questions", spts(r["se_fixed_question"])],
+            ["SE, question-clustered", spts(r["se_clustered"])],
             ["within-question permutation p", f"{num(pt['p_value'], 4)} ({pt['n_permutations']} permutations, seed {pt['seed']})"],
         ], "repeated"))
         parts.append("<h3>Per question</h3><p class='muted'>Fisher's exact test per question with Holm adjustment "
