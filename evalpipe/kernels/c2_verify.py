@@ -10,7 +10,8 @@ Signature (all tensors on one device)::
     c2_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, eps, cos, sin, rope_dim,
               kv_state, pool, page_table, page_size, ring_size, rows_per_request, *, backend="auto") -> None
 
-- kv_gate [N, 2*hd] fp32|bf16|fp16, unit column stride (any row stride): row = [kv_proj(x) | gate_proj(x)].
+- kv_gate [N, 2*hd] fp32|bf16 (fp16: reference only), unit column stride (any row stride): row =
+  [kv_proj(x) | gate_proj(x)]; its dtype is the compute dtype of the chain (see the rounding points below).
   Rows are request-major blocks of D rows with consecutive positions: rows b*D .. b*D+D-1 belong to one request.
 - positions [N] int32|int64 absolute token positions; req [N] int32|int64 request slot (ring block and
   page_table row).
@@ -23,21 +24,22 @@ Signature (all tensors on one device)::
 - pool [n_slots, hd] (model dtype, unit column stride): compressed-KV pool. Entry e = pos // 2 of request r is stored
   at slot page_table[r, e // page_size] * page_size + e % page_size; page_table [n_req_slots, P] int32|int64.
 
-Per live row (j = row % D)::
+Per live row (j = row % D), with c(.) = round to the compute dtype, i.e. kv_gate.dtype (identity for fp32)::
 
     even pos: kv_state[req*R + pos % R] = kv_gate[row]               (park only; nothing else written)
     odd pos:  partner = kv_state[req*R + (pos-1) % R] if j == 0 else kv_gate[row-1]
-              s0 = f32(gate_partner) + bias[0];  s1 = f32(gate_row) + bias[1]
+              s0 = f32(gate_partner) + bias[0];  s1 = f32(gate_row) + bias[1]          # fp32
               d = s0 - s1; e = exp(-|d|); (w0, w1) = (1, e) if d > 0 else (e, 1); (w0, w1) /= (1 + e)
-              x = round_pool(f32(kv_partner) * w0 + f32(kv_row) * w1)          # 2-way softmax pooling, fp32
-              x = round_pool(norm_weight * (f32(x) * rsqrt(mean(f32(x)^2) + eps)))   # transformers' kv_norm order
+              x = c(c(kv_partner * c(w0)) + c(kv_row * c(w1)))       # softmax weights and pooling as transformers
+              x = c(norm_weight * (f32(x) * rsqrt(mean(f32(x)^2) + eps)))     # transformers' kv_norm order
               x = apply_interleaved_rope(x, cos[pos-1], sin[pos-1])   # evalpipe.kernels.rope: fp32, no FMA,
-                                                                       # e' = e*c - o*s; o' = e*s + o*c; round_pool
-              pool[slot(req, pos // 2)] = x
+                                                                       # e' = e*c - o*s; o' = e*s + o*c; then c()
+              pool[slot(req, pos // 2)] = pool.dtype(x)
 
-The closed-form softmax is what `softmax` over two values computes (one of exp(a - max), exp(b - max) is exactly
-1). Rounding points: the pooled sum and the norm output are rounded to the pool dtype (transformers' bf16 model
-additionally rounds the weights and each product to bf16; see the test tolerance), the RoPE output once more.
+These are the rounding points of transformers' `DeepseekV4HCACompressor` (and the engine's `Compressor.pool`) run
+in the dtype of the projection: `softmax(gate + bias, fp32).to(kv.dtype)`, `(kv * w).sum()` in kv's dtype, kv_norm,
+RoPE, cast to the pool. The closed-form softmax is what softmax over two values computes (one of exp(a - max),
+exp(b - max) is exactly 1, and each weight is that over 1 + e). fp16 inputs run the reference only.
 
 Why D rows in one launch equal D single-row launches bitwise: a later row's partner is the previous row of the
 launch, and the ring row a single-row launch would read is a bit copy of that same row; every other step is per row.
@@ -49,9 +51,10 @@ starts at pos0 + k and its head reads slot (pos0 + k - 1) % R, last written by a
 rejected rows only wrote slots of positions pos0+k .. pos0+D-1, fewer than R distinct ones. Those positions, and
 the pool entries rejected odd rows wrote, are rewritten when the next launch re-verifies them.
 
-Exactness: the Triton kernel equals the reference bitwise on the ring (a copy); pool entries agree within one unit
-in the last place of the pool dtype (exp/rsqrt implementations, reduction order and FMA contraction differ by fp32
-ulps before the final rounding). `c2_verify` over D rows equals D single-row launches bitwise, in both backends.
+Exactness: the Triton kernel equals the reference bitwise on the ring (a copy). Pool entries: bitwise under the
+CPU interpreter (tests); on GPU within one unit in the last place of the pool dtype (the sum of squares is reduced
+in another order than torch's mean, and exp/rsqrt are CUDA's expf/rsqrtf as in torch). `c2_verify` over D rows
+equals D single-row launches bitwise, in both backends.
 """
 
 from __future__ import annotations
@@ -135,28 +138,29 @@ def c2_verify_reference(kv_gate, positions, req, row_valid, position_bias, norm_
     is_head = (torch.arange(n, device=dev) % rows_per_request) == 0
     odd = (pos % 2) == 1
 
-    rows = kv_gate.float()
-    ring_rows = kv_state[rq * ring_size + (pos - 1) % ring_size].float()
+    cdt = kv_gate.dtype  # compute dtype of the chain, as transformers runs it in the projection's dtype
+    rows = kv_gate
+    ring_rows = kv_state[rq * ring_size + (pos - 1) % ring_size].to(cdt)  # exact: the ring holds cdt values
     prev_rows = torch.cat([rows[:1], rows[:-1]], dim=0)
     partner = torch.where(is_head[:, None], ring_rows, prev_rows)
 
-    # 2-way softmax over the pair's gate + position bias, per channel, fp32 (closed form of softmax).
-    s0 = partner[:, hd:] + position_bias[0].float()
-    s1 = rows[:, hd:] + position_bias[1].float()
+    # 2-way softmax over the pair's gate + position bias, per channel, fp32 (closed form), weights cast to cdt.
+    s0 = partner[:, hd:].float() + position_bias[0].float()
+    s1 = rows[:, hd:].float() + position_bias[1].float()
     d = s0 - s1
     e = torch.exp(-d.abs())
     one = torch.ones_like(e)
-    w0 = torch.where(d > 0, one, e) / (1 + e)
-    w1 = torch.where(d > 0, e, one) / (1 + e)
-    pooled = (partner[:, :hd] * w0 + rows[:, :hd] * w1).to(pool.dtype)
+    w0 = (torch.where(d > 0, one, e) / (1 + e)).to(cdt)
+    w1 = (torch.where(d > 0, e, one) / (1 + e)).to(cdt)
+    pooled = partner[:, :hd] * w0 + rows[:, :hd] * w1  # products and sum rounded to cdt
 
     # RMSNorm, transformers' kv_norm order: x * rsqrt(mean(x^2) + eps), then fp32 weight * x, round once.
     x = pooled.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    normed = (norm_weight.float() * x).to(pool.dtype)
+    normed = (norm_weight.float() * x).to(cdt)
 
     rope_pos = (pos - 1).clamp(min=0)
-    entry_vals = apply_interleaved_rope(normed, cos[rope_pos].float(), sin[rope_pos].float())
+    entry_vals = apply_interleaved_rope(normed, cos[rope_pos].float(), sin[rope_pos].float()).to(pool.dtype)
 
     entry = pos // 2
     slot = page_table[rq, entry // page_size].to(torch.int64) * page_size + entry % page_size
@@ -167,8 +171,8 @@ def c2_verify_reference(kv_gate, positions, req, row_valid, position_bias, norm_
 if triton is not None:
 
     @triton.jit
-    def _round_pool(x, TO_BF16: tl.constexpr):
-        """Round fp32 to the pool dtype (bf16: round-to-nearest-even from the bits; fp32: identity), kept in fp32.
+    def _round_to(x, TO_BF16: tl.constexpr):
+        """Round fp32 to bf16 when TO_BF16 (round-to-nearest-even from the bits; else identity), kept in fp32.
 
         Built from integer ops because Triton's CPU interpreter truncates in `.to(tl.bfloat16)`; on GPU this is
         the same RNE that `cvt.rn.bf16.f32` does.
@@ -197,7 +201,8 @@ if triton is not None:
         kvg_ptr, kvg_stride, pos_ptr, req_ptr, valid_ptr, bias_ptr, normw_ptr, eps,
         cos_ptr, sin_ptr, cos_stride, sin_stride, ring_ptr, ring_stride, pool_ptr, pool_stride,
         pt_ptr, pt_stride, page_size, R, D,
-        HD: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, TO_BF16: tl.constexpr, LIBDEVICE: tl.constexpr,
+        HD: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, C_BF16: tl.constexpr, P_BF16: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
     ):
         """One program per row; masked loads/stores instead of branches so padding rows touch no memory.
 
@@ -258,25 +263,25 @@ if triton is not None:
         g_new = g_raw.to(tl.float32)
         d = (g_old + b0) - (g_new + b1)
         e = _exp(-tl.abs(d), LIBDEVICE)
-        w0 = tl.div_rn(tl.where(d > 0, 1.0, e), 1.0 + e)
-        w1 = tl.div_rn(tl.where(d > 0, e, 1.0), 1.0 + e)
-        x = _round_pool(kv_old * w0 + kv_new * w1, TO_BF16)
+        w0 = _round_to(tl.div_rn(tl.where(d > 0, 1.0, e), 1.0 + e), C_BF16)
+        w1 = _round_to(tl.div_rn(tl.where(d > 0, e, 1.0), 1.0 + e), C_BF16)
+        x = _round_to(_round_to(kv_old * w0, C_BF16) + _round_to(kv_new * w1, C_BF16), C_BF16)
         ds = (g_old_s + b0s) - (g_new_s + b1s)
         es = _exp(-tl.abs(ds), LIBDEVICE)
-        w0s = tl.div_rn(tl.where(ds > 0, 1.0, es), 1.0 + es)
-        w1s = tl.div_rn(tl.where(ds > 0, es, 1.0), 1.0 + es)
-        xs = _round_pool(kv_old_s * w0s + kv_new_s * w1s, TO_BF16)
+        w0s = _round_to(tl.div_rn(tl.where(ds > 0, 1.0, es), 1.0 + es), C_BF16)
+        w1s = _round_to(tl.div_rn(tl.where(ds > 0, es, 1.0), 1.0 + es), C_BF16)
+        xs = _round_to(_round_to(kv_old_s * w0s, C_BF16) + _round_to(kv_new_s * w1s, C_BF16), C_BF16)
 
         x = tl.where(inb, x, 0.0)
         rs = _rsqrt(tl.div_rn(tl.sum(x * x, axis=0), HD * 1.0) + eps, LIBDEVICE)
-        n = _round_pool(wn * (x * rs), TO_BF16)
-        ns = _round_pool(wns * (xs * rs), TO_BF16)
+        n = _round_to(wn * (x * rs), C_BF16)
+        ns = _round_to(wns * (xs * rs), C_BF16)
 
         first = (offs % 2) == 0
         ev = tl.where(first, n, ns)
         od = tl.where(first, ns, n)
         rot = tl.where(first, ev * c - od * s, ev * s + od * c)
-        outv = tl.where(is_rope, _round_pool(rot, TO_BF16), n)
+        outv = _round_to(tl.where(is_rope, _round_to(rot, C_BF16), n), P_BF16)
 
         # ---- stores: ring park (bit copy) for even rows, the pool entry (exact cast) for odd rows
         ring_dst = ring_ptr + (rq * R + pos % R) * ring_stride
@@ -289,7 +294,7 @@ if triton is not None:
 def _triton_guard(kv_gate, cos, sin, kv_state, pool) -> bool:
     return (kv_gate.stride(1) == 1 and kv_state.stride(1) == 1 and pool.stride(1) == 1
             and (cos.numel() == 0 or cos.stride(1) == 1) and (sin.numel() == 0 or sin.stride(1) == 1)
-            and kv_gate.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and kv_gate.dtype in (torch.float32, torch.bfloat16)
             and pool.dtype in (torch.float32, torch.bfloat16))
 
 
@@ -313,7 +318,7 @@ def c2_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, ep
         kv_gate, kv_gate.stride(0), positions, req, valid, bias, norm_weight.contiguous(), float(eps),
         cos, sin, max(cos.stride(0), 1), max(sin.stride(0), 1), kv_state, kv_state.stride(0), pool, pool.stride(0),
         page_table, page_table.stride(0), page_size, ring_size, rows_per_request,
-        HD=hd, ROPE=rope_dim, BLOCK=triton.next_power_of_2(hd), TO_BF16=pool.dtype == torch.bfloat16,
+        HD=hd, ROPE=rope_dim, BLOCK=triton.next_power_of_2(hd), C_BF16=kv_gate.dtype == torch.bfloat16, P_BF16=pool.dtype == torch.bfloat16,
         LIBDEVICE=kv_gate.is_cuda and not interpret_mode(),
         num_warps=4 if hd >= 256 else 1, enable_fp_fusion=False,
     )

@@ -65,21 +65,24 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str):
     assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), what
 
 
-# (D, batch, padded requests): subsample of {2, 5, 6, 9} x {1, 3, 8} x {0, 1}, never all padded
-MATRIX = [(2, 1, 0), (2, 8, 1), (5, 3, 1), (6, 1, 0), (6, 3, 0), (6, 8, 1), (9, 3, 1), (9, 1, 0)]
+# (D, batch, padded requests, kv|gate dtype): subsample of {2, 5, 6, 9} x {1, 3, 8} x {0, 1}, never all padded;
+# fp32 rows (ring fp32, bf16 pool) are the production layout, bf16 rows the model-dtype one
+BF, F32 = torch.bfloat16, torch.float32
+MATRIX = [(2, 1, 0, BF), (2, 8, 1, BF), (5, 3, 1, F32), (6, 1, 0, F32), (6, 3, 0, BF), (6, 8, 1, F32),
+          (9, 3, 1, BF), (9, 1, 0, F32)]
 
 
-@pytest.mark.parametrize("d,batch,n_pad", MATRIX)
-def test_triton_equals_reference_and_single_row_launches(d, batch, n_pad):
+@pytest.mark.parametrize("d,batch,n_pad,dtype", MATRIX)
+def test_triton_equals_reference_and_single_row_launches(d, batch, n_pad, dtype):
     ring = 1 << (d + 1).bit_length()  # the speculative ring width used by the engine (D 6 -> 8, 9 -> 16)
     ring = min(ring, 16)
-    state = C2State(seed=d * 10 + batch, ring_size=ring)
+    state = C2State(seed=d * 10 + batch, ring_size=ring, dtype=dtype)
     slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(batch))
     reqs = [int(slots[b % SLOTS]) for b in range(batch)]
     # block heads alternate parity; starts near multiples of the ring width so blocks wrap the ring
     pos0 = [ring * (2 + b % 3) - 3 + b for b in range(batch)]
     padded = [b >= batch - n_pad for b in range(batch)]
-    kv_gate, positions, req, valid = make_batch(pos0, reqs, d, padded, seed=batch + d)
+    kv_gate, positions, req, valid = make_batch(pos0, reqs, d, padded, seed=batch + d, dtype=dtype)
 
     fused, ref, single = state.clone(), state.clone(), state.clone()
     fused.launch(kv_gate, positions, req, valid, d, backend="triton")
@@ -183,10 +186,9 @@ def test_ring_not_wider_than_rows_raises(backend, ring):
 def test_reference_chain_matches_transformers_hca_compressor_rate_2(dtype):
     """Full sequence through transformers' compressor vs our per-launch chain (D = 3, ring 4) through the pool.
 
-    Tolerance: fp32 model -- 1e-5 (closed-form vs library softmax, reduction order: fp32 ulps; measured 3.6e-7);
-    bf16 model -- transformers also rounds the softmax weights and each weighted product to bf16 before summing,
-    we round once after the fp32 sum: entries differ by about one bf16 ulp of the largest entry (measured 2^-5 at
-    |entry| <= 4.9; RoPE cancellation makes small entries relatively worse), so atol = rtol = 2e-2.
+    Same rounding points as transformers in the projection's dtype, so the only freedom is fp32 ulps inside
+    softmax (closed form vs the library kernel) and the mean. Tolerance: fp32 model 1e-5 (measured 3.6e-7);
+    bf16 model one bf16 ulp, rtol 2^-7 (measured: bitwise equal).
     """
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HCACompressor
@@ -222,8 +224,8 @@ def test_reference_chain_matches_transformers_hca_compressor_rate_2(dtype):
                             comp.kv_norm.weight.data, cfg.rms_norm_eps, cos, sin, ROPE, ring_buf, pool, page_table,
                             PAGE, ring, d)
     got = pool.view(batch, pages * PAGE, HD)[:, : seq // 2].float()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, expected[:, 0].float(), atol=tol, rtol=tol)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-6, 2.0 ** -7)
+    torch.testing.assert_close(got, expected[:, 0].float(), atol=atol, rtol=rtol)
 
 
 def test_dispatch_rules(monkeypatch):
