@@ -329,3 +329,21 @@ def test_server_reporting_lossy_settings_is_refused(tmp_path):
     assert proc.returncode == 1 and "lossy acceptance" in err, err
     receipt = json.loads((tmp_path / "r.json").read_text())
     assert not _alive(receipt["pid"]) and receipt["stopped_at"]
+
+
+def test_evalpipe_serve_hook_routes_engines_and_dry_run():
+    """Through the real console entry: `evalpipe serve --engine sglang --dry-run` never starts anything."""
+    env = {**os.environ, "SGLANG_FOO": "1"}
+    out = subprocess.run(
+        [PY, "-m", "evalpipe.cli", "serve", "--engine", "sglang", "--model", "M", "--speculative", "dspark",
+         "--draft-model", "D", "--dry-run", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["argv"][:3] == SGL and "DSPARK" in plan["argv"] and plan["env_removed"] == ["SGLANG_FOO"]
+    help_text = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert "--engine [native|sglang|vllm]" in help_text and "--dry-run" in help_text
+    engine_help = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--engine", "vllm", "--help"],
+                                 capture_output=True, text=True, timeout=120).stdout
+    assert "only way to exercise those engines" in " ".join(engine_help.split())

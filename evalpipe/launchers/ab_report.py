@@ -31,6 +31,12 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _accept(comparison: dict, side: str) -> str:
+    stats = (comparison.get("spec") or {}).get(side) or {}
+    mean = stats.get("accept_length_mean") if isinstance(stats, dict) else None
+    return "off" if mean is None else f"{mean:.2f}"
+
+
 def render(index: dict) -> str:
     status = index.get("status")
     cls = "ok" if status == "done" else "bad"
@@ -75,7 +81,7 @@ def render(index: dict) -> str:
             ties = c.get("ties") or {}
             greedy = c.get("greedy") or {}
             if c.get("error"):
-                rows.append([_e(c["lane"]), _e(c["kind"]), _e(f"{c['a']} vs {c['b']}"), f"<span class='bad'>{_e(c['error'])}</span>"] + [""] * 6)
+                rows.append([_e(c["lane"]), _e(c["kind"]), _e(f"{c['a']} vs {c['b']}"), f"<span class='bad'>{_e(c['error'])}</span>"] + [""] * 7)
                 continue
             agree_cls = "ok" if ties.get("agreement_with_ties") == 1.0 else "bad"
             rows.append([
@@ -86,11 +92,12 @@ def render(index: dict) -> str:
                 f"<span class='{agree_cls}'>{_pct(ties.get('agreement'))}</span>",
                 _e(f"{ties.get('n_ties', '-')} / {ties.get('n_real_differences', '-')} / {ties.get('n_undecided', '-')}"),
                 f"<span class='{agree_cls}'>{_pct(ties.get('agreement_with_ties'))}</span>",
+                _e(" / ".join(_accept(c, side) for side in ("a", "b"))),
                 f"<a href='{_e(c.get('report'))}'>report</a>" if c.get("report") else "-",
             ])
         parts.append(_table(
             ["lane", "kind", "pair", "accuracy", "B - A", "McNemar p", "identical outputs",
-             "ties / real / undecided", "agreement incl. ties", "pair report"],
+             "ties / real / undecided", "agreement incl. ties", "accept length", "pair report"],
             rows,
         ))
         for c in comparisons:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -22,6 +23,10 @@ from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences
 
 INDEX_FILE = "ab.json"
 REPORT_FILE = "report.html"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _now() -> str:
@@ -97,6 +102,7 @@ class ABRun:
             self.index["preflight"] = True
         receipts: dict[str, dict] = {}
         first_of: dict[str, str] = {}
+        previous = signal.signal(signal.SIGTERM, _interrupt)
         try:
             for side, label in labels:
                 arm = {"label": label, "side": side, "dir": f"arms/{label}", "receipt": f"arms/{label}/receipt.json",
@@ -108,6 +114,8 @@ class ABRun:
                     return self.fail(problem, status="refused" if arm["status"] == "refused" else "failed")
         except KeyboardInterrupt:
             return self.fail("interrupted; every server was stopped", status="interrupted")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         if not preflight:
             self.compare_all()
         self.index.update(status="done", finished_at=_now())
@@ -186,6 +194,8 @@ class ABRun:
             outcome = Runner(config).execute()
         except RunError as exc:
             return None, 1, str(exc)
+        finally:
+            signal.signal(signal.SIGTERM, _interrupt)  # the runner's event loop restored the default on exit
         return outcome.run_dir, outcome.exit_code, outcome.message
 
     # ----- comparisons ----------------------------------------------------------------------------------
