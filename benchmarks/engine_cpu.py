@@ -1,7 +1,8 @@
 """Decode throughput of the native engine's ModelRunner vs transformers `generate`, same weights, same process.
 
 Rows: transformers generate at batch 1 (cached greedy decode), the runner at batch 1, and the runner's aggregate
-throughput with 64 concurrent sequences (one batched forward of 64 decode rows per step). Decode only: prefill is
+throughput with 64 concurrent sequences (one batched forward of 64 decode rows per step). The "via HTTP" column
+serves the same prompts through `evalpipe serve` (streamed, exact per-event token counts; see `bench_http`). Decode only: prefill is
 done before the clock starts (for generate: time(prompt + N new) - time(prompt + 1 new)).
 
     python benchmarks/engine_cpu.py [--model PATH] [--new-tokens 64] [--prompt-len 64] [--threads 1]
@@ -50,6 +51,68 @@ def bench_runner(runner, prompts: list[list[int]], new_tokens: int, repeats: int
     return statistics.median(rates)
 
 
+def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int) -> float:
+    """Decode tok/s through `evalpipe serve` (HTTP + SSE + scheduler + sampling), summed over concurrent requests.
+
+    Streamed completions of token-id prompts, temperature 0, ignore_eos, continuous usage: each request's rate is
+    (final completion tokens - tokens in its first event) / (t_last - t_first), which excludes its prefill (the
+    bench protocol of serving.md E); the row is the sum of the concurrent requests' rates, median over rounds
+    after one warm-up round.
+    """
+    import asyncio
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port), "--max-batch", str(len(prompts)),
+           "--max-seq-len", str(max(map(len, prompts)) + new_tokens + 16)] + (["--model", model] if model else [])
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"evalpipe serve did not come up: {' '.join(cmd)}")
+            try:
+                if httpx.get(base + "/health_generate", timeout=60).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+        async def one(client: httpx.AsyncClient, prompt: list[int]) -> float:
+            body = {"prompt": prompt, "max_tokens": new_tokens + 1, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            events = []
+            async with client.stream("POST", base + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"]:
+                            events.append((time.perf_counter(), chunk["usage"]["completion_tokens"]))
+            (t0, n0), (t1, n1) = events[0], events[-1]
+            return (n1 - n0) / (t1 - t0)
+
+        async def round_() -> float:
+            limits = httpx.Limits(max_connections=len(prompts) + 4)
+            async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+                return sum(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+        asyncio.run(round_())  # warm-up
+        return statistics.median(asyncio.run(round_()) for _ in range(repeats))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the seeded evalpipe-tiny-dsv4)")
@@ -58,6 +121,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="sequences decoded together for the aggregate row")
     ap.add_argument("--repeats", type=int, default=3, help="measurements per row (median reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (same for both engines)")
+    ap.add_argument("--no-http", action="store_true", help="skip the HTTP column (evalpipe serve, streamed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -76,7 +140,12 @@ def main() -> None:
     hf_tps = bench_generate(hf, base, args.new_tokens, args.repeats)
     r1 = bench_runner(runner, [base], args.new_tokens, args.repeats)
     lens = [max(1, args.prompt_len + (i % 17) - 8) for i in range(args.concurrency)]
-    r64 = bench_runner(runner, [prompt(n) for n in lens], args.new_tokens, args.repeats)
+    many = [prompt(n) for n in lens]
+    r64 = bench_runner(runner, many, args.new_tokens, args.repeats)
+    http = {}
+    if not args.no_http:  # the same prompts through the whole server: HTTP, SSE, scheduler, sampling
+        http[1] = bench_http(args.model, [base], args.new_tokens, args.repeats, args.threads)
+        http[args.concurrency] = bench_http(args.model, many, args.new_tokens, args.repeats, args.threads)
 
     rows = [
         ("transformers generate", 1, hf_tps),
@@ -86,9 +155,10 @@ def main() -> None:
     print(f"\nmodel {runner.model_name} ({runner.describe()['parameters'] / 1e6:.2f}M params), float32, "
           f"cpu threads {args.threads}, prompt {args.prompt_len}, {args.new_tokens} decode steps, "
           f"median of {args.repeats}")
-    print(f"{'engine':<24}{'batch':>6}{'decode tok/s':>14}{'vs transformers b1':>20}")
+    print(f"{'engine':<24}{'batch':>6}{'decode tok/s':>14}{'vs transformers b1':>20}{'via HTTP tok/s':>16}")
     for name, batch, tps in rows:
-        print(f"{name:<24}{batch:>6}{tps:>14.1f}{tps / hf_tps:>19.1f}x")
+        via = f"{http[batch]:>16.1f}" if name.startswith("evalpipe") and batch in http else f"{'-':>16}"
+        print(f"{name:<24}{batch:>6}{tps:>14.1f}{tps / hf_tps:>19.1f}x{via}")
     print(f"targets: runner b1 > transformers b1 ({r1 / hf_tps:.1f}x); "
           f"runner b{args.concurrency} aggregate >= 8x ({r64 / hf_tps:.1f}x)")
 
