@@ -187,8 +187,54 @@ def _median(xs: list[float]) -> Optional[float]:
     return float(statistics.median(xs)) if xs else None
 
 
-async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Run warm-up + measured rounds; return the bench.json dict."""
+class BenchState:
+    """What a bench has gathered so far; `assemble` turns it into bench.json, also after an interrupt."""
+
+    def __init__(self, cfg: BenchConfig):
+        self.cfg = cfg
+        self.config: dict = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
+        self.server: dict = {}
+        self.requests: list[dict] = []
+        self.rounds: list[dict] = []  # aggregate per round: all completion tokens over the round's wall time
+        self.server_accept: list[Optional[float]] = []
+
+    def assemble(self, partial: bool) -> dict:
+        kept = [r for r in self.requests if not r["warmup"] and not r["error"]]
+
+        def values(key: str) -> list[float]:
+            return [r[key] for r in kept if isinstance(r.get(key), (int, float))]
+
+        results = {name: {"median": _median(values(name)), "values": values(name)}
+                   for name in ("decode_tokens_per_s", "ttft_s", "total_s")}
+        acc = values("accept_length")
+        agg = [r["aggregate_tokens_per_s"] for r in self.rounds if not r["warmup"] and r["aggregate_tokens_per_s"]]
+        results.update(
+            accept_length_median=_median(acc), accept_length_values=acc,
+            server_avg_accept_length_after_each_round=self.server_accept,
+            aggregate_tokens_per_s={"median": _median(agg), "values": agg},
+            n_kept=len(kept), n_errors=sum(1 for r in self.requests if r["error"]),
+            n_dropped=sum(1 for r in kept if r["decode_tokens_per_s"] is None),
+        )
+        from evalpipe.manifest import code_provenance, installed_packages, python_platform
+
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "bench",
+            "created_at": time.time(),
+            "config": self.config,
+            "server": self.server,
+            "provenance": {"code": code_provenance(), "packages": installed_packages(), "python": python_platform()},
+            "partial": partial,
+            "results": results,
+            "rounds": self.rounds,
+            "requests": self.requests,
+        }
+
+
+async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], None]] = None,
+                    state: Optional[BenchState] = None) -> dict:
+    """Run warm-up + measured rounds; return the bench.json dict (`state` keeps the pieces if interrupted)."""
+    st = state or BenchState(cfg)
     root = server_root(cfg.base_url)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
@@ -217,10 +263,11 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
                 range_source = "default (server reports no vocab_size)"
         inputs = make_inputs(cfg.seed, cfg.concurrency, cfg.input_len, low, high)
         flush_offered = await _flush(client, root, headers) if cfg.flush else False
+        st.config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
+                         input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
+                         decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
+        st.server = {"models": models, "server_info": info, "flush_cache_offered": flush_offered}
         url = f"{cfg.base_url.rstrip('/')}/completions"
-        requests: list[dict] = []
-        server_accept: list[Optional[float]] = []
-        rounds: list[dict] = []  # aggregate per round: all completion tokens over the round's wall time
         total_rounds = cfg.warmup + cfg.rounds
         for rnd in range(total_rounds):
             flushed = await _flush(client, root, headers) if (cfg.flush and flush_offered) else False
@@ -233,13 +280,14 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
             results = await asyncio.gather(*(stream_request(client, url, b, headers) for b in bodies))
             wall = time.perf_counter() - t_round
             round_tokens = sum(r["completion_tokens"] or 0 for r in results if not r["error"])
-            rounds.append({"round": rnd, "warmup": rnd < cfg.warmup, "wall_s": wall, "completion_tokens": round_tokens,
-                           "aggregate_tokens_per_s": round_tokens / wall if wall > 0 else None})
+            st.rounds.append({"round": rnd, "warmup": rnd < cfg.warmup, "wall_s": wall,
+                              "completion_tokens": round_tokens,
+                              "aggregate_tokens_per_s": round_tokens / wall if wall > 0 else None})
             for slot, res in enumerate(results):
                 ev = res["events"]
                 rate = decode_rate(ev, res["completion_tokens"]) if not res["error"] else None
                 spec = res["spec"]
-                requests.append({
+                st.requests.append({
                     "round": rnd, "slot": slot, "warmup": rnd < cfg.warmup, "flushed_before": flushed,
                     "error": res["error"], "finish_reason": res["finish_reason"],
                     "completion_tokens": res["completion_tokens"],
@@ -256,45 +304,10 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
                     "events": ev,
                 })
             after = await _get_json(client, f"{root}/get_server_info", headers)
-            server_accept.append(_server_accept_length(after))
+            st.server_accept.append(_server_accept_length(after))
             if progress:
                 progress(rnd + 1, total_rounds)
-    kept = [r for r in requests if not r["warmup"] and not r["error"]]
-
-    def values(key: str) -> list[float]:
-        return [r[key] for r in kept if isinstance(r.get(key), (int, float))]
-
-    results_block = {
-        name: {"median": _median(values(name)), "values": values(name)}
-        for name in ("decode_tokens_per_s", "ttft_s", "total_s")
-    }
-    acc = values("accept_length")
-    results_block["accept_length_median"] = _median(acc)
-    results_block["accept_length_values"] = acc
-    results_block["server_avg_accept_length_after_each_round"] = server_accept
-    agg = [r["aggregate_tokens_per_s"] for r in rounds if not r["warmup"] and r["aggregate_tokens_per_s"]]
-    results_block["aggregate_tokens_per_s"] = {"median": _median(agg), "values": agg}
-    results_block["n_kept"] = len(kept)
-    results_block["n_errors"] = sum(1 for r in requests if r["error"])
-    results_block["n_dropped"] = sum(1 for r in kept if r["decode_tokens_per_s"] is None)
-    from evalpipe.manifest import code_provenance, installed_packages, python_platform
-
-    config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
-    config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
-                  input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
-                  decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "bench",
-        "created_at": time.time(),
-        "config": config,
-        "server": {"models": models, "server_info": info, "flush_cache_offered": flush_offered},
-        "provenance": {"code": code_provenance(), "packages": installed_packages(), "python": python_platform()},
-        "partial": False,
-        "results": results_block,
-        "rounds": rounds,
-        "requests": requests,
-    }
+    return st.assemble(partial=False)
 
 
 def write_bench(result: dict, out_dir: Path) -> Path:

@@ -129,3 +129,24 @@ def test_repeat_against_native_engine(native_server, tmp_path):
     assert groups["serial"]["distinct"] == 1  # batch 1 on CPU, same kernels each time: greedy is reproducible
     assert all(r["logprobs"] for r in recs if r["condition"] == "logprobs")
     assert groups["serial"]["mode_correct"] is False  # random weights: the control catches a model that cannot add
+
+
+def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
+    """SIGINT to a real `evalpipe bench` writes a partial bench.json with the rounds already measured, exit 130."""
+    import signal
+    import subprocess
+    import time
+
+    with start_peer(stream_groups=[1, 1, 1, 1], event_delay_s=0.1) as (base_url, stats):
+        proc = subprocess.Popen([sys.executable, "-m", "evalpipe.cli", "bench", "--base-url", base_url, "--input-len",
+                                 "4", "--output-len", "4", "--rounds", "100", "--warmup", "0", "--out",
+                                 str(tmp_path / "b")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while stats()["requests"] < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert bench["partial"] is True and len(bench["requests"]) >= 2
+    assert all(r["decode_tokens_per_s"] == pytest.approx(formula(r)) for r in bench["requests"])

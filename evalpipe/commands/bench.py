@@ -42,7 +42,7 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     from rich.table import Table
     from tqdm import tqdm
 
-    from evalpipe.bench import BenchConfig, BenchError, run_bench, write_bench
+    from evalpipe.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
 
     cfg = BenchConfig(base_url=base_url, model=model, api_key=api_key, input_len=input_len, output_len=output_len,
                       rounds=rounds, warmup=warmup, concurrency=concurrency, seed=seed,
@@ -53,13 +53,20 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     def progress(done: int, total: int) -> None:
         bar.update(done - bar.n)
 
+    out = Path(out_dir) if out_dir else Path("results") / "bench" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    state = BenchState(cfg)
     try:
-        result = asyncio.run(run_bench(cfg, progress))
+        result = asyncio.run(run_bench(cfg, progress, state))
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        bar.close()
+        if state.requests:  # keep every finished round; compare refuses a partial bench unless --force
+            click.echo(f"interrupted: partial bench written to {write_bench(state.assemble(partial=True), out)}",
+                       err=True)
+        raise SystemExit(130)
     finally:
         bar.close()
-    out = Path(out_dir) if out_dir else Path("results") / "bench" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     path = write_bench(result, out)
     res = result["results"]
     t = Table(title=f"evalpipe bench — {result['config']['model']} in={input_len} out={output_len} c={concurrency}")
