@@ -113,6 +113,8 @@ class RepeatRun:
         self.progress = progress
         self.seq = 0
         self.records: list[dict] = []
+        self.run_dir: Optional[Path] = None
+        self.conditions: list[str] = []
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), headers=headers)
         self.client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "none",
@@ -207,46 +209,59 @@ class RepeatRun:
         self.run_dir = Path(cfg.out_dir) / LANE / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=False)
         flush_offered = await self.flush()
-        # cached-token reporting: ask twice for the same short prompt and look at the usage block
+        self.server_facts = {"models": ids, "server_info": info, "flush_cache_offered": flush_offered,
+                             "reports_cached_tokens": None}
+        self.conditions: list[str] = []
+        self.skipped: dict[str, str] = {}
         probe = cfg.fixtures[0]
         self.writer = RecordWriter(self.run_dir / "responses.jsonl")
-        skipped: dict[str, str] = {}
         try:
-            reports_cached = None
+            # cached-token reporting: ask twice for the same prompt and look at the usage block
             if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions):
                 first = await self.one(probe, "cache_probe", 0, logprobs=False)
                 second = await self.one(probe, "cache_probe", 1, logprobs=False)
-                reports_cached = (cached_tokens(second.get("usage")) is not None
-                                  or cached_tokens(first.get("usage")) is not None)
-            conditions = []
+                self.server_facts["reports_cached_tokens"] = (cached_tokens(second.get("usage")) is not None
+                                                              or cached_tokens(first.get("usage")) is not None)
             for c in cfg.conditions:
-                if c in ("prefix_fresh", "prefix_reused") and not (flush_offered and reports_cached):
-                    skipped[c] = ("server offers no /flush_cache" if not flush_offered
-                                  else "server reports no cached_tokens in usage")
+                if c in ("prefix_fresh", "prefix_reused") and not (
+                        flush_offered and self.server_facts["reports_cached_tokens"]):
+                    self.skipped[c] = ("server offers no /flush_cache" if not flush_offered
+                                       else "server reports no cached_tokens in usage")
                     continue
-                conditions.append(c)
-            groups: dict[str, dict[str, dict]] = {}
+                self.conditions.append(c)
             for fx in cfg.fixtures:
-                groups[fx.id] = {}
-                for c in conditions:
-                    recs = await self.condition(fx, c)
-                    groups[fx.id][c] = summarize_group(fx, recs)
+                for c in self.conditions:
+                    await self.condition(fx, c)
         finally:
             self.writer.close()
+        result = self.write_result(partial=False)
+        await self.http.aclose()
+        await self.client.close()
+        return result
+
+    def write_result(self, partial: bool) -> dict:
+        """Build repeat.json from the records alone (so an interrupted run still gets one) and write it."""
         from evalpipe.manifest import code_provenance, installed_packages, python_platform
 
+        cfg = self.cfg
+        groups: dict[str, dict[str, dict]] = {}
+        for fx in cfg.fixtures:
+            for c in self.conditions:
+                recs = [r for r in self.records if r.get("fixture") == fx.id and r.get("condition") == c]
+                if recs:
+                    groups.setdefault(fx.id, {})[c] = summarize_group(fx, recs)
         result = {
             "schema_version": SCHEMA_VERSION,
             "kind": "repeat",
             "run_id": self.run_id,
             "arm": cfg.arm,
+            "partial": partial,
             "config": {"base_url": cfg.base_url, "model": self.model, "repeats": cfg.repeats,
-                       "conditions": list(conditions), "conditions_skipped": skipped, "token_ids": cfg.token_ids,
-                       "temperature": 0.0, "top_logprobs": TOP_LOGPROBS,
+                       "conditions": list(self.conditions), "conditions_skipped": self.skipped,
+                       "token_ids": cfg.token_ids, "temperature": 0.0, "top_logprobs": TOP_LOGPROBS,
                        "fixtures": [f.describe() for f in cfg.fixtures],
                        "fixtures_sha256": fixtures_sha256(cfg.fixtures)},
-            "server": {"models": ids, "server_info": info, "flush_cache_offered": flush_offered,
-                       "reports_cached_tokens": reports_cached},
+            "server": self.server_facts,
             "groups": groups,
             "n_records": len(self.records),
             "n_errors": sum(1 for r in self.records if r.get("error")),
@@ -256,8 +271,6 @@ class RepeatRun:
                     "code": code_provenance(), "packages": installed_packages(), "python": python_platform()}
         write_json(self.run_dir / "manifest.json", manifest)
         write_json(self.run_dir / "repeat.json", result)
-        await self.http.aclose()
-        await self.client.close()
         return result
 
 

@@ -36,6 +36,7 @@ DEFAULT = {
     "vocab_size": 512,
     "model": "peer-model",
     "accept_length": None,
+    "completion_delay_s": 0.0,
 }
 
 
@@ -115,6 +116,7 @@ def build_app(cfg: dict):
         state["seen_prompts"].add(prompt)
         if body.get("stream"):
             return StreamingResponse(_stream(body, n_prompt), media_type="text/event-stream")
+        await asyncio.sleep(cfg["completion_delay_s"])
         ids = cfg["variants"][k % len(cfg["variants"])][: body.get("max_tokens", 16)]
         choice = {"index": 0, "text": _text(ids), "finish_reason": "length", "logprobs": None}
         if body.get("return_token_ids"):

@@ -76,3 +76,27 @@ def test_deterministic_peer_gives_one_completion(tmp_path):
 def test_unknown_fixture_is_a_usage_error(tmp_path):
     res = CliRunner().invoke(repeat_cmd, ["--base-url", "http://127.0.0.1:9/v1", "--fixtures", "nope"])
     assert res.exit_code == 2 and "unknown fixture" in res.output
+
+
+def test_ctrl_c_keeps_records_and_writes_partial_summary(tmp_path):
+    """SIGINT to a real `evalpipe repeat`: landed responses stay in responses.jsonl, repeat.json says partial."""
+    import signal
+    import subprocess
+    import time
+
+    with start_peer(variants=[V0, V1], completion_delay_s=0.2) as (base_url, stats):
+        proc = subprocess.Popen([sys.executable, "-m", "evalpipe.cli", "repeat", "--base-url", base_url, "--repeats",
+                                 "50", "--fixtures", "open_short", "--conditions", "serial", "--out", str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while stats()["requests"] < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    run_dir = next((tmp_path / "repeat").iterdir())
+    recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
+    result = json.loads((run_dir / "repeat.json").read_text())
+    assert result["partial"] is True and len(recs) >= 2
+    g = result["groups"]["open_short"]["serial"]
+    assert g["n"] == len(recs) and g["distinct"] == len({tuple(r["output_token_ids"]) for r in recs})

@@ -65,8 +65,15 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
                        api_key=api_key, token_ids=not no_token_ids, timeout_s=timeout_s, arm=arm,
                        out_dir=Path(out_dir))
     bar = tqdm(total=planned_requests(cfg), desc="repeat", unit="req")
+    runner = RepeatRun(cfg, progress=bar.update)
     try:
-        result = asyncio.run(RepeatRun(cfg, progress=bar.update).run())
+        result = asyncio.run(runner.run())
+    except KeyboardInterrupt:
+        bar.close()
+        if runner.run_dir is not None and runner.records:  # every landed response is already in responses.jsonl
+            runner.write_result(partial=True)
+            click.echo(f"interrupted: partial repeat.json written in {runner.run_dir}", err=True)
+        raise SystemExit(130)
     except RepeatError as exc:
         raise click.ClickException(str(exc)) from exc
     except Exception as exc:  # connection refused and friends: a clear message, not a traceback
