@@ -246,6 +246,10 @@ class Runner:
             self.run_dir = Path(cfg.resume_dir)
             old_manifest = json.loads((self.run_dir / MANIFEST_FILE).read_text())
             self.run_id = old_manifest["run_id"]
+            resume_start = self._snapshot(self.server_facts)
+            protocol, _ = manifest_mod.differences(old_manifest["start"], resume_start)
+            if protocol:  # checked before the folder is touched
+                raise RunError("cannot resume: the protocol changed since the run started:\n  " + "\n  ".join(protocol))
             read = read_records(self.run_dir / RESPONSES_FILE)
             if read.bad_lines:
                 raise RunError(f"{self.run_dir / RESPONSES_FILE}: lines {read.bad_lines[:10]} are not JSON; refusing to resume")
@@ -286,11 +290,10 @@ class Runner:
                 "start": None,
                 "end": None,
             }
-        self.manifest["start" if self.resumed is None else "resume_start"] = self._snapshot(self.server_facts)
-        if self.resumed is not None:
-            protocol, _ = manifest_mod.differences(self.manifest["start"], self.manifest["resume_start"])
-            if protocol:
-                raise RunError("cannot resume: the protocol changed since the run started:\n  " + "\n  ".join(protocol))
+        if self.resumed is None:
+            self.manifest["start"] = self._snapshot(self.server_facts)
+        else:
+            self.manifest["resume_start"] = resume_start
         write_json(self.run_dir / MANIFEST_FILE, self.manifest)
 
     # ---- requests ---------------------------------------------------------------------------------------

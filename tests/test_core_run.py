@@ -293,6 +293,12 @@ def test_resume_refuses_protocol_flags(srv, tmp_path):
     run_dir = only_run_dir(tmp_path, "gsm8k")
     r = run_cli("run", "--resume", run_dir, "--base-url", url, "--temperature", "1")
     assert r.returncode == 2 and "--temperature" in r.stderr
+    # a server that now describes itself differently is a different protocol: refused, folder untouched
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    set_config(url, server_info={"scripted": True, "speculative": {"mode": "block"}})
+    r = run_cli("run", "--resume", run_dir, "--base-url", url)
+    assert r.returncode == 1 and "protocol changed" in r.stderr and "speculative" in r.stderr
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
 def test_aime_x16_subset_metrics_and_audit(srv, tmp_path):
