@@ -11,7 +11,6 @@ ab.json and report.html.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 import sys
 from datetime import datetime, timezone

@@ -109,5 +109,7 @@ def render(index: dict) -> str:
 
 def write_report(out: Path, index: dict) -> Path:
     path = Path(out) / "report.html"
-    path.write_text(render(index))
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(render(index))
+    tmp.replace(path)
     return path

@@ -19,7 +19,7 @@ import click
 
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
 from evalpipe.launchers.base import free_port
-from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences
+from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences, write_receipt
 
 INDEX_FILE = "ab.json"
 REPORT_FILE = "report.html"
@@ -85,7 +85,7 @@ class ABRun:
     def save(self) -> None:
         from evalpipe.launchers.ab_report import write_report
 
-        (self.out / INDEX_FILE).write_text(json.dumps(self.index, indent=2, default=str) + "\n")
+        write_receipt(self.out / INDEX_FILE, self.index)  # atomic JSON write (same as receipts)
         write_report(self.out, self.index)
 
     def fail(self, message: str, status: str = "failed") -> int:

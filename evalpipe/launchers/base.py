@@ -197,7 +197,7 @@ class Launcher(ABC):
         url = self.base_url + self.health_path
         deadline = time.monotonic() + timeout
         last = "no answer yet"
-        with httpx.Client(headers=self.headers()) as client:
+        with httpx.Client(headers=self.headers(), trust_env=False) as client:
             while True:
                 code = self.process.poll()
                 if code is not None:

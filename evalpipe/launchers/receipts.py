@@ -43,7 +43,7 @@ def fetch_json(client: httpx.Client, url: str):
 def server_report(launcher: Launcher) -> dict:
     """Ask the running server about itself: effective settings, served models, version."""
     report: dict = {"server_info": None, "server_info_path": None, "models": None, "version": None}
-    with httpx.Client(base_url=launcher.base_url, headers=launcher.headers()) as client:
+    with httpx.Client(base_url=launcher.base_url, headers=launcher.headers(), trust_env=False) as client:
         for path in launcher.info_paths:
             info = fetch_json(client, path)
             if isinstance(info, dict):
