@@ -214,6 +214,9 @@ def test_receipt_differences_explained_only_by_declared_flags():
     assert problems == ["engine_version: A='0.5.23' B='0.5.24'", "server setting mem_fraction_static: A=0.8 B=0.7"]
     assert receipt_differences(base, other, declared=["speculative"], allow=["mem_fraction*", "engine_version"]) == [
         "engine_version: A='0.5.23' B='0.5.24'"]
+    # another engine build (--engine-command pointing at another venv) is a declared difference
+    assert receipt_differences(base, other, declared=["engine_command"], allow=["mem_fraction*"]) == [
+        "server setting speculative_algorithm: A=None B='DSPARK'", "server setting speculative_num_steps: A=None B=1"]
 
 
 # ----- real processes -------------------------------------------------------------------------------------

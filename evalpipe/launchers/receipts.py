@@ -191,10 +191,14 @@ def receipt_differences(a: dict, b: dict, declared: Iterable[str] = (), allow: I
         if x != y:
             problems.append(f"{label}: A={x!r} B={y!r}")
 
-    check("engine", a.get("engine"), b.get("engine"))
-    check("engine_version", a.get("engine_version"), b.get("engine_version"))
+    names = {_norm(flag) for flag in declared}
+    if "engine" not in names:
+        check("engine", a.get("engine"), b.get("engine"))
+    if not names & {"engine", "engine_command"}:  # another engine build is a declared difference
+        check("engine_version", a.get("engine_version"), b.get("engine_version"))
     check("gpus", a.get("gpus"), b.get("gpus"))
-    check("served models", _model_ids(a.get("models")), _model_ids(b.get("models")))
+    if not names & {"model", "served_model_name"}:
+        check("served models", _model_ids(a.get("models")), _model_ids(b.get("models")))
     env_a, env_b = a.get("env") or {}, b.get("env") or {}
     for name in sorted(set(env_a) | set(env_b)):
         if env_a.get(name) != env_b.get(name) and not explained(name, declared, allow):
