@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -104,6 +105,7 @@ class Engine:
             exhausted=exhausted,
         )
         self.allocated_slots = 0
+        self.last_step_at = 0.0  # time.monotonic() of the last completed forward (liveness for /health_generate)
         self.stats = {"requests": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0}
         self._cond = threading.Condition()
         self._aborts: list[Sequence] = []
@@ -159,7 +161,13 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     break
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # a bug outside the forward: fail what is in flight, keep the thread alive
+                log.error("engine loop error:\n%s", traceback.format_exc())
+                with self._cond:
+                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                        self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
         with self._cond:
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(seq, "abort")
@@ -197,6 +205,7 @@ class Engine:
             return 0
         with self._cond:
             self.stats["steps"] += 1
+            self.last_step_at = time.monotonic()
             for seq, (tokens, logit_rows) in committed.items():
                 if not seq.aborted and seq.status is Status.RUNNING:
                     self._emit(seq, tokens, logit_rows)

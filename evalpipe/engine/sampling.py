@@ -39,7 +39,7 @@ class SamplingParams:
         if self.greedy:
             return None
         gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        gen.manual_seed(self.seed % (1 << 64) if self.seed is not None else secrets.randbits(63))
         return gen
 
 

@@ -114,7 +114,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _one_token(state: ServerState) -> bool:
-    """Generate one greedy token from the BOS token through the whole engine path."""
+    """Generate one greedy token from the BOS token through the whole engine path.
+
+    As in SGLang, a forward that completes while the probe waits (other requests being served) also proves the
+    engine alive: then the probe is withdrawn and the answer is 200 without waiting for its own turn.
+    """
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -126,15 +130,20 @@ async def _one_token(state: ServerState) -> bool:
     bos = bos if bos is not None else getattr(state.runner.config, "bos_token_id", 0) or 0
     seq = Sequence(prompt=[bos], params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                    on_event=on_event)
+    engine = state.engine
     try:
-        state.engine.submit([seq])
+        engine.submit([seq])
     except QueueFull:
         return False
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     try:
-        ev = await asyncio.wait_for(done, HEALTH_GENERATE_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        state.engine.abort([seq])
+        while time.monotonic() - t0 < HEALTH_GENERATE_TIMEOUT_S:
+            try:
+                ev = await asyncio.wait_for(asyncio.shield(done), 0.25)
+                return ev.error is None and len(seq.output) == 1
+            except asyncio.TimeoutError:
+                if engine.last_step_at > t0:
+                    return True
         return False
-    state.last_health_generate_s = time.perf_counter() - t0
-    return ev.error is None and len(seq.output) == 1
+    finally:
+        engine.abort([seq])
