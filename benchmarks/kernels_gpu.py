@@ -527,6 +527,15 @@ def section_mxfp8(bench: Bench) -> None:
                 f"partials max rel err {part_err:.2e}; {flips} e4m3 codes differ from the all-reference chain "
                 "(bf16 ties after fp32 partials in another order)")
 
+    # single-launch variant (not the default yet: this run is its first on a GPU): same bytes, tickets reset
+    ok = True
+    for rows in (*range(1, 9), 16):
+        x = attn_view(rows)
+        for _ in range(2):
+            ok &= _mx_same_bytes(wo_a_mxfp8(x, weight, backend="triton", single_launch=True),
+                                 wo_a_mxfp8(x, weight, backend="triton"))
+    bench.check("wo_a_mxfp8(single_launch=True) M 1..8,16 (twice each) == two-launch bytes", ok)
+
     ok, worst = True, 0.0
     for nb, kb in WO_B_SHAPES:
         w_b = (torch.randn(nb, kb, generator=gen, device=dev) / math.sqrt(kb)).to(torch.bfloat16)
@@ -553,6 +562,13 @@ def section_mxfp8(bench: Bench) -> None:
     bench.graph_replay_check(
         "wo_a_mxfp8 M=8 into a 255-filled Mxfp8Tensor",
         lambda: wo_a_mxfp8(x, weight, out=out, backend="triton"),
+        mutate,
+        lambda: mxfp8_reduce_quantize_reference(wo_a_partials(x, weight, backend="triton")),
+        lambda got, want: _mx_same_bytes(out, want),
+    )
+    bench.graph_replay_check(
+        "wo_a_mxfp8(single_launch=True) M=8 into a 255-filled Mxfp8Tensor",
+        lambda: wo_a_mxfp8(x, weight, out=out, backend="triton", single_launch=True),
         mutate,
         lambda: mxfp8_reduce_quantize_reference(wo_a_partials(x, weight, backend="triton")),
         lambda got, want: _mx_same_bytes(out, want),
@@ -584,6 +600,9 @@ def section_mxfp8(bench: Bench) -> None:
 
         bench.time_pair(f"wo_a_mxfp8 M={rows} W[2,1024,4096]", lambda x=x, out=out: wo_a_mxfp8(
             x, weight, out=out, backend="triton"), unfused, weight.numel() * 2, target="<=1.5x floor")
+        bench.time_pair(f"wo_a_mxfp8 single_launch M={rows}", lambda x=x, out=out: wo_a_mxfp8(
+            x, weight, out=out, backend="triton", single_launch=True), unfused, weight.numel() * 2,
+            target="<=1.5x floor")
     for rows in (8, 300):
         y = torch.randn(rows, n, generator=gen, device=dev).to(torch.bfloat16)
         out = Mxfp8Tensor.empty(rows, n, device=dev)

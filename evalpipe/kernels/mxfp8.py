@@ -319,6 +319,65 @@ if triton is not None:
         tl.store(out, acc, mask=(rows < M)[:, None] & (cols < R)[None, :])
 
     @triton.jit
+    def _gpu_fence(dep):
+        """fence.acq_rel.gpu (CUDA's __threadfence) in every thread; `dep` only gives the asm an operand."""
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [dep.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _wo_a_fused_kernel(x_ptr, sx_t, sx_g, w_ptr, sw_g, sw_n, p_ptr, cnt_ptr, data_ptr, data_stride, scale_ptr,
+                           M, R, Kg, GP, SPLIT_LEN: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+                           FENCE: tl.constexpr):
+        """Single-launch WO-A for M <= BM: program (column tile c, split s) writes its fp32 partial; the last of
+        the S programs of a column tile to arrive (atomic ticket) reduces s = 0..S-1 in order, rounds to bf16,
+        quantizes, writes its scale column for all 128 padded rows and resets the ticket for the next call."""
+        c = tl.program_id(0)
+        s = tl.program_id(1)
+        N = G * R
+        col0 = c * BN
+        g = col0 // R
+        n0 = col0 % R
+        rows = tl.arange(0, BM)
+        cols = tl.arange(0, BN)
+        k_lo = s * SPLIT_LEN
+        k_hi = tl.minimum(k_lo + SPLIT_LEN, Kg)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        x_base = x_ptr + rows[:, None].to(tl.int64) * sx_t + g * sx_g
+        w_base = w_ptr + g.to(tl.int64) * sw_g + (n0 + cols[None, :]).to(tl.int64) * sw_n
+        for kk in tl.static_range(0, SPLIT_LEN, BK):
+            ks = k_lo + kk + tl.arange(0, BK)
+            kin = ks < k_hi
+            a = tl.load(x_base + ks[None, :], mask=(rows < M)[:, None] & kin[None, :], other=0.0)
+            b = tl.load(w_base + ks[:, None], mask=kin[:, None], other=0.0)
+            if DOT_FP32:  # CPU interpreter: its dot reads bf16 operands as raw integers
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        tile = p_ptr + rows[:, None].to(tl.int64) * N + col0 + cols[None, :]
+        live = (rows < M)[:, None] & (cols < BN)[None, :]
+        tl.store(tile + s.to(tl.int64) * M * N, acc, mask=live)
+        if FENCE:  # __threadfence() in every thread, then the CTA barrier, then one acq_rel ticket
+            _gpu_fence(s)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + c, 1, sem="acq_rel", scope="gpu")
+        if ticket == S - 1:
+            if FENCE:
+                _gpu_fence(s)
+            tl.debug_barrier()
+            y = tl.load(tile, mask=live, other=0.0, cache_modifier=".cg")
+            for t in tl.static_range(1, S):
+                y = y + tl.load(tile + t * M * N, mask=live, other=0.0, cache_modifier=".cg")
+            _quantize_tile(_rne_bf16(y), M, 0, col0 // 32, data_ptr, data_stride, scale_ptr, GP, N, BM, BN // 32)
+            grp = col0 // 32 + tl.arange(0, BN // 32)
+            for rb in tl.static_range(BM, 128, BM):  # padded scale rows of this column tile: 0 on every call
+                prow = rb + tl.arange(0, BM)
+                off = ((grp[None, :] // 4) * 512 + (prow[:, None] % 32) * 16 + ((prow[:, None] // 32) % 4) * 4
+                       + grp[None, :] % 4)
+                tl.store(scale_ptr + off, tl.zeros((BM, BN // 32), dtype=tl.uint8))
+            tl.store(cnt_ptr + c, 0)
+
+    @triton.jit
     def _mxfp8_linear_kernel(a_ptr, a_stride, scale_ptr, w_ptr, w_stride, o_ptr, o_stride, M, N, K, GP,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
                              OUT_BF16: tl.constexpr):
@@ -438,8 +497,28 @@ def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") 
     return partials
 
 
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the single-launch WO-A, one per column tile; every launch leaves them 0.
+
+    Cached per device (allocate outside CUDA-graph capture: the first call normally does). Two single-launch
+    WO-A calls must not run concurrently on different streams: they would share these counters.
+    """
+    key = (device, count)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(count, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
+def _single_launch_ok(x: torch.Tensor, w_a: torch.Tensor, bn: int) -> bool:
+    g, r, _ = w_a.shape
+    return x.shape[0] <= 16 and r % bn == 0 and (g * r // GROUP) % 4 == 0
+
+
 def wo_a_mxfp8(x: torch.Tensor, w_a: torch.Tensor, *, out: Mxfp8Tensor | None = None,
-               backend: str = "auto") -> Mxfp8Tensor:
+               backend: str = "auto", single_launch: bool = False) -> Mxfp8Tensor:
     """Grouped output projection A fused with MXFP8 quantization of its bf16 output.
 
     x [M, G, Kg] bf16 (unit last stride), w_a [G, R, Kg] bf16 -> Mxfp8Tensor [M, G*R]. Two launches: the split-K
@@ -448,6 +527,11 @@ def wo_a_mxfp8(x: torch.Tensor, w_a: torch.Tensor, *, out: Mxfp8Tensor | None = 
     any M works (M > 128 uses several 128-row scale tiles).
     Exactness: byte-equal to `mxfp8_reduce_quantize_reference(wo_a_partials(x, w_a))` on the kernel's partials;
     against the all-reference chain only as close as the fp32 partials (a bf16 tie can flip one code).
+
+    single_launch=True (Triton, M <= 16, R % 32 == 0, G*R % 128 == 0; otherwise the two launches): one kernel in
+    which the last split to finish a 32-column tile (atomic ticket) does the reduce+quantize for that tile; same
+    partials and the same byte-exact tail. Saves a launch at small M; not yet the default because it has only run
+    under the CPU interpreter (no GPU memory-ordering check yet).
     """
     _check_wo_a(x, w_a)
     m = x.shape[0]
@@ -457,8 +541,27 @@ def wo_a_mxfp8(x: torch.Tensor, w_a: torch.Tensor, *, out: Mxfp8Tensor | None = 
     out_tensors = [out.data, out.scales] if out is not None else []
     if not use_triton(backend, [x, w_a, *out_tensors], _wo_a_guard(x, w_a)):
         return wo_a_mxfp8_reference(x, w_a, out=out)
+    if single_launch and _single_launch_ok(x, w_a, 32) and m > 0:
+        return _wo_a_single_launch(x, w_a, out)
     partials = wo_a_partials(x, w_a, backend="triton")
     return mxfp8_reduce_quantize(partials, out=out, backend="triton")
+
+
+def _wo_a_single_launch(x: torch.Tensor, w_a: torch.Tensor, out: Mxfp8Tensor | None) -> Mxfp8Tensor:
+    m, g, kg = x.shape
+    r = w_a.shape[1]
+    n = g * r
+    bn = 32
+    out = out if out is not None else Mxfp8Tensor.empty(m, n, device=x.device)
+    split_len = _ceil_to(-(-kg // SPLITS), SPLIT_ALIGN)
+    partials = torch.empty(SPLITS, m, n, dtype=torch.float32, device=x.device)
+    tickets = _tickets(x.device, n // bn)
+    data_u8 = out.data.view(torch.uint8)
+    _wo_a_fused_kernel[(n // bn, SPLITS)](
+        x, x.stride(0), x.stride(1), w_a, w_a.stride(0), w_a.stride(1), partials, tickets, data_u8,
+        data_u8.stride(0), out.scales, m, r, kg, _ceil_to(n // GROUP, 4), SPLIT_LEN=split_len, G=g, S=SPLITS,
+        BM=16, BN=bn, BK=SPLIT_ALIGN, DOT_FP32=interpret_mode(), FENCE=not interpret_mode())
+    return out
 
 
 def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16, backend: str = "auto") -> torch.Tensor:

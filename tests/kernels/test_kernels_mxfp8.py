@@ -192,3 +192,18 @@ def test_dispatch_rules(monkeypatch):
         mxfp8_quantize(y, backend="triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         wo_a_mxfp8(torch.randn(2, 2, 128).bfloat16(), torch.randn(2, 32, 128).bfloat16(), backend="triton")
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 17])
+def test_wo_a_single_launch_equals_two_launches(rows):
+    """The one-kernel variant (last split of a column tile reduces + quantizes) writes the same bytes, rewrites the
+    padding of a 255-filled buffer, and leaves its arrival tickets at 0 so the next call works; M > 16 falls back."""
+    gen = torch.Generator().manual_seed(100 + rows)
+    w_a = (torch.randn(2, 64, 256, generator=gen) / 16).bfloat16()
+    out = Mxfp8Tensor.empty(rows, 128)
+    for _ in range(2):
+        x = torch.randn(rows, 2, 256, generator=gen).bfloat16()
+        out.scales.fill_(255)
+        u8(out.data).fill_(255)
+        wo_a_mxfp8(x, w_a, out=out, backend="triton", single_launch=True)
+        assert_same_bytes(out, wo_a_mxfp8(x, w_a, backend="triton"))
