@@ -89,7 +89,7 @@ class RunConfig:
     arm: str = "default"
     out_dir: Path = Path("results")
     concurrency: Optional[int] = None
-    timeout_s: float = 3600.0
+    timeout_s: float = 14400.0
     max_retries: int = 3
     retry_backoff_s: float = 1.0
     overrides: dict = field(default_factory=dict)  # param name -> value (None = "do not send")

@@ -26,6 +26,7 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
   server_info  JSON returned by /get_server_info (default {"scripted": true}); null -> 404.
   spec         object put on every choice as `spec` (e.g. {"accept_length": 2.5, "simulated": false}).
   token_ids    when true (default) and the request has return_token_ids, the choice carries `token_ids`.
+A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
 """
 
@@ -257,6 +258,16 @@ class ScriptedApp:
         n_out = max(1, len(text) // 4)
         if cfg["token_ids"] and body.get("return_token_ids"):
             choice["token_ids"] = list(range(100, 100 + n_out))
+        if body.get("logprobs"):  # fake but well-formed: one entry per 4-char "token"
+            toks = [text[i:i + 4] for i in range(0, len(text), 4)]
+            k = body.get("top_logprobs", body.get("logprobs")) if chat else body.get("logprobs")
+            if chat:
+                choice["logprobs"] = {"content": [
+                    {"token": t, "logprob": -0.1, "top_logprobs": [{"token": t, "logprob": -0.1 - j} for j in range(int(k))]}
+                    for t in toks]}
+            else:
+                choice["logprobs"] = {"tokens": toks, "token_logprobs": [-0.1] * len(toks),
+                                      "top_logprobs": [{t + str(j): -0.1 - j for j in range(int(k))} for t in toks]}
         prompt_len = len(body.get("prompt", "")) if not chat else len(json.dumps(body.get("messages", [])))
         resp = {
             "id": f"cmpl-{self.n_requests}",

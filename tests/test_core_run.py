@@ -54,7 +54,8 @@ def _n_requests(base_url):
 def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(srv, tmp_path):
     url = srv(mode="mixed")
     n = 120
-    r = run_lane("gsm8k", url, tmp_path, "--num-examples", n, "--concurrency", 16, "--max-retries", 1, "--arm", "spec_off")
+    r = run_lane("gsm8k", url, tmp_path, "--num-examples", n, "--concurrency", 16, "--max-retries", 1, "--arm", "spec_off",
+                 "--logprobs", 2)
     assert r.returncode == 0, r.stderr
     assert "accuracy" in r.stdout and "run folder:" in r.stdout
     run_dir = only_run_dir(tmp_path, "gsm8k")
@@ -79,6 +80,7 @@ def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(
             assert rec["truncated"] and rec["finish_reason"] == "length" and rec["grade_status"] == "truncated"
         if b == "correct":
             assert rec["output_token_ids"] and rec["request"]["return_token_ids"] is True
+            assert rec["request"]["logprobs"] == 2 and len(rec["logprobs"]["top_logprobs"][0]) == 2
     expected_correct = sum(b == "correct" for b in buckets.values())
     assert summary["n_planned"] == summary["n_records"] == n
     assert summary["n_correct"] == expected_correct
@@ -212,7 +214,7 @@ def test_data_drift_is_refused_unless_allowed(srv, tmp_path):
 def test_overrides_are_sent_and_recorded(srv, tmp_path):
     url = srv(mode="correct", spec={"verify_steps": 3, "accept_length": 2.5, "simulated": False})
     r = run_lane("gsm8k", url, tmp_path, "--num-examples", 2, "--max-tokens", 64, "--temperature", 0.5,
-                 "--seed", "none", "--top-p", 0.9, "--no-token-ids")
+                 "--seed", "none", "--top-p", 0.9, "--no-token-ids", "--api-key", "sk-secret-123")
     assert r.returncode == 0, r.stderr
     records, summary, manifest = load_run(only_run_dir(tmp_path, "gsm8k"))
     body = records[0]["request"]
@@ -220,6 +222,8 @@ def test_overrides_are_sent_and_recorded(srv, tmp_path):
     assert "seed" not in body and "return_token_ids" not in body and records[0]["output_token_ids"] is None
     assert summary["overrides"] == {"max_tokens": 64, "temperature": 0.5, "seed": None, "top_p": 0.9, "num_examples": 2}
     assert manifest["start"]["lane"]["overrides"]["seed"] is None
+    assert "sk-secret-123" not in (only_run_dir(tmp_path, "gsm8k") / "manifest.json").read_text()
+    assert "sk-secret-123" not in (only_run_dir(tmp_path, "gsm8k") / "responses.jsonl").read_text()
     assert records[0]["spec"]["accept_length"] == 2.5 and summary["spec_accept_length_mean"] == 2.5
 
 

@@ -37,8 +37,9 @@ def _parse_seed(ctx, param, value):
               show_default=True, help="Parent folder; the run goes to <out>/<lane>/<run_id>/.")
 @click.option("--arm", default="default", show_default=True,
               help="Label of this arm (e.g. spec_on, spec_off); part of the run id and every record.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=3600.0, show_default=True,
-              help="Per-request timeout in seconds (a timeout is retried like a transport error).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=14400.0, show_default=True,
+              help="Per-request timeout in seconds (a timeout is retried like a transport error). The default, "
+              "4 h, is NeMo-Skills'/sgl-eval's: a 65536-token AIME answer can legitimately take hours.")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="Override the lane's max_tokens.")
 @click.option("--temperature", type=click.FloatRange(0.0), default=None, help="Override the lane's temperature.")
 @click.option("--seed", callback=_parse_seed, default=None, help="Override the lane's seed; 'none' sends no seed.")
@@ -124,7 +125,7 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         overrides=overrides, num_examples=num_examples, repeats=repeats, data_dir=data_dir,
         allow_data_drift=allow_data_drift, token_ids=not no_token_ids, logprobs=logprobs,
         grader_workers=grader_workers, grader_timeout_s=grader_timeout, fsync=fsync, progress=not no_progress,
-        resume_dir=resume_dir, command_line=list(sys.argv),
+        resume_dir=resume_dir, command_line=_redacted_argv(sys.argv),
     )
     try:
         outcome = Runner(cfg).execute()
@@ -134,6 +135,23 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     if outcome.exit_code:
         click.echo(f"evalpipe run: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)
+
+
+def _redacted_argv(argv: list[str]) -> list[str]:
+    """The command line for the manifest, with the API key's value replaced."""
+    out, hide = [], False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(a)
+    return out
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:
