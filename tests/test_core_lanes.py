@@ -108,3 +108,31 @@ def test_repeated_lane_metrics_formulas():
     assert s["accuracy"] == s["pass@1"] == 2 / 8
     assert s["pass@4"] == 0.5 and s["majority@4"] == 0.5
     assert s["no_answer"] == pytest.approx((1 / 4 + 4 / 4) / 2)
+
+
+def test_simulation_and_spec_blocks_are_recognised():
+    from evalpipe.endpoint import simulation_reason, spec_from_response
+
+    assert simulation_reason({"simulate_acc_len": 2.5})
+    assert simulation_reason({"speculative": {"simulate_acc_len": 3}})
+    assert simulation_reason({"simulate_acc_len": -1}) is None
+    assert simulation_reason({"speculative": {"simulate_acc_len": None}}) is None
+    assert simulation_reason(None) is None
+    spec = {"verify_steps": 4, "accept_length": 2.0, "simulated": False}
+    assert spec_from_response({}, {"spec": spec}) == spec
+    assert spec_from_response({"sglext": {"spec": {"accept_length": 3}}}, {}) == {"accept_length": 3}
+    assert spec_from_response({}, {"meta_info": {"spec_verify_ct": 7, "e2e_latency": 1.0}}) == {"spec_verify_ct": 7}
+    assert spec_from_response({"usage": {}}, {"text": "x"}) is None
+
+
+def test_reader_keeps_landed_records_and_reports_a_torn_tail(tmp_path):
+    from evalpipe.records import RecordWriter, read_records
+
+    path = tmp_path / "responses.jsonl"
+    with RecordWriter(path) as w:
+        w.write({"lane": "gsm8k", "question_id": 5, "repeat_index": 0})
+        w.write({"lane": "gsm8k", "question_id": 6, "repeat_index": 0})
+    with open(path, "a") as fh:
+        fh.write('{"lane": "gsm8k", "quest')  # a writer killed mid-line
+    got = read_records(path)
+    assert [r["question_id"] for r in got.records] == [5, 6] and got.torn_tail and not got.bad_lines
