@@ -38,25 +38,37 @@ class Attention:
                                          overlap=layer_type == CSA, eps=self.eps, rope=ropes["compress"])
             if layer_type == CSA:
                 self.indexer = Indexer(sd, prefix + "compressor.indexer.", config, ropes["compress"])
+        # every projection of the block input x in one GEMM: q_a | kv | compressor kv,gate | indexer kv,gate,weights
+        parts = [self.q_a, self.kv_proj]
+        if self.compressor is not None:
+            parts.append(self.compressor.w_kv_gate)
+        if self.indexer is not None:
+            parts += [self.indexer.compressor.w_kv_gate, self.indexer.weights_proj]
+        self.w_in = torch.cat(parts, dim=0)
+        self.in_splits = [p.shape[0] for p in parts]
+        # and both projections of q_residual: attention q_b | indexer q_b
+        self.w_qb = torch.cat([self.q_b, self.indexer.q_b], dim=0) if self.indexer is not None else self.q_b
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pool: LayerPool) -> torch.Tensor:
         T = x.shape[0]
         cos, sin, neg_sin = batch.rope(self.rope)
-        q_residual = rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps)
-        q = unweighted_rms_norm(F.linear(q_residual, self.q_b).view(T, self.heads, self.head_dim), self.eps)
-        kv = rms_norm(F.linear(x, self.kv_proj), self.kv_norm, self.eps)
+        projected = F.linear(x, self.w_in).split(self.in_splits, dim=-1)
+        q_residual = rms_norm(projected[0], self.q_a_norm, self.eps)
+        qb = F.linear(q_residual, self.w_qb)
+        q = unweighted_rms_norm(qb[:, : self.heads * self.head_dim].view(T, self.heads, self.head_dim), self.eps)
+        kv = rms_norm(projected[1], self.kv_norm, self.eps)
         # one RoPE call for the query heads and the shared K=V head
         qkv = apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin, self.rope.rot)
         q, kv = qkv[:, : self.heads], qkv[:, self.heads]
 
         comp_proj = idx_proj = idx_q = None
         if self.compressor is not None:
-            comp_proj = self.compressor.project(x)
+            comp_proj = projected[2]
             self.compressor.pool(comp_proj, batch, pool.compressor)
         if self.indexer is not None:
-            idx_proj = self.indexer.compressor.project(x)
+            idx_proj = projected[3]
             self.indexer.compressor.pool(idx_proj, batch, pool.indexer)
-            idx_q = self.indexer.queries(x, q_residual, batch.pos)
+            idx_q = self.indexer.queries_from(qb[:, self.heads * self.head_dim:], projected[4], cos, sin)
 
         if len(batch.groups) == 1:
             out = self._attend(q, kv, batch.groups[0], batch, pool, idx_q).view(T, self.heads, self.head_dim)
@@ -109,7 +121,9 @@ class Attention:
             logits.append(cl)
         logits.append(self.sinks.expand(group.size, group.n, self.heads).unsqueeze(-1))
         combined = torch.cat(logits, dim=-1)
-        probs = (combined - combined.amax(dim=-1, keepdim=True)).softmax(dim=-1)
+        probs = (combined - combined.amax(dim=-1, keepdim=True)).softmax(dim=-1)  # float32 when q is bf16 (sinks)
+        if probs.dtype != win.dtype:
+            probs = probs.to(win.dtype)
         out = torch.matmul(probs[..., : self.window], win.transpose(-1, -2))
         if comp is not None:
             out = out + torch.matmul(probs[..., self.window: -1], comp)

@@ -80,6 +80,11 @@ class Indexer:
         weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5
         return q, weights
 
+    def queries_from(self, q_proj: torch.Tensor, weight_logits: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """`queries` from already projected rows (q_residual @ q_b, x @ weights_proj) and the rows' cos/sin."""
+        q = apply_rope(q_proj.view(q_proj.shape[0], self.heads, self.dim), cos, sin, self.rope.rot)
+        return q, weight_logits.float() * self.heads**-0.5
+
     def select(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
                pool: CompressorPool) -> torch.Tensor:
         """[G, n, k] selected entry indices per query (-1 = none), k = min(index_topk, entries in the group)."""

@@ -32,9 +32,12 @@ class MoE:
         self.down = sd[prefix + "experts.down_proj"]  # [E, D, I]
         self.num_experts = self.gate_up.shape[0]
         self.shared = [sd[prefix + f"shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
+        # router | shared gate | shared up read the same input: one GEMM
+        self.w_in = torch.cat([self.router, self.shared[0], self.shared[1]], dim=0)
+        self.in_splits = [self.router.shape[0], self.shared[0].shape[0], self.shared[1].shape[0]]
 
-    def route(self, x: torch.Tensor, input_ids: torch.Tensor):
-        scores = _score(F.linear(x, self.router), self.scoring)
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor, router_logits: torch.Tensor | None = None):
+        scores = _score(F.linear(x, self.router) if router_logits is None else router_logits, self.scoring)
         if self.is_hash:
             idx = self.tid2eid[input_ids].long()
         else:
@@ -47,7 +50,8 @@ class MoE:
         return self.act(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        idx, w = self.route(x, input_ids)
+        router_logits, shared_gate, shared_up = F.linear(x, self.w_in).split(self.in_splits, dim=-1)
+        idx, w = self.route(x, input_ids, router_logits)
         routed = torch.zeros_like(x)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
@@ -63,5 +67,4 @@ class MoE:
             y = F.linear(self._swiglu(gate, up), self.down[e]) * weight_of[start:start + c, None]
             routed.index_add_(0, tok, y.to(x.dtype))
             start += c
-        g, u, d = self.shared
-        return routed + F.linear(self._swiglu(F.linear(x, g), F.linear(x, u)), d)
+        return routed + F.linear(self._swiglu(shared_gate, shared_up), self.shared[2])
