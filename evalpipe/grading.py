@@ -128,10 +128,13 @@ class GraderPool:
         self._lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grader")
         self.n_timeouts = 0
+        self._closed = False
         for _ in range(workers):
             self._spawn()
 
     def _spawn(self) -> None:
+        if self._closed:
+            return
         w = _Worker(self._ctx)
         with self._lock:
             self._all.append(w)
@@ -171,6 +174,7 @@ class GraderPool:
 
     def close(self, wait: bool = True) -> None:
         """Stop the workers; `wait=False` (after Ctrl-C) kills them without waiting for answers in progress."""
+        self._closed = True
         self._threads.shutdown(wait=wait, cancel_futures=not wait)
         with self._lock:
             workers = list(self._all)
