@@ -9,6 +9,16 @@ and generation loop), requests/s, accuracy, and the ratio.
 Target (issue 2): evalpipe no slower than sgl-eval, and >= 300 requests/s on a 2-core machine.
 
     python benchmarks/harness_overhead.py [--rounds 1] [--concurrency 64] [--keep DIR]
+
+Measured 2026-11-29, `taskset -c 0,1` (2 otherwise idle x86-64 cores, Python 3.12), --rounds 2, best shown:
+
+    tool       requests  process wall s  loop wall s  req/s (process)  req/s (loop)  harness CPU s  server CPU s
+    evalpipe       1314            3.86         1.86            340.3         707.1           3.83          0.46
+    sgl-eval       1314           11.06         5.84            118.8         224.9          11.17          0.67
+    ratio evalpipe/sgl-eval process wall = 0.35
+
+On the shared 2-core development machine (load average 10-14 from other work) wall times are dominated by
+the load; compare the CPU-seconds columns there.
 """
 
 from __future__ import annotations
