@@ -124,7 +124,7 @@ class ServerState:
             self.engine.start()
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("model loading failed:\n%s", traceback.format_exc())
+            log.debug("model loading failed:\n%s", traceback.format_exc())  # --log-level debug shows where
             if self._on_error:
                 self._on_error(self.load_error)
             return
