@@ -87,6 +87,31 @@ def oracle_greedy(model, prompt: list[int], steps: int):
     return tokens, margins
 
 
+def indexer_boundary_ties(model, ids: list[int]) -> tuple[int, int]:
+    """(query rows whose k-th and (k+1)-th best visible indexer scores are exactly equal, rows where top-k selects)
+    over every CSA layer of one oracle forward: the places where a tie rule decides the selection."""
+    config = model.config
+    ratio, topk = config.compress_rates["compressed_sparse_attention"], config.index_topk
+    captured, hooks = [], []
+    for layer in model.model.layers:
+        comp = layer.self_attn.compressor
+        if comp is not None and hasattr(comp, "indexer"):
+            hooks.append(comp.indexer.scorer.register_forward_hook(lambda m, a, out: captured.append(out)))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    ties = selecting = 0
+    for scores in captured:  # [1, S, E]
+        for t in range(scores.shape[1]):
+            visible = scores[0, t, : (t + 1) // ratio]
+            if visible.numel() > topk:
+                selecting += 1
+                top = torch.sort(visible, descending=True).values
+                ties += int(top[topk - 1] == top[topk])
+    return ties, selecting
+
+
 def engine_greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
     seq = runner.allocate()
     try:
@@ -122,11 +147,14 @@ def test_greedy_and_prefill_match_transformers(checkpoints, name, capsys):
         mine = engine_greedy(runner, prompt, NEW_TOKENS)
         ref, margins = oracle_greedy(oracle, prompt, NEW_TOKENS)
         first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        ties, selecting = indexer_boundary_ties(oracle, prompt + ref)
+        tie_note = f"indexer top-k boundary ties {ties}/{selecting} selecting rows"
         if first is None:
-            report.append(f"{name} L={length}: {NEW_TOKENS}/{NEW_TOKENS} greedy tokens equal, prefill diff {diff:.2e}")
+            report.append(f"{name} L={length}: {NEW_TOKENS}/{NEW_TOKENS} greedy tokens equal, prefill diff "
+                          f"{diff:.2e}, {tie_note}")
         else:
             report.append(f"{name} L={length}: first difference at new token {first}, oracle top-2 margin "
-                          f"{margins[first]:.3g} (tie bound {TIE_MARGIN})")
+                          f"{margins[first]:.3g} (tie bound {TIE_MARGIN}), {tie_note}")
             assert margins[first] < TIE_MARGIN, report[-1]
     with capsys.disabled():
         print("\n" + "\n".join(report))

@@ -183,3 +183,42 @@ def test_slots_pages_and_validation(cache_dir, monkeypatch):
         small.truncate(c, 3)
     with pytest.raises(KeyError):
         small.seq_len(99)
+
+
+def test_indexer_tie_rule_prefers_lower_index_and_ignores_invisible():
+    from evalpipe.engine.compressor import causal_topk
+
+    scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0, 0.0]])
+    visible = torch.tensor([[True] * 5 + [False] * 2])
+    # best 1.0/2.0, then the tie at 0.0 goes to the lowest indices
+    assert causal_topk(scores, visible, 3).tolist() == [[1, 4, 0]]
+    assert causal_topk(scores, visible, 4).tolist() == [[1, 4, 0, 2]]
+    # appending more (invisible or lower-scored) columns never changes the pick
+    wider = torch.cat([scores, torch.full((1, 5), 9.0)], dim=1)
+    wider_vis = torch.cat([visible, torch.zeros(1, 5, dtype=torch.bool)], dim=1)
+    assert causal_topk(wider, wider_vis, 3).tolist() == [[1, 4, 0]]
+    # fewer visible than k: the rest is -1
+    assert causal_topk(scores, torch.tensor([[True, True] + [False] * 5]), 3).tolist() == [[1, 0, -1]]
+
+
+def test_forward_is_causal_under_exact_indexer_ties(tmp_path):
+    """One indexer head: about half of all indexer scores are exactly 0 (every ReLU closed), so top-k boundary
+    ties are everywhere. The tie rule keeps the engine causal: a prefix's logits do not move when later tokens
+    are appended (transformers' full forward breaks ties by length-dependent order and is not causal here)."""
+    from evalpipe.engine.config import load_config
+    from evalpipe.engine.weights import init_tiny_weights, save_checkpoint
+
+    data = tiny_config().to_dict()
+    data.update(index_n_heads=1, index_topk=2, num_hidden_layers=2,
+                layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                mlp_layer_types=["hash_moe", "moe"])
+    for key in ("transformers_version", "architectures", "model_type", "qk_rope_head_dim"):
+        data.pop(key, None)
+    config = load_config(data)
+    save_checkpoint(config, init_tiny_weights(config, seed=7), tmp_path / "ties")
+    tied = ModelRunner(str(tmp_path / "ties"), max_seqs=2, max_seq_len=256)
+    ids = prompt(120, 8)
+    a, b = tied.allocate(), tied.allocate()
+    short = tied.forward([a], [ids[:80]], all_logits=True)
+    long = tied.forward([b], [ids], all_logits=True)
+    assert float((short - long[:80]).abs().max()) < LOGIT_TOL

@@ -97,10 +97,17 @@ class Indexer:
         scores = torch.matmul(q[group.rows].float(), keys.transpose(1, 2).unsqueeze(1))  # [G, n, H, E]
         scores = F.relu(scores) * self.dim**-0.5
         scores = (scores * weights[group.rows].unsqueeze(-1)).sum(dim=2)  # [G, n, E]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if k == count:
-            order = torch.arange(count, device=rows.device).expand(group.size, group.n, count)
-        else:
-            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-        picked_visible = torch.gather(visible, -1, order)
-        return torch.where(picked_visible, order, torch.full_like(order, -1))
+        return causal_topk(scores, visible, k)
+
+
+def causal_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] of the k best visible columns, ranked by (score desc, index asc); -1 where fewer than k
+    columns are visible. The rank of a visible column never depends on invisible ones, so a query's selection is
+    the same whatever the sequence length (causal) and whatever the batch padding."""
+    count = scores.shape[-1]
+    if k >= count:
+        order = torch.arange(count, device=scores.device).expand(*scores.shape[:-1], count)
+    else:
+        masked = scores.masked_fill(~visible, float("-inf"))
+        order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.where(torch.gather(visible, -1, order), order, torch.full_like(order, -1))
