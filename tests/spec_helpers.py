@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling import SamplingParams, sample, sampling_probs
 from evalpipe.engine.scheduler import Sequence
 
 TIE_MARGIN = 1e-4  # the oracle test's tie rule: a difference is a tie only if the reference's top-2 margin is below
 
 
-def start(runner, prompts, params=None) -> list[Sequence]:
-    """Allocate, prefill every prompt in one forward, take the first greedy (or sampled) token."""
+def start(runner, prompts, params=None, seeds=None) -> list[Sequence]:
+    """Allocate, prefill every prompt in one forward, take the first token with the engine's own sampler
+    (greedy by default); seeds[i] seeds sequence i's generator on the runner's device."""
     params = params or SamplingParams(temperature=0.0, max_tokens=1 << 20)
     seqs = [Sequence(prompt=list(p), params=params) for p in prompts]
-    for s in seqs:
+    device = getattr(runner, "device", "cpu")
+    for i, s in enumerate(seqs):
         s.slot = runner.allocate()
-        s.generator = params.generator()
+        s.generator = params.generator(device)
+        if seeds is not None and s.generator is not None:
+            s.generator.manual_seed(seeds[i])
     logits = runner.forward([s.slot for s in seqs], [s.prompt for s in seqs])
     for s, row in zip(seqs, logits):
-        s.output = [int(row.argmax())] if params.greedy else [int(torch.multinomial(torch.softmax(row, -1), 1))]
+        s.output = [int(sample(sampling_probs(row, params), s.generator))]
     return seqs
 
 

@@ -41,9 +41,7 @@ def test_first_emitted_token_follows_the_target_distribution(capsys):
     runner.free(probe)
 
     decoder = SpeculativeDecoder(runner, build_drafter("layerskip:3", runner), block_size=3)
-    seqs = start(runner, [prompt] * BATCH, params)
-    for i, s in enumerate(seqs):
-        s.generator = torch.Generator().manual_seed(1000 + i)
+    seqs = start(runner, [prompt] * BATCH, params, seeds=[1000 + i for i in range(BATCH)])
     counts = np.zeros(runner.config.vocab_size)
     for _ in range(ROUNDS):
         for s in seqs:

@@ -207,7 +207,10 @@ def draft_view(target: Any, num_layers: int | None = None) -> Any:
     final norm and lm_head; the view's pools hold state for those N layers only. The weights are shared, not copied.
     """
     from evalpipe.engine.cache import StatePools
+    from evalpipe.engine.runner import ModelRunner
 
+    while not isinstance(target, ModelRunner) and hasattr(target, "runner"):
+        target = target.runner  # a wrapper (GraphRunner): draft eagerly on the wrapped runner's weights
     view = copy.copy(target)
     config = target.config
     if num_layers is not None:

@@ -56,16 +56,16 @@ def rejection_accept(
     """
     drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
     p = target_probs.to(torch.float64)
-    q = draft_probs.to(torch.float64)
+    q = draft_probs.to(device=p.device, dtype=torch.float64)
     if p.shape[0] != len(drafts) + 1 or q.shape[0] != len(drafts):
         raise ValueError(f"need G+1 target rows and G draft rows for G={len(drafts)} drafts, "
                          f"got {p.shape[0]} and {q.shape[0]}")
     emitted: list[int] = []
-    uniforms = torch.rand(len(drafts), generator=generator, dtype=torch.float64)
+    uniforms = torch.rand(len(drafts), generator=generator, dtype=torch.float64, device=p.device).tolist()
     for i, d in enumerate(drafts):
         p_d, q_d = float(p[i, d]), float(q[i, d])
         # accept iff u < p/q, written without the division; q_d == 0 cannot be drafted, reject if it is.
-        if q_d > 0.0 and float(uniforms[i]) * q_d < p_d:
+        if q_d > 0.0 and uniforms[i] * q_d < p_d:
             emitted.append(d)
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)
