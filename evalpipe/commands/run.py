@@ -73,7 +73,9 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     """Run LANE against an OpenAI-compatible endpoint and write responses.jsonl, summary.json, manifest.json.
 
     Every planned item lands exactly once: a final failure is an error record, never a dropped item.
-    Accuracy is over all planned items. Ctrl-C keeps landed records, writes a partial summary and exits 130.
+    Accuracy is over all planned items. Ctrl-C keeps landed records, writes a partial summary and exits 130
+    (SIGTERM: 143). A server that simulates speculative acceptance is refused: before any request when its
+    server info says so (exit 1), or at the first response whose spec says `simulated` (exit 3, records kept).
     """
     from evalpipe.runner import RunConfig, Runner, RunError
     from evalpipe.records import MANIFEST_FILE
