@@ -15,7 +15,7 @@ Signature (all tensors on one device)::
   Rows are request-major blocks of D rows with consecutive positions: rows b*D .. b*D+D-1 belong to one request.
 - positions [N] int32|int64 absolute token positions; req [N] int32|int64 request slot (ring block and
   page_table row).
-- row_valid [N] bool (or integer, nonzero = live). A padding row (row_valid false) reads nothing and writes
+- row_valid [N] bool or integer (nonzero = live). A padding row (row_valid false) reads nothing and writes
   nothing; its positions/req may hold anything (CUDA-graph padding).
 - position_bias [2, hd] fp32 (slot = pos % 2); norm_weight [hd] fp32; eps float.
 - cos, sin [max_pos, rope_dim // 2] fp32: the compress-RoPE tables (interleaved pairs on the last rope_dim dims).
@@ -210,7 +210,7 @@ if triton is not None:
         is what keeps a 6-row launch short.
         """
         row = tl.program_id(0).to(tl.int64)
-        live = tl.load(valid_ptr + row).to(tl.int32) != 0
+        live = tl.load(valid_ptr + row) != 0
         pos = tl.load(pos_ptr + row).to(tl.int64)  # a row's own metadata is always in range
         rq = tl.load(req_ptr + row).to(tl.int64)
         odd = (pos % 2) == 1

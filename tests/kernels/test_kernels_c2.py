@@ -134,6 +134,7 @@ def test_only_odd_block_heads_read_the_ring():
     state = C2State(seed=11, ring_size=8)
     pos0, reqs = [31, 33, 39], [0, 2, 3]  # odd heads, one wrapping the ring
     kv_gate, positions, req, valid = make_batch(pos0, reqs, d, [False] * 3, seed=12)
+    valid = valid.to(torch.int64) * 3  # integer flags: nonzero = live
     base, bumped = state.clone(), state.clone()
     for r, p in zip(reqs, pos0):
         bumped.ring[r * 8 + (p - 1) % 8] += 1.0
