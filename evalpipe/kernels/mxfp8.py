@@ -380,14 +380,14 @@ if triton is not None:
     @triton.jit
     def _mxfp8_linear_kernel(a_ptr, a_stride, scale_ptr, w_ptr, w_stride, o_ptr, o_stride, M, N, K, GP,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                             OUT_BF16: tl.constexpr):
+                             OUT_BF16: tl.constexpr, STAGES: tl.constexpr = 3):
         """out[t, n] = sum_k dequant(a)[t, k] * w[n, k]: e4m3 decoded from bits, times 2^(sf-127), bf16 dot."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, K, BK):
+        for k in tl.range(0, K, BK, num_stages=STAGES):
             ks = k + tl.arange(0, BK)
             amask = (rows < M)[:, None] & (ks < K)[None, :]
             code = tl.load(a_ptr + rows[:, None].to(tl.int64) * a_stride + ks[None, :], mask=amask, other=0)
@@ -583,7 +583,8 @@ def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16,
     out = torch.empty(m, n, dtype=out_dtype, device=w_b.device)
     if m == 0:
         return out
-    bm, bn, bk = _rows_block(m), 64, 64
+    small = m <= 16  # weight-streaming regime: more, narrower column tiles and longer K steps
+    bm, bn, bk = _rows_block(m), (32 if small else 64), (128 if small else 64)
     gp = _ceil_to(k // GROUP, 4)
     data_u8 = a.data.view(torch.uint8)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
