@@ -467,7 +467,8 @@ def _mx_magnitude_rows(shape, gen, device):
     """Random values whose 32-groups cycle through MX_MAGNITUDES (rotated by row), last dim a multiple of 32."""
     x = torch.randn(*shape, generator=gen, device=device)
     rows, groups = shape[-2], shape[-1] // 32
-    idx = (torch.arange(groups, device=device)[None, :] + torch.arange(rows, device=device)[:, None]) % len(MX_MAGNITUDES)
+    idx = torch.arange(groups, device=device)[None, :] + torch.arange(rows, device=device)[:, None]
+    idx = idx % len(MX_MAGNITUDES)
     mags = torch.tensor(MX_MAGNITUDES, device=device)[idx].repeat_interleave(32, dim=1)
     return x * mags
 

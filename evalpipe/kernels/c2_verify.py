@@ -318,7 +318,8 @@ def c2_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, ep
         kv_gate, kv_gate.stride(0), positions, req, valid, bias, norm_weight.contiguous(), float(eps),
         cos, sin, max(cos.stride(0), 1), max(sin.stride(0), 1), kv_state, kv_state.stride(0), pool, pool.stride(0),
         page_table, page_table.stride(0), page_size, ring_size, rows_per_request,
-        HD=hd, ROPE=rope_dim, BLOCK=triton.next_power_of_2(hd), C_BF16=kv_gate.dtype == torch.bfloat16, P_BF16=pool.dtype == torch.bfloat16,
+        HD=hd, ROPE=rope_dim, BLOCK=triton.next_power_of_2(hd),
+        C_BF16=kv_gate.dtype == torch.bfloat16, P_BF16=pool.dtype == torch.bfloat16,
         LIBDEVICE=kv_gate.is_cuda and not interpret_mode(),
         num_warps=4 if hd >= 256 else 1, enable_fp_fusion=False,
     )
