@@ -62,8 +62,8 @@ def test_completion_stream_matches_non_stream_and_usage_is_exact(client, model):
     kw = dict(model=model, prompt=prompt, max_tokens=12, temperature=0, **extra(return_token_ids=True))
     full = client.completions.create(**kw)
     choice = full.choices[0]
-    assert choice.prompt_token_ids == TOK.encode(prompt)
-    assert full.usage.prompt_tokens == len(TOK.encode(prompt))
+    assert choice.prompt_token_ids == TOK.encode_prompt(prompt)
+    assert full.usage.prompt_tokens == len(TOK.encode_prompt(prompt))
     assert full.usage.completion_tokens == len(choice.token_ids)
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     assert choice.spec is None and choice.finish_reason in ("stop", "length")
@@ -107,7 +107,7 @@ def test_chat_stream_matches_non_stream_and_prompt_count_is_template_length(clie
 
 def test_token_id_prompt_equals_text_prompt(client, model):
     text = client.completions.create(model=model, prompt="abc", max_tokens=4, temperature=0)
-    ids = client.completions.create(model=model, prompt=TOK.encode("abc"), max_tokens=4, temperature=0)
+    ids = client.completions.create(model=model, prompt=TOK.encode_prompt("abc"), max_tokens=4, temperature=0)
     assert ids.choices[0].text == text.choices[0].text
     assert ids.usage == text.usage
 
@@ -180,7 +180,7 @@ def test_batched_prompts_give_one_choice_each(client, model):
                                       **extra(return_token_ids=True, ignore_eos=True))
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[1].token_ids == alone.choices[0].token_ids
-    assert batch.usage.prompt_tokens == len(TOK.encode("Hi")) + len(TOK.encode("Hello"))
+    assert batch.usage.prompt_tokens == len(TOK.encode_prompt("Hi")) + len(TOK.encode_prompt("Hello"))
 
 
 def test_n_choices(client, model):
@@ -243,7 +243,7 @@ def test_disconnect_mid_stream_frees_slots(server, model):
     before = httpx.get(server.base + "/get_server_info").json()["internal_states"]
     assert before["allocated_slots"] == 0
     prompt = "stream me"
-    max_tokens = MAX_SEQ_LEN - len(TOK.encode(prompt))
+    max_tokens = MAX_SEQ_LEN - len(TOK.encode_prompt(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as resp:
@@ -260,6 +260,9 @@ def test_disconnect_mid_stream_frees_slots(server, model):
     assert after["allocated_slots"] == 0 and after["running"] == 0 and after["waiting"] == 0
     assert after["stats"]["aborted"] == before["stats"]["aborted"] + 1
     assert after["stats"]["generated_tokens"] - before["stats"]["generated_tokens"] < max_tokens
+    # the runner's own pools agree: no live sequence, every page back in the free list
+    assert after["runner"]["live_sequences"] == 0
+    assert after["runner"]["pools"]["free_pages"] == after["runner"]["pools"]["num_pages"]
 
 
 # -- errors --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ def test_byte_round_trip_and_layout():
     assert all(BYTE_OFFSET <= i < BYTE_OFFSET + 256 for i in ids)
     assert tok.decode(ids) == text
     assert tok.encode("A") == [BYTE_OFFSET + 65]
+    assert tok.encode_prompt("A") == [tok.bos_token_id, BYTE_OFFSET + 65]  # raw completion prompts start at BOS
 
 
 def test_special_strings_map_to_ids_and_hidden_specials_decode_to_nothing():
@@ -78,6 +79,7 @@ def test_hf_tokenizer_dir_loads_with_its_chat_template(hf_dir):
     d = tok.detokenizer()
     streamed = "".join(d.push([i]) for i in tok.encode("hello world !")) + d.flush()
     assert streamed == tok.decode(tok.encode("hello world !"))
+    assert tok.encode_prompt("hello") == tok._tok("hello")["input_ids"]  # the tokenizer's own special-token rule
 
 
 def test_missing_tokenizer_path_is_a_clear_error(tmp_path):

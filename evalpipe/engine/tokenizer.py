@@ -71,6 +71,10 @@ class ByteTokenizer:
         ids.extend(BYTE_OFFSET + b for b in text[pos:].encode("utf-8"))
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw completion prompt: `<|bos|>` then the text (as Hugging Face tokenizers add their BOS)."""
+        return [self.bos_token_id] + self.encode(text)
+
     def token_bytes(self, token_id: int) -> bytes:
         if BYTE_OFFSET <= token_id < BYTE_VOCAB_SIZE:
             return bytes([token_id - BYTE_OFFSET])
@@ -130,6 +134,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw completion prompt with the tokenizer's own special tokens (BOS), as vLLM and SGLang encode it."""
+        return self._tok.encode(text, add_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)

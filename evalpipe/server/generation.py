@@ -147,7 +147,7 @@ def completion_job(state, req: CompletionRequest) -> Job:
         raise bad_request(str(exc), param="prompt") from None
     prompts: list[list[int]] = []
     for p in raw:
-        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = state.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("prompt must contain at least one token", param="prompt")
         if any(not 0 <= t < vocab for t in ids):
