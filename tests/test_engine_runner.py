@@ -222,3 +222,20 @@ def test_forward_is_causal_under_exact_indexer_ties(tmp_path):
     short = tied.forward([a], [ids[:80]], all_logits=True)
     long = tied.forward([b], [ids], all_logits=True)
     assert float((short - long[:80]).abs().max()) < LOGIT_TOL
+
+
+def test_bfloat16_runner_tracks_float32(runner, cache_dir, monkeypatch):
+    """`--dtype bfloat16` path: same model in bf16 (norms, sinks, mHC and biases stay float32 like transformers)
+    stays close to float32 and decodes."""
+    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
+    bf16 = ModelRunner(dtype=torch.bfloat16, max_seqs=2, max_seq_len=256)
+    ids = prompt(80, 9)
+    a, b = bf16.allocate(), runner.allocate()
+    low = bf16.forward([a], [ids], all_logits=True)
+    full = runner.forward([b], [ids], all_logits=True)
+    runner.free(b)
+    assert low.dtype == torch.float32 and low.shape == full.shape
+    assert float((low - full).abs().max()) < 1.0  # bf16 rounding through 4 layers; logits span about +-4
+    assert float((low.argmax(-1) == full.argmax(-1)).float().mean()) > 0.8
+    assert bf16.forward([a], [[20]]).shape == (1, 512)
+    assert bf16.describe()["dtype"] == "bfloat16"
