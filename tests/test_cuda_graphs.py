@@ -166,3 +166,40 @@ def test_captured_graph_replays_equal_eager(cache_dir):
         last = int(a[0].argmax())
     assert graph.steps[(1, 1)].replays == 10
 
+
+
+def test_serving_runner_and_drafter_on_the_wrapped_runner(cache_dir):
+    """`evalpipe serve` wiring: on the CPU the plain runner (max_batch slots); a GraphRunner hands drafters its
+    wrapped ModelRunner (layerskip views copy a ModelRunner, not the wrapper) and still decodes speculatively."""
+    from types import SimpleNamespace
+
+    from evalpipe.engine.cuda_graphs import serving_runner
+    from evalpipe.engine.scheduler import Sequence
+    from evalpipe.engine.sampling import SamplingParams
+    from evalpipe.engine.spec_decoder import decoder_from_settings
+
+    built = []
+
+    def factory(max_seqs):
+        built.append(max_seqs)
+        return make_runner(cache_dir)
+
+    plain = serving_runner(factory, device="cpu", max_batch=5, speculative="block")
+    assert isinstance(plain, ModelRunner) and built == [5]
+    graph = GraphRunner(make_runner(cache_dir), widths=(1, 3), buckets=(1, 2), fused=True)
+    assert graph.eager_runner is graph.runner and graph.max_seqs == graph.runner.max_seqs - 1
+    settings = SimpleNamespace(speculative="block", block_size=2, drafter="layerskip:2", simulate_acc_len=None)
+    decoder = decoder_from_settings(settings, graph)
+    seq = Sequence(prompt=prompt(30, 5), params=SamplingParams(max_tokens=12, temperature=0.0))
+    seq.slot = graph.allocate()
+    seq.state = {}
+    seq.output.append(int(graph.forward([seq.slot], [seq.prompt[:]])[0].argmax()))
+    ref = make_runner(cache_dir)
+    rs = ref.allocate()
+    want = [int(ref.forward([rs], [seq.prompt[:]])[0].argmax())]
+    for _ in range(12):
+        want.append(int(ref.forward([rs], [[want[-1]]])[0].argmax()))
+    while len(seq.output) < 10:
+        decoder.verify_step([seq])
+    assert seq.output[:10] == want[:10]
+    assert (1, 3) in graph.steps  # the verify forwards ran the static 3-row step

@@ -54,10 +54,17 @@ DEVICES = ("cpu", "cuda")
               help="Performance runs only: accept a floor/ceil mix of X-1 drafts per step (mean exactly X, bonus "
                    "included) without checking them. Reported in /get_server_info and every response; output "
                    "quality is meaningless, so `evalpipe run` refuses to score against it.")
+@click.option("--fused", default="on", show_default=True, type=click.Choice(["on", "off"]),
+              help="With --device cuda: route the verify (and decode) steps through the fused Triton kernels of "
+                   "evalpipe.kernels (on) or the engine's reference PyTorch chains (off), to A/B fusion in one "
+                   "build. On the CPU the reference chains always run.")
+@click.option("--cuda-graphs", default="on", show_default=True, type=click.Choice(["on", "off"]),
+              help="With --device cuda: capture the decode and (G+1)-row verify steps as CUDA graphs per batch "
+                   "bucket at start-up and replay them (off: run the same static steps eagerly).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
 def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
-            api_key, speculative, block_size, drafter, simulate_acc_len, log_level):
+            api_key, speculative, block_size, drafter, simulate_acc_len, fused, cuda_graphs, log_level):
     """Serve a model (the built-in tiny one by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
@@ -85,6 +92,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
         max_tokens_per_step=max_tokens_per_step, max_queue=max_queue, max_seq_len=max_seq_len, api_key=api_key,
         argv=["evalpipe", *sys.argv[1:]],
         speculative=speculative, block_size=block_size, drafter=drafter, simulate_acc_len=simulate_acc_len,
+        fused=fused, cuda_graphs=cuda_graphs,
     )
     failure: list[str] = []
     server: uvicorn.Server | None = None

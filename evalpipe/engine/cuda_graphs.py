@@ -20,10 +20,10 @@ On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph`
 compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
 step runs eagerly (the "dry path"), which is what the CPU tests check against the plain runner.
 
-`fused=True` routes the verify path through `evalpipe.kernels`: `q_rope_store` for the RoPE of q, of the shared KV
-head and the inverse RoPE of the attention output; `c2_verify` for the ratio-2 compressors. `fused=False` keeps the
-engine's reference chains (`apply_rope`, `Compressor.pool`) in the same captured step, so fusion can be A/B'd in
-one build.
+`fused=True` routes the fusion sites of the step through `evalpipe.kernels`: `q_rope_store` for the RoPE of q and
+of the shared K=V head and for the inverse RoPE of the attention output; `c2_verify` for the ratio-2 compressors.
+`fused=False` runs the engine's reference chains (`apply_rope`, `Compressor.pool`) at exactly those sites and
+changes nothing else in the captured step, so fusion can be A/B'd in one build.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from evalpipe.engine import graph_ops
 from evalpipe.engine.forward_batch import Group, entry_index
-from evalpipe.engine.primitives import rms_norm, unweighted_rms_norm
+from evalpipe.engine.primitives import apply_rope
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -139,35 +139,39 @@ class StaticModel:
         streams = x.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()
         for layer, pool in zip(m.layers, pools.layers):
             post, comb, h = graph_ops.hc_pre(layer.attn_hc, streams)
-            a = self.attention(layer.attn, rms_norm(h, layer.attn_norm, eps), batch, pool)
+            a = self.attention(layer.attn, graph_ops.rms_norm(h, layer.attn_norm, eps), batch, pool)
             streams = graph_ops.hc_merge(streams, a, post, comb)
             post, comb, h = graph_ops.hc_pre(layer.ffn_hc, streams)
-            y = self.moe(layer.mlp, rms_norm(h, layer.mlp_norm, eps), batch.input_ids)
+            y = self.moe(layer.mlp, graph_ops.rms_norm(h, layer.mlp_norm, eps), batch.input_ids)
             streams = graph_ops.hc_merge(streams, y, post, comb)
-        h = rms_norm(m.head(streams), m.norm, eps)
+        h = graph_ops.rms_norm(m.head(streams), m.norm, eps)
         return F.linear(h, m.lm_head).float()
 
-    def _rotate(self, x: torch.Tensor, table, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Interleaved RoPE through `q_rope_store` (one kernel; bitwise equal to the engine's apply_rope)."""
+    def _rotate(self, x: torch.Tensor, table, batch: StaticBatch, inverse: bool = False) -> torch.Tensor:
+        """Interleaved RoPE of every row: fused, one `q_rope_store` kernel (bitwise equal to the engine's
+        apply_rope); unfused, the engine's own `apply_rope` chain."""
+        if not self.fused:
+            cos, sin, neg_sin = batch.rope(table)
+            rot = getattr(table, "rot", None)
+            args = (x, cos, neg_sin if inverse else sin) + ((rot,) if rot is not None else ())
+            return apply_rope(*args)
         from evalpipe.kernels import q_rope_store
 
         r = self._rope(table)
         x3 = x if x.dim() == 3 else x.unsqueeze(1)
-        out = q_rope_store(x3, torch.empty_like(x3), r.cos, r.neg_sin if inverse else r.sin, pos,
+        out = q_rope_store(x3, torch.empty_like(x3), r.cos, r.neg_sin if inverse else r.sin, batch.pos,
                            backend=self.backend)
         return out if x.dim() == 3 else out.squeeze(1)
 
     def attention(self, attn, x: torch.Tensor, batch: StaticBatch, pool) -> torch.Tensor:
-        """fused off: the engine's own `Attention.__call__` (its reference chains) on the static batch; fused on:
-        the same steps with RoPE of q, of the K=V head and the inverse RoPE through `q_rope_store`, and the
-        ratio-2 compressor through `c2_verify`."""
-        if not self.fused:
-            return attn(x, batch, pool)
+        """`engine.attention.Attention.__call__` for one fixed-shape group (its `_attend`, compressors and indexer),
+        with one-kernel RMSNorms; the fusion sites -- RoPE of q and of the K=V head, the inverse RoPE of the output,
+        the ratio-2 compressor -- go through `evalpipe.kernels` (fused) or the engine's reference chains."""
         T = x.shape[0]
-        q_residual = rms_norm(F.linear(x, attn.q_a), attn.q_a_norm, attn.eps)
-        q = unweighted_rms_norm(F.linear(q_residual, attn.q_b).view(T, attn.heads, attn.head_dim), attn.eps)
-        kv = rms_norm(F.linear(x, attn.kv_proj), attn.kv_norm, attn.eps)
-        qkv = self._rotate(torch.cat([q, kv.unsqueeze(1)], dim=1), attn.rope, batch.pos)
+        q_residual = graph_ops.rms_norm(F.linear(x, attn.q_a), attn.q_a_norm, attn.eps)
+        q = graph_ops.rms_norm(F.linear(q_residual, attn.q_b).view(T, attn.heads, attn.head_dim), None, attn.eps)
+        kv = graph_ops.rms_norm(F.linear(x, attn.kv_proj), attn.kv_norm, attn.eps)
+        qkv = self._rotate(torch.cat([q, kv.unsqueeze(1)], dim=1), attn.rope, batch)
         q, kv = qkv[:, : attn.heads], qkv[:, attn.heads]
 
         comp_proj = idx_proj = idx_q = None
@@ -189,13 +193,13 @@ class StaticModel:
         if idx_proj is not None:
             attn._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
 
-        out = self._rotate(out, attn.rope, batch.pos, inverse=True)
+        out = self._rotate(out, attn.rope, batch, inverse=True)
         grouped = out.view(T, attn.groups, -1).transpose(0, 1)
         grouped = torch.bmm(grouped, attn.o_a_t).transpose(0, 1).reshape(T, -1)
         return F.linear(grouped, attn.o_b)
 
     def compress(self, comp, proj: torch.Tensor, batch: StaticBatch, cpool) -> None:
-        if not (comp.ratio == 2 and not comp.overlap):
+        if not (self.fused and comp.ratio == 2 and not comp.overlap):
             comp.pool(proj, batch, cpool)
             return
         from evalpipe.kernels import c2_verify
@@ -257,6 +261,7 @@ class _Step:
         host[T + 2 * self.B:2 * T + 2 * self.B] = 0  # row_valid: no live row at all
         self.meta.copy_(host)
 
+    @torch.inference_mode()
     def capture(self) -> None:
         self.fill_padding()
         stream = torch.cuda.Stream()
@@ -304,6 +309,11 @@ class GraphRunner:
 
     def __getattr__(self, name):  # the rest of the ModelRunner interface
         return getattr(self.runner, name)
+
+    @property
+    def eager_runner(self) -> Any:
+        """The wrapped ModelRunner (drafter views are built on it, not on the graph wrapper)."""
+        return self.runner
 
     @property
     def max_seqs(self) -> int:
@@ -360,3 +370,20 @@ class GraphRunner:
                             "captured": sorted(f"{b}x{w}" for b, w in self.steps), "fused": self.fused,
                             "pad_slot": self.pad_slot}
         return d
+
+
+def serving_runner(runner_factory, *, device: str, max_batch: int, speculative: str = "off", block_size: int = 5,
+                   fused: bool = True, cuda_graphs: bool = True, capture: bool = True) -> Any:
+    """The server's runner: on CUDA a GraphRunner (decode and, with speculation, (G+1)-row verify steps for every
+    bucket up to max_batch, captured at start-up when `cuda_graphs`); on the CPU the plain ModelRunner (the fused
+    kernels and graphs are CUDA-only). `runner_factory(max_seqs)` builds the ModelRunner; one extra slot is the
+    padding slot."""
+    if device != "cuda":
+        return runner_factory(max_batch)
+    runner = runner_factory(max_batch + 1)
+    widths = (1,) + ((block_size + 1,) if speculative == "block" else ())
+    buckets = tuple(sorted(set(b for b in DEFAULT_BUCKETS if b < max_batch) | {max_batch}))
+    graph = GraphRunner(runner, widths=widths, buckets=buckets, fused=fused, use_graphs=cuda_graphs)
+    if capture:
+        graph.capture_all()
+    return graph

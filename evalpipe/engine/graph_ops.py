@@ -126,13 +126,53 @@ if tl is not None:
         tl.store(out_ptr + r.to(tl.int64) * N + ns, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < D
+        xin = tl.load(x_ptr + row * D + offs, mask=m, other=0.0)
+        x = xin.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        if HAS_WEIGHT:  # fp32 gain times fp32 normalised row, one rounding (primitives.rms_norm)
+            y = tl.load(w_ptr + offs, mask=m, other=0.0) * (x * r)
+        else:  # scale rounded to x's dtype, product rounded once (primitives.unweighted_rms_norm)
+            y = x * r.to(xin.dtype).to(tl.float32)
+        tl.store(out_ptr + row * D + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+    def _expert_mm_kernel(x_ptr, idx_ptr, w_ptr, scale_ptr, out_ptr, R, N, K, x_div,
+                          HAS_SCALE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        e = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        rs = tl.arange(0, R_PAD)
+        sel = tl.load(idx_ptr + rs, mask=rs < R, other=-1) == e
+        used = tl.sum(sel.to(tl.int32), axis=0)
+        if used > 0:  # an expert no row picked reads nothing
+            ns = n0 + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            nm = ns < N
+            xrow = x_ptr + (rs // x_div).to(tl.int64)[:, None] * K
+            wcol = w_ptr + e.to(tl.int64) * N * K + ns.to(tl.int64)[None, :] * K
+            acc = tl.zeros([R_PAD, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                km = k0 + ks < K
+                x = tl.load(xrow + k0 + ks[None, :], mask=sel[:, None] & km[None, :], other=0.0)
+                w = tl.load(wcol + k0 + ks[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+                acc += tl.dot(x.to(w.dtype), w, out_dtype=tl.float32)
+            if HAS_SCALE:
+                acc = acc * tl.load(scale_ptr + rs, mask=sel, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + rs.to(tl.int64)[:, None] * N + ns[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=sel[:, None] & nm[None, :])
+
+
 _JIT = {}
 
 
 def _kernels() -> dict:
     key = _interpret()
     if key not in _JIT:
-        _JIT[key] = {f.__name__: triton.jit(f) for f in (_hc_pre_kernel, _hc_merge_kernel, _expert_gemv_kernel)}
+        _JIT[key] = {f.__name__: triton.jit(f) for f in (_hc_pre_kernel, _hc_merge_kernel, _expert_gemv_kernel,
+                                                         _rms_norm_kernel, _expert_mm_kernel)}
     return _JIT[key]
 
 
@@ -217,8 +257,36 @@ def expert_gemv(x, idx, weight, scale=None, *, x_div: int = 1, out_dtype=None, b
     R = idx.numel()
     E, N, K = weight.shape
     out = torch.empty(R, N, device=x.device, dtype=out_dtype or x.dtype)
+    r_pad = max(16, triton.next_power_of_2(R))
+    if r_pad <= 64:  # few rows (small-batch decode/verify): expert-major, each picked expert's weights read once
+        block_n = 16
+        _kernels()["_expert_mm_kernel"][(E, triton.cdiv(N, block_n))](
+            x.contiguous(), idx.contiguous(), weight, scale if scale is not None else out, out, R, N, K, x_div,
+            HAS_SCALE=scale is not None, R_PAD=r_pad, BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+        return out
     block_n = 32
     _kernels()["_expert_gemv_kernel"][(R, triton.cdiv(N, block_n))](
         x.contiguous(), idx.contiguous(), weight, scale if scale is not None else out, out, N, K, x_div,
         HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+    return out
+
+
+# ---- rms_norm --------------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backend: str = "auto") -> torch.Tensor:
+    """`engine.primitives.rms_norm` (weight given) or `unweighted_rms_norm` (weight None) over the last dim in one
+    kernel instead of ~8 (float, pow, mean, add, rsqrt, mul, mul, cast)."""
+    from evalpipe.engine import primitives
+
+    tensors = [x] + ([weight] if weight is not None else [])
+    if not _use_triton(backend, *tensors) or x.shape[-1] > 16384:
+        return primitives.rms_norm(x, weight, eps) if weight is not None else primitives.unweighted_rms_norm(x, eps)
+    D = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    rows = xc.numel() // D
+    if rows:
+        _kernels()["_rms_norm_kernel"][(rows,)](xc, weight if weight is not None else xc, out, D, float(eps),
+                                                HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(D),
+                                                num_warps=4 if D <= 2048 else 8)
     return out

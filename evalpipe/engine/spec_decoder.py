@@ -172,5 +172,5 @@ def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | No
     if mode == "off":
         return None
     spec = getattr(settings, "drafter", None) or default_drafter(runner)
-    return SpeculativeDecoder(runner, build_drafter(spec, runner), block_size=int(getattr(settings, "block_size", 5)),
+    return SpeculativeDecoder(runner, build_drafter(spec, getattr(runner, "eager_runner", runner)), block_size=int(getattr(settings, "block_size", 5)),
                               simulate_acc_len=getattr(settings, "simulate_acc_len", None))

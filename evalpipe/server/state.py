@@ -43,6 +43,10 @@ class ServerSettings:
     block_size: int = 5
     drafter: str | None = None
     simulate_acc_len: float | None = None
+    # CUDA serving path (evalpipe/engine/cuda_graphs.py): verify through the Triton kernels or the reference
+    # chains; capture decode/verify steps as CUDA graphs. Both only act with device "cuda".
+    fused: str = "on"
+    cuda_graphs: str = "on"
 
     def public(self) -> dict:
         d = asdict(self)
@@ -51,11 +55,15 @@ class ServerSettings:
 
 
 def default_runner_factory(settings: ServerSettings) -> Any:
+    from evalpipe.engine.cuda_graphs import serving_runner
     from evalpipe.engine.runner import ModelRunner
 
-    return ModelRunner(
-        settings.model, device=settings.device, dtype=getattr(torch, settings.dtype),
-        max_seqs=settings.max_batch, max_seq_len=settings.max_seq_len,
+    # on CUDA: CUDA-graph decode/verify steps with the fused verify path switchable (evalpipe/engine/cuda_graphs.py)
+    return serving_runner(
+        lambda max_seqs: ModelRunner(settings.model, device=settings.device, dtype=getattr(torch, settings.dtype),
+                                     max_seqs=max_seqs, max_seq_len=settings.max_seq_len),
+        device=settings.device, max_batch=settings.max_batch, speculative=settings.speculative,
+        block_size=settings.block_size, fused=settings.fused == "on", cuda_graphs=settings.cuda_graphs == "on",
     )
 
 

@@ -38,3 +38,27 @@ def test_graph_ops_triton_kernels_match_references(T):
         out = graph_ops.expert_gemv(x, idx, W, sc, x_div=K, backend="triton")
         want = graph_ops.expert_gemv_reference(x, idx, W, sc, x_div=K)
         assert out.shape == (T * K, 70) and (out - want).abs().max().item() < 1e-4
+
+
+def test_expert_gemv_row_major_path_for_many_rows():
+    """Past 64 picked rows the kernel switches from expert-major (tl.dot) to one program per row."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 96, generator=gen)
+    W = torch.randn(5, 48, 96, generator=gen)
+    idx = torch.randint(0, 5, (80,), generator=gen)
+    scale = torch.rand(80, generator=gen)
+    out = graph_ops.expert_gemv(x, idx, W, scale, x_div=2, backend="triton")
+    assert (out - graph_ops.expert_gemv_reference(x, idx, W, scale, x_div=2)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("D", [64, 200])
+def test_rms_norm_kernel_matches_engine_primitives(D):
+    from evalpipe.engine import primitives
+
+    gen = torch.Generator().manual_seed(D)
+    x = 3 * torch.randn(7, 3, D, generator=gen)
+    w = 1 + 0.1 * torch.randn(D, generator=gen)
+    got = graph_ops.rms_norm(x, w, 1e-6, backend="triton")
+    assert (got - primitives.rms_norm(x, w, 1e-6)).abs().max().item() < 1e-5
+    got = graph_ops.rms_norm(x, None, 1e-6, backend="triton")
+    assert (got - primitives.unweighted_rms_norm(x, 1e-6)).abs().max().item() < 1e-5
