@@ -329,8 +329,12 @@ def test_over_long_prompt_is_context_length_exceeded(server, client, model):
     err = assert_error(post(server, "/v1/completions", {"model": model, "prompt": "a" * (MAX_SEQ_LEN + 10)}), 400,
                        code="context_length_exceeded")
     assert str(MAX_SEQ_LEN) in err["message"]
-    assert_error(post(server, "/v1/completions", {"model": model, "prompt": "a" * 200, "max_tokens": 100}), 400,
+    assert_error(post(server, "/v1/completions", {"model": model, "prompt": [5] * MAX_SEQ_LEN}), 400,
                  code="context_length_exceeded")
+    # a prompt that fits gets what the context leaves: max_tokens is capped, the finish reason says "length"
+    capped = post(server, "/v1/completions", {"model": model, "prompt": [5] * (MAX_SEQ_LEN - 3), "max_tokens": 100,
+                                              "temperature": 0, "ignore_eos": True}).json()
+    assert capped["usage"]["completion_tokens"] == 3 and capped["choices"][0]["finish_reason"] == "length"
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "b" * 400}])
     assert exc.value.code == "context_length_exceeded"

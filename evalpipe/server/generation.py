@@ -91,19 +91,18 @@ def _sampling(state, req, max_tokens: int, logprobs: int | None) -> SamplingPara
 
 
 def _check_length(state, prompt: list[int], max_tokens: int | None, param: str) -> int:
-    """The max_tokens to use; 400 context_length_exceeded when prompt + completion cannot fit."""
+    """The max_tokens to use: at most what the context leaves after the prompt (as SGLang's auto-truncate; the
+    response then ends with finish_reason "length"). A prompt that leaves no room is a 400 context_length_exceeded."""
     limit = int(getattr(state.runner, "max_seq_len", state.settings.max_seq_len))
-    if max_tokens is None:
-        max_tokens = limit - len(prompt)
-    if len(prompt) >= limit or len(prompt) + max_tokens > limit:
+    if len(prompt) >= limit:
         raise APIError(
             400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the {param}, {max_tokens} in the completion). "
-            "Please reduce the length of the prompt or of the completion.",
+            f"This model's maximum context length is {limit} tokens. However, your {param} has {len(prompt)} "
+            "tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
             param=param, code="context_length_exceeded",
         )
-    return max_tokens
+    room = limit - len(prompt)
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 def _common(req) -> tuple[bool, bool]:
