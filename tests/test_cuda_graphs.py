@@ -173,7 +173,7 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(cache_dir):
     wrapped ModelRunner (layerskip views copy a ModelRunner, not the wrapper) and still decodes speculatively."""
     from types import SimpleNamespace
 
-    from evalpipe.engine.cuda_graphs import serving_runner
+    from evalpipe.engine.cuda_graphs import capture_drafter, serving_runner
     from evalpipe.engine.scheduler import Sequence
     from evalpipe.engine.sampling import SamplingParams
     from evalpipe.engine.spec_decoder import decoder_from_settings
@@ -190,6 +190,8 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(cache_dir):
     assert graph.eager_runner is graph.runner and graph.max_seqs == graph.runner.max_seqs - 1
     settings = SimpleNamespace(speculative="block", block_size=2, drafter="layerskip:2", simulate_acc_len=None)
     decoder = decoder_from_settings(settings, graph)
+    assert capture_drafter(decoder, graph) and isinstance(decoder.drafter.runner, GraphRunner)
+    assert not capture_drafter(decoder, graph)  # already wrapped
     seq = Sequence(prompt=prompt(30, 5), params=SamplingParams(max_tokens=12, temperature=0.0))
     seq.slot = graph.allocate()
     seq.state = {}
@@ -203,3 +205,4 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(cache_dir):
         decoder.verify_step([seq])
     assert seq.output[:10] == want[:10]
     assert (1, 3) in graph.steps  # the verify forwards ran the static 3-row step
+    assert (1, 1) in decoder.drafter.runner.steps  # and the drafter's one-row steps ran its static step

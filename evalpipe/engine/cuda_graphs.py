@@ -339,9 +339,10 @@ class GraphRunner:
                 and len({len(t) for t in tokens}) == 1 and len(tokens[0]) in self.widths)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
-        if not self.graphable(seqs, tokens) or self.pad_slot in seqs:
-            return self.runner.forward(seqs, tokens, all_logits=all_logits)
+    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False,
+                **kwargs) -> torch.Tensor:
+        if kwargs or not self.graphable(seqs, tokens) or self.pad_slot in seqs:
+            return self.runner.forward(seqs, tokens, all_logits=all_logits, **kwargs)
         r = self.runner
         if len(set(seqs)) != len(seqs):
             raise ValueError("a sequence may appear only once per forward")
@@ -387,3 +388,21 @@ def serving_runner(runner_factory, *, device: str, max_batch: int, speculative: 
     if capture:
         graph.capture_all()
     return graph
+
+
+def capture_drafter(decoder: Any, target: Any) -> bool:
+    """Give a model drafter (layerskip:N, self, model:PATH -- a RunnerDrafter over its own runner) captured one-row
+    decode steps like the target's, so the G sequential draft forwards replay graphs too. The n-gram drafter has no
+    model: nothing to capture. Returns whether the drafter's runner was wrapped."""
+    drafter = getattr(decoder, "drafter", None)
+    inner = getattr(drafter, "runner", None)
+    if not isinstance(target, GraphRunner) or inner is None or isinstance(inner, GraphRunner):
+        return False
+    if getattr(drafter, "forward_kwargs", None) or not hasattr(inner, "pools") or not hasattr(inner, "model"):
+        return False
+    graph = GraphRunner(inner, widths=(1,), buckets=target.buckets, fused=target.fused,
+                        use_graphs=target.use_graphs, kernel_backend=target.static_model.backend)
+    if graph.use_graphs:
+        graph.capture_all()
+    drafter.runner = graph
+    return True

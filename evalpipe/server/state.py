@@ -69,9 +69,12 @@ def default_runner_factory(settings: ServerSettings) -> Any:
 
 def default_decoder_factory(settings: ServerSettings, runner: Any) -> Any:
     """Plain decoding (None) unless settings.speculative == "block"."""
+    from evalpipe.engine.cuda_graphs import capture_drafter
     from evalpipe.engine.spec_decoder import decoder_from_settings
 
-    return decoder_from_settings(settings, runner)
+    decoder = decoder_from_settings(settings, runner)
+    capture_drafter(decoder, runner)  # CUDA: the drafter's one-row steps are captured like the target's
+    return decoder
 
 
 def default_tokenizer_factory(settings: ServerSettings) -> Any:
