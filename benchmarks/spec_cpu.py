@@ -66,9 +66,10 @@ def make_engine(runner, tokenizer, mode: str, block: int, max_batch: int) -> Eng
         return Engine(runner, tokenizer, max_batch=max_batch)
     simulate = None
     drafter = mode
-    if mode.startswith("simulated"):
-        simulate = float(mode.split(" ")[1])
-        drafter = default_drafter(runner)
+    if mode.startswith("simulated"):  # "simulated X" (default drafter) or "simulated X DRAFTER"
+        words = mode.split()
+        simulate = float(words[1])
+        drafter = words[2] if len(words) > 2 else default_drafter(runner)
     decoder = SpeculativeDecoder(runner, build_drafter(drafter, runner), block_size=block, simulate_acc_len=simulate)
     return Engine(runner, tokenizer, max_batch=max_batch, decoder=decoder)
 
@@ -80,8 +81,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=5, help="drafts per verify step (G)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="concurrent requests per row group")
     ap.add_argument("--modes", nargs="+", default=None,
-                    help="rows: off, layerskip:N, ngram, self, 'simulated X' (default: off, the default layerskip, "
-                         "layerskip:3, ngram, self, simulated 5.5)")
+                    help="rows: off, layerskip:N, ngram, self, 'simulated X' (drafts from the default drafter), "
+                         "'simulated X DRAFTER' (default: off, layerskip:2, layerskip:3, ngram, self, simulated 5.5, "
+                         "simulated 5.5 ngram)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row (median reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args()
@@ -89,7 +91,8 @@ def main() -> None:
 
     runner = ModelRunner(args.model, max_seqs=max(args.concurrency), max_seq_len=512)
     tokenizer = load_tokenizer(None)
-    modes = args.modes or ["off", default_drafter(runner), "layerskip:3", "ngram", "self", "simulated 5.5"]
+    modes = args.modes or list(dict.fromkeys(["off", "layerskip:2", default_drafter(runner), "ngram", "self",
+                                              "simulated 5.5", "simulated 5.5 ngram"]))
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     prompts_all = load_prompts(tokenizer, max(args.concurrency))
 
@@ -111,19 +114,19 @@ def main() -> None:
             rows.append((conc, mode, rate, acc, rate / base if base else float("nan")))
             if totals and conc == args.concurrency[0]:
                 hists[mode] = totals["accept_histogram"]
-            print(f"  measured: concurrency {conc:>3}  {mode:<14} {rate:8.1f} tok/s", flush=True)
+            print(f"  measured: concurrency {conc:>3}  {mode:<20} {rate:8.1f} tok/s", flush=True)
 
     print(f"\nBlock speculation on CPU ({torch.get_num_threads()} thread(s)), tiny model, G={args.block_size}, "
           f"{args.new_tokens} greedy tokens per request")
-    print(f"{'concurrency':>11}  {'mode':<14} {'tok/s':>9} {'accept len':>10} {'speedup':>8}")
+    print(f"{'concurrency':>11}  {'mode':<20} {'tok/s':>9} {'accept len':>10} {'speedup':>8}")
     for conc, mode, rate, acc, speed in rows:
         acc_s = f"{acc:.2f}" if acc is not None else "-"
-        print(f"{conc:>11}  {mode:<14} {rate:9.1f} {acc_s:>10} {speed:7.2f}x")
+        print(f"{conc:>11}  {mode:<20} {rate:9.1f} {acc_s:>10} {speed:7.2f}x")
     print(f"\nAccepted drafts per verify step (histogram 0..G, concurrency {args.concurrency[0]}, incl. warm-up):")
     for mode, hist in hists.items():
         steps = sum(hist)
         share = " ".join(f"{h / steps:.2f}" for h in hist) if steps else "-"
-        print(f"  {mode:<14} {hist}  shares {share}")
+        print(f"  {mode:<20} {hist}  shares {share}")
 
 
 if __name__ == "__main__":

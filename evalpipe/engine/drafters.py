@@ -52,6 +52,8 @@ class RunnerDrafter:
     `forward_kwargs` are passed to every `runner.forward` (layerskip passes `num_layers=N`).
     """
 
+    catch_up_chunk = 512  # most rows a drafter forward takes while catching up with the committed history
+
     def __init__(self, name: str, runner: Any, forward_kwargs: dict | None = None):
         self.name = name
         self.runner = runner
@@ -74,16 +76,22 @@ class RunnerDrafter:
             hist = history(seqs[i])
             fed = self.runner.seq_len(handles[i])
             feed[i] = hist[fed:]  # never empty: the last committed token is never fed before drafting
+            while len(feed[i]) > self.catch_up_chunk:  # a long prompt is fed in chunks, like a prefill
+                self.runner.forward([handles[i]], [feed[i][: self.catch_up_chunk]], **self.forward_kwargs)
+                feed[i] = feed[i][self.catch_up_chunk:]
         while active:
             logits = self.runner.forward([handles[i] for i in active], [feed[i] for i in active], **self.forward_kwargs)
+            argmax = logits.argmax(-1).tolist()  # greedy rows need nothing else (one op for the whole batch)
             still = []
             for row, i in enumerate(active):
                 seq = seqs[i]
-                probs = sampling_probs(logits[row], seq.params)
-                token = int(sample(probs, seq.generator))
-                drafts[i].append(token)
-                if not seq.params.greedy:
+                if seq.params.greedy:
+                    token = argmax[row]
+                else:
+                    probs = sampling_probs(logits[row], seq.params)
+                    token = int(sample(probs, seq.generator))
                     qs[i].append(probs)
+                drafts[i].append(token)
                 if len(drafts[i]) < widths[i]:
                     feed[i] = [token]
                     still.append(i)
