@@ -315,6 +315,8 @@ class Runner:
                     choice = data["choices"][0]
                     if not isinstance(choice, dict):
                         raise TypeError("choice is not an object")
+                    if self.lane.api == "chat" and not isinstance(choice.get("message"), dict):
+                        raise TypeError("chat choice has no message object")
                 except (ValueError, KeyError, IndexError, TypeError) as exc:
                     err = {"type": "malformed_response", "status": resp.status_code,
                            "message": f"{type(exc).__name__}: {exc}; body starts {resp.text[:200]!r}"}
@@ -392,14 +394,22 @@ class Runner:
             self.seq += 1
             seq = self.seq
             body = build_body(self.lane, self.model, item, self.params, self.cfg.token_ids, self.cfg.logprobs)
-            data, info, attempts = await self._send(client, body)
-            if data is None:
-                extracted, correct, status = None, False, "request_error"
-            else:
-                choice = data["choices"][0]
-                text = (choice.get("message") or {}).get("content") if self.lane.api == "chat" else choice.get("text")
-                extracted, correct, status = await self._grade(item, text or "", choice.get("finish_reason") == "length")
-            rec = self._record(item, rep, seq, body, data, info, attempts, extracted, correct, status)
+            attempts: list = []
+            try:
+                data, info, attempts = await self._send(client, body)
+                if data is None:
+                    extracted, correct, status = None, False, "request_error"
+                else:
+                    choice = data["choices"][0]
+                    text = (choice.get("message") or {}).get("content") if self.lane.api == "chat" else choice.get("text")
+                    extracted, correct, status = await self._grade(
+                        item, text if isinstance(text, str) else "", choice.get("finish_reason") == "length")
+                rec = self._record(item, rep, seq, body, data, info, attempts, extracted, correct, status)
+            except Exception as exc:  # noqa: BLE001 - a surprise must still land as a record, never drop the item
+                err = {"type": "internal_error", "status": None, "message": f"{type(exc).__name__}: {exc}"[:2000]}
+                rec = self._record(item, rep, seq, body, None, {"latency_s": 0.0, "error": err}, attempts,
+                                   None, False, "request_error")
+                correct = False
             writer.write(rec)
             self.records.append(rec)
             self.n_done += 1

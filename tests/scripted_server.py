@@ -16,7 +16,8 @@ or the context manager `scripted_server(**config)` yielding `base_url`.
 Config keys (all optional; any subset is also POSTable to `/scripted/config` (`set_config`) to change it at
 runtime, which also restarts the per-question counts that `fail_first` uses):
   mode         "correct" | "wrong" | "truncated" | "error500" | "error400" | "timeout" | "malformed" |
-               "no_answer" | "mixed"   (default "correct")
+               "bad_shape" | "no_answer" | "mixed"   (default "correct")
+               malformed = truncated JSON body; bad_shape = valid JSON whose choice has no message object.
                mixed = deterministic per question: by sha256(question) % 10 -> 0-5 correct, 6 wrong,
                7 truncated, 8 always HTTP 500, 9 no answer. Use `mixed_bucket(question)` to predict.
   answers      {question text: gold answer string}; see `answer_table(lane)`.
@@ -229,6 +230,8 @@ class ScriptedApp:
             await asyncio.sleep(cfg["timeout_sleep_s"])
         if mode == "malformed":
             return await self._send(send, 200, b'{"id": "x", "choices": [ {"text": "unterminated')
+        if mode == "bad_shape":  # valid JSON, wrong shape
+            return await self._json(send, 200, {"id": "x", "choices": [{"message": "not an object", "index": 0}]})
         gold = cfg["answers"].get(q, "0")
         finish = "stop"
         if mode in ("correct", "timeout"):

@@ -194,6 +194,12 @@ def test_timeouts_and_malformed_bodies_become_error_records(srv, tmp_path):
     assert all(x["error"]["type"] == "malformed_response" for x in records)
     assert summary["n_records"] == 2 and summary["n_errors"] == 2
 
+    url = srv(mode="bad_shape")
+    r = run_lane("aime26", url, tmp_path / "s", "--num-examples", 1, "--max-retries", 0)
+    records, summary, _ = load_run(only_run_dir(tmp_path / "s", "aime26"))
+    assert records[0]["error"]["type"] == "malformed_response" and "message" in records[0]["error"]["message"]
+    assert summary["n_errors"] == 1 and summary["accuracy"] == 0.0
+
 
 def test_data_drift_is_refused_unless_allowed(srv, tmp_path):
     url = srv(mode="correct")
