@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
