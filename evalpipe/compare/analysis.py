@@ -22,8 +22,19 @@ GSM8K_INVALID = -9999999
 VOLATILE_LEAVES = {
     "run_id", "arm", "started_at", "ended_at", "start_time", "end_time", "finished_at", "created", "created_at",
     "timestamp", "time", "wall_s", "duration_s", "out_dir", "run_dir", "output_dir", "pid", "output_sha256",
-    "responses_sha256", "n_records", "n_done", "done", "captured_at", "command_line",
+    "responses_sha256", "n_records", "n_done", "done", "captured_at", "command_line", "load_seconds", "uptime_s",
 }
+
+
+def _scrub(obj: Any, in_list: bool = False) -> Any:
+    """Drop volatile keys inside lists (e.g. `created` in /v1/models entries), which flatten keeps whole;
+    outside lists they are flattened, counted and reported as ignored."""
+    if isinstance(obj, dict):
+        return {k: _scrub(v, in_list) for k, v in obj.items()
+                if not (in_list and k in VOLATILE_LEAVES and not isinstance(v, dict))}
+    if isinstance(obj, list):
+        return [_scrub(v, True) for v in obj]
+    return obj
 
 
 def is_correct(rec: dict) -> bool:
@@ -206,7 +217,8 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
 
 def manifest_view(manifest: dict) -> dict:
     """The provenance snapshot with packages as {name: version}, so a changed package is one row."""
-    view = dict(snapshot(manifest))
+    view = {k: (_scrub(v) if isinstance(v, (dict, list)) and k != "packages" else v)
+            for k, v in snapshot(manifest).items()}
     pkgs = view.get("packages")
     if isinstance(pkgs, list):
         view["packages"] = {p.split("==", 1)[0]: (p.split("==", 1)[1] if "==" in p else "") for p in map(str, pkgs)}
