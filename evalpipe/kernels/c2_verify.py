@@ -115,12 +115,14 @@ def _masked_row_store(dst: torch.Tensor, index: torch.Tensor, values: torch.Tens
     Rows that must not write are redirected to copy the first writer's (index, value) -- duplicates that write the
     same bytes, so the scatter stays deterministic; with no writer at all they rewrite dst[0] with itself.
     """
-    first = torch.argmax(mask.to(torch.int32))  # first True, or 0 when none
-    has_writer = mask[first]
-    fallback_index = torch.where(has_writer, index[first], torch.zeros_like(index[first]))
-    fallback_value = torch.where(has_writer, values[first], dst[0])
+    # index_select with a 1-element index tensor, never `t[0-d tensor]`: that form calls .item() (a host sync that
+    # breaks CUDA-graph capture).
+    first = torch.argmax(mask.to(torch.int32)).view(1)  # first True, or 0 when none
+    has_writer = mask.index_select(0, first)
+    fallback_index = torch.where(has_writer, index.index_select(0, first), torch.zeros_like(index[:1]))
+    fallback_value = torch.where(has_writer[:, None], values.index_select(0, first), dst[:1])
     index = torch.where(mask, index, fallback_index)
-    values = torch.where(mask[:, None], values, fallback_value[None, :])
+    values = torch.where(mask[:, None], values, fallback_value)
     dst.index_copy_(0, index, values)
 
 
