@@ -278,8 +278,8 @@ def test_refuses_partial_run_and_other_protocol(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- repeated lane
 
-REP_A = {"q0": [1, 1, 0, 1], "q1": [0, 0, 0, 1], "q2": [1, 1, 1, 1]}
-REP_B = {"q0": [1, 1, 1, 1], "q1": [0, 1, 1, 1], "q2": [1, 1, 1, 0]}
+REP_A = {"q0": [1, 0, 1], "q1": [0, 0, 0], "q2": [1, 1, 1]}
+REP_B = {"q0": [1, 1, 1], "q1": [0, 1, 1], "q2": [1, 1, 0]}
 
 
 def repeated_records(arm: str, outcomes: dict) -> list[dict]:
@@ -330,7 +330,7 @@ def test_repeated_lane_statistics(tmp_path):
     pb = {q: np.mean(v) for q, v in REP_B.items()}
     d = np.array([pb[q] - pa[q] for q in REP_A])
     assert r["diff"] == pytest.approx(d.mean())
-    var = sum(np.var(REP_A[q], ddof=1) / 4 + np.var(REP_B[q], ddof=1) / 4 for q in REP_A)
+    var = sum(np.var(REP_A[q], ddof=1) / 3 + np.var(REP_B[q], ddof=1) / 3 for q in REP_A)
     assert r["se_fixed_question"] == pytest.approx(math.sqrt(var) / 3)
     assert r["se_clustered"] == pytest.approx(np.std(d, ddof=1) / math.sqrt(3))
     exact = exact_permutation_p(REP_A, REP_B)

@@ -257,6 +257,7 @@ CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:14px}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+td{max-width:36em;overflow-wrap:anywhere}
 th{background:#f0f0f0} .bad{color:#b00;font-weight:bold} .ok{color:#070} .muted{color:#777}
 img{max-width:100%;border:1px solid #eee;margin:0.5em 0} code{background:#f6f6f6}
 """
