@@ -180,7 +180,7 @@ class StaticModel:
             self.compress(attn.compressor, comp_proj, batch, pool.compressor)
         if attn.indexer is not None:
             idx_proj = attn.indexer.compressor.project(x)
-            attn.indexer.compressor.pool(idx_proj, batch, pool.indexer)
+            self.compress(attn.indexer.compressor, idx_proj, batch, pool.indexer)
             if len(inspect.signature(attn.indexer.queries).parameters) == 3:  # (x, q_residual, pos)
                 idx_q = attn.indexer.queries(x, q_residual, batch.pos)
             else:  # (x, q_residual, cos, sin)
@@ -199,7 +199,10 @@ class StaticModel:
         return F.linear(grouped, attn.o_b)
 
     def compress(self, comp, proj: torch.Tensor, batch: StaticBatch, cpool) -> None:
-        if not (self.fused and comp.ratio == 2 and not comp.overlap):
+        if not (comp.ratio == 2 and not comp.overlap):  # not a fusion site: the graph path's one-kernel pooling
+            graph_ops.compress(comp, proj, batch, cpool, backend=self.backend)
+            return
+        if not self.fused:  # the C2 fusion site, reference chain
             comp.pool(proj, batch, cpool)
             return
         from evalpipe.kernels import c2_verify

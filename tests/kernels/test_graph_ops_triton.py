@@ -62,3 +62,51 @@ def test_rms_norm_kernel_matches_engine_primitives(D):
     assert (got - primitives.rms_norm(x, w, 1e-6)).abs().max().item() < 1e-5
     got = graph_ops.rms_norm(x, None, 1e-6, backend="triton")
     assert (got - primitives.unweighted_rms_norm(x, 1e-6)).abs().max().item() < 1e-5
+
+
+def test_compress_kernel_matches_engine_compressor(tmp_path, monkeypatch):
+    """graph_ops.compress (one kernel) writes the same entries as the engine's Compressor.pool for every compressor
+    of the tiny model (CSA overlap ratio 4, its indexer, HCA ratio 2), on a padded static step of two live
+    requests whose rows complete windows, with ring (past) and in-forward rows both feeding the windows."""
+    import dataclasses
+
+    n = 6  # rows per request: windows complete inside the forward and straddle the ring (decode is the n=1 case)
+    from evalpipe.engine.cuda_graphs import GraphRunner, StaticBatch, pack_step_inputs
+    from evalpipe.engine.runner import ModelRunner
+
+    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(tmp_path))
+    runner = ModelRunner(max_seqs=5, max_seq_len=160)
+    graph = GraphRunner(runner, widths=(n,), buckets=(4,))
+    gen = torch.Generator().manual_seed(n)
+    seqs = [graph.allocate(), graph.allocate()]
+    for s, length in zip(seqs, (43, 59)):
+        graph.forward([s], [torch.randint(2, 500, (length,), generator=gen).tolist()])
+    starts = [runner.seq_len(s) for s in seqs]
+    runner.pools.reserve({s: st + n for s, st in zip(seqs, starts)})
+    step = graph.step_for(2, n)
+    toks = [[5] * n, [7] * n]
+    step.meta.copy_(pack_step_inputs(toks, starts, seqs, step.B, graph.pad_slot, runner.pools.page_table))
+    runner.pools._page_table_dev = step.page_table
+    batch = StaticBatch(runner.pools, step.meta, step.B, n, step.consts)
+    checked = 0
+    for layer, pool in zip(runner.model.layers, runner.pools.layers):
+        attn = layer.attn
+        pairs = [(attn.compressor, pool.compressor)]
+        if attn.indexer is not None:
+            pairs.append((attn.indexer.compressor, pool.indexer))
+        for comp, cpool in pairs:
+            if comp is None:
+                continue
+            x = torch.randn(step.B * n, runner.config.hidden_size, generator=gen)
+            proj = comp.project(x)
+            ref = dataclasses.replace(cpool, ring=cpool.ring.clone(), entries=cpool.entries.clone())
+            got = dataclasses.replace(cpool, ring=cpool.ring.clone(), entries=cpool.entries.clone())
+            comp.pool(proj, batch, ref)
+            graph_ops.compress(comp, proj, batch, got, backend="triton")
+            trash = runner.pools.trash_page * runner.pools.page_tokens // comp.ratio
+            live = slice(0, trash)  # the trash page collects padding windows in the reference only
+            changed = (ref.entries[live] != cpool.entries[live]).any(dim=1).sum().item()
+            assert changed >= 1
+            assert (ref.entries[live] - got.entries[live]).abs().max().item() < 1e-5
+            checked += 1
+    assert checked >= 3
