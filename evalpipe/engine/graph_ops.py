@@ -36,6 +36,8 @@ def _interpret() -> bool:
 def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto" and os.environ.get("EVALPIPE_GRAPH_OPS") == "reference":  # escape hatch: torch chains
+        return False
     if backend == "reference" or triton is None:
         if backend == "triton":
             raise RuntimeError("backend='triton' requested but triton is not installed")
