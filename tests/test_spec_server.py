@@ -11,7 +11,9 @@ import openai
 import pytest
 
 from evalpipe.endpoint import simulation_reason
+from evalpipe.engine.runner import ModelRunner
 from server_harness import ServerProcess
+from spec_helpers import compare_with_tie_rule, plain_greedy, single_thread
 
 BLOCK = 4
 
@@ -77,8 +79,14 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
     assert n_tokens == chunks[-1].usage.completion_tokens
     check_spec(final["spec"], n_tokens, BLOCK)
 
-    # greedy speculation equals the same request served again (and the server's plain reference is the lossless
-    # test's business); here: a greedy chat answer repeats exactly
+    # the streamed greedy answer of the speculating server equals plain one-row greedy decoding of the same prompt
+    # ids on an in-process runner (same default weights), and the non-streamed answer repeats it
+    prompt_ids = next(c.choices[0].model_dump()["prompt_token_ids"] for c in token_chunks
+                      if c.choices[0].model_dump().get("prompt_token_ids"))
+    streamed = [t for c in token_chunks for t in (c.choices[0].model_dump().get("token_ids") or [])]
+    with single_thread():
+        plain, margins = plain_greedy(ModelRunner(max_seqs=2, max_seq_len=256), prompt_ids, len(streamed))
+    compare_with_tie_rule(streamed, plain, margins, "HTTP speculative vs in-process plain greedy")
     again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to ten"}],
                                            max_tokens=20, temperature=0)
     assert again.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in token_chunks)
