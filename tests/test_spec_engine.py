@@ -45,14 +45,15 @@ def prompts(tokenizer):
 
 def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[dict]:
     """Submit every request, step the engine until all finish, return per-request results."""
-    results = [{"token_ids": [], "text": "", "finish_reason": None, "matched_stop": None, "spec": None}
-               for _ in requests]
+    results = [{"token_ids": [], "text": "", "finish_reason": None, "matched_stop": None, "spec": None,
+                "logprobs": []} for _ in requests]
 
     def collect(i):
         def on_event(ev):
             r = results[i]
             r["token_ids"] += ev.token_ids
             r["text"] += ev.text
+            r["logprobs"] += ev.logprobs or []
             if ev.finish_reason is not None:
                 r.update(finish_reason=ev.finish_reason, matched_stop=ev.matched_stop, spec=ev.spec)
         return on_event
@@ -83,13 +84,21 @@ def check_stats(spec: dict, n_tokens: int, block: int) -> None:
 
 @pytest.mark.parametrize("drafter,block", [("layerskip:2", 5), ("ngram", 2), ("self", 6)])
 def test_engine_speculation_equals_plain_decoding(runner, tokenizer, prompts, drafter, block):
-    requests = [(p, replace(GREEDY, max_tokens=m)) for p, m in zip(prompts, (24, 7, 19, 1))]
+    requests = [(p, replace(GREEDY, max_tokens=m, logprobs=lp))
+                for p, m, lp in zip(prompts, (24, 7, 19, 1), (None, 2, None, 0))]
     plain = run(Engine(runner, tokenizer, max_batch=8), requests)
     engine = spec_engine(runner, tokenizer, drafter, block)
     spec = run(engine, requests)
     for a, b in zip(plain, spec):
-        assert {k: v for k, v in a.items() if k != "spec"} == {k: v for k, v in b.items() if k != "spec"}
+        assert {k: v for k, v in a.items() if k not in ("spec", "logprobs")} == \
+            {k: v for k, v in b.items() if k not in ("spec", "logprobs")}
         check_stats(b["spec"], len(b["token_ids"]), block)
+        # logprobs of committed tokens come from the verify rows: same ids, same values up to float32 rounding
+        assert [(x["id"], [t for t, _ in x["top"]]) for x in a["logprobs"]] == \
+            [(x["id"], [t for t, _ in x["top"]]) for x in b["logprobs"]]
+        for x, y in zip(a["logprobs"], b["logprobs"]):
+            assert y["logprob"] == pytest.approx(x["logprob"], abs=1e-4)
+    assert len(spec[1]["logprobs"]) == 7
     if drafter == "self":  # every draft accepted
         for b in spec:
             assert b["spec"]["accepted_drafts"] == block * b["spec"]["verify_steps"]
