@@ -239,3 +239,24 @@ def test_bfloat16_runner_tracks_float32(runner, cache_dir, monkeypatch):
     assert float((low.argmax(-1) == full.argmax(-1)).float().mean()) > 0.8
     assert bf16.forward([a], [[20]]).shape == (1, 512)
     assert bf16.describe()["dtype"] == "bfloat16"
+
+
+def test_checkpoint_names_both_schemes_and_quantized_refused(runner, tmp_path):
+    """save_pretrained (5.2x) writes the original DeepSeek names (attn.wq_a, ffn.experts.N.w1, hc_attn_fn, ...);
+    a checkpoint saved with the module names of DeepseekV4ForCausalLM loads to the same tensors."""
+    from safetensors.torch import save_file
+
+    from evalpipe.engine.weights import load_state_dict
+
+    original = load_state_dict(runner.model_path)
+    (tmp_path / "modnames").mkdir()
+    save_file({k: v.contiguous() for k, v in original.items()}, str(tmp_path / "modnames" / "model.safetensors"))
+    renamed = load_state_dict(tmp_path / "modnames")
+    assert renamed.keys() == original.keys()
+    assert all(torch.equal(renamed[k], original[k]) for k in original)
+
+    (tmp_path / "fp8").mkdir()
+    save_file({"layers.0.attn.wq_a.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn),
+               "layers.0.attn.wq_a.scale": torch.ones(1, 1)}, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(ValueError, match="quantized"):
+        load_state_dict(tmp_path / "fp8")

@@ -106,6 +106,7 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
                     experts.setdefault((layer, which), {})[idx] = f.get_tensor(key)
                 else:
                     state[name] = f.get_tensor(key)
+    _refuse_quantized(state, experts)
     layers = sorted({layer for layer, _ in experts})
     for layer in layers:
         w1, w2, w3 = (experts[(layer, w)] for w in ("w1", "w2", "w3"))
@@ -114,6 +115,20 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
         state[prefix + "gate_up_proj"] = torch.stack([torch.cat([w1[e], w3[e]], dim=0) for e in order])
         state[prefix + "down_proj"] = torch.stack([w2[e] for e in order])
     return state
+
+
+_QUANTIZED_DTYPES = {torch.int8, torch.uint8} | {getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n)}
+
+
+def _refuse_quantized(state: dict, experts: dict) -> None:
+    """FP8 block-scaled / FP4-packed checkpoints (the official DeepSeek-V4 release) would be silently wrong after a
+    plain dtype cast; say so instead. Dequantize them to bf16/fp32 first."""
+    tensors = list(state.items()) + [(f"experts.{k}", t) for k, d in experts.items() for t in d.values()]
+    bad = [name for name, t in tensors if t.dtype in _QUANTIZED_DTYPES or "scale_inv" in name]
+    if bad:
+        raise ValueError(f"quantized checkpoint tensors are not supported ({len(bad)}, e.g. {bad[0]}): "
+                         "convert the checkpoint to bfloat16/float32 weights first")
 
 
 def cache_root() -> Path:
