@@ -7,7 +7,9 @@ never leaves a server running; `ab.json` is rewritten after every step, so a fai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import signal
 import traceback
@@ -118,10 +120,32 @@ class ABRun:
             signal.signal(signal.SIGTERM, previous)
         if not preflight:
             self.compare_all()
-        self.index.update(status="done", finished_at=_now())
+        failed = [c for c in self.index["comparisons"] if c.get("error")]
+        self.index.update(status="done" if not failed else "done, comparisons failed", finished_at=_now())
         self.save()
+        self.print_summary()
         click.echo(f"report: {self.out / REPORT_FILE}")
-        return 0
+        return 1 if failed else 0
+
+    def print_summary(self) -> None:
+        """One line per comparison: accuracy, identical outputs, ties, accept length."""
+        def pct(x):
+            return "-" if x is None else f"{100 * x:.2f}%"
+
+        for c in self.index["comparisons"]:
+            if c.get("error"):
+                click.echo(f"{c['lane']} {c['a']} vs {c['b']} ({c['kind']}): compare failed: {c['error']}")
+                continue
+            ties = c.get("ties") or {}
+            spec = c.get("spec") or {}
+            accept = [((spec.get(k) or {}).get("accept_length_mean")) for k in ("a", "b")]
+            click.echo(
+                f"{c['lane']} {c['a']} vs {c['b']} ({c['kind']}): accuracy {pct(c.get('accuracy_a'))} vs "
+                f"{pct(c.get('accuracy_b'))}; identical outputs {pct(ties.get('agreement'))}, ties "
+                f"{ties.get('n_ties')}, real differences {ties.get('n_real_differences')}, undecided "
+                f"{ties.get('n_undecided')}; accept length "
+                + " vs ".join("off" if x is None else f"{x:.2f}" for x in accept)
+            )
 
     def run_arm(self, side, label, arm, receipts, first_of, run_lanes: bool) -> str | None:
         """Boot one arm, check it, run its lanes, stop it. Returns a failure message, or None."""
@@ -229,10 +253,15 @@ class ABRun:
         args = [str(self.out / run_x), str(self.out / run_y), "--out", str(out), "--margin", str(self.margin)]
         for pattern in self.intended_patterns(kind):
             args += ["--intended", pattern]
+        terminal = io.StringIO()  # compare's table goes to compare.txt; the A/B prints one summary at the end
         try:
-            compare_command.main(args, prog_name="evalpipe compare", standalone_mode=False)
+            with contextlib.redirect_stdout(terminal):
+                compare_command.main(args, prog_name="evalpipe compare", standalone_mode=False)
         except click.ClickException as exc:
             return {"error": exc.format_message()}
+        finally:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "compare.txt").write_text(terminal.getvalue())
         result = json.loads((out / "compare.json").read_text())
         summary = {
             "report": f"{out.relative_to(self.out)}/report.html",
