@@ -170,3 +170,14 @@ def test_spec_stats_consistency():
     assert d["draft_tokens"] == 15
     assert d["accept_length"] == pytest.approx(13 / 5)
     assert SpecStats(block_size=2).to_dict(completion_tokens=1)["accept_length"] is None
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    from evalpipe.engine.drafters import NgramDrafter
+
+    d = NgramDrafter(max_ngram=3)
+    assert d.lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # suffix [1, 2] seen at 0
+    assert d.lookup([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # longest suffix [2, 3]
+    assert d.lookup([7, 1, 7, 2, 7], 2) == [2, 7]  # the latest earlier occurrence of [7] wins
+    assert d.lookup([3, 1, 3], 3) == [1, 3, 1]  # keeps extending on its own proposal
+    assert d.lookup([5, 6, 7], 4) == [7, 7, 7, 7]  # no match: repeat the last token

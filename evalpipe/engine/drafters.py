@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from evalpipe.engine.sampling import sample, sampling_probs
@@ -128,22 +129,25 @@ class NgramDrafter:
 
     def lookup(self, tokens: list[int], count: int) -> list[int]:
         out: list[int] = []
-        work = list(tokens)
+        work = np.asarray(tokens, dtype=np.int64)
         while len(out) < count:
-            follow = self._follow(work)
-            if not follow:
-                follow = [work[-1]]
-            take = follow[: count - len(out)]
+            take = self._follow(work, count - len(out)) or [int(work[-1])]
             out += take
-            work += take
+            work = np.concatenate([work, np.asarray(take, dtype=np.int64)])
         return out
 
-    def _follow(self, tokens: list[int]) -> list[int]:
-        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
-                if tokens[start:start + n] == suffix:
-                    return tokens[start + n:]
+    def _follow(self, tokens: np.ndarray, count: int) -> list[int]:
+        """Up to `count` tokens after the latest earlier occurrence of the longest matching suffix (vectorised:
+        histories of tens of thousands of tokens are scanned in C, not Python)."""
+        length = len(tokens)
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            suffix = tokens[length - n:]
+            starts = np.flatnonzero(tokens[: length - n] == suffix[0])  # earlier starts, suffix itself excluded
+            for k in range(1, n):
+                starts = starts[tokens[starts + k] == suffix[k]]
+            if starts.size:
+                begin = int(starts[-1]) + n
+                return tokens[begin: begin + count].tolist()
         return []
 
     def propose(self, seqs, widths):
