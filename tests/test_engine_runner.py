@@ -260,3 +260,33 @@ def test_checkpoint_names_both_schemes_and_quantized_refused(runner, tmp_path):
                "layers.0.attn.wq_a.scale": torch.ones(1, 1)}, str(tmp_path / "fp8" / "model.safetensors"))
     with pytest.raises(ValueError, match="quantized"):
         load_state_dict(tmp_path / "fp8")
+
+
+def test_batched_verify_rows_then_partial_accept_equal_plain_decoding(runner):
+    """The speculative-verify shape: 8 sequences x 6 rows in one forward (all_logits, request-major) equals six
+    one-row decodes; then each sequence keeps a different prefix (truncate) and continues exactly like a
+    sequence that only ever decoded the kept tokens."""
+    lengths = [5, 23, 24, 31, 40, 47, 63, 64]
+    prompts = [prompt(n, 20 + i) for i, n in enumerate(lengths)]
+    drafts = [prompt(6, 40 + i) for i in range(8)]
+    spec = [runner.allocate() for _ in lengths]
+    plain = [runner.allocate() for _ in lengths]
+    runner.forward(spec, prompts)
+    runner.forward(plain, prompts)
+    verify = runner.forward(spec, drafts, all_logits=True).view(8, 6, -1)
+    steps = torch.stack([runner.forward(plain, [[d[j]] for d in drafts]) for j in range(6)], dim=1)
+    assert float((verify - steps).abs().max()) < LOGIT_TOL
+
+    accepted = [0, 1, 2, 3, 4, 5, 6, 2]  # rows kept per sequence (0..G+1 style)
+    fresh = [runner.allocate() for _ in lengths]
+    runner.forward(fresh, [p + d[:k] if k else p for p, d, k in zip(prompts, drafts, accepted)])
+    for s, p, k in zip(spec, prompts, accepted):
+        runner.truncate(s, len(p) + k)
+    nxt = [[int(t)] for t in prompt(8, 60)]
+    got = runner.forward(spec, nxt)
+    want = runner.forward(fresh, nxt)
+    assert float((got - want).abs().max()) < LOGIT_TOL
+    for s, f in zip(spec, fresh):
+        _assert_same_state(runner.state_snapshot(s), runner.state_snapshot(f), LOGIT_TOL)
+    for s in spec + plain + fresh:
+        runner.free(s)
