@@ -126,7 +126,7 @@ def write_receipt(path: str | os.PathLike, receipt: dict) -> Path:
 
 # Keys that differ between any two boots of the same settings: ports, pids, clocks, running statistics.
 VOLATILE_KEYS = (
-    "port", "pid", "*_pid", "created", "*time*", "*uptime*", "*timestamp*", "*url*", "internal_states",
+    "port", "*_port", "port_*", "*_ports", "pid", "*_pid", "created", "*time*", "*uptime*", "*timestamp*", "*url*", "internal_states",
     "*throughput*", "*accept_length*", "*accept_rate*", "stats", "*_stats", "statistics", "*_ct", "*count*",
     "launch_command", "command", "argv", "cmdline", "log", "log_path", "*_at",
     "num_requests*", "num_running_*", "num_waiting_*", "*memory_usage*", "*_tokens_total", "load",
