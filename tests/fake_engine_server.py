@@ -2,7 +2,8 @@
 
 Started by the launcher through `--engine-command "python fake_engine_server.py --fake-mode MODE ..."`; it
 receives the engine's real argv after that prefix. Modes:
-  ready   -- answers health checks with 200 and reports its argv and environment as its server info;
+  ready   -- answers health checks with 200 and reports its argv (parsed into settings, as SGLang does, with a
+             random seed drawn at each boot unless --random-seed is given) and environment as its server info;
   503     -- listens but answers 503 forever (a server that never becomes ready), with a child process
              of its own to prove the launcher kills the whole group;
   exit    -- prints a message and exits with code 3 before listening.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,7 +37,18 @@ def main() -> None:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(args.fake_pidfile, "w") as f:
             json.dump({"server": os.getpid(), "child": child.pid}, f)
+    # Like SGLang's /get_server_info: the server arguments at top level, a random seed drawn per boot unless given.
+    server_args = {"random_seed": random.randint(0, 1 << 30)}
+    i = 0
+    while i < len(engine_args):
+        if engine_args[i].startswith("--"):
+            takes_value = i + 1 < len(engine_args) and not engine_args[i + 1].startswith("--")
+            server_args[engine_args[i][2:].replace("-", "_")] = engine_args[i + 1] if takes_value else True
+            i += 1 + takes_value
+        else:
+            i += 1
     info = {
+        **server_args,
         "version": "0.0-fake",
         "argv": engine_args,
         "environ": {k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "VLLM_", "FAKE_"))},

@@ -82,7 +82,7 @@ def _fake_arm(info: dict) -> str:
 
 
 def test_preflight_refuses_an_undeclared_difference_and_stops_both_servers(tmp_path):
-    common = "--engine sglang --model some/model --set-env FAKE_SHARED=1"
+    common = "--engine sglang --model some/model --random-seed 0 --set-env FAKE_SHARED=1"
     a = _fake_arm({"mem_fraction_static": 0.8, "speculative_algorithm": None})
     b = _fake_arm({"mem_fraction_static": 0.7, "speculative_algorithm": "DSPARK"})
     out = tmp_path / "ab"
@@ -171,3 +171,25 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
     report = (out / "report.html").read_text()
     for pair in pairs.values():
         assert pair["report"] in report
+
+
+def test_readme_dspark_ab_preflight_against_stand_in_servers(tmp_path):
+    """The README's SGLang DSpark A/B, preflight only, against a stand-in that reports its arguments as SGLang
+    does: the speculation settings are explained by the declared flags; an unpinned random seed is not."""
+    engine_command = f"--engine-command {shlex.quote(f'{shlex.quote(PY)} {shlex.quote(FAKE)}')}"
+    common = f"--engine sglang --model deepseek-ai/DeepSeek-V4-Flash --tp 8 --ep 8 --mem-fraction-static 0.8 {engine_command}"
+    a = "--speculative off"
+    b = "--speculative dspark --draft-model deepseek-ai/DeepSeek-V4-Flash-DSpark --block-size 7"
+    result = evalpipe("ab", "--lanes", "gsm8k,aime26", "--common", common + " --random-seed 0", "--a", a, "--b", b,
+                      "--preflight", "--out", str(tmp_path / "ok"), "--ready-timeout", "60", timeout=120)
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "ok" / "ab.json").read_text())
+    assert index["declared_flags"] == ["speculative", "block_size", "draft_model"]
+    assert [c["ok"] for c in index["receipt_checks"]] == [True]
+    receipt_b = json.loads((tmp_path / "ok" / "arms" / "B1" / "receipt.json").read_text())
+    assert receipt_b["server_info"]["speculative_algorithm"] == "DSPARK"
+    assert receipt_b["server_info"]["speculative_accept_threshold_acc"] == "1.0"
+
+    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", a, "--b", b, "--preflight",
+                      "--out", str(tmp_path / "seed"), "--ready-timeout", "60", timeout=120)
+    assert result.returncode == 1 and "server setting random_seed" in result.stderr, result.stderr
