@@ -30,7 +30,8 @@ class EngineDispatchCommand(click.Command):
     """Routes a `serve` command line to the native command or to the launcher command."""
 
     def __init__(self, native: click.Command):
-        super().__init__(native.name, help=native.help, short_help=native.short_help)
+        # the native parameters stay visible for introspection; parsing is always delegated in make_context
+        super().__init__(native.name, params=native.params, help=native.help, short_help=native.short_help)
         self.native = native
 
     def make_context(self, info_name, args, parent=None, **extra):
