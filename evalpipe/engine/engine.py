@@ -254,7 +254,8 @@ class Engine:
         st["sent"] = max(end, st["sent"])
         lps = None
         if params.logprobs is not None:
-            pairs = token_logprobs(logit_rows[: len(taken)], torch.tensor(taken), params.logprobs)
+            pairs = token_logprobs(logit_rows[: len(taken)], torch.tensor(taken, device=logit_rows.device),
+                                   params.logprobs)
             lps = [{"id": t, "logprob": lp, "top": top} for t, (lp, top) in zip(taken, pairs)]
         self.stats["generated_tokens"] += len(taken)
         if reason is not None:
