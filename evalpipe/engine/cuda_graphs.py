@@ -14,7 +14,8 @@ The static step is the engine's model with every data-dependent shape and host r
   row_valid in the fused C2 kernel), so a padding row never touches a live request's state;
 - compressed entries are attended over the fixed maximum count (pages_per_seq * page_tokens / ratio) with the
   causal visibility mask, instead of the live count (which needs a host read);
-- mHC and the routed experts use `graph_ops` (one kernel each; the eager MoE reads expert counts to the host).
+- mHC, RMSNorm, the routed experts and the (non-C2) compressor windows use `graph_ops` (one kernel each; the eager
+  MoE reads expert counts to the host, the eager compressor skips idle windows by reading starts on the host).
 
 On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph` (after two warm-up runs that
 compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static

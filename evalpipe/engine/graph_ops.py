@@ -143,7 +143,7 @@ if tl is not None:
 
     def _expert_mm_kernel(x_ptr, idx_ptr, w_ptr, scale_ptr, out_ptr, R, N, K, x_div,
                           HAS_SCALE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         e = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
         rs = tl.arange(0, R_PAD)
@@ -160,7 +160,10 @@ if tl is not None:
                 km = k0 + ks < K
                 x = tl.load(xrow + k0 + ks[None, :], mask=sel[:, None] & km[None, :], other=0.0)
                 w = tl.load(wcol + k0 + ks[:, None], mask=km[:, None] & nm[None, :], other=0.0)
-                acc += tl.dot(x.to(w.dtype), w, out_dtype=tl.float32)
+                if IEEE:  # float32 weights: exact products (Triton's default for a float32 dot is tf32)
+                    acc += tl.dot(x.to(w.dtype), w, out_dtype=tl.float32, input_precision="ieee")
+                else:
+                    acc += tl.dot(x.to(w.dtype), w, out_dtype=tl.float32)
             if HAS_SCALE:
                 acc = acc * tl.load(scale_ptr + rs, mask=sel, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptr + rs.to(tl.int64)[:, None] * N + ns[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -324,7 +327,8 @@ def expert_gemv(x, idx, weight, scale=None, *, x_div: int = 1, out_dtype=None, b
         block_n = 16
         _kernels()["_expert_mm_kernel"][(E, triton.cdiv(N, block_n))](
             x.contiguous(), idx.contiguous(), weight, scale if scale is not None else out, out, R, N, K, x_div,
-            HAS_SCALE=scale is not None, R_PAD=r_pad, BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+            HAS_SCALE=scale is not None, R_PAD=r_pad, BLOCK_N=block_n, BLOCK_K=256,
+            IEEE=weight.dtype == torch.float32, num_warps=4)
         return out
     block_n = 32
     _kernels()["_expert_gemv_kernel"][(R, triton.cdiv(N, block_n))](
