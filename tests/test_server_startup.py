@@ -12,7 +12,6 @@ import threading
 import time
 
 import httpx
-import pytest
 import uvicorn
 
 from evalpipe.server.app import create_app

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
 import torch
@@ -347,6 +347,4 @@ def make_sequences(
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, seed=seed)
