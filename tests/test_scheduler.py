@@ -138,3 +138,33 @@ def test_abort_frees_slot_at_once():
     s.add([waiting])
     s.abort(waiting)  # aborting a waiting sequence needs no slot
     assert s.num_waiting == 0 and pool.freed == [0]
+
+
+def test_engine_tokens_do_not_depend_on_chunking_or_batch_mix():
+    """The real engine on the tiny model: small prompt chunks mixed with decode rows give the same greedy tokens
+    as whole-prompt prefill, and every runner slot is given back."""
+    from evalpipe.engine.engine import Engine, make_sequences
+    from evalpipe.engine.runner import ModelRunner, PoolExhausted
+    from evalpipe.engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    runner = ModelRunner(max_seqs=3, max_seq_len=160)
+    prompts = [tok.encode_prompt("x" * n + "the quick brown fox") for n in (5, 41, 77, 100)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(step_rows, max_batch):
+        engine = Engine(runner, tok, max_batch=max_batch, max_tokens_per_step=step_rows, exhausted=(PoolExhausted,))
+        out = {i: [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            engine.submit(make_sequences(p, params, 1, lambda ev, i=i: out[i].extend(ev.token_ids)))
+        steps = 0
+        while engine.step():
+            steps += 1
+        assert engine.allocated_slots == 0 and runner.describe()["live_sequences"] == 0
+        return out, steps
+
+    whole, whole_steps = run(512, 3)
+    chunked, chunked_steps = run(24, 2)  # 24-row steps: prompts in chunks, interleaved with other decodes
+    assert chunked_steps > whole_steps
+    assert all(len(v) == 6 for v in whole.values())
+    assert chunked == whole

@@ -173,7 +173,7 @@ class Engine:
                 self._finish(seq, "abort")
 
     def step(self) -> int:
-        """Run one forward over the planned rows; returns how many sequences advanced."""
+        """Run one forward over the planned rows; returns how many sequences took part (0: nothing to do)."""
         with self._cond:
             for seq in self._aborts:
                 if seq.status is not Status.FINISHED:
@@ -202,14 +202,14 @@ class Engine:
             with self._cond:
                 for seq in [c.seq for c in plan.prefills] + plan.decodes:
                     self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            return 0
+            return len(plan.prefills) + len(plan.decodes)
         with self._cond:
             self.stats["steps"] += 1
             self.last_step_at = time.monotonic()
             for seq, (tokens, logit_rows) in committed.items():
                 if not seq.aborted and seq.status is Status.RUNNING:
                     self._emit(seq, tokens, logit_rows)
-        return len(committed)
+        return len(plan.prefills) + len(plan.decodes)
 
     def _commit_tokens(self, plan, rows, logits) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
         """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""
