@@ -227,6 +227,8 @@ def test_health_info_flush(server, model):
     assert info["engine"]["max_batch"] == 8 and info["engine"]["max_seq_len"] == MAX_SEQ_LEN
     assert "serve" in info["launch"]["argv"] and info["version"]
     assert httpx.post(server.base + "/flush_cache").status_code == 200
+    model_info = httpx.get(server.base + "/get_model_info").json()
+    assert model_info["is_generation"] is True and model_info["served_model_name"] == model
     assert info["internal_states"]["peak_rss_mb"] > 0
     # outside internal_states the info is configuration only: serving a request does not change it
     httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)

@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI routes, health and info routes, API-key check, error bodies.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /health_generate,
-GET /get_server_info (alias /server_info), GET|POST /flush_cache, GET /version. With an API key configured,
+GET /get_server_info (alias /server_info), GET /get_model_info (SGLang's fields), GET|POST /flush_cache,
+GET /version. With an API key configured,
 every route except /health and /health_generate needs `Authorization: Bearer <key>`.
 """
 
@@ -97,6 +98,13 @@ def create_app(state: ServerState) -> FastAPI:
     @routes.get("/server_info")
     async def server_info():
         return state.info()
+
+    @routes.get("/get_model_info")
+    @routes.get("/model_info")
+    async def model_info():
+        require_ready()
+        return {"model_path": state.settings.model or getattr(state.runner, "model_path", None),
+                "tokenizer_path": state.settings.tokenizer, "is_generation": True, "served_model_name": state.model_id}
 
     @routes.get("/flush_cache")
     @routes.post("/flush_cache")
