@@ -183,8 +183,9 @@ async def events(state, job: Job, request: Request | None) -> AsyncIterator[SeqE
     remaining = len(job.seqs)
     try:
         while remaining:
-            try:
-                event = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+            try:  # fast path without a timer when the engine has already delivered
+                event = job.queue.get_nowait() if not job.queue.empty() else \
+                    await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if request is not None and await request.is_disconnected():
                     return
