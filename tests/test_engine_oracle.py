@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 PREFILL_LOGIT_BOUND = 1e-4  # max |engine - oracle| over every prefill row's logits (observed ~5e-6)
 TIE_MARGIN = 1e-4
-NEW_TOKENS = 32
+NEW_TOKENS = 40
 
 _BASE = dict(vocab_size=512, bos_token_id=0, eos_token_id=1, hidden_size=128, num_attention_heads=4,
              num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=64, o_groups=2,
@@ -47,7 +47,7 @@ CONFIGS = {
     "hca2-sliding": dict(seed=4, num_hidden_layers=3, layer_types=[H, S, H], sliding_window=20, index_topk=4,
                          compress_rates={C: 4, H: 2}, mlp_layer_types=["moe", "moe", "hash_moe"]),
 }
-PROMPT_LENGTHS = (7, 45)  # below / above every window; the decodes then cross more window and ratio boundaries
+PROMPT_LENGTHS = (7, 45, 101)  # below / above every window; decodes cross more window and ratio boundaries
 
 
 def make_checkpoint(tmp_dir, name: str) -> str:

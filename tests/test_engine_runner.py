@@ -80,7 +80,7 @@ def test_default_checkpoint_is_seeded_cached_and_loadable_by_transformers(runner
 
 
 def test_same_request_alone_and_among_32_concurrent(runner):
-    target, steps = prompt(37, 1), 24
+    target, steps = prompt(37, 1), 32
     seq = runner.allocate()
     alone = greedy(runner, seq, runner.forward([seq], [target]), steps)
     runner.free(seq)
