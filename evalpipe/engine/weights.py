@@ -183,10 +183,12 @@ def save_checkpoint(config, state: dict[str, torch.Tensor], out_dir: str | Path)
         raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
-    if out_dir.exists():  # another process won the race; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    try:
         tmp.replace(out_dir)
+    except OSError:
+        if not (out_dir / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; its copy is identical
     return out_dir
 
 
