@@ -19,11 +19,12 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if comb.device.type == "cpu" and comb.dtype == torch.float32 and comb.shape[-1] >= 2:
         e = np.float32(eps)
         if comb.shape[0] < 8:
+            add, div = np.add.reduce, np.divide  # the ufuncs themselves: no Python wrapper per call
             a = comb.numpy()
-            a = a / (a.sum(axis=-2, keepdims=True) + e)
+            a = a / (add(a, axis=-2, keepdims=True) + e)
             for _ in range(iters - 1):
-                a /= a.sum(axis=-1, keepdims=True) + e
-                a /= a.sum(axis=-2, keepdims=True) + e
+                div(a, add(a, axis=-1, keepdims=True) + e, out=a)
+                div(a, add(a, axis=-2, keepdims=True) + e, out=a)
             return torch.from_numpy(a)
         b = np.ascontiguousarray(comb.numpy().transpose(1, 2, 0))  # [hc_in, hc_out, T]
         hc = b.shape[0]
