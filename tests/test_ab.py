@@ -23,8 +23,20 @@ DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / 
 
 
 def evalpipe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real CLI; on a timeout (ours or pytest's) SIGTERM it first so that it stops its servers."""
     env = {**os.environ, "EVALPIPE_DATA_DIR": str(DATA_DIR)}
-    return subprocess.run([PY, "-m", "evalpipe.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    argv = [PY, "-m", "evalpipe.cli", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _alive(pid: int) -> bool:

@@ -350,3 +350,27 @@ def test_evalpipe_serve_hook_routes_engines_and_dry_run():
     engine_help = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--engine", "vllm", "--help"],
                                  capture_output=True, text=True, timeout=120).stdout
     assert "only way to exercise those engines" in " ".join(engine_help.split())
+
+
+def test_server_dies_with_a_launcher_killed_by_sigkill(tmp_path):
+    """A launcher that cannot clean up (SIGKILL) still leaves no server behind: the kernel's parent-death signal."""
+    receipt = tmp_path / "r.json"
+    proc = _launch(
+        ["--engine", "sglang", "--model", "M", "--port", str(free_port()), "--receipt", str(receipt),
+         "--engine-command", f"{shlex.quote(PY)} {shlex.quote(FAKE)}", "--ready-timeout", "60"],
+        {}, tmp_path,
+    )
+    try:
+        assert proc.stdout.readline().startswith("ready: ")
+        server = json.loads(receipt.read_text())["pid"]
+        assert _alive(server)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survived = _alive(server)
+    if survived:
+        os.kill(server, signal.SIGKILL)  # do not leave it to the next test
+    assert not survived

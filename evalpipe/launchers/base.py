@@ -8,11 +8,13 @@ records.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -178,6 +180,7 @@ class Launcher(ABC):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_terminate_with_parent(),
             )
         except OSError as exc:
             raise ServerStartError(f"cannot start {self.argv[0]!r}: {exc}") from exc
@@ -278,6 +281,25 @@ class Launcher(ABC):
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _terminate_with_parent():
+    """Linux: ask the kernel to SIGTERM the server when its launcher dies, even by SIGKILL (no orphan)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_death_signal
 
 
 def _signal_group(pgid: int, sig: int) -> None:
