@@ -61,10 +61,16 @@ DEVICES = ("cpu", "cuda")
 @click.option("--cuda-graphs", default="on", show_default=True, type=click.Choice(["on", "off"]),
               help="With --device cuda: capture the decode and (G+1)-row verify steps as CUDA graphs per batch "
                    "bucket at start-up and replay them (off: run the same static steps eagerly).")
+@click.option("--wo-quant", default="none", show_default=True, type=click.Choice(["none", "mxfp8"]),
+              help="Output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
+                   "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to "
+                   "MXFP8 once at load. LOSSY: outputs differ from the unquantized model (and from the "
+                   "transformers oracle). Triton on CUDA where the kernels' guards pass (bf16), their PyTorch "
+                   "references elsewhere (CPU). Reported in /get_server_info (wo_quant, fused_sites).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
 def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
-            api_key, speculative, block_size, drafter, simulate_acc_len, fused, cuda_graphs, log_level):
+            api_key, speculative, block_size, drafter, simulate_acc_len, fused, cuda_graphs, wo_quant, log_level):
     """Serve a model (the built-in tiny one by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
@@ -92,7 +98,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
         max_tokens_per_step=max_tokens_per_step, max_queue=max_queue, max_seq_len=max_seq_len, api_key=api_key,
         argv=["evalpipe", *sys.argv[1:]],
         speculative=speculative, block_size=block_size, drafter=drafter, simulate_acc_len=simulate_acc_len,
-        fused=fused, cuda_graphs=cuda_graphs,
+        fused=fused, cuda_graphs=cuda_graphs, wo_quant=wo_quant,
     )
     failure: list[str] = []
     server: uvicorn.Server | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from evalpipe.engine import fused_sites
 from evalpipe.engine.cache import LayerPool
 from evalpipe.engine.compressor import Compressor, Indexer
 from evalpipe.engine.config import CSA, SLIDING, RopeTable, compress_ratio
@@ -15,6 +16,10 @@ from evalpipe.engine.primitives import apply_rope, rms_norm, unweighted_rms_norm
 
 
 class Attention:
+    # set by engine/fused_sites.configure: per-layer site settings and the MXFP8-rounded o_b (`--wo-quant mxfp8`)
+    site_settings = None
+    wo_b_mxfp8: torch.Tensor | None = None
+
     def __init__(self, sd: dict, prefix: str, config, layer_type: str, ropes: dict[str, RopeTable]):
         self.layer_type = layer_type
         self.heads, self.head_dim, self.eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
@@ -85,6 +90,8 @@ class Attention:
             self._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
 
         out = apply_rope(out, cos, neg_sin, self.rope.rot)
+        if self.wo_b_mxfp8 is not None:  # --wo-quant mxfp8: wo_a_mxfp8 + mxfp8_linear (fused_sites)
+            return fused_sites.wo_project(self, out)
         grouped = out.view(T, self.groups, -1).transpose(0, 1)  # [g, T, group_in]
         grouped = torch.bmm(grouped, self.o_a_t).transpose(0, 1).reshape(T, -1)
         return F.linear(grouped, self.o_b)
@@ -106,16 +113,14 @@ class Attention:
 
         comp = None
         if self.compressor is not None:
-            rows = entry_index(group, batch.pools, self.ratio)[0]
-            entries = pool.compressor.entries[rows]  # [G, E, D]
             if self.indexer is not None:
-                picked = self.indexer.select(*idx_q, group, batch.pools, pool.indexer)  # [G, n, k]
-                g = torch.arange(group.size, device=picked.device)[:, None, None]
-                comp = entries[g, picked.clamp(min=0)]  # [G, n, k, D]
+                # indexer scores -> candidate_block_mask -> top-k -> indexer_postprocess (page table) -> pool rows
+                comp, empty = fused_sites.csa_entries(self, idx_q, group, batch, pool)  # [G, n, k, D], [G, n, k]
                 cl = torch.matmul(qg, comp.transpose(-1, -2)) * scale
-                cl = cl.masked_fill_((picked < 0).unsqueeze(2), float("-inf"))
+                cl = cl.masked_fill_(empty.unsqueeze(2), float("-inf"))
             else:
-                comp = entries.unsqueeze(1)  # [G, 1, E, D]
+                rows = entry_index(group, batch.pools, self.ratio)[0]
+                comp = pool.compressor.entries[rows].unsqueeze(1)  # [G, 1, E, D]
                 cl = torch.matmul(qg, comp.transpose(-1, -2)) * scale
                 cl = cl.masked_fill_(entry_mask(group, batch.pools, self.ratio), float("-inf"))
             logits.append(cl)

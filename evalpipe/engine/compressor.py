@@ -88,16 +88,22 @@ class Indexer:
     def select(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
                pool: CompressorPool) -> torch.Tensor:
         """[G, n, k] selected entry indices per query (-1 = none), k = min(index_topk, entries in the group)."""
-        rows, visible = entry_index(group, pools, self.ratio)
-        count = rows.shape[1]
-        k = min(self.topk, count)
+        scores, visible, k = self.scores(q, weights, group, pools, pool)
         if k == 0:
-            return torch.empty(group.size, group.n, 0, dtype=torch.long, device=rows.device)
+            return torch.empty(group.size, group.n, 0, dtype=torch.long, device=scores.device)
+        return causal_topk(scores, visible, k)
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
+               pool: CompressorPool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """([G, n, E] float32 scores of every entry, [G, n, E] causal visibility, k): what `select` ranks (also
+        the input of the fused CSA sites in engine/fused_sites.py)."""
+        rows, visible = entry_index(group, pools, self.ratio)
+        k = min(self.topk, rows.shape[1])
         keys = pool.entries[rows].float()  # [G, E, d]
         scores = torch.matmul(q[group.rows].float(), keys.transpose(1, 2).unsqueeze(1))  # [G, n, H, E]
         scores = F.relu(scores) * self.dim**-0.5
         scores = (scores * weights[group.rows].unsqueeze(-1)).sum(dim=2)  # [G, n, E]
-        return causal_topk(scores, visible, k)
+        return scores, visible, k
 
 
 def causal_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

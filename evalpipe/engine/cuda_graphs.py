@@ -195,6 +195,10 @@ class StaticModel:
             attn._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
 
         out = self._rotate(out, attn.rope, batch, inverse=True)
+        if getattr(attn, "wo_b_mxfp8", None) is not None:  # --wo-quant mxfp8 (engine/fused_sites.py)
+            from evalpipe.engine.fused_sites import wo_project
+
+            return wo_project(attn, out)
         grouped = out.view(T, attn.groups, -1).transpose(0, 1)
         grouped = torch.bmm(grouped, attn.o_a_t).transpose(0, 1).reshape(T, -1)
         return F.linear(grouped, attn.o_b)

@@ -47,6 +47,9 @@ class ServerSettings:
     # chains; capture decode/verify steps as CUDA graphs. Both only act with device "cuda".
     fused: str = "on"
     cuda_graphs: str = "on"
+    # output projection: "none" (model dtype) or "mxfp8" (WO-A wo_a_mxfp8, WO-B mxfp8_linear on MXFP8-rounded o_b
+    # weights; lossy; evalpipe/engine/fused_sites.py). Acts on every device (the kernels' references on the CPU).
+    wo_quant: str = "none"
 
     def public(self) -> dict:
         d = asdict(self)
@@ -60,11 +63,21 @@ def default_runner_factory(settings: ServerSettings) -> Any:
 
     # on CUDA: CUDA-graph decode/verify steps with the fused verify path switchable (evalpipe/engine/cuda_graphs.py)
     return serving_runner(
-        lambda max_seqs: ModelRunner(settings.model, device=settings.device, dtype=getattr(torch, settings.dtype),
-                                     max_seqs=max_seqs, max_seq_len=settings.max_seq_len),
+        lambda max_seqs: _with_fused_sites(ModelRunner(
+            settings.model, device=settings.device, dtype=getattr(torch, settings.dtype), max_seqs=max_seqs,
+            max_seq_len=settings.max_seq_len), settings),
         device=settings.device, max_batch=settings.max_batch, speculative=settings.speculative,
         block_size=settings.block_size, fused=settings.fused == "on", cuda_graphs=settings.cuda_graphs == "on",
     )
+
+
+def _with_fused_sites(runner: Any, settings: ServerSettings) -> Any:
+    """Apply the engine's fused-site settings (--wo-quant) to a fresh ModelRunner; the description is reported
+    in /get_server_info under "fused_sites"."""
+    from evalpipe.engine.fused_sites import configure
+
+    runner.fused_sites = configure(runner.model, wo_quant=settings.wo_quant)
+    return runner
 
 
 def default_decoder_factory(settings: ServerSettings, runner: Any) -> Any:
@@ -166,6 +179,7 @@ class ServerState:
                 "max_batch": s.max_batch, "max_tokens_per_step": s.max_tokens_per_step,
                 "max_queue": s.max_queue, "max_seq_len": s.max_seq_len,
             },
+            "wo_quant": s.wo_quant,
             "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
                             "simulate_acc_len": s.simulate_acc_len},
             "torch": torch.__version__,
@@ -181,6 +195,12 @@ class ServerState:
             info["runner"] = {k: v for k, v in described.items() if k not in RUNNER_VOLATILE_KEYS}
             internal["runner"] = described
             info["engine"]["max_seq_len"] = getattr(self.runner, "max_seq_len", s.max_seq_len)
+            sites = getattr(self.runner, "fused_sites", None)
+            if sites is not None:
+                from evalpipe.engine.fused_sites import site_counts
+
+                info["fused_sites"] = sites
+                internal["fused_site_calls"] = site_counts()
         if self.tokenizer is not None:
             info["tokenizer"] = self.tokenizer.describe()
         if self.engine is not None:
