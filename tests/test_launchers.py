@@ -374,3 +374,14 @@ def test_server_dies_with_a_launcher_killed_by_sigkill(tmp_path):
     if survived:
         os.kill(server, signal.SIGKILL)  # do not leave it to the next test
     assert not survived
+
+
+def test_native_receipts_differ_when_the_engine_code_changed_between_boots():
+    a = {"engine": "native", "engine_version": "0.1.0", "evalpipe_source": {"git_commit": "abc", "git_diff_sha256": None}}
+    b = {**a, "evalpipe_source": {"git_commit": "def", "git_diff_sha256": None}}
+    assert receipt_differences(a, a) == []
+    assert receipt_differences(a, b, declared=["speculative"]) == [
+        "evalpipe source (the native engine's code): A={'git_commit': 'abc', 'git_diff_sha256': None} "
+        "B={'git_commit': 'def', 'git_diff_sha256': None}"]
+    sglang = {**a, "engine": "sglang"}
+    assert receipt_differences(sglang, {**b, "engine": "sglang"}) == []  # launcher code, not the engine's

@@ -92,6 +92,7 @@ def build_receipt(launcher: Launcher, report: dict | None = None) -> dict:
         "server_info": report.get("server_info"),
         "models": report.get("models"),
         "gpus": gpu_list(),
+        "evalpipe_source": _source(),  # the native engine's own code; for sglang/vllm, the launcher's
         "host": {"hostname": platform.node(), "platform": platform.platform(), "cwd": os.getcwd()},
     }
     return scrub_values(receipt, launcher.secret_values())
@@ -111,6 +112,16 @@ def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
         ):
             problems.append(f"server reports {key}={value!r}: simulated acceptance is on but was not requested")
     return problems
+
+
+def _source() -> dict | None:
+    from evalpipe.manifest import code_provenance
+
+    try:
+        facts = code_provenance()
+    except Exception:  # provenance is evidence, never a reason to fail a launch
+        return None
+    return {k: facts.get(k) for k in ("git_commit", "git_dirty", "git_diff_sha256")}
 
 
 def write_receipt(path: str | os.PathLike, receipt: dict) -> Path:
@@ -196,6 +207,8 @@ def receipt_differences(a: dict, b: dict, declared: Iterable[str] = (), allow: I
         check("engine", a.get("engine"), b.get("engine"))
     if not names & {"engine", "engine_command"}:  # another engine build is a declared difference
         check("engine_version", a.get("engine_version"), b.get("engine_version"))
+    if a.get("engine") == "native" and not names & {"engine", "engine_command"}:
+        check("evalpipe source (the native engine's code)", a.get("evalpipe_source"), b.get("evalpipe_source"))
     check("gpus", a.get("gpus"), b.get("gpus"))
     if not names & {"model", "served_model_name"}:
         check("served models", _model_ids(a.get("models")), _model_ids(b.get("models")))
