@@ -114,8 +114,15 @@ class Attention:
         comp = None
         if self.compressor is not None:
             if self.indexer is not None:
-                # indexer scores -> candidate_block_mask -> top-k -> indexer_postprocess (page table) -> pool rows
-                comp, empty = fused_sites.csa_entries(self, idx_q, group, batch, pool)  # [G, n, k, D], [G, n, k]
+                if self.site_settings is not None:  # configured (serve, graph steps): the fused-site chain
+                    # indexer scores -> candidate_block_mask -> top-k -> indexer_postprocess (page table) -> rows
+                    comp, empty = fused_sites.csa_entries(self, idx_q, group, batch, pool)  # [G,n,k,D], [G,n,k]
+                else:  # plain runner: the same selection without the kernels' references (fewer CPU ops)
+                    picked = self.indexer.select(*idx_q, group, batch.pools, pool.indexer)  # [G, n, k]
+                    rows = entry_index(group, batch.pools, self.ratio)[0]
+                    g = torch.arange(group.size, device=picked.device)[:, None, None]
+                    comp = pool.compressor.entries[rows[g, picked.clamp(min=0)]]  # [G, n, k, D]
+                    empty = picked < 0
                 cl = torch.matmul(qg, comp.transpose(-1, -2)) * scale
                 cl = cl.masked_fill_(empty.unsqueeze(2), float("-inf"))
             else:
