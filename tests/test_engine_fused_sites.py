@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from evalpipe.engine import fused_sites
+from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.runner import ModelRunner
+from evalpipe.engine.spec_decoder import SpeculativeDecoder
+from spec_helpers import compare_with_tie_rule, finish, spec_generate
 from test_engine_oracle import TIE_MARGIN, engine_greedy, make_checkpoint, oracle_greedy
 from test_spec_server import start_server
 
@@ -65,6 +68,21 @@ def test_greedy_with_fused_sites_matches_oracle(checkpoint):
     ref, margins = oracle_greedy(oracle, ids, NEW_TOKENS)
     first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
     assert first is None or margins[first] < TIE_MARGIN, (first, mine, ref)
+
+
+def test_block_speculation_through_the_sites_equals_oracle_greedy(checkpoint):
+    """(G+1)-row verify forwards and rollback with the sites on: spec-on greedy tokens equal the oracle's."""
+    runner = ModelRunner(checkpoint, max_seqs=4, max_seq_len=256)
+    fused_sites.configure(runner.model)
+    oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompts = [prompt(45), prompt(13, seed=8)]
+    decoder = SpeculativeDecoder(runner, build_drafter("layerskip:1", runner), block_size=5)
+    seqs = spec_generate(runner, decoder, prompts, 16)
+    steps = sum(decoder.stats(s)["verify_steps"] for s in seqs)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        compare_with_tie_rule(s.output[:16], *oracle_greedy(oracle, p, 16), f"prompt {i}")
+    finish(runner, decoder, seqs)
+    assert steps > 0
 
 
 def test_candidate_budget_is_wired_and_default_is_exact(checkpoint):

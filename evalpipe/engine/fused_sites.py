@@ -12,7 +12,8 @@
   `mxfp8_linear` on o_b weights quantized to MXFP8 once at `configure` (lossy).
 
 Both the eager ModelRunner and the static (CUDA-graph) step reach these sites through `Attention._attend` /
-the output projection, so the same code runs in both. `backend="auto"`: Triton on CUDA where the op's guard passes,
+the output projection, so the same code runs in both -- once `configure` has run on the model (the server's runner
+factory always calls it; a bare ModelRunner keeps the plain CSA selection, see attention.py). `backend="auto"`: Triton on CUDA where the op's guard passes,
 the PyTorch reference elsewhere. `site_counts()` counts the host-side calls per op (a graph replay does not call
 Python, so under CUDA graphs it counts captures, not replays)."""
 
