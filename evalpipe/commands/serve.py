@@ -67,10 +67,14 @@ DEVICES = ("cpu", "cuda")
                    "MXFP8 once at load. LOSSY: outputs differ from the unquantized model (and from the "
                    "transformers oracle). Triton on CUDA where the kernels' guards pass (bf16), their PyTorch "
                    "references elsewhere (CPU). Reported in /get_server_info (wo_quant, fused_sites).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), metavar="N",
+              help="torch intra-op threads for --device cpu. One by default: the tiny model is op-overhead bound "
+                   "(2 threads gave the same prefill speed here) and extra OpenMP threads fight the client and "
+                   "other processes on small machines (a request took 20-50x longer under contention).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
 def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
-            api_key, speculative, block_size, drafter, simulate_acc_len, fused, cuda_graphs, wo_quant, log_level):
+            api_key, speculative, block_size, drafter, simulate_acc_len, fused, cuda_graphs, wo_quant, threads, log_level):
     """Serve a model (the built-in tiny one by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
@@ -84,6 +88,11 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
 
         if not torch.cuda.is_available():
             raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
+
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(threads)
 
     import uvicorn
 
