@@ -17,17 +17,7 @@ from evalpipe.engine.runner import ModelRunner
 LOGIT_TOL = 5e-5  # float32, same math, different op grouping (fixed entry count, fp32-accumulated MoE/mHC)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("evalpipe-cache")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_runner(cache_dir):

@@ -27,12 +27,7 @@ CONFIG = "csa-only"  # two CSA layers (ratio 4, index_topk 3: top-k actively sel
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -59,13 +59,7 @@ def make_checkpoint(tmp_dir, name: str) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops: threading only adds barrier cost (and thrashes on a shared 2-core box)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

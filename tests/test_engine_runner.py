@@ -13,18 +13,7 @@ from evalpipe.engine.weights import init_tiny_weights, load_state_dict
 LOGIT_TOL = 2e-5  # same math, different batch shapes: float32 reassociation only
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops: threading only adds barrier cost (and thrashes on a shared 2-core box)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("evalpipe-cache")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,20 @@
+"""Fixtures shared by the engine test modules."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module: the tiny model's ops are overhead bound, so extra threads only add barrier
+    cost, and they thrash on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A private weight cache (EVALPIPE_CACHE_DIR-style) for the module's default-model runners."""
+    return tmp_path_factory.mktemp("evalpipe-cache")
