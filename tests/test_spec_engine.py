@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.engine import Engine, make_sequences
@@ -15,15 +14,11 @@ from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import SamplingParams
 from evalpipe.engine.spec_decoder import SpeculativeDecoder
 from evalpipe.engine.tokenizer import load_tokenizer
-from spec_helpers import single_thread
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.spec_decoder import SpeculativeDecoder
 from evalpipe.engine.weights import default_checkpoint, load_state_dict, save_checkpoint
-from spec_helpers import compare_with_tie_rule, finish, plain_greedy, single_thread, spec_generate
+from spec_helpers import compare_with_tie_rule, finish, plain_greedy, spec_generate
 
 NEW_TOKENS = 16
 BLOCK_SIZES = (1, 2, 5, 6, 9)
@@ -26,10 +26,7 @@ PROMPT_LENGTHS = (30, 5, 41, 64)
 # batch mixes (indices into PROMPTS): all together, alone, and partial mixes of different lengths
 MIXES = ((0, 1, 2, 3), (2,), (3, 0), (1, 3, 2), (0, 2))
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,12 @@ import torch
 from evalpipe.engine.drafters import build_drafter, history
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.spec_decoder import SpeculativeDecoder
-from spec_helpers import finish, plain_greedy, single_thread, start
+from spec_helpers import finish, plain_greedy, start
 
 STATE_ATOL = 2e-5  # multi-row vs one-row float32 arithmetic (observed up to ~5e-6; printed)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

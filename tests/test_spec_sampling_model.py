@@ -17,17 +17,14 @@ from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import SamplingParams, sampling_probs
 from evalpipe.engine.spec_decoder import SpeculativeDecoder
-from spec_helpers import single_thread, start
+from spec_helpers import start
 
 BATCH = 16
 ROUNDS = 100  # 1600 samples
 P_THRESHOLD = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_first_emitted_token_follows_the_target_distribution(capsys):
