@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalpipe.engine.config import CSA, HCA, SLIDING, compress_ratio
+from evalpipe.engine.config import CSA, SLIDING, compress_ratio
 
 
 class PoolExhausted(RuntimeError):
