@@ -51,13 +51,14 @@ def bench_runner(runner, prompts: list[list[int]], new_tokens: int, repeats: int
     return statistics.median(rates)
 
 
-def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int) -> float:
+def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, repeats: int,
+               threads: int) -> tuple[float, float]:
     """Decode tok/s through `evalpipe serve` (HTTP + SSE + scheduler + sampling), summed over concurrent requests.
 
     Streamed completions of token-id prompts, temperature 0, ignore_eos, continuous usage: each request's rate is
     (final completion tokens - tokens in its first event) / (t_last - t_first), which excludes its prefill (the
     bench protocol of serving.md E); the row is the sum of the concurrent requests' rates, median over rounds
-    after one warm-up round.
+    after one warm-up round. Also returns the server process's peak RSS in MB (its /get_server_info).
     """
     import asyncio
     import json
@@ -73,6 +74,7 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port), "--max-batch", str(len(prompts)),
+           "--threads", str(threads),
            "--max-seq-len", str(max(map(len, prompts)) + new_tokens + 16)] + (["--model", model] if model else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -107,7 +109,9 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
                 return sum(await asyncio.gather(*(one(client, p) for p in prompts)))
 
         asyncio.run(round_())  # warm-up
-        return statistics.median(asyncio.run(round_()) for _ in range(repeats))
+        rate = statistics.median(asyncio.run(round_()) for _ in range(repeats))
+        peak_rss_mb = httpx.get(base + "/get_server_info", timeout=60).json()["internal_states"]["peak_rss_mb"]
+        return rate, peak_rss_mb
     finally:
         proc.terminate()
         proc.wait(60)
@@ -142,10 +146,11 @@ def main() -> None:
     lens = [max(1, args.prompt_len + (i % 17) - 8) for i in range(args.concurrency)]
     many = [prompt(n) for n in lens]
     r64 = bench_runner(runner, many, args.new_tokens, args.repeats)
-    http = {}
+    http, peak_rss = {}, {}
     if not args.no_http:  # the same prompts through the whole server: HTTP, SSE, scheduler, sampling
-        http[1] = bench_http(args.model, [base], args.new_tokens, args.repeats, args.threads)
-        http[args.concurrency] = bench_http(args.model, many, args.new_tokens, args.repeats, args.threads)
+        http[1], peak_rss[1] = bench_http(args.model, [base], args.new_tokens, args.repeats, args.threads)
+        http[args.concurrency], peak_rss[args.concurrency] = bench_http(args.model, many, args.new_tokens,
+                                                                        args.repeats, args.threads)
 
     rows = [
         ("transformers generate", 1, hf_tps),
@@ -159,6 +164,8 @@ def main() -> None:
     for name, batch, tps in rows:
         via = f"{http[batch]:>16.1f}" if name.startswith("evalpipe") and batch in http else f"{'-':>16}"
         print(f"{name:<24}{batch:>6}{tps:>14.1f}{tps / hf_tps:>19.1f}x{via}")
+    for batch, mb in peak_rss.items():
+        print(f"server peak RSS at {batch} concurrent: {mb:.0f} MB")
     print(f"targets: runner b1 > transformers b1 ({r1 / hf_tps:.1f}x); "
           f"runner b{args.concurrency} aggregate >= 8x ({r64 / hf_tps:.1f}x)")
 
