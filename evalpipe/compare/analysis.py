@@ -23,6 +23,8 @@ VOLATILE_LEAVES = {
     "run_id", "arm", "started_at", "ended_at", "start_time", "end_time", "finished_at", "created", "created_at",
     "timestamp", "time", "wall_s", "duration_s", "out_dir", "run_dir", "output_dir", "pid", "output_sha256",
     "responses_sha256", "n_records", "n_done", "done", "captured_at", "command_line", "load_seconds", "uptime_s",
+    # a fresh boot gets a fresh free port: the address is not a setting (launch argv, which holds it, stays compared)
+    "port", "base_url",
 }
 
 
