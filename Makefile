@@ -24,6 +24,8 @@ demo: install
 	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
 	for i in $$(seq 1 120); do curl -sf http://127.0.0.1:$(PORT)/health_generate >/dev/null && break; \
 	  kill -0 $$pid 2>/dev/null || { tail -20 results/demo-server.log; exit 1; }; sleep 1; done; \
+	curl -sf http://127.0.0.1:$(PORT)/health_generate >/dev/null || \
+	  { echo "evalpipe serve not ready after 120 s:"; tail -20 results/demo-server.log; exit 1; }; \
 	$(VENV)/bin/evalpipe run gsm8k --base-url http://127.0.0.1:$(PORT)/v1 --num-examples 20 --max-tokens 64 --arm demo
 
 test: install
