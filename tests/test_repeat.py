@@ -100,3 +100,13 @@ def test_ctrl_c_keeps_records_and_writes_partial_summary(tmp_path):
     assert result["partial"] is True and len(recs) >= 2
     g = result["groups"]["open_short"]["serial"]
     assert g["n"] == len(recs) and g["distinct"] == len({tuple(r["output_token_ids"]) for r in recs})
+
+
+def test_error_cells_get_a_visible_reason():
+    """An "(N err)" cell alone does not say why; one line per fixture and distinct message does."""
+    from evalpipe.commands.repeat import error_lines
+
+    msg = "Error code: 400 - maximum context length is 4096 tokens"
+    recs = [{"fixture": "open_long_context", "condition": c, "error": {"type": "BadRequestError", "message": msg}}
+            for c in ("serial", "serial", "burst")] + [{"fixture": "arithmetic", "condition": "serial", "error": None}]
+    assert error_lines(recs) == [f"error in open_long_context (serial, burst): {msg}"]

@@ -98,7 +98,22 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
                       str(g.get("first_divergence_from_mode") if g.get("first_divergence_from_mode") is not None else "-"),
                       f"{gap:.3g}" if gap is not None else "-", escape(control))
     Console().print(t)
+    for line in error_lines(runner.records):
+        click.echo(line, err=True)
     for c, why in result["config"]["conditions_skipped"].items():
         click.echo(f"skipped condition {c}: {why}")
     run_dir = Path(out_dir) / "repeat" / result["run_id"]
     click.echo(f"wrote {run_dir / 'repeat.json'} and {run_dir / 'responses.jsonl'}")
+
+
+def error_lines(records: list[dict]) -> list[str]:
+    """One line per fixture and distinct error, so an "(N err)" cell in the table has a visible reason."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for r in records:
+        err = r.get("error")
+        if err:
+            key = (r.get("fixture") or str(r.get("question_id")), str(err.get("message") or err.get("type")))
+            conds = seen.setdefault(key, [])
+            if r.get("condition") not in conds:
+                conds.append(r.get("condition"))
+    return [f"error in {fx} ({', '.join(map(str, conds))}): {msg[:400]}" for (fx, msg), conds in seen.items()]
