@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 import httpx
 import numpy as np
 
+from evalpipe.endpoint import v1_hint
+
 SCHEMA_VERSION = 1
 
 
@@ -239,15 +241,26 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=cfg.concurrency + 4)) as client:
-        models = await _get_json(client, f"{cfg.base_url.rstrip('/')}/models", headers)
+        models_url = f"{cfg.base_url.rstrip('/')}/models"
+        try:
+            status: Optional[int] = (await client.get(models_url, headers=headers)).status_code
+        except httpx.HTTPError as exc:
+            raise BenchError(f"cannot reach {models_url}: {type(exc).__name__}: {exc}; is the server up?") from exc
+        models = await _get_json(client, models_url, headers) if status == 200 else None
         if models is None:
-            raise BenchError(f"cannot list models at {cfg.base_url.rstrip('/')}/models; is the server up?")
+            raise BenchError(f"GET {models_url} gave HTTP {status}, not an OpenAI model list"
+                             + v1_hint(cfg.base_url, status))
         ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
         model = cfg.model or (ids[0] if ids else None)
         if model is None:
             raise BenchError("the server lists no model; pass --model")
         if cfg.model and ids and cfg.model not in ids:
             raise BenchError(f"model {cfg.model!r} is not served (served: {ids})")
+        limit = next((m.get("max_model_len") for m in models.get("data", [])
+                      if isinstance(m, dict) and m.get("id") == model), None)
+        if isinstance(limit, int) and cfg.input_len + cfg.output_len > limit:
+            raise BenchError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} exceeds the server's "
+                             f"max_model_len {limit} for {model}: every request would be rejected")
         info = await _get_json(client, f"{root}/get_server_info", headers) or await _get_json(
             client, f"{root}/server_info", headers)
         if cfg.token_id_range:

@@ -35,6 +35,13 @@ def server_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
+def v1_hint(base_url: str, status: Optional[int]) -> str:
+    """A 404 on /models from a base URL without /v1 is almost always the missing OpenAI prefix: say so."""
+    if status == 404 and not base_url.rstrip("/").endswith("/v1"):
+        return f"; did you mean --base-url {base_url.rstrip('/')}/v1 ?"
+    return ""
+
+
 class EndpointError(Exception):
     """The endpoint is unreachable or does not behave like an OpenAI-compatible server."""
 
@@ -48,7 +55,7 @@ def fetch_models(base_url: str, api_key: Optional[str], timeout_s: float = 30.0)
     except httpx.HTTPError as exc:
         raise EndpointError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
     if r.status_code != 200:
-        raise EndpointError(f"GET {url} returned HTTP {r.status_code}: {r.text[:300]}")
+        raise EndpointError(f"GET {url} returned HTTP {r.status_code}: {r.text[:300]}" + v1_hint(base_url, r.status_code))
     try:
         body = r.json()
         ids = [m["id"] for m in body["data"]]

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from evalpipe.bench import inputs_sha256, make_inputs  # noqa: E402
 from evalpipe.commands.bench import command as bench_cmd  # noqa: E402
+from evalpipe.commands.run import command as run_cmd  # noqa: E402
 from test_bench_peer import start_peer  # noqa: E402
 
 GROUPS = [3, 1, 2, 4, 1, 5]  # tokens per streamed event: a chunk counter would see 6, not 16
@@ -150,3 +151,19 @@ def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert bench["partial"] is True and len(bench["requests"]) >= 2
     assert all(r["decode_tokens_per_s"] == pytest.approx(formula(r)) for r in bench["requests"])
+
+
+def test_bench_refuses_clearly_before_any_request(tmp_path):
+    """A base URL without /v1 gets a hint, and a shape over the listed max_model_len is refused up front
+    (it used to send every request, print 'see bench.json' and fail with 'no measured request succeeded')."""
+    with start_peer(max_model_len=20) as (base_url, stats):
+        args = ["--input-len", "12", "--output-len", "16", "--rounds", "1", "--out", str(tmp_path / "b")]
+        no_v1 = CliRunner().invoke(bench_cmd, ["--base-url", base_url[: -len("/v1")], *args])
+        too_long = CliRunner().invoke(bench_cmd, ["--base-url", base_url, *args])
+        run_no_v1 = CliRunner().invoke(run_cmd, ["gsm8k", "--base-url", base_url[: -len("/v1")], "--num-examples", "1",
+                                                 "--out", str(tmp_path / "r"), "--no-progress"])
+        peer = stats()
+    assert run_no_v1.exit_code == 1 and f"did you mean --base-url {base_url} ?" in run_no_v1.output, run_no_v1.output
+    assert no_v1.exit_code == 1 and f"did you mean --base-url {base_url} ?" in no_v1.output, no_v1.output
+    assert too_long.exit_code == 1 and "exceeds the server's max_model_len 20" in too_long.output, too_long.output
+    assert peer["requests"] == 0 and not (tmp_path / "b").exists()

@@ -37,6 +37,7 @@ DEFAULT = {
     "model": "peer-model",
     "accept_length": None,
     "completion_delay_s": 0.0,
+    "max_model_len": None,  # listed in /v1/models when set, as vLLM/SGLang/native do
 }
 
 
@@ -88,7 +89,10 @@ def build_app(cfg: dict):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg["model"], "object": "model", "owned_by": "peer"}]}
+        entry = {"id": cfg["model"], "object": "model", "owned_by": "peer"}
+        if cfg["max_model_len"] is not None:
+            entry["max_model_len"] = cfg["max_model_len"]
+        return {"object": "list", "data": [entry]}
 
     @app.get("/get_server_info")
     async def info():

@@ -81,7 +81,9 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
                   ", ".join(f"{v:.3g}" for v in res["accept_length_values"]))
     Console().print(t)
     if res["n_errors"]:
-        click.echo(f"warning: {res['n_errors']} request(s) failed; see bench.json", err=True)
+        msgs = sorted({str((r.get("error") or {}).get("message"))[:300] for r in result["requests"] if r.get("error")})
+        click.echo(f"warning: {res['n_errors']} request(s) failed (details in bench.json): " + " | ".join(msgs[:3]),
+                   err=True)
     if res["n_dropped"]:
         click.echo(f"warning: {res['n_dropped']} request(s) had fewer than 2 content events (no decode rate)", err=True)
     click.echo(f"flush_cache offered: {result['server']['flush_cache_offered']}; wrote {path}")
