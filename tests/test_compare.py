@@ -416,3 +416,19 @@ def test_holm_adjustment_by_hand():
     assert adj[2] is None
     assert [adj[0], adj[1], adj[3]] == pytest.approx([0.04, 0.03, 0.04])
     assert holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])
+
+
+def test_refuses_a_run_or_bench_compared_with_itself(tmp_path):
+    """The same folder twice (a pasted path) used to print a clean 'non-inferior, 100% identical' verdict."""
+    a = write_run(tmp_path / "A", "spec_off", greedy_records("A"))
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)
+    bench = write_bench(tmp_path / "bench", [100.0, 101.0])
+    for x, y, why in ((a, a, "same run"), (a, copy, "same run"), (bench, bench, "same bench")):
+        res = CliRunner().invoke(compare_cmd, [str(x), str(y), "--out", str(tmp_path / "o"), "--no-html"])
+        assert res.exit_code == 1 and "refusing to compare" in res.output and why in res.output, res.output
+    assert not (tmp_path / "o").exists()
+    res = CliRunner().invoke(compare_cmd, [str(a), str(a), "--out", str(tmp_path / "o"), "--no-html", "--force",
+                                          "--resamples", "200"])
+    assert res.exit_code == 0, res.output
+    assert any("same run" in r for r in json.loads((tmp_path / "o" / "compare.json").read_text())["forced_over"])

@@ -32,6 +32,8 @@ def load_bench(path: str | Path) -> dict:
 def bench_problems(a: dict, b: dict) -> list[str]:
     ca, cb = a.get("config", {}), b.get("config", {})
     problems = [f"bench setting {k} differs: {ca.get(k)!r} vs {cb.get(k)!r}" for k in PROTOCOL_KEYS if ca.get(k) != cb.get(k)]
+    if a.get("requests") and a.get("requests") == b.get("requests"):  # identical event times: one bench twice (or a copy)
+        problems.append(f"both folders hold the same bench ({a['_path']} and {b['_path']})")
     for d, label in ((a, "A"), (b, "B")):
         if d.get("partial"):
             problems.append(f"bench {label} ({d['_path']}) is partial")

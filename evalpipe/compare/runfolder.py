@@ -186,6 +186,8 @@ def _read_json(path: Path) -> dict:
 def comparability_problems(a: RunFolder, b: RunFolder) -> list[str]:
     """Every reason the two runs should not be compared; empty when they are comparable."""
     problems: list[str] = []
+    if a.run_id and a.run_id == b.run_id:  # the same folder twice (or a copy): no difference by construction
+        problems.append(f"both folders hold the same run {a.run_id!r} ({a.path} and {b.path})")
     if a.lane != b.lane:
         problems.append(f"lanes differ: {a.lane!r} vs {b.lane!r}")
     ha, hb = prompt_stream_sha(a.manifest), prompt_stream_sha(b.manifest)
