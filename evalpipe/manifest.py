@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from evalpipe import __version__
 
@@ -97,10 +97,30 @@ def capture(*, lane_desc: dict, overrides: dict, effective: dict, transport: dic
     }
 
 
+# keys of server_info that move by themselves while serving; left out of the start/end comparison
+VOLATILE_SERVER_KEYS = {
+    "internal_states", "last_gen_throughput", "memory_usage", "load", "uptime", "uptime_s", "num_running_reqs",
+    "num_waiting_reqs", "num_queue_reqs", "timestamp", "now", "stats",
+    # differ on every boot of the same server: a restart after a crash must not block --resume
+    "created", "load_seconds", "pid",
+}
+
+
+def stable_server(obj: Any) -> Any:
+    """The server facts without per-boot and per-moment values (compared between snapshots)."""
+    if isinstance(obj, dict):
+        return {k: stable_server(v) for k, v in obj.items() if k not in VOLATILE_SERVER_KEYS}
+    if isinstance(obj, list):
+        return [stable_server(v) for v in obj]
+    return obj
+
+
 def differences(start: dict, end: dict) -> tuple[list[str], list[str]]:
     """(protocol changes, warning-only changes) between two snapshots, as readable strings."""
     def diff_section(name: str) -> list[str]:
         a, b = start.get(name), end.get(name)
+        if name == "server":  # snapshots written before a key was known to be volatile still compare equal
+            a, b = stable_server(a), stable_server(b)
         if a == b:
             return []
         if name == "packages" and isinstance(a, list) and isinstance(b, list):

@@ -64,21 +64,6 @@ class SimulatedAcceptance(RunError):
     pass
 
 
-# keys of server_info that move by themselves while serving; left out of the start/end comparison
-VOLATILE_SERVER_KEYS = {
-    "internal_states", "last_gen_throughput", "memory_usage", "load", "uptime", "uptime_s", "num_running_reqs",
-    "num_waiting_reqs", "num_queue_reqs", "timestamp", "now", "stats",
-}
-
-
-def _stable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items() if k not in VOLATILE_SERVER_KEYS}
-    if isinstance(obj, list):
-        return [_stable(v) for v in obj]
-    return obj
-
-
 @dataclass
 class RunConfig:
     lane: Lane
@@ -232,7 +217,7 @@ class Runner:
                 "prompt_stream_sha256_selected": prompt_stream_sha256(selected_digests),
             },
             endpoint={"base_url": cfg.base_url, "api": lane.api, "model": self.model},
-            server=_stable(server),
+            server=manifest_mod.stable_server(server),
         )
 
     # ---- run folder -------------------------------------------------------------------------------------

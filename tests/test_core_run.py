@@ -309,6 +309,17 @@ def test_resume_refuses_protocol_flags(srv, tmp_path):
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+def test_resume_after_the_same_server_restarted(srv, tmp_path):
+    """A restart (the usual reason to resume) gives a new pid, load time and model `created`: not a new protocol."""
+    url = srv(mode="correct", server_info={"model": "m", "load_seconds": 1.6, "runner": {"pid": 100}})
+    run_lane("gsm8k", url, tmp_path, "--num-examples", 2)
+    run_dir = only_run_dir(tmp_path, "gsm8k")
+    set_config(url, server_info={"model": "m", "load_seconds": 1.8, "runner": {"pid": 200}})
+    r = run_cli("run", "--resume", run_dir, "--base-url", url, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert len(load_run(run_dir)[0]) == 2
+
+
 def test_aime_x16_subset_metrics_and_audit(srv, tmp_path):
     url = srv(mode="mixed")
     r = run_lane("aime26-x16", url, tmp_path, "--num-examples", 3, "--grader-workers", 1)
