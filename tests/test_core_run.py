@@ -320,6 +320,14 @@ def test_resume_after_the_same_server_restarted(srv, tmp_path):
     assert len(load_run(run_dir)[0]) == 2
 
 
+def test_num_examples_beyond_the_lane_says_so(srv, tmp_path):
+    url = srv(mode="correct")
+    r = run_lane("aime26", url, tmp_path, "--num-examples", 1000, "--grader-workers", 1)
+    assert r.returncode == 0, r.stderr
+    assert "--num-examples 1000 is more than lane aime26 has; it ran all 30 scored items" in r.stderr
+    assert load_run(only_run_dir(tmp_path, "aime26"))[1]["n_planned"] == 30
+
+
 def test_aime_x16_subset_metrics_and_audit(srv, tmp_path):
     url = srv(mode="mixed")
     r = run_lane("aime26-x16", url, tmp_path, "--num-examples", 3, "--grader-workers", 1)

@@ -134,6 +134,10 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
     print_summary(outcome.summary, outcome.run_dir)
+    n_reps = repeats or cfg.lane.repeats
+    if num_examples is not None and resume_dir is None and 0 < outcome.summary.get("n_planned", 0) < num_examples * n_reps:
+        click.echo(f"note: --num-examples {num_examples} is more than lane {cfg.lane.name} has; it ran all "
+                   f"{outcome.summary['n_planned'] // n_reps} scored items", err=True)
     if outcome.exit_code:
         click.echo(f"evalpipe run: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)
