@@ -371,6 +371,10 @@ def test_bench_ratio_of_medians(tmp_path):
     assert m["ci_low"] == pytest.approx(hand_percentile(ratios, 0.025))
     assert m["ci_high"] == pytest.approx(hand_percentile(ratios, 0.975))
     assert "data:image/png;base64," in (tmp_path / "o" / "report.html").read_text()
+    assert "measured value(s) in an arm" not in res.output
+    few = CliRunner().invoke(compare_cmd, [str(write_bench(tmp_path / "A2", va[:2])), str(write_bench(tmp_path / "B2", vb[:3])),
+                                          "--out", str(tmp_path / "o3"), "--no-html"])
+    assert few.exit_code == 0 and "only 2 measured value(s) in an arm" in few.output, few.output
     c = write_bench(tmp_path / "C", vb, input_sha="bb")
     res = CliRunner().invoke(compare_cmd, [str(a), str(c), "--out", str(tmp_path / "o2")])
     assert res.exit_code != 0 and "input_ids_sha256" in res.output

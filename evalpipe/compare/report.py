@@ -143,14 +143,21 @@ def _short(v: Any, n: int = 80) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
+FEW_BENCH_VALUES = 5  # below it, resampling 2-4 values mostly reshuffles the same few medians
+
+
 def _print_bench(result: dict, console: Console) -> None:
     t = Table(title="evalpipe compare — bench (ratio of medians B / A)")
     for col in ("metric", "median A", "median B", "B / A", "95% CI", "n A", "n B"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in ("metric", "95% CI"))
     for name, m in result["metrics"].items():
         t.add_row(name, num(m.get("median_a")), num(m.get("median_b")), num(m.get("ratio")),
                   f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]", str(m.get("n_a")), str(m.get("n_b")))
     console.print(t)
+    few = min((min(m.get("n_a") or 0, m.get("n_b") or 0) for m in result["metrics"].values()), default=0)
+    if few < FEW_BENCH_VALUES:
+        console.print(f"note: only {few} measured value(s) in an arm: a bootstrap interval over so few values is far "
+                      f"narrower than the real uncertainty (bench --rounds {FEW_BENCH_VALUES} or more)")
     if result.get("forced"):
         console.print("[bold red]FORCED[/]: compared despite: " + escape("; ".join(result["forced_over"])))
 
