@@ -99,6 +99,12 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
         c_rec.problems.append("the last line of responses.jsonl is cut off")
     if read.bad_lines:
         c_rec.problems.append(f"lines not valid JSON objects: {read.bad_lines[:MAX_SHOWN]}")
+    pinned = man.get("responses_sha256")
+    if pinned is not None and (run_dir / RESPONSES_FILE).exists():
+        now = file_sha256(run_dir / RESPONSES_FILE)
+        if now != pinned:
+            c_rec.problems.append(f"responses.jsonl changed after the run finished: sha256 {now[:16]}..., "
+                                  f"manifest.json recorded {pinned[:16]}...")
     records = read.records
     for i, r in enumerate(records):
         miss = missing_keys(r)

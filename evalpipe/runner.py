@@ -27,7 +27,7 @@ import httpx
 import openai
 
 from evalpipe import manifest as manifest_mod
-from evalpipe.data import DataError
+from evalpipe.data import DataError, file_sha256
 from evalpipe.endpoint import (
     EndpointError,
     fetch_models,
@@ -526,6 +526,9 @@ class Runner:
             summary["accuracy"] = None
         write_json(self.run_dir / SUMMARY_FILE, summary)
         self.manifest["counts"] = {k: summary.get(k) for k in ("n_planned", "n_records", "n_errors", "n_truncated")}
+        # the records file as it stood when the run (or its last resume) finished: audit catches any later edit,
+        # including one that leaves every grade and count unchanged
+        self.manifest["responses_sha256"] = file_sha256(self.run_dir / RESPONSES_FILE)
         write_json(self.run_dir / MANIFEST_FILE, self.manifest)
         if self.refused:
             return Outcome(self.run_dir, summary, 3, f"refusing to score: {self.refused}; records kept in {self.run_dir}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -105,7 +106,8 @@ def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(
     assert a.returncode == 0, a.stdout + a.stderr
     assert "audit passed" in a.stdout
     # ... and fails once one record's raw text is edited
-    lines = (run_dir / "responses.jsonl").read_text().splitlines()
+    original = (run_dir / "responses.jsonl").read_text()
+    lines = original.splitlines()
     k = next(j for j, l in enumerate(lines) if json.loads(l)["grade_status"] == "no_answer")
     rec = json.loads(lines[k])
     rec["response_text"] = " edited.\n#### " + str(rec["expected_answer"])
@@ -114,6 +116,15 @@ def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(
     a = run_cli("audit", run_dir)
     assert a.returncode == 1
     assert "FAIL grades" in a.stdout and str(rec["question_id"]) in a.stdout
+    # ... and also when the edit changes no grade or count: the file no longer has the hash the run recorded
+    assert manifest["responses_sha256"] == hashlib.sha256(original.encode()).hexdigest()
+    lines = original.splitlines()
+    rec = json.loads(lines[k])  # a no-answer record: one more trailing space still has no answer
+    lines[k] = json.dumps({**rec, "response_text": rec["response_text"] + " "})
+    (run_dir / "responses.jsonl").write_text("\n".join(lines) + "\n")
+    a = run_cli("audit", run_dir)
+    assert a.returncode == 1 and "responses.jsonl changed after the run finished" in a.stdout
+    assert "FAIL grades" not in a.stdout and "FAIL summary" not in a.stdout
 
 
 def test_unlisted_model_is_an_error_before_any_request(srv, tmp_path):
