@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from evalpipe.engine import graph_ops
-from evalpipe.engine.forward_batch import Group, entry_index
+from evalpipe.engine.forward_batch import Group, RowRope, entry_index
 from evalpipe.engine.primitives import apply_rope
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -67,7 +67,7 @@ def pack_step_inputs(tokens: list[list[int]], starts: list[int], slots: list[int
     return torch.cat([head, page_table.reshape(-1).to(torch.long)])
 
 
-class StaticBatch:
+class StaticBatch(RowRope):
     """The `ForwardBatch` interface over device buffers of fixed shape: B requests of n rows, one group."""
 
     def __init__(self, pools, meta: torch.Tensor, B: int, n: int, consts: dict):
@@ -93,14 +93,6 @@ class StaticBatch:
         for ratio in consts["ratios"]:
             group.memo[("entries", ratio)] = entry_index(probe, pools, ratio)
         self._flat_rows = rows.reshape(-1)
-
-    def rope(self, table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cos, sin, -sin) of every row for a rope table, gathered once per step."""
-        key = id(table)
-        if key not in self._rope:
-            sin = table.sin[self.pos]
-            self._rope[key] = (table.cos[self.pos], sin, -sin)
-        return self._rope[key]
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.groups[0].n > ring_size:

@@ -29,7 +29,23 @@ class Group:
         return self.slots.shape[0]
 
 
-class ForwardBatch:
+class RowRope:
+    """Per-row RoPE factors of a batch (`self.pos` positions, `self._rope` memo): shared by the eager forward batch
+    and the CUDA-graph static batch."""
+
+    _rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    pos: torch.Tensor
+
+    def rope(self, table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, -sin) of every row for a rope table, gathered once per forward."""
+        key = id(table)
+        if key not in self._rope:
+            sin = table.sin[self.pos]
+            self._rope[key] = (table.cos[self.pos], sin, -sin)
+        return self._rope[key]
+
+
+class ForwardBatch(RowRope):
     def __init__(self, pools: StatePools, slots: list[int], starts: list[int], counts: list[int],
                  input_ids: torch.Tensor):
         dev = pools.device
@@ -58,14 +74,6 @@ class ForwardBatch:
                                      row_pos[rows].to(dev), host_starts=[starts[i] for i in reqs]))
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def rope(self, table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cos, sin, -sin) of every row for a rope table, gathered once per forward."""
-        key = id(table)
-        if key not in self._rope:
-            sin = table.sin[self.pos]
-            self._rope[key] = (table.cos[self.pos], sin, -sin)
-        return self._rope[key]
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, ring cells) to store after a layer: each request's last `ring_size` new rows at
