@@ -98,32 +98,41 @@ def wo_project(attn, out: torch.Tensor) -> torch.Tensor:
 def csa_entries(attn, idx_q, group, batch, pool) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries each query of a CSA group attends to: ([G, n, k, D] entries, [G, n, k] True where
     the pick is empty). Scores -> candidate_block_mask -> causal top-k -> indexer_postprocess -> pool gather."""
-    from evalpipe.engine.compressor import causal_topk
-
-    settings = getattr(attn, "site_settings", None) or DEFAULT_SETTINGS
     scores, visible, k = attn.indexer.scores(*idx_q, group, batch.pools, pool.indexer)  # [G, n, E]
     G, n, E = scores.shape
     entries = pool.compressor.entries
     if k == 0:
         return entries.new_empty(G, n, 0, entries.shape[1]), torch.ones(G, n, 0, dtype=torch.bool,
                                                                          device=scores.device)
-    flat = scores.reshape(G * n, E)
+    rows = csa_rows(attn, scores.masked_fill(~visible, float("-inf")).reshape(G * n, E), group, batch, k)
+    rows = rows.view(G, n, k)
+    return entries[rows.clamp(min=0).long()], rows < 0
+
+
+def csa_rows(attn, scores: torch.Tensor, group, batch, k: int) -> torch.Tensor:
+    """[G * n, k] pool rows of the entries each query of a CSA group attends to (-1 = none), from the indexer's
+    scores [G * n, E] (invisible entries at -inf): candidate_block_mask -> causal top-k -> indexer_postprocess.
+    Device ops only, so the CUDA-graph step calls it too."""
+    from evalpipe.engine.compressor import causal_topk
+
+    settings = getattr(attn, "site_settings", None) or DEFAULT_SETTINGS
+    GN, E = scores.shape
+    G, n = group.size, group.n
     # visibility is the prefix w < (t + 1) // ratio: the kernel's lens
     lens = ((group.pos + 1) // attn.ratio).reshape(-1)
     block = settings.candidate_block_size
     budget = settings.candidate_blocks or math.ceil(E / block)
-    masked, keep = candidate_block_mask(flat, lens, budget, block, backend=settings.backend)
+    masked, keep = candidate_block_mask(scores, lens, budget, block, backend=settings.backend)
     _CALLS["candidate_block_mask"] += 1
     # only entries of kept blocks stay candidates; the default budget keeps every block with a visible entry, so
     # this is the plain causal selection (finite scores); a set budget narrows it
     masked = masked.masked_fill(~keep, float("-inf"))
-    visible = visible & keep.view(G, n, E)
-    picked = causal_topk(masked.view(G, n, E), visible, k)  # [G, n, k] logical entry indices, -1 = none
+    visible = (torch.arange(E, device=scores.device)[None] < lens[:, None]) & keep
+    picked = causal_topk(masked.view(G, n, E), visible.view(G, n, E), k)  # [G, n, k] logical indices, -1 = none
     pools = batch.pools
     table = pools.page_table_on_device()[group.slots]  # [G, P]: rows of one request share its page table
     table = table.unsqueeze(1).expand(G, n, table.shape[1]).reshape(G * n, -1)
     rows, _ = indexer_postprocess(masked, picked.reshape(G * n, k), table, pools.page_tokens // attn.ratio,
                                   backend=settings.backend)
     _CALLS["indexer_postprocess"] += 1
-    rows = rows.view(G, n, k)
-    return entries[rows.clamp(min=0).long()], rows < 0
+    return rows

@@ -128,11 +128,11 @@ if tl is not None:
         tl.store(out_ptr + r.to(tl.int64) * N + ns, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < D
-        xin = tl.load(x_ptr + row * D + offs, mask=m, other=0.0)
+        xin = tl.load(x_ptr + row * x_stride + offs, mask=m, other=0.0)
         x = xin.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         if HAS_WEIGHT:  # fp32 gain times fp32 normalised row, one rounding (primitives.rms_norm)
@@ -348,11 +348,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backen
     if not _use_triton(backend, *tensors) or x.shape[-1] > 16384:
         return primitives.rms_norm(x, weight, eps) if weight is not None else primitives.unweighted_rms_norm(x, eps)
     D = x.shape[-1]
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
+    # a 2-D row view with unit column stride (a column slice of a GEMM output) is read in place, not copied
+    xc = x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(xc.shape, device=x.device, dtype=x.dtype)
     rows = xc.numel() // D
     if rows:
-        _kernels()["_rms_norm_kernel"][(rows,)](xc, weight if weight is not None else xc, out, D, float(eps),
+        _kernels()["_rms_norm_kernel"][(rows,)](xc, xc.stride(0) if xc.dim() == 2 else D,
+                                                weight if weight is not None else xc, out, D, float(eps),
                                                 HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(D),
                                                 num_warps=4 if D <= 2048 else 8)
     return out

@@ -1,0 +1,144 @@
+"""Launch-lean attention inputs for the CUDA-graph step: the q/kv RMSNorms and the lightning indexer's scores.
+
+Per layer the eager chain normalises q (per head, no gain) and the shared K=V row (with gain) in separate kernels
+plus a copy of the strided q slice and a `cat` into one RoPE buffer; the indexer's scores take ~8 kernels (gather
+keys, cast, matmul, ReLU, scale, weight, sum, mask). Here each is one kernel:
+
+- `qkv_norm(q_src, kv_src, kv_w, heads, eps)` -> [T, heads + 1, D]: heads 0..H-1 are
+  `unweighted_rms_norm(q_src[t, h*D:(h+1)*D])`, head H is `rms_norm(kv_src[t], kv_w)` -- the layout the RoPE site
+  (`q_rope_store` or `apply_rope`) takes, so no `cat`. Inputs may be strided row views (column slices of a GEMM).
+- `indexer_scores(q, weight_logits, entries, rows, pos, n, ratio, softmax_scale, head_scale)` -> [T, E] float32:
+  sum_h ReLU(q[t,h] . entries[rows[t // n, e]]) * softmax_scale * (weight_logits[t,h] * head_scale), and -inf
+  where entry e is not causally visible (e >= (pos[t] + 1) // ratio) -- what `Indexer.scores` computes, masked the
+  way `causal_topk` masks it.
+
+Same dispatch as `graph_ops`: Triton on CUDA, the reference (the engine's own ops) elsewhere; `backend="triton"`
+runs the kernel on the CPU under TRITON_INTERPRET=1 (tests/kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+from evalpipe.engine import primitives
+from evalpipe.engine.graph_ops import _interpret, _use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton is optional
+    triton = tl = None
+
+
+if tl is not None:
+    def _qkv_norm_kernel(q_ptr, q_stride, kv_ptr, kv_stride, w_ptr, out_ptr, H, D, eps, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        m = offs < D
+        if h < H:  # a query head: gain-free, scale rounded to x's dtype, one rounded product
+            xin = tl.load(q_ptr + t * q_stride + h * D + offs, mask=m, other=0.0)
+            x = xin.to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            y = x * r.to(xin.dtype).to(tl.float32)
+        else:  # the shared K=V head: fp32 gain times the fp32 normalised row, one rounding
+            x = tl.load(kv_ptr + t * kv_stride + offs, mask=m, other=0.0).to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            y = tl.load(w_ptr + offs, mask=m, other=0.0) * (x * r)
+        tl.store(out_ptr + (t * (H + 1) + h) * D + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+    def _indexer_scores_kernel(q_ptr, w_ptr, w_stride, ent_ptr, ent_stride, rows_ptr, rows_stride, pos_ptr,
+                               out_ptr, E, n, ratio, softmax_scale, head_scale,
+                               H: tl.constexpr, DI: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        e0 = tl.program_id(1) * BLOCK_E
+        es = e0 + tl.arange(0, BLOCK_E)
+        hs = tl.arange(0, H)
+        ds = tl.arange(0, DI)
+        visible = es < (tl.load(pos_ptr + t) + 1) // ratio
+        live = visible & (es < E)
+        q = tl.load(q_ptr + (t * H + hs)[:, None] * DI + ds[None, :]).to(tl.float32)  # [H, DI]
+        rows = tl.load(rows_ptr + (t // n) * rows_stride + es, mask=live, other=0).to(tl.int64)
+        k = tl.load(ent_ptr + rows[None, :] * ent_stride + ds[:, None], mask=live[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")  # [H, BLOCK_E]
+        else:
+            s = tl.dot(q, k.to(tl.float32))
+        w = tl.load(w_ptr + t * w_stride + hs).to(tl.float32) * head_scale
+        s = tl.maximum(s, 0.0) * softmax_scale * w[:, None]
+        score = tl.sum(s, axis=0)
+        score = tl.where(visible, score, float("-inf"))
+        tl.store(out_ptr + t * E + es, score, mask=es < E)
+
+
+_JIT: dict = {}
+
+
+def _kernels() -> dict:
+    key = _interpret()
+    if key not in _JIT:
+        _JIT[key] = {f.__name__: triton.jit(f) for f in (_qkv_norm_kernel, _indexer_scores_kernel)}
+    return _JIT[key]
+
+
+# ---- qkv_norm ----------------------------------------------------------------------------------------------------
+
+def qkv_norm_reference(q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int,
+                       eps: float) -> torch.Tensor:
+    T, D = kv_src.shape
+    q = primitives.unweighted_rms_norm(q_src.reshape(T, heads, D), eps)
+    kv = primitives.rms_norm(kv_src, kv_w, eps)
+    return torch.cat([q, kv.unsqueeze(1)], dim=1)
+
+
+def qkv_norm(q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int, eps: float, *,
+             backend: str = "auto") -> torch.Tensor:
+    """[T, heads + 1, D]: normalised query heads then the normalised shared K=V head (see module docstring).
+    q_src [T, heads * D] and kv_src [T, D] need unit stride on the last dim only."""
+    if not _use_triton(backend, q_src, kv_src, kv_w) or kv_src.shape[-1] > 16384:
+        return qkv_norm_reference(q_src, kv_src, kv_w, heads, eps)
+    T, D = kv_src.shape
+    if q_src.shape != (T, heads * D) or q_src.stride(-1) != 1 or kv_src.stride(-1) != 1:
+        raise ValueError(f"q_src must be [T, {heads} * {D}] and kv_src [T, {D}] with unit last stride")
+    out = torch.empty(T, heads + 1, D, device=kv_src.device, dtype=kv_src.dtype)
+    if T:
+        _kernels()["_qkv_norm_kernel"][(T, heads + 1)](q_src, q_src.stride(0), kv_src, kv_src.stride(0), kv_w, out,
+                                                        heads, D, float(eps), BLOCK=triton.next_power_of_2(D),
+                                                        num_warps=4)
+    return out
+
+
+# ---- indexer_scores ----------------------------------------------------------------------------------------------
+
+def indexer_scores_reference(q, weight_logits, entries, rows, pos, n: int, ratio: int, softmax_scale: float,
+                             head_scale: float) -> torch.Tensor:
+    """The engine's `Indexer.scores` math (keys gathered by pool row, float32) with invisible entries at -inf."""
+    T, H, _ = q.shape
+    B, E = rows.shape
+    keys = entries[rows].float()  # [B, E, d]
+    qg = q.float().view(B, n, H, -1)
+    s = torch.matmul(qg, keys.transpose(1, 2).unsqueeze(1))  # [B, n, H, E]
+    s = torch.relu(s) * softmax_scale
+    w = (weight_logits.float() * head_scale).view(B, n, H)
+    scores = (s * w.unsqueeze(-1)).sum(dim=2).view(T, E)
+    visible = torch.arange(E, device=q.device)[None] < ((pos + 1) // ratio)[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def indexer_scores(q, weight_logits, entries, rows, pos, n: int, ratio: int, softmax_scale: float,
+                   head_scale: float, *, backend: str = "auto") -> torch.Tensor:
+    """[T, E] float32 scores of entries 0..E-1 for each query row (see module docstring). q [T, H, d] contiguous;
+    weight_logits [T, H] (unit last stride); entries [N, d] pool; rows [T // n, E] pool rows of each request's
+    entries; pos [T] positions; n rows per request."""
+    T, H, DI = q.shape
+    E = rows.shape[1]
+    pow2 = H >= 16 and DI >= 16 and (H & (H - 1)) == 0 and (DI & (DI - 1)) == 0
+    if not _use_triton(backend, q, weight_logits, entries, rows, pos) or not pow2 or E == 0:
+        return indexer_scores_reference(q, weight_logits, entries, rows, pos, n, ratio, softmax_scale, head_scale)
+    q = q.contiguous()
+    out = torch.empty(T, E, device=q.device, dtype=torch.float32)
+    block_e = 64 if H * DI <= 4096 else 32
+    _kernels()["_indexer_scores_kernel"][(T, triton.cdiv(E, block_e))](
+        q, weight_logits, weight_logits.stride(0), entries, entries.stride(0), rows, rows.stride(0), pos, out,
+        E, n, ratio, float(softmax_scale), float(head_scale),
+        H=H, DI=DI, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
