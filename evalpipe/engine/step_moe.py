@@ -1,0 +1,376 @@
+"""The MoE block of a decode/verify step in 4 launches: router GEMM, route kernel, gate_up kernel, down kernel.
+
+`StaticModel.moe` (cuda_graphs.py) runs ~25 kernels per layer (router, score, bias, topk, gather, normalise,
+expert GEMVs, chunk/clamp/silu/mul, shared gate|up and down GEMMs, sums, casts, add). Here the shared expert is
+just one more pick: the route kernel appends it as column K of every token's picks (index E, weight 1.0), so one
+gate_up kernel and one down kernel serve routed and shared experts alike, and the down kernel sums a token's K+1
+picks in registers (no [T, K, D] intermediate, no separate add).
+
+How to call it from StaticModel (replaces the whole body of `StaticModel.moe`)::
+
+    from evalpipe.engine.step_moe import moe_forward
+    return moe_forward(moe, x, input_ids, backend=self.backend)
+
+Per-layer preparation is automatic and one-off: the first call for a MoE object caches (keyed by id(moe), holding
+the object so the id is never reused) contiguous views of its weights and its kernel flags. Nothing is copied: the
+kernels pick the shared expert's weights (moe.shared[0..2]) by pointer when a pick's index is E, instead of
+concatenating [E+1, 2I, D] / [E+1, D, I] tensors -- that concatenation would duplicate every routed expert's
+weights in GPU memory.
+
+Math (= engine `MoE.__call__`):
+- scores = scoring_func(logits), computed in fp32 and rounded to the logits' dtype after each op where the engine's
+  torch chain rounds (softplus, then sqrt; sigmoid; softmax), so the top-k sees the engine's scores;
+- top-k of scores + e_score_correction_bias (fp32). Ties: the lowest expert index first (as a stable descending
+  sort would order them); torch.topk leaves ties unspecified. NaN scores are undefined but always give in-range
+  indices. Hash layers take tid2eid[input_ids] instead (no bias);
+- w = gathered unbiased scores / (sum + 1e-20) * routed_scaling_factor, kept in fp32 (the engine rounds w to the
+  activation dtype);
+- h = act(gate.clamp(max=limit)) * up.clamp(-limit, limit) from fp32 gate/up accumulators, rounded once to
+  x.dtype (the engine rounds gate and up first), act = SiLU (other activations fall back to the reference);
+- y[t] = sum_j w[t, j] * W_down[idx[t, j]] @ h[t, j] over the K+1 picks, fp32 accumulation, one rounding to
+  x.dtype. The engine rounds the routed sum and the shared output separately and adds them in x.dtype; the
+  difference is one bf16 rounding step, inside bf16 tolerance.
+
+Triton path: no host synchronisation, fixed shapes (CUDA-graph capturable). `backend="auto"` runs it on CUDA
+tensors, the reference elsewhere; "triton" forces it (CPU needs TRITON_INTERPRET=1); "reference" forces torch.
+Kernels are built on first use, so a test that sets TRITON_INTERPRET=1 runs them interpreted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from evalpipe.engine.graph_ops import _interpret, _use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton is optional
+    triton = tl = None
+
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+TARGET_PROGRAMS = 264  # ~2 programs per H200 SM (132): enough loads in flight to approach HBM bandwidth
+
+
+# ---- kernel sources (jitted lazily by `_kernels`) ------------------------------------------------------------
+
+if tl is not None:
+    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, tid2eid_ptr, idx_ptr, w_ptr, E, scaling,
+                      K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, IS_HASH: tl.constexpr,
+                      ROUND: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+        t = tl.program_id(0)
+        es = tl.arange(0, BLOCK_E)
+        em = es < E
+        lin = tl.load(logits_ptr + t * E + es, mask=em, other=0.0)
+        dt = lin.dtype
+        lg = lin.to(tl.float32)
+        if SCORING == 0:  # sqrt(softplus): torch's softplus is the identity past 20
+            u = tl.exp(-tl.abs(lg))
+            v = 1.0 + u
+            log1p = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))  # log1p, no libdevice
+            sp = tl.where(lg > 20.0, lg, tl.maximum(lg, 0.0) + log1p)
+            if ROUND:
+                sp = sp.to(dt).to(tl.float32)
+            s = tl.sqrt(sp)
+        elif SCORING == 1:
+            s = 1.0 / (1.0 + tl.exp(-lg))
+        else:
+            z = tl.where(em, lg, float("-inf"))
+            ex = tl.exp(z - tl.max(z, axis=0))
+            s = ex / tl.sum(ex, axis=0)
+        if ROUND:
+            s = s.to(dt).to(tl.float32)
+        ks = tl.arange(0, K_PAD)
+        picks = tl.zeros([K_PAD], dtype=tl.int32)
+        if IS_HASH:
+            tok = tl.load(ids_ptr + t).to(tl.int64)
+            picks = tl.load(tid2eid_ptr + tok * K + ks, mask=ks < K, other=0).to(tl.int32)
+        else:
+            b = s
+            if HAS_BIAS:
+                b = b + tl.load(bias_ptr + es, mask=em, other=0.0)
+            avail = em
+            for k in tl.static_range(K):
+                m = tl.max(tl.where(avail, b, float("-inf")), axis=0)
+                e = tl.min(tl.where(avail & (b == m), es, BLOCK_E), axis=0)
+                e = tl.where(e < BLOCK_E, e, tl.min(tl.where(avail, es, BLOCK_E), axis=0))  # NaN: stay in range
+                picks = tl.where(ks == k, e, picks)
+                avail = avail & (es != e)
+        hit = (picks[:, None] == es[None, :]) & (ks < K)[:, None]
+        ws = tl.sum(tl.where(hit, s[None, :], 0.0), axis=1)  # [K_PAD] unbiased scores of the picks
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20) * scaling
+        out = t * (K + 1)
+        tl.store(idx_ptr + out + ks, picks, mask=ks < K)
+        tl.store(w_ptr + out + ks, ws, mask=ks < K)
+        tl.store(idx_ptr + out + K, E)  # the shared expert, weight 1
+        tl.store(w_ptr + out + K, 1.0)
+
+    def _gate_up_kernel(x_ptr, idx_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, R, E, limit,
+                        D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One pick row r, BLOCK_N output channels: gate rows j and up rows I + j in the same program, so the
+        SwiGLU happens in registers. Rows vary fastest over program ids: programs running together share a
+        channel block, so rows that picked the same expert find its weights in L2."""
+        pid = tl.program_id(0)
+        r = pid % R
+        n0 = (pid // R) * BLOCK_N
+        e = tl.load(idx_ptr + r)
+        routed = gu_ptr + e.to(tl.int64) * (2 * I * D)
+        gbase = tl.where(e == E, sg_ptr, routed)
+        ubase = tl.where(e == E, su_ptr, routed + I * D)
+        ns = n0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        nm = ns < I
+        woff = ns[:, None].to(tl.int64) * D + ks[None, :]
+        xrow = x_ptr + (r // KP1).to(tl.int64) * D
+        accg = tl.zeros([BLOCK_N], dtype=tl.float32)
+        accu = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            if D % BLOCK_K == 0:
+                xv = tl.load(xrow + k0 + ks).to(tl.float32)
+                if I % BLOCK_N == 0:
+                    g = tl.load(gbase + woff + k0)
+                    u = tl.load(ubase + woff + k0)
+                else:
+                    g = tl.load(gbase + woff + k0, mask=nm[:, None], other=0.0)
+                    u = tl.load(ubase + woff + k0, mask=nm[:, None], other=0.0)
+            else:
+                km = k0 + ks < D
+                xv = tl.load(xrow + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                g = tl.load(gbase + woff + k0, mask=nm[:, None] & km[None, :], other=0.0)
+                u = tl.load(ubase + woff + k0, mask=nm[:, None] & km[None, :], other=0.0)
+            accg += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+            accu += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+        g = tl.minimum(accg, limit)
+        u = tl.minimum(tl.maximum(accu, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u
+        tl.store(h_ptr + r.to(tl.int64) * I + ns, h.to(h_ptr.dtype.element_ty), mask=nm)
+
+    def _down_kernel(h_ptr, idx_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, T, E,
+                     D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One token, BLOCK_N output channels, all K+1 picks summed in fp32 registers, one rounding."""
+        pid = tl.program_id(0)
+        t = pid % T
+        n0 = (pid // T) * BLOCK_N
+        ns = n0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        nm = ns < D
+        woff = ns[:, None].to(tl.int64) * I + ks[None, :]
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(KP1):
+            r = t * KP1 + j
+            e = tl.load(idx_ptr + r)
+            wj = tl.load(w_ptr + r)
+            base = tl.where(e == E, sd_ptr, dn_ptr + e.to(tl.int64) * (D * I))
+            hrow = h_ptr + r.to(tl.int64) * I
+            part = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                if I % BLOCK_K == 0:
+                    hv = tl.load(hrow + k0 + ks).to(tl.float32)
+                    if D % BLOCK_N == 0:
+                        wt = tl.load(base + woff + k0)
+                    else:
+                        wt = tl.load(base + woff + k0, mask=nm[:, None], other=0.0)
+                else:
+                    km = k0 + ks < I
+                    hv = tl.load(hrow + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                    wt = tl.load(base + woff + k0, mask=nm[:, None] & km[None, :], other=0.0)
+                part += tl.sum(wt.to(tl.float32) * hv[None, :], axis=1)
+            acc += wj * part
+        tl.store(y_ptr + t.to(tl.int64) * D + ns, acc.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+_JIT = {}
+
+
+def _kernels() -> dict:
+    key = _interpret()
+    if key not in _JIT:
+        _JIT[key] = {f.__name__: triton.jit(f) for f in (_route_kernel, _gate_up_kernel, _down_kernel)}
+    return _JIT[key]
+
+
+# ---- per-MoE preparation ---------------------------------------------------------------------------------------
+
+class _Prepared:
+    """What the kernels need from one engine MoE object, computed once."""
+
+    def __init__(self, moe):
+        self.moe = moe  # held so id(moe) cannot be reused by another object while cached
+        self.gate_up = moe.gate_up.contiguous()
+        self.down = moe.down.contiguous()
+        self.shared = [w.contiguous() for w in moe.shared]
+        self.router = moe.router
+        self.E, two_i, self.D = self.gate_up.shape
+        self.I = two_i // 2
+        self.K = moe.top_k
+        self.limit = float("inf") if moe.limit is None else float(moe.limit)
+        self.bias = moe.bias.float().contiguous() if moe.bias is not None else None
+        self.tid2eid = moe.tid2eid.contiguous() if moe.is_hash else None
+        sg, su, sd = self.shared
+        probe = torch.linspace(-30.0, 30.0, 241)
+        is_silu = torch.allclose(moe.act(probe), F.silu(probe), rtol=1e-6, atol=1e-6)  # hidden_act name is gone
+        self.kernel_ok = (is_silu and moe.scoring in SCORING
+                          and sg.shape == su.shape == (self.I, self.D) and sd.shape == (self.D, self.I)
+                          and self.down.shape == (self.E, self.D, self.I)
+                          and len({self.gate_up.dtype, self.down.dtype, sg.dtype, su.dtype, sd.dtype}) == 1)
+
+
+_PREPARED: dict[int, _Prepared] = {}
+
+
+def prepare(moe) -> _Prepared:
+    p = _PREPARED.get(id(moe))
+    if p is None or p.moe is not moe:
+        p = _PREPARED[id(moe)] = _Prepared(moe)
+    return p
+
+
+# ---- references ------------------------------------------------------------------------------------------------
+
+def _score_reference(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    from evalpipe.engine.moe import _score
+
+    return _score(logits, scoring).float()  # the engine's chain, in the logits' dtype
+
+
+def route_reference(moe, logits: torch.Tensor, input_ids: torch.Tensor):
+    """(idx [T, K+1] int32, w [T, K+1] fp32): the engine's routing with ties to the lowest expert index and the
+    shared expert appended as column K (index E, weight 1)."""
+    p = prepare(moe)
+    scores = _score_reference(logits, moe.scoring)
+    T = scores.shape[0]
+    if moe.is_hash:
+        idx = p.tid2eid[input_ids].long()
+    else:
+        biased = scores + p.bias if p.bias is not None else scores
+        idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : p.K]
+    w = scores.gather(1, idx)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * moe.scaling
+    shared_idx = torch.full((T, 1), p.E, dtype=torch.long, device=idx.device)
+    return (torch.cat([idx, shared_idx], 1).to(torch.int32),
+            torch.cat([w, torch.ones(T, 1, device=w.device)], 1))
+
+
+def _expert(p: _Prepared, e: int):
+    """(gate [I, D], up [I, D], down [D, I]) of expert e; e == E is the shared expert."""
+    if e == p.E:
+        return p.shared
+    return p.gate_up[e, : p.I], p.gate_up[e, p.I:], p.down[e]
+
+
+def gate_up_reference(moe, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """h [T, K+1, I] (x.dtype) = act(gate.clamp(max=limit)) * up.clamp(-limit, limit) of each pick, fp32 math.
+    Every expert runs on every token and a mask keeps the picks: no data-dependent shapes, no host reads."""
+    p = prepare(moe)
+    xf = x.float()
+    h = torch.zeros(*idx.shape, p.I, device=x.device)
+    for e in range(p.E + 1):
+        g, u, _ = _expert(p, e)
+        he = moe.act(F.linear(xf, g.float()).clamp(max=p.limit)) * F.linear(xf, u.float()).clamp(-p.limit, p.limit)
+        h = torch.where((idx == e)[..., None], he[:, None, :], h)
+    return h.to(x.dtype)
+
+
+def down_reference(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """y [T, D] = sum_j w[t, j] * W_down[idx[t, j]] @ h[t, j], fp32 accumulation, one rounding."""
+    p = prepare(moe)
+    hf = h.float()
+    y = torch.zeros(h.shape[0], p.D, device=h.device)
+    for e in range(p.E + 1):
+        _, _, d = _expert(p, e)
+        y = y + ((idx == e).float() * w)[..., None].mul(F.linear(hf, d.float())).sum(1)
+    return y.to(out_dtype or h.dtype)
+
+
+def moe_forward_reference(moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    idx, w = route_reference(moe, F.linear(x, moe.router), input_ids)
+    return down_reference(moe, gate_up_reference(moe, x, idx), idx, w, x.dtype)
+
+
+# ---- Triton launches -------------------------------------------------------------------------------------------
+
+def _pick_block_n(rows: int, n: int) -> int:
+    """Largest channel block (<= 32) that still gives ~2 programs per SM; the smallest (8) otherwise."""
+    for b in (32, 16):
+        if rows * triton.cdiv(n, b) >= TARGET_PROGRAMS:
+            return b
+    return 8
+
+
+def route(moe, logits: torch.Tensor, input_ids: torch.Tensor, *, backend: str = "auto"):
+    """(idx [T, K+1] int32, w [T, K+1] fp32) from router logits [T, E]; see the module docstring."""
+    p = prepare(moe)
+    if not _use_triton(backend, logits, input_ids):
+        return route_reference(moe, logits, input_ids)
+    T, E = logits.shape
+    idx = torch.empty(T, p.K + 1, dtype=torch.int32, device=logits.device)
+    w = torch.empty(T, p.K + 1, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return idx, w
+    _kernels()["_route_kernel"][(T,)](
+        logits.contiguous(), p.bias if p.bias is not None else w, input_ids.contiguous(),
+        p.tid2eid if p.tid2eid is not None else idx, idx, w, E, float(moe.scaling),
+        K=p.K, SCORING=SCORING[moe.scoring], HAS_BIAS=p.bias is not None, IS_HASH=bool(moe.is_hash),
+        ROUND=logits.dtype != torch.float32, BLOCK_E=triton.next_power_of_2(E),
+        K_PAD=triton.next_power_of_2(p.K), num_warps=1)
+    return idx, w
+
+
+def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", block_n: int | None = None,
+            block_k: int = 512, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert)."""
+    p = prepare(moe)
+    if not _use_triton(backend, x, idx):
+        return gate_up_reference(moe, x, idx)
+    T, KP1 = idx.shape
+    R = T * KP1
+    h = torch.empty(T, KP1, p.I, device=x.device, dtype=x.dtype)
+    if R == 0:
+        return h
+    bn = block_n or _pick_block_n(R, p.I)
+    bk = min(block_k, triton.next_power_of_2(p.D))
+    sg, su, _ = p.shared
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _kernels()["_gate_up_kernel"][(R * triton.cdiv(p.I, bn),)](
+        x.contiguous(), idx.contiguous(), p.gate_up, sg, su, h, R, p.E, p.limit,
+        D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+    return h
+
+
+def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=None, backend: str = "auto",
+         block_n: int | None = None, block_k: int = 512, num_warps: int = 4,
+         num_stages: int | None = None) -> torch.Tensor:
+    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding."""
+    p = prepare(moe)
+    if not _use_triton(backend, h, idx, w):
+        return down_reference(moe, h, idx, w, out_dtype)
+    T, KP1 = idx.shape
+    y = torch.empty(T, p.D, device=h.device, dtype=out_dtype or h.dtype)
+    if T == 0:
+        return y
+    bn = block_n or _pick_block_n(T, p.D)
+    bk = min(block_k, triton.next_power_of_2(p.I))
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _kernels()["_down_kernel"][(T * triton.cdiv(p.D, bn),)](
+        h.contiguous(), idx.contiguous(), w.contiguous(), p.down, p.shared[2], y, T, p.E,
+        D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+    return y
+
+
+def moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor, *, backend: str = "auto",
+                gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
+    """y [T, hidden] (x.dtype) = engine `MoE.__call__(x, input_ids)`: routed top-k (or hash) experts plus the
+    shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down). `gate_up_cfg` /
+    `down_cfg` override the kernels' block sizes (block_n, block_k, num_warps, num_stages) for tuning."""
+    p = prepare(moe)
+    if not p.kernel_ok or not _use_triton(backend, x, input_ids, p.gate_up):
+        if backend == "triton" and not p.kernel_ok:
+            raise ValueError("backend='triton': this MoE (activation, scoring, shared-expert shape or dtypes) "
+                             "has no kernel; use backend='auto'")
+        return moe_forward_reference(moe, x, input_ids)
+    idx, w = route(moe, F.linear(x, p.router), input_ids, backend="triton")
+    h = gate_up(moe, x, idx, backend="triton", **(gate_up_cfg or {}))
+    return down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", **(down_cfg or {}))
