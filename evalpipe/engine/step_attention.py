@@ -1,0 +1,335 @@
+"""The attention core of a decode/verify step (`Attention._attend`) as one split-KV Triton kernel (+ a tiny combine).
+
+`_attend` spends ~20 launches per layer on a group: gather window keys from the ring, cat with this forward's rows,
+unfold, two logit matmuls, scale, masks, sinks, cat, amax, softmax, cast, two PV matmuls and an add. Here every
+query row gathers its own keys by address (ring cell, this forward's kv row, or compressed-entry pool row) inside
+the kernel, so the step launches one kernel (`splits == 1`) or two (split-KV: partial softmax states, then a merge).
+
+Keys of the query at row i (request i // n, first row f = i - i % n, position p = pos[i]):
+  window  positions p-W+1 .. p that are >= 0; a position k >= pos[f] is kv[f + k - pos[f]] (this forward, not yet
+          in the ring), an earlier one is window_ring[slot * ring_size + k % ring_size];
+  entries entries[entry_rows[i, j]] for entry_rows[i, j] >= 0 (-1 = hidden or empty);
+  sink    one extra logit per head whose probability is dropped.
+K = V (one shared head); all H query heads of a row read the same keys, so a program takes a block of heads as the
+M side of the two tensor-core dots.
+
+Numerics: logits and softmax in fp32 (dot with fp32 accumulation, times `scale`); probabilities are rounded to the
+key dtype before the PV dot, as `_attend` does (probs.to(win.dtype)); output in q.dtype. Differences from `_attend`
+(bf16 only; in fp32 both agree to ~1e-6): `_attend` rounds the logits q.k and (q.k)*scale to bf16 and sums the
+window and entry PV products as two bf16 results; the kernel keeps logits in fp32, rounds probabilities that are
+normalised by the running (per-split) max instead of the final max and sum (flash-attention style), and rounds the
+output once. All of these are bf16-rounding-level differences.
+
+How to call it from StaticModel.attention (replacing `attn._attend(...)`; q, kv as today, before the ring stores)::
+
+    from evalpipe.engine.step_attention import fused_attention, hca_entry_rows
+    group = batch.groups[0]
+    entries = entry_rows = None
+    if attn.indexer is not None:      # CSA: the indexer's picked pool rows, [T, k], -1 = none
+        scores, visible, k = attn.indexer.scores(*idx_q, group, batch.pools, pool.indexer)
+        entry_rows = fused_sites.csa_rows(attn, scores.masked_fill(~visible, float("-inf")).reshape(T, -1),
+                                          group, batch, k)      # (k == 0: pass entries=None)
+        entries = pool.compressor.entries
+    elif attn.compressor is not None:  # HCA: every entry, hidden where not yet visible to the row
+        rows = entry_index(group, batch.pools, attn.ratio)[0]   # [B, E] (StaticBatch memo: fixed max E)
+        entry_rows = hca_entry_rows(rows, batch.pos, group.n, attn.ratio)
+        entries = pool.compressor.entries
+    out = fused_attention(q, kv, pool.window, batch.pools.window_ring, attn.window, batch.pos, batch.slot, group.n,
+                          entries, entry_rows, attn.sinks, attn.head_dim ** -0.5, backend=self.backend)  # [T, H, D]
+
+(plain runner without site settings: `entry_rows = picked_entry_rows(entry_index(...)[0], picked, n)` with
+`picked = attn.indexer.select(...)`). No per-layer preparation: sinks are already float32 on the layer. In the
+static step the HCA rows cover the fixed maximum entry count, so hca_entry_rows can be computed once per step per
+ratio and shared by all HCA layers (it depends on batch and ratio only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evalpipe.kernels._backend import interpret_mode, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton is optional
+    triton = tl = None
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---- index helpers (device ops, no host reads) --------------------------------------------------------------
+
+def hca_entry_rows(rows: torch.Tensor, pos: torch.Tensor, n: int, ratio: int) -> torch.Tensor:
+    """[T, E] pool rows of entries 0..E-1 for each query row (request b's rows[b] repeated for its n rows), -1 where
+    entry w is not visible to the query at position t: w >= (t + 1) // ratio (HCA's "all visible entries")."""
+    B, E = rows.shape
+    per_row = rows[:, None, :].expand(B, n, E).reshape(B * n, E)
+    visible = torch.arange(E, device=rows.device)[None] < ((pos + 1) // ratio)[:, None]
+    return torch.where(visible, per_row, torch.full_like(per_row, -1))
+
+
+def picked_entry_rows(rows: torch.Tensor, picked: torch.Tensor, n: int) -> torch.Tensor:
+    """[T, k] pool rows of the indexer's picks (CSA): `picked` [T, k] (or [B, n, k]) logical entry indices of each
+    query row, -1 = none, mapped through its request's entry rows `rows` [B, E] (entry_index(...)[0])."""
+    B = rows.shape[0]
+    picked = picked.reshape(B * n, -1)
+    b = torch.arange(B * n, device=rows.device)[:, None] // n
+    return torch.where(picked >= 0, rows[b, picked.clamp(min=0)], torch.full_like(picked, -1))
+
+
+def _check(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks):
+    if q.dim() != 3 or kv.dim() != 2 or kv.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(f"q must be [T, H, D] and kv [T, D], got {tuple(q.shape)} and {tuple(kv.shape)}")
+    T, H, D = q.shape
+    if n < 1 or T % n:
+        raise ValueError(f"T = {T} rows is not a whole number of requests of n = {n} rows")
+    if window_ring.dim() != 2 or window_ring.shape[1] != D or window < 1 or ring_size < 1:
+        raise ValueError(f"window_ring must be [S * ring_size, {D}], got {tuple(window_ring.shape)}")
+    if pos.shape != (T,) or slot.shape != (T,) or sinks.shape != (H,):
+        raise ValueError(f"pos, slot must be [{T}] and sinks [{H}], got {tuple(pos.shape)}, {tuple(slot.shape)}, "
+                         f"{tuple(sinks.shape)}")
+    if entries is not None and entry_rows is not None:
+        if entries.dim() != 2 or entries.shape[1] != D or entry_rows.dim() != 2 or entry_rows.shape[0] != T:
+            raise ValueError(f"entries must be [N, {D}] and entry_rows [{T}, K], got {tuple(entries.shape)} and "
+                             f"{tuple(entry_rows.shape)}")
+
+
+def _has_entries(entries, entry_rows) -> bool:
+    return entries is not None and entry_rows is not None and entry_rows.shape[1] > 0
+
+
+# ---- reference ------------------------------------------------------------------------------------------------
+
+def fused_attention_reference(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale):
+    """`_attend`'s op chain on flat rows (same roundings): window keys gathered per row, logits in q's dtype times
+    scale, -inf masks, sinks column, fp32 softmax, probabilities cast to the key dtype, two PV matmuls. Fixed shapes
+    and device ops only."""
+    _check(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks)
+    T, H, D = q.shape
+    pos, slot = pos.long(), slot.long()
+    i = torch.arange(T, device=q.device)
+    first = i - i % n
+    first_pos = pos[first][:, None]
+    kpos = pos[:, None] - (window - 1) + torch.arange(window, device=q.device)[None]  # [T, W]
+    kc = kpos.clamp(min=0)
+    new = kc >= first_pos
+    cells = slot[:, None] * ring_size + kc % ring_size
+    new_rows = (first[:, None] + kc - first_pos).clamp(0, T - 1)
+    win = torch.where(new[..., None], kv[new_rows], window_ring[cells])  # [T, W, D]
+    logits = [(torch.matmul(q, win.transpose(1, 2)) * scale).masked_fill_((kpos < 0)[:, None], float("-inf"))]
+    comp = None
+    if _has_entries(entries, entry_rows):
+        er = entry_rows.long()
+        comp = entries[er.clamp(min=0)]  # [T, K, D]
+        cl = torch.matmul(q, comp.transpose(1, 2)) * scale
+        logits.append(cl.masked_fill_((er < 0)[:, None], float("-inf")))
+    logits.append(sinks.float().expand(T, H).unsqueeze(-1))
+    combined = torch.cat(logits, dim=-1)
+    probs = (combined - combined.amax(dim=-1, keepdim=True)).softmax(dim=-1)
+    if probs.dtype != win.dtype:
+        probs = probs.to(win.dtype)
+    out = torch.matmul(probs[..., :window], win)
+    if comp is not None:
+        out = out + torch.matmul(probs[..., window:-1], comp)
+    return out.to(q.dtype)
+
+
+# ---- kernels (jitted lazily by `_kernels`, so TRITON_INTERPRET set by a test is honoured) ---------------------
+
+if tl is not None:
+    def _step_attention_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, rows_ptr, pos_ptr, slot_ptr, sinks_ptr,
+                               out_ptr, po_ptr, pm_ptr, pl_ptr,
+                               H, n, ring_size, window, K, scale, chunks_per_split, total_chunks,
+                               stride_qt, stride_qh, stride_kv, stride_ring, stride_ent, stride_rt, stride_rk,
+                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_N: tl.constexpr, W_CHUNKS: tl.constexpr, HAS_ENT: tl.constexpr,
+                               SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        i = tl.program_id(0)
+        s = tl.program_id(1)
+        hb = tl.program_id(2)
+        S = tl.num_programs(1)
+        i64 = i.to(tl.int64)
+        p = tl.load(pos_ptr + i).to(tl.int64)
+        first = i64 - i64 % n
+        first_pos = tl.load(pos_ptr + first).to(tl.int64)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+
+        hs = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = hs < H
+        ds = tl.arange(0, BLOCK_D)
+        dm = ds < D
+        q = tl.load(q_ptr + i64 * stride_qt + hs[:, None] * stride_qh + ds[None, :],
+                    mask=hm[:, None] & dm[None, :], other=0.0)
+        # the sink is one more logit of every head: split 0 starts its running softmax from it (counted once)
+        sink = tl.load(sinks_ptr + hs, mask=hm, other=0.0).to(tl.float32)
+        m0 = tl.maximum(sink, -1.0e30)  # finite floor: no inf - inf
+        m_i = tl.where(s == 0, m0, -1.0e30)
+        l_i = tl.where(s == 0, tl.exp(sink - m0), 0.0)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+        js = tl.arange(0, BLOCK_N)
+        c_lo = s * chunks_per_split
+        c_hi = tl.minimum(c_lo + chunks_per_split, total_chunks)
+        for c in range(c_lo, c_hi):
+            # virtual key axis: W_CHUNKS * BLOCK_N window slots, then the K entry slots
+            j = c * BLOCK_N + js
+            kpos = p - window + 1 + j
+            win_ok = (j < window) & (kpos >= 0)
+            kc = tl.maximum(kpos, 0)
+            new = win_ok & (kc >= first_pos)
+            cell = slot * ring_size + kc % ring_size
+            ptrs = tl.where(new, kv_ptr + (first + kc - first_pos) * stride_kv, ring_ptr + cell * stride_ring)
+            valid = win_ok
+            if HAS_ENT:
+                e = j - W_CHUNKS * BLOCK_N
+                er = tl.load(rows_ptr + i64 * stride_rt + e * stride_rk, mask=(e >= 0) & (e < K), other=-1)
+                er = er.to(tl.int64)
+                ent_ok = er >= 0
+                ptrs = tl.where(ent_ok, ent_ptr + tl.maximum(er, 0) * stride_ent, ptrs)
+                valid = valid | ent_ok
+            kt = tl.load(ptrs[:, None] + ds[None, :], mask=valid[:, None] & dm[None, :], other=0.0)  # [N, D]
+            if IEEE:
+                qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(kt))
+            qk = tl.where(valid[None, :], qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            if IEEE:
+                pv = tl.dot(pr.to(kt.dtype), kt, input_precision="ieee")
+            else:
+                pv = tl.dot(pr.to(kt.dtype), kt)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        if SPLIT:  # partial state of this split: running max, sum and unnormalised output
+            base = (i64 * S + s) * H + hs
+            tl.store(pm_ptr + base, m_i, mask=hm)
+            tl.store(pl_ptr + base, l_i, mask=hm)
+            tl.store(po_ptr + base[:, None] * D + ds[None, :], acc, mask=hm[:, None] & dm[None, :])
+        else:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + (i64 * H + hs[:, None]) * D + ds[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=hm[:, None] & dm[None, :])
+
+    def _step_attention_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, H, S,
+                                       D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        ss = tl.arange(0, S_PAD)
+        sm = ss < S
+        base = (i * S + ss) * H + h
+        m = tl.load(pm_ptr + base, mask=sm, other=-1.0e30)
+        big = tl.max(m, axis=0)
+        w = tl.where(sm, tl.exp(m - big), 0.0)
+        den = tl.sum(w * tl.load(pl_ptr + base, mask=sm, other=0.0), axis=0)
+        w = w / den
+        ds = tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            dm = d0 + ds < D
+            o = tl.load(po_ptr + base[:, None] * D + d0 + ds[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+            y = tl.sum(w[:, None] * o, axis=0)
+            tl.store(out_ptr + (i * H + h) * D + d0 + ds, y.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+_JIT: dict = {}
+
+
+def _kernels() -> dict:
+    key = interpret_mode()
+    if key not in _JIT:
+        _JIT[key] = {f.__name__: triton.jit(f) for f in (_step_attention_kernel, _step_attention_combine_kernel)}
+    return _JIT[key]
+
+
+# ---- launch ---------------------------------------------------------------------------------------------------
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # interpreter: few programs, but still a split path at small T
+
+
+def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, splits: int | None = None) -> dict:
+    """Launch shape from static sizes only (capture-safe): key chunks of BLOCK_N, and enough splits of the key axis
+    that T * head_blocks * splits programs fill the GPU about twice (every split non-empty)."""
+    block_n = 16 if D > 256 else 32
+    block_h = max(16, min(32, triton.next_power_of_2(H)))
+    head_blocks = triton.cdiv(H, block_h)
+    w_chunks = triton.cdiv(window, block_n)
+    total = w_chunks + triton.cdiv(K, block_n)
+    if splits is None:
+        splits = triton.cdiv(2 * _sm_count(device), T * head_blocks)
+    splits = max(1, min(int(splits), total))
+    per_split = triton.cdiv(total, splits)
+    splits = triton.cdiv(total, per_split)
+    return dict(BLOCK_N=block_n, BLOCK_H=block_h, head_blocks=head_blocks, W_CHUNKS=w_chunks, total=total,
+                splits=splits, per_split=per_split, num_warps=4 if D <= 128 else 8, num_stages=2)
+
+
+def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale,
+            splits: int | None = None, cfg: dict | None = None) -> torch.Tensor:
+    T, H, D = q.shape
+    has_ent = _has_entries(entries, entry_rows)
+    K = entry_rows.shape[1] if has_ent else 0
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    cfgp = plan(T, H, D, window, K, q.device, splits)
+    if cfg:
+        cfgp.update(cfg)
+        cfgp["head_blocks"] = triton.cdiv(H, cfgp["BLOCK_H"])
+        cfgp["W_CHUNKS"] = triton.cdiv(window, cfgp["BLOCK_N"])
+        cfgp["total"] = cfgp["W_CHUNKS"] + triton.cdiv(K, cfgp["BLOCK_N"])
+        cfgp["per_split"] = triton.cdiv(cfgp["total"], min(cfgp["splits"], cfgp["total"]))
+        cfgp["splits"] = triton.cdiv(cfgp["total"], cfgp["per_split"])
+    S = cfgp["splits"]
+    out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
+    if has_ent:
+        ent, rows = entries, entry_rows
+    else:  # never read (HAS_ENT off): any pointers of the right kind
+        ent, rows = window_ring, pos.view(T, 1)
+    if S > 1:
+        po = torch.empty(T, S, H, D, device=q.device, dtype=torch.float32)
+        pm = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
+        pl = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
+    else:
+        po = pm = pl = out
+    k = _kernels()
+    k["_step_attention_kernel"][(T, S, cfgp["head_blocks"])](
+        q, kv, window_ring, ent, rows, pos, slot, sinks,
+        out, po, pm, pl,
+        H, n, ring_size, window, K, float(scale), cfgp["per_split"], cfgp["total"],
+        q.stride(0), q.stride(1), kv.stride(0), window_ring.stride(0), ent.stride(0), rows.stride(0),
+        rows.stride(1),
+        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=cfgp["BLOCK_H"], BLOCK_N=cfgp["BLOCK_N"],
+        W_CHUNKS=cfgp["W_CHUNKS"], HAS_ENT=has_ent, SPLIT=S > 1, IEEE=q.dtype == torch.float32,
+        num_warps=cfgp["num_warps"], num_stages=cfgp["num_stages"])
+    if S > 1:
+        k["_step_attention_combine_kernel"][(T, H)](po, pm, pl, out, H, S, D=D,
+                                                     S_PAD=triton.next_power_of_2(S),
+                                                     BLOCK_D=min(128, triton.next_power_of_2(D)), num_warps=4)
+    return out
+
+
+def _guard(q, kv, window_ring, entries, sinks) -> bool:
+    dtypes = {q.dtype, kv.dtype, window_ring.dtype} | ({entries.dtype} if entries is not None else set())
+    return (len(dtypes) == 1 and q.dtype in FLOAT_DTYPES and sinks.dtype == torch.float32
+            and window_ring.stride(1) == 1 and (entries is None or entries.stride(1) == 1))
+
+
+def fused_attention(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale, *,
+                    backend="auto"):
+    """[T, H, D] attention output of T = B * n query rows over their sliding window (ring + this forward's kv rows)
+    and their compressed entries, with per-head sinks (see the module docstring). One Triton kernel (plus a merge
+    kernel when the key axis is split across programs) on CUDA; `fused_attention_reference` elsewhere."""
+    _check(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks)
+    tensors = [q, kv, window_ring, pos, slot, sinks] + ([entries, entry_rows] if _has_entries(entries, entry_rows)
+                                                          else [])
+    if not use_triton(backend, tensors, _guard(q, kv, window_ring, entries, sinks)):
+        return fused_attention_reference(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows,
+                                         sinks, scale)
+    return _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale)
