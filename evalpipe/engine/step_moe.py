@@ -163,7 +163,7 @@ if tl is not None:
             r = t * KP1 + j
             e = tl.load(idx_ptr + r)
             wj = tl.load(w_ptr + r)
-            base = tl.where(e == E, sd_ptr, dn_ptr + e.to(tl.int64) * (D * I))
+            base = tl.where(e == E, sd_ptr, dn_ptr + tl.cast(e, tl.int64) * (D * I))
             hrow = h_ptr + r.to(tl.int64) * I
             part = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
@@ -182,13 +182,110 @@ if tl is not None:
         tl.store(y_ptr + t.to(tl.int64) * D + ns, acc.to(y_ptr.dtype.element_ty), mask=nm)
 
 
+    def _gate_up_mm_kernel(x_ptr, idx_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, T, E, limit,
+                           D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr, BLOCK_T: tl.constexpr,
+                           R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """Expert-major: program (e, channel block, token block) compacts the pick rows of its token block that
+        chose expert e and multiplies them BLOCK_M at a time with tl.dot, so each expert's weights are read once
+        per token block instead of once per pick. Experts nobody picked read nothing."""
+        e = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        r0 = tl.program_id(2) * (BLOCK_T * KP1)
+        lr = tl.arange(0, R_PAD)
+        live = (lr < BLOCK_T * KP1) & (r0 + lr < T * KP1)
+        sel = live & (tl.load(idx_ptr + r0 + lr, mask=live, other=-1) == e)
+        cnt = tl.sum(sel.to(tl.int32), axis=0)
+        if cnt > 0:
+            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            routed = gu_ptr + e.to(tl.int64) * (2 * I * D)
+            gbase = tl.where(e == E, sg_ptr, routed)
+            ubase = tl.where(e == E, su_ptr, routed + I * D)
+            ns = n0 + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            ms = tl.arange(0, BLOCK_M)
+            nm = ns < I
+            woff = ns[None, :].to(tl.int64) * D + ks[:, None]  # [BLOCK_K, BLOCK_N], unit stride along k
+            for m0 in range(0, cnt, BLOCK_M):
+                hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
+                row = r0 + tl.sum(tl.where(hit, lr[None, :], 0), axis=1)  # [BLOCK_M] compacted pick rows
+                mv = m0 + ms < cnt
+                xrow = x_ptr + (row // KP1).to(tl.int64)[:, None] * D
+                accg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                accu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, D, BLOCK_K):
+                    km = k0 + ks < D
+                    xt = tl.load(xrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
+                    g = tl.load(gbase + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+                    u = tl.load(ubase + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+                    xt = xt.to(g.dtype)
+                    if IEEE:  # float32 weights: exact products (a float32 tl.dot defaults to tf32)
+                        accg = tl.dot(xt, g, accg, input_precision="ieee")
+                        accu = tl.dot(xt, u, accu, input_precision="ieee")
+                    else:
+                        accg = tl.dot(xt, g, accg)
+                        accu = tl.dot(xt, u, accu)
+                g = tl.minimum(accg, limit)
+                u = tl.minimum(tl.maximum(accu, -limit), limit)
+                h = g / (1.0 + tl.exp(-g)) * u
+                tl.store(h_ptr + row.to(tl.int64)[:, None] * I + ns[None, :], h.to(h_ptr.dtype.element_ty),
+                         mask=mv[:, None] & nm[None, :])
+
+    def _down_mm_kernel(h_ptr, idx_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, T, E,
+                        D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr, BLOCK_T: tl.constexpr,
+                        R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """Program (channel block, token block) walks the experts; for each, the compacted pick rows that chose
+        it go through tl.dot, are scaled by their routing weight and added to their token's fp32 row through a
+        one-hot [BLOCK_T, BLOCK_M] matrix (an exact fp32 dot) -- the sum over picks stays in registers."""
+        n0 = tl.program_id(0) * BLOCK_N
+        t0 = tl.program_id(1) * BLOCK_T
+        r0 = t0 * KP1
+        lr = tl.arange(0, R_PAD)
+        live = (lr < BLOCK_T * KP1) & (r0 + lr < T * KP1)
+        ridx = tl.load(idx_ptr + r0 + lr, mask=live, other=-1)
+        ns = n0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        ms = tl.arange(0, BLOCK_M)
+        ts = tl.arange(0, BLOCK_T)
+        nm = ns < D
+        woff = ns[None, :].to(tl.int64) * I + ks[:, None]
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for e in range(0, E + 1):
+            sel = live & (ridx == e)
+            cnt = tl.sum(sel.to(tl.int32), axis=0)
+            if cnt > 0:
+                pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                base = tl.where(e == E, sd_ptr, dn_ptr + tl.cast(e, tl.int64) * (D * I))
+                for m0 in range(0, cnt, BLOCK_M):
+                    hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
+                    lrow = tl.sum(tl.where(hit, lr[None, :], 0), axis=1)
+                    mv = m0 + ms < cnt
+                    hrow = h_ptr + (r0 + lrow).to(tl.int64)[:, None] * I
+                    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for k0 in range(0, I, BLOCK_K):
+                        km = k0 + ks < I
+                        ht = tl.load(hrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
+                        wt = tl.load(base + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+                        if IEEE:
+                            part = tl.dot(ht.to(wt.dtype), wt, part, input_precision="ieee")
+                        else:
+                            part = tl.dot(ht.to(wt.dtype), wt, part)
+                    part = part * tl.load(w_ptr + r0 + lrow, mask=mv, other=0.0)[:, None]
+                    onehot = (((lrow // KP1)[None, :] == ts[:, None]) & mv[None, :]).to(tl.float32)
+                    acc = tl.dot(onehot, part, acc, input_precision="ieee")
+        tl.store(y_ptr + (t0 + ts).to(tl.int64)[:, None] * D + ns[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(t0 + ts < T)[:, None] & nm[None, :])
+
+
 _JIT = {}
 
 
 def _kernels() -> dict:
     key = _interpret()
     if key not in _JIT:
-        _JIT[key] = {f.__name__: triton.jit(f) for f in (_route_kernel, _gate_up_kernel, _down_kernel)}
+        _JIT[key] = {f.__name__: triton.jit(f) for f in (_route_kernel, _gate_up_kernel, _down_kernel,
+                                                         _gate_up_mm_kernel, _down_mm_kernel)}
     return _JIT[key]
 
 
@@ -319,9 +416,21 @@ def route(moe, logits: torch.Tensor, input_ids: torch.Tensor, *, backend: str = 
     return idx, w
 
 
-def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", block_n: int | None = None,
-            block_k: int = 512, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
-    """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert)."""
+MM_MIN_ROWS = 17  # from this many picks (T * (K+1)) the expert-major tl.dot kernels take over from the GEMVs
+
+
+def _mode(mode: str, rows: int) -> str:
+    if mode not in ("auto", "gemv", "mm"):
+        raise ValueError(f"mode must be auto, gemv or mm, got {mode!r}")
+    return mode if mode != "auto" else ("mm" if rows >= MM_MIN_ROWS else "gemv")
+
+
+def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", mode: str = "auto",
+            block_n: int | None = None, block_k: int | None = None, block_t: int = 32, block_m: int = 16,
+            num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert). mode "gemv": one program per
+    (pick, channel block), weights streamed as coalesced rows (few picks); "mm": expert-major tl.dot over
+    compacted picks per token block of `block_t` tokens (many picks); "auto" picks by the number of picks."""
     p = prepare(moe)
     if not _use_triton(backend, x, idx):
         return gate_up_reference(moe, x, idx)
@@ -330,20 +439,32 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", b
     h = torch.empty(T, KP1, p.I, device=x.device, dtype=x.dtype)
     if R == 0:
         return h
-    bn = block_n or _pick_block_n(R, p.I)
-    bk = min(block_k, triton.next_power_of_2(p.D))
     sg, su, _ = p.shared
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    _kernels()["_gate_up_kernel"][(R * triton.cdiv(p.I, bn),)](
-        x.contiguous(), idx.contiguous(), p.gate_up, sg, su, h, R, p.E, p.limit,
-        D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+    x, idx = x.contiguous(), idx.contiguous()
+    if _mode(mode, R) == "gemv":
+        bn = block_n or _pick_block_n(R, p.I)
+        bk = min(block_k or 512, triton.next_power_of_2(p.D))
+        _kernels()["_gate_up_kernel"][(R * triton.cdiv(p.I, bn),)](
+            x, idx, p.gate_up, sg, su, h, R, p.E, p.limit,
+            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+        return h
+    bt = min(block_t, max(1, triton.next_power_of_2(T)))
+    bn = max(16, block_n or 32)
+    bk = max(16, min(block_k or 128, triton.next_power_of_2(p.D)))
+    grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
+    _kernels()["_gate_up_mm_kernel"][grid](
+        x, idx, p.gate_up, sg, su, h, T, p.E, p.limit,
+        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
+        BLOCK_N=bn, BLOCK_K=bk, IEEE=p.gate_up.dtype == torch.float32, num_warps=num_warps, **extra)
     return h
 
 
 def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=None, backend: str = "auto",
-         block_n: int | None = None, block_k: int = 512, num_warps: int = 4,
-         num_stages: int | None = None) -> torch.Tensor:
-    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding."""
+         mode: str = "auto", block_n: int | None = None, block_k: int | None = None, block_t: int = 32,
+         block_m: int = 16, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes as in
+    `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
     p = prepare(moe)
     if not _use_triton(backend, h, idx, w):
         return down_reference(moe, h, idx, w, out_dtype)
@@ -351,12 +472,22 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
     y = torch.empty(T, p.D, device=h.device, dtype=out_dtype or h.dtype)
     if T == 0:
         return y
-    bn = block_n or _pick_block_n(T, p.D)
-    bk = min(block_k, triton.next_power_of_2(p.I))
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    _kernels()["_down_kernel"][(T * triton.cdiv(p.D, bn),)](
-        h.contiguous(), idx.contiguous(), w.contiguous(), p.down, p.shared[2], y, T, p.E,
-        D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+    h, idx, w = h.contiguous(), idx.contiguous(), w.contiguous()
+    if _mode(mode, T * KP1) == "gemv":
+        bn = block_n or _pick_block_n(T, p.D)
+        bk = min(block_k or 512, triton.next_power_of_2(p.I))
+        _kernels()["_down_kernel"][(T * triton.cdiv(p.D, bn),)](
+            h, idx, w, p.down, p.shared[2], y, T, p.E,
+            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+        return y
+    bt = max(16, min(block_t, triton.next_power_of_2(T)))
+    bn = max(16, block_n or 16)
+    bk = max(16, min(block_k or 128, triton.next_power_of_2(p.I)))
+    _kernels()["_down_mm_kernel"][(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
+        h, idx, w, p.down, p.shared[2], y, T, p.E,
+        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
+        BLOCK_N=bn, BLOCK_K=bk, IEEE=p.down.dtype == torch.float32, num_warps=num_warps, **extra)
     return y
 
 

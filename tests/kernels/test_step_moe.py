@@ -89,30 +89,32 @@ def picks(T, gen):
     return torch.cat([routed, torch.full((T, 1), E)], 1).to(torch.int32)
 
 
-def test_gate_up_and_down_kernels_match_references():
-    """Clamping on both sides of the SwiGLU is active (activations far beyond swiglu_limit); heuristic blocks and
-    blocks that split D and I into several steps and leave masked channel tails."""
-    gen = torch.Generator().manual_seed(11)
+@pytest.mark.parametrize("T", [5, 20])
+def test_gate_up_and_down_kernels_match_references(T):
+    """Both kernel shapes (GEMV per pick; expert-major tl.dot over compacted picks) with clamping active on both
+    sides of the SwiGLU, heuristic blocks and blocks that split D and I into several steps, leave masked channel
+    tails, split tokens into several token blocks (a partial last one) and picks of one expert into several
+    BLOCK_M chunks (T 20: the shared expert has 20 picks)."""
+    gen = torch.Generator().manual_seed(11 + T)
     moe = make_moe(seed=6)
-    T = 5
     x = 12 * torch.randn(T, D, generator=gen)
     idx = picks(T, gen)
     gate = torch.stack([torch.stack([step_moe._expert(step_moe.prepare(moe), int(e))[0] @ x[t]
                                      for e in idx[t]]) for t in range(T)])
     assert (gate > LIMIT).any() and (gate < -LIMIT).any()  # the clamps matter for this input
-    h = step_moe.gate_up(moe, x, idx, backend="triton")
     hr = step_moe.gate_up_reference(moe, x, idx)
-    assert h.shape == (T, K + 1, I) and torch.isfinite(h).all()
-    torch.testing.assert_close(h, hr, rtol=1e-5, atol=1e-4)
     w = torch.rand(T, K + 1, generator=gen)
     w[:, K] = 1.0
-    for bn, bk in ((None, 512), (16, 16), (64, 32)):
-        y = step_moe.down(moe, hr, idx, w, backend="triton", block_n=bn, block_k=bk)
-        yr = step_moe.down_reference(moe, hr, idx, w)
+    yr = step_moe.down_reference(moe, hr, idx, w)
+    cfgs = [dict(), dict(mode="gemv", block_n=16, block_k=16), dict(mode="gemv", block_n=64, block_k=32),
+            dict(mode="mm"), dict(mode="mm", block_t=8, block_n=16, block_k=16)]
+    for cfg in cfgs:
+        h = step_moe.gate_up(moe, x, idx, backend="triton", **cfg)
+        assert h.shape == (T, K + 1, I) and torch.isfinite(h).all()
+        torch.testing.assert_close(h, hr, rtol=1e-5, atol=1e-4, msg=str(cfg))
+        y = step_moe.down(moe, hr, idx, w, backend="triton", **cfg)
         assert y.shape == (T, D) and torch.isfinite(y).all()
-        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-4)
-        h2 = step_moe.gate_up(moe, x, idx, backend="triton", block_n=bn, block_k=bk)
-        torch.testing.assert_close(h2, hr, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-4, msg=str(cfg))
 
 
 @pytest.mark.parametrize("T", [1, 6, 13])

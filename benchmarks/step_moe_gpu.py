@@ -1,0 +1,258 @@
+"""GPU check and benchmark of evalpipe/engine/step_moe.py (the decode/verify MoE block in 4 launches).
+
+    PYTHONPATH=. python benchmarks/step_moe_gpu.py                 # H200: production shapes, < 60 s
+    PYTHONPATH=. python benchmarks/step_moe_gpu.py --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
+
+Shapes: hidden 4096, moe_intermediate 2048, bf16, sqrtsoftplus router with correction bias; E 8 top-2 and E 16
+top-6 (+1 shared expert); T in {1, 6, 32} rows. MoE objects are the engine's `MoE` over random state dicts on the
+GPU. Checks (exit status 1 on any failure): route kernel == route_reference (indices exact, weights 1e-5);
+gate_up kernel and the whole moe_forward against the fp32 references; moe_forward against the current
+`StaticModel.moe` chain and the engine's `MoE.__call__` (same routing, outputs within bf16 tolerance), with
+activations large enough that swiglu_limit clamps, and a hash layer. Timing: `--layers` MoE objects with their own
+weights run back to back in one captured CUDA graph (weights are not L2-resident, like a real decode step),
+median of event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block
+configs; the best of each is used for the table. Weight bandwidth = bytes of the distinct picked experts + the
+shared expert + the router / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+# bf16 tolerances relative to the reference output's largest magnitude: the new path rounds once, the engine
+# path rounds gate/up/h/w and routed + shared separately (a few 2**-8 relative steps)
+TOL_REF = 1e-2
+TOL_ENGINE = 3e-2
+
+
+def parse():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=4, help="MoE objects per timed graph (distinct weights)")
+    return ap.parse_args()
+
+
+ARGS = parse()
+if ARGS.device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from evalpipe.engine import step_moe  # noqa: E402
+from evalpipe.engine.cuda_graphs import StaticModel  # noqa: E402
+from evalpipe.engine.moe import MoE  # noqa: E402
+
+FAILED: list[str] = []
+DEV = torch.device(ARGS.device)
+CUDA = DEV.type == "cuda"
+if CUDA:
+    D, I, DT, TS, LAYERS = 4096, 2048, torch.bfloat16, (1, 6, 32), ARGS.layers
+    SHAPES = ((8, 2), (16, 6))
+    GU_CFGS = [None, dict(mode="gemv", block_n=8, block_k=512), dict(mode="gemv", block_n=16, block_k=256),
+               dict(mode="mm", block_n=32, block_k=128), dict(mode="mm", block_n=64, block_k=64, num_warps=8)]
+    DN_CFGS = [None, dict(mode="gemv", block_n=8, block_k=256), dict(mode="gemv", block_n=16, block_k=512),
+               dict(mode="mm", block_n=16, block_k=128), dict(mode="mm", block_n=32, block_k=64)]
+else:
+    D, I, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
+    SHAPES = ((8, 2), (16, 6))
+    GU_CFGS = [None, dict(mode="gemv", block_n=16, block_k=32), dict(mode="mm", block_n=16, block_k=32)]
+    DN_CFGS = [None, dict(mode="gemv", block_n=16, block_k=32), dict(mode="mm", block_n=16, block_k=32)]
+VOCAB, LIMIT = 1024, 10.0
+
+
+def report(name: str, ok: bool, detail: str) -> None:
+    print(f"  [{'ok' if ok else 'FAIL':<4}] {name}: {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    d = (got.float() - want.float()).abs().max().item()
+    return d, d / max(want.float().abs().max().item(), 1e-30)
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    d, r = rel_diff(got, want)
+    report(name, r <= tol and torch.isfinite(got).all().item(), f"max abs {d:.3g}, rel {r:.3g} (tol {tol})")
+
+
+def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(DT)
+
+    sd = {"gate.weight": rnd(E, D, scale=D**-0.5),
+          "gate.e_score_correction_bias": 0.5 * torch.randn(E, generator=g, device=DEV),
+          "experts.gate_up_proj": rnd(E, 2 * I, D, scale=D**-0.5),
+          "experts.down_proj": rnd(E, D, I, scale=I**-0.5),
+          "shared_experts.gate_proj.weight": rnd(I, D, scale=D**-0.5),
+          "shared_experts.up_proj.weight": rnd(I, D, scale=D**-0.5),
+          "shared_experts.down_proj.weight": rnd(D, I, scale=I**-0.5)}
+    if is_hash:
+        sd["gate.tid2eid"] = torch.randint(0, E, (VOCAB, K), generator=g, device=DEV)
+    cfg = SimpleNamespace(num_experts_per_tok=K, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+                          swiglu_limit=LIMIT, hidden_act="silu")
+    return MoE(sd, "", cfg, is_hash)
+
+
+def same_routing(idx: torch.Tensor, eidx: torch.Tensor) -> torch.Tensor:
+    """Per row: the same set of routed experts (engine top-k is unsorted)."""
+    K = eidx.shape[1]
+    return (idx[:, :K].long().sort(-1).values == eidx.long().sort(-1).values).all(-1)
+
+
+def correctness(moe: MoE, hash_moe: MoE | None, T: int, tag: str) -> None:
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    old = StaticModel(None, fused=True)
+    for scale, what in ((1.0, "unit x"), (8.0, "x*8, clamps active")):
+        x = (scale * torch.randn(T, D, generator=gen, device=DEV)).to(DT)
+        ids = torch.randint(0, VOCAB, (T,), generator=gen, device=DEV)
+        logits = F.linear(x, moe.router)
+        idx, w = step_moe.route(moe, logits, ids, backend="triton")
+        ridx, rw = step_moe.route_reference(moe, logits, ids)
+        d, _ = rel_diff(w, rw)
+        report(f"{tag} route ({what})", torch.equal(idx, ridx) and d < 1e-5, f"indices equal, w max abs {d:.2g}")
+        h = step_moe.gate_up(moe, x, idx, backend="triton")
+        check(f"{tag} gate_up vs reference ({what})", h, step_moe.gate_up_reference(moe, x, idx), TOL_REF)
+        y = step_moe.moe_forward(moe, x, ids, backend="triton")
+        check(f"{tag} moe_forward vs reference ({what})", y, step_moe.moe_forward_reference(moe, x, ids), TOL_REF)
+        eidx, _ = moe.route(x, ids)
+        agree = same_routing(idx, eidx)
+        report(f"{tag} routing == engine top-k ({what})", bool(agree.all()), f"{int(agree.sum())}/{T} rows")
+        check(f"{tag} moe_forward vs StaticModel.moe ({what})", y, old.moe(moe, x, ids), TOL_ENGINE)
+        check(f"{tag} moe_forward vs engine MoE.__call__ ({what})", y, moe(x, ids), TOL_ENGINE)
+    if hash_moe is not None:
+        x = torch.randn(T, D, generator=gen, device=DEV).to(DT)
+        ids = torch.randint(0, VOCAB, (T,), generator=gen, device=DEV)
+        y = step_moe.moe_forward(hash_moe, x, ids, backend="triton")
+        check(f"{tag} hash layer vs engine MoE.__call__", y, hash_moe(x, ids), TOL_ENGINE)
+
+
+def timed(fn, replays: int) -> float:
+    """us per call: CUDA-graph captured and replayed on CUDA (median of event-timed replays), eager on the CPU."""
+    if not CUDA:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def count_kernels(fn) -> int | None:
+    if not CUDA:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
+def weight_bytes(moe: MoE, idx: torch.Tensor) -> int:
+    """Bytes one layer must read: distinct picked routed experts (gate_up + down), shared expert, router."""
+    p = step_moe.prepare(moe)
+    routed = torch.unique(idx[:, :-1]).numel()
+    per = p.gate_up[0].numel() + p.down[0].numel()
+    shared = sum(w.numel() for w in p.shared)
+    return (routed * per + shared) * p.gate_up.element_size() + moe.router.numel() * moe.router.element_size()
+
+
+def label(cfg) -> str:
+    if cfg is None:
+        return "auto"
+    return ",".join(str(v) if k == "mode" else f"{k[6:] if k.startswith('block_') else k}={v}"
+                    for k, v in cfg.items())
+
+
+def main() -> int:
+    print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu (TRITON_INTERPRET=1)'}, torch {torch.__version__}"
+          f", hidden {D}, I {I}, {str(DT).replace('torch.', '')}, {LAYERS} layer(s) per timed graph", flush=True)
+    rows = []
+    for E, K in SHAPES:
+        moes = [make_moe(E, K, seed=10 * E + i) for i in range(LAYERS)]
+        hash_moe = make_moe(E, K, seed=999, is_hash=True) if E == 8 else None
+        old = StaticModel(None, fused=True)
+        for T in TS:
+            tag = f"E{E} top{K} T{T}"
+            t0 = time.time()
+            correctness(moes[0], hash_moe, T, tag)
+            gen = torch.Generator(device=DEV).manual_seed(1000 + T)
+            x = torch.randn(T, D, generator=gen, device=DEV).to(DT)
+            ids = torch.randint(0, VOCAB, (T,), generator=gen, device=DEV)
+            idxs = [step_moe.route(m, F.linear(x, m.router), ids)[0] for m in moes]
+            hs = [step_moe.gate_up(m, x, i) for m, i in zip(moes, idxs)]
+            ws = [step_moe.route(m, F.linear(x, m.router), ids)[1] for m in moes]
+            gu_t = {label(c): timed(lambda c=c: [step_moe.gate_up(m, x, i, backend="triton", **(c or {}))
+                                                 for m, i in zip(moes, idxs)], ARGS.replays) / LAYERS
+                    for c in GU_CFGS}
+            dn_t = {label(c): timed(lambda c=c: [step_moe.down(m, h, i, w, backend="triton", **(c or {}))
+                                                 for m, h, i, w in zip(moes, hs, idxs, ws)], ARGS.replays) / LAYERS
+                    for c in DN_CFGS}
+            gu_best = min(GU_CFGS, key=lambda c: gu_t[label(c)])
+            dn_best = min(DN_CFGS, key=lambda c: dn_t[label(c)])
+            print(f"  {tag} gate_up us: " + ", ".join(f"{k} {v:.1f}" for k, v in gu_t.items())
+                  + f" -> best {label(gu_best)}", flush=True)
+            print(f"  {tag} down    us: " + ", ".join(f"{k} {v:.1f}" for k, v in dn_t.items())
+                  + f" -> best {label(dn_best)}", flush=True)
+
+            def new_one(m):
+                return step_moe.moe_forward(m, x, ids, backend="triton", gate_up_cfg=gu_best, down_cfg=dn_best)
+
+            y_best = new_one(moes[0])
+            check(f"{tag} best config vs reference", y_best, step_moe.moe_forward_reference(moes[0], x, ids), TOL_REF)
+            old_us = timed(lambda: [old.moe(m, x, ids) for m in moes], ARGS.replays) / LAYERS
+            new_us = timed(lambda: [new_one(m) for m in moes], ARGS.replays) / LAYERS
+            default_us = timed(lambda: [step_moe.moe_forward(m, x, ids, backend="triton") for m in moes],
+                               ARGS.replays) / LAYERS
+            k_old = count_kernels(lambda: old.moe(moes[0], x, ids))
+            k_new = count_kernels(lambda: new_one(moes[0]))
+            nbytes = statistics.mean(weight_bytes(m, i) for m, i in zip(moes, idxs))
+            rows.append((f"E{E} top{K}+1 T={T}", old_us, k_old, new_us, default_us, k_new, nbytes,
+                         f"{label(gu_best)} | {label(dn_best)}"))
+            print(f"  ({time.time() - t0:.1f} s)", flush=True)
+
+    print("\nshape                old us  kernels  new us (best cfg)  new us (auto cfg)   kernels  ratio  "
+          "weights MB  new TB/s  old TB/s  best gate_up | down config")
+    for name, o, ko, n, nd, kn, nb, cfg in rows:
+        print(f"{name:<20} {o:7.1f}  {str(ko):>7}  {n:16.1f}  {nd:18.1f}  {str(kn):>7}  {o / n:5.2f}  "
+              f"{nb / 1e6:10.1f}  {nb / n / 1e6:8.2f}  {nb / o / 1e6:8.2f}  {cfg}")
+    if FAILED:
+        print(f"\nFAILED checks ({len(FAILED)}): " + "; ".join(FAILED))
+        return 1
+    print("\nall checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
