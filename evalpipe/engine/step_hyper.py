@@ -26,11 +26,13 @@ How to call it from StaticModel (replaces the body of `forward` between the embe
     return F.linear(h, m.lm_head).float()
 
 Per-object preparation (contiguous fp32 fn/base/scale, mix count) is cached in `_PREP` keyed by id(obj) on first
-use (the object is kept alive there so its id cannot be reused); nothing is prepared per step. The partials'
+use (dropped when the object is collected); nothing is prepared per step. The partials'
 blocking depends only on D and T (`mix_block`), so the reference and the Triton kernel produce comparable partials.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -80,11 +82,17 @@ _PREP: dict[int, tuple] = {}
 
 
 def _prep(obj) -> tuple:
-    """(obj, fn [M, hc*D] fp32 contiguous, base fp32, scale fp32, M) for a HyperConnection or HyperHead."""
+    """(obj, fn [M, hc*D] fp32 contiguous, base fp32, scale fp32, M) for a HyperConnection or HyperHead. The entry
+    goes when obj is collected (a dropped model frees its weights); objects without weak references are pinned
+    by their entry, so their id cannot be reused."""
     key = id(obj)
     if key not in _PREP:
-        _PREP[key] = (obj, obj.fn.float().contiguous(), obj.base.float().contiguous(),
+        _PREP[key] = (None, obj.fn.float().contiguous(), obj.base.float().contiguous(),
                       obj.scale.float().reshape(-1).contiguous(), obj.fn.shape[0])
+        try:
+            weakref.finalize(obj, _PREP.pop, key, None)
+        except TypeError:
+            _PREP[key] = (obj,) + _PREP[key][1:]
     return _PREP[key]
 
 

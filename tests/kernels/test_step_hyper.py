@@ -195,3 +195,16 @@ def test_two_layer_chain_matches_engine(tiny_model, backend):
         close(s_new, s_eng, 1e-5, f"streams after block {i}")
     got = step_hyper.hc_head_norm(s_new, parts, m.head, m.norm, eps, backend=backend)
     close(got, primitives.rms_norm(m.head(s_eng), m.norm, eps), 1e-5, "head")
+
+
+def test_prepared_weights_go_with_their_object():
+    """The per-object cache keeps no dropped model's weights alive."""
+    import gc
+
+    conn = make_conn(torch.Generator().manual_seed(7), config())
+    step_hyper.hc_mix(torch.randn(1, HC, D), conn)
+    key = id(conn)
+    assert key in step_hyper._PREP
+    del conn
+    gc.collect()
+    assert key not in step_hyper._PREP
