@@ -33,7 +33,7 @@ TOL_ENGINE = 3e-2
 def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--replays", type=int, default=60)
     ap.add_argument("--layers", type=int, default=4, help="MoE objects per timed graph (distinct weights)")
     return ap.parse_args()
 
@@ -55,15 +55,18 @@ CUDA = DEV.type == "cuda"
 if CUDA:
     D, I, DT, TS, LAYERS = 4096, 2048, torch.bfloat16, (1, 6, 32), ARGS.layers
     SHAPES = ((8, 2), (16, 6))
-    GU_CFGS = [None, dict(mode="gemv", block_n=8, block_k=512), dict(mode="gemv", block_n=16, block_k=256),
-               dict(mode="mm", block_n=32, block_k=128), dict(mode="mm", block_n=64, block_k=64, num_warps=8)]
-    DN_CFGS = [None, dict(mode="gemv", block_n=8, block_k=256), dict(mode="gemv", block_n=16, block_k=512),
-               dict(mode="mm", block_n=16, block_k=128), dict(mode="mm", block_n=32, block_k=64)]
+    # candidates besides the module's own choice (None): variants of the kernel shape it picks at that T
+    GU_CFGS = {"gemv": [dict(mode="gemv", block_n=16, block_k=256), dict(mode="gemv", block_n=16, block_k=1024)],
+               "mm": [dict(mode="mm", block_n=32, block_k=256, num_stages=3),
+                      dict(mode="mm", block_n=64, block_k=128, num_warps=8)]}
+    DN_CFGS = {"gemv": [dict(mode="gemv", block_n=16, block_k=512), dict(mode="gemv", block_n=4, block_k=512)],
+               "mm": [dict(mode="mm", block_n=16, block_k=256), dict(mode="mm", block_n=16, block_k=512,
+                                                                      num_stages=2)]}
 else:
     D, I, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
     SHAPES = ((8, 2), (16, 6))
-    GU_CFGS = [None, dict(mode="gemv", block_n=16, block_k=32), dict(mode="mm", block_n=16, block_k=32)]
-    DN_CFGS = [None, dict(mode="gemv", block_n=16, block_k=32), dict(mode="mm", block_n=16, block_k=32)]
+    GU_CFGS = {m: [dict(mode=m, block_n=16, block_k=32)] for m in ("gemv", "mm")}
+    DN_CFGS = GU_CFGS
 VOCAB, LIMIT = 1024, 10.0
 
 
@@ -165,7 +168,7 @@ def timed(fn, replays: int) -> float:
     return statistics.median(times)
 
 
-def count_kernels(fn) -> int | None:
+def count_kernels(fn, show: str | None = None) -> int | None:
     if not CUDA:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -175,8 +178,11 @@ def count_kernels(fn) -> int | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+             and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    if show:
+        print(f"  {show}: " + ", ".join(n[:50] for n in names), flush=True)
+    return len(names)
 
 
 def weight_bytes(moe: MoE, idx: torch.Tensor) -> int:
@@ -213,14 +219,16 @@ def main() -> int:
             idxs = [step_moe.route(m, F.linear(x, m.router), ids)[0] for m in moes]
             hs = [step_moe.gate_up(m, x, i) for m, i in zip(moes, idxs)]
             ws = [step_moe.route(m, F.linear(x, m.router), ids)[1] for m in moes]
+            gu_cfgs = [None] + GU_CFGS[step_moe._mode("auto", "gate_up", T)]
+            dn_cfgs = [None] + DN_CFGS[step_moe._mode("auto", "down", T)]
             gu_t = {label(c): timed(lambda c=c: [step_moe.gate_up(m, x, i, backend="triton", **(c or {}))
                                                  for m, i in zip(moes, idxs)], ARGS.replays) / LAYERS
-                    for c in GU_CFGS}
+                    for c in gu_cfgs}
             dn_t = {label(c): timed(lambda c=c: [step_moe.down(m, h, i, w, backend="triton", **(c or {}))
                                                  for m, h, i, w in zip(moes, hs, idxs, ws)], ARGS.replays) / LAYERS
-                    for c in DN_CFGS}
-            gu_best = min(GU_CFGS, key=lambda c: gu_t[label(c)])
-            dn_best = min(DN_CFGS, key=lambda c: dn_t[label(c)])
+                    for c in dn_cfgs}
+            gu_best = min(gu_cfgs, key=lambda c: gu_t[label(c)])
+            dn_best = min(dn_cfgs, key=lambda c: dn_t[label(c)])
             print(f"  {tag} gate_up us: " + ", ".join(f"{k} {v:.1f}" for k, v in gu_t.items())
                   + f" -> best {label(gu_best)}", flush=True)
             print(f"  {tag} down    us: " + ", ".join(f"{k} {v:.1f}" for k, v in dn_t.items())
@@ -236,7 +244,7 @@ def main() -> int:
             default_us = timed(lambda: [step_moe.moe_forward(m, x, ids, backend="triton") for m in moes],
                                ARGS.replays) / LAYERS
             k_old = count_kernels(lambda: old.moe(moes[0], x, ids))
-            k_new = count_kernels(lambda: new_one(moes[0]))
+            k_new = count_kernels(lambda: new_one(moes[0]), show=f"{tag} new path kernels" if E == 8 else None)
             nbytes = statistics.mean(weight_bytes(m, i) for m, i in zip(moes, idxs))
             rows.append((f"E{E} top{K}+1 T={T}", old_us, k_old, new_us, default_us, k_new, nbytes,
                          f"{label(gu_best)} | {label(dn_best)}"))
