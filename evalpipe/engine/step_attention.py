@@ -253,40 +253,45 @@ def _sm_count(device: torch.device) -> int:
     return 2  # interpreter: few programs, but still a split path at small T
 
 
-def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, splits: int | None = None) -> dict:
-    """Launch shape from static sizes only (capture-safe): key chunks of BLOCK_N, and enough splits of the key axis
-    that T * head_blocks * splits programs fill the GPU about twice (every split non-empty)."""
-    block_n = 16 if D > 256 else 32
-    block_h = max(16, min(32, triton.next_power_of_2(H)))
+def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, *, splits: int | None = None,
+         block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None, min_keys: int | None = None) -> dict:
+    """Launch shape from static sizes only (capture-safe). Each program is latency-bound (an index load, a dependent
+    gather and two small dots per key chunk), so the rule is: chunks of 64 keys, at most one wave of programs, each
+    taking >= `min_keys` keys (a split writes an fp32 [H, D] partial). Heads go in blocks of 32 when T rows x key
+    splits already fill the SMs (keys read once per row), else in blocks of 16 (twice the programs). Every split is
+    non-empty. From an H200 sweep (32 x 512 heads, bf16; benchmarks/step_attention_gpu.py --sweep): 64-key chunks
+    and 8 warps won at every shape; 16-head blocks at T=1 and for sliding-only layers, 32-head blocks with 4 splits
+    at T=32 (CSA, HCA). Keyword overrides are for that sweep."""
+    sms = _sm_count(device)
+    keys = window + K
+    block_n = block_n or (64 if D > 128 else 32)
+    block_h = block_h or (32 if T * triton.cdiv(keys, 128) >= sms else 16)
+    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
     w_chunks = triton.cdiv(window, block_n)
     total = w_chunks + triton.cdiv(K, block_n)
     if splits is None:
-        splits = triton.cdiv(2 * _sm_count(device), T * head_blocks)
+        min_keys = min_keys or (128 if block_h >= 32 else 64)
+        splits = min(keys // min_keys, sms // (T * head_blocks))
     splits = max(1, min(int(splits), total))
     per_split = triton.cdiv(total, splits)
     splits = triton.cdiv(total, per_split)
     return dict(BLOCK_N=block_n, BLOCK_H=block_h, head_blocks=head_blocks, W_CHUNKS=w_chunks, total=total,
-                splits=splits, per_split=per_split, num_warps=4 if D <= 128 else 8, num_stages=2)
+                splits=splits, per_split=per_split, num_warps=num_warps or (4 if D <= 128 else 8),
+                num_stages=num_stages or 2)
 
 
 def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale,
-            splits: int | None = None, cfg: dict | None = None) -> torch.Tensor:
+            splits: int | None = None, **overrides) -> torch.Tensor:
     T, H, D = q.shape
     has_ent = _has_entries(entries, entry_rows)
     K = entry_rows.shape[1] if has_ent else 0
     if q.stride(2) != 1:
         q = q.contiguous()
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
-    cfgp = plan(T, H, D, window, K, q.device, splits)
-    if cfg:
-        cfgp.update(cfg)
-        cfgp["head_blocks"] = triton.cdiv(H, cfgp["BLOCK_H"])
-        cfgp["W_CHUNKS"] = triton.cdiv(window, cfgp["BLOCK_N"])
-        cfgp["total"] = cfgp["W_CHUNKS"] + triton.cdiv(K, cfgp["BLOCK_N"])
-        cfgp["per_split"] = triton.cdiv(cfgp["total"], min(cfgp["splits"], cfgp["total"]))
-        cfgp["splits"] = triton.cdiv(cfgp["total"], cfgp["per_split"])
-    S = cfgp["splits"]
+    cfg = plan(T, H, D, window, K, q.device, splits=splits, **overrides)
+    S = cfg["splits"]
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     if has_ent:
         ent, rows = entries, entry_rows
@@ -299,15 +304,15 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
     else:
         po = pm = pl = out
     k = _kernels()
-    k["_step_attention_kernel"][(T, S, cfgp["head_blocks"])](
+    k["_step_attention_kernel"][(T, S, cfg["head_blocks"])](
         q, kv, window_ring, ent, rows, pos, slot, sinks,
         out, po, pm, pl,
-        H, n, ring_size, window, K, float(scale), cfgp["per_split"], cfgp["total"],
+        H, n, ring_size, window, K, float(scale), cfg["per_split"], cfg["total"],
         q.stride(0), q.stride(1), kv.stride(0), window_ring.stride(0), ent.stride(0), rows.stride(0),
         rows.stride(1),
-        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=cfgp["BLOCK_H"], BLOCK_N=cfgp["BLOCK_N"],
-        W_CHUNKS=cfgp["W_CHUNKS"], HAS_ENT=has_ent, SPLIT=S > 1, IEEE=q.dtype == torch.float32,
-        num_warps=cfgp["num_warps"], num_stages=cfgp["num_stages"])
+        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        W_CHUNKS=cfg["W_CHUNKS"], HAS_ENT=has_ent, SPLIT=S > 1, IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
         k["_step_attention_combine_kernel"][(T, H)](po, pm, pl, out, H, S, D=D,
                                                      S_PAD=triton.next_power_of_2(S),
