@@ -11,11 +11,11 @@ How to call it from StaticModel (replaces the whole body of `StaticModel.moe`)::
     from evalpipe.engine.step_moe import moe_forward
     return moe_forward(moe, x, input_ids, backend=self.backend)
 
-Per-layer preparation is automatic and one-off: the first call for a MoE object caches (keyed by id(moe), holding
-the object so the id is never reused) contiguous views of its weights and its kernel flags. Nothing is copied: the
-kernels pick the shared expert's weights (moe.shared[0..2]) by pointer when a pick's index is E, instead of
-concatenating [E+1, 2I, D] / [E+1, D, I] tensors -- that concatenation would duplicate every routed expert's
-weights in GPU memory.
+Per-layer preparation is automatic and one-off: the first call for a MoE object caches (keyed by the object's
+identity, weakly, so the entry goes with the object) contiguous views of its weights and its kernel flags. Nothing
+is copied: the kernels pick the shared expert's weights (moe.shared[0..2]) by pointer when a pick's index is E,
+instead of concatenating [E+1, 2I, D] / [E+1, D, I] tensors -- that concatenation would duplicate every routed
+expert's weights in GPU memory.
 
 Math (= engine `MoE.__call__`):
 - scores = scoring_func(logits), computed in fp32 and rounded to the logits' dtype after each op where the engine's
@@ -45,6 +45,8 @@ Kernels are built on first use, so a test that sets TRITON_INTERPRET=1 runs them
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -303,7 +305,6 @@ class _Prepared:
     """What the kernels need from one engine MoE object, computed once."""
 
     def __init__(self, moe):
-        self.moe = moe  # held so id(moe) cannot be reused by another object while cached
         self.gate_up = moe.gate_up.contiguous()
         self.down = moe.down.contiguous()
         self.shared = [w.contiguous() for w in moe.shared]
@@ -323,13 +324,16 @@ class _Prepared:
                           and len({self.gate_up.dtype, self.down.dtype, sg.dtype, su.dtype, sd.dtype}) == 1)
 
 
-_PREPARED: dict[int, _Prepared] = {}
+# keyed by the MoE object's identity (MoE defines no __eq__/__hash__), weakly: an entry goes with its object, so a
+# dropped model frees its entries and a new object that reuses a freed id never meets a stale one
+_PREPARED: "weakref.WeakKeyDictionary[object, _Prepared]" = weakref.WeakKeyDictionary()
 
 
 def prepare(moe) -> _Prepared:
-    p = _PREPARED.get(id(moe))
-    if p is None or p.moe is not moe:
-        p = _PREPARED[id(moe)] = _Prepared(moe)
+    """The kernels' view of `moe`, built on its first call and cached for the object's lifetime."""
+    p = _PREPARED.get(moe)
+    if p is None:
+        p = _PREPARED[moe] = _Prepared(moe)
     return p
 
 

@@ -3,6 +3,7 @@ small shapes) against the module's references and against the engine's own `MoE`
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -160,7 +161,13 @@ def test_dispatch_and_guards():
     ids = torch.zeros(3, dtype=torch.long)
     ref = step_moe.moe_forward(moe, x, ids, backend="reference")
     torch.testing.assert_close(step_moe.moe_forward(moe, x, ids), ref)  # auto on CPU tensors: the reference
-    assert step_moe.prepare(moe) is step_moe.prepare(moe)  # prepared once per object
+    assert step_moe.prepare(moe) is step_moe.prepare(moe)  # prepared once per object ...
+    dropped = make_moe(seed=10)
+    step_moe.prepare(dropped)
+    n = len(step_moe._PREPARED)
+    del dropped
+    gc.collect()
+    assert len(step_moe._PREPARED) == n - 1  # ... and the entry goes with its object
     gelu = make_moe(seed=9, act="gelu")
     with pytest.raises(ValueError):
         step_moe.moe_forward(gelu, x, ids, backend="triton")
