@@ -48,10 +48,17 @@ from evalpipe.engine.tokenizer import load_tokenizer
 
 # ---- model -------------------------------------------------------------------------------------------------------
 
-def bench_config(smoke: bool) -> dict:
+CONFIGS = ("v4-top2", "v4-top6")
+
+
+def bench_config(smoke: bool, name: str = "v4-top2") -> dict:
     """DeepSeek-V4 shaped: V4-Flash's attention geometry (hidden 4096, 512-dim shared-KV heads, q/o low rank, mHC x4,
     CSA ratio 4 with a 512-wide indexer top-k, ratio-2 heavily-compressed layers so the C2 verify kernel is on the
-    hot path, hash-MoE first layers), cut to 6 layers and 8 experts so the whole model is ~2 B parameters."""
+    hot path, hash-MoE first layers), cut to 6 layers. `v4-top2`: 8 routed experts, 2 per token (~2.1 B parameters,
+    the first config measured); `v4-top6`: 12 routed experts, 6 per token plus the shared one -- V4's routing width
+    (6 routed + 1 shared per token), so a step reads ~1.3x more weight bytes (~2.7 B parameters)."""
+    if name not in CONFIGS:
+        raise ValueError(f"config must be one of {CONFIGS}, got {name!r}")
     cfg = json.loads(Path(TINY_CONFIG_PATH).read_text())
     if smoke:
         cfg.update(max_position_embeddings=2048)
@@ -67,6 +74,8 @@ def bench_config(smoke: bool) -> dict:
         index_n_heads=32, index_head_dim=128, index_topk=512, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, moe_intermediate_size=2048, max_position_embeddings=8192,
     )
+    if name == "v4-top6":
+        cfg.update(n_routed_experts=12, num_experts_per_tok=6)
     cfg["rope_parameters"] = dict(cfg["rope_parameters"], original_max_position_embeddings=512)
     return cfg
 
@@ -272,6 +281,8 @@ def hf_generate_arm(model_dir: str, prompt: list[int], device: str, dtype, new_t
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="small config, few tokens (script check)")
+    ap.add_argument("--config", default="v4-top2", choices=CONFIGS,
+                    help="model shape: v4-top2 (8 experts, 2 per token) or v4-top6 (12 experts, 6 per token)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_serving.json")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds per arm (default 6; smoke 2)")
@@ -292,7 +303,7 @@ def main() -> int:
     block, sim = 5, 5.5
     torch.manual_seed(0)
     report: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-                    "torch": torch.__version__, "smoke": smoke, "argv": sys.argv}
+                    "torch": torch.__version__, "smoke": smoke, "config": args.config, "argv": sys.argv}
     import transformers
     import triton
 
@@ -306,7 +317,7 @@ def main() -> int:
 
     from evalpipe.engine.weights import save_checkpoint
 
-    config = load_config(bench_config(smoke))
+    config = load_config(bench_config(smoke, args.config))
     tmp = Path(tempfile.mkdtemp(prefix="gpu_serving_"))
     model_dir = tmp / "model"
     t0 = time.perf_counter()
@@ -325,7 +336,7 @@ def main() -> int:
         report["arms"] = {"transformers generate": hf}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_serving_hf.json").write_text(json.dumps(report, indent=2, default=str))
+        (out / f"gpu_serving_hf_{args.config}.json").write_text(json.dumps(report, indent=2, default=str))
         med = statistics.median(hf["rounds"])
         print(f"transformers generate: median {med:.2f} tok/s, rounds {[round(r, 2) for r in hf['rounds']]} "
               f"({hf_tokens} new tokens per round after a {input_len}-token prompt); kernels for 3 new tokens "
@@ -414,7 +425,7 @@ def main() -> int:
                           "block_size": block, "simulate_acc_len": sim, "batch": 1, "temperature": 0}
 
     # ---- table ----
-    lines = [f"GPU: {report['device']}; model: DeepSeek-V4-shaped, {params / 1e9:.2f} B parameters "
+    lines = [f"GPU: {report['device']}; model: DeepSeek-V4-shaped ({args.config}), {params / 1e9:.2f} B parameters "
              f"({active / 1e9:.2f} GB active bf16 weights per forward); copy bandwidth {bw / 1e12:.2f} TB/s "
              f"-> weight-read limit {bw / active:.0f} forwards/s",
              "| arm | median decode tok/s | rounds (tok/s) | accept length | kernels per cycle | weight BW share |",
@@ -445,7 +456,7 @@ def main() -> int:
     report["table"] = lines
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_serving.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / f"gpu_serving_{args.config}.json").write_text(json.dumps(report, indent=2, default=str))
     print("\n".join(lines), flush=True)
     return 0
 

@@ -30,7 +30,6 @@ changes nothing else in the captured step, so fusion can be A/B'd in one build.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import torch
@@ -92,13 +91,13 @@ class StaticBatch(RowRope):
         probe = dataclasses.replace(group, memo={}, host_starts=[pools.max_seq_len - n])
         for ratio in consts["ratios"]:
             group.memo[("entries", ratio)] = entry_index(probe, pools, ratio)
-        self._flat_rows = rows.reshape(-1)
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.groups[0].n > ring_size:
             raise ValueError(f"static step of {self.groups[0].n} rows exceeds ring size {ring_size}")
         if ring_size not in self._ring_writes:
-            self._ring_writes[ring_size] = (self._flat_rows, self.slot * ring_size + self.pos % ring_size)
+            # every row is stored (n <= ring size): the values are taken whole, no gather
+            self._ring_writes[ring_size] = (slice(None), self.slot * ring_size + self.pos % ring_size)
         return self._ring_writes[ring_size]
 
 
@@ -117,7 +116,6 @@ class StaticModel:
     def __init__(self, model, *, fused: bool, kernel_backend: str = "auto"):
         self.model, self.fused, self.backend = model, fused, kernel_backend
         self._ropes: dict[int, _Rope] = {}
-        self._shared_gu = {}
 
     def _rope(self, table) -> _Rope:
         key = id(table)
@@ -126,18 +124,25 @@ class StaticModel:
         return self._ropes[key]
 
     def forward(self, batch: StaticBatch, pools) -> torch.Tensor:
-        m = self.model
+        """Embedding -> [mHC, attention, mHC, MoE] x L -> hyper head -> norm -> lm_head. Each block boundary is two
+        kernels (`step_hyper`: the merge that ends a block also computes the next hyper-connection's mixing
+        partials; the next block starts by reducing them, Sinkhorn, collapse and its input RMSNorm)."""
+        from evalpipe.engine import step_hyper
+
+        m, b = self.model, self.backend
         eps = m.config.rms_norm_eps
         x = F.embedding(batch.input_ids, m.embed)
         streams = x.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()
-        for layer, pool in zip(m.layers, pools.layers):
-            post, comb, h = graph_ops.hc_pre(layer.attn_hc, streams)
-            a = self.attention(layer.attn, graph_ops.rms_norm(h, layer.attn_norm, eps), batch, pool)
-            streams = graph_ops.hc_merge(streams, a, post, comb)
-            post, comb, h = graph_ops.hc_pre(layer.ffn_hc, streams)
-            y = self.moe(layer.mlp, graph_ops.rms_norm(h, layer.mlp_norm, eps), batch.input_ids)
-            streams = graph_ops.hc_merge(streams, y, post, comb)
-        h = graph_ops.rms_norm(m.head(streams), m.norm, eps)
+        parts = step_hyper.hc_mix(streams, m.layers[0].attn_hc, backend=b)
+        for i, (layer, pool) in enumerate(zip(m.layers, pools.layers)):
+            post, comb, h = step_hyper.hc_pre_norm(streams, parts, layer.attn_hc, layer.attn_norm, eps, backend=b)
+            a = self.attention(layer.attn, h, batch, pool)
+            streams, parts = step_hyper.hc_merge_mix(streams, a, post, comb, layer.ffn_hc, backend=b)
+            post, comb, h = step_hyper.hc_pre_norm(streams, parts, layer.ffn_hc, layer.mlp_norm, eps, backend=b)
+            y = self.moe(layer.mlp, h, batch.input_ids)
+            nxt = m.layers[i + 1].attn_hc if i + 1 < len(m.layers) else m.head
+            streams, parts = step_hyper.hc_merge_mix(streams, y, post, comb, nxt, backend=b)
+        h = step_hyper.hc_head_norm(streams, parts, m.head, m.norm, eps, backend=b)
         return F.linear(h, m.lm_head).float()
 
     def _rotate(self, x: torch.Tensor, table, batch: StaticBatch, inverse: bool = False) -> torch.Tensor:
@@ -157,34 +162,52 @@ class StaticModel:
         return out if x.dim() == 3 else out.squeeze(1)
 
     def attention(self, attn, x: torch.Tensor, batch: StaticBatch, pool) -> torch.Tensor:
-        """`engine.attention.Attention.__call__` for one fixed-shape group (its `_attend`, compressors and indexer),
-        with one-kernel RMSNorms; the fusion sites -- RoPE of q and of the K=V head, the inverse RoPE of the output,
-        the ratio-2 compressor -- go through `evalpipe.kernels` (fused) or the engine's reference chains."""
+        """`engine.attention.Attention.__call__` for one fixed-shape group in few launches: one GEMM for every
+        projection of x and one for both projections of q_residual (as the eager layer), q/kv norms in one kernel,
+        the indexer's scores in one kernel, the attention core (window ring + this forward's rows + compressed
+        entries + sink) in one kernel. The fusion sites -- RoPE of q and of the K=V head, the inverse RoPE of the
+        output, the ratio-2 compressor -- go through `evalpipe.kernels` (fused) or the engine's reference chains."""
+        from evalpipe.engine import step_attention, step_attn_inputs
+
         T = x.shape[0]
-        q_residual = graph_ops.rms_norm(F.linear(x, attn.q_a), attn.q_a_norm, attn.eps)
-        q = graph_ops.rms_norm(F.linear(q_residual, attn.q_b).view(T, attn.heads, attn.head_dim), None, attn.eps)
-        kv = graph_ops.rms_norm(F.linear(x, attn.kv_proj), attn.kv_norm, attn.eps)
-        qkv = self._rotate(torch.cat([q, kv.unsqueeze(1)], dim=1), attn.rope, batch)
-        q, kv = qkv[:, : attn.heads], qkv[:, attn.heads]
+        H, D = attn.heads, attn.head_dim
+        group = batch.groups[0]
+        projected = F.linear(x, attn.w_in).split(attn.in_splits, dim=-1)
+        q_residual = graph_ops.rms_norm(projected[0], attn.q_a_norm, attn.eps, backend=self.backend)
+        qb = F.linear(q_residual, attn.w_qb)
+        qkv = step_attn_inputs.qkv_norm(qb[:, : H * D], projected[1], attn.kv_norm, H, attn.eps,
+                                        backend=self.backend)
+        qkv = self._rotate(qkv, attn.rope, batch)
+        q, kv = qkv[:, :H], qkv[:, H]
 
-        comp_proj = idx_proj = idx_q = None
+        entries = entry_rows = None
         if attn.compressor is not None:
-            comp_proj = attn.compressor.project(x)
-            self.compress(attn.compressor, comp_proj, batch, pool.compressor)
-        if attn.indexer is not None:
-            idx_proj = attn.indexer.compressor.project(x)
-            self.compress(attn.indexer.compressor, idx_proj, batch, pool.indexer)
-            if len(inspect.signature(attn.indexer.queries).parameters) == 3:  # (x, q_residual, pos)
-                idx_q = attn.indexer.queries(x, q_residual, batch.pos)
-            else:  # (x, q_residual, cos, sin)
-                idx_q = attn.indexer.queries(x, q_residual, *batch.rope(attn.indexer.rope)[:2])
+            self.compress(attn.compressor, projected[2], batch, pool.compressor)
+            entries = pool.compressor.entries
+            rows = entry_index(group, batch.pools, attn.ratio)[0]  # [B, E] pool rows of entries 0..E-1
+            if attn.indexer is None:  # HCA: every causally visible entry (per step and ratio, shared by layers)
+                key = ("hca_rows", attn.ratio)
+                if key not in group.memo:
+                    group.memo[key] = step_attention.hca_entry_rows(rows, batch.pos, group.n, attn.ratio)
+                entry_rows = group.memo[key]
+            else:  # CSA: the indexer's top-k
+                idx = attn.indexer
+                self.compress(idx.compressor, projected[3], batch, pool.indexer)
+                iq = self._rotate(qb[:, H * D:].view(T, idx.heads, idx.dim), idx.rope, batch)
+                scores = step_attn_inputs.indexer_scores(iq, projected[4], pool.indexer.entries, rows, batch.pos,
+                                                         group.n, attn.ratio, idx.dim ** -0.5, idx.heads ** -0.5,
+                                                         backend=self.backend)
+                entry_rows = self.csa_rows(attn, scores, rows, batch)
 
-        out = attn._attend(q, kv, batch.groups[0], batch, pool, idx_q).reshape(T, attn.heads, attn.head_dim)
+        out = step_attention.fused_attention(q, kv, pool.window, batch.pools.window_ring, attn.window, batch.pos,
+                                             batch.slot, group.n, entries, entry_rows, attn.sinks,
+                                             attn.head_dim ** -0.5, backend=self.backend)
+        # rings last: the reads above must see the pre-forward history
         attn._store_ring(pool.window, kv, batch, batch.pools.window_ring)
-        if comp_proj is not None:
-            attn._store_ring(pool.compressor.ring, comp_proj, batch, pool.compressor.ring_size)
-        if idx_proj is not None:
-            attn._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
+        if attn.compressor is not None:
+            attn._store_ring(pool.compressor.ring, projected[2], batch, pool.compressor.ring_size)
+        if attn.indexer is not None:
+            attn._store_ring(pool.indexer.ring, projected[3], batch, pool.indexer.ring_size)
 
         out = self._rotate(out, attn.rope, batch, inverse=True)
         if getattr(attn, "wo_b_mxfp8", None) is not None:  # --wo-quant mxfp8 (engine/fused_sites.py)
@@ -194,6 +217,26 @@ class StaticModel:
         grouped = out.view(T, attn.groups, -1).transpose(0, 1)
         grouped = torch.bmm(grouped, attn.o_a_t).transpose(0, 1).reshape(T, -1)
         return F.linear(grouped, attn.o_b)
+
+    def csa_rows(self, attn, scores: torch.Tensor, rows: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+        """[T, k] pool rows of each query's top-k entries (-1 = none) from the indexer's masked scores [T, E]:
+        through the fused CSA sites (candidate_block_mask, indexer_postprocess) when the model is configured for
+        them (the server), else a stable sort (rank by score desc, entry index asc, as `causal_topk`)."""
+        group = batch.groups[0]
+        E = scores.shape[1]
+        k = min(attn.indexer.topk, E)
+        if getattr(attn, "site_settings", None) is not None:
+            from evalpipe.engine.fused_sites import csa_rows
+
+            return csa_rows(attn, scores, group, batch, k)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # [T, k]
+        key = ("visible_count", attn.ratio)
+        if key not in group.memo:  # entries visible to each row: the prefix w < (t + 1) // ratio
+            group.memo[key] = ((batch.pos + 1) // attn.ratio)[:, None]
+        live = order < group.memo[key]
+        B, n = group.size, group.n
+        picked = rows.view(B, 1, E).expand(B, n, E).gather(2, order.view(B, n, k)).view(B * n, k)
+        return torch.where(live, picked, torch.full_like(picked, -1))
 
     def compress(self, comp, proj: torch.Tensor, batch: StaticBatch, cpool) -> None:
         if not (comp.ratio == 2 and not comp.overlap):  # not a fusion site: the graph path's one-kernel pooling
@@ -211,20 +254,11 @@ class StaticModel:
                   pools.page_tokens // 2, cpool.ring_size, batch.groups[0].n, backend=self.backend)
 
     def moe(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts read by device-side index (no sort, no host counts) plus the shared expert."""
-        idx, w = moe.route(x, input_ids)
-        T, K = idx.shape
-        flat = idx.reshape(-1)
-        gate, up = graph_ops.expert_gemv(x, flat, moe.gate_up, x_div=K).chunk(2, dim=-1)
-        h = moe._swiglu(gate, up)
-        y = graph_ops.expert_gemv(h, flat, moe.down, w.reshape(-1), out_dtype=torch.float32)
-        routed = y.view(T, K, -1).sum(dim=1).to(x.dtype)
-        g, u, d = moe.shared
-        key = id(moe)
-        if key not in self._shared_gu:  # one GEMM for the shared gate and up projections
-            self._shared_gu[key] = torch.cat([g, u], dim=0)
-        sg, su = F.linear(x, self._shared_gu[key]).chunk(2, dim=-1)
-        return routed + F.linear(moe._swiglu(sg, su), d)
+        """Routed experts read by device-side index (no sort, no host counts) plus the shared expert as one more
+        pick: router GEMM, route, gate_up + SwiGLU, down + weighted sum (`step_moe`, 4 launches)."""
+        from evalpipe.engine.step_moe import moe_forward
+
+        return moe_forward(moe, x, input_ids, backend=self.backend)
 
 
 class _Step:
@@ -243,6 +277,7 @@ class _Step:
             "ratios": sorted(ratios),
         }
         self.graph = None
+        self.staging: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
         self.replays = 0
 
@@ -276,7 +311,17 @@ class _Step:
         self.graph = graph
 
     def __call__(self, host_meta: torch.Tensor) -> torch.Tensor:
-        self.meta.copy_(host_meta, non_blocking=False)
+        if self.meta.is_cuda:  # through a pinned staging buffer: an async DMA instead of a pageable staged copy
+            if self.staging is None:
+                self.staging = torch.empty(self.meta.shape, dtype=self.meta.dtype, pin_memory=True)
+                self.copied = torch.cuda.Event()
+            else:  # the previous copy out of the staging buffer must be done before it is overwritten
+                self.copied.synchronize()
+            self.staging.copy_(host_meta)
+            self.meta.copy_(self.staging, non_blocking=True)
+            self.copied.record()
+        else:
+            self.meta.copy_(host_meta)
         if self.graph is not None:
             self.graph.replay()
             self.replays += 1

@@ -1,0 +1,65 @@
+"""The whole CUDA-graph static step with every Triton kernel forced (Triton's CPU interpreter) against the plain
+runner: the composition the H200 replays -- mHC merge/mix + pre_norm, q/kv norms, RoPE stores, C2 and window
+compressors, indexer scores, the split-KV attention core, the MoE kernels -- on the tiny model, float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evalpipe.engine.cuda_graphs import GraphRunner
+from evalpipe.engine.runner import ModelRunner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _runner(cache_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
+    try:
+        return ModelRunner(max_seqs=4, max_seq_len=96)
+    finally:
+        mp.undo()
+
+
+def _prompt(n, seed):
+    return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_static_step_with_triton_kernels_equals_plain_runner(cache_dir):
+    """Two requests (bucket 2) whose prompts cross the sliding window and both compression ratios: decode steps and
+    one 6-row verify step give the plain runner's logits (fp32, different op grouping) and the same greedy tokens,
+    and leave the same state behind."""
+    plain, base = _runner(cache_dir), _runner(cache_dir)
+    graph = GraphRunner(base, widths=(1, 6), buckets=(2,), fused=True, kernel_backend="triton")
+    seqs_p = [plain.allocate() for _ in range(2)]
+    seqs_g = [graph.allocate() for _ in range(2)]
+    last = []
+    for i, n in enumerate((41, 30)):
+        toks = _prompt(n, i)
+        last.append(int(plain.forward([seqs_p[i]], [toks])[0].argmax()))
+        graph.forward([seqs_g[i]], [toks])
+    for step in range(4):
+        if step == 2:
+            rows = [[t] + _prompt(5, 50 + i) for i, t in enumerate(last)]
+            a = plain.forward(seqs_p, rows, all_logits=True)
+            b = graph.forward(seqs_g, rows, all_logits=True)
+            keep = [3, 6]
+            for sp, sg, k in zip(seqs_p, seqs_g, keep):
+                base_len = plain.seq_len(sp) - 6
+                plain.truncate(sp, base_len + k)
+                graph.truncate(sg, base_len + k)
+            picks = [a[i * 6 + k - 1] for i, k in enumerate(keep)]
+        else:
+            a = plain.forward(seqs_p, [[t] for t in last])
+            b = graph.forward(seqs_g, [[t] for t in last])
+            picks = list(a)
+        assert torch.isfinite(b).all()
+        assert (a - b).abs().max().item() < 1e-4, step
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        last = [int(r.argmax()) for r in picks]
+    assert sorted(graph.steps) == [(2, 1), (2, 6)]
+    for sp, sg in zip(seqs_p, seqs_g):
+        snap_p, snap_g = plain.state_snapshot(sp), graph.state_snapshot(sg)
+        for k in snap_p:
+            assert (snap_p[k] - snap_g[k]).abs().max().item() < 1e-4, k
