@@ -59,8 +59,8 @@ if CUDA:
     GU_CFGS = {"gemv": [dict(mode="gemv", block_n=16, block_k=256), dict(mode="gemv", block_n=16, block_k=1024)],
                "mm": [dict(mode="mm", block_n=32, block_k=256, num_stages=3),
                       dict(mode="mm", block_n=64, block_k=128, num_warps=8)]}
-    DN_CFGS = {"gemv": [dict(mode="gemv", block_n=16, block_k=512), dict(mode="gemv", block_n=4, block_k=512)],
-               "mm": [dict(mode="mm", block_n=16, block_k=256), dict(mode="mm", block_n=16, block_k=512,
+    DN_CFGS = {"gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
+               "mm": [dict(mode="mm", block_n=16, block_k=128), dict(mode="mm", block_n=16, block_k=512,
                                                                       num_stages=2)]}
 else:
     D, I, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
