@@ -34,8 +34,8 @@ Math (= engine `MoE.__call__`):
 Kernel shapes: few tokens (T=1 decode) stream each pick's weights with GEMV programs (coalesced 16-byte loads
 along the reduction dim, ~2+ programs per SM); from a few tokens on, expert-major tl.dot kernels read each picked
 expert once per token block of up to 32 tokens (MM_MIN_TOKENS). Their grids have E+1 expert programs per channel
-block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. H200, hidden 4096, I 2048, bf16, 4 layers
-per captured graph (benchmarks/step_moe_gpu.py): E 8 top-2 T=1 56 us vs 118 us for the StaticModel chain (27
+block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. First H200 run (hidden 4096, I 2048, bf16,
+4 layers per captured graph, benchmarks/step_moe_gpu.py, before the heuristics below were retuned from it): E 8 top-2 T=1 56 us vs 118 us for the StaticModel chain (27
 kernels -> 5 counted by the profiler: 3 Triton + the router GEMM, which cuBLAS presumably runs as split-K + reduce;
 the benchmark prints their names), 2.7 TB/s of picked weights; T=32 1.6x; E 16 top-6 T=32 4.2x.
 
@@ -511,7 +511,8 @@ def moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor, *, backend: str =
                 gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
     """y [T, hidden] (x.dtype) = engine `MoE.__call__(x, input_ids)`: routed top-k (or hash) experts plus the
     shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down). `gate_up_cfg` /
-    `down_cfg` override the kernels' block sizes (block_n, block_k, num_warps, num_stages) for tuning."""
+    `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm", block_n, block_k, block_t, block_m,
+    num_warps, num_stages; see `gate_up` / `down`)."""
     p = prepare(moe)
     if not p.kernel_ok or not _use_triton(backend, x, input_ids, p.gate_up):
         if backend == "triton" and not p.kernel_ok:
