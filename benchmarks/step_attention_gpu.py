@@ -35,9 +35,11 @@ reference up to 1.9e-2, fp32 kernel <= 1.9e-6). us per layer, cold:
 | HCA T=6 | 137.8 | 21 -> 2 | 48.9 | - |
 | HCA T=32 | 328.4 | 21 -> 2 | 181.9 | 98.0 (64-key chunks, 32-head blocks, 4 splits) |
 
-`step_attention.plan` now follows the sweep's winners (not re-measured since: the session's device time ran out).
-All programs are latency-bound (per key chunk: index load -> dependent gather -> two small dots), far from the
-4.3 TB/s copy rate (HCA T=32 reads ~72 MB: ~17 us at that rate).
+That kernel gathered key rows through a select between three base pointers, which Triton compiled to scalar 2-byte
+loads, not pipelined (found offline afterwards: ptxas for sm_90a, 255 registers and spills at 64-key chunks). The
+kernel now gathers through offsets from one base pointer with an alignment hint (16-byte vector cp.async loads,
+pipelined, no spills) and `step_attention.plan` follows the sweep's winners; neither is re-measured yet (the
+session's device time ran out). The HBM floor: HCA T=32 reads ~72 MB, ~17 us at the 4.3 TB/s copy rate.
 """
 
 from __future__ import annotations

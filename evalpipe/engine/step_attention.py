@@ -20,6 +20,14 @@ window and entry PV products as two bf16 results; the kernel keeps logits in fp3
 normalised by the running (per-split) max instead of the final max and sum (flash-attention style), and rounds the
 output once. All of these are bf16-rounding-level differences.
 
+Launch (`plan`): programs (row, key split, head block), 64-key chunks, 16- or 32-head blocks; with more than one
+split a merge kernel combines the partial (max, sum, output) states. The key rows are gathered through element
+offsets from one base pointer with an 8-element alignment hint: that is what lets Triton vectorise and
+software-pipeline the gather (checked offline with ptxas for sm_90a: no spills, cp.async row loads, 199-240
+registers at the production shapes). The first H200 measurement (benchmarks/step_attention_gpu.py) was of an earlier
+version that selected between three base pointers, which compiled to scalar, unpipelined 2-byte loads: even so
+1.2x-2.8x faster than `_attend` with 1-2 kernels instead of 14-28.
+
 How to call it from StaticModel.attention (replacing `attn._attend(...)`; q, kv as today, before the ring stores)::
 
     from evalpipe.engine.step_attention import fused_attention, hca_entry_rows
@@ -138,13 +146,17 @@ def fused_attention_reference(q, kv, window_ring, ring_size, window, pos, slot, 
 # ---- kernels (jitted lazily by `_kernels`, so TRITON_INTERPRET set by a test is honoured) ---------------------
 
 if tl is not None:
-    def _step_attention_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, rows_ptr, pos_ptr, slot_ptr, sinks_ptr,
+    def _step_attention_kernel(q_ptr, ring_ptr, kv_off, ent_off, rows_ptr, pos_ptr, slot_ptr, sinks_ptr,
                                out_ptr, po_ptr, pm_ptr, pl_ptr,
                                H, n, ring_size, window, K, scale, chunks_per_split, total_chunks,
                                stride_qt, stride_qh, stride_kv, stride_ring, stride_ent, stride_rt, stride_rk,
                                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_N: tl.constexpr, W_CHUNKS: tl.constexpr, HAS_ENT: tl.constexpr,
-                               SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                               SPLIT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+        # every key row is addressed as an element offset from ring_ptr (kv rows at kv_off, entries at ent_off):
+        # one base pointer keeps the gather's rows analysable, so with ALIGNED (all offsets multiples of 8 elements)
+        # the row loads are 16-byte vectors and software-pipelined (cp.async); a select between three base
+        # pointers compiled to scalar, unpipelined loads
         i = tl.program_id(0)
         s = tl.program_id(1)
         hb = tl.program_id(2)
@@ -179,16 +191,18 @@ if tl is not None:
             kc = tl.maximum(kpos, 0)
             new = win_ok & (kc >= first_pos)
             cell = slot * ring_size + kc % ring_size
-            ptrs = tl.where(new, kv_ptr + (first + kc - first_pos) * stride_kv, ring_ptr + cell * stride_ring)
+            off = tl.where(new, kv_off + (first + kc - first_pos) * stride_kv, cell * stride_ring)
             valid = win_ok
             if HAS_ENT:
                 e = j - W_CHUNKS * BLOCK_N
                 er = tl.load(rows_ptr + i64 * stride_rt + e * stride_rk, mask=(e >= 0) & (e < K), other=-1)
                 er = er.to(tl.int64)
                 ent_ok = er >= 0
-                ptrs = tl.where(ent_ok, ent_ptr + tl.maximum(er, 0) * stride_ent, ptrs)
+                off = tl.where(ent_ok, ent_off + tl.maximum(er, 0) * stride_ent, off)
                 valid = valid | ent_ok
-            kt = tl.load(ptrs[:, None] + ds[None, :], mask=valid[:, None] & dm[None, :], other=0.0)  # [N, D]
+            if ALIGNED:
+                off = tl.multiple_of(off, 8)
+            kt = tl.load(ring_ptr + off[:, None] + ds[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
             if IEEE:
                 qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
             else:
@@ -295,8 +309,13 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     if has_ent:
         ent, rows = entries, entry_rows
-    else:  # never read (HAS_ENT off): any pointers of the right kind
+    else:  # never read (HAS_ENT off): any tensors of the right kind
         ent, rows = window_ring, pos.view(T, 1)
+    esize = window_ring.element_size()
+    kv_off = (kv.data_ptr() - window_ring.data_ptr()) // esize  # same dtype: exact
+    ent_off = (ent.data_ptr() - window_ring.data_ptr()) // esize
+    aligned = (window_ring.data_ptr() % 16 == 0 and all(x % 8 == 0 for x in (
+        kv_off, ent_off, kv.stride(0), window_ring.stride(0), ent.stride(0))))
     if S > 1:
         po = torch.empty(T, S, H, D, device=q.device, dtype=torch.float32)
         pm = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
@@ -305,13 +324,13 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
         po = pm = pl = out
     k = _kernels()
     k["_step_attention_kernel"][(T, S, cfg["head_blocks"])](
-        q, kv, window_ring, ent, rows, pos, slot, sinks,
+        q, window_ring, kv_off, ent_off, rows, pos, slot, sinks,
         out, po, pm, pl,
         H, n, ring_size, window, K, float(scale), cfg["per_split"], cfg["total"],
         q.stride(0), q.stride(1), kv.stride(0), window_ring.stride(0), ent.stride(0), rows.stride(0),
         rows.stride(1),
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        W_CHUNKS=cfg["W_CHUNKS"], HAS_ENT=has_ent, SPLIT=S > 1, IEEE=q.dtype == torch.float32,
+        W_CHUNKS=cfg["W_CHUNKS"], HAS_ENT=has_ent, SPLIT=S > 1, IEEE=q.dtype == torch.float32, ALIGNED=aligned,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
         k["_step_attention_combine_kernel"][(T, H)](po, pm, pl, out, H, S, D=D,

@@ -89,6 +89,21 @@ def test_kernel_launch_configs(block_n, block_h, splits):
     assert (got - ref).abs().max().item() < TOL
 
 
+def test_kernel_unaligned_rows():
+    """kv as a view with an odd row stride and odd offset (the kernel's row gather then takes no 8-element
+    alignment hint) and q as a strided view of a wider buffer: same result."""
+    gen = torch.Generator().manual_seed(12)
+    args = make_case(gen)
+    T, H, D = args["q"].shape
+    wide = torch.randn(T, D + 3, generator=gen)
+    wide[:, 1:D + 1] = args["kv"]
+    qkv = torch.randn(T, H + 1, D, generator=gen)
+    qkv[:, :H] = args["q"]
+    ref = sa.fused_attention_reference(*call(args))
+    got = sa._launch(*call(args, kv=wide[:, 1:D + 1], q=qkv[:, :H]), splits=2)
+    assert (got - ref).abs().max().item() < TOL
+
+
 def test_kernel_decode_rows_and_padding_request():
     """Decode (n=1) rows, one of them a padding request on the spare slot (every entry row -1)."""
     gen = torch.Generator().manual_seed(2)
