@@ -267,7 +267,8 @@ def _sm_count(device: torch.device) -> int:
     return 2  # interpreter: few programs, but still a split path at small T
 
 
-def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, *, splits: int | None = None,
+def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, *, esize: int = 2,
+         splits: int | None = None,
          block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, min_keys: int | None = None) -> dict:
     """Launch shape from static sizes only (capture-safe). Each program is latency-bound (an index load, a dependent
@@ -275,11 +276,11 @@ def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, *, s
     taking >= `min_keys` keys (a split writes an fp32 [H, D] partial). Heads go in blocks of 32 when T rows x key
     splits already fill the SMs (keys read once per row), else in blocks of 16 (twice the programs). Every split is
     non-empty. From an H200 sweep (32 x 512 heads, bf16; benchmarks/step_attention_gpu.py --sweep): 64-key chunks
-    and 8 warps won at every shape; 16-head blocks at T=1 and for sliding-only layers, 32-head blocks with 4 splits
+    and 8 warps won at every shape (bf16; fp32 rows of 512 take 32-key chunks: shared memory); 16-head blocks at T=1 and for sliding-only layers, 32-head blocks with 4 splits
     at T=32 (CSA, HCA). Keyword overrides are for that sweep."""
     sms = _sm_count(device)
     keys = window + K
-    block_n = block_n or (64 if D > 128 else 32)
+    block_n = block_n or (64 if D * esize <= 1024 else 32)  # a 64 KiB tile per pipeline stage at most
     block_h = block_h or (32 if T * triton.cdiv(keys, 128) >= sms else 16)
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
@@ -304,7 +305,7 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
     if q.stride(2) != 1:
         q = q.contiguous()
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
-    cfg = plan(T, H, D, window, K, q.device, splits=splits, **overrides)
+    cfg = plan(T, H, D, window, K, q.device, esize=q.element_size(), splits=splits, **overrides)
     S = cfg["splits"]
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     if has_ent:
