@@ -305,13 +305,14 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
     if q.stride(2) != 1:
         q = q.contiguous()
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    pos, slot, sinks = pos.contiguous(), slot.contiguous(), sinks.contiguous()  # read as flat arrays; no-ops
     cfg = plan(T, H, D, window, K, q.device, esize=q.element_size(), splits=splits, **overrides)
     S = cfg["splits"]
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     if has_ent:
         ent, rows = entries, entry_rows
     else:  # never read (HAS_ENT off): any tensors of the right kind
-        ent, rows = window_ring, pos.view(T, 1)
+        ent, rows = window_ring, pos[:, None]
     esize = window_ring.element_size()
     kv_off = (kv.data_ptr() - window_ring.data_ptr()) // esize  # same dtype: exact
     ent_off = (ent.data_ptr() - window_ring.data_ptr()) // esize

@@ -91,7 +91,7 @@ def test_kernel_launch_configs(block_n, block_h, splits):
 
 def test_kernel_unaligned_rows():
     """kv as a view with an odd row stride and odd offset (the kernel's row gather then takes no 8-element
-    alignment hint) and q as a strided view of a wider buffer: same result."""
+    alignment hint), q as a strided view of a wider buffer, pos and slot as strided views: same result."""
     gen = torch.Generator().manual_seed(12)
     args = make_case(gen)
     T, H, D = args["q"].shape
@@ -100,7 +100,9 @@ def test_kernel_unaligned_rows():
     qkv = torch.randn(T, H + 1, D, generator=gen)
     qkv[:, :H] = args["q"]
     ref = sa.fused_attention_reference(*call(args))
-    got = sa._launch(*call(args, kv=wide[:, 1:D + 1], q=qkv[:, :H]), splits=2)
+    pos_slot = torch.stack([args["pos"], args["slot"]], dim=1)  # strided views
+    got = sa._launch(*call(args, kv=wide[:, 1:D + 1], q=qkv[:, :H], pos=pos_slot[:, 0], slot=pos_slot[:, 1]),
+                     splits=2)
     assert (got - ref).abs().max().item() < TOL
 
 
