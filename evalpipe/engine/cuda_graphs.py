@@ -221,7 +221,7 @@ class StaticModel:
     def csa_rows(self, attn, scores: torch.Tensor, rows: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         """[T, k] pool rows of each query's top-k entries (-1 = none) from the indexer's masked scores [T, E]:
         through the fused CSA sites (candidate_block_mask, indexer_postprocess) when the model is configured for
-        them (the server), else a stable sort (rank by score desc, entry index asc, as `causal_topk`)."""
+        them (the server), else `step_attn_inputs.csa_select` (rank by score desc, entry index asc, as `causal_topk`)."""
         group = batch.groups[0]
         E = scores.shape[1]
         k = min(attn.indexer.topk, E)
@@ -229,14 +229,9 @@ class StaticModel:
             from evalpipe.engine.fused_sites import csa_rows
 
             return csa_rows(attn, scores, group, batch, k)
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # [T, k]
-        key = ("visible_count", attn.ratio)
-        if key not in group.memo:  # entries visible to each row: the prefix w < (t + 1) // ratio
-            group.memo[key] = ((batch.pos + 1) // attn.ratio)[:, None]
-        live = order < group.memo[key]
-        B, n = group.size, group.n
-        picked = rows.view(B, 1, E).expand(B, n, E).gather(2, order.view(B, n, k)).view(B * n, k)
-        return torch.where(live, picked, torch.full_like(picked, -1))
+        from evalpipe.engine.step_attn_inputs import csa_select
+
+        return csa_select(scores, rows, group.n, k, backend=self.backend)
 
     def compress(self, comp, proj: torch.Tensor, batch: StaticBatch, cpool) -> None:
         if not (comp.ratio == 2 and not comp.overlap):  # not a fusion site: the graph path's one-kernel pooling

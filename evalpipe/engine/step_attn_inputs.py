@@ -12,6 +12,10 @@ keys, cast, matmul, ReLU, scale, weight, sum, mask). Here each is one kernel:
   where entry e is not causally visible (e >= (pos[t] + 1) // ratio) -- what `Indexer.scores` computes, masked the
   way `causal_topk` masks it.
 
+- `csa_select(scores, rows, n, k)` -> [T, k] pool rows of each query's top-k entries (-1 = none): rank by (score
+  descending, entry index ascending) -- `causal_topk`'s tie rule -- then map through the request's entry rows, in
+  one kernel (an in-register bitonic sort of packed (score, index) keys) instead of a radix sort plus ~5 index ops.
+
 Same dispatch as `graph_ops`: Triton on CUDA, the reference (the engine's own ops) elsewhere; `backend="triton"`
 runs the kernel on the CPU under TRITON_INTERPRET=1 (tests/kernels)."""
 
@@ -69,6 +73,21 @@ if tl is not None:
         score = tl.where(visible, score, float("-inf"))
         tl.store(out_ptr + t * E + es, score, mask=es < E)
 
+    def _csa_select_kernel(scores_ptr, rows_ptr, rows_stride, out_ptr, E, n, k, NEG_INF_KEY: tl.constexpr,
+                           E_PAD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        es = tl.arange(0, E_PAD)
+        s = tl.load(scores_ptr + t * E + es, mask=es < E, other=float("-inf"))
+        s = s + 0.0  # -0.0 -> +0.0: the sort compares them equal, so must the packed key
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # monotone in the float value
+        key = ordered * 4294967296 + (E_PAD - 1 - es).to(tl.int64)  # ties: the lower index ranks first
+        key = tl.sort(key, 0, descending=True)
+        idx = (E_PAD - 1 - (key & 0xFFFFFFFF)).to(tl.int64)
+        live = ((key >> 32) > NEG_INF_KEY) & (idx < E)  # a finite score: a visible entry
+        row = tl.load(rows_ptr + (t // n) * rows_stride + idx, mask=live, other=-1)
+        tl.store(out_ptr + t * k + es, tl.where(live, row, -1).to(out_ptr.dtype.element_ty), mask=es < k)
+
 
 _JIT: dict = {}
 
@@ -76,7 +95,7 @@ _JIT: dict = {}
 def _kernels() -> dict:
     key = _interpret()
     if key not in _JIT:
-        _JIT[key] = {f.__name__: triton.jit(f) for f in (_qkv_norm_kernel, _indexer_scores_kernel)}
+        _JIT[key] = {f.__name__: triton.jit(f) for f in (_qkv_norm_kernel, _indexer_scores_kernel, _csa_select_kernel)}
     return _JIT[key]
 
 
@@ -141,4 +160,34 @@ def indexer_scores(q, weight_logits, entries, rows, pos, n: int, ratio: int, sof
         q, weight_logits, weight_logits.stride(0), entries, entries.stride(0), rows, rows.stride(0), pos, out,
         E, n, ratio, float(softmax_scale), float(head_scale),
         H=H, DI=DI, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+# ---- csa_select --------------------------------------------------------------------------------------------------
+
+# the packed-key high word of -inf: float bits 0xFF800000 as int32, negative floats flipped to sort ascending
+_NEG_INF_KEY = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF
+
+
+def csa_select_reference(scores: torch.Tensor, rows: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Stable descending sort (ties: lower entry index first), first k, -inf (invisible) picks -> -1, else the
+    request's pool row of the picked entry."""
+    T, E = scores.shape
+    B = rows.shape[0]
+    top = torch.sort(scores, dim=-1, descending=True, stable=True)
+    order, vals = top.indices[:, :k], top.values[:, :k]
+    picked = rows.view(B, 1, E).expand(B, n, E).gather(2, order.view(B, n, k)).view(T, k)
+    return torch.where(vals == float("-inf"), torch.full_like(picked, -1), picked)
+
+
+def csa_select(scores: torch.Tensor, rows: torch.Tensor, n: int, k: int, *, backend: str = "auto") -> torch.Tensor:
+    """[T, k] pool rows of each query row's k best entries by (score desc, index asc), -1 where the pick is an
+    invisible (-inf) entry. scores [T, E] float32 contiguous (indexer_scores' output), rows [T // n, E]."""
+    T, E = scores.shape
+    if not _use_triton(backend, scores, rows) or E > 8192 or k > E:
+        return csa_select_reference(scores, rows, n, k)
+    out = torch.empty(T, k, device=scores.device, dtype=rows.dtype)
+    if T and k:
+        _kernels()["_csa_select_kernel"][(T,)](scores.contiguous(), rows, rows.stride(0), out, E, n, k,
+                                               NEG_INF_KEY=_NEG_INF_KEY, E_PAD=triton.next_power_of_2(E), num_warps=4 if E <= 1024 else 8)
     return out
