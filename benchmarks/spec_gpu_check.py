@@ -52,6 +52,14 @@ def main() -> None:
     prompts = [torch.randint(16, 272, (n,), generator=gen).tolist() for n in (30, 5, 41, 64)]
     ref = plain(target, prompts, args.new_tokens)
     failures = 0
+    # the captured decode step against the eager runner (no graph, no fused kernels): plain greedy must agree
+    eager = plain(base, prompts, args.new_tokens)
+    for i in range(len(prompts)):
+        try:
+            print("captured vs eager plain decoding:", compare_with_tie_rule(ref[i][0], *eager[i], f"p{i}"))
+        except AssertionError as exc:
+            failures += 1
+            print(f"FAIL captured vs eager plain decoding: {exc}")
     for drafter_name in ("layerskip:3", "ngram", "self"):
         drafter = build_drafter(drafter_name, target)
         for block in blocks:
@@ -69,6 +77,10 @@ def main() -> None:
                 except AssertionError as exc:
                     failures += 1
                     line = f"FAIL {exc}"
+                    try:  # which side moved: the spec output against the eager runner's greedy tokens
+                        line += "; vs eager: " + compare_with_tie_rule(s.output[: args.new_tokens], *eager[i], "spec")
+                    except AssertionError as exc2:
+                        line += f"; vs eager: {exc2}"
                 if "equal" not in line:
                     print(line)
             hist = [sum(h) for h in zip(*(decoder.stats(s)["accept_histogram"] for s in seqs))]

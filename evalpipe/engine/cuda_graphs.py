@@ -29,7 +29,6 @@ changes nothing else in the captured step, so fusion can be A/B'd in one build.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 from evalpipe.engine import graph_ops
 from evalpipe.engine.forward_batch import Group, RowRope, entry_index
+from evalpipe.engine.step_meta import MetaShape
 from evalpipe.engine.primitives import apply_rope
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -69,28 +69,31 @@ def pack_step_inputs(tokens: list[list[int]], starts: list[int], slots: list[int
 class StaticBatch(RowRope):
     """The `ForwardBatch` interface over device buffers of fixed shape: B requests of n rows, one group."""
 
-    def __init__(self, pools, meta: torch.Tensor, B: int, n: int, consts: dict):
+    def __init__(self, pools, meta: torch.Tensor, B: int, n: int, consts: dict, backend: str = "auto"):
+        from evalpipe.engine.step_meta import step_meta
+
         T = B * n
         self.pools, self.num_rows = pools, T
         self.input_ids = meta[:T]
         starts, slots = meta[T:T + B], meta[T + B:T + 2 * B]
         self.row_valid = meta[T + 2 * B:2 * T + 2 * B] != 0
-        pos = starts[:, None] + consts["ar_n"][None]  # [B, n]
-        self.pos = pos.reshape(-1)
-        self.slot = slots[:, None].expand(B, n).reshape(-1)
-        self.end = (starts + n)[:, None].expand(B, n).reshape(-1)
+        # positions, slots, ring cells, entry rows: one kernel (step_meta) from the input buffer
+        info = step_meta(meta, consts["meta_shape"], backend=backend)
+        self.pos, self.slot = info.pos, info.slot
         rows = consts["rows"]
         self.last_rows = rows[:, -1]
         # host_starts None: window plans take their fixed worst-case shape, `valid` masks the rest on device
-        self.groups = [Group(n=n, slots=slots, starts=starts, rows=rows, pos=pos, host_starts=None)]
-        self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.groups = [Group(n=n, slots=slots, starts=starts, rows=rows, pos=info.pos.view(B, n), host_starts=None)]
+        self._ring_writes = {R: (slice(None), cells) for R, cells in info.cells.items()}  # every row is stored
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         group = self.groups[0]
-        # entries: the fixed maximum count (as if every request ended at max_seq_len), built by the engine's own
-        # entry_index on a probe group, so there is no host read of the live maximum
-        probe = dataclasses.replace(group, memo={}, host_starts=[pools.max_seq_len - n])
-        for ratio in consts["ratios"]:
-            group.memo[("entries", ratio)] = entry_index(probe, pools, ratio)
+        # entries: the fixed maximum count (as if every request ended at max_seq_len), so there is no host read of
+        # the live maximum; the static path reads only the rows (visibility comes as counts and HCA rows)
+        for ratio, entry_rows in info.rows.items():
+            group.memo[("entries", ratio)] = (entry_rows, None)
+            group.memo[("visible_count", ratio)] = info.counts[ratio]
+        if info.hca_rows is not None:
+            group.memo[("hca_rows", consts["meta_shape"].hca_ratio)] = info.hca_rows
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.groups[0].n > ring_size:
@@ -265,11 +268,18 @@ class _Step:
         size = 2 * B * n + 2 * B + pools.page_table.numel()
         self.meta = torch.zeros(size, dtype=torch.long, device=dev)
         self.page_table = self.meta[2 * B * n + 2 * B:].view_as(pools.page_table)
-        ratios = {c.ratio for p in pools.layers for c in (p.compressor, p.indexer) if c is not None}
+        ratios = sorted({c.ratio for p in pools.layers for c in (p.compressor, p.indexer) if c is not None})
+        rings = sorted({pools.window_ring} | {c.ring_size for p in pools.layers for c in (p.compressor, p.indexer)
+                                              if c is not None})
+        model = owner.static_model.model
+        hca = {layer.attn.ratio for layer in model.layers
+               if layer.attn.compressor is not None and layer.attn.indexer is None}
         self.consts = {
-            "ar_n": torch.arange(n, device=dev),
             "rows": torch.arange(B * n, device=dev).view(B, n),
-            "ratios": sorted(ratios),
+            "meta_shape": MetaShape(B=B, n=n, rings=tuple(rings), ratios=tuple(ratios),
+                                    entries=tuple(pools.max_seq_len // r for r in ratios),
+                                    hca_ratio=min(hca) if len(hca) == 1 else 0, page_tokens=pools.page_tokens,
+                                    pages_per_seq=pools.pages_per_seq),
         }
         self.graph = None
         self.staging: torch.Tensor | None = None
@@ -279,7 +289,7 @@ class _Step:
     def _run(self) -> torch.Tensor:
         runner = self.owner.runner
         runner.pools._page_table_dev = self.page_table  # entry_rows() reads the table from this step's buffer
-        batch = StaticBatch(runner.pools, self.meta, self.B, self.n, self.consts)
+        batch = StaticBatch(runner.pools, self.meta, self.B, self.n, self.consts, self.owner.static_model.backend)
         return self.owner.static_model.forward(batch, runner.pools)
 
     def fill_padding(self) -> None:
