@@ -6,8 +6,8 @@
 Shapes: hidden 4096, moe_intermediate 2048, bf16, sqrtsoftplus router with correction bias; E 8 top-2 and E 16
 top-6 (+1 shared expert); T in {1, 6, 32} rows. MoE objects are the engine's `MoE` over random state dicts on the
 GPU. Checks (exit status 1 on any failure): route kernel == route_reference (indices exact, weights 1e-5);
-gate_up kernel and the whole moe_forward against the fp32 references; moe_forward against the current
-`StaticModel.moe` chain and the engine's `MoE.__call__` (same routing, outputs within bf16 tolerance), with
+gate_up kernel and the whole moe_forward against the fp32 references; moe_forward against the previous
+`StaticModel.moe` chain (`PreviousChain`, the timed baseline) and the engine's `MoE.__call__` (same routing, outputs within bf16 tolerance), with
 activations large enough that swiglu_limit clamps, and a hash layer. Timing: `--layers` MoE objects with their own
 weights run back to back in one captured CUDA graph (weights are not L2-resident, like a real decode step),
 median of event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block
@@ -46,7 +46,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from evalpipe.engine import step_moe  # noqa: E402
-from evalpipe.engine.cuda_graphs import StaticModel  # noqa: E402
 from evalpipe.engine.moe import MoE  # noqa: E402
 
 FAILED: list[str] = []
@@ -106,6 +105,30 @@ def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
     return MoE(sd, "", cfg, is_hash)
 
 
+class PreviousChain:
+    """`StaticModel.moe` as it was before step_moe took over (the baseline this script times): the engine's router
+    ops, two `graph_ops.expert_gemv` launches with SwiGLU and the sum between them, the shared expert as two GEMMs."""
+
+    def __init__(self):
+        self._shared_gu = {}
+
+    def moe(self, moe, x, input_ids):
+        from evalpipe.engine import graph_ops
+
+        idx, w = moe.route(x, input_ids)
+        T, K = idx.shape
+        flat = idx.reshape(-1)
+        gate, up = graph_ops.expert_gemv(x, flat, moe.gate_up, x_div=K).chunk(2, dim=-1)
+        h = moe._swiglu(gate, up)
+        y = graph_ops.expert_gemv(h, flat, moe.down, w.reshape(-1), out_dtype=torch.float32)
+        routed = y.view(T, K, -1).sum(dim=1).to(x.dtype)
+        g, u, d = moe.shared
+        if id(moe) not in self._shared_gu:
+            self._shared_gu[id(moe)] = torch.cat([g, u], dim=0)
+        sg, su = F.linear(x, self._shared_gu[id(moe)]).chunk(2, dim=-1)
+        return routed + F.linear(moe._swiglu(sg, su), d)
+
+
 def same_routing(idx: torch.Tensor, eidx: torch.Tensor) -> torch.Tensor:
     """Per row: the same set of routed experts (engine top-k is unsorted)."""
     K = eidx.shape[1]
@@ -114,7 +137,7 @@ def same_routing(idx: torch.Tensor, eidx: torch.Tensor) -> torch.Tensor:
 
 def correctness(moe: MoE, hash_moe: MoE | None, T: int, tag: str) -> None:
     gen = torch.Generator(device=DEV).manual_seed(T)
-    old = StaticModel(None, fused=True)
+    old = PreviousChain()
     for scale, what in ((1.0, "unit x"), (8.0, "x*8, clamps active")):
         x = (scale * torch.randn(T, D, generator=gen, device=DEV)).to(DT)
         ids = torch.randint(0, VOCAB, (T,), generator=gen, device=DEV)
@@ -130,7 +153,7 @@ def correctness(moe: MoE, hash_moe: MoE | None, T: int, tag: str) -> None:
         eidx, _ = moe.route(x, ids)
         agree = same_routing(idx, eidx)
         report(f"{tag} routing == engine top-k ({what})", bool(agree.all()), f"{int(agree.sum())}/{T} rows")
-        check(f"{tag} moe_forward vs StaticModel.moe ({what})", y, old.moe(moe, x, ids), TOL_ENGINE)
+        check(f"{tag} moe_forward vs previous StaticModel.moe chain ({what})", y, old.moe(moe, x, ids), TOL_ENGINE)
         check(f"{tag} moe_forward vs engine MoE.__call__ ({what})", y, moe(x, ids), TOL_ENGINE)
     if hash_moe is not None:
         x = torch.randn(T, D, generator=gen, device=DEV).to(DT)
@@ -208,7 +231,7 @@ def main() -> int:
     for E, K in SHAPES:
         moes = [make_moe(E, K, seed=10 * E + i) for i in range(LAYERS)]
         hash_moe = make_moe(E, K, seed=999, is_hash=True) if E == 8 else None
-        old = StaticModel(None, fused=True)
+        old = PreviousChain()
         for T in TS:
             tag = f"E{E} top{K} T{T}"
             t0 = time.time()
