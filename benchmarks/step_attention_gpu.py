@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -74,13 +73,16 @@ if ARGS.device == "cpu":
 
 import torch  # noqa: E402
 
+import gpu_bench  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
+
 from evalpipe.engine import step_attention as sa  # noqa: E402
 from evalpipe.engine.attention import Attention  # noqa: E402
 from evalpipe.engine.cache import StatePools  # noqa: E402
 from evalpipe.engine.config import CSA, HCA, SLIDING  # noqa: E402
 from evalpipe.engine.forward_batch import ForwardBatch, entry_index  # noqa: E402
 
-FAILED: list[str] = []
+CHECKS = gpu_bench.Checks()
+FAILED, report, check = CHECKS.failed, CHECKS.report, CHECKS.check
 DEV = torch.device(ARGS.device)
 CUDA = DEV.type == "cuda"
 if CUDA:
@@ -93,19 +95,6 @@ else:
     LAYERS = 1
 RATIOS = {CSA: 4, HCA: 2}
 MARGIN = 32
-
-
-def report(name: str, ok: bool, detail: str) -> None:
-    print(f"  [{'ok' if ok else 'FAIL':<4}] {name}: {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
-
-
-def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
-    d = (got.float() - want.float()).abs().max().item()
-    r = d / max(want.float().abs().max().item(), 1e-30)
-    report(name, r <= tol and bool(torch.isfinite(got).all()), f"max abs {d:.3g}, rel {r:.3g} (tol {tol})")
-    return r
 
 
 class Case:
@@ -171,32 +160,7 @@ class Case:
 
 def graph_of(fn):
     """fn captured once into a CUDA graph (after a side-stream warm-up), or None on the CPU."""
-    if not CUDA:
-        return None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def replay_us(graph, replays: int) -> float:
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return gpu_bench.capture(fn) if CUDA else None
 
 
 FLUSH = None
@@ -211,7 +175,7 @@ def timed(fn_layer, layers: int) -> tuple[float, float]:
         return (time.perf_counter() - t0) * 1e6, float("nan")
     if FLUSH is None:
         FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    warm = replay_us(graph_of(lambda: [fn_layer(i) for i in range(layers)]), ARGS.replays) / layers
+    warm = gpu_bench.replay_us(graph_of(lambda: [fn_layer(i) for i in range(layers)]), ARGS.replays) / layers
 
     def cold_body():
         for i in range(layers):
@@ -222,22 +186,13 @@ def timed(fn_layer, layers: int) -> tuple[float, float]:
         for i in range(layers):
             FLUSH.fill_(i + 1)
 
-    cold = (replay_us(graph_of(cold_body), ARGS.replays) - replay_us(graph_of(flush_body), ARGS.replays)) / layers
+    cold = (gpu_bench.replay_us(graph_of(cold_body), ARGS.replays)
+            - gpu_bench.replay_us(graph_of(flush_body), ARGS.replays)) / layers
     return warm, cold
 
 
 def count_kernels(fn) -> int | None:
-    if not CUDA:
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+    return len(gpu_bench.kernel_names(fn)) if CUDA else None
 
 
 def correctness(case: Case, tag: str) -> None:
@@ -270,7 +225,7 @@ def sweep(case: Case, tag: str) -> None:
                 for splits in (None, 1, 4, 16, 64):
                     cfg = dict(block_n=block_n, block_h=block_h, num_warps=warps)
                     try:
-                        us = replay_us(graph_of(lambda: case.new(0, splits=splits, **cfg)), 20)
+                        us = gpu_bench.replay_us(graph_of(lambda: case.new(0, splits=splits, **cfg)), 20)
                     except Exception as e:  # out of shared memory / registers
                         print(f"    sweep {tag}: splits={splits} {cfg}: {type(e).__name__}", flush=True)
                         continue

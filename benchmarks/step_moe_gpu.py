@@ -43,12 +43,15 @@ if ARGS.device == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
+
+import gpu_bench  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
 import torch.nn.functional as F  # noqa: E402
 
 from evalpipe.engine import step_moe  # noqa: E402
 from evalpipe.engine.moe import MoE  # noqa: E402
 
-FAILED: list[str] = []
+CHECKS = gpu_bench.Checks()
+FAILED, report, check, rel_diff = CHECKS.failed, CHECKS.report, CHECKS.check, CHECKS.rel_diff
 DEV = torch.device(ARGS.device)
 CUDA = DEV.type == "cuda"
 if CUDA:
@@ -67,22 +70,6 @@ else:
     GU_CFGS = {m: [dict(mode=m, block_n=16, block_k=32)] for m in ("gemv", "mm")}
     DN_CFGS = GU_CFGS
 VOCAB, LIMIT = 1024, 10.0
-
-
-def report(name: str, ok: bool, detail: str) -> None:
-    print(f"  [{'ok' if ok else 'FAIL':<4}] {name}: {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
-
-
-def rel_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    d = (got.float() - want.float()).abs().max().item()
-    return d, d / max(want.float().abs().max().item(), 1e-30)
-
-
-def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    d, r = rel_diff(got, want)
-    report(name, r <= tol and torch.isfinite(got).all().item(), f"max abs {d:.3g}, rel {r:.3g} (tol {tol})")
 
 
 def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
@@ -169,40 +156,13 @@ def timed(fn, replays: int) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return gpu_bench.replay_us(gpu_bench.capture(fn), replays)
 
 
 def count_kernels(fn, show: str | None = None) -> int | None:
     if not CUDA:
         return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-             and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    names = gpu_bench.kernel_names(fn)
     if show:
         print(f"  {show}: " + ", ".join(n[:50] for n in names), flush=True)
     return len(names)

@@ -8,22 +8,9 @@ next `fn` plus its partial sum of squares (`hc_merge_mix`, many programs) -- so 
 kernel that reduces those partials in a fixed order, runs pre/post/comb + Sinkhorn, collapses the streams and applies
 the block's input RMSNorm (`hc_pre_norm`; `hc_head_norm` for the model head). No atomics: bitwise deterministic.
 
-How to call it from StaticModel (replaces the body of `forward` between the embedding and the lm_head)::
-
-    from evalpipe.engine import step_hyper
-    b = self.backend
-    streams = x.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()
-    parts = step_hyper.hc_mix(streams, m.layers[0].attn_hc, backend=b)
-    for i, (layer, pool) in enumerate(zip(m.layers, pools.layers)):
-        post, comb, h = step_hyper.hc_pre_norm(streams, parts, layer.attn_hc, layer.attn_norm, eps, backend=b)
-        a = self.attention(layer.attn, h, batch, pool)
-        streams, parts = step_hyper.hc_merge_mix(streams, a, post, comb, layer.ffn_hc, backend=b)
-        post, comb, h = step_hyper.hc_pre_norm(streams, parts, layer.ffn_hc, layer.mlp_norm, eps, backend=b)
-        y = self.moe(layer.mlp, h, batch.input_ids)
-        nxt = m.layers[i + 1].attn_hc if i + 1 < len(m.layers) else m.head
-        streams, parts = step_hyper.hc_merge_mix(streams, y, post, comb, nxt, backend=b)
-    h = step_hyper.hc_head_norm(streams, parts, m.head, m.norm, eps, backend=b)
-    return F.linear(h, m.lm_head).float()
+`StaticModel.forward` (engine/cuda_graphs.py) is the caller: `hc_mix` on the embedded streams, then per layer
+`hc_pre_norm` -> attention -> `hc_merge_mix` (partials for the layer's ffn_hc) -> `hc_pre_norm` -> MoE ->
+`hc_merge_mix` (partials for the next layer's attn_hc, or the head), and `hc_head_norm` before the lm_head.
 
 Per-object preparation (contiguous fp32 fn/base/scale, mix count) is cached in `_PREP` keyed by id(obj) on first
 use (dropped when the object is collected); nothing is prepared per step. The partials'
