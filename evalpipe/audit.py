@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -72,7 +73,7 @@ def _load_json(path: Path, check: Check) -> Optional[dict]:
 
 
 def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: Optional[float] = None,
-              grader_workers: int = 2) -> AuditReport:
+              grader_workers: int = 2, progress: bool = False) -> AuditReport:
     run_dir = Path(run_dir)
     c_rec, c_prompt, c_grade, c_done, c_sum, c_man = (Check(n) for n in
                                                       ("records", "prompts", "grades", "complete", "summary", "manifest"))
@@ -148,7 +149,7 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
 
     # ---- grades
     timeout = grader_timeout_s or start.get("transport", {}).get("grader_timeout_s") or 30.0
-    regraded = _regrade(lane.grader, records, timeout, grader_workers)
+    regraded = _regrade(lane.grader, records, timeout, grader_workers, progress)
     for r, (extracted, correct, status) in zip(records, regraded):
         if r.get("error"):
             got = (None, False, "request_error")
@@ -222,24 +223,38 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
     return AuditReport(run_dir, checks, warnings)
 
 
-def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int) -> list[tuple]:
+def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, progress: bool = False) -> list[tuple]:
+    """Grades of `records` from their raw text, in order; `progress` shows a bar on stderr (the AIME grader can
+    take seconds per answer)."""
     needs_pool = grader == "ns_last_boxed" and any(not r.get("error") for r in records)
     pool = GraderPool(workers=workers, timeout_s=timeout_s) if needs_pool else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(records), desc="audit: re-grading", unit="rec", file=sys.stderr, mininterval=0.5,
+                   dynamic_ncols=True)
 
     async def go():
         sem = asyncio.Semaphore(max(1, workers) * 2)
 
         async def one(r):
-            if r.get("error"):
-                return (None, False, "request_error")
-            async with sem:
-                return await grade_text(grader, r["expected_answer"], r.get("response_text") or "",
-                                        r.get("finish_reason") == "length", pool)
+            try:
+                if r.get("error"):
+                    return (None, False, "request_error")
+                async with sem:
+                    return await grade_text(grader, r["expected_answer"], r.get("response_text") or "",
+                                            r.get("finish_reason") == "length", pool)
+            finally:
+                if bar is not None:
+                    bar.update(1)
 
         return await asyncio.gather(*(one(r) for r in records))
 
     try:
         return list(asyncio.run(go()))
     finally:
+        if bar is not None:
+            bar.close()
         if pool is not None:
             pool.close()

@@ -105,6 +105,10 @@ def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(
     a = run_cli("audit", run_dir)
     assert a.returncode == 0, a.stdout + a.stderr
     assert "audit passed" in a.stdout
+    n_records = len((run_dir / "responses.jsonl").read_text().splitlines())
+    assert "audit: re-grading" in a.stderr and f"{n_records}/{n_records}" in a.stderr  # the bar, on stderr only
+    quiet = run_cli("audit", run_dir, "--no-progress")
+    assert quiet.returncode == 0 and "re-grading" not in quiet.stderr and quiet.stdout == a.stdout
     # ... and fails once one record's raw text is edited
     original = (run_dir / "responses.jsonl").read_text()
     lines = original.splitlines()

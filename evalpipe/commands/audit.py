@@ -15,7 +15,8 @@ import click
               help="Hard per-answer grader timeout for re-grading (default: the run's own).")
 @click.option("--grader-workers", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Grader processes for AIME lanes.")
-def command(run_dir, data_dir, grader_timeout, grader_workers):
+@click.option("--no-progress", is_flag=True, help="No progress bar while re-grading.")
+def command(run_dir, data_dir, grader_timeout, grader_workers, no_progress):
     """Re-check RUN_DIR from its raw records; print what differs and exit 1 when anything does.
 
     Checks: records (schema), prompts (rebuilt and hashed), grades (re-graded from raw text), complete (every
@@ -26,7 +27,8 @@ def command(run_dir, data_dir, grader_timeout, grader_workers):
 
     if not (run_dir / "manifest.json").exists():
         raise click.UsageError(f"{run_dir} is not a run folder (no manifest.json)")
-    report = audit_run(run_dir, data_dir=data_dir, grader_timeout_s=grader_timeout, grader_workers=grader_workers)
+    report = audit_run(run_dir, data_dir=data_dir, grader_timeout_s=grader_timeout, grader_workers=grader_workers,
+                       progress=not no_progress)
     for c in report.checks:
         click.echo(f"{'OK  ' if c.ok else 'FAIL'} {c.name}")
         for p in c.problems[:MAX_SHOWN]:
