@@ -26,11 +26,17 @@ def _prompt(n, seed):
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_static_step_with_triton_kernels_equals_plain_runner(cache_dir):
+@pytest.mark.parametrize("sites", [False, True], ids=["plain-csa", "served-csa-sites"])
+def test_static_step_with_triton_kernels_equals_plain_runner(cache_dir, sites):
     """Two requests (bucket 2) whose prompts cross the sliding window and both compression ratios: decode steps and
     one 6-row verify step give the plain runner's logits (fp32, different op grouping) and the same greedy tokens,
-    and leave the same state behind."""
+    and leave the same state behind. `served-csa-sites`: the model set up as the server sets it up
+    (`fused_sites.configure`: CSA selection through candidate_block_mask + indexer_postprocess, Triton too)."""
+    from evalpipe.engine import fused_sites
+
     plain, base = _runner(cache_dir), _runner(cache_dir)
+    if sites:
+        fused_sites.configure(base.model, backend="triton")
     graph = GraphRunner(base, widths=(1, 6), buckets=(2,), fused=True, kernel_backend="triton")
     seqs_p = [plain.allocate() for _ in range(2)]
     seqs_g = [graph.allocate() for _ in range(2)]
@@ -39,6 +45,7 @@ def test_static_step_with_triton_kernels_equals_plain_runner(cache_dir):
         toks = _prompt(n, i)
         last.append(int(plain.forward([seqs_p[i]], [toks])[0].argmax()))
         graph.forward([seqs_g[i]], [toks])
+    calls = dict(fused_sites.site_counts())  # after the (eager) prefills: what follows is static steps only
     for step in range(4):
         if step == 2:
             rows = [[t] + _prompt(5, 50 + i) for i, t in enumerate(last)]
@@ -59,6 +66,10 @@ def test_static_step_with_triton_kernels_equals_plain_runner(cache_dir):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         last = [int(r.argmax()) for r in picks]
     assert sorted(graph.steps) == [(2, 1), (2, 6)]
+    if sites:  # the static step went through the sites (once per CSA layer and step)
+        now = fused_sites.site_counts()
+        assert now["indexer_postprocess"] > calls.get("indexer_postprocess", 0)
+        assert now["candidate_block_mask"] > calls.get("candidate_block_mask", 0)
     for sp, sg in zip(seqs_p, seqs_g):
         snap_p, snap_g = plain.state_snapshot(sp), graph.state_snapshot(sg)
         for k in snap_p:
