@@ -7,22 +7,27 @@ other forward (prefill chunks, mixed widths) goes to the wrapped runner unchange
 
 The static step is the engine's model with every data-dependent shape and host read removed:
 - inputs live in one persistent device buffer (token ids, starts, slots, row-valid flags and the page table), filled
-  by a single host-to-device copy before the step; everything else is derived on the device inside the step;
+  by a single host-to-device copy before the step; everything else is derived on the device inside the step (every
+  index array in one kernel, `step_meta`);
 - batches are padded with *whole* requests: a padding request uses the reserved `pad_slot` (its own ring regions,
   no pages, so its page-table row is the trash page), position 0.., and row_valid 0. Every write is addressed by the
   row's own metadata (ring cell slot*R + pos % R, entry rows through the slot's page-table row, or gated by
   row_valid in the fused C2 kernel), so a padding row never touches a live request's state;
 - compressed entries are attended over the fixed maximum count (pages_per_seq * page_tokens / ratio) with the
   causal visibility mask, instead of the live count (which needs a host read);
-- mHC, RMSNorm, the routed experts and the (non-C2) compressor windows use `graph_ops` (one kernel each; the eager
-  MoE reads expert counts to the host, the eager compressor skips idle windows by reading starts on the host).
+- every op chain is one or two launches, so a batch-1 step is not bound by kernel launches: mHC between blocks
+  (`step_hyper`, 2 per block), the attention core (`step_attention`), q/kv norms, indexer scores and the CSA top-k
+  (`step_attn_inputs`), the MoE block (`step_moe`: the eager MoE reads expert counts to the host), RMSNorm and the
+  (non-C2) compressor windows (`graph_ops`: the eager compressor skips idle windows by reading starts on the host).
+  Each has a PyTorch reference, which is what runs on the CPU.
 
 On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph` (after two warm-up runs that
 compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
 step runs eagerly (the "dry path"), which is what the CPU tests check against the plain runner.
 
-`fused=True` routes the fusion sites of the step through `evalpipe.kernels`: `q_rope_store` for the RoPE of q and
-of the shared K=V head and for the inverse RoPE of the attention output; `c2_verify` for the ratio-2 compressors.
+`fused=True` routes the fusion sites of the step through `evalpipe.kernels`: `q_rope_store` for the RoPE of q, of
+the shared K=V head and of the indexer queries and for the inverse RoPE of the attention output; `c2_verify` for the
+ratio-2 compressors.
 `fused=False` runs the engine's reference chains (`apply_rope`, `Compressor.pool`) at exactly those sites and
 changes nothing else in the captured step, so fusion can be A/B'd in one build.
 """
