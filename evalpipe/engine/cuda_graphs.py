@@ -13,7 +13,7 @@ The static step is the engine's model with every data-dependent shape and host r
   no pages, so its page-table row is the trash page), position 0.., and row_valid 0. Every write is addressed by the
   row's own metadata (ring cell slot*R + pos % R, entry rows through the slot's page-table row, or gated by
   row_valid in the fused C2 kernel), so a padding row never touches a live request's state;
-- compressed entries are attended over the fixed maximum count (pages_per_seq * page_tokens / ratio) with the
+- compressed entries are attended over the fixed maximum count (max_seq_len // ratio) with the
   causal visibility mask, instead of the live count (which needs a host read);
 - every op chain is one or two launches, so a batch-1 step is not bound by kernel launches: mHC between blocks
   (`step_hyper`, 2 per block), the attention core (`step_attention`), q/kv norms, indexer scores and the CSA top-k
