@@ -18,3 +18,17 @@ def one_thread():
 def cache_dir(tmp_path_factory):
     """A private weight cache (EVALPIPE_CACHE_DIR-style) for the module's default-model runners."""
     return tmp_path_factory.mktemp("evalpipe-cache")
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(cache_dir):
+    """Factory: `tiny_runner(**kwargs)` is a ModelRunner on the default tiny model whose seeded weights are cached
+    in the module's private cache (built once per module, reused by every runner after the first)."""
+    from evalpipe.engine.runner import ModelRunner
+
+    def make(**kwargs):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
+            return ModelRunner(**kwargs)
+
+    return make

@@ -14,19 +14,11 @@ from evalpipe.engine import graph_ops
 from evalpipe.engine.cuda_graphs import GraphRunner, bucket_for, pack_step_inputs
 from evalpipe.engine.runner import ModelRunner
 
+SMALL = dict(max_seqs=6, max_seq_len=160)  # the runners of these tests
 LOGIT_TOL = 5e-5  # float32, same math, different op grouping (fixed entry count, fp32-accumulated MoE/mHC)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_runner(cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    try:
-        return ModelRunner(max_seqs=6, max_seq_len=160)
-    finally:
-        mp.undo()
 
 
 def prompt(n, seed):
@@ -46,11 +38,11 @@ def test_bucket_and_packing():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_static_steps_equal_plain_runner(cache_dir, fused):
+def test_static_steps_equal_plain_runner(tiny_runner, fused):
     """Decode (bucket 4 padded from 3 requests, then 1 request in bucket 1) and 6-row verify steps give the plain
     runner's logits, and leave every pool of every live request as the plain runner leaves it. Prompt lengths
     cross the sliding window and both compression ratios; 40 steps cross more boundaries."""
-    plain, graph_base = make_runner(cache_dir), make_runner(cache_dir)
+    plain, graph_base = tiny_runner(**SMALL), tiny_runner(**SMALL)
     graph = GraphRunner(graph_base, widths=(1, 6), buckets=(1, 2, 4), fused=fused)
     assert graph.pad_slot not in (0, 1, 2) or True
     lengths = [37, 50, 29]
@@ -95,10 +87,10 @@ def test_static_steps_equal_plain_runner(cache_dir, fused):
             assert (snap_p[k] - snap_g[k]).abs().max().item() < 1e-4, k
 
 
-def test_padding_never_writes_live_state(cache_dir):
+def test_padding_never_writes_live_state(tiny_runner):
     """A padded bucket's extra requests address only the pad slot: a live request that sits out a step keeps
     every pool cell, and the trash page is the only page the pad slot touches."""
-    runner = make_runner(cache_dir)
+    runner = tiny_runner(**SMALL)
     graph = GraphRunner(runner, widths=(1,), buckets=(4,), fused=True)
     a, b = graph.allocate(), graph.allocate()
     graph.forward([a], [prompt(40, 1)])
@@ -115,9 +107,9 @@ def test_padding_never_writes_live_state(cache_dir):
     assert graph.describe()["cuda_graphs"]["captured"] == ["4x1"]
 
 
-def test_graph_ops_reference_matches_engine_hyper_and_moe(cache_dir):
+def test_graph_ops_reference_matches_engine_hyper_and_moe(tiny_runner):
     """The references graph_ops falls back to (CPU) compute the engine's own mHC and MoE."""
-    runner = make_runner(cache_dir)
+    runner = tiny_runner(**SMALL)
     layer = runner.model.layers[2]
     streams = torch.randn(5, runner.config.hc_mult, runner.config.hidden_size)
     ref = layer.attn_hc(streams)
@@ -136,14 +128,9 @@ def test_graph_ops_reference_matches_engine_hyper_and_moe(cache_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="CUDA-graph capture/replay needs a CUDA GPU (none here); the dry path above covers the "
                            "step logic, benchmarks/gpu_serving.py runs the captured graphs on the H200")
-def test_captured_graph_replays_equal_eager(cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    try:
-        plain = ModelRunner(max_seqs=6, max_seq_len=160, device="cuda")
-        base = ModelRunner(max_seqs=6, max_seq_len=160, device="cuda")
-    finally:
-        mp.undo()
+def test_captured_graph_replays_equal_eager(tiny_runner):
+    plain = tiny_runner(**SMALL, device="cuda")
+    base = tiny_runner(**SMALL, device="cuda")
     graph = GraphRunner(base, widths=(1, 6), buckets=(1, 2, 4), fused=True)
     sp, sg = plain.allocate(), graph.allocate()
     toks = prompt(45, 9)
@@ -158,7 +145,7 @@ def test_captured_graph_replays_equal_eager(cache_dir):
 
 
 
-def test_serving_runner_and_drafter_on_the_wrapped_runner(cache_dir):
+def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner):
     """`evalpipe serve` wiring: on the CPU the plain runner (max_batch slots); a GraphRunner hands drafters its
     wrapped ModelRunner (layerskip views copy a ModelRunner, not the wrapper) and still decodes speculatively."""
     from types import SimpleNamespace
@@ -172,11 +159,11 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(cache_dir):
 
     def factory(max_seqs):
         built.append(max_seqs)
-        return make_runner(cache_dir)
+        return tiny_runner(**SMALL)
 
     plain = serving_runner(factory, device="cpu", max_batch=5, speculative="block")
     assert isinstance(plain, ModelRunner) and built == [5]
-    graph = GraphRunner(make_runner(cache_dir), widths=(1, 3), buckets=(1, 2), fused=True)
+    graph = GraphRunner(tiny_runner(**SMALL), widths=(1, 3), buckets=(1, 2), fused=True)
     assert graph.eager_runner is graph.runner and graph.max_seqs == graph.runner.max_seqs - 1
     settings = SimpleNamespace(speculative="block", block_size=2, drafter="layerskip:2", simulate_acc_len=None)
     decoder = decoder_from_settings(settings, graph)
@@ -186,7 +173,7 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(cache_dir):
     seq.slot = graph.allocate()
     seq.state = {}
     seq.output.append(int(graph.forward([seq.slot], [seq.prompt[:]])[0].argmax()))
-    ref = make_runner(cache_dir)
+    ref = tiny_runner(**SMALL)
     rs = ref.allocate()
     want = [int(ref.forward([rs], [seq.prompt[:]])[0].argmax())]
     for _ in range(12):

@@ -17,13 +17,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def runner(cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    try:
-        yield ModelRunner(max_seqs=40, max_seq_len=512)
-    finally:
-        mp.undo()
+def runner(tiny_runner):
+    return tiny_runner(max_seqs=40, max_seq_len=512)
 
 
 def greedy(runner, seq, logits, steps):
@@ -145,9 +140,8 @@ def test_truncate_then_diverge_equals_fresh(runner, rejected):
     runner.free(b)
 
 
-def test_slots_pages_and_validation(cache_dir, monkeypatch):
-    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    small = ModelRunner(max_seqs=2, max_seq_len=256, num_pages=3)  # page = 64 tokens
+def test_slots_pages_and_validation(tiny_runner):
+    small = tiny_runner(max_seqs=2, max_seq_len=256, num_pages=3)  # page = 64 tokens
     a, b = small.allocate(), small.allocate()
     with pytest.raises(PoolExhausted):
         small.allocate()
@@ -213,11 +207,10 @@ def test_forward_is_causal_under_exact_indexer_ties(tmp_path):
     assert float((short - long[:80]).abs().max()) < LOGIT_TOL
 
 
-def test_bfloat16_runner_tracks_float32(runner, cache_dir, monkeypatch):
+def test_bfloat16_runner_tracks_float32(runner, tiny_runner):
     """`--dtype bfloat16` path: same model in bf16 (norms, sinks, mHC and biases stay float32 like transformers)
     stays close to float32 and decodes."""
-    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    bf16 = ModelRunner(dtype=torch.bfloat16, max_seqs=2, max_seq_len=256)
+    bf16 = tiny_runner(dtype=torch.bfloat16, max_seqs=2, max_seq_len=256)
     ids = prompt(80, 9)
     a, b = bf16.allocate(), runner.allocate()
     low = bf16.forward([a], [ids], all_logits=True)

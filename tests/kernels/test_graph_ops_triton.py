@@ -64,7 +64,7 @@ def test_rms_norm_kernel_matches_engine_primitives(D):
     assert (got - primitives.unweighted_rms_norm(x, 1e-6)).abs().max().item() < 1e-5
 
 
-def test_compress_kernel_matches_engine_compressor(tmp_path, monkeypatch):
+def test_compress_kernel_matches_engine_compressor(tiny_runner):
     """graph_ops.compress (one kernel) writes the same entries as the engine's Compressor.pool for every compressor
     of the tiny model (CSA overlap ratio 4, its indexer, HCA ratio 2), on a padded static step of two live
     requests whose rows complete windows, with ring (past) and in-forward rows both feeding the windows."""
@@ -72,10 +72,7 @@ def test_compress_kernel_matches_engine_compressor(tmp_path, monkeypatch):
 
     n = 6  # rows per request: windows complete inside the forward and straddle the ring (decode is the n=1 case)
     from evalpipe.engine.cuda_graphs import GraphRunner, StaticBatch, pack_step_inputs
-    from evalpipe.engine.runner import ModelRunner
-
-    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(tmp_path))
-    runner = ModelRunner(max_seqs=5, max_seq_len=160)
+    runner = tiny_runner(max_seqs=5, max_seq_len=160)
     graph = GraphRunner(runner, widths=(n,), buckets=(4,))
     gen = torch.Generator().manual_seed(n)
     seqs = [graph.allocate(), graph.allocate()]

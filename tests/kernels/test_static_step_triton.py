@@ -8,18 +8,8 @@ import pytest
 import torch
 
 from evalpipe.engine.cuda_graphs import GraphRunner
-from evalpipe.engine.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _runner(cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    try:
-        return ModelRunner(max_seqs=4, max_seq_len=96)
-    finally:
-        mp.undo()
 
 
 def _prompt(n, seed):
@@ -27,14 +17,14 @@ def _prompt(n, seed):
 
 
 @pytest.mark.parametrize("sites", [False, True], ids=["plain-csa", "served-csa-sites"])
-def test_static_step_with_triton_kernels_equals_plain_runner(cache_dir, sites):
+def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites):
     """Two requests (bucket 2) whose prompts cross the sliding window and both compression ratios: decode steps and
     one 6-row verify step give the plain runner's logits (fp32, different op grouping) and the same greedy tokens,
     and leave the same state behind. `served-csa-sites`: the model set up as the server sets it up
     (`fused_sites.configure`: CSA selection through candidate_block_mask + indexer_postprocess, Triton too)."""
     from evalpipe.engine import fused_sites
 
-    plain, base = _runner(cache_dir), _runner(cache_dir)
+    plain, base = tiny_runner(max_seqs=4, max_seq_len=96), tiny_runner(max_seqs=4, max_seq_len=96)
     if sites:
         fused_sites.configure(base.model, backend="triton")
     graph = GraphRunner(base, widths=(1, 6), buckets=(2,), fused=True, kernel_backend="triton")

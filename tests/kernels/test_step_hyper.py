@@ -159,15 +159,8 @@ def test_partials_must_fit():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from evalpipe.engine.runner import ModelRunner
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EVALPIPE_CACHE_DIR", str(tmp_path_factory.mktemp("evalpipe-cache")))
-    try:
-        return ModelRunner(max_seqs=2, max_seq_len=32).model
-    finally:
-        mp.undo()
+def tiny_model(tiny_runner):
+    return tiny_runner(max_seqs=2, max_seq_len=32).model
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -138,13 +138,10 @@ def test_moe_forward_matches_engine_moe(T, kind):
     assert (y - yr).abs().max().item() < 1e-4 * max(1.0, yr.abs().max().item())
 
 
-def test_moe_forward_on_tiny_model_layers(cache_dir, monkeypatch):
+def test_moe_forward_on_tiny_model_layers(tiny_runner):
     """The default tiny model's own MoE objects as ModelRunner builds them (a hash_moe and a moe layer, E 8,
     top-2, I 128, hidden 256), T = 6 rows."""
-    from evalpipe.engine.runner import ModelRunner
-
-    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    layers = ModelRunner(max_seqs=2, max_seq_len=64).model.layers
+    layers = tiny_runner(max_seqs=2, max_seq_len=64).model.layers
     gen = torch.Generator().manual_seed(21)
     for layer in (layers[0], layers[2]):
         moe = layer.mlp
@@ -178,13 +175,10 @@ def test_dispatch_and_guards():
     assert empty.shape == (0, D)
 
 
-def test_static_step_with_moe_forward_equals_plain_runner(cache_dir, monkeypatch):
+def test_static_step_with_moe_forward_equals_plain_runner(tiny_runner, monkeypatch):
     """The integration as StaticModel will call it: a GraphRunner decode step (dry path, bucket 2) whose MoE blocks
     run moe_forward's Triton kernels (interpreted) gives the plain runner's logits."""
     from evalpipe.engine.cuda_graphs import GraphRunner, StaticModel
-    from evalpipe.engine.runner import ModelRunner
-
-    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
     calls = []
 
     def moe(self, moe_obj, x, input_ids):
@@ -192,8 +186,8 @@ def test_static_step_with_moe_forward_equals_plain_runner(cache_dir, monkeypatch
         return step_moe.moe_forward(moe_obj, x, input_ids, backend="triton")
 
     monkeypatch.setattr(StaticModel, "moe", moe)
-    plain = ModelRunner(max_seqs=3, max_seq_len=64)
-    graph = GraphRunner(ModelRunner(max_seqs=3, max_seq_len=64), widths=(1,), buckets=(2,), fused=False)
+    plain = tiny_runner(max_seqs=3, max_seq_len=64)
+    graph = GraphRunner(tiny_runner(max_seqs=3, max_seq_len=64), widths=(1,), buckets=(2,), fused=False)
     seqs_p, seqs_g = [plain.allocate(), plain.allocate()], [graph.allocate(), graph.allocate()]
     gen = torch.Generator().manual_seed(3)
     for sp, sg, n in zip(seqs_p, seqs_g, (9, 14)):
