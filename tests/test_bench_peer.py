@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.scripted_server import free_port, stop_scripted_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,12 +40,6 @@ DEFAULT = {
     "completion_delay_s": 0.0,
     "max_model_len": None,  # listed in /v1/models when set, as vLLM/SGLang/native do
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -71,12 +66,7 @@ def start_peer(**config):
             time.sleep(0.05)
         yield root + "/v1", lambda: httpx.get(root + "/peer/stats", timeout=10).json()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_scripted_server(proc)
 
 
 def _text(ids: list[int]) -> str:
