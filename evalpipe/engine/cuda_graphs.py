@@ -39,10 +39,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine import graph_ops
+from evalpipe.engine import graph_ops, step_attention, step_attn_inputs, step_hyper
 from evalpipe.engine.forward_batch import Group, RowRope, entry_index
-from evalpipe.engine.step_meta import MetaShape
 from evalpipe.engine.primitives import apply_rope
+from evalpipe.engine.step_meta import MetaShape, step_meta
+from evalpipe.engine.step_moe import moe_forward
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -75,8 +76,6 @@ class StaticBatch(RowRope):
     """The `ForwardBatch` interface over device buffers of fixed shape: B requests of n rows, one group."""
 
     def __init__(self, pools, meta: torch.Tensor, B: int, n: int, consts: dict, backend: str = "auto"):
-        from evalpipe.engine.step_meta import step_meta
-
         T = B * n
         self.pools, self.num_rows = pools, T
         self.input_ids = meta[:T]
@@ -93,19 +92,15 @@ class StaticBatch(RowRope):
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         group = self.groups[0]
         # entries: the fixed maximum count (as if every request ended at max_seq_len), so there is no host read of
-        # the live maximum; the static path reads only the rows (visibility comes as counts and HCA rows)
+        # the live maximum; the static path reads only the rows (visibility: -inf scores for CSA, HCA rows of -1)
         for ratio, entry_rows in info.rows.items():
             group.memo[("entries", ratio)] = (entry_rows, None)
-            group.memo[("visible_count", ratio)] = info.counts[ratio]
         if info.hca_rows is not None:
             group.memo[("hca_rows", consts["meta_shape"].hca_ratio)] = info.hca_rows
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.groups[0].n > ring_size:
             raise ValueError(f"static step of {self.groups[0].n} rows exceeds ring size {ring_size}")
-        if ring_size not in self._ring_writes:
-            # every row is stored (n <= ring size): the values are taken whole, no gather
-            self._ring_writes[ring_size] = (slice(None), self.slot * ring_size + self.pos % ring_size)
         return self._ring_writes[ring_size]
 
 
@@ -135,8 +130,6 @@ class StaticModel:
         """Embedding -> [mHC, attention, mHC, MoE] x L -> hyper head -> norm -> lm_head. Each block boundary is two
         kernels (`step_hyper`: the merge that ends a block also computes the next hyper-connection's mixing
         partials; the next block starts by reducing them, Sinkhorn, collapse and its input RMSNorm)."""
-        from evalpipe.engine import step_hyper
-
         m, b = self.model, self.backend
         eps = m.config.rms_norm_eps
         x = F.embedding(batch.input_ids, m.embed)
@@ -175,8 +168,6 @@ class StaticModel:
         the indexer's scores in one kernel, the attention core (window ring + this forward's rows + compressed
         entries + sink) in one kernel. The fusion sites -- RoPE of q and of the K=V head, the inverse RoPE of the
         output, the ratio-2 compressor -- go through `evalpipe.kernels` (fused) or the engine's reference chains."""
-        from evalpipe.engine import step_attention, step_attn_inputs
-
         T = x.shape[0]
         H, D = attn.heads, attn.head_dim
         group = batch.groups[0]
@@ -237,9 +228,7 @@ class StaticModel:
             from evalpipe.engine.fused_sites import csa_rows
 
             return csa_rows(attn, scores, group, batch, k)
-        from evalpipe.engine.step_attn_inputs import csa_select
-
-        return csa_select(scores, rows, group.n, k, backend=self.backend)
+        return step_attn_inputs.csa_select(scores, rows, group.n, k, backend=self.backend)
 
     def compress(self, comp, proj: torch.Tensor, batch: StaticBatch, cpool) -> None:
         if not (comp.ratio == 2 and not comp.overlap):  # not a fusion site: the graph path's one-kernel pooling
@@ -259,8 +248,6 @@ class StaticModel:
     def moe(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Routed experts read by device-side index (no sort, no host counts) plus the shared expert as one more
         pick: router GEMM, route, gate_up + SwiGLU, down + weighted sum (`step_moe`, 4 launches)."""
-        from evalpipe.engine.step_moe import moe_forward
-
         return moe_forward(moe, x, input_ids, backend=self.backend)
 
 

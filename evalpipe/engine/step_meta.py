@@ -2,8 +2,7 @@
 
 A step's layers address state through a handful of integer arrays: each row's position and slot, its ring cell in
 every ring (window, compressor and indexer rings), the pool rows of entries 0..E-1 of each request for every
-compression ratio (through its page table), each row's count of visible entries, and for HCA the [T, E] rows with
--1 where an entry is not yet visible. Built with torch ops that is ~35 launches of 1-2 us integer kernels per step
+compression ratio (through its page table), and for HCA the [T, E] rows with -1 where an entry is not yet visible. Built with torch ops that is ~35 launches of 1-2 us integer kernels per step
 (arange, mul, floor_divide, remainder, clamp, index, where, ...); here it is one launch. The results are integers,
 so the kernel and the torch reference (the engine's own `entry_rows` arithmetic) agree exactly.
 
@@ -49,7 +48,6 @@ class StepMeta:
     slot: torch.Tensor  # [T] int64
     cells: dict[int, torch.Tensor]  # ring size -> [T] ring cell (slot * R + pos % R)
     rows: dict[int, torch.Tensor]  # ratio -> [B, E] pool rows of entries 0..E-1
-    counts: dict[int, torch.Tensor]  # ratio -> [T, 1] entries visible to the row: (pos + 1) // ratio
     hca_rows: torch.Tensor | None  # [T, E] rows of visible entries of the HCA ratio, -1 elsewhere
 
 
@@ -66,7 +64,7 @@ if tl is not None:
         im = i < n
         pos = start + i
         t = b * n + i
-        if j == 0:  # the request's rows: position, slot, ring cells, visible-entry counts
+        if j == 0:  # the request's rows: position, slot, ring cells
             tl.store(out_ptr + t, pos, mask=im)
             tl.store(out_ptr + T + t, slot + i * 0, mask=im)
             tl.store(out_ptr + 2 * T + t, slot * R1 + pos % R1, mask=im)
@@ -74,9 +72,6 @@ if tl is not None:
                 tl.store(out_ptr + 3 * T + t, slot * R2 + pos % R2, mask=im)
             if R3 > 0:
                 tl.store(out_ptr + 4 * T + t, slot * R3 + pos % R3, mask=im)
-            tl.store(out_ptr + 5 * T + t, (pos + 1) // Q1, mask=im)
-            if Q2 > 0:
-                tl.store(out_ptr + 6 * T + t, (pos + 1) // Q2, mask=im)
         w = j * BLOCK + tl.arange(0, BLOCK)
         # entries 0..E-1 of this request per ratio: its page table row, as StatePools.entry_rows
         per1 = page_tokens // Q1
@@ -118,21 +113,20 @@ def step_meta_reference(meta: torch.Tensor, shape: MetaShape) -> StepMeta:
     pos = (starts[:, None] + torch.arange(n, device=meta.device)[None]).reshape(-1)
     slot = slots[:, None].expand(B, n).reshape(-1)
     cells = {R: slot * R + pos % R for R in shape.rings}
-    rows, counts = {}, {}
+    rows = {}
     for ratio, E in zip(shape.ratios, shape.entries):
         per_page = shape.page_tokens // ratio
         w = torch.arange(E, device=meta.device)[None].expand(B, E)
         col = ((w * ratio) // shape.page_tokens).clamp(max=shape.pages_per_seq - 1)
         rows[ratio] = table[slots[:, None], col] * per_page + w % per_page
-        counts[ratio] = ((pos + 1) // ratio)[:, None]
     hca = None
     if shape.hca_ratio:
         r = shape.hca_ratio
         E = rows[r].shape[1]
         per_row = rows[r][:, None, :].expand(B, n, E).reshape(T, E)
-        visible = torch.arange(E, device=meta.device)[None] < counts[r]
+        visible = torch.arange(E, device=meta.device)[None] < ((pos + 1) // r)[:, None]
         hca = torch.where(visible, per_row, torch.full_like(per_row, -1))
-    return StepMeta(pos, slot, cells, rows, counts, hca)
+    return StepMeta(pos, slot, cells, rows, hca)
 
 
 def step_meta(meta: torch.Tensor, shape: MetaShape, *, backend: str = "auto") -> StepMeta:
@@ -142,7 +136,7 @@ def step_meta(meta: torch.Tensor, shape: MetaShape, *, backend: str = "auto") ->
         return step_meta_reference(meta, shape)
     B, n, T = shape.B, shape.n, shape.T
     E = list(shape.entries) + [0] * (2 - len(shape.entries))
-    off_rows1 = 7 * T
+    off_rows1 = 5 * T
     off_rows2 = off_rows1 + B * E[0]
     off_hca = off_rows2 + B * E[1]
     he = E[shape.ratios.index(shape.hca_ratio)] if shape.hca_ratio else 0
@@ -155,8 +149,7 @@ def step_meta(meta: torch.Tensor, shape: MetaShape, *, backend: str = "auto") ->
                     off_hca, R1=rings[0], R2=rings[1], R3=rings[2], Q1=ratios[0], Q2=ratios[1],
                     HCA=shape.hca_ratio, N_PAD=triton.next_power_of_2(n), BLOCK=block, num_warps=4)
     cells = {R: out[(2 + k) * T:(3 + k) * T] for k, R in enumerate(shape.rings)}
-    counts = {q: out[(5 + k) * T:(6 + k) * T].view(T, 1) for k, q in enumerate(shape.ratios)}
     rows = {q: out[(off_rows1, off_rows2)[k]:(off_rows1, off_rows2)[k] + B * E[k]].view(B, E[k])
             for k, q in enumerate(shape.ratios)}
     hca = out[off_hca:off_hca + T * he].view(T, he) if shape.hca_ratio else None
-    return StepMeta(out[:T], out[T:2 * T], cells, rows, counts, hca)
+    return StepMeta(out[:T], out[T:2 * T], cells, rows, hca)
