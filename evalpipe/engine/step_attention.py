@@ -29,27 +29,11 @@ registers at the production shapes). The first H200 measurement (benchmarks/step
 version that selected between three base pointers, which compiled to scalar, unpipelined 2-byte loads: even so
 1.2x-2.8x faster than `_attend` with 1-2 kernels instead of 14-28.
 
-How to call it from StaticModel.attention (replacing `attn._attend(...)`; q, kv as today, before the ring stores)::
-
-    from evalpipe.engine.step_attention import fused_attention, hca_entry_rows
-    group = batch.groups[0]
-    entries = entry_rows = None
-    if attn.indexer is not None:      # CSA: the indexer's picked pool rows, [T, k], -1 = none
-        scores, visible, k = attn.indexer.scores(*idx_q, group, batch.pools, pool.indexer)
-        entry_rows = fused_sites.csa_rows(attn, scores.masked_fill(~visible, float("-inf")).reshape(T, -1),
-                                          group, batch, k)      # (k == 0: pass entries=None)
-        entries = pool.compressor.entries
-    elif attn.compressor is not None:  # HCA: every entry, hidden where not yet visible to the row
-        rows = entry_index(group, batch.pools, attn.ratio)[0]   # [B, E] (StaticBatch memo: fixed max E)
-        entry_rows = hca_entry_rows(rows, batch.pos, group.n, attn.ratio)
-        entries = pool.compressor.entries
-    out = fused_attention(q, kv, pool.window, batch.pools.window_ring, attn.window, batch.pos, batch.slot, group.n,
-                          entries, entry_rows, attn.sinks, attn.head_dim ** -0.5, backend=self.backend)  # [T, H, D]
-
-(plain runner without site settings: `entry_rows = picked_entry_rows(entry_index(...)[0], picked, n)` with
-`picked = attn.indexer.select(...)`). No per-layer preparation: sinks are already float32 on the layer. In the
-static step the HCA rows cover the fixed maximum entry count, so hca_entry_rows can be computed once per step per
-ratio and shared by all HCA layers (it depends on batch and ratio only).
+`StaticModel.attention` (engine/cuda_graphs.py) is the caller, after the q/kv RoPE and the compressors and before
+the ring stores: sliding layers pass entries None; HCA layers the rows of every entry with -1 where not yet visible
+(`hca_entry_rows`, computed once per step and ratio: `step_meta`); CSA layers the indexer's top-k pool rows
+(`step_attn_inputs.csa_select`, or `fused_sites.csa_rows` on a served model). No per-layer preparation: sinks are
+already float32 on the layer. `picked_entry_rows` maps the plain runner's `Indexer.select` picks the same way.
 """
 
 from __future__ import annotations

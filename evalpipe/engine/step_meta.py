@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from evalpipe.engine.graph_ops import _interpret, _use_triton
+from evalpipe.engine.step_attention import hca_entry_rows
 
 try:
     import triton
@@ -119,13 +120,7 @@ def step_meta_reference(meta: torch.Tensor, shape: MetaShape) -> StepMeta:
         w = torch.arange(E, device=meta.device)[None].expand(B, E)
         col = ((w * ratio) // shape.page_tokens).clamp(max=shape.pages_per_seq - 1)
         rows[ratio] = table[slots[:, None], col] * per_page + w % per_page
-    hca = None
-    if shape.hca_ratio:
-        r = shape.hca_ratio
-        E = rows[r].shape[1]
-        per_row = rows[r][:, None, :].expand(B, n, E).reshape(T, E)
-        visible = torch.arange(E, device=meta.device)[None] < ((pos + 1) // r)[:, None]
-        hca = torch.where(visible, per_row, torch.full_like(per_row, -1))
+    hca = hca_entry_rows(rows[shape.hca_ratio], pos, n, shape.hca_ratio) if shape.hca_ratio else None
     return StepMeta(pos, slot, cells, rows, hca)
 
 
