@@ -6,7 +6,7 @@
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py --sweep         # also time launch-shape variants
 
 At hc 4, D 4096, bf16 streams, T in {1, 6, 32}: a 2-layer chain (4 blocks whose outputs are fixed random tensors,
-then the head) run the current StaticModel way (graph_ops.hc_pre + rms_norm + hc_merge per block, HyperHead +
+then the head) run the previous StaticModel way (graph_ops.hc_pre + rms_norm + hc_merge per block, HyperHead +
 rms_norm) and the new way (hc_mix, then hc_pre_norm + hc_merge_mix per block, hc_head_norm). Checks: each Triton
 kernel against its PyTorch reference; each new op against the old ops on the same inputs; the whole chain against
 the old chain; two runs bitwise equal. Then both chains are CUDA-graph captured and replayed (median of event-timed

@@ -6,11 +6,11 @@ cannot contain. Each op here has a Triton kernel (one launch, no host reads, fix
 reference with the same contract; `backend="auto"` picks Triton on CUDA tensors and the reference elsewhere, so the
 same graph-path code runs (un-captured) on the CPU.
 
-- `hc_pre`: mHC pre-mix of one block: RMS scale of the flattened streams, pre/post/comb with the Sinkhorn projection,
-  and the collapsed block input -- one kernel after the (cuBLAS) mixing GEMV.
-- `hc_merge`: post-weighted block output plus comb^T-mixed streams -- one kernel.
-- `expert_gemv`: y[r] = x[r // x_div] @ W[idx[r]]^T (* scale[r]) for routed experts picked on the device: reads only
-  the picked experts' weights, no sort, no host round trip.
+- `rms_norm` and `compress` (the non-C2 compressor windows): on the static step's path.
+- `hc_pre`, `hc_merge`, `expert_gemv`: the first one-kernel versions of the mHC pre-mix / merge and the routed-expert
+  GEMV. The static step now runs `step_hyper` and `step_moe` (fewer launches) instead; these stay as the previous
+  chain that benchmarks/step_hyper_gpu.py and step_moe_gpu.py time the new kernels against, and that
+  tests/test_cuda_graphs.py checks against the engine's own mHC.
 
 Kernels are built on first use (not at import), so a test that sets TRITON_INTERPRET=1 runs them interpreted.
 """
