@@ -11,6 +11,7 @@ decode to nothing, like skipped special tokens in vLLM and SGLang.
 from __future__ import annotations
 
 import codecs
+import json
 import re
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ import jinja2
 
 SPECIAL_TOKENS = [
     "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>", "<|pad|>",
-    "<|end|>", "<|tool|>", "<|reserved_10|>", "<|reserved_11|>", "<|reserved_12|>", "<|reserved_13|>",
+    "<|end|>", "<|tool|>", "<|tool_call|>", "<|reserved_11|>", "<|reserved_12|>", "<|reserved_13|>",
     "<|reserved_14|>", "<|reserved_15|>",
 ]
 BYTE_OFFSET = len(SPECIAL_TOKENS)
@@ -28,15 +29,23 @@ BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
 VISIBLE_SPECIALS = {"<think>", "</think>"}
 
 # The byte tokenizer's chat template (same Jinja mechanism as Hugging Face's `apply_chat_template`).
+# `tools` are listed in a system turn, one JSON object per line; an assistant tool call is `<|tool_call|>` followed by
+# `{"name": ..., "arguments": {...}}`; a tool result is a `<|tool|>` turn.
 # `thinking` (or its alias `enable_thinking`) opens a `<think>` block after the assistant tag; default off.
 BYTE_CHAT_TEMPLATE = (
     "<|bos|>"
+    "{%- if tools -%}<|system|>Tools:"
+    "{%- for t in tools -%}{{ '\\n' }}{{ (t.function if t.function is defined else t) | tojson }}{%- endfor -%}<|end|>"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role in ('system', 'developer') -%}<|system|>"
     "{%- elif m.role == 'user' -%}<|user|>"
     "{%- elif m.role == 'tool' -%}<|tool|>"
     "{%- else -%}<|assistant|>{%- endif -%}"
-    "{{ m.content }}<|end|>"
+    "{{ m.content or '' }}"
+    "{%- for c in (m.tool_calls or []) -%}"
+    "<|tool_call|>{\"name\": {{ c.function.name | tojson }}, \"arguments\": {{ c.function.arguments }}}"
+    "{%- endfor -%}<|end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- if thinking or enable_thinking -%}<think>{%- endif -%}{%- endif -%}"
 )
@@ -58,7 +67,9 @@ class ByteTokenizer:
     def __init__(self):
         self._special_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
         self._special_re = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
-        self._template = jinja2.Environment(undefined=jinja2.ChainableUndefined).from_string(BYTE_CHAT_TEMPLATE)
+        env = jinja2.Environment(undefined=jinja2.ChainableUndefined)
+        env.filters["tojson"] = json.dumps  # Hugging Face's tojson: plain JSON, no HTML escaping
+        self._template = env.from_string(BYTE_CHAT_TEMPLATE)
 
     def encode(self, text: str) -> list[int]:
         """Bytes of `text`, with special-token strings mapped to their ids (as Hugging Face tokenizers do)."""

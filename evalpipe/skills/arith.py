@@ -1,0 +1,100 @@
+"""Skill `arith`: GSM8K-style word problems of 2-4 operations with operands of up to 3 digits.
+
+The story names one operation per day; the worked answer takes the days in order, one line each in GSM8K's answer
+format (`a + b = <<a+b=c>>c`), then `#### N`. Distractor sentences are added until every operand of the story lies
+more than WINDOW tokens (bytes) before the answer line that uses it, so the compressed attention layers, not the
+sliding window, must carry it. Every operand has at most 3 digits (a product or quotient only of a running value
+up to 999); running values stay in [0, 9999]; division is always exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+from evalpipe.skills import WINDOW, Example, completion_prompt
+from evalpipe.skills.words import DAYS, FILLER_SENTENCES, ITEMS, NAMES
+
+OPS = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
+MAX_VALUE = 9999
+
+
+def _op_sentence(op: str, x: int, pron: str, item: str, rng: random.Random) -> str:
+    if op == "+":
+        verb = rng.choice(["buys", "finds", "gets"])
+        return f"{pron} {verb} {x} more {item}."
+    if op == "-":
+        verb = rng.choice(["gives away", "sells", "loses"])
+        return f"{pron} {verb} {x} {item}."
+    if op == "*":
+        return f"{pron} ends up with {x} times as many {item}."
+    return f"{pron} splits the {item} into {x} equal groups and keeps one group."
+
+
+def _next_op(value: int, rng: random.Random) -> tuple[str, int]:
+    """A random operation and operand that keep the running value an integer in [0, MAX_VALUE]."""
+    while True:
+        op = rng.choice("+-*/")
+        if op == "+" and value < MAX_VALUE:
+            return op, rng.randint(1, min(999, MAX_VALUE - value))
+        if op == "-" and value > 0:
+            return op, rng.randint(1, min(999, value))
+        if op == "*" and 2 <= value <= 999:  # products and quotients only of operands up to 3 digits
+            return op, rng.randint(2, min(9, MAX_VALUE // value))
+        if op == "/" and 2 <= value <= 999:
+            divisors = [d for d in range(2, 10) if value % d == 0]
+            if divisors:
+                return op, rng.choice(divisors)
+
+
+def _apply(op: str, a: int, b: int) -> int:
+    return {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
+
+
+def generate(rng: random.Random, n_ops: int | None = None) -> Example:
+    n_ops = n_ops or rng.randint(2, 4)
+    name, pron = rng.choice(NAMES)
+    item = rng.choice(ITEMS)
+    start = rng.randint(10, 999)
+    first_day = rng.randint(0, len(DAYS) - n_ops)
+    days = DAYS[first_day:first_day + n_ops]
+    steps, value = [], start
+    for _ in range(n_ops):
+        op, x = _next_op(value, rng)
+        result = _apply(op, value, x)
+        steps.append((op, value, x, result))
+        value = result
+
+    story = [f"On {day}, {_op_sentence(op, x, pron.lower(), item, rng)}" for day, (op, _, x, _) in zip(days, steps)]
+    question = f"How many {item} does {name} have at the end?"
+    lines = [f"On {day}, {name} has {a} {op} {x} = <<{a}{op}{x}={r}>>{r} {item}."
+             for day, (op, a, x, r) in zip(days, steps)]
+    answer = "\n".join(lines) + f"\n#### {value}"
+
+    fillers = list(FILLER_SENTENCES)
+    rng.shuffle(fillers)
+    for _ in range(rng.randint(0, 2)):  # a few distractors between the days, for variety
+        story.insert(rng.randint(0, len(story)), fillers.pop())
+    sentences = [f"{name} has {start} {item}."] + story
+    while _min_operand_distance(_body(sentences, question), lines, steps, days) <= WINDOW:
+        sentences.append(fillers.pop())  # more distractors before the question push every operand further
+    identity = f"arith|{name}|{item}|{start}|{days[0]}|" + "|".join(f"{op}{x}" for op, _, x, _ in steps)
+    return Example("arith", identity, _body(sentences, question), answer, group=f"{n_ops}ops",
+                   meta={"n_ops": n_ops, "ops": [OPS[s[0]] for s in steps], "expected": value})
+
+
+def _body(sentences: list[str], question: str) -> str:
+    return " ".join(sentences) + " " + question
+
+
+def _min_operand_distance(body: str, lines: list[str], steps: list, days: list[str]) -> int:
+    """Bytes from each operand in the story to the place its answer line writes it (the smallest such gap)."""
+    prompt = completion_prompt(body) + " "
+    gaps = []
+    for k, (op, a, x, _) in enumerate(steps):
+        line_start = len(prompt) + sum(len(line) + 1 for line in lines[:k])
+        day_at = prompt.index(f"On {days[k]}, ")
+        where = prompt.index(f" {x} ", day_at) + 1
+        gaps.append(line_start + lines[k].index(f"{a} {op} {x}") + len(f"{a} {op} ") - where)
+    start_at = prompt.index(f" has {steps[0][1]} ") + 5
+    gaps.append(len(prompt) + lines[0].index(f" has {steps[0][1]} ") + 5 - start_at)
+    return min(gaps)

@@ -1,0 +1,1 @@
+"""Training of the default model (not part of the installed package)."""

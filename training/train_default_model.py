@@ -1,0 +1,305 @@
+"""Train evalpipe's default model: a small DeepSeek-V4 (transformers' `DeepseekV4ForCausalLM`) on the synthetic
+skills of `evalpipe.skills`, and write config.json, safetensors, a receipt (seeds, steps, tokens, wall time, GPU,
+package versions, eval results) and a loss-curve PNG.
+
+    python training/train_default_model.py --out runs/default --time-budget 480     # one H200, ~8 min
+    python training/train_default_model.py --out /tmp/smoke --smoke                 # CPU, a few steps
+
+Loss is on answer tokens only; an early-exit loss at each `--exit-layers` layer makes `layerskip:N` a real drafter;
+the CSA indexers learn from a KL loss (dense selection for the first `--dense-fraction` of steps, then the config's
+top-k); routed MoE layers are balanced by DeepSeek-V3's bias rule. The schedule is linear warm-up then cosine decay
+over the planned steps; with `--time-budget` the step count is planned from the measured speed of the first steps
+and written to the receipt, so `--steps N` repeats the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evalpipe.engine.config import load_config  # noqa: E402
+from training import data, objectives  # noqa: E402
+
+CONFIG = Path(__file__).with_name("default_model_config.json")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output folder (config, safetensors, receipt, PNG)")
+    p.add_argument("--config", type=Path, default=CONFIG, help="DeepseekV4Config JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, hash table and data streams")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: planned from --time-budget)")
+    p.add_argument("--time-budget", type=float, default=480.0, help="seconds of training when --steps is not given")
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--batch-tokens", type=int, default=65536, help="padded tokens per short batch")
+    p.add_argument("--long-tokens", type=int, default=24576, help="padded tokens per long (deep retrieval) batch")
+    p.add_argument("--long-every", type=int, default=8, help="every N-th batch is a long one (0: never)")
+    p.add_argument("--exit-layers", default="3,4", help="early-exit layers trained through the shared head")
+    p.add_argument("--exit-weight", type=float, default=0.3, help="weight of each early-exit loss")
+    p.add_argument("--kl-weight", type=float, default=1.0, help="weight of the indexer KL loss")
+    p.add_argument("--dense-fraction", type=float, default=0.25, help="share of steps with dense CSA selection")
+    p.add_argument("--bias-rate", type=float, default=1e-3, help="MoE selection-bias step per optimizer step")
+    p.add_argument("--eval-every", type=float, default=75.0, help="seconds between held-out evaluations")
+    p.add_argument("--eval-per-group", type=int, default=64)
+    p.add_argument("--workers", type=int, default=4, help="data worker processes")
+    p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
+    p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    return p.parse_args(argv)
+
+
+def build_model(args, device):
+    from transformers import DeepseekV4ForCausalLM
+
+    config = load_config(args.config)
+    torch.manual_seed(args.seed)
+    if args.init_from:
+        model = DeepseekV4ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+    else:
+        model = DeepseekV4ForCausalLM(config)
+        objectives.seed_hash_routing(model, args.seed)
+    return model.to(device).train()
+
+
+def lr_at(step: int, total: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, total - args.warmup))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def optimizer(model, args):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def train_step(model, taps, batch, args, device, autocast):
+    ids = batch["input_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    taps.clear()
+    with autocast():
+        out = model(input_ids=ids)
+        loss_final = objectives.answer_loss(out.logits, labels)
+        exits = {n: objectives.answer_loss(objectives.exit_logits(model, taps.hidden[n]), labels) for n in taps.exit_layers}
+        kl = objectives.indexer_kl(taps, model.config.compress_rates["compressed_sparse_attention"], ids.shape[1])
+    loss = loss_final + args.exit_weight * sum(exits.values()) + args.kl_weight * kl
+    loss.backward()
+    return {"loss": loss_final.detach(), "kl": kl.detach(), **{f"exit{n}": v.detach() for n, v in exits.items()},
+            "tokens": ids.numel(), "answer_tokens": int((labels != -100).sum())}
+
+
+@torch.no_grad()
+def evaluate(model, taps, sets, device, autocast, block_size=5, batch_size=64, token_budget=32768) -> dict:
+    """Teacher-forced exact match per group (all answer tokens argmax-correct = the greedy reply is exact), and per
+    exit layer the greedy-speculation accept length on the model's own path (G drafts, +1 bonus per step)."""
+    model.eval()
+    results = {}
+    for name, examples in sets.items():
+        exact, accept = 0, {n: [] for n in taps.exit_layers}
+        step = max(1, min(batch_size, token_budget // max(len(e) for e in examples)))
+        for start in range(0, len(examples), step):
+            chunk = examples[start:start + step]
+            batch = data.collate(chunk)
+            ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+            taps.clear()
+            with autocast():
+                logits = model(input_ids=ids).logits
+                exit_pred = {n: objectives.exit_logits(model, taps.hidden[n]).argmax(-1) for n in taps.exit_layers}
+            pred = logits.argmax(-1)
+            mask = labels != -100
+            exact += int(((pred == labels) | ~mask).all(-1).sum())
+            for n, ep in exit_pred.items():
+                for row in range(len(chunk)):
+                    agree = (ep[row] == pred[row])[mask[row]].tolist()
+                    accept[n].append(_accept_length(agree, block_size))
+        results[name] = {"exact": exact / len(examples), "n": len(examples),
+                         **{f"accept{n}": sum(v) / len(v) for n, v in accept.items()}}
+    model.train()
+    return results
+
+
+def _accept_length(agree: list[bool], block_size: int) -> float:
+    """Tokens per verify step when drafts are accepted while the exit agrees with the final layer."""
+    pos, steps = 0, 0
+    while pos < len(agree):
+        n = 0
+        while n < block_size and pos + n < len(agree) - 1 and agree[pos + n]:
+            n += 1
+        pos += n + 1
+        steps += 1
+    return len(agree) / steps
+
+
+def package_versions() -> dict:
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout, or $EVALPIPE_GIT_COMMIT where the code was copied without its .git (a GPU box)."""
+    if os.environ.get("EVALPIPE_GIT_COMMIT"):
+        return os.environ["EVALPIPE_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def save(model, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="15MB")
+    (out / "generation_config.json").unlink(missing_ok=True)
+
+
+def plot(history: list[dict], evals: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    steps = [h["step"] for h in history]
+    for key in [k for k in history[0] if k.startswith(("loss", "exit", "kl"))]:
+        a.plot(steps, [h[key] for h in history], label=key, linewidth=0.8)
+    a.set_yscale("log")
+    a.set_xlabel("step")
+    a.set_title("training losses (answer tokens)")
+    a.legend()
+    for name in evals[-1]["results"] if evals else []:
+        b.plot([e["step"] for e in evals], [e["results"][name]["exact"] for e in evals], label=name, marker=".")
+    b.set_xlabel("step")
+    b.set_ylim(-0.02, 1.02)
+    b.set_title("held-out exact match (teacher forced)")
+    b.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.smoke:
+        args.steps, args.batch_tokens, args.long_tokens, args.long_every = 3, 1024, 1536, 3
+        args.eval_per_group, args.workers, args.warmup, args.eval_every = 2, 0, 1, 1e9
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    random.seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
+        (lambda: torch.autocast("cpu", enabled=False))
+    model = build_model(args, device)
+    exit_layers = [int(x) for x in args.exit_layers.split(",") if x]
+    taps = objectives.Taps(model, exit_layers)
+    opt = optimizer(model, args)
+    stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
+                                         pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
+                                         persistent_workers=bool(args.workers))
+    sets = data.eval_sets(per_group=args.eval_per_group)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f} M parameters on {device}; exits {exit_layers}", flush=True)
+
+    total = args.steps
+    calibrate_at = 30
+    history, evals = [], []
+    tokens = answer_tokens = 0
+    topk = model.config.index_topk
+    t0 = time.time()
+    last_eval = t0
+    step = 0
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+    def receipt_facts():
+        return {"seed": args.seed, "data_streams": f"train|{args.seed}|<worker> of {max(1, args.workers)}",
+                "eval_seed": "train-eval|1234 (held-out split)", "steps": step, "planned_steps": total,
+                "tokens": tokens, "answer_tokens": answer_tokens, "wall_s": round(time.time() - t0, 1),
+                "device": device_name}
+
+    for batch in loader:
+        if total is None and step == calibrate_at:  # plan the run from the measured speed
+            per_step = (time.time() - t_cal) / (calibrate_at - 10)
+            total = max(calibrate_at + 1, int(args.time_budget / per_step))
+            mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+            print(f"planned {total} steps ({per_step * 1e3:.0f} ms/step, peak memory {mem:.1f} GiB)", flush=True)
+        if step == 10:
+            t_cal = time.time()
+        planned = total or 10 ** 9
+        dense = total is None or step < args.dense_fraction * total
+        taps.set_index_topk(10 ** 9 if dense else topk)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total or 10 ** 9, args)
+        stats = train_step(model, taps, batch, args, device, autocast)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        objectives.update_router_bias(taps, args.bias_rate)
+        tokens += stats.pop("tokens")
+        answer_tokens += stats.pop("answer_tokens")
+        if step % 10 == 0 or step == planned - 1:
+            row = {"step": step, "time_s": time.time() - t0, "lr": opt.param_groups[0]["lr"], "dense": dense,
+                   **{k: float(v) for k, v in stats.items()}}
+            history.append(row)
+            print(json.dumps(row), flush=True)
+        step += 1
+        now = time.time()
+        if now - last_eval > args.eval_every or step >= planned:
+            res = evaluate(model, taps, sets, device, autocast)
+            evals.append({"step": step, "time_s": now - t0, "results": res})
+            print("eval", step, json.dumps({k: round(v["exact"], 3) for k, v in res.items()}),
+                  json.dumps({k: round(v.get(f"accept{exit_layers[-1]}", 0), 2) for k, v in res.items()}), flush=True)
+            if step < planned:
+                write_outputs(model, taps, args, topk, receipt_facts(), history, evals)
+            last_eval = time.time()
+        if step >= planned:
+            break
+    write_outputs(model, taps, args, topk, receipt_facts(), history, evals)
+    print(f"wrote {args.out} in {time.time() - t0:.0f} s ({tokens / (time.time() - t0):.0f} tokens/s)", flush=True)
+
+
+def write_outputs(model, taps, args, topk, facts, history, evals) -> None:
+    """Weights (with the config's own top-k), receipt and loss curve; called at every eval so a killed run still
+    leaves its latest state."""
+    dense_k = taps.model.model.layers[taps.csa_layers[0]].self_attn.compressor.indexer.index_topk if taps.csa_layers else topk
+    taps.set_index_topk(topk)
+    save(model, args.out)
+    taps.set_index_topk(dense_k)
+    receipt = {
+        "what": "evalpipe default model: DeepseekV4ForCausalLM trained on evalpipe.skills",
+        **facts,
+        "parameters": sum(p.numel() for p in model.parameters()), "packages": package_versions(),
+        "git_commit": git_commit(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "final_eval": evals[-1] if evals else None, "evals": evals, "history": history,
+    }
+    (args.out / "receipt.json").write_text(json.dumps(receipt, indent=1))
+    if history:
+        plot(history, evals, args.out / "loss.png")
+
+
+if __name__ == "__main__":
+    main()
