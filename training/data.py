@@ -22,11 +22,13 @@ PAD_ID = 7  # <|pad|>; right padding is never attended to by real tokens (causal
 
 # (weight, name, generator) of the short mixture
 SHORT_MIX = [
-    (0.35, "arith", arith.generate),
-    (0.15, "copy", copy_text.generate),
+    (0.30, "arith", arith.generate),
+    (0.08, "calc", arith.drill),
+    (0.07, "copy-short", lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
+    (0.08, "copy", copy_text.generate),
     (0.15, "retrieval", lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
                                                        before=rng.randint(0, 256))),
-    (0.35, "chat", chat.generate),
+    (0.32, "chat", chat.generate),
 ]
 LONG_AFTER = (512, 3900)  # filler bytes after the needle in long batches (log-uniform)
 
@@ -71,16 +73,18 @@ def sample_long(rng: random.Random, split: str = "train") -> Encoded:
 
 
 def collate(examples: list[Encoded], width: int | None = None) -> dict[str, torch.Tensor]:
-    """input_ids [B, S] (right-padded to `width`, default the longest), labels [B, S] (next-token targets, -100
-    off the answer)."""
+    """input_ids [B, S] (right-padded to `width`, default the longest); labels [B, S]: next-token targets of the
+    answer, -100 elsewhere; prompt_labels [B, S]: next-token targets inside the prompt (a weak auxiliary loss)."""
     width = width or max(len(e) for e in examples)
     ids = torch.full((len(examples), width), PAD_ID, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    prompt_labels = torch.full((len(examples), width), -100, dtype=torch.long)
     for i, e in enumerate(examples):
         ids[i, : len(e)] = torch.tensor(e.ids)
         # position t predicts token t+1: answer tokens are predicted from positions n_prompt-1 .. len-2
         labels[i, e.n_prompt - 1: len(e) - 1] = torch.tensor(e.ids[e.n_prompt:])
-    return {"input_ids": ids, "labels": labels}
+        prompt_labels[i, : e.n_prompt - 1] = torch.tensor(e.ids[1:e.n_prompt])
+    return {"input_ids": ids, "labels": labels, "prompt_labels": prompt_labels}
 
 
 SHORT_BUCKETS = (192, 256, 320, 384, 448, 512, 640, 768, 1024)  # padded lengths of short batches
@@ -129,6 +133,8 @@ def eval_sets(seed: int = 1234, per_group: int = 64) -> dict[str, list[Encoded]]
     for n_ops in (2, 3, 4):
         add(f"arith/{n_ops}ops", lambda r, k=n_ops: arith.generate(r, n_ops=k))
     add("copy", copy_text.generate)
+    add("copy-short", lambda r: copy_text.generate(r, length=r.randint(8, copy_text.LENGTHS[0])), n=per_group // 2)
+    add("calc", arith.drill, n=per_group // 2)
     for label, after in (("in-window", 0), ("d256", 150), ("d1024", 800), ("d2048", 1800), ("deepest", 3800)):
         add(f"retrieval/{label}", lambda r, a=after: retrieval.generate(r, after=a, before=0 if a > 3000 else None),
             n=per_group // 2)

@@ -46,15 +46,18 @@ def parse_args(argv=None):
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--batch-tokens", type=int, default=65536, help="padded tokens per short batch")
+    p.add_argument("--batch-tokens", type=int, default=40960, help="padded tokens per short batch")
     p.add_argument("--long-tokens", type=int, default=24576, help="padded tokens per long (deep retrieval) batch")
     p.add_argument("--long-every", type=int, default=8, help="every N-th batch is a long one (0: never)")
     p.add_argument("--exit-layers", default="3,4", help="early-exit layers trained through the shared head")
-    p.add_argument("--exit-weight", type=float, default=0.3, help="weight of each early-exit loss")
+    p.add_argument("--exit-weight", type=float, default=0.2, help="weight of each early-exit loss")
     p.add_argument("--kl-weight", type=float, default=1.0, help="weight of the indexer KL loss")
-    p.add_argument("--dense-fraction", type=float, default=0.25, help="share of steps with dense CSA selection")
+    p.add_argument("--prompt-weight", type=float, default=0.1, help="weight of the next-token loss inside prompts")
+    p.add_argument("--gain-lr-mult", type=float, default=3.0,
+                   help="learning-rate multiplier of the kv_norm gains (K=V: the only temperature attention has)")
+    p.add_argument("--dense-fraction", type=float, default=0.2, help="share of steps with dense CSA selection")
     p.add_argument("--bias-rate", type=float, default=1e-3, help="MoE selection-bias step per optimizer step")
-    p.add_argument("--eval-every", type=float, default=75.0, help="seconds between held-out evaluations")
+    p.add_argument("--eval-every", type=float, default=100.0, help="seconds between held-out evaluations")
     p.add_argument("--eval-per-group", type=int, default=64)
     p.add_argument("--workers", type=int, default=4, help="data worker processes")
     p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
@@ -84,25 +87,32 @@ def lr_at(step: int, total: int, args) -> float:
 
 
 def optimizer(model, args):
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    """AdamW: weight decay on matrices only; the kv_norm gains (key = value in V4, so the gain is the only
+    attention temperature a head has) learn `gain_lr_mult` times faster. Each group's `lr_mult` scales lr_at."""
+    decay, gains, rest = [], [], []
+    for name, p in model.named_parameters():
+        (gains if "kv_norm" in name else decay if p.ndim >= 2 and "embed" not in name else rest).append(p)
     fused = next(model.parameters()).is_cuda
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay, "lr_mult": 1.0},
+                              {"params": gains, "weight_decay": 0.0, "lr_mult": args.gain_lr_mult},
+                              {"params": rest, "weight_decay": 0.0, "lr_mult": 1.0}],
                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
 def train_step(model, taps, batch, args, device, autocast):
     ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
+    prompt_labels = batch["prompt_labels"].to(device, non_blocking=True)
     taps.clear()
     with autocast():
         out = model(input_ids=ids)
         loss_final = objectives.answer_loss(out.logits, labels)
+        loss_prompt = objectives.answer_loss(out.logits, prompt_labels)
         exits = {n: objectives.answer_loss(objectives.exit_logits(model, taps.hidden[n]), labels) for n in taps.exit_layers}
         kl = objectives.indexer_kl(taps, model.config.compress_rates["compressed_sparse_attention"], ids.shape[1])
-    loss = loss_final + args.exit_weight * sum(exits.values()) + args.kl_weight * kl
+    loss = loss_final + args.exit_weight * sum(exits.values()) + args.kl_weight * kl + args.prompt_weight * loss_prompt
     loss.backward()
-    return {"loss": loss_final.detach(), "kl": kl.detach(), **{f"exit{n}": v.detach() for n, v in exits.items()},
+    return {"loss": loss_final.detach(), "kl": kl.detach(), "prompt": loss_prompt.detach(), **{f"exit{n}": v.detach() for n, v in exits.items()},
             "tokens": ids.numel(), "answer_tokens": int((labels != -100).sum())}
 
 
@@ -252,7 +262,7 @@ def main(argv=None):
         dense = total is None or step < args.dense_fraction * total
         taps.set_index_topk(10 ** 9 if dense else topk)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total or 10 ** 9, args)
+            g["lr"] = lr_at(step, total or 10 ** 9, args) * g["lr_mult"]
         stats = train_step(model, taps, batch, args, device, autocast)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -82,6 +82,17 @@ def generate(rng: random.Random, n_ops: int | None = None) -> Example:
                    meta={"n_ops": n_ops, "ops": [OPS[s[0]] for s in steps], "expected": value})
 
 
+def drill(rng: random.Random) -> Example:
+    """One bare operation in the answer format (`a + b = <<a+b=c>>c`, `#### c`): the arithmetic alone, taught
+    inside the window (a training drill; the arith lane never asks it)."""
+    value = rng.randint(10, 999)
+    op, x = _next_op(value, rng)
+    result = _apply(op, value, x)
+    return Example("calc", f"calc|{value}{op}{x}", f"What is {value} {op} {x}?",
+                   f"{value} {op} {x} = <<{value}{op}{x}={result}>>{result}\n#### {result}", group="1ops",
+                   meta={"n_ops": 1, "ops": [OPS[op]], "expected": result})
+
+
 def _body(sentences: list[str], question: str) -> str:
     return " ".join(sentences) + " " + question
 
