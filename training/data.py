@@ -20,16 +20,29 @@ from evalpipe.skills import Example, arith, chat, copy_text, draw, retrieval
 TOKENIZER = ByteTokenizer()
 PAD_ID = 7  # <|pad|>; right padding is never attended to by real tokens (causal) and carries no loss
 
-# (weight, name, generator) of the short mixture
-SHORT_MIX = [
-    (0.30, "arith", arith.generate),
-    (0.08, "calc", arith.drill),
-    (0.07, "copy-short", lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
-    (0.08, "copy", copy_text.generate),
-    (0.15, "retrieval", lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
+# name -> (weight, generator) of the short mixture (`--mix` can change the weights)
+SHORT_MIX = {
+    "arith": (0.30, arith.generate),
+    "calc": (0.08, arith.drill),
+    "copy-short": (0.07, lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
+    "copy": (0.08, copy_text.generate),
+    "retrieval": (0.15, lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
                                                        before=rng.randint(0, 256))),
-    (0.32, "chat", chat.generate),
-]
+    "chat": (0.32, chat.generate),
+}
+
+
+def set_mix(spec: str) -> None:
+    """Reweight the short mixture from `name=weight,...` (weights are normalised)."""
+    weights = {k: float(v) for k, v in (part.split("=") for part in spec.split(",") if part)}
+    unknown = set(weights) - set(SHORT_MIX)
+    if unknown:
+        raise ValueError(f"unknown mixture parts {sorted(unknown)}; known: {sorted(SHORT_MIX)}")
+    total = sum(weights.get(k, 0.0) for k in SHORT_MIX)
+    for k, (_, gen) in list(SHORT_MIX.items()):
+        SHORT_MIX[k] = (weights.get(k, 0.0) / total, gen)
+
+
 LONG_AFTER = (512, 3900)  # filler bytes after the needle in long batches (log-uniform)
 
 
@@ -59,7 +72,7 @@ def encode(ex: Example | chat.ChatExample) -> Encoded:
 
 def sample_short(rng: random.Random, split: str = "train") -> Encoded:
     r, acc = rng.random(), 0.0
-    for weight, _, gen in SHORT_MIX:
+    for weight, gen in SHORT_MIX.values():
         acc += weight
         if r < acc:
             break

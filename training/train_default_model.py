@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--bias-rate", type=float, default=1e-3, help="MoE selection-bias step per optimizer step")
     p.add_argument("--eval-every", type=float, default=100.0, help="seconds between held-out evaluations")
     p.add_argument("--eval-per-group", type=int, default=64)
+    p.add_argument("--mix", default="", help="short-mixture weights, e.g. arith=0.3,calc=0.15 (default: data.py's)")
     p.add_argument("--workers", type=int, default=4, help="data worker processes")
     p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
@@ -217,6 +218,8 @@ def main(argv=None):
     if args.smoke:
         args.steps, args.batch_tokens, args.long_tokens, args.long_every = 3, 1024, 1536, 3
         args.eval_per_group, args.workers, args.warmup, args.eval_every = 2, 0, 1, 1e9
+    if args.mix:
+        data.set_mix(args.mix)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     random.seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
