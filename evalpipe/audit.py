@@ -23,7 +23,7 @@ from typing import Any, Optional
 from evalpipe import manifest as manifest_mod
 from evalpipe.data import DataError, file_sha256
 from evalpipe.grading import GraderPool, grade_text
-from evalpipe.lanes import get_lane, load_pins, prompt_sha256, prompt_stream_sha256
+from evalpipe.lanes import get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
 from evalpipe.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
 from evalpipe.summary import RECOMPUTABLE_KEYS, compute_summary
 
@@ -183,7 +183,8 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
     if summ is not None:
         meta = {k: summ.get(k) for k in ("arm", "run_id", "model", "endpoint")}
         again = compute_summary(lane_name=lane.name, grader=lane.grader, repeats=repeats,
-                                planned_question_ids=[it.question_id for it in items], records=records, meta=meta)
+                                planned_question_ids=[it.question_id for it in items], records=records, meta=meta,
+                                groups=item_groups(items))
         keys = [k for k in RECOMPUTABLE_KEYS if k in again or k in summ]
         keys += [k for k in again if k.startswith(("pass@", "majority@")) or k == "no_answer"]
         for k in keys:

@@ -1,6 +1,7 @@
 """Answer extraction and grading.
 
-Two graders:
+Three graders:
+- `exact_text`: the reply, stripped of surrounding whitespace, must equal the expected string (synthetic lanes).
 - `legacy_last_int`: the legacy SGLang GSM8K scorer (commas removed, last run of ASCII digits, Python-literal
   parse, INVALID = -9999999 otherwise). Pure and fast, so it runs inline.
 - `ns_last_boxed`: sgl-eval's vendored NeMo-Skills grader (last `\\boxed{}` of the content, then `math_equal`
@@ -204,6 +205,13 @@ async def grade_text(grader: str, expected: Any, text: str, truncated: bool, poo
         if truncated:
             return value, False, "truncated"
         if value == INVALID:
+            return value, False, "no_answer"
+        return value, value == expected, "ok"
+    if grader == "exact_text":
+        value = (text or "").strip()
+        if truncated:
+            return value, False, "truncated"
+        if not value:
             return value, False, "no_answer"
         return value, value == expected, "ok"
     if grader == "ns_last_boxed":

@@ -19,6 +19,9 @@ LANE_MODULES: dict[str, str] = {
     "gsm8k": "tasks.gsm8k",
     "aime26": "tasks.aime26",
     "aime26-x16": "tasks.aime26_x16",
+    "arith": "tasks.arith",
+    "retrieval": "tasks.retrieval",
+    "copy": "tasks.copy_text",
 }
 
 
@@ -56,6 +59,13 @@ class Item:
     prompt: Any
     expected_answer: Any
     prompt_sha256: str
+    group: Optional[str] = None  # reporting bucket (e.g. number of operations); summary gives accuracy per group
+
+
+def item_groups(items: list[Item]) -> Optional[dict]:
+    """question id -> reporting group, for lanes whose items have groups (else None)."""
+    groups = {it.question_id: it.group for it in items if it.group is not None}
+    return groups or None
 
 
 @dataclass
@@ -88,7 +98,7 @@ class Lane:
     params: dict  # sampling parameters sent by default: temperature, top_p, seed, max_tokens, stop, ...
     concurrency: int
     repeats: int
-    grader: str  # "legacy_last_int" (in-process) or "ns_last_boxed" (process pool, hard timeout)
+    grader: str  # "legacy_last_int", "exact_text" (in-process) or "ns_last_boxed" (process pool, hard timeout)
     headline: str  # what `accuracy` means for this lane
     notes: str = ""
 

@@ -54,6 +54,8 @@ REQUIRED_KEYS: tuple[str, ...] = (
     "created_at",  # unix time the record was written
 )
 
+# Optional keys: "group" (the item's reporting group, on lanes that have groups, e.g. arith's number of operations).
+
 # ok: graded from the text. no_answer: nothing extractable (AIME: no \boxed{}; GSM8K: no digits = INVALID).
 # truncated: finish_reason "length", scored wrong whatever the text says. request_error: no response.
 # grader_timeout / grader_error: the grader worker hung past its hard timeout or raised.

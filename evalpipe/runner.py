@@ -37,7 +37,16 @@ from evalpipe.endpoint import (
     ssl_context,
 )
 from evalpipe.grading import GraderPool, grade_text
-from evalpipe.lanes import Item, Lane, LaneData, computed_pins, id_list_sha256, pin_differences, prompt_stream_sha256
+from evalpipe.lanes import (
+    Item,
+    Lane,
+    LaneData,
+    computed_pins,
+    id_list_sha256,
+    item_groups,
+    pin_differences,
+    prompt_stream_sha256,
+)
 from evalpipe.records import (
     MANIFEST_FILE,
     RESPONSES_FILE,
@@ -347,6 +356,7 @@ class Runner:
             "endpoint": self.cfg.base_url,
             "model": self.model,
             "prompt_sha256": item.prompt_sha256,
+            **({"group": item.group} if item.group is not None else {}),
             "request": body,
             "response_text": text,
             "reasoning_text": reasoning,
@@ -520,6 +530,7 @@ class Runner:
         summary = compute_summary(
             lane_name=self.lane.name, grader=self.lane.grader, repeats=self.repeats,
             planned_question_ids=[it.question_id for it in self.items], records=self.records, meta=meta,
+            groups=item_groups(self.items),
         )
         summary["partial"] = bool(self.interrupted or self.refused or summary["n_missing"] > 0)
         if self.refused:

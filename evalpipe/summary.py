@@ -83,6 +83,18 @@ def repeated_metrics(by_key: dict, lane_name: str, question_ids: list, repeats: 
     }
 
 
+def group_accuracy(groups: dict, planned: list, by_key: dict) -> dict:
+    """{group: {n_planned, n_correct, accuracy}} in first-seen order; a missing record counts wrong."""
+    out: dict = {}
+    for key in planned:
+        g = out.setdefault(str(groups.get(key[1])), {"n_planned": 0, "n_correct": 0})
+        g["n_planned"] += 1
+        g["n_correct"] += by_key.get(key, {}).get("correct") is True
+    for g in out.values():
+        g["accuracy"] = g["n_correct"] / g["n_planned"]
+    return out
+
+
 def compute_summary(
     *,
     lane_name: str,
@@ -91,8 +103,10 @@ def compute_summary(
     planned_question_ids: list,
     records: list[dict],
     meta: dict,
+    groups: Optional[dict] = None,
 ) -> dict:
-    """The summary dict. `meta` carries run-level facts not derivable from records (arm, partial, ...)."""
+    """The summary dict. `meta` carries run-level facts not derivable from records (arm, partial, ...);
+    `groups` maps planned question ids to their lane's reporting group (accuracy per group, same denominators)."""
     planned = [(lane_name, q, r) for q in planned_question_ids for r in range(repeats)]
     planned_set = set(planned)
     by_key, n_dups = dedupe(records)
@@ -136,6 +150,8 @@ def compute_summary(
         summary["n_invalid"] = sum(1 for r in ok_recs if r.get("grade_status") == "no_answer")
     else:
         summary["n_no_answer"] = sum(1 for r in recs if r.get("extracted_answer") is None)
+    if groups:
+        summary["by_group"] = group_accuracy(groups, planned, by_key)
     if repeats > 1:
         summary["pass@1"] = summary["accuracy"]
         summary.update(repeated_metrics(by_key, lane_name, planned_question_ids, repeats))
@@ -170,4 +186,5 @@ RECOMPUTABLE_KEYS = (
     "lane", "n_planned", "n_records", "n_missing", "n_correct", "accuracy", "n_truncated", "n_errors",
     "n_grader_timeouts", "n_grader_errors", "grade_status_counts", "n_duplicate_records", "n_unplanned_records",
     "n_invalid", "n_no_answer", "pass@1", "tokens", "latency_s", "n_records_with_spec", "spec_accept_length_mean",
+    "by_group",
 )

@@ -184,6 +184,9 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         extra.append(f"no_answer={pct(summary['no_answer'])}")
     if extra:
         console.print("secondary: " + "  ".join(extra))
+    if summary.get("by_group"):
+        console.print("by group: " + "  ".join(f"{g} {pct(v['accuracy'])} ({v['n_correct']}/{v['n_planned']})"
+                                               for g, v in summary["by_group"].items()))
     if summary.get("manifest_changed"):
         console.print(f"[bold red]manifest changed during the run:[/] {summary.get('manifest_changes')}")
     if summary.get("data_drift"):
