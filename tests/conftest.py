@@ -22,13 +22,15 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_runner(cache_dir):
-    """Factory: `tiny_runner(**kwargs)` is a ModelRunner on the default tiny model whose seeded weights are cached
+    """Factory: `tiny_runner(**kwargs)` is a ModelRunner on the random tiny model whose seeded weights are cached
     in the module's private cache (built once per module, reused by every runner after the first)."""
     from evalpipe.engine.runner import ModelRunner
+
+    from evalpipe.engine.config import TINY_MODEL_NAME
 
     def make(**kwargs):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-            return ModelRunner(**kwargs)
+            return ModelRunner(kwargs.pop("model_path", TINY_MODEL_NAME), **kwargs)
 
     return make

@@ -22,11 +22,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str):
+    """`evalpipe serve --model MODEL ARGS...`; the random tiny model unless `model` says otherwise (fast, and the
+    API tests need no skill)."""
+
+    def __init__(self, *args: str, model: str = "evalpipe-tiny-dsv4"):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="evalpipe-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(self.port), "--model", model, *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
         self._wait_ready()
 

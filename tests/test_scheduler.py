@@ -148,7 +148,7 @@ def test_engine_tokens_do_not_depend_on_chunking_or_batch_mix():
     from evalpipe.engine.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    runner = ModelRunner(max_seqs=3, max_seq_len=160)
+    runner = ModelRunner("evalpipe-tiny-dsv4", max_seqs=3, max_seq_len=160)
     prompts = [tok.encode_prompt("x" * n + "the quick brown fox") for n in (5, 41, 77, 100)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

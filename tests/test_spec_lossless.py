@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target():
-    return ModelRunner(max_seqs=16, max_seq_len=256)
+    return ModelRunner("evalpipe-tiny-dsv4", max_seqs=16, max_seq_len=256)
 
 
 @pytest.fixture(scope="module")

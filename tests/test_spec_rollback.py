@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target():
-    return ModelRunner(max_seqs=8, max_seq_len=256)
+    return ModelRunner("evalpipe-tiny-dsv4", max_seqs=8, max_seq_len=256)
 
 
 class ScriptedDrafter:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_first_emitted_token_follows_the_target_distribution(capsys):
-    runner = ModelRunner(max_seqs=BATCH + 1, max_seq_len=128)
+    runner = ModelRunner("evalpipe-tiny-dsv4", max_seqs=BATCH + 1, max_seq_len=128)
     params = SamplingParams(temperature=1.0, top_k=12, max_tokens=1 << 20)
     prompt = torch.randint(16, 272, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     committed = 300  # the context's last (pending) token, fixed for every copy

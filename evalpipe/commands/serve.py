@@ -19,9 +19,10 @@ DEVICES = ("cpu", "cuda")
 
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", "model", default=None, metavar="PATH",
-              help="Checkpoint directory (config.json + *.safetensors, DeepSeek-V4 format). "
-                   "Default: the built-in tiny random model evalpipe-tiny-dsv4 (nonsense answers).")
+@click.option("--model", "model", default=None, metavar="PATH|NAME",
+              help="Checkpoint directory (config.json + *.safetensors, DeepSeek-V4 format) or a built-in model: "
+                   "evalpipe-skills-dsv4 (the default: 7.8 M parameters trained on evalpipe's synthetic skills, "
+                   "shipped in the package) or evalpipe-tiny-dsv4 (random weights, nonsense answers; for tests).")
 @click.option("--tokenizer", default=None, metavar="PATH",
               help="Hugging Face tokenizer directory (local files). Default: the model directory's tokenizer "
                    "if it has one, else the built-in byte-level tokenizer.")
@@ -75,7 +76,7 @@ DEVICES = ("cpu", "cuda")
               type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
 def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
             api_key, speculative, block_size, drafter, simulate_acc_len, fused, cuda_graphs, wo_quant, threads, log_level):
-    """Serve a model (the built-in tiny one by default) on http://HOST:PORT/v1 until Ctrl-C."""
+    """Serve a model (the built-in evalpipe-skills-dsv4 by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
     if model is not None and not Path(model).exists():
@@ -97,6 +98,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
     import uvicorn
 
     from evalpipe.server.app import create_app
+    from evalpipe.engine.config import DEFAULT_MODEL_NAME
     from evalpipe.server.state import ServerSettings, ServerState
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -127,7 +129,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
-    click.echo(f"evalpipe serve: loading {model or 'evalpipe-tiny-dsv4'} on http://{_display_host(host)}:{port} ...")
+    click.echo(f"evalpipe serve: loading {model or DEFAULT_MODEL_NAME} on http://{_display_host(host)}:{port} ...")
     # uvicorn re-raises the signal that stopped it once it has shut down; a SIGINT/SIGTERM is a clean stop here.
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

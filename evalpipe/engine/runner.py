@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from evalpipe.engine.cache import PoolExhausted, StatePools
-from evalpipe.engine.config import TINY_MODEL_NAME, load_config
+from evalpipe.engine.config import load_config
 from evalpipe.engine.forward_batch import ForwardBatch
 from evalpipe.engine.model import DeepseekV4Model
-from evalpipe.engine.weights import default_checkpoint, load_state_dict
+from evalpipe.engine.weights import load_state_dict, resolve_model
 
 __all__ = ["ModelRunner", "PoolExhausted"]
 
@@ -21,11 +21,7 @@ class ModelRunner:
     def __init__(self, model_path: str | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  max_seqs: int = 64, max_seq_len: int = 4096, rollback_margin: int = 32,
                  num_pages: int | None = None):
-        if model_path is None:
-            path, self.model_name = default_checkpoint(), TINY_MODEL_NAME
-        else:
-            path = Path(model_path)
-            self.model_name = path.resolve().name
+        path, self.model_name = resolve_model(model_path)  # None: the default (trained) model
         self.model_path = str(path)
         self.config = load_config(path)
         self.device, self.dtype = torch.device(device), dtype

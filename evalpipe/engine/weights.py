@@ -2,6 +2,10 @@
 checkpoint names that `save_pretrained` writes, or the module names of `DeepseekV4ForCausalLM`), and create the
 seeded default tiny checkpoint.
 
+Built-in models, by name (`resolve_model`): `evalpipe-skills-dsv4`, the default, trained on evalpipe.skills and
+shipped in the package (its files are checked against the sha256 pins in manifests/default_model.json), and
+`evalpipe-tiny-dsv4`, random weights from seed 0 created on first use (for tests).
+
 Every tensor is returned under its transformers *module* name (e.g. `model.layers.0.self_attn.q_a_proj.weight`,
 fused `mlp.experts.gate_up_proj`), which is the one vocabulary the engine reads."""
 
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from evalpipe.engine.config import TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.config import DEFAULT_MODEL_NAME, TINY_MODEL_NAME, config_hash, tiny_config
 
 # Original-checkpoint leaf names -> module names (suffix of a per-layer key after "layers.N.").
 _LAYER_RENAMES = [
@@ -193,7 +197,7 @@ def save_checkpoint(config, state: dict[str, torch.Tensor], out_dir: str | Path)
 
 
 def default_checkpoint() -> Path:
-    """Path of the default tiny checkpoint, created on first use under the cache dir (hash of the config in the
+    """Path of the random tiny checkpoint, created on first use under the cache dir (hash of the config in the
     path, so editing tiny_config.json never reuses stale weights)."""
     config = tiny_config()
     out = cache_root() / f"{TINY_MODEL_NAME}-{config_hash(config)}-seed0"
@@ -201,3 +205,44 @@ def default_checkpoint() -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(config, init_tiny_weights(config, seed=0), out)
     return out
+
+
+PACKAGED_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+MODEL_PINS = Path(__file__).resolve().parents[2] / "manifests" / "default_model.json"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def packaged_checkpoint(name: str = DEFAULT_MODEL_NAME) -> Path:
+    """The shipped checkpoint folder, after checking every pinned file's sha256 (a corrupted or edited copy would
+    silently change every number measured with it)."""
+    import json
+
+    folder = PACKAGED_MODELS_DIR / name
+    pins = json.loads(MODEL_PINS.read_text())[name]["files"] if MODEL_PINS.is_file() else None
+    if pins is None:
+        raise FileNotFoundError(f"no sha256 pins for {name} at {MODEL_PINS}")
+    for fname, want in pins.items():
+        got = file_sha256(folder / fname) if (folder / fname).is_file() else "missing"
+        if got != want:
+            raise ValueError(f"{folder / fname}: sha256 {got} differs from the pin {want} in {MODEL_PINS}; "
+                             "reinstall evalpipe (a git checkout may need `git lfs`-free plain files)")
+    return folder
+
+
+BUILTIN_MODELS = {DEFAULT_MODEL_NAME: packaged_checkpoint, TINY_MODEL_NAME: default_checkpoint}
+
+
+def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
+    """(checkpoint folder, served model name) for a built-in name (None: the default model) or a path."""
+    name = DEFAULT_MODEL_NAME if model is None else str(model)
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name](), name
+    path = Path(model)
+    return path, path.resolve().name

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from evalpipe import __version__
+from evalpipe.engine.config import DEFAULT_MODEL_NAME
 from evalpipe.engine.engine import Engine
 
 log = logging.getLogger("evalpipe.server")
@@ -121,7 +122,7 @@ class ServerState:
         self.engine: Engine | None = None
         self.runner: Any = None
         self.tokenizer: Any = None
-        self.model_id: str = settings.model or "evalpipe-tiny-dsv4"
+        self.model_id: str = settings.model or DEFAULT_MODEL_NAME
         self.started_at = time.time()
         self.load_seconds: float | None = None
 
