@@ -11,8 +11,9 @@ how many drafts survive and which token follows them:
   A drafter without a distribution (n-gram lookup) passes q = one-hot of its proposal, which the same rule handles;
 - simulated (performance runs only): accept a prescribed number of drafts without checking them.
 
-Those two exact rules are the default. Two LOSSY rules exist only so that an evaluation can prove it notices a
-speculator that changes the output (`AcceptRule`; never on unless asked for, reported wherever `spec` is):
+The greedy and sampled rules are exact and are the default. Two LOSSY rules exist only so that an evaluation can
+prove it notices a speculator that changes the output (`AcceptRule`; never on unless asked for, reported wherever
+`spec` is):
 
 - top-k (`--spec-accept-topk K`, K >= 2): a draft survives when fewer than K tokens score strictly higher than it
   at its row, i.e. it is among the target's K best (ties counted in its favour). Greedy rows rank the logits and the
@@ -26,9 +27,9 @@ speculator that changes the output (`AcceptRule`; never on unless asked for, rep
   p(d) >= threshold_single; at the first failure the target samples from p with d removed (renormalised), and after
   a fully accepted block it samples the bonus from p. The drafter's q is not used. At 1.0 / 1.0 this is an exact
   sampler (P(x) = q(x) p(x) + sum over d != x of q(d) (1 - p(d)) p(x) / (1 - p(d)) = p(x)), so the engine keeps its
-  own rule there; below 1.0 it accepts more than p allows, and 0 accepts every draft. As in SGLang, whose all-greedy
-  batches go through its greedy verifier, the thresholds act on sampled requests only: greedy requests on such a
-  server are verified exactly, and their `spec.lossy` says false.
+  own rule there; below 1.0 it accepts more than p allows (threshold_single 0 accepts every draft, threshold_acc 0
+  every draft with p > 0). As in SGLang, whose all-greedy batches go through its greedy verifier, the thresholds act
+  on sampled requests only: greedy requests on such a server are verified exactly, and their `spec.lossy` says false.
 
 Lengths here count drafts ("accepted drafts", 0..G); the accept length of SGLang's statistics adds the bonus.
 """
