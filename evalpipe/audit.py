@@ -25,7 +25,7 @@ from evalpipe.data import DataError, file_sha256
 from evalpipe.grading import GraderPool, grade_text
 from evalpipe.lanes import get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
 from evalpipe.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
-from evalpipe.summary import RECOMPUTABLE_KEYS, compute_summary
+from evalpipe.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, compute_summary
 
 MAX_SHOWN = 20
 
@@ -185,7 +185,8 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
         again = compute_summary(lane_name=lane.name, grader=lane.grader, repeats=repeats,
                                 planned_question_ids=[it.question_id for it in items], records=records, meta=meta,
                                 groups=item_groups(items))
-        keys = [k for k in RECOMPUTABLE_KEYS if k in again or k in summ]
+        keys = [k for k in RECOMPUTABLE_KEYS if (k in again or k in summ)
+                and not (k in KEYS_ADDED_LATER and k not in summ and not again.get(k))]
         keys += [k for k in again if k.startswith(("pass@", "majority@")) or k == "no_answer"]
         for k in keys:
             if not _close(summ.get(k), again.get(k)):

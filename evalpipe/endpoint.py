@@ -102,6 +102,26 @@ def simulation_reason(server_info: Any) -> Optional[str]:
     return f"the server reports simulated speculative acceptance (simulate_acc_len={value!r})"
 
 
+SGLANG_THRESHOLD_KEYS = ("speculative_accept_threshold_single", "speculative_accept_threshold_acc")
+
+
+def lossy_acceptance(server_info: Any) -> Optional[dict]:
+    """The server's LOSSY speculative acceptance setting, else None: evalpipe's `speculative.accept` when it says
+    lossy, or SGLang's acceptance thresholds below 1.0 (its server args sit at the top of its server info)."""
+    if not isinstance(server_info, dict):
+        return None
+    spec = server_info.get("speculative")
+    accept = spec.get("accept") if isinstance(spec, dict) else None
+    if isinstance(accept, dict) and accept.get("lossy") is True:
+        return dict(accept)
+    values = {k: server_info.get(k) for k in SGLANG_THRESHOLD_KEYS}
+    if any(isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) < 1.0 for v in values.values()):
+        return {"rule": "threshold", "threshold_single": values[SGLANG_THRESHOLD_KEYS[0]],
+                "threshold_acc": values[SGLANG_THRESHOLD_KEYS[1]], "lossy": True,
+                "applies_to": "sampled requests (SGLang verifies all-greedy batches exactly)"}
+    return None
+
+
 def spec_from_response(body: dict, choice: dict) -> Optional[dict]:
     """The speculative statistics block: `choice.spec`, else response-level `sglext`, else `meta_info` spec_* keys."""
     spec = choice.get("spec")

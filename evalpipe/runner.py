@@ -32,6 +32,7 @@ from evalpipe.endpoint import (
     EndpointError,
     fetch_models,
     fetch_server_info,
+    lossy_acceptance,
     simulation_reason,
     spec_from_response,
     ssl_context,
@@ -190,6 +191,11 @@ class Runner:
         reason = simulation_reason(info)
         if reason:
             raise SimulatedAcceptance(f"refusing to score: {reason}. Restart the server without simulation.")
+        # a lossy acceptance rule is scored (measuring its accuracy cost is its purpose), never hidden
+        self.server_lossy = lossy_acceptance(info)
+        if self.server_lossy:
+            print(f"evalpipe run: warning: the server's speculative acceptance is LOSSY {self.server_lossy}; "
+                  "the responses it decides measure that rule, not the model (scored on purpose)", file=sys.stderr)
         self.server_facts = {"models": models_json, "server_info_path": info_path, "server_info": info}
 
     def _snapshot(self, server: dict) -> dict:
@@ -526,6 +532,7 @@ class Runner:
                               **({"repeats": self.cfg.repeats} if self.cfg.repeats is not None else {})),
             "data_drift": self.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
             "resumed": self.resumed is not None,
+            "server_lossy_acceptance": self.server_lossy,
         }
         summary = compute_summary(
             lane_name=self.lane.name, grader=self.lane.grader, repeats=self.repeats,

@@ -173,8 +173,11 @@ def compute_summary(
     summary["n_records_with_spec"] = len(spec_recs)
     accept = [s["accept_length"] for s in spec_recs if isinstance(s.get("accept_length"), (int, float))]
     summary["spec_accept_length_mean"] = statistics.fmean(accept) if accept else None
+    # a lossy acceptance rule (evalpipe serve --spec-accept-*) decided these responses: their accuracy measures it
+    summary["n_records_lossy"] = sum(1 for s in spec_recs if s.get("lossy") is True)
+    summary["spec_lossy"] = summary["n_records_lossy"] > 0
     for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
-                "manifest_changed", "manifest_changes", "resumed"):
+                "manifest_changed", "manifest_changes", "resumed", "server_lossy_acceptance"):
         if key in meta:
             summary[key] = meta[key]
     summary.setdefault("partial", summary["n_missing"] > 0)
@@ -186,5 +189,8 @@ RECOMPUTABLE_KEYS = (
     "lane", "n_planned", "n_records", "n_missing", "n_correct", "accuracy", "n_truncated", "n_errors",
     "n_grader_timeouts", "n_grader_errors", "grade_status_counts", "n_duplicate_records", "n_unplanned_records",
     "n_invalid", "n_no_answer", "pass@1", "tokens", "latency_s", "n_records_with_spec", "spec_accept_length_mean",
-    "by_group",
+    "by_group", "n_records_lossy", "spec_lossy",
 )
+# recomputable keys that summaries written before them lack: audit accepts their absence only where the records
+# give a falsy value (so deleting a true spec_lossy from a summary is still caught)
+KEYS_ADDED_LATER = ("n_records_lossy", "spec_lossy")

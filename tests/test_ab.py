@@ -204,3 +204,25 @@ def test_readme_dspark_ab_preflight_against_stand_in_servers(tmp_path):
     result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", a, "--b", b, "--preflight",
                       "--out", str(tmp_path / "seed"), "--ready-timeout", "60", timeout=120)
     assert result.returncode == 1 and "server setting random_seed" in result.stderr, result.stderr
+
+
+def test_lossy_sglang_thresholds_only_on_purpose_and_recorded(tmp_path):
+    """`evalpipe ab` passes SGLang a lossy threshold only through --spec-accept-threshold-*: the argv carries it,
+    the receipt and ab.json record it, a warning names it, and the stand-in's report of it is accepted."""
+    engine_command = f"--engine-command {shlex.quote(f'{shlex.quote(PY)} {shlex.quote(FAKE)}')}"
+    common = f"--engine sglang --model M --speculative dspark --draft-model D --random-seed 0 {engine_command}"
+    out = tmp_path / "ab"
+    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", "", "--b",
+                      "--spec-accept-threshold-single 0.5", "--preflight", "--out", str(out), "--ready-timeout", "60",
+                      timeout=120)
+    assert result.returncode == 0, result.stderr
+    index = json.loads((out / "ab.json").read_text())
+    assert index["lossy_acceptance"] == {"A": None, "B": {"threshold_single": 0.5}}
+    assert any("arm B asks for LOSSY acceptance" in w for w in index["warnings"])
+    receipt_a = json.loads((out / "arms" / "A1" / "receipt.json").read_text())
+    receipt_b = json.loads((out / "arms" / "B1" / "receipt.json").read_text())
+    assert receipt_a["lossy_acceptance"] is None and receipt_a["server_info"]["speculative_accept_threshold_single"] == "1.0"
+    assert receipt_b["lossy_acceptance"] == {"threshold_single": 0.5}
+    argv = receipt_b["argv"]
+    assert argv[argv.index("--speculative-accept-threshold-single") + 1] == "0.5"
+    assert receipt_b["server_info"]["speculative_accept_threshold_single"] == "0.5"

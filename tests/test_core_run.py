@@ -246,6 +246,36 @@ def test_overrides_are_sent_and_recorded(srv, tmp_path):
     assert records[0]["spec"]["accept_length"] == 2.5 and summary["spec_accept_length_mean"] == 2.5
 
 
+def test_lossy_acceptance_is_scored_and_shown_and_audit_guards_it(srv, tmp_path):
+    """A server with SGLang thresholds below 1.0 is scored (unlike simulation); the summary names the setting and
+    counts the responses whose spec says lossy; audit accepts a summary from before these keys only where the
+    records are exact, so deleting a true spec_lossy is caught."""
+    info = {"speculative_accept_threshold_single": 0.6, "speculative_accept_threshold_acc": 1.0}
+    url = srv(mode="correct", server_info=info, spec={"accept_length": 2.0, "lossy": True})
+    r = run_lane("gsm8k", url, tmp_path / "lossy", "--num-examples", 3)
+    assert r.returncode == 0, r.stderr
+    assert "LOSSY" in r.stderr and "LOSSY speculative acceptance" in r.stdout
+    run_dir = only_run_dir(tmp_path / "lossy", "gsm8k")
+    _, summary, _ = load_run(run_dir)
+    assert summary["spec_lossy"] is True and summary["n_records_lossy"] == 3 and summary["accuracy"] == 1.0
+    assert summary["server_lossy_acceptance"]["threshold_single"] == 0.6
+    assert run_cli("audit", run_dir).returncode == 0
+    edited = {k: v for k, v in summary.items() if k not in ("spec_lossy", "n_records_lossy")}
+    (run_dir / "summary.json").write_text(json.dumps(edited))
+    tampered = run_cli("audit", run_dir)
+    assert tampered.returncode != 0 and "spec_lossy" in tampered.stdout + tampered.stderr
+
+    url = srv(mode="correct", spec={"accept_length": 2.0})
+    r = run_lane("gsm8k", url, tmp_path / "exact", "--num-examples", 2)
+    assert r.returncode == 0, r.stderr
+    run_dir = only_run_dir(tmp_path / "exact", "gsm8k")
+    _, summary, _ = load_run(run_dir)
+    assert (summary["spec_lossy"], summary["n_records_lossy"], summary["server_lossy_acceptance"]) == (False, 0, None)
+    older = {k: v for k, v in summary.items() if k not in ("spec_lossy", "n_records_lossy")}
+    (run_dir / "summary.json").write_text(json.dumps(older))  # as written before these keys existed
+    assert run_cli("audit", run_dir).returncode == 0
+
+
 def test_simulated_acceptance_is_refused(srv, tmp_path):
     url = srv(mode="correct", server_info={"speculative": {"simulate_acc_len": 3.0}})
     before = _n_requests(url)

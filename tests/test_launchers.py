@@ -24,7 +24,7 @@ from evalpipe.launchers.base import free_port, group_members
 from evalpipe.launchers.cli import command as launch_command
 from evalpipe.launchers.dispatch import wants_launcher
 from evalpipe.launchers.env import build_child_env, redact_argv, redact_env
-from evalpipe.launchers.receipts import receipt_differences
+from evalpipe.launchers.receipts import effective_problems, receipt_differences
 
 PY = sys.executable
 FAKE = str(Path(__file__).with_name("fake_engine_server.py"))
@@ -123,6 +123,7 @@ def test_dry_run_argv_is_exact(case):
     plan = dry_run(args)
     assert plan["argv"] == expected
     assert plan["performance_only"] is False
+    assert plan["lossy_acceptance"] is None
 
 
 def test_dry_run_simulation_only_through_its_flag():
@@ -166,10 +167,58 @@ def test_dry_run_simulation_only_through_its_flag():
         (["--engine", "sglang", "--model", "M", "--keep-env", "SGLANG_SIMULATE_*"], "--simulate-acc-len"),
         (["--engine", "sglang", "--model", "M", "--set-env", "SGLANG_SIMULATE_ACC_LEN=4"], "--simulate-acc-len"),
         (["--engine", "sglang", "--model", "M", "--set-env", "NOEQUALS"], "NAME=VALUE"),
+        (["--spec-accept-topk", "3"], "need a speculation profile"),
+        (["--speculative", "block", "--spec-accept-topk", "1"], "K >= 2"),
+        (["--speculative", "block", "--spec-accept-topk", "3", "--spec-accept-threshold-acc", "0.5"], "choose one"),
+        (["--speculative", "block", "--spec-accept-threshold-single", "1.5"], "[0, 1]"),
+        (["--speculative", "block", "--spec-accept-topk", "3", "--simulate-acc-len", "3"], "nothing to decide"),
+        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
+          "--spec-accept-topk", "3"], "no top-k acceptance"),
+        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
+          "--spec-accept-threshold-acc", "0.5", "--", "--speculative-accept-threshold-acc", "1.0"], "given twice"),
+        (["--engine", "vllm", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3",
+          "--spec-accept-threshold-single", "0.5"], "no acceptance thresholds"),
     ],
 )
 def test_refusals_are_usage_errors(args, message):
     assert message in refused(args)
+
+
+def test_lossy_acceptance_only_on_purpose_and_recorded():
+    """`--spec-accept-*` are the only way to ask for lossy acceptance; the plan (and the receipt) record it."""
+    native = dry_run(["--speculative", "block", "--spec-accept-topk", "3"])
+    assert native["argv"][-2:] == ["--spec-accept-topk", "3"] and native["lossy_acceptance"] == {"topk": 3}
+    native_thr = dry_run(["--speculative", "block", "--spec-accept-threshold-single", "0.4"])
+    assert native_thr["argv"][-2:] == ["--spec-accept-threshold-single", "0.4"]
+    assert native_thr["lossy_acceptance"] == {"threshold_single": 0.4}
+    args = ["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
+            "--spec-accept-threshold-single", "0.5"]
+    sgl = dry_run(args)
+    i = sgl["argv"].index("--speculative-accept-threshold-single")
+    assert sgl["argv"][i: i + 4] == ["--speculative-accept-threshold-single", "0.5",
+                                     "--speculative-accept-threshold-acc", "1.0"]
+    assert sgl["lossy_acceptance"] == {"threshold_single": 0.5}
+    text = CliRunner().invoke(launch_command, ["--dry-run", *args]).output
+    assert "# LOSSY ACCEPTANCE" in text
+    lossless = dry_run(["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
+                        "--spec-accept-threshold-single", "1.0"])
+    assert lossless["lossy_acceptance"] is None  # 1.0 is SGLang's lossless default
+
+
+def test_server_reported_acceptance_must_match_the_request():
+    exact = make_launcher(LaunchOptions(engine="sglang", model="M", speculative="eagle", draft_model="D"))
+    asked = make_launcher(LaunchOptions(engine="sglang", model="M", speculative="eagle", draft_model="D",
+                                        spec_accept_threshold_acc=0.7))
+    lossy_info = {"speculative_accept_threshold_single": 1.0, "speculative_accept_threshold_acc": 0.7}
+    exact_info = {"speculative_accept_threshold_single": 1.0, "speculative_accept_threshold_acc": 1.0}
+    assert any("lossy acceptance" in p for p in effective_problems(exact, lossy_info))
+    assert effective_problems(asked, lossy_info) == []
+    assert any("does not report it" in p for p in effective_problems(asked, exact_info))
+    native = make_launcher(LaunchOptions(engine="native", speculative="block"))
+    native_lossy = {"speculative": {"mode": "block", "accept": {"rule": "topk", "k": 3, "lossy": True}}}
+    assert any("speculative.accept.lossy" in p for p in effective_problems(native, native_lossy))
+    topk = make_launcher(LaunchOptions(engine="native", speculative="block", spec_accept_topk=3))
+    assert effective_problems(topk, native_lossy) == []
 
 
 def test_env_hygiene_rules():

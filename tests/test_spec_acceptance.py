@@ -19,11 +19,15 @@ import torch
 
 from evalpipe.engine.sampling import SamplingParams, sampling_probs
 from evalpipe.engine.speculative import (
+    AcceptRule,
     SimulatedAcceptance,
     SpecStats,
     greedy_accept,
+    in_top_k,
     rejection_accept,
     simulated_accept,
+    threshold_accept,
+    topk_accept,
 )
 
 V = 5           # vocabulary
@@ -181,3 +185,103 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert d.lookup([7, 1, 7, 2, 7], 2) == [2, 7]  # the latest earlier occurrence of [7] wins
     assert d.lookup([3, 1, 3], 3) == [1, 3, 1]  # keeps extending on its own proposal
     assert d.lookup([5, 6, 7], 4) == [7, 7, 7, 7]  # no match: repeat the last token
+
+
+# ----------------------------------------------------------------------------------------- lossy rules
+
+def _ranked_logits(rankings: list[list[int]], vocab: int = 6) -> torch.Tensor:
+    """[len(rankings), vocab] logits where row i orders its tokens as rankings[i] (best first) by clear gaps."""
+    logits = torch.full((len(rankings), vocab), -10.0)
+    for row, order in enumerate(rankings):
+        for rank, tok in enumerate(order):
+            logits[row, tok] = 5.0 - rank
+    return logits
+
+
+def test_topk_accepts_second_best_drafts_that_the_exact_rule_rejects():
+    # each draft is the target's 2nd-best token at its row; the bonus row's best is 4
+    logits = _ranked_logits([[2, 1, 0], [3, 5, 0], [0, 4, 1], [4, 1, 2]])
+    drafts = [1, 5, 4]
+    assert greedy_accept(logits, drafts) == ([2], 0)  # exact greedy: the first draft already fails
+    assert topk_accept(logits, drafts, 2) == ([1, 5, 4, 4], 3)  # all three kept, then the target argmax
+    assert topk_accept(logits, drafts, 3) == ([1, 5, 4, 4], 3)
+    third_best = [1, 0, 4]  # row 1: 0 is 3rd best
+    assert topk_accept(logits, third_best, 2) == ([1, 3], 1)  # rejected at row 1: the bonus is row 1's argmax
+    assert topk_accept(logits, third_best, 3) == ([1, 0, 4, 4], 3)
+    tie = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    assert in_top_k(tie, [3], 1) == [True]  # ties count for the draft
+    probs = torch.tensor([[0.6, 0.4, 0.0, 0.0]])
+    assert in_top_k(probs, [2], 3) == [True]
+    assert in_top_k(probs, [2], 3, require_positive=True) == [False]  # filtered out by the request: never kept
+
+
+def test_topk_with_k1_is_exact_greedy_and_the_rule_refuses_it():
+    """K=1 (no ties) is exactly greedy acceptance, which is why AcceptRule refuses it as a 'lossy' setting."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        logits = torch.randn(5, 9, generator=g)
+        m = int(torch.randint(0, 5, (1,), generator=g))  # the first m drafts are the target's own argmax
+        drafts = logits.argmax(-1)[:m].tolist() + torch.randint(0, 9, (4 - m,), generator=g).tolist()
+        assert topk_accept(logits, drafts, 1) == greedy_accept(logits, drafts)
+    with pytest.raises(ValueError, match="K >= 2"):
+        AcceptRule(topk=1)
+
+
+def test_accept_rule_settings_and_reports():
+    assert AcceptRule.from_flags(None, None, None).describe() == {"rule": "exact", "lossy": False}
+    assert AcceptRule.from_flags(None, 1.0, 1.0).name == "exact"  # SGLang's lossless default stays exact
+    topk = AcceptRule.from_flags(3, None, None)
+    assert topk.describe()["rule"] == "topk" and topk.describe()["k"] == 3 and topk.lossy
+    assert topk.lossy_for(greedy=True) and topk.lossy_for(greedy=False)
+    thr = AcceptRule.from_flags(None, 0.4, None)
+    assert thr.describe()["threshold_single"] == 0.4 and thr.describe()["threshold_acc"] == 1.0 and thr.lossy
+    assert not thr.lossy_for(greedy=True) and thr.lossy_for(greedy=False)
+    for bad in (dict(threshold_single=1.5), dict(threshold_acc=-0.1), dict(topk=3, threshold_acc=0.5)):
+        with pytest.raises(ValueError):
+            AcceptRule(**bad)
+
+
+def test_topk_under_sampling_keeps_a_top_k_draft_the_exact_test_would_replace():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    q = torch.tensor([[0.0, 0.01, 0.99, 0.0]], dtype=torch.float64)  # draft 2: p/q = 0.2 / 0.99
+    kept = exact_kept = 0
+    for seed in range(200):
+        lossy = rejection_accept(p, q, [2], torch.Generator().manual_seed(seed),
+                                 keep=in_top_k(p[:1], [2], 3, require_positive=True))
+        exact = rejection_accept(p, q, [2], torch.Generator().manual_seed(seed))
+        kept += lossy[1]
+        exact_kept += exact[1]
+    assert kept == 200  # 3rd best of row 0 with K=3: always kept
+    assert 20 < exact_kept < 70  # the exact test keeps it with probability 0.2 / 0.99
+
+
+def test_threshold_single_and_acc_follow_sglangs_test():
+    p = torch.tensor([[0.4, 0.35, 0.25], [0.1, 0.1, 0.8]], dtype=torch.float64)
+    for seed in range(50):  # p(d) = 0.35 >= threshold_single 0.3: accepted without a coin
+        assert threshold_accept(p, [1], 0.3, 1.0, torch.Generator().manual_seed(seed))[1] == 1
+    n = 4000
+    for acc, want in ((1.0, 0.35), (0.7, 0.5), (0.35, 1.0)):  # acceptance probability min(1, p(d) / acc)
+        got = sum(threshold_accept(p, [1], 1.0, acc, torch.Generator().manual_seed(s))[1] for s in range(n)) / n
+        assert abs(got - want) < 0.03, (acc, got)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # after a rejection the token comes from p without the rejected draft
+        tokens, accepted = threshold_accept(p, [1], 1.0, 1.0, g)
+        assert accepted == 1 or tokens[0] != 1
+
+
+def _sglang_rule(single, acc):
+    def accept(p_rows, q_rows, drafts, g):
+        return threshold_accept(p_rows, drafts, single, acc, g)
+    return accept
+
+
+def test_threshold_rule_at_one_follows_the_target_law_and_below_one_does_not():
+    """SGLang's target-only rule is exact at 1.0/1.0 whatever the drafter samples; at 0.3 the chi-square test
+    sees the drafter's tokens leak into the output."""
+    target, draft = _chain(1), _chain(2)
+    law = _exact_law(target, start=0)
+    exact = _chi_square_p(_speculative_sequences(target, draft, 3, seed=1234, accept=_sglang_rule(1.0, 1.0)), law)
+    lossy = _chi_square_p(_speculative_sequences(target, draft, 3, seed=1234, accept=_sglang_rule(0.3, 1.0)), law)
+    print(f"SGLang target-only rule: chi-square p = {exact:.4f} at thresholds 1.0, {lossy:.2e} at single 0.3")
+    assert exact > P_THRESHOLD
+    assert lossy < P_THRESHOLD

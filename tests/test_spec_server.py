@@ -1,16 +1,21 @@
 """`evalpipe serve --speculative block` through real HTTP and the real `openai` client: every choice (and the final
 stream chunk) carries a consistent `spec` object, /get_server_info reports the speculation settings and server-wide
-totals, and a simulated-acceptance server says so everywhere (and `evalpipe run`'s check refuses it)."""
+totals, and a simulated-acceptance server says so everywhere (and `evalpipe run`'s check refuses it). Acceptance is
+exact by default; a lossy top-k server says so in its ready line, its server info and every choice, and `evalpipe
+run` scores it while its summary and `evalpipe compare` show the lossy rule."""
 
 from __future__ import annotations
 
 import os
 
+import json
+
 import httpx
 import openai
 import pytest
 
-from evalpipe.endpoint import simulation_reason
+from core_helpers import only_run_dir, run_cli, run_lane
+from evalpipe.endpoint import lossy_acceptance, simulation_reason
 from evalpipe.engine.runner import ModelRunner
 from server_harness import ServerProcess
 from spec_helpers import compare_with_tie_rule, plain_greedy, single_thread
@@ -45,8 +50,9 @@ def check_spec(spec: dict, n_tokens: int, block: int) -> None:
 
 @pytest.fixture(scope="module")
 def server():
+    # the default context (4096): the lossy test also runs GSM8K's few-shot prompts (~2,500 byte tokens) through it
     srv = start_server("--speculative", "block", "--block-size", str(BLOCK), "--drafter", "layerskip:2",
-                        "--max-seq-len", "256", "--max-batch", "8")
+                        "--max-batch", "8")
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -66,6 +72,7 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
         data = choice.model_dump()
         check_spec(data["spec"], len(data["token_ids"]), BLOCK)
         assert data["spec"]["simulate_acc_len"] is None
+        assert data["spec"]["accept"] == {"rule": "exact", "lossy": False} and data["spec"]["lossy"] is False
         total += len(data["token_ids"])
     assert done.usage.completion_tokens == total
 
@@ -95,6 +102,8 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
     spec = info["speculative"]
     assert (spec["mode"], spec["block_size"], spec["drafter"], spec["simulate_acc_len"]) == \
         ("block", BLOCK, "layerskip:2", None)
+    assert spec["accept"] == {"rule": "exact", "lossy": False}  # acceptance is exact unless asked otherwise
+    assert lossy_acceptance(info) is None
     totals = info["internal_states"]["speculative_totals"]  # server-wide averages move while serving
     assert totals["requests"] >= 4  # 2 choices + 2 chats (plus the readiness probe)
     assert sum(totals["accept_histogram"]) == totals["verify_steps"]
@@ -121,3 +130,54 @@ def test_simulated_server_reports_itself_everywhere():
         assert hist[2] + hist[3] == sum(hist)  # accept lengths 3 and 4 only (2 or 3 drafts + bonus)
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_lossy_topk_server_reports_itself_and_is_scored_visibly(server, tmp_path):
+    """The default tiny model behind `--spec-accept-topk 3`: lossy in the ready line, /get_server_info and every
+    choice; `evalpipe run` scores it (exit 0) and its summary, then `evalpipe compare` against the exact server,
+    show the lossy rule."""
+    srv = start_server("--speculative", "block", "--spec-accept-topk", "3", "--max-batch", "8")
+    try:
+        assert "accept topk k=3 (LOSSY)" in srv.output()
+        info = httpx.get(srv.base + "/get_server_info", timeout=30).json()
+        assert info["speculative"]["accept"] == {"rule": "topk", "k": 3, "lossy": True,
+                                                 "applies_to": "greedy and sampled requests"}
+        assert info["server_args"]["spec_accept_topk"] == 3
+        assert simulation_reason(info) is None  # lossy is not simulated: it is scored
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for temperature in (0.0, 0.8):
+            done = client.completions.create(model=client.models.list().data[0].id, prompt="The quick brown fox",
+                                             max_tokens=16, temperature=temperature, seed=3,
+                                             extra_body={"return_token_ids": True})
+            spec = done.choices[0].model_dump()["spec"]
+            check_spec(spec, len(done.choices[0].model_dump()["token_ids"]), 5)
+            assert spec["lossy"] is True and spec["accept"]["rule"] == "topk" and spec["accept"]["k"] == 3
+
+        args = ("--num-examples", "3", "--max-tokens", "12")
+        exact_run = run_lane("gsm8k", server.base + "/v1", tmp_path / "exact", *args, "--arm", "exact")
+        lossy_run = run_lane("gsm8k", srv.base + "/v1", tmp_path / "lossy", *args, "--arm", "topk3")
+    finally:
+        assert srv.stop() == 0, srv.output()
+    assert exact_run.returncode == 0, exact_run.stderr
+    assert lossy_run.returncode == 0, lossy_run.stderr  # scored, not refused
+    assert "LOSSY" in lossy_run.stderr and "LOSSY" in lossy_run.stdout
+    lossy_dir, exact_dir = only_run_dir(tmp_path / "lossy", "gsm8k"), only_run_dir(tmp_path / "exact", "gsm8k")
+    summary = json.loads((lossy_dir / "summary.json").read_text())
+    assert (summary["spec_lossy"], summary["n_records_lossy"]) == (True, 3)
+    assert summary["server_lossy_acceptance"]["rule"] == "topk"
+    records = [json.loads(line) for line in (lossy_dir / "responses.jsonl").read_text().splitlines()]
+    assert all(r["spec"]["lossy"] is True and r["spec"]["accept"]["k"] == 3 for r in records)
+    exact_summary = json.loads((exact_dir / "summary.json").read_text())
+    assert (exact_summary["spec_lossy"], exact_summary["n_records_lossy"]) == (False, 0)
+    assert exact_summary["server_lossy_acceptance"] is None
+    audit = run_cli("audit", str(lossy_dir))
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+    out = tmp_path / "cmp"
+    compared = run_cli("compare", str(exact_dir), str(lossy_dir), "--out", str(out), "--no-html", "--resamples", "200")
+    assert compared.returncode == 0, compared.stdout + compared.stderr
+    assert "LOSSY acceptance in B" in compared.stdout and "topk (k=3): 3/3 responses" in compared.stdout
+    spec = json.loads((out / "compare.json").read_text())["spec"]
+    assert spec["a"]["lossy"] is False and spec["a"]["accept_rules"] == ["exact"]
+    assert spec["b"]["lossy"] is True and spec["b"]["n_records_lossy"] == 3
+    assert spec["b"]["server_lossy_acceptance"]["k"] == 3

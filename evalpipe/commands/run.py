@@ -191,6 +191,12 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         console.print(f"[bold red]manifest changed during the run:[/] {summary.get('manifest_changes')}")
     if summary.get("data_drift"):
         console.print("[bold yellow]data drift allowed: hashes differ from the pins[/]")
+    if summary.get("spec_lossy") or summary.get("server_lossy_acceptance"):
+        from rich.markup import escape
+
+        console.print(f"[bold yellow]LOSSY speculative acceptance[/] (server: {escape(str(summary.get('server_lossy_acceptance')))}): "
+                      f"{summary.get('n_records_lossy', 0)} of {summary['n_records']} responses were accepted by it; "
+                      "this accuracy measures the lossy rule")
     rps = summary.get("requests_per_s")
     wall = summary.get("wall_s")
     console.print(f"wall {wall:.2f}s, {rps:.1f} req/s" if wall and rps else "")

@@ -55,6 +55,22 @@ DEVICES = ("cpu", "cuda")
               help="Performance runs only: accept a floor/ceil mix of X-1 drafts per step (mean exactly X, bonus "
                    "included) without checking them. Reported in /get_server_info and every response; output "
                    "quality is meaningless, so `evalpipe run` refuses to score against it.")
+@click.option("--spec-accept-topk", "spec_accept_topk", default=None, type=int, metavar="K",
+              help="LOSSY, evaluation only (proves an eval catches a lossy speculator): with --speculative block "
+                   "accept a draft when it is among the target's top K tokens at its row (K >= 2; K = 1 is the "
+                   "default exact greedy rule). Greedy requests rank the logits; sampled requests keep a top-K draft "
+                   "without the rejection test. Reported as lossy in /get_server_info, every `spec` and the ready "
+                   "line. Default: exact acceptance.")
+@click.option("--spec-accept-threshold-single", "spec_accept_threshold_single", default=None,
+              type=click.FloatRange(0.0, 1.0), metavar="P",
+              help="LOSSY below 1.0, evaluation only: SGLang's --speculative-accept-threshold-single. On sampled "
+                   "requests accept a draft whose target probability is >= P (greedy requests stay exact, as in "
+                   "SGLang). 1.0 (with --spec-accept-threshold-acc 1.0) is lossless and keeps the exact rule.")
+@click.option("--spec-accept-threshold-acc", "spec_accept_threshold_acc", default=None,
+              type=click.FloatRange(0.0, 1.0), metavar="P",
+              help="LOSSY below 1.0, evaluation only: SGLang's --speculative-accept-threshold-acc. On sampled "
+                   "requests accept a draft with probability min(1, p(draft) / P) instead of the exact test "
+                   "(SGLang's target-only rule; greedy requests stay exact).")
 @click.option("--fused", default="on", show_default=True, type=click.Choice(["on", "off"]),
               help="With --device cuda: route the verify (and decode) steps through the fused Triton kernels of "
                    "evalpipe.kernels (on) or the engine's reference PyTorch chains (off), to A/B fusion in one "
@@ -75,15 +91,21 @@ DEVICES = ("cpu", "cuda")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
 def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
-            api_key, speculative, block_size, drafter, simulate_acc_len, fused, cuda_graphs, wo_quant, threads, log_level):
+            api_key, speculative, block_size, drafter, simulate_acc_len, spec_accept_topk, spec_accept_threshold_single,
+            spec_accept_threshold_acc, fused, cuda_graphs, wo_quant, threads, log_level):
     """Serve a model (the built-in evalpipe-skills-dsv4 by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
-    if model is not None and not Path(model).exists():
-        raise click.BadParameter(f"{model} does not exist", param_hint="--model")
+    from evalpipe.engine.weights import BUILTIN_MODELS
+
+    if model is not None and model not in BUILTIN_MODELS and not Path(model).exists():
+        raise click.BadParameter(f"{model} does not exist (built-in models: {', '.join(BUILTIN_MODELS)})",
+                                 param_hint="--model")
     if tokenizer is not None and not Path(tokenizer).exists():
         raise click.BadParameter(f"{tokenizer} does not exist", param_hint="--tokenizer")
     _check_speculation(speculative, block_size, drafter, simulate_acc_len)
+    _check_accept_rule(speculative, simulate_acc_len, spec_accept_topk, spec_accept_threshold_single,
+                       spec_accept_threshold_acc)
     if device == "cuda":
         import torch
 
@@ -109,7 +131,8 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
         max_tokens_per_step=max_tokens_per_step, max_queue=max_queue, max_seq_len=max_seq_len, api_key=api_key,
         argv=["evalpipe", *sys.argv[1:]],
         speculative=speculative, block_size=block_size, drafter=drafter, simulate_acc_len=simulate_acc_len,
-        fused=fused, cuda_graphs=cuda_graphs, wo_quant=wo_quant,
+        spec_accept_topk=spec_accept_topk, spec_accept_threshold_single=spec_accept_threshold_single,
+        spec_accept_threshold_acc=spec_accept_threshold_acc, fused=fused, cuda_graphs=cuda_graphs, wo_quant=wo_quant,
     )
     failure: list[str] = []
     server: uvicorn.Server | None = None
@@ -117,7 +140,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
     def on_ready(state: ServerState) -> None:
         url = f"http://{_display_host(host)}:{port}/v1"
         click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {dtype} on {device}, "
-                   f"loaded in {state.load_seconds:.1f}s)")
+                   f"loaded in {state.load_seconds:.1f}s{_speculation_phrase(state)})")
         sys.stdout.flush()
 
     def on_error(message: str) -> None:
@@ -162,6 +185,38 @@ def _check_speculation(mode, block_size, drafter, simulate_acc_len) -> None:
     if simulate_acc_len is not None and not 1.0 <= simulate_acc_len <= block_size + 1:
         raise click.BadParameter(f"must be in [1, G+1] = [1, {block_size + 1}] for --block-size {block_size}, "
                                  f"got {simulate_acc_len}", param_hint="--simulate-acc-len")
+
+
+def _check_accept_rule(mode, simulate_acc_len, topk, threshold_single, threshold_acc) -> None:
+    """Reject acceptance-rule flags that cannot work, with the reason (the rule itself lives in AcceptRule)."""
+    from evalpipe.engine.speculative import AcceptRule
+
+    given = [f for f, v in (("--spec-accept-topk", topk), ("--spec-accept-threshold-single", threshold_single),
+                            ("--spec-accept-threshold-acc", threshold_acc)) if v is not None]
+    if not given:
+        return
+    if mode != "block":
+        raise click.UsageError(f"{'/'.join(given)} need{'s' if len(given) == 1 else ''} --speculative block")
+    try:
+        rule = AcceptRule.from_flags(topk, threshold_single, threshold_acc)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if simulate_acc_len is not None and rule.lossy:
+        raise click.UsageError("--simulate-acc-len checks no draft at all, so an acceptance rule has nothing to decide")
+
+
+def _speculation_phrase(state) -> str:
+    """'; speculative block G=5, drafter layerskip:3, accept topk k=3 (LOSSY)' for the ready line ('' when off)."""
+    s = state.settings
+    if s.speculative != "block":
+        return ""
+    from evalpipe.engine.spec_decoder import accept_rule_from_settings, default_drafter
+
+    drafter = s.drafter or default_drafter(state.runner)
+    phrase = f"; speculative block G={s.block_size}, drafter {drafter}, {accept_rule_from_settings(s).label()}"
+    if s.simulate_acc_len is not None:
+        phrase += f", SIMULATED accept length {s.simulate_acc_len:g}"
+    return phrase
 
 
 def _raise_interrupt(signum, frame):

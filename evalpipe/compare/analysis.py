@@ -14,6 +14,7 @@ import numpy as np
 from evalpipe.compare import stats
 from evalpipe.compare.agreement import compare_outputs, summarize_agreement
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
+from evalpipe.endpoint import lossy_acceptance
 
 SCHEMA_VERSION = 1
 GSM8K_INVALID = -9999999
@@ -112,12 +113,16 @@ def spec_stats(recs: list[dict]) -> dict:
     per_record: list[float] = []
     steps: list[int] = []
     tok_sum = step_sum = 0
-    n_with = 0
+    n_with = n_lossy = 0
+    rules: set[str] = set()
     for r in recs:
         spec = r.get("spec")
         if not isinstance(spec, dict):
             continue
         n_with += 1
+        n_lossy += spec.get("lossy") is True
+        if isinstance(spec.get("accept"), dict) and spec["accept"].get("rule"):
+            rules.add(str(spec["accept"]["rule"]))
         verify = _first_num(spec, ("verify_steps", "verify_ct", "spec_verify_ct", "num_verify_steps"))
         tokens = _first_num(spec, ("num_tokens", "accepted_tokens_total")) or completion_tokens(r)
         al = _first_num(spec, ("accept_length", "spec_accept_length", "avg_accept_length", "mean_accept_length"))
@@ -154,6 +159,9 @@ def spec_stats(recs: list[dict]) -> dict:
         "histogram_basis": "per-step accept lengths" if steps else "per-record mean accept length, rounded",
         "histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         "per_record": per_record,
+        # the acceptance rule the records report (evalpipe serve --spec-accept-*) and how many it decided lossily
+        "accept_rules": sorted(rules),
+        "n_records_lossy": n_lossy,
     }
 
 
@@ -329,6 +337,10 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
              "identical": per_pair[k]["identical"], "divergence_position": per_pair[k]["position"]}
             for k, x, y in zip(common, ca, cb)]
     result["spec"] = {"a": spec_stats(recs_a), "b": spec_stats(recs_b)}
+    for side, run in (("a", a), ("b", b)):
+        server = lossy_acceptance((snapshot(run.manifest).get("server") or {}).get("server_info"))
+        result["spec"][side]["server_lossy_acceptance"] = server
+        result["spec"][side]["lossy"] = bool(server) or result["spec"][side]["n_records_lossy"] > 0
     result["speed"] = {"a": speed_stats(recs_a), "b": speed_stats(recs_b)}
     result["manifest_diff"] = manifest_differences(a.manifest, b.manifest, intended)
     return _clean(result)

@@ -78,6 +78,7 @@ def print_terminal(result: dict, console: Console | None = None) -> None:
         t.add_row(f"{name} rate", f"{pct(r['rate_a'])} ({r['n_a']})", f"{pct(r['rate_b'])} ({r['n_b']})", pts(r["diff"]))
     sp = result["spec"]
     t.add_row("accept length (mean)", num(sp["a"]["accept_length_mean"]), num(sp["b"]["accept_length_mean"]), "")
+    t.add_row("acceptance rule", escape(acceptance(sp["a"])), escape(acceptance(sp["b"])), "")
     sd = result["speed"]
     t.add_row("latency median (s)", num(sd["a"]["latency_median_s"]), num(sd["b"]["latency_median_s"]), "")
     t.add_row("tokens/s median", num(sd["a"]["tokens_per_s_median"], 1), num(sd["b"]["tokens_per_s_median"], 1), "")
@@ -102,6 +103,11 @@ def headline_lines(result: dict) -> list[str]:
     lines = []
     if result.get("forced"):
         lines.append("[bold red]FORCED[/]: compared despite: " + escape("; ".join(result["forced_over"])))
+    for arm in ("a", "b"):
+        sp = (result.get("spec") or {}).get(arm) or {}
+        if sp.get("lossy"):
+            lines.append(f"[bold yellow]LOSSY acceptance[/] in {escape(label(result, arm))}: "
+                         f"{escape(lossy_detail(sp))}; its accuracy measures that rule")
     g = result.get("greedy")
     if g:
         bs = g["bootstrap"]
@@ -136,6 +142,24 @@ def headline_lines(result: dict) -> list[str]:
     else:
         lines.append("manifest: no differences outside volatile keys")
     return lines
+
+
+def acceptance(sp: dict) -> str:
+    """One arm's acceptance rule for the spec section: 'exact', 'off', or the LOSSY rule and how many it decided."""
+    rules = sp.get("accept_rules") or []
+    if not sp.get("lossy"):
+        return ", ".join(rules) if rules else ("off" if not sp.get("n_records_with_spec") else "not reported")
+    return "LOSSY " + lossy_detail(sp)
+
+
+def lossy_detail(sp: dict) -> str:
+    """'topk (k=3): 3/3 responses report a lossy decision' for an arm whose acceptance was lossy."""
+    server = sp.get("server_lossy_acceptance")
+    rule = server.get("rule") if isinstance(server, dict) else "/".join(sp.get("accept_rules") or [])
+    params = ", ".join(f"{k}={v}" for k, v in (server or {}).items()
+                       if k not in ("rule", "lossy", "applies_to"))
+    return (f"{rule}{f' ({params})' if params else ''}: "
+            f"{sp.get('n_records_lossy', 0)}/{sp.get('n_records_with_spec', 0)} responses report a lossy decision")
 
 
 def _short(v: Any, n: int = 80) -> str:
@@ -316,6 +340,7 @@ def render_html(result: dict) -> str:
     rows.append(["accept length mean / token-weighted",
                  f"{num(sp['a']['accept_length_mean'])} / {num(sp['a']['accept_length_token_weighted'])}",
                  f"{num(sp['b']['accept_length_mean'])} / {num(sp['b']['accept_length_token_weighted'])}", "", ""])
+    rows.append(["acceptance rule", acceptance(sp["a"]), acceptance(sp["b"]), "", ""])
     rows.append(["latency median / p90 (s)", f"{num(sd['a']['latency_median_s'])} / {num(sd['a']['latency_p90_s'])}",
                  f"{num(sd['b']['latency_median_s'])} / {num(sd['b']['latency_p90_s'])}", "", ""])
     rows.append(["tokens/s median / aggregate",

@@ -11,6 +11,9 @@ token becomes the new pending token. Drafters are rolled back the same way.
 batch hooks the engine calls when present: `prepare(seqs)` drafts for all decoding sequences of a step at once, and
 `release(slot)` frees a finished sequence's draft state and adds its statistics to the server-wide totals.
 `verify_step(seqs)` runs prepare + target forward + accept directly on a runner (tests, benchmarks).
+
+The acceptance rule is exact unless the server was started with a lossy `AcceptRule` (speculative.py); the rule and
+whether it decided a request lossily ride on every `spec` object and on `describe()`.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import torch
 
 from evalpipe.engine.sampling import sample, sampling_probs
 from evalpipe.engine.speculative import (
+    AcceptRule,
     ServerSpecTotals,
     SimulatedAcceptance,
     SpecStats,
     greedy_accept,
+    in_top_k,
     rejection_accept,
     simulated_accept,
+    threshold_accept,
+    topk_accept,
 )
 
 
@@ -45,11 +52,15 @@ class _SeqSpec:
 class SpeculativeDecoder:
     all_logits = True
 
-    def __init__(self, target: Any, drafter: Any, *, block_size: int = 5, simulate_acc_len: float | None = None):
+    def __init__(self, target: Any, drafter: Any, *, block_size: int = 5, simulate_acc_len: float | None = None,
+                 accept_rule: AcceptRule | None = None):
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
+        self.accept_rule = accept_rule or AcceptRule()
         if simulate_acc_len is not None:
             SimulatedAcceptance(simulate_acc_len, block_size)  # validates the range
+            if self.accept_rule.lossy:
+                raise ValueError("simulated acceptance checks no draft, so an acceptance rule has nothing to decide")
         self.target = target
         self.drafter = drafter
         self.block_size = block_size
@@ -93,22 +104,31 @@ class SpeculativeDecoder:
                 lambda row: int(sample(sampling_probs(logits[row], params), seq.generator)),
             )
         elif params.greedy:
-            tokens, n = greedy_accept(logits, drafts)
+            rule = self.accept_rule
+            tokens, n = topk_accept(logits, drafts, rule.topk) if rule.name == "topk" else greedy_accept(logits, drafts)
         else:
-            p = sampling_probs(logits, params)
-            q = spec.q if spec.q is not None else p[:0]
-            tokens, n = rejection_accept(p, q, drafts, seq.generator)
+            tokens, n = self._sampled_accept(sampling_probs(logits, params), spec, seq.generator)
         self.target.truncate(seq.slot, spec.base_len + 1 + n)
         self.drafter.rollback(seq, spec.base_len + 1, n)
         spec.stats.record(n)
         spec.drafts, spec.q = [], None
         return tokens
 
+    def _sampled_accept(self, p: torch.Tensor, spec: _SeqSpec, generator: Any) -> tuple[list[int], int]:
+        rule, drafts = self.accept_rule, spec.drafts
+        if rule.name == "threshold":
+            return threshold_accept(p, drafts, rule.threshold_single, rule.threshold_acc, generator)
+        keep = in_top_k(p[: len(drafts)], drafts, rule.topk, require_positive=True) if rule.name == "topk" else None
+        q = spec.q if spec.q is not None else p[:0]
+        return rejection_accept(p, q, drafts, generator, keep=keep)
+
     def stats(self, seq: Any) -> dict | None:
         spec = seq.state.get("spec")
         stats = spec.stats if spec is not None else SpecStats(self.block_size)
-        # simulate_acc_len rides on every response so that no consumer can mistake a simulated run for a real one
-        return {**stats.to_dict(completion_tokens=len(seq.output)), "simulate_acc_len": self.simulate_acc_len}
+        # simulate_acc_len and the acceptance rule ride on every response so that no consumer can mistake a simulated
+        # or lossy run for an exact one; `lossy` says whether the rule decided THIS request lossily
+        return {**stats.to_dict(completion_tokens=len(seq.output)), "simulate_acc_len": self.simulate_acc_len,
+                "accept": self.accept_rule.describe(), "lossy": self.accept_rule.lossy_for(seq.params.greedy)}
 
     def release(self, slot: int) -> None:
         seq = self._live.pop(slot, None)
@@ -123,6 +143,7 @@ class SpeculativeDecoder:
             "verify_rows_per_request": self.width,
             "drafter": self.drafter.name,
             "simulate_acc_len": self.simulate_acc_len,
+            "accept": self.accept_rule.describe(),
             "totals": self.totals.to_dict(),
         }
 
@@ -163,7 +184,8 @@ def default_drafter(runner: Any) -> str:
 def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | None:
     """The engine's decoder for the server settings: None (plain decoding) unless `speculative == "block"`.
 
-    Reads `speculative`, `block_size`, `drafter` (None: `default_drafter`) and `simulate_acc_len` (None: off)."""
+    Reads `speculative`, `block_size`, `drafter` (None: `default_drafter`), `simulate_acc_len` (None: off) and the
+    acceptance rule (`accept_rule_from_settings`)."""
     from evalpipe.engine.drafters import build_drafter
 
     mode = getattr(settings, "speculative", "off") or "off"
@@ -173,4 +195,13 @@ def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | No
         return None
     spec = getattr(settings, "drafter", None) or default_drafter(runner)
     return SpeculativeDecoder(runner, build_drafter(spec, getattr(runner, "eager_runner", runner)), block_size=int(getattr(settings, "block_size", 5)),
-                              simulate_acc_len=getattr(settings, "simulate_acc_len", None))
+                              simulate_acc_len=getattr(settings, "simulate_acc_len", None),
+                              accept_rule=accept_rule_from_settings(settings))
+
+
+def accept_rule_from_settings(settings: Any) -> AcceptRule:
+    """The acceptance rule of the server settings (`spec_accept_topk`, `spec_accept_threshold_single/acc`);
+    exact when none is set. Raises ValueError for a rule that cannot be built (AcceptRule says why)."""
+    return AcceptRule.from_flags(getattr(settings, "spec_accept_topk", None),
+                                 getattr(settings, "spec_accept_threshold_single", None),
+                                 getattr(settings, "spec_accept_threshold_acc", None))

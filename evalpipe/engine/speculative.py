@@ -11,6 +11,26 @@ how many drafts survive and which token follows them:
   A drafter without a distribution (n-gram lookup) passes q = one-hot of its proposal, which the same rule handles;
 - simulated (performance runs only): accept a prescribed number of drafts without checking them.
 
+The greedy and sampled rules are exact and are the default. Two LOSSY rules exist only so that an evaluation can
+prove it notices a speculator that changes the output (`AcceptRule`; never on unless asked for, reported wherever
+`spec` is):
+
+- top-k (`--spec-accept-topk K`, K >= 2): a draft survives when fewer than K tokens score strictly higher than it
+  at its row, i.e. it is among the target's K best (ties counted in its favour). Greedy rows rank the logits and the
+  bonus stays the target argmax after the accepted drafts. Sampled rows rank the request's own distribution p (after
+  temperature/top-k/top-p/min-p); a draft in the top K with p > 0 is kept without a test, any other draft still
+  faces the exact rejection test above. K = 1 would be the exact greedy rule, so it is refused, not offered.
+- thresholds (`--spec-accept-threshold-single P`, `--spec-accept-threshold-acc P`, SGLang's
+  `--speculative-accept-threshold-single/acc`): SGLang's target-only verification, for a linear block (no siblings,
+  so SGLang's accumulated probability is just the draft's own p). At each row the draft d survives when
+  u < p(d) / threshold_acc for a fresh uniform u (threshold_acc is floored at 1e-9 like SGLang's), or when
+  p(d) >= threshold_single; at the first failure the target samples from p with d removed (renormalised), and after
+  a fully accepted block it samples the bonus from p. The drafter's q is not used. At 1.0 / 1.0 this is an exact
+  sampler (P(x) = q(x) p(x) + sum over d != x of q(d) (1 - p(d)) p(x) / (1 - p(d)) = p(x)), so the engine keeps its
+  own rule there; below 1.0 it accepts more than p allows (threshold_single 0 accepts every draft, threshold_acc 0
+  every draft with p > 0). As in SGLang, whose all-greedy batches go through its greedy verifier, the thresholds act
+  on sampled requests only: greedy requests on such a server are verified exactly, and their `spec.lossy` says false.
+
 Lengths here count drafts ("accepted drafts", 0..G); the accept length of SGLang's statistics adds the bonus.
 """
 
@@ -47,11 +67,13 @@ def rejection_accept(
     draft_probs: torch.Tensor,
     drafts: torch.Tensor | list[int],
     generator: torch.Generator | None = None,
+    keep: list[bool] | None = None,
 ) -> tuple[list[int], int]:
     """Speculative rejection sampling of one request's block.
 
     target_probs: [G+1, V] target distributions (after temperature/top-p/top-k), row i after draft i.
     draft_probs: [G, V] the distributions each draft was sampled from (same transform), row i for draft i+1.
+    keep: per draft, True to accept it without the test (the lossy top-k rule); None for the exact sampler.
     Returns (emitted tokens, number of accepted drafts); at least one token is always emitted.
     """
     drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
@@ -65,7 +87,7 @@ def rejection_accept(
     for i, d in enumerate(drafts):
         p_d, q_d = float(p[i, d]), float(q[i, d])
         # accept iff u < p/q, written without the division; q_d == 0 cannot be drafted, reject if it is.
-        if q_d > 0.0 and uniforms[i] * q_d < p_d:
+        if (keep is not None and keep[i]) or (q_d > 0.0 and uniforms[i] * q_d < p_d):
             emitted.append(d)
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)
@@ -76,6 +98,124 @@ def rejection_accept(
         return emitted, i
     emitted.append(_draw(p[len(drafts)], generator))
     return emitted, len(drafts)
+
+
+def topk_accept(target_logits: torch.Tensor, drafts: torch.Tensor | list[int], k: int) -> tuple[list[int], int]:
+    """LOSSY greedy acceptance: the longest prefix of drafts each among the target's top k at its row, then the
+    target argmax after them. Same shapes and result as `greedy_accept`."""
+    drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
+    kept = in_top_k(target_logits[: len(drafts)], drafts, k)
+    n = 0
+    while n < len(drafts) and kept[n]:
+        n += 1
+    return drafts[:n] + [int(torch.argmax(target_logits[n]))], n
+
+
+def in_top_k(scores: torch.Tensor, drafts: list[int], k: int, require_positive: bool = False) -> list[bool]:
+    """Per row i of scores [G, V]: fewer than k tokens score strictly higher than drafts[i] (ties count for the
+    draft). require_positive: also need scores[i, d] > 0 (probabilities: never keep a token the request's own
+    top-k/top-p/min-p filtered out)."""
+    if not drafts:
+        return []
+    index = torch.tensor(drafts, dtype=torch.long, device=scores.device).unsqueeze(1)
+    own = scores.gather(1, index)
+    ok = (scores > own).sum(dim=1) < k
+    if require_positive:
+        ok &= own.squeeze(1) > 0
+    return ok.tolist()
+
+
+def threshold_accept(
+    target_probs: torch.Tensor,
+    drafts: torch.Tensor | list[int],
+    threshold_single: float,
+    threshold_acc: float,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """SGLang's target-only verification of a linear block with its acceptance thresholds (module docstring).
+
+    target_probs: [G+1, V] the request's target distributions. Returns (emitted tokens, accepted drafts)."""
+    drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
+    p = target_probs.to(torch.float64)
+    if p.shape[0] != len(drafts) + 1:
+        raise ValueError(f"need G+1 target rows for G={len(drafts)} drafts, got {p.shape[0]}")
+    acc = max(float(threshold_acc), 1e-9)
+    uniforms = torch.rand(len(drafts), generator=generator, dtype=torch.float64, device=p.device).tolist()
+    emitted: list[int] = []
+    for i, d in enumerate(drafts):
+        p_d = float(p[i, d])
+        # strict < (SGLang writes <=): the same law for a continuous u, and u == 0 never keeps a p = 0 token
+        if uniforms[i] * acc < p_d or p_d >= threshold_single:
+            emitted.append(d)
+            continue
+        residual = p[i].clone()
+        residual[d] = 0.0
+        total = float(residual.sum())
+        emitted.append(_draw(residual / total if total > 0.0 else p[i], generator))
+        return emitted, i
+    emitted.append(_draw(p[len(drafts)], generator))
+    return emitted, len(drafts)
+
+
+@dataclass(frozen=True)
+class AcceptRule:
+    """Which acceptance rule a server runs: "exact" (the default), or one of the LOSSY "topk" / "threshold" rules.
+
+    Thresholds of 1.0 are SGLang's lossless default and mean "exact"; top-k needs K >= 2 (K = 1 is exact greedy).
+    """
+
+    topk: int | None = None
+    threshold_single: float = 1.0
+    threshold_acc: float = 1.0
+
+    def __post_init__(self):
+        if self.topk is not None and self.topk < 2:
+            raise ValueError(f"top-k acceptance needs K >= 2: K = {self.topk} accepts only the target's argmax, "
+                             "which is the default exact greedy rule")
+        for name in ("threshold_single", "threshold_acc"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1] (1.0 = lossless), got {value}")
+        if self.topk is not None and (self.threshold_single < 1.0 or self.threshold_acc < 1.0):
+            raise ValueError("choose one lossy acceptance rule: top-k or the probability thresholds, not both")
+
+    @classmethod
+    def from_flags(cls, topk: int | None, threshold_single: float | None, threshold_acc: float | None) -> "AcceptRule":
+        """From the serve flags, where None means "not given" (thresholds then default to SGLang's 1.0)."""
+        return cls(topk=topk, threshold_single=1.0 if threshold_single is None else float(threshold_single),
+                   threshold_acc=1.0 if threshold_acc is None else float(threshold_acc))
+
+    @property
+    def name(self) -> str:
+        if self.topk is not None:
+            return "topk"
+        return "threshold" if self.threshold_single < 1.0 or self.threshold_acc < 1.0 else "exact"
+
+    @property
+    def lossy(self) -> bool:
+        return self.name != "exact"
+
+    def lossy_for(self, greedy: bool) -> bool:
+        """Does this rule decide a request's acceptance lossily? (thresholds leave greedy requests exact)"""
+        return self.name == "topk" or (self.name == "threshold" and not greedy)
+
+    def describe(self) -> dict:
+        """The rule as /get_server_info and every choice's `spec` report it."""
+        if self.name == "exact":
+            return {"rule": "exact", "lossy": False}
+        if self.name == "topk":
+            return {"rule": "topk", "k": self.topk, "lossy": True, "applies_to": "greedy and sampled requests"}
+        return {"rule": "threshold", "threshold_single": self.threshold_single, "threshold_acc": self.threshold_acc,
+                "lossy": True, "applies_to": "sampled requests (greedy requests are verified exactly, as in SGLang)"}
+
+    def label(self) -> str:
+        """One short phrase for the serve ready line."""
+        if self.name == "exact":
+            return "accept exact"
+        if self.name == "topk":
+            return f"accept topk k={self.topk} (LOSSY)"
+        return (f"accept threshold single={self.threshold_single:g} acc={self.threshold_acc:g} "
+                "(LOSSY on sampled requests)")
 
 
 class SimulatedAcceptance:

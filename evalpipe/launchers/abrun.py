@@ -81,7 +81,13 @@ class ABRun:
             "comparisons": [],
             "warnings": [],
             "error": None,
+            "lossy_acceptance": {side: self.options[side].lossy_acceptance for side in ("A", "B")},
         }
+        for side in ("A", "B"):
+            if self.options[side].lossy_acceptance:
+                self.index["warnings"].append(
+                    f"arm {side} asks for LOSSY acceptance {self.options[side].lossy_acceptance}: it accepts drafts "
+                    "the target did not choose, so its accuracy measures that rule (on purpose)")
 
     # ----- bookkeeping ----------------------------------------------------------------------------------
     def save(self) -> None:

@@ -63,6 +63,10 @@ class LaunchOptions:
     spec_draft_tokens: int | None = None
     deterministic: bool = False
     simulate_acc_len: float | None = None
+    # LOSSY acceptance asked for on purpose (evaluation only): native top-k and thresholds, SGLang's thresholds
+    spec_accept_topk: int | None = None
+    spec_accept_threshold_single: float | None = None
+    spec_accept_threshold_acc: float | None = None
     keep_env: tuple[str, ...] = ()
     set_env: dict[str, str] = field(default_factory=dict)
     engine_command: tuple[str, ...] | None = None  # replaces the program prefix (another venv, a wrapper)
@@ -75,6 +79,15 @@ class LaunchOptions:
     @property
     def speculation_on(self) -> bool:
         return self.speculative not in (None, "off")
+
+    @property
+    def lossy_acceptance(self) -> dict | None:
+        """The lossy acceptance settings these options ask for ({"topk": 3} or the thresholds), None when exact."""
+        given = {name: value for name, value in (
+            ("topk", self.spec_accept_topk), ("threshold_single", self.spec_accept_threshold_single),
+            ("threshold_acc", self.spec_accept_threshold_acc)) if value is not None}
+        lossy = "topk" in given or any(v < 1.0 for k, v in given.items() if k != "topk")
+        return given if lossy else None
 
 
 def utc_now() -> str:
@@ -93,9 +106,11 @@ class Launcher(ABC):
     health_path = "/health_generate"
     info_paths: tuple[str, ...] = ("/get_server_info", "/server_info")
     version_path: str | None = None
+    accept_rules: tuple[str, ...] = ()  # lossy acceptance rules this engine offers on purpose: "topk", "threshold"
 
     def __init__(self, options: LaunchOptions, parent_env: Mapping[str, str] | None = None):
         self.options = options
+        self.validate_accept_rule()
         self.validate()
         self.child_env: ChildEnvironment = build_child_env(
             os.environ if parent_env is None else parent_env,
@@ -121,6 +136,28 @@ class Launcher(ABC):
 
     def validate(self) -> None:
         """Refuse settings this engine cannot honour; raise LaunchConfigError."""
+
+    def validate_accept_rule(self) -> None:
+        """--spec-accept-*: only where the engine has that rule, with speculation on, one rule, sane values."""
+        o = self.options
+        thresholds = [v for v in (o.spec_accept_threshold_single, o.spec_accept_threshold_acc) if v is not None]
+        if o.spec_accept_topk is None and not thresholds:
+            return
+        if o.spec_accept_topk is not None:
+            require("topk" in self.accept_rules, f"{self.engine} has no top-k acceptance (--spec-accept-topk is a "
+                    "native-engine rule)" + ("; its lossy knobs are --spec-accept-threshold-single/-acc"
+                                             if "threshold" in self.accept_rules else ""))
+            require(o.spec_accept_topk >= 2, f"--spec-accept-topk {o.spec_accept_topk}: K = 1 is the exact greedy "
+                    "rule; a lossy top-k rule needs K >= 2")
+        if thresholds:
+            require("threshold" in self.accept_rules,
+                    f"{self.engine} has no acceptance thresholds to loosen (--spec-accept-threshold-* are for the "
+                    "native engine and sglang)")
+            require(all(0.0 <= v <= 1.0 for v in thresholds), "acceptance thresholds must be in [0, 1] (1.0 = lossless)")
+        require(o.speculation_on, "--spec-accept-* need a speculation profile (--speculative ...)")
+        require(o.simulate_acc_len is None, "--simulate-acc-len checks no draft, so an acceptance rule has nothing to decide")
+        require(o.spec_accept_topk is None or all(v == 1.0 for v in thresholds),
+                "choose one lossy acceptance rule: --spec-accept-topk or the thresholds, not both")
 
     # ----- shared behaviour ---------------------------------------------------------------------
     @property
@@ -163,6 +200,7 @@ class Launcher(ABC):
             "env_set": redact_env(self.child_env.set),
             "health_url": self.base_url + self.health_path,
             "performance_only": self.options.simulate_acc_len is not None,
+            "lossy_acceptance": self.options.lossy_acceptance,
         }
 
     def start(self, log_path: str | os.PathLike) -> None:
@@ -266,6 +304,7 @@ class Launcher(ABC):
             "env_set": redact_env(self.child_env.set),
             "options": self.options.recorded(),
             "performance_only": self.options.simulate_acc_len is not None,
+            "lossy_acceptance": self.options.lossy_acceptance,
             "base_url": self.base_url,
             "health_path": self.health_path,
             "pid": self.process.pid if self.process else None,

@@ -29,8 +29,12 @@ Speculation profiles (--speculative):
   native: off | block (--block-size, --drafter, as `evalpipe serve`)
   sglang: off | dspark (--draft-model, --block-size) | eagle | eagle3 | nextn
           (--spec-steps, --spec-topk, --spec-draft-tokens: all three or none);
-          acceptance thresholds are passed as 1.0, lossy values are refused
+          acceptance thresholds are passed as 1.0, lossy passthrough values are refused
   vllm:   the same profiles, written as --speculative-config JSON
+
+LOSSY acceptance, on purpose only (to prove an evaluation catches a lossy speculator):
+--spec-accept-topk K (native), --spec-accept-threshold-single/-acc P (native, sglang).
+Recorded as lossy_acceptance in the dry run and the receipt; never the default.
 
 The child environment drops every inherited SGLANG_* / VLLM_* variable unless named with --keep-env;
 simulated acceptance is set only by --simulate-acc-len (performance runs, never scored).
@@ -74,6 +78,9 @@ def launch_params(func):
         click.option("--spec-draft-tokens", type=int, callback=_pos_int, help="eagle/eagle3/nextn: tokens verified per step (--speculative-num-draft-tokens)."),
         click.option("--deterministic", is_flag=True, help="sglang --enable-deterministic-inference; vllm VLLM_BATCH_INVARIANT=1."),
         click.option("--simulate-acc-len", type=float, help="PERFORMANCE ONLY: commit X tokens per step unchecked (SGLANG_SIMULATE_ACC_LEN, vLLM synthetic sampler, native flag). Never score such a run."),
+        click.option("--spec-accept-topk", type=int, help="LOSSY, native only: accept a draft among the target's top K (K >= 2). Evaluation only; recorded."),
+        click.option("--spec-accept-threshold-single", type=float, help="LOSSY below 1.0 (native, sglang --speculative-accept-threshold-single): accept a sampled draft whose target probability is >= P. Evaluation only; recorded."),
+        click.option("--spec-accept-threshold-acc", type=float, help="LOSSY below 1.0 (native, sglang --speculative-accept-threshold-acc): accept a sampled draft with probability min(1, p / P). Evaluation only; recorded."),
         click.option("--keep-env", multiple=True, help="Keep an inherited SGLANG_*/VLLM_* variable (name or glob; repeatable)."),
         click.option("--set-env", multiple=True, help="Set NAME=VALUE in the server environment on purpose (repeatable), e.g. SGLANG_ENABLE_SPEC_V2=True."),
         click.option("--engine-command", help="Replace the program prefix, e.g. '/opt/sgl/bin/python -m sglang.launch_server' (shell-split)."),
@@ -107,6 +114,9 @@ def options_from_params(params: dict) -> LaunchOptions:
         spec_draft_tokens=params["spec_draft_tokens"],
         deterministic=params["deterministic"],
         simulate_acc_len=params["simulate_acc_len"],
+        spec_accept_topk=params["spec_accept_topk"],
+        spec_accept_threshold_single=params["spec_accept_threshold_single"],
+        spec_accept_threshold_acc=params["spec_accept_threshold_acc"],
         keep_env=tuple(params["keep_env"]),
         set_env=parse_assignments(params["set_env"]),
         engine_command=tuple(shlex.split(params["engine_command"])) if params["engine_command"] else None,
@@ -142,6 +152,9 @@ def command(dry_run, as_json, ready_timeout, receipt, log_file, **params):
                 click.echo(f"# kept on request: {' '.join(plan['env_kept'])}")
             if plan["performance_only"]:
                 click.echo("# PERFORMANCE ONLY: simulated acceptance, never score this server")
+            if plan["lossy_acceptance"]:
+                click.echo(f"# LOSSY ACCEPTANCE {json.dumps(plan['lossy_acceptance'])}: accepts drafts the target "
+                           "did not choose; for measuring that cost only")
             click.echo(plan["command"])
             click.echo(f"# ready when GET {plan['health_url']} returns 200")
         return

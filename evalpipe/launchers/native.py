@@ -17,6 +17,7 @@ class NativeLauncher(Launcher):
     engine = "native"
     health_path = "/health_generate"
     info_paths = ("/get_server_info", "/server_info")
+    accept_rules = ("topk", "threshold")
 
     def validate(self) -> None:
         o = self.options
@@ -54,4 +55,10 @@ class NativeLauncher(Launcher):
                 argv += [flag, str(value)]
         if o.simulate_acc_len is not None:
             argv += ["--simulate-acc-len", fmt_number(o.simulate_acc_len)]
+        if o.spec_accept_topk is not None:
+            argv += ["--spec-accept-topk", str(o.spec_accept_topk)]
+        for flag, value in (("--spec-accept-threshold-single", o.spec_accept_threshold_single),
+                            ("--spec-accept-threshold-acc", o.spec_accept_threshold_acc)):
+            if value is not None:
+                argv += [flag, fmt_number(value)]
         return argv + list(o.extra_args)

@@ -99,11 +99,18 @@ def build_receipt(launcher: Launcher, report: dict | None = None) -> dict:
 
 
 def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
-    """Settings the server reports that an accuracy run must not have: lossy thresholds, unrequested simulation."""
+    """Settings the server reports that an accuracy run must not have: lossy acceptance that was not asked for
+    (thresholds below 1.0, a native `accept.lossy`), lossy acceptance asked for but not reported, unrequested
+    simulation."""
     problems = []
+    requested = launcher.options.lossy_acceptance
+    reported = False
     for key, value in flatten(info or {}).items():
         leaf = key.rsplit(".", 1)[-1].lower()
-        if "accept_threshold" in leaf and isinstance(value, (int, float)) and float(value) != 1.0:
+        threshold = _number(value) if "accept_threshold" in leaf else None
+        lossy = (threshold is not None and threshold != 1.0) or (leaf == "lossy" and "accept" in key.lower() and value is True)
+        reported = reported or lossy
+        if lossy and requested is None:
             problems.append(f"server reports {key}={value}: lossy acceptance (accuracy runs need 1.0)")
         if (
             "simulat" in leaf
@@ -111,7 +118,21 @@ def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
             and value not in (None, False, -1, -1.0, "", "off", 0)
         ):
             problems.append(f"server reports {key}={value!r}: simulated acceptance is on but was not requested")
+    if requested is not None and info is not None and not reported:
+        problems.append(f"lossy acceptance {requested} was requested but the server does not report it")
     return problems
+
+
+def _number(value) -> float | None:
+    """A setting as a number: floats and ints, or their text (servers that echo their argv report strings)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _source() -> dict | None:

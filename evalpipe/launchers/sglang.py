@@ -3,8 +3,10 @@
 Profiles: `off`; `dspark` (DSPARK algorithm, draft model path, optional block size -- the server normalises the
 tree to a linear block); `eagle` / `eagle3` / `nextn` (tree shape: steps, top-k and draft tokens set all together or
 not at all, as SGLang's auto-defaults otherwise fill in the rest). Acceptance thresholds are passed as 1.0 and any
-other value is refused: below 1.0 SGLang accepts drafts the target did not choose, which an accuracy run must
-never do. Multi-node and memory flags are SGLang's own and pass through untouched.
+other value given as a passthrough flag is refused: below 1.0 SGLang accepts drafts the target did not choose,
+which an accuracy run must never do by accident. Only evalpipe's own `--spec-accept-threshold-single/-acc` pass
+lower values, on purpose, to measure what a lossy speculator costs (recorded as `lossy_acceptance` in the receipt;
+SGLang applies them to sampled requests only). Multi-node and memory flags are SGLang's own and pass through.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class SGLangLauncher(Launcher):
     engine = "sglang"
     health_path = "/health_generate"
     info_paths = ("/get_server_info", "/server_info")
+    accept_rules = ("threshold",)
 
     def validate(self) -> None:
         o = self.options
@@ -67,7 +70,12 @@ class SGLangLauncher(Launcher):
             if flag in ACCEPT_THRESHOLD_FLAGS:
                 require(
                     value is not None and _is_one(value),
-                    f"{flag} {value} is lossy (accepts drafts the target did not choose); accuracy runs need 1.0",
+                    f"{flag} {value} is lossy (accepts drafts the target did not choose); accuracy runs need 1.0. "
+                    "To measure a lossy setting on purpose use --spec-accept-threshold-single/-acc (recorded)",
+                )
+                require(
+                    o.spec_accept_threshold_single is None and o.spec_accept_threshold_acc is None,
+                    f"{flag} given twice: as a passthrough and through --spec-accept-threshold-*; keep one",
                 )
         check_passthrough(
             [a for a in o.extra_args if a.partition("=")[0] not in ACCEPT_THRESHOLD_FLAGS], OWNED_FLAGS, "sglang"
@@ -128,8 +136,9 @@ class SGLangLauncher(Launcher):
                     "--speculative-eagle-topk", str(o.spec_topk),
                     "--speculative-num-draft-tokens", str(o.spec_draft_tokens),
                 ]
-            for flag in ACCEPT_THRESHOLD_FLAGS:
-                argv += [flag, "1.0"]
+            chosen = (o.spec_accept_threshold_single, o.spec_accept_threshold_acc)
+            for flag, value in zip(ACCEPT_THRESHOLD_FLAGS, chosen):
+                argv += [flag, "1.0" if value is None else fmt_number(value)]
         if o.deterministic:
             argv += ["--enable-deterministic-inference"]
         return argv + list(o.extra_args)

@@ -44,6 +44,11 @@ class ServerSettings:
     block_size: int = 5
     drafter: str | None = None
     simulate_acc_len: float | None = None
+    # LOSSY acceptance (evalpipe/engine/speculative.py, AcceptRule), off unless set: a draft among the target's top K
+    # (K >= 2), or SGLang's probability thresholds below 1.0 (sampled requests). None: exact acceptance.
+    spec_accept_topk: int | None = None
+    spec_accept_threshold_single: float | None = None
+    spec_accept_threshold_acc: float | None = None
     # CUDA serving path (evalpipe/engine/cuda_graphs.py): verify through the Triton kernels or the reference
     # chains; capture decode/verify steps as CUDA graphs. Both only act with device "cuda".
     fused: str = "on"
@@ -182,7 +187,7 @@ class ServerState:
             },
             "wo_quant": s.wo_quant,
             "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
-                            "simulate_acc_len": s.simulate_acc_len},
+                            "simulate_acc_len": s.simulate_acc_len, **_accept_setting(s)},
             "torch": torch.__version__,
             "python": sys.version.split()[0],
         }
@@ -214,6 +219,18 @@ class ServerState:
         internal["uptime_s"] = time.time() - self.started_at
         info["internal_states"] = internal
         return info
+
+
+def _accept_setting(settings: ServerSettings) -> dict:
+    """The acceptance rule as `speculative.accept` reports it before the engine has loaded (block mode only)."""
+    if settings.speculative != "block":
+        return {}
+    from evalpipe.engine.spec_decoder import accept_rule_from_settings
+
+    try:
+        return {"accept": accept_rule_from_settings(settings).describe()}
+    except ValueError as exc:  # `serve` validates first; a bad rule built in code still reports, never raises here
+        return {"accept": {"error": str(exc)}}
 
 
 # runner.describe() keys that change while serving (moved under internal_states only)
