@@ -1,4 +1,5 @@
-"""Lane `arith`: 1200 held-out word problems of evalpipe.skills.arith, 400 each of 2, 3 and 4 operations.
+"""Lane `arith`: 1200 held-out word problems of evalpipe.skills.arith, 400 each of 2, 3 and 4 operations
+(interleaved: ids 0, 1, 2 have 2, 3, 4 operations).
 
 Prompt `Question: {story}\nAnswer:` to /v1/completions (zero-shot: the default model was trained on this format),
 greedy, max_tokens 320. Graded like GSM8K legacy: the last integer of the reply (the `#### N` line) against the

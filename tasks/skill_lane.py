@@ -1,13 +1,14 @@
 """Lanes generated from `evalpipe.skills` (arith, retrieval, copy): the held-out items the default model never saw.
 
-Items are drawn from a fixed seed, only from the held-out split of the skill's identity hash, a fixed number per
-reporting group (number of operations, needle depth, string length); ids are 0..N-1 in that order. The whole item
+Items are drawn from fixed seeds, only from the held-out split of the skill's identity hash, a fixed number per
+reporting group (number of operations, needle depth, string length), groups interleaved; ids are 0..N-1. The whole item
 list (id, group, prompt, expected answer) is pinned by its sha256 in `manifests/<lane>.json`, so a change to a
 generator is a data drift the runner refuses unless `--allow-data-drift`.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,17 +48,25 @@ class SkillLane(Lane):
 _CACHE: dict[str, tuple[Item, ...]] = {}
 
 
-def _generate(lane: SkillLane) -> list[Item]:
-    rng = random.Random(lane.seed)
-    out, seen = [], set()
+def lane_examples(lane: SkillLane) -> list[tuple[str, object]]:
+    """(group, Example) in id order: each group's examples from its own seeded stream, interleaved round-robin
+    (ids 0, 1, 2 are the first of groups 1, 2, 3), so that `--num-examples N` runs a balanced slice."""
+    per_group, seen = [], set()
     for label, count, generator in lane.groups:
-        for _ in range(count):
+        rng = random.Random(f"{lane.seed}|{label}")
+        examples = []
+        while len(examples) < count:
             ex = draw(generator, rng, "heldout")
-            while ex.identity in seen:
-                ex = draw(generator, rng, "heldout")
-            seen.add(ex.identity)
-            out.append(Item(len(out), ex.prompt, ex.meta["expected"], prompt_sha256(ex.prompt), group=label))
-    return out
+            if ex.identity not in seen:
+                seen.add(ex.identity)
+                examples.append((label, ex))
+        per_group.append(examples)
+    return [pair for round_ in itertools.zip_longest(*per_group) for pair in round_ if pair is not None]
+
+
+def _generate(lane: SkillLane) -> list[Item]:
+    return [Item(i, ex.prompt, ex.meta["expected"], prompt_sha256(ex.prompt), group=label)
+            for i, (label, ex) in enumerate(lane_examples(lane))]
 
 
 def skill_lane(name: str, description: str, grader: str, max_tokens: int, seed: str,

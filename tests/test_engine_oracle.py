@@ -152,3 +152,35 @@ def test_greedy_and_prefill_match_transformers(checkpoints, name, capsys):
             assert margins[first] < TIE_MARGIN, report[-1]
     with capsys.disabled():
         print("\n" + "\n".join(report))
+
+
+def test_shipped_default_model_matches_transformers_on_lane_prompts(capsys):
+    """The trained default model (evalpipe-skills-dsv4) on held-out lane prompts: same greedy tokens as transformers'
+    full-sequence forward, prefill logits within the bound."""
+    from evalpipe.engine.tokenizer import ByteTokenizer
+    from evalpipe.engine.weights import resolve_model
+    from evalpipe.lanes import get_lane
+
+    path, name = resolve_model(None)
+    assert name == "evalpipe-skills-dsv4"
+    oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    runner = ModelRunner(None, max_seqs=2, max_seq_len=1024)
+    tok = ByteTokenizer()
+    report = []
+    for lane, index, steps in (("arith", 0, 24), ("retrieval", 1, 8), ("copy", 0, 24)):
+        prompt = tok.encode_prompt(get_lane(lane).items()[index].prompt)
+        seq = runner.allocate()
+        got = runner.forward([seq], [prompt], all_logits=True)
+        runner.free(seq)
+        with torch.no_grad():
+            want = oracle(torch.tensor([prompt])).logits[0]
+        diff = float((got - want).abs().max())
+        assert diff < PREFILL_LOGIT_BOUND, f"{lane}: prefill logits differ by {diff:.3g}"
+        mine = engine_greedy(runner, prompt, steps)
+        ref, margins = oracle_greedy(oracle, prompt, steps)
+        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        assert first is None or margins[first] < TIE_MARGIN, (lane, first, margins[first])
+        report.append(f"shipped model, {lane}[{index}] ({len(prompt)} tokens): {steps}/{steps} greedy tokens "
+                      f"{'equal' if first is None else f'equal up to a tie at {first}'}, prefill diff {diff:.2e}")
+    with capsys.disabled():
+        print("\n" + "\n".join(report))

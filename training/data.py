@@ -135,8 +135,9 @@ class BatchStream(torch.utils.data.IterableDataset):
             yield collate(batch, width=bound)
 
 
-def eval_sets(seed: int = 1234, per_group: int = 64) -> dict[str, list[Encoded]]:
-    """Held-out examples per (skill, group) for teacher-forced exact match during training."""
+def eval_sets(seed: int = 1234, per_group: int = 64, max_after: int = 4096) -> dict[str, list[Encoded]]:
+    """Held-out examples per (skill, group) for teacher-forced exact match during training (retrieval depths up
+    to `max_after` bytes of filler)."""
     rng = random.Random(f"train-eval|{seed}")
     sets: dict[str, list[Encoded]] = {}
 
@@ -149,6 +150,8 @@ def eval_sets(seed: int = 1234, per_group: int = 64) -> dict[str, list[Encoded]]
     add("copy-short", lambda r: copy_text.generate(r, length=r.randint(8, copy_text.LENGTHS[0])), n=per_group // 2)
     add("calc", arith.drill, n=per_group // 2)
     for label, after in (("in-window", 0), ("d256", 150), ("d1024", 800), ("d2048", 1800), ("deepest", 3800)):
+        if after > max_after:
+            continue
         add(f"retrieval/{label}", lambda r, a=after: retrieval.generate(r, after=a, before=0 if a > 3000 else None),
             n=per_group // 2)
     add("chat/tool_call", chat.tool_call, n=per_group // 2)

@@ -1,0 +1,45 @@
+"""The default model's training script runs end to end on the CPU (smoke mode: a few steps of every objective), and
+what it writes is a checkpoint the engine serves with transformers' own logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(900)
+def test_smoke_training_writes_a_servable_checkpoint_receipt_and_curve(tmp_path):
+    out = tmp_path / "model"
+    proc = subprocess.run([sys.executable, "training/train_default_model.py", "--out", str(out), "--smoke"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["steps"] == 3 and receipt["tokens"] > 0 and receipt["answer_tokens"] > 0
+    assert {"torch", "transformers", "python"} <= set(receipt["packages"]) and receipt["device"]
+    losses = [h["loss"] for h in receipt["history"]]
+    assert all(x == x and 0 < x < 20 for x in losses)  # finite, sane
+    assert {"exit3", "exit4", "kl", "prompt"} <= set(receipt["history"][0])
+    assert (out / "loss.png").stat().st_size > 10_000 and (out / "config.json").is_file()
+
+    from transformers import DeepseekV4ForCausalLM
+
+    from evalpipe.engine.runner import ModelRunner
+
+    oracle = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    config = json.loads((REPO / "training" / "default_model_config.json").read_text())
+    assert oracle.config.num_hidden_layers == config["num_hidden_layers"]
+    assert any(int(t.sum()) for name, t in oracle.state_dict().items() if name.endswith("tid2eid"))  # hash table set
+    runner = ModelRunner(str(out), max_seqs=1, max_seq_len=256)
+    prompt = torch.randint(16, 272, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = runner.allocate()
+    got = runner.forward([seq], [prompt], all_logits=True)
+    with torch.no_grad():
+        want = oracle(torch.tensor([prompt])).logits[0]
+    assert float((got - want).abs().max()) < 1e-4
