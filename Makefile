@@ -17,16 +17,13 @@ install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 
-# Serve the default tiny model, run 20 GSM8K questions against it, print the summary, stop the server.
+# The main job on the default model: two fresh servers, A with speculation off and B with block speculation (its
+# trained layerskip drafter), the arith lane on each, then compare; prints both accuracies, flips, the verdict,
+# the accept length and the report's path.
+DEMO_EXAMPLES ?= 150
 demo: install
-	@set -e; \
-	$(VENV)/bin/evalpipe serve --port $(PORT) > results/demo-server.log 2>&1 & pid=$$!; \
-	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
-	for i in $$(seq 1 120); do curl -sf http://127.0.0.1:$(PORT)/health_generate >/dev/null && break; \
-	  kill -0 $$pid 2>/dev/null || { tail -20 results/demo-server.log; exit 1; }; sleep 1; done; \
-	curl -sf http://127.0.0.1:$(PORT)/health_generate >/dev/null || \
-	  { echo "evalpipe serve not ready after 120 s:"; tail -20 results/demo-server.log; exit 1; }; \
-	$(VENV)/bin/evalpipe run gsm8k --base-url http://127.0.0.1:$(PORT)/v1 --num-examples 20 --max-tokens 64 --arm demo
+	$(VENV)/bin/evalpipe ab --lanes arith --order AB --num-examples $(DEMO_EXAMPLES) \
+	  --a "--speculative off" --b "--speculative block" --out results/demo-$$(date -u +%Y%m%d-%H%M%S)
 
 test: install
 	$(PY) -m pytest -q tests

@@ -1,5 +1,5 @@
-"""Block speculation on the CPU: the tiny model at batch 1 and at N concurrent requests, speculation off vs
-layerskip vs ngram vs self vs simulated acceptance, side by side in one run.
+"""Block speculation on the CPU: a model (default: the trained evalpipe-skills-dsv4) at batch 1 and at N concurrent
+requests, speculation off vs layerskip vs ngram vs self vs simulated acceptance, side by side in one run.
 
 Each row drives the real engine loop (scheduler, batched drafting, one verify forward, acceptance, rollback, stop
 checks) in process, greedy, `ignore_eos`, every request generating exactly --new-tokens tokens. tok/s is completion
@@ -7,7 +7,10 @@ tokens over wall time from submit to the last finish (prefill included, same for
 server-wide completion tokens / verify steps; speedup is against "off" at the same concurrency. The accepted-draft
 histogram per drafter is printed below the table.
 
-    python benchmarks/spec_cpu.py [--new-tokens 64] [--block-size 5] [--concurrency 1 16] [--threads 1]
+    python benchmarks/spec_cpu.py [--model evalpipe-tiny-dsv4] [--new-tokens 64] [--block-size 5] [--concurrency 1 16]
+
+Prompts: held-out `arith` lane items as completions (the default model's own task), or --prompts gsm8k (GSM8K
+questions through the chat template, the workload of the random tiny model's earlier measurements).
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ from evalpipe.engine.spec_decoder import SpeculativeDecoder, default_drafter
 from evalpipe.engine.tokenizer import load_tokenizer
 
 
-def load_prompts(tokenizer, count: int) -> list[list[int]]:
-    """GSM8K questions (byte tokens, chat template) when the shared data is there, else fixed sentences."""
+def load_prompts(tokenizer, count: int, kind: str = "arith") -> list[list[int]]:
+    """`arith`: held-out lane items as completion prompts; `gsm8k`: GSM8K questions (chat template, last 96
+    tokens) when the shared data is there, else fixed sentences."""
+    if kind == "arith":
+        from evalpipe.lanes import get_lane
+
+        return [tokenizer.encode_prompt(it.prompt) for it in get_lane("arith").items()[:count]]
     data = Path(os.environ.get("EVALPIPE_DATA_DIR", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
     path = data / "gsm8k" / "test.jsonl"
     if path.is_file():
@@ -76,7 +84,8 @@ def make_engine(runner, tokenizer, mode: str, block: int, max_batch: int) -> Eng
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: the seeded evalpipe-tiny-dsv4)")
+    ap.add_argument("--model", default=None, help="checkpoint dir or built-in name (default: evalpipe-skills-dsv4)")
+    ap.add_argument("--prompts", choices=("arith", "gsm8k"), default="arith", help="workload (see above)")
     ap.add_argument("--new-tokens", type=int, default=64, help="completion tokens per request")
     ap.add_argument("--block-size", type=int, default=5, help="drafts per verify step (G)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="concurrent requests per row group")
@@ -89,12 +98,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    runner = ModelRunner(args.model, max_seqs=max(args.concurrency), max_seq_len=512)
+    runner = ModelRunner(args.model, max_seqs=max(args.concurrency), max_seq_len=1024)
     tokenizer = load_tokenizer(None)
-    modes = args.modes or list(dict.fromkeys(["off", "layerskip:2", default_drafter(runner), "ngram", "self",
-                                              "simulated 5.5", "simulated 5.5 ngram"]))
+    modes = args.modes or list(dict.fromkeys(["off", "layerskip:2", "layerskip:3", default_drafter(runner), "ngram",
+                                              "self", "simulated 5.5", "simulated 5.5 ngram"]))
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    prompts_all = load_prompts(tokenizer, max(args.concurrency))
+    prompts_all = load_prompts(tokenizer, max(args.concurrency), args.prompts)
 
     rows, hists = [], {}
     for conc in args.concurrency:
@@ -116,8 +125,8 @@ def main() -> None:
                 hists[mode] = totals["accept_histogram"]
             print(f"  measured: concurrency {conc:>3}  {mode:<20} {rate:8.1f} tok/s", flush=True)
 
-    print(f"\nBlock speculation on CPU ({torch.get_num_threads()} thread(s)), tiny model, G={args.block_size}, "
-          f"{args.new_tokens} greedy tokens per request")
+    print(f"\nBlock speculation on CPU ({torch.get_num_threads()} thread(s)), {runner.model_name}, {args.prompts} "
+          f"prompts, G={args.block_size}, {args.new_tokens} greedy tokens per request")
     print(f"{'concurrency':>11}  {'mode':<20} {'tok/s':>9} {'accept len':>10} {'speedup':>8}")
     for conc, mode, rate, acc, speed in rows:
         acc_s = f"{acc:.2f}" if acc is not None else "-"

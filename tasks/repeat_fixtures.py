@@ -1,6 +1,8 @@
 """The fixed fixtures of the repeatability protocol (`evalpipe repeat`), each sent N times at temperature 0.
 
-Two controls with checkable answers tell a broken server from a merely non-deterministic one; a
+Two controls with checkable answers tell a broken server from a merely non-deterministic one. They are asked in the
+formats the default model was trained on (evalpipe.skills: `arith`'s one-operation drill and `copy`), so against
+that model a wrong control is a server fault, not a weak model (tests/test_repeat.py checks both are right); a
 regex-shaped answer checks format; a short open prompt shows where greedy outputs fork (the classic
 "Tell me about Richard Feynman" probe); the same prompt behind a long padding exercises long-context
 prefill and, on servers with a prefix cache, cached-versus-fresh prefixes.
@@ -13,6 +15,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from evalpipe.skills import completion_prompt
 
 DEFAULT_LONG_CONTEXT_CHARS = 6000
 
@@ -42,9 +46,10 @@ class Fixture:
                 "prompt_chars": len(self.prompt), "prompt_sha256": hashlib.sha256(self.prompt.encode()).hexdigest()}
 
 
-def _first_int(text: str) -> Optional[str]:
-    m = re.search(r"-?\d+", text.replace(",", ""))
-    return m.group(0) if m else None
+def _last_int(text: str) -> Optional[str]:
+    """The legacy GSM8K reading (last run of digits), which takes the `#### N` line of a worked answer."""
+    nums = re.findall(r"\d+", text.replace(",", ""))
+    return nums[-1] if nums else None
 
 
 def _copy_prefix(expected: str) -> Callable[[str], Optional[str]]:
@@ -72,16 +77,14 @@ def padding(n_chars: int) -> str:
     return "".join(lines)[:n_chars]
 
 
-COPY_TEXT = "alpha beta gamma delta epsilon"
+COPY_TEXT = "k3v9x0pq"
 
 
 def fixtures(long_context_chars: int = DEFAULT_LONG_CONTEXT_CHARS, open_max_tokens: int = 64) -> list[Fixture]:
     return [
-        Fixture("arithmetic", "control",
-                "Question: What is 17 + 25?\nAnswer: 17 + 25 = 42.\n\nQuestion: What is 23 + 19?\nAnswer: 23 + 19 =",
-                max_tokens=8, expected="42", extract=_first_int),
-        Fixture("exact_copy", "control",
-                f"Copy the text exactly.\nText: red green blue\nCopy: red green blue\n\nText: {COPY_TEXT}\nCopy:",
+        Fixture("arithmetic", "control", completion_prompt("What is 120 + 35?"),
+                max_tokens=48, expected="155", extract=_last_int),
+        Fixture("exact_copy", "control", completion_prompt(f"Copy the text exactly: {COPY_TEXT}"),
                 max_tokens=16, expected=COPY_TEXT, extract=_copy_prefix(COPY_TEXT)),
         Fixture("regex_date", "format",
                 "Write a date in ISO format (YYYY-MM-DD).\nDate: 1999-12-31\n\nWrite another date in ISO format "

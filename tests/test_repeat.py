@@ -52,7 +52,7 @@ def test_counts_distinct_completions_against_non_deterministic_peer(tmp_path):
     # logprobs condition: the other token is not in the mode's top-2, so the gap is the mode's top1 - top2 margin
     assert abs(groups["open_short"]["logprobs"]["logprob_gap_at_first_divergence"] - 0.25) < 1e-9
     assert groups["open_short"]["serial"]["logprob_gap_at_first_divergence"] is None
-    # the peer answers "<11><12>..." : no 42 in it, so the arithmetic control is recorded as wrong
+    # the peer answers "<11><12>..." : no 155 in it, so the arithmetic control is recorded as wrong
     assert groups["arithmetic"]["serial"]["mode_correct"] is False
     assert groups["arithmetic"]["serial"]["control_correct_share"] == 0.0
     assert all(set(REQUIRED_KEYS) <= set(r) for r in recs)
@@ -110,3 +110,22 @@ def test_error_cells_get_a_visible_reason():
     recs = [{"fixture": "open_long_context", "condition": c, "error": {"type": "BadRequestError", "message": msg}}
             for c in ("serial", "serial", "burst")] + [{"fixture": "arithmetic", "condition": "serial", "error": None}]
     assert error_lines(recs) == [f"error in open_long_context (serial, burst): {msg}"]
+
+
+def test_controls_are_right_on_the_default_model(tmp_path):
+    """The two controls are asked in the default model's trained formats: against it both must be right."""
+    from tests.server_harness import ServerProcess
+
+    srv = ServerProcess("--max-batch", "8", model="evalpipe-skills-dsv4")
+    try:
+        res = CliRunner().invoke(repeat_cmd, ["--base-url", srv.base + "/v1", "--repeats", "2", "--fixtures",
+                                              "arithmetic,exact_copy", "--conditions", "serial,burst",
+                                              "--out", str(tmp_path)])
+    finally:
+        srv.stop()
+    assert res.exit_code == 0, res.output
+    result = json.loads((next((tmp_path / "repeat").iterdir()) / "repeat.json").read_text())
+    for fixture in ("arithmetic", "exact_copy"):
+        for cond in ("serial", "burst"):
+            g = result["groups"][fixture][cond]
+            assert g["mode_correct"] is True and g["control_correct_share"] == 1.0, (fixture, cond, g)

@@ -134,7 +134,8 @@ class ABRun:
         return 1 if failed else 0
 
     def print_summary(self) -> None:
-        """One line per comparison: accuracy, identical outputs, ties, accept length."""
+        """Per comparison: both accuracies, flips with McNemar's p, the verdict, identical outputs, ties and accept
+        length, and where its report is."""
         def pct(x):
             return "-" if x is None else f"{100 * x:.2f}%"
 
@@ -144,13 +145,17 @@ class ABRun:
                 continue
             ties = c.get("ties") or {}
             spec = c.get("spec") or {}
+            greedy = c.get("greedy") or {}
             accept = [((spec.get(k) or {}).get("accept_length_mean")) for k in ("a", "b")]
+            flips = (f"flips {greedy['a_only']} lost / {greedy['b_only']} gained (McNemar p {greedy['mcnemar_p']:.3g}), "
+                     f"{greedy['verdict']} at -{greedy['margin_pts']:g} pt; " if "verdict" in greedy else "")
             click.echo(
                 f"{c['lane']} {c['a']} vs {c['b']} ({c['kind']}): accuracy {pct(c.get('accuracy_a'))} vs "
-                f"{pct(c.get('accuracy_b'))}; identical outputs {pct(ties.get('agreement'))}, ties "
+                f"{pct(c.get('accuracy_b'))}; {flips}identical outputs {pct(ties.get('agreement'))}, ties "
                 f"{ties.get('n_ties')}, real differences {ties.get('n_real_differences')}, undecided "
                 f"{ties.get('n_undecided')}; accept length "
                 + " vs ".join("off" if x is None else f"{x:.2f}" for x in accept)
+                + (f"; report {self.out / c['report']}" if c.get("report") else "")
             )
 
     def run_arm(self, side, label, arm, receipts, first_of, run_lanes: bool) -> str | None:
