@@ -27,6 +27,7 @@ import httpx
 import openai
 
 from evalpipe import manifest as manifest_mod
+from evalpipe import spec_metrics
 from evalpipe.data import DataError, file_sha256
 from evalpipe.endpoint import (
     EndpointError,
@@ -182,6 +183,8 @@ class Runner:
         if reason:
             raise SimulatedAcceptance(f"refusing to score: {reason}. Restart the server without simulation.")
         self.server_facts = {"models": models_json, "server_info_path": info_path, "server_info": info}
+        # speculative counters from /metrics (vLLM reports speculation nowhere else): run-level, before and after
+        self.metrics_before = spec_metrics.snapshot(cfg.base_url, cfg.api_key)
 
     def _snapshot(self, server: dict) -> dict:
         cfg, lane, data = self.cfg, self.lane, self.data
@@ -508,6 +511,9 @@ class Runner:
         self.manifest["differences"] = protocol
         self.manifest["code_changes_during_run"] = warnings
         n_new = len(self.records) - len(self.existing)
+        metrics = spec_metrics.run_level(self.metrics_before, spec_metrics.snapshot(self.cfg.base_url, self.cfg.api_key))
+        if metrics is not None and self.resumed is not None:
+            metrics["covers"] = "only the requests this resume sent"
         meta = {
             "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.cfg.base_url,
             "interrupted": self.interrupted, "refused": self.refused,
@@ -516,6 +522,7 @@ class Runner:
                               **({"repeats": self.cfg.repeats} if self.cfg.repeats is not None else {})),
             "data_drift": self.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
             "resumed": self.resumed is not None,
+            "spec_metrics": metrics,
         }
         summary = compute_summary(
             lane_name=self.lane.name, grader=self.lane.grader, repeats=self.repeats,

@@ -153,12 +153,13 @@ def compute_summary(
         "p99": _quantile(latencies, 0.99),
         "max": latencies[-1] if latencies else None,
     }
+    # per-record statistics from the responses; run-level ones from the server's /metrics go in `spec_metrics`
     spec_recs = [r["spec"] for r in recs if isinstance(r.get("spec"), dict)]
     summary["n_records_with_spec"] = len(spec_recs)
     accept = [s["accept_length"] for s in spec_recs if isinstance(s.get("accept_length"), (int, float))]
     summary["spec_accept_length_mean"] = statistics.fmean(accept) if accept else None
     for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
-                "manifest_changed", "manifest_changes", "resumed"):
+                "manifest_changed", "manifest_changes", "resumed", "spec_metrics"):
         if key in meta:
             summary[key] = meta[key]
     summary.setdefault("partial", summary["n_missing"] > 0)
