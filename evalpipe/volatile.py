@@ -108,29 +108,14 @@ _RULES = _compiled(RULES)
 _DERIVED = _compiled(SPECULATION_DERIVED)
 
 
-def volatile_rule(document: str, path: str, changes: Iterable[str] = ("per call", "per boot")) -> Optional[Rule]:
-    """The rule that makes `path` of `document` volatile (whole-field rules only), else None."""
-    segments, changes = _segments(path), set(changes)
-    for rule, pattern in _RULES:
-        if rule.document == document and rule.changes in changes and rule.line is None and _match(pattern, segments):
-            return rule
-    return None
-
-
-def is_volatile(document: str, path: str, changes: Iterable[str] = ("per call", "per boot")) -> bool:
-    return volatile_rule(document, path, changes) is not None
-
-
 def derived_from_speculation(path: str) -> bool:
     segments = _segments(path)
     return any(_match(pattern, segments) for _, pattern in _DERIVED)
 
 
-def strip(document: str, value: Any, changes: Iterable[str] = ("per call", "per boot")) -> Any:
+def strip(document: str, value: Any) -> Any:
     """A copy of `value` (a /v1/models or server-info JSON document) without its volatile fields."""
-    changes = tuple(changes)
-    rules = [(rule, pattern) for rule, pattern in _RULES if rule.document == document and rule.changes in changes]
-    return _strip(value, [], rules)
+    return _strip(value, [], [(rule, pattern) for rule, pattern in _RULES if rule.document == document])
 
 
 def _strip(value: Any, path: list[str], rules) -> Any:
@@ -145,25 +130,20 @@ def _strip(value: Any, path: list[str], rules) -> Any:
     if isinstance(value, list):
         return [_strip(item, path + ["[*]"], rules) for item in value]
     if isinstance(value, str) and "\n" in value:
-        lines = [rule.line for rule, pattern in rules if rule.line is not None and _match(pattern, path) and len(pattern) == len(path)]
-        if lines:
-            return "\n".join(l for l in value.split("\n") if not any(fnmatch.fnmatchcase(l, g) for g in lines))
+        globs = [rule.line for rule, pattern in rules
+                 if rule.line is not None and len(pattern) == len(path) and _match(pattern, path)]
+        if globs:
+            return "\n".join(line for line in value.split("\n") if not any(fnmatch.fnmatchcase(line, g) for g in globs))
     return value
 
 
-def strip_server(server: Any, changes: Iterable[str] = ("per call", "per boot")) -> Any:
+def strip_server(server: Any) -> Any:
     """A run manifest's `server` section ({"models", "server_info_path", "server_info"}) without volatile fields."""
     if not isinstance(server, dict):
         return server
     out = dict(server)
     if "models" in out:
-        out["models"] = strip(MODELS, out["models"], changes)
+        out["models"] = strip(MODELS, out["models"])
     if "server_info" in out:
-        out["server_info"] = strip(SERVER_INFO, out["server_info"], changes)
+        out["server_info"] = strip(SERVER_INFO, out["server_info"])
     return out
-
-
-def describe() -> list[dict]:
-    """The list as README shows it."""
-    return [{"engine": r.engine, "changes": r.changes, "document": r.document, "path": r.path,
-             **({"lines": r.line} if r.line else {}), "why": r.why} for r in RULES]

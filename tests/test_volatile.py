@@ -9,7 +9,6 @@ against a running vLLM.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 from evalpipe import manifest, volatile
@@ -153,4 +152,3 @@ def test_every_rule_is_complete_and_listed_in_the_readme():
         assert rule.engine in ("any", "native", "sglang", "vllm") and rule.changes in ("per call", "per boot")
         assert rule.document in (volatile.MODELS, volatile.SERVER_INFO) and rule.why
         assert f"`{rule.path}`" in readme, f"README does not list {rule.engine} {rule.path}"
-    json.dumps(volatile.describe())  # JSON-ready, as printed in the README table
