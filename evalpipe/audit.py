@@ -5,7 +5,8 @@ Checks, each reported as OK / FAIL with the differing items:
   prompts     every prompt is rebuilt from the dataset; its sha256 matches the record and the body as sent
   grades      every record is re-graded from response_text + finish_reason; answer, verdict, status agree
   complete    every planned (question, repeat) has exactly one record; none unplanned (a partial run fails here)
-  summary     summary.json equals a summary recomputed from the records
+  summary     summary.json equals a summary recomputed from the records; run-level /metrics figures follow from
+              the two snapshots recorded with them
   manifest    start and end snapshots agree on the protocol; dataset / prompt-stream hashes match the pins
 A change of our own source tree during the run is printed as a warning, not a failure.
 """
@@ -193,6 +194,7 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
                 if k == "accuracy" and summ.get("refused"):
                     continue
                 c_sum.problems.append(f"{k}: summary.json says {summ.get(k)!r}, records give {again.get(k)!r}")
+        c_sum.problems.extend(_spec_metrics_problems(summ.get("spec_metrics")))
 
     # ---- manifest
     if man.get("end") is None:
@@ -223,6 +225,17 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
     except OSError:
         c_man.notes.append(f"dataset file {start['dataset']['path']} not present here; rebuilt from the data dir")
     return AuditReport(run_dir, checks, warnings)
+
+
+def _spec_metrics_problems(block: Any) -> list[str]:
+    """The run-level speculative figures must follow from the two /metrics snapshots recorded beside them."""
+    if not isinstance(block, dict) or "after" not in block:
+        return []
+    from evalpipe.spec_metrics import run_level
+
+    again = run_level(block.get("before"), block.get("after")) or {}
+    return [f"spec_metrics.{k}: summary.json says {block.get(k)!r}, its /metrics snapshots give {again.get(k)!r}"
+            for k in sorted(set(again) - {"before", "after", "covers"}) if not _close(block.get(k), again.get(k))]
 
 
 def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, progress: bool = False) -> list[tuple]:

@@ -6,6 +6,10 @@ the chunk's `token_ids` (we ask for `return_token_ids`) or the difference of cum
 (`stream_options.continuous_usage_stats`). Chunks are never counted: one speculative step can carry
 several tokens. A server that gives neither count is refused rather than guessed at.
 
+Input ids come from the server's own tokenizer range (--token-id-range, else its reported vocab_size, else the ids
+its /tokenize gives for a probe text); a server that reveals none is refused rather than sent ids it may reject.
+Speculative counters from the server's /metrics (vLLM, SGLang) are read before the measured rounds and after them.
+
 Every event time and count is kept in bench.json so the numbers can be recomputed from the file.
 """
 
@@ -23,7 +27,8 @@ from typing import Any, Callable, Optional
 import httpx
 import numpy as np
 
-from evalpipe.endpoint import v1_hint
+from evalpipe import spec_metrics
+from evalpipe.endpoint import CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache, v1_hint
 
 SCHEMA_VERSION = 1
 
@@ -169,12 +174,51 @@ async def _get_json(client: httpx.AsyncClient, url: str, headers: dict) -> Optio
     return data if isinstance(data, dict) else None
 
 
-async def _flush(client: httpx.AsyncClient, root: str, headers: dict) -> bool:
+# Text whose tokens span a tokenizer's ordinary range (words, digits, punctuation); sent to /tokenize only.
+TOKENIZE_PROBE = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+    "clips did Natalia sell altogether in April and May? Weng earns $12 an hour for babysitting; yesterday she did "
+    "50 minutes. The quick brown fox jumps over the lazy dog: 0123456789 +-*/=()[]{}<>!?%#@&_~ speculative "
+    "decoding, throughput, verification, acceptance, tokenizer, vocabulary, Zürich, naïve, 東京, 😀."
+)
+
+
+async def _tokenize_ids(client: httpx.AsyncClient, root: str, headers: dict, model: str) -> Optional[list[int]]:
+    """Token ids the server's /tokenize (vLLM, SGLang) gives for the probe text, or None without one."""
     try:
-        r = await client.post(f"{root}/flush_cache", headers=headers)
+        r = await client.post(f"{root}/tokenize", headers=headers,
+                              json={"model": model, "prompt": TOKENIZE_PROBE, "add_special_tokens": False})
     except httpx.HTTPError:
-        return False
-    return 200 <= r.status_code < 300
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    ids = next((body.get(k) for k in ("tokens", "token_ids", "input_ids") if isinstance(body, dict) and k in body), None)
+    if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return ids
+    return None
+
+
+async def token_id_range(client: httpx.AsyncClient, cfg: "BenchConfig", root: str, headers: dict, model: str,
+                         info: Optional[dict]) -> tuple[int, int, str]:
+    """[low, high) of the input ids and where it came from; BenchError when the server's range cannot be known."""
+    if cfg.token_id_range:
+        low, high = cfg.token_id_range
+        return low, high, "--token-id-range"
+    vocab = _find(info, "vocab_size") if info else None
+    if isinstance(vocab, int) and vocab > 8:
+        return min(100, vocab // 4), min(vocab, 30000), f"server vocab_size {vocab}"
+    ids = await _tokenize_ids(client, root, headers, model)
+    if ids:
+        return min(ids), max(ids) + 1, (f"server /tokenize of a probe text: ids {min(ids)}..{max(ids)} "
+                                        f"({len(set(ids))} distinct)")
+    raise BenchError(
+        "cannot tell which token ids this server accepts: it reports no vocab_size and offers no /tokenize; "
+        "pass --token-id-range LOW HIGH with ids from its tokenizer"
+    )
 
 
 def _server_accept_length(info: Optional[dict]) -> Optional[float]:
@@ -199,6 +243,8 @@ class BenchState:
         self.requests: list[dict] = []
         self.rounds: list[dict] = []  # aggregate per round: all completion tokens over the round's wall time
         self.server_accept: list[Optional[float]] = []
+        self.metrics_before: Optional[dict] = None  # /metrics speculative counters before the measured rounds
+        self.metrics_after: Optional[dict] = None  # ... and after the last measured round that finished
 
     def assemble(self, partial: bool) -> dict:
         kept = [r for r in self.requests if not r["warmup"] and not r["error"]]
@@ -213,6 +259,7 @@ class BenchState:
         results.update(
             accept_length_median=_median(acc), accept_length_values=acc,
             server_avg_accept_length_after_each_round=self.server_accept,
+            spec_metrics=spec_metrics.run_level(self.metrics_before, self.metrics_after),
             aggregate_tokens_per_s={"median": _median(agg), "values": agg},
             n_kept=len(kept), n_errors=sum(1 for r in self.requests if r["error"]),
             n_dropped=sum(1 for r in kept if r["decode_tokens_per_s"] is None),
@@ -261,29 +308,26 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
         if isinstance(limit, int) and cfg.input_len + cfg.output_len > limit:
             raise BenchError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} exceeds the server's "
                              f"max_model_len {limit} for {model}: every request would be rejected")
-        info = await _get_json(client, f"{root}/get_server_info", headers) or await _get_json(
-            client, f"{root}/server_info", headers)
-        if cfg.token_id_range:
-            low, high = cfg.token_id_range
-            range_source = "--token-id-range"
-        else:
-            vocab = _find(info, "vocab_size") if info else None
-            if isinstance(vocab, int) and vocab > 8:
-                low, high = min(100, vocab // 4), min(vocab, 30000)
-                range_source = f"server vocab_size {vocab}"
-            else:
-                low, high = 100, 30000
-                range_source = "default (server reports no vocab_size)"
+        info = None
+        for path in SERVER_INFO_PATHS:
+            info = await _get_json(client, f"{root}{path}", headers)
+            if info is not None:
+                break
+        low, high, range_source = await token_id_range(client, cfg, root, headers, model, info)
         inputs = make_inputs(cfg.seed, cfg.concurrency, cfg.input_len, low, high)
-        flush_offered = await _flush(client, root, headers) if cfg.flush else False
+        reset_path = await reset_prefix_cache(client, root, headers) if cfg.flush else None
         st.config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
                          input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
                          decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
-        st.server = {"models": models, "server_info": info, "flush_cache_offered": flush_offered}
+        st.server = {"models": models, "server_info": info, "flush_cache_offered": reset_path is not None,
+                     "cache_reset_path": reset_path,
+                     "cache_reset_tried": list(CACHE_RESET_PATHS) if cfg.flush else []}
         url = f"{cfg.base_url.rstrip('/')}/completions"
         total_rounds = cfg.warmup + cfg.rounds
         for rnd in range(total_rounds):
-            flushed = await _flush(client, root, headers) if (cfg.flush and flush_offered) else False
+            if rnd == cfg.warmup:  # the measured rounds start: speculative counters before them
+                st.metrics_before = await spec_metrics.snapshot_async(client, root, headers)
+            flushed = (await reset_prefix_cache(client, root, headers, (reset_path,)) is not None) if reset_path else False
             bodies = [{
                 "model": model, "prompt": inputs[slot], "max_tokens": cfg.output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "return_token_ids": True,
@@ -318,6 +362,8 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
                 })
             after = await _get_json(client, f"{root}/get_server_info", headers)
             st.server_accept.append(_server_accept_length(after))
+            if rnd >= cfg.warmup:
+                st.metrics_after = await spec_metrics.snapshot_async(client, root, headers)
             if progress:
                 progress(rnd + 1, total_rounds)
     return st.assemble(partial=False)

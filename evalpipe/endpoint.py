@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 import httpx
 
-SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
+# vLLM's /server_info (dev mode) is one text string unless asked for JSON; others ignore the query
+SERVER_INFO_PATHS = ("/get_server_info", "/server_info?config_format=json")
 
 _SSL_CONTEXT = None
 
@@ -81,6 +82,25 @@ def fetch_server_info(base_url: str, api_key: Optional[str], timeout_s: float = 
             except ValueError:
                 continue
     return None, None
+
+
+# Routes that drop a server's prefix cache: SGLang's and ours, then vLLM's (only with VLLM_SERVER_DEV_MODE=1)
+CACHE_RESET_PATHS = ("/flush_cache", "/reset_prefix_cache")
+CACHE_RESET_MISSING = ("the server offers neither /flush_cache nor /reset_prefix_cache "
+                       "(vLLM has /reset_prefix_cache only when started with VLLM_SERVER_DEV_MODE=1)")
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient, root: str, headers: dict,
+                             paths: tuple[str, ...] = CACHE_RESET_PATHS) -> Optional[str]:
+    """POST the first of `paths` the server answers with 2xx; returns that path, or None when none did."""
+    for path in paths:
+        try:
+            response = await client.post(root + path, headers=headers)
+        except httpx.HTTPError:
+            continue
+        if 200 <= response.status_code < 300:
+            return path
+    return None
 
 
 def _simulate_value(info: Any) -> Any:

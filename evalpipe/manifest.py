@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from evalpipe import __version__
+from evalpipe import __version__, volatile
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,22 +97,9 @@ def capture(*, lane_desc: dict, overrides: dict, effective: dict, transport: dic
     }
 
 
-# keys of server_info that move by themselves while serving; left out of the start/end comparison
-VOLATILE_SERVER_KEYS = {
-    "internal_states", "last_gen_throughput", "memory_usage", "load", "uptime", "uptime_s", "num_running_reqs",
-    "num_waiting_reqs", "num_queue_reqs", "timestamp", "now", "stats",
-    # differ on every boot of the same server: a restart after a crash must not block --resume
-    "created", "load_seconds", "pid",
-}
-
-
 def stable_server(obj: Any) -> Any:
-    """The server facts without per-boot and per-moment values (compared between snapshots)."""
-    if isinstance(obj, dict):
-        return {k: stable_server(v) for k, v in obj.items() if k not in VOLATILE_SERVER_KEYS}
-    if isinstance(obj, list):
-        return [stable_server(v) for v in obj]
-    return obj
+    """The server facts without what changes per call or per boot (evalpipe.volatile's list, every engine)."""
+    return volatile.strip_server(obj)
 
 
 def differences(start: dict, end: dict) -> tuple[list[str], list[str]]:

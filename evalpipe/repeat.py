@@ -6,8 +6,8 @@ this counts distinct completions out of N, the modal completion's share, where t
 (and the logprob gap there when logprobs were recorded), and whether the checkable controls were right.
 
 Conditions: serial; burst (all N concurrently); logprobs (serial, with top-2 logprobs); prefix_fresh
-(cache flushed before each request) and prefix_reused (after a priming request) where the server offers
-/flush_cache and reports cached tokens. Every response is recorded in the run-record JSONL form.
+(cache dropped before each request) and prefix_reused (after a priming request) where the server can drop its
+prefix cache (/flush_cache, or vLLM's /reset_prefix_cache in dev mode) and reports cached tokens. Every response is recorded in the run-record JSONL form.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import httpx
 import openai
 
 from evalpipe.compare.agreement import first_divergence, logprob_gap
+from evalpipe.endpoint import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
 from evalpipe.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
 from tasks.repeat_fixtures import Fixture, fixtures_sha256
 
@@ -115,21 +116,23 @@ class RepeatRun:
         self.records: list[dict] = []
         self.run_dir: Optional[Path] = None
         self.conditions: list[str] = []
+        self.cache_reset_path: Optional[str] = None
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), headers=headers)
         self.client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "none",
                                          timeout=cfg.timeout_s, max_retries=2)
 
     async def flush(self) -> bool:
-        try:
-            r = await self.http.post(f"{server_root(self.cfg.base_url)}/flush_cache")
-        except httpx.HTTPError:
-            return False
-        return 200 <= r.status_code < 300
+        """Drop the server's prefix cache through the route it offers (probed once, then that one only)."""
+        paths = (self.cache_reset_path,) if self.cache_reset_path else CACHE_RESET_PATHS
+        path = await reset_prefix_cache(self.http, server_root(self.cfg.base_url), {}, paths)
+        if self.cache_reset_path is None:
+            self.cache_reset_path = path
+        return path is not None
 
     async def server_info(self) -> Optional[dict]:
         root = server_root(self.cfg.base_url)
-        for path in ("/get_server_info", "/server_info"):
+        for path in SERVER_INFO_PATHS:
             try:
                 r = await self.http.get(root + path)
                 if r.status_code == 200:
@@ -210,7 +213,7 @@ class RepeatRun:
         self.run_dir.mkdir(parents=True, exist_ok=False)
         flush_offered = await self.flush()
         self.server_facts = {"models": ids, "server_info": info, "flush_cache_offered": flush_offered,
-                             "reports_cached_tokens": None}
+                             "cache_reset_path": self.cache_reset_path, "reports_cached_tokens": None}
         self.conditions: list[str] = []
         self.skipped: dict[str, str] = {}
         probe = cfg.fixtures[0]
@@ -225,8 +228,9 @@ class RepeatRun:
             for c in cfg.conditions:
                 if c in ("prefix_fresh", "prefix_reused") and not (
                         flush_offered and self.server_facts["reports_cached_tokens"]):
-                    self.skipped[c] = ("server offers no /flush_cache" if not flush_offered
-                                       else "server reports no cached_tokens in usage")
+                    self.skipped[c] = (CACHE_RESET_MISSING if not flush_offered else
+                                       "the server reports no cached_tokens in usage (vLLM: start it with "
+                                       "--enable-prompt-tokens-details)")
                     continue
                 self.conditions.append(c)
             for fx in cfg.fixtures:

@@ -27,6 +27,7 @@ import httpx
 import openai
 
 from evalpipe import manifest as manifest_mod
+from evalpipe import spec_metrics
 from evalpipe.data import DataError, file_sha256
 from evalpipe.endpoint import (
     EndpointError,
@@ -197,6 +198,8 @@ class Runner:
             print(f"evalpipe run: warning: the server's speculative acceptance is LOSSY {self.server_lossy}; "
                   "the responses it decides measure that rule, not the model (scored on purpose)", file=sys.stderr)
         self.server_facts = {"models": models_json, "server_info_path": info_path, "server_info": info}
+        # speculative counters from /metrics (vLLM reports speculation nowhere else): run-level, before and after
+        self.metrics_before = spec_metrics.snapshot(cfg.base_url, cfg.api_key)
 
     def _snapshot(self, server: dict) -> dict:
         cfg, lane, data = self.cfg, self.lane, self.data
@@ -524,6 +527,9 @@ class Runner:
         self.manifest["differences"] = protocol
         self.manifest["code_changes_during_run"] = warnings
         n_new = len(self.records) - len(self.existing)
+        metrics = spec_metrics.run_level(self.metrics_before, spec_metrics.snapshot(self.cfg.base_url, self.cfg.api_key))
+        if metrics is not None and self.resumed is not None:
+            metrics["covers"] = "only the requests this resume sent"
         meta = {
             "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.cfg.base_url,
             "interrupted": self.interrupted, "refused": self.refused,
@@ -533,6 +539,7 @@ class Runner:
             "data_drift": self.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
             "resumed": self.resumed is not None,
             "server_lossy_acceptance": self.server_lossy,
+            "spec_metrics": metrics,
         }
         summary = compute_summary(
             lane_name=self.lane.name, grader=self.lane.grader, repeats=self.repeats,

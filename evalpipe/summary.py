@@ -169,6 +169,7 @@ def compute_summary(
         "p99": _quantile(latencies, 0.99),
         "max": latencies[-1] if latencies else None,
     }
+    # per-record statistics from the responses; run-level ones from the server's /metrics go in `spec_metrics`
     spec_recs = [r["spec"] for r in recs if isinstance(r.get("spec"), dict)]
     summary["n_records_with_spec"] = len(spec_recs)
     accept = [s["accept_length"] for s in spec_recs if isinstance(s.get("accept_length"), (int, float))]
@@ -177,7 +178,8 @@ def compute_summary(
     summary["n_records_lossy"] = sum(1 for s in spec_recs if s.get("lossy") is True)
     summary["spec_lossy"] = summary["n_records_lossy"] > 0
     for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
-                "manifest_changed", "manifest_changes", "resumed", "server_lossy_acceptance"):
+                "manifest_changed", "manifest_changes", "resumed", "server_lossy_acceptance",
+                "spec_metrics"):
         if key in meta:
             summary[key] = meta[key]
     summary.setdefault("partial", summary["n_missing"] > 0)

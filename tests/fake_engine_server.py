@@ -16,8 +16,10 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -50,7 +52,9 @@ def main() -> None:
     info = {
         **server_args,
         "version": "0.0-fake",
-        "argv": engine_args,
+        # as SGLang 0.5.23 reports them: the command line as given, and when this boot started
+        "launch_command": shlex.join([sys.argv[0], *engine_args, "--port", str(args.port)]),
+        "startup_time": time.time(),
         "environ": {k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "VLLM_", "FAKE_"))},
         "port": args.port,
         **json.loads(args.fake_info_json),

@@ -77,6 +77,20 @@ def test_bench_refuses_a_stream_without_token_counts(tmp_path):
             asyncio.run(run_bench(cfg))
 
 
+def test_bench_refuses_when_the_servers_token_ids_cannot_be_known(tmp_path):
+    """No vocab_size and no /tokenize: drawing ids from a guessed range would be rejected (vLLM: "Token id 29894
+    is out of vocabulary"), so the bench stops before any request and says how to give the range."""
+    with start_peer(vocab_size=None) as (base_url, stats):
+        args = ["--base-url", base_url, "--input-len", "4", "--output-len", "4", "--rounds", "1", "--warmup", "0"]
+        res = CliRunner().invoke(bench_cmd, [*args, "--out", str(tmp_path / "b")])
+        assert res.exit_code == 1 and "cannot tell which token ids" in res.output and "--token-id-range" in res.output
+        assert stats()["requests"] == 0 and not (tmp_path / "b" / "bench.json").exists()
+        res = CliRunner().invoke(bench_cmd, [*args, "--token-id-range", "20", "40", "--out", str(tmp_path / "c")])
+        assert res.exit_code == 0, res.output
+    config = json.loads((tmp_path / "c" / "bench.json").read_text())["config"]
+    assert config["token_id_range"] == [20, 40] and config["token_id_range_source"] == "--token-id-range"
+
+
 @pytest.fixture(scope="module")
 def native_server():
     from server_harness import ServerProcess

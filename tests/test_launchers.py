@@ -1,8 +1,8 @@
 """Launchers: exact dry-run argv per engine and profile, refusals, environment hygiene in a real child process,
 receipts, and a server that never becomes ready (log tail shown, whole process group gone).
 
-SGLang and vLLM are not installed on CI machines: their argv is checked through --dry-run, and their process
-handling through a scripted stand-in server (tests/fake_engine_server.py) started via --engine-command.
+Here argv is checked through --dry-run and process handling through a scripted stand-in server
+(tests/fake_engine_server.py) started via --engine-command; a real vLLM runs in tests/test_vllm_peer.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from evalpipe.launchers.receipts import effective_problems, receipt_differences
 PY = sys.executable
 FAKE = str(Path(__file__).with_name("fake_engine_server.py"))
 SGL = [PY, "-m", "sglang.launch_server"]
+VLLM_PY = "/opt/vllm-env/bin/python"  # --engine-python: the argv names it as given (made absolute)
+VLLM = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server"]
+EP = ["--engine-python", VLLM_PY]
 NATIVE = [PY, "-m", "evalpipe.cli", "serve"]
 T1 = ["--speculative-accept-threshold-single", "1.0", "--speculative-accept-threshold-acc", "1.0"]
 
@@ -86,25 +89,36 @@ DRY_RUN_CASES = {
          "--speculative-num-draft-tokens", "4", *T1],
     ),
     "vllm-off-parallel": (
-        ["--engine", "vllm", "--model", "M", "--tp", "8", "--dp", "2", "--ep", "16"],
-        ["vllm", "serve", "M", "--host", "127.0.0.1", "--port", "30000", "--tensor-parallel-size", "8",
+        ["--engine", "vllm", "--model", "M", "--tp", "8", "--dp", "2", "--ep", "16", *EP],
+        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--tensor-parallel-size", "8",
          "--data-parallel-size", "2", "--enable-expert-parallel"],
     ),
     "vllm-dspark": (
-        ["--engine", "vllm", "--model", "M", "--speculative", "dspark", "--draft-model", "D", "--block-size", "7"],
-        ["vllm", "serve", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
+        ["--engine", "vllm", "--model", "M", "--speculative", "dspark", "--draft-model", "D", "--block-size", "7", *EP],
+        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
          '{"method":"dspark","model":"D","num_speculative_tokens":7}'],
     ),
     "vllm-eagle3": (
         ["--engine", "vllm", "--model", "M", "--speculative", "eagle3", "--draft-model", "D", "--spec-steps", "3",
-         "--spec-topk", "1", "--spec-draft-tokens", "4", "--max-num-seqs", "64"],
-        ["vllm", "serve", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
+         "--spec-topk", "1", "--spec-draft-tokens", "4", *EP, "--max-num-seqs", "64"],
+        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
          '{"method":"eagle3","model":"D","num_speculative_tokens":3}', "--max-num-seqs", "64"],
     ),
     "vllm-nextn-mtp": (
-        ["--engine", "vllm", "--model", "M", "--speculative", "nextn", "--spec-steps", "1"],
-        ["vllm", "serve", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
+        ["--engine", "vllm", "--model", "M", "--speculative", "nextn", "--spec-steps", "1", *EP],
+        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
          '{"method":"mtp","num_speculative_tokens":1}'],
+    ),
+    "vllm-ngram": (
+        ["--engine", "vllm", "--model", "M", "--speculative", "ngram", "--spec-steps", "3", "--ngram-min", "2",
+         "--ngram-max", "4", *EP, "--", "--load-format", "dummy"],
+        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
+         '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,"prompt_lookup_min":2}',
+         "--load-format", "dummy"],
+    ),
+    "sglang-other-env": (
+        ["--engine", "sglang", "--model", "M", "--engine-python", "/opt/sgl/bin/python"],
+        ["/opt/sgl/bin/python", "-m", "sglang.launch_server", "--model-path", "M", "--host", "127.0.0.1", "--port", "30000"],
     ),
     "native-default": ([], [*NATIVE, "--host", "127.0.0.1", "--port", "30000"]),
     "native-off": (["--speculative", "off", "--port", "0"], [*NATIVE, "--host", "127.0.0.1", "--port", "0", "--speculative", "off"]),
@@ -131,12 +145,12 @@ def test_dry_run_simulation_only_through_its_flag():
                    "--simulate-acc-len", "3.5"])
     assert sgl["env_set"] == {"SGLANG_SIMULATE_ACC_LEN": "3.5"} and sgl["performance_only"] is True
     vllm = dry_run(["--engine", "vllm", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-                    "--spec-steps", "3", "--simulate-acc-len", "2.5"])
+                    "--spec-steps", "3", "--simulate-acc-len", "2.5", *EP])
     config = json.loads(vllm["argv"][vllm["argv"].index("--speculative-config") + 1])
     assert config["rejection_sample_method"] == "synthetic" and config["synthetic_acceptance_length"] == 2.5
     native = dry_run(["--speculative", "block", "--simulate-acc-len", "5.5"])
     assert native["argv"][-2:] == ["--simulate-acc-len", "5.5"]
-    assert dry_run(["--engine", "vllm", "--model", "M", "--deterministic"])["env_set"] == {"VLLM_BATCH_INVARIANT": "1"}
+    assert dry_run(["--engine", "vllm", "--model", "M", "--deterministic", *EP])["env_set"] == {"VLLM_BATCH_INVARIANT": "1"}
 
 
 @pytest.mark.parametrize(
@@ -160,6 +174,15 @@ def test_dry_run_simulation_only_through_its_flag():
           "--spec-topk", "2", "--spec-draft-tokens", "4"], "linear chain"),
         (["--engine", "vllm", "--model", "M", "--tp", "8", "--ep", "4"], "TP x DP"),
         (["--engine", "vllm", "--model", "M", "--speculative", "dspark", "--draft-model", "D"], "--block-size"),
+        (["--engine", "vllm", "--model", "M", "--speculative", "ngram", "--spec-steps", "3", "--draft-model", "D"],
+         "drafts from the prompt itself"),
+        (["--engine", "vllm", "--model", "M", "--speculative", "ngram", "--spec-steps", "3", "--ngram-min", "5",
+          "--ngram-max", "2"], "above --ngram-max"),
+        (["--engine", "vllm", "--model", "M", "--ngram-max", "2"], "need --speculative ngram"),
+        (["--engine", "vllm", "--model", "M", "--device", "cpu"], "takes its device from its build"),
+        (["--engine", "vllm", "--model", "M", "--engine-python", "/x/python", "--engine-command", "wrap"], "not both"),
+        (["--engine", "sglang", "--model", "M", "--speculative", "ngram"], "one of"),
+        (["--engine-python", "/x/python"], "runs in this interpreter"),
         (["--tp", "2"], "one device"),
         (["--speculative", "dspark"], "off or block"),
         (["--simulate-acc-len", "3"], "needs --speculative block"),
@@ -434,3 +457,37 @@ def test_native_receipts_differ_when_the_engine_code_changed_between_boots():
         "B={'git_commit': 'def', 'git_diff_sha256': None}"]
     sglang = {**a, "engine": "sglang"}
     assert receipt_differences(sglang, {**b, "engine": "sglang"}) == []  # launcher code, not the engine's
+
+
+def test_engine_interpreter_default_follows_the_console_script_on_path(tmp_path):
+    """Without --engine-python: this interpreter if it imports the engine, else the one behind `vllm` on PATH
+    (its #! line, or pip's exec form for long paths), else this one."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter imports vllm itself, so it is always the default")
+    shebang, long_form, empty = (tmp_path / name for name in ("shebang", "long", "empty"))
+    for folder in (shebang, long_form, empty):
+        folder.mkdir()
+    (shebang / "vllm").write_text("#!/opt/vllm-env/bin/python3.11\nimport sys\n")
+    (long_form / "vllm").write_text("#!/bin/sh\n'''exec' '/opt/a very long/path/bin/python' \"$0\" \"$@\"\n' '''\n")
+    for folder in (shebang, long_form):
+        (folder / "vllm").chmod(0o755)
+    assert dry_run(["--engine", "vllm", "--model", "M"], env={"PATH": str(shebang)})["argv"][0] == "/opt/vllm-env/bin/python3.11"
+    assert dry_run(["--engine", "vllm", "--model", "M"], env={"PATH": str(long_form)})["argv"][0] == "/opt/a very long/path/bin/python"
+    assert dry_run(["--engine", "vllm", "--model", "M"], env={"PATH": str(empty)})["argv"][0] == PY
+    assert dry_run(["--engine", "vllm", "--model", "M", "--engine-python", "rel/bin/python"])["engine_python"] == str(
+        Path.cwd() / "rel" / "bin" / "python")
+
+
+def test_an_interpreter_without_the_engine_is_refused_before_anything_starts(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter imports vllm")
+    proc = _launch(["--engine", "vllm", "--model", "M", "--port", str(free_port()), "--engine-python", PY,
+                    "--receipt", str(tmp_path / "r.json")], {}, tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, (out, err)
+    assert f"{PY} cannot import vllm" in err and "--engine-python" in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()  # nothing was started

@@ -129,3 +129,20 @@ def test_controls_are_right_on_the_default_model(tmp_path):
         for cond in ("serial", "burst"):
             g = result["groups"][fixture][cond]
             assert g["mode_correct"] is True and g["control_correct_share"] == 1.0, (fixture, cond, g)
+
+
+def test_prefix_conditions_are_skipped_with_the_reason_where_the_cache_cannot_be_reset(tmp_path):
+    """A server with neither /flush_cache nor vLLM's /reset_prefix_cache: both prefix conditions are skipped and
+    the reason names what would enable them; the other conditions run."""
+    from scripted_server import scripted_server
+
+    with scripted_server() as base_url:
+        res = CliRunner().invoke(repeat_cmd, ["--base-url", base_url, "--repeats", "2", "--out", str(tmp_path),
+                                              "--fixtures", "arithmetic"])
+        assert res.exit_code == 0, res.output
+    result = json.loads(next((tmp_path / "repeat").glob("*/repeat.json")).read_text())
+    skipped = result["config"]["conditions_skipped"]
+    assert set(skipped) == {"prefix_fresh", "prefix_reused"}
+    assert all("/reset_prefix_cache" in why and "VLLM_SERVER_DEV_MODE=1" in why for why in skipped.values())
+    assert result["config"]["conditions"] == ["serial", "burst", "logprobs"] and result["server"]["cache_reset_path"] is None
+    assert "skipped condition prefix_fresh" in res.output

@@ -25,8 +25,10 @@ import click
               help="Requests in flight per round (one distinct prompt per slot).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input ids (recorded).")
 @click.option("--token-id-range", type=(int, int), default=None, metavar="LOW HIGH",
-              help="Draw input ids from [LOW, HIGH) [default: from the server's vocab_size, else 100 30000].")
-@click.option("--no-flush", is_flag=True, help="Do not POST /flush_cache between rounds even if the server offers it.")
+              help="Draw input ids from [LOW, HIGH) [default: from the server's vocab_size, else from the ids its "
+                   "/tokenize gives for a probe text; a server with neither is refused].")
+@click.option("--no-flush", is_flag=True, help="Do not reset the prefix cache between rounds (POST /flush_cache, or vLLM's "
+              "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1) even where the server offers it.")
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for bench.json [default: results/bench/<timestamp>].")
@@ -35,8 +37,9 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     """Measure streamed decode throughput: (final tokens - first-event tokens) / (t_last - t_first) per request.
 
     Token counts per streamed event are exact (chunk token_ids or cumulative usage), never chunk counts. The
-    server cache is flushed between rounds where /flush_cache exists. Also records TTFT, total time and the
-    server's accept length when reported. Writes bench.json (every event time and count) and prints medians.
+    server's prefix cache is reset between rounds where it offers /flush_cache or /reset_prefix_cache. Also
+    records TTFT, total time, the server's accept length when reported, and run-level speculative counters from
+    its /metrics (vLLM, SGLang). Writes bench.json (every event time and count) and prints medians.
     """
     from rich.console import Console
     from rich.table import Table
@@ -79,6 +82,10 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     if res["accept_length_values"]:
         t.add_row("accept_length", f"{res['accept_length_median']:.4g}",
                   ", ".join(f"{v:.3g}" for v in res["accept_length_values"]))
+    run_level = res.get("spec_metrics") or {}
+    if run_level.get("mean_accept_length") is not None:
+        t.add_row("accept_length (run-level, /metrics)", f"{run_level['mean_accept_length']:.4g}",
+                  "server counters over the measured rounds, not per request")
     Console().print(t)
     if res["n_errors"]:
         msgs = sorted({str((r.get("error") or {}).get("message"))[:300] for r in result["requests"] if r.get("error")})
@@ -86,6 +93,8 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
                    err=True)
     if res["n_dropped"]:
         click.echo(f"warning: {res['n_dropped']} request(s) had fewer than 2 content events (no decode rate)", err=True)
-    click.echo(f"flush_cache offered: {result['server']['flush_cache_offered']}; wrote {path}")
+    reset = result["server"].get("cache_reset_path")
+    click.echo(f"prefix cache reset between rounds: {'off (--no-flush)' if no_flush else (reset or 'not offered')}; "
+               f"wrote {path}")
     if res["n_kept"] == 0:
         raise click.ClickException("no measured request succeeded")

@@ -21,7 +21,8 @@ CONDITION_HELP = "serial, burst, logprobs, prefix_fresh, prefix_reused"
                    "[default: all].")
 @click.option("--conditions", default=None, metavar="C[,C...]",
               help=f"Subset of conditions ({CONDITION_HELP}) [default: all; prefix_* only where the server "
-                   "offers /flush_cache and reports cached tokens].")
+                   "can drop its prefix cache (/flush_cache, or vLLM's /reset_prefix_cache with "
+                   "VLLM_SERVER_DEV_MODE=1) and reports cached tokens].")
 @click.option("--max-tokens", "open_max_tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="max_tokens of the open prompts (controls use their own short limits).")
 @click.option("--long-context-chars", type=click.IntRange(min=0), default=6000, show_default=True,

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from evalpipe import spec_metrics, volatile
 from evalpipe.compare import stats
 from evalpipe.compare.agreement import compare_outputs, summarize_agreement
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
@@ -19,7 +20,8 @@ from evalpipe.endpoint import lossy_acceptance
 SCHEMA_VERSION = 1
 GSM8K_INVALID = -9999999
 
-# Manifest keys that differ between any two runs by construction: listed as volatile, never flagged.
+# Keys of our own manifests that differ between any two runs by construction (ids, clocks, paths): listed as
+# volatile, never flagged. What the server itself changes per call or per boot is evalpipe.volatile's list.
 VOLATILE_LEAVES = {
     "run_id", "arm", "started_at", "ended_at", "start_time", "end_time", "finished_at", "created", "created_at",
     "timestamp", "time", "wall_s", "duration_s", "out_dir", "run_dir", "output_dir", "pid", "output_sha256",
@@ -165,6 +167,28 @@ def spec_stats(recs: list[dict]) -> dict:
     }
 
 
+def spec_block(recs: list[dict], summary: dict) -> dict:
+    """Per-record statistics (`spec_stats`) beside the run-level ones the run scraped from the server's /metrics
+    (`server_metrics`: vLLM's counters after minus before the run; not per request)."""
+    block = spec_stats(recs)
+    metrics = summary.get("spec_metrics") if isinstance(summary, dict) else None
+    block["server_metrics"] = metrics
+    block["accept_length_run_level"] = spec_metrics.accept_length(metrics)
+    return block
+
+
+def arm_accept_length(block: Any) -> tuple[float | None, str | None]:
+    """(accept length, basis) of one arm's spec block: the per-record mean where responses carried statistics,
+    else the run-level figure from the server's /metrics; (None, None) when neither exists."""
+    if not isinstance(block, dict):
+        return None, None
+    if isinstance(block.get("accept_length_mean"), (int, float)):
+        return float(block["accept_length_mean"]), "per-record"
+    if isinstance(block.get("accept_length_run_level"), (int, float)):
+        return float(block["accept_length_run_level"]), "run-level /metrics"
+    return None, None
+
+
 def _first_num(d: dict, names: tuple[str, ...]) -> float | None:
     for n in names:
         v = d.get(n)
@@ -227,8 +251,10 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
 
 def manifest_view(manifest: dict) -> dict:
     """The provenance snapshot with packages as {name: version}, so a changed package is one row."""
-    view = {k: (_scrub(v) if isinstance(v, (dict, list)) and k != "packages" else v)
-            for k, v in snapshot(manifest).items()}
+    snap = dict(snapshot(manifest))
+    if "server" in snap:  # what changes per call or per boot (manifests written before a rule was known too)
+        snap["server"] = volatile.strip_server(snap["server"])
+    view = {k: (_scrub(v) if isinstance(v, (dict, list)) and k != "packages" else v) for k, v in snap.items()}
     pkgs = view.get("packages")
     if isinstance(pkgs, list):
         view["packages"] = {p.split("==", 1)[0]: (p.split("==", 1)[1] if "==" in p else "") for p in map(str, pkgs)}
@@ -336,7 +362,7 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
             {"question_id": k[0], "correct_a": bool(x), "correct_b": bool(y),
              "identical": per_pair[k]["identical"], "divergence_position": per_pair[k]["position"]}
             for k, x, y in zip(common, ca, cb)]
-    result["spec"] = {"a": spec_stats(recs_a), "b": spec_stats(recs_b)}
+    result["spec"] = {"a": spec_block(recs_a, a.summary), "b": spec_block(recs_b, b.summary)}
     for side, run in (("a", a), ("b", b)):
         server = lossy_acceptance((snapshot(run.manifest).get("server") or {}).get("server_info"))
         result["spec"][side]["server_lossy_acceptance"] = server

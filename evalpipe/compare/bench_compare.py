@@ -62,5 +62,7 @@ def compare_benches(a: dict, b: dict, *, seed: int, n_resamples: int, forced: li
         "arms": {"a": {"path": a["_path"], "config": a.get("config")}, "b": {"path": b["_path"], "config": b.get("config")}},
         "metrics": metrics,
         "accept_length_median": acc,
+        # run-level: the servers' /metrics counters over each bench's measured rounds, not per request
+        "spec_metrics": {k: (d.get("results") or {}).get("spec_metrics") for k, d in (("a", a), ("b", b))},
         "settings": {"seed": seed, "n_resamples": n_resamples, "confidence": stats.DEFAULT_CONFIDENCE},
     }

@@ -79,6 +79,9 @@ def print_terminal(result: dict, console: Console | None = None) -> None:
     sp = result["spec"]
     t.add_row("accept length (mean)", num(sp["a"]["accept_length_mean"]), num(sp["b"]["accept_length_mean"]), "")
     t.add_row("acceptance rule", escape(acceptance(sp["a"])), escape(acceptance(sp["b"])), "")
+    if sp["a"].get("server_metrics") or sp["b"].get("server_metrics"):
+        t.add_row("accept length (run-level, /metrics)", num(sp["a"].get("accept_length_run_level")),
+                  num(sp["b"].get("accept_length_run_level")), "")
     sd = result["speed"]
     t.add_row("latency median (s)", num(sd["a"]["latency_median_s"]), num(sd["b"]["latency_median_s"]), "")
     t.add_row("tokens/s median", num(sd["a"]["tokens_per_s_median"], 1), num(sd["b"]["tokens_per_s_median"], 1), "")
@@ -229,6 +232,22 @@ def plot_per_question(result: dict) -> str:
     return _png(fig)
 
 
+def run_level_cell(metrics: dict | None) -> str:
+    """Mean accept length with the counts it comes from (drafts, accepted tokens, per-position acceptance)."""
+    if not isinstance(metrics, dict):
+        return "-"
+    if metrics.get("error"):
+        return f"unavailable: {metrics['error']}"
+    parts = [num(metrics.get("mean_accept_length"))]
+    if "drafts" in metrics:
+        per_pos = metrics.get("acceptance_per_position") or []
+        parts.append(f"({metrics['accepted_tokens']} accepted of {metrics['draft_tokens']} draft tokens in "
+                     f"{metrics['drafts']} drafts; per position " + ", ".join(f"{x:.2f}" for x in per_pos) + ")")
+    elif "verify_calls" in metrics:
+        parts.append(f"({metrics['generation_tokens']} tokens / {metrics['verify_calls']} verify calls)")
+    return " ".join(parts)
+
+
 def plot_accept_lengths(result: dict) -> str | None:
     sp = result["spec"]
     if not (sp["a"]["histogram"] or sp["b"]["histogram"]):
@@ -341,6 +360,9 @@ def render_html(result: dict) -> str:
                  f"{num(sp['a']['accept_length_mean'])} / {num(sp['a']['accept_length_token_weighted'])}",
                  f"{num(sp['b']['accept_length_mean'])} / {num(sp['b']['accept_length_token_weighted'])}", "", ""])
     rows.append(["acceptance rule", acceptance(sp["a"]), acceptance(sp["b"]), "", ""])
+    if sp["a"].get("server_metrics") or sp["b"].get("server_metrics"):
+        rows.append(["accept length run-level (server /metrics counters, not per request)",
+                     run_level_cell(sp["a"].get("server_metrics")), run_level_cell(sp["b"].get("server_metrics")), "", ""])
     rows.append(["latency median / p90 (s)", f"{num(sd['a']['latency_median_s'])} / {num(sd['a']['latency_p90_s'])}",
                  f"{num(sd['b']['latency_median_s'])} / {num(sd['b']['latency_p90_s'])}", "", ""])
     rows.append(["tokens/s median / aggregate",

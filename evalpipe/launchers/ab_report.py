@@ -32,9 +32,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _accept(comparison: dict, side: str) -> str:
-    stats = (comparison.get("spec") or {}).get(side) or {}
-    mean = stats.get("accept_length_mean") if isinstance(stats, dict) else None
-    return "off" if mean is None else f"{mean:.2f}"
+    from evalpipe.compare.analysis import arm_accept_length
+
+    mean, basis = arm_accept_length((comparison.get("spec") or {}).get(side))
+    return "off" if mean is None else f"{mean:.2f}" + (" (run-level)" if basis != "per-record" else "")
 
 
 def render(index: dict) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import click
 
+from evalpipe import spec_metrics
+from evalpipe.compare.analysis import arm_accept_length
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
 from evalpipe.launchers.base import free_port
 from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences, write_receipt
@@ -146,7 +148,7 @@ class ABRun:
             ties = c.get("ties") or {}
             spec = c.get("spec") or {}
             greedy = c.get("greedy") or {}
-            accept = [((spec.get(k) or {}).get("accept_length_mean")) for k in ("a", "b")]
+            accept = [arm_accept_length(spec.get(k))[0] for k in ("a", "b")]
             flips = (f"flips {greedy['a_only']} lost / {greedy['b_only']} gained (McNemar p {greedy['mcnemar_p']:.3g}), "
                      f"{greedy['verdict']} at -{greedy['margin_pts']:g} pt; " if "verdict" in greedy else "")
             click.echo(
@@ -183,6 +185,8 @@ class ABRun:
                 return f"[{label}] receipt differs beyond the declared flags {self.declared or '(none)'}:\n  " + "\n  ".join(problems)
             first_of.setdefault(side, label)
             if run_lanes:
+                # the arm's speculative counters from /metrics (vLLM, SGLang): run-level, the whole arm
+                metrics_before = spec_metrics.snapshot(launcher.base_url, launcher.options.api_key)
                 for lane in self.lanes:
                     arm["status"] = f"running {lane}"
                     self.save()
@@ -193,6 +197,8 @@ class ABRun:
                         if code in (130, 143):
                             raise KeyboardInterrupt
                         return f"[{label}] lane {lane}: {message}"
+                arm["spec_metrics"] = spec_metrics.run_level(
+                    metrics_before, spec_metrics.snapshot(launcher.base_url, launcher.options.api_key))
             arm["status"] = "done"
         finally:
             receipt = finish(launcher, receipt_path, receipts.get(label, receipt))
@@ -330,8 +336,7 @@ class ABRun:
             for entry in self.index["comparisons"]:
                 if entry.get("kind") != "ab" or not entry.get("spec"):
                     continue
-                stats = entry["spec"].get("a" if side == "A" else "b") or {}
-                mean = stats.get("accept_length_mean") if isinstance(stats, dict) else None
+                mean, _ = arm_accept_length(entry["spec"].get("a" if side == "A" else "b"))
                 if mean is None or mean <= 1.0:
                     self.index["warnings"].append(
                         f"arm {side} declares speculation but {entry['lane']} {entry['a' if side == 'A' else 'b']} "

@@ -9,8 +9,10 @@ records.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,6 +72,9 @@ class LaunchOptions:
     keep_env: tuple[str, ...] = ()
     set_env: dict[str, str] = field(default_factory=dict)
     engine_command: tuple[str, ...] | None = None  # replaces the program prefix (another venv, a wrapper)
+    engine_python: str | None = None  # interpreter of the environment where the engine lives (sglang/vllm)
+    ngram_min: int | None = None  # vllm ngram: prompt_lookup_min
+    ngram_max: int | None = None  # vllm ngram: prompt_lookup_max
     extra_args: tuple[str, ...] = ()
 
     def recorded(self) -> dict:
@@ -99,6 +104,41 @@ def fmt_number(value: float) -> str:
     return repr(float(value))
 
 
+def console_script_python(script: str) -> str | None:
+    """The interpreter behind a console script on PATH: its `#!` line, pip's `exec` form for long paths, or the
+    `python` beside it."""
+    found = shutil.which(script)
+    if found is None:
+        return None
+    try:
+        head = Path(found).read_bytes()[:2048].decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    if head and head[0].startswith("#!"):
+        first = head[0][2:].split()
+        if first and "python" in Path(first[0]).name:
+            return first[0]
+    for line in head[1:3]:  # pip: `#!/bin/sh` then `'''exec' '/long/path/python' "$0" "$@"`
+        if line.startswith("'''exec'"):
+            parts = shlex.split(line[len("'''exec'"):])
+            if parts:
+                return parts[0]
+    sibling = Path(found).parent / "python"
+    return str(sibling) if sibling.exists() else None
+
+
+def engine_interpreter(given: str | None, module: str, script: str) -> str:
+    """The Python an engine started as `python -m ...` runs under.
+
+    --engine-python wins; else this interpreter when it can import `module`; else the interpreter behind the
+    engine's console script on PATH; else this interpreter (start() then says it cannot import the engine)."""
+    if given:
+        return os.path.abspath(given)  # not resolved: a venv's python is a symlink that must stay one
+    if importlib.util.find_spec(module) is not None:
+        return sys.executable
+    return console_script_python(script) or sys.executable
+
+
 class Launcher(ABC):
     """Base for the native, sglang and vllm launchers."""
 
@@ -107,6 +147,7 @@ class Launcher(ABC):
     info_paths: tuple[str, ...] = ("/get_server_info", "/server_info")
     version_path: str | None = None
     accept_rules: tuple[str, ...] = ()  # lossy acceptance rules this engine offers on purpose: "topk", "threshold"
+    engine_module: str | None = None  # the module an interpreter must import to start this engine
 
     def __init__(self, options: LaunchOptions, parent_env: Mapping[str, str] | None = None):
         self.options = options
@@ -159,6 +200,27 @@ class Launcher(ABC):
         require(o.spec_accept_topk is None or all(v == 1.0 for v in thresholds),
                 "choose one lossy acceptance rule: --spec-accept-topk or the thresholds, not both")
 
+    @property
+    def interpreter(self) -> str | None:
+        """The Python that runs the server (None when --engine-command replaced the program)."""
+        return None
+
+    def check_installed(self) -> None:
+        """Raise ServerStartError when the interpreter cannot import the engine (before anything is started)."""
+        python = self.interpreter
+        if python is None or self.engine_module is None:
+            return
+        probe = f"import importlib.util, sys; sys.exit(0 if importlib.util.find_spec({self.engine_module!r}) else 3)"
+        try:
+            code = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ServerStartError(f"cannot run the engine interpreter {python!r}: {exc}") from exc
+        if code != 0:
+            raise ServerStartError(
+                f"{python} cannot import {self.engine_module}: install {self.engine} there, or pass --engine-python PATH "
+                f"(the python of the environment where {self.engine} lives, e.g. .venv-vllm/bin/python)"
+            )
+
     # ----- shared behaviour ---------------------------------------------------------------------
     @property
     def connect_host(self) -> str:
@@ -201,12 +263,14 @@ class Launcher(ABC):
             "health_url": self.base_url + self.health_path,
             "performance_only": self.options.simulate_acc_len is not None,
             "lossy_acceptance": self.options.lossy_acceptance,
+            "engine_python": self.interpreter,
         }
 
     def start(self, log_path: str | os.PathLike) -> None:
         """Start the server in its own process group, stdout and stderr into `log_path`."""
         if self.process is not None:
             raise RuntimeError("launcher already started")
+        self.check_installed()
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
@@ -303,6 +367,7 @@ class Launcher(ABC):
             "env_kept": self.child_env.kept,
             "env_set": redact_env(self.child_env.set),
             "options": self.options.recorded(),
+            "engine_python": self.interpreter,
             "performance_only": self.options.simulate_acc_len is not None,
             "lossy_acceptance": self.options.lossy_acceptance,
             "base_url": self.base_url,

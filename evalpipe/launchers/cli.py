@@ -20,7 +20,7 @@ from evalpipe.launchers import ENGINES, LaunchConfigError, LaunchOptions, Server
 from evalpipe.launchers.env import parse_assignments
 from evalpipe.launchers.receipts import build_receipt, effective_problems, server_report, write_receipt
 
-SPECULATION_PROFILES = ("off", "block", "dspark", "eagle", "eagle3", "nextn")
+SPECULATION_PROFILES = ("off", "block", "dspark", "eagle", "eagle3", "nextn", "ngram")
 
 HELP = """Start a server through a launcher: the native engine (`evalpipe serve`), SGLang or vLLM.
 
@@ -30,7 +30,12 @@ Speculation profiles (--speculative):
   sglang: off | dspark (--draft-model, --block-size) | eagle | eagle3 | nextn
           (--spec-steps, --spec-topk, --spec-draft-tokens: all three or none);
           acceptance thresholds are passed as 1.0, lossy passthrough values are refused
-  vllm:   the same profiles, written as --speculative-config JSON
+  vllm:   the same profiles, written as --speculative-config JSON, plus ngram
+          (prompt lookup: --spec-steps draft tokens, --ngram-min/--ngram-max window)
+
+SGLang and vLLM start as `PYTHON -m sglang.launch_server` / `PYTHON -m vllm.entrypoints.openai.api_server`,
+PYTHON being --engine-python (default: this interpreter if it imports the engine, else the one behind the
+engine's console script on PATH). The receipt records that interpreter's installed packages.
 
 LOSSY acceptance, on purpose only (to prove an evaluation catches a lossy speculator):
 --spec-accept-topk K (native), --spec-accept-threshold-single/-acc P (native, sglang).
@@ -41,8 +46,8 @@ simulated acceptance is set only by --simulate-acc-len (performance runs, never 
 Arguments evalpipe does not know (e.g. --mem-fraction-static 0.8, --nnodes 2 --node-rank 0
 --dist-init-addr HOST:PORT) are passed to the engine unchanged; put them after `--` to be explicit.
 
---dry-run prints the command and environment and starts nothing. Where SGLang or vLLM is not installed
-(as on CPU-only machines) --dry-run is the only way to exercise those engines.
+--dry-run prints the command and environment and starts nothing (where SGLang or vLLM is not installed, it is
+the only way to exercise those engines). vLLM's CPU build serves on a machine without GPUs: see README.
 Each real launch writes a receipt JSON (argv, redacted environment, engine version, the server's own
 settings report, /v1/models, GPUs, start/ready/stop times).
 """
@@ -73,7 +78,7 @@ def launch_params(func):
         click.option("--block-size", type=int, callback=_pos_int, help="native block / sglang dspark block size / vllm dspark draft tokens."),
         click.option("--drafter", help="Native engine drafter (layerskip:N, model:PATH, ngram, self)."),
         click.option("--draft-model", help="sglang/vllm draft model path (--speculative-draft-model-path / speculative-config model)."),
-        click.option("--spec-steps", type=int, callback=_pos_int, help="eagle/eagle3/nextn: draft depth (--speculative-num-steps)."),
+        click.option("--spec-steps", type=int, callback=_pos_int, help="eagle/eagle3/nextn: draft depth (--speculative-num-steps); vllm ngram: draft tokens per step."),
         click.option("--spec-topk", type=int, callback=_pos_int, help="eagle/eagle3/nextn: branching (--speculative-eagle-topk)."),
         click.option("--spec-draft-tokens", type=int, callback=_pos_int, help="eagle/eagle3/nextn: tokens verified per step (--speculative-num-draft-tokens)."),
         click.option("--deterministic", is_flag=True, help="sglang --enable-deterministic-inference; vllm VLLM_BATCH_INVARIANT=1."),
@@ -83,7 +88,10 @@ def launch_params(func):
         click.option("--spec-accept-threshold-acc", type=float, help="LOSSY below 1.0 (native, sglang --speculative-accept-threshold-acc): accept a sampled draft with probability min(1, p / P). Evaluation only; recorded."),
         click.option("--keep-env", multiple=True, help="Keep an inherited SGLANG_*/VLLM_* variable (name or glob; repeatable)."),
         click.option("--set-env", multiple=True, help="Set NAME=VALUE in the server environment on purpose (repeatable), e.g. SGLANG_ENABLE_SPEC_V2=True."),
-        click.option("--engine-command", help="Replace the program prefix, e.g. '/opt/sgl/bin/python -m sglang.launch_server' (shell-split)."),
+        click.option("--engine-python", type=click.Path(dir_okay=False), help="sglang/vllm: the python of the environment where the engine lives, e.g. .venv-vllm/bin/python [default: this one if it imports the engine, else the one behind `sglang`/`vllm` on PATH]."),
+        click.option("--engine-command", help="Replace the program prefix, e.g. 'srun -N2 ./sglang_node.sh' (shell-split); not with --engine-python."),
+        click.option("--ngram-min", type=int, callback=_pos_int, help="vllm ngram: shortest prompt n-gram to match (prompt_lookup_min) [default: vLLM's]."),
+        click.option("--ngram-max", type=int, callback=_pos_int, help="vllm ngram: longest prompt n-gram to match (prompt_lookup_max) [default: vLLM's]."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -120,6 +128,9 @@ def options_from_params(params: dict) -> LaunchOptions:
         keep_env=tuple(params["keep_env"]),
         set_env=parse_assignments(params["set_env"]),
         engine_command=tuple(shlex.split(params["engine_command"])) if params["engine_command"] else None,
+        engine_python=params["engine_python"],
+        ngram_min=params["ngram_min"],
+        ngram_max=params["ngram_max"],
         extra_args=tuple(params["extra_args"]),
     )
 

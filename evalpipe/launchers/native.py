@@ -31,10 +31,17 @@ class NativeLauncher(Launcher):
             o.spec_steps is None and o.spec_topk is None and o.spec_draft_tokens is None,
             "--spec-steps/--spec-topk/--spec-draft-tokens are sglang/vllm tree settings; the native engine takes --block-size",
         )
+        require(o.engine_python is None, "--engine-python is for sglang/vllm; the native engine runs in this interpreter")
+        require(o.ngram_min is None and o.ngram_max is None, "--ngram-min/--ngram-max are vllm ngram settings; "
+                "the native engine takes --drafter ngram")
         require(not o.deterministic, "--deterministic is an sglang/vllm switch; the native engine is batch-invariant by design")
         if o.speculative in (None, "off"):
             require(o.block_size is None and o.drafter is None, "--block-size/--drafter need --speculative block")
             require(o.simulate_acc_len is None, "--simulate-acc-len needs --speculative block")
+
+    @property
+    def interpreter(self) -> str | None:
+        return None if self.options.engine_command else sys.executable
 
     def command(self) -> list[str]:
         o = self.options

