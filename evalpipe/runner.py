@@ -55,7 +55,7 @@ from evalpipe.records import (
     rewrite_records,
     write_json,
 )
-from evalpipe.redact import scrub_values
+from evalpipe.redact import redact_text, scrub_values
 from evalpipe.summary import compute_summary
 
 
@@ -144,6 +144,7 @@ class Runner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.lane = cfg.lane
+        self.recorded_url = redact_text(cfg.base_url)  # what records and manifests say: no URL password
         self.interrupted: Optional[str] = None
         self.refused: Optional[str] = None
 
@@ -224,7 +225,7 @@ class Runner:
                 "prompt_stream_sha256_all": data.stream_sha256(),
                 "prompt_stream_sha256_selected": prompt_stream_sha256(selected_digests),
             },
-            endpoint={"base_url": cfg.base_url, "api": lane.api, "model": self.model},
+            endpoint={"base_url": self.recorded_url, "api": lane.api, "model": self.model},
             server=manifest_mod.stable_server(server),
         )
 
@@ -355,7 +356,7 @@ class Runner:
             "question_id": item.question_id,
             "repeat_index": rep,
             "request_seq": seq,
-            "endpoint": self.cfg.base_url,
+            "endpoint": self.recorded_url,
             "model": self.model,
             "prompt_sha256": item.prompt_sha256,
             "request": body,
@@ -520,7 +521,7 @@ class Runner:
         self.manifest["code_changes_during_run"] = warnings
         n_new = len(self.records) - len(self.existing)
         meta = {
-            "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.cfg.base_url,
+            "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.recorded_url,
             "interrupted": self.interrupted, "refused": self.refused,
             "wall_s": wall, "requests_per_s": (n_new / wall) if wall > 0 else None,
             "overrides": dict(self.cfg.overrides, **({"num_examples": self.cfg.num_examples} if self.cfg.num_examples else {}),
@@ -561,8 +562,8 @@ class Runner:
         import shlex
 
         cmd = ["evalpipe", "run", "--resume", str(self.run_dir)]
-        if self.cfg.base_url != self.manifest["start"]["endpoint"]["base_url"]:
-            cmd += ["--base-url", self.cfg.base_url]
+        if self.recorded_url != self.manifest["start"]["endpoint"]["base_url"]:
+            cmd += ["--base-url", self.recorded_url]
         line = shlex.join(cmd)
         if self.cfg.api_key:
             line += "   # with the same key in EVALPIPE_API_KEY (or --api-key)"

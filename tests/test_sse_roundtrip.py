@@ -41,7 +41,7 @@ def write_tokenizer(folder) -> None:
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("separator-tokenizer")
     write_tokenizer(folder)
-    srv = ServerProcess("--tokenizer", str(folder), "--max-seq-len", "256")
+    srv = ServerProcess("--tokenizer", str(folder), "--max-seq-len", "256", "--docs")
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -56,6 +56,12 @@ def expected(server):
     text = r["choices"][0]["text"]
     assert LS in text and NEL in text and r["usage"]["completion_tokens"] == N_TOKENS
     return text
+
+
+def test_docs_routes_exist_with_the_flag(server):
+    """Off by default (tests/test_server_hostile.py); `serve --docs` turns them on."""
+    assert httpx.get(server.base + "/openapi.json").json()["paths"]["/v1/completions"]
+    assert httpx.get(server.base + "/docs").status_code == 200
 
 
 def test_httpx_aiter_lines_gets_whole_events(server, expected):
