@@ -197,7 +197,7 @@ async def _watch_disconnect(state, job: Job, request: Request) -> None:
     """Wait on the connection (the body is already read, so the next ASGI message is the disconnect); then abort
     the job's sequences and wake its reader. Runs for the whole request, streamed or not."""
     while (await request.receive())["type"] != "http.disconnect":
-        pass
+        await asyncio.sleep(0.05)  # not expected (the body is read); never spin if a server repeats a message
     job.disconnected = True
     state.engine.abort(job.seqs)
     job.queue.put_nowait(DISCONNECTED)
