@@ -34,8 +34,8 @@ from evalpipe.launchers.env import (
     redact_env,
     redact_tree,
 )
-from evalpipe.redact import redact_text
 from evalpipe.launchers.errors import LaunchConfigError, ServerStartError
+from evalpipe.redact import redact_text
 
 LOG_TAIL_LINES = 40
 
