@@ -174,7 +174,8 @@ def test_4xx_is_not_retried_and_5xx_is_retried_then_recorded(srv, tmp_path):
     url = srv(mode="error400")
     before = _n_requests(url)
     r = run_lane("gsm8k", url, tmp_path / "a", "--num-examples", 3, "--max-retries", 3)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 4, r.stderr  # every item an error record: finished, but not clean
+    assert "3 of 3 planned items have no successful response (BadRequestError x3)" in r.stderr
     records, summary, _ = load_run(only_run_dir(tmp_path / "a", "gsm8k"))
     assert _n_requests(url) - before == 3
     assert all(len(x["attempts"]) == 1 and x["error"]["status"] == 400 for x in records)
