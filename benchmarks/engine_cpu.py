@@ -68,6 +68,7 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
     import sys
 
     import httpx
+    from httpx_sse import EventSource
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -95,9 +96,9 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
                     "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             events = []
             async with client.stream("POST", base + "/v1/completions", json=body) as resp:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
+                async for event in EventSource(resp).aiter_sse():  # SSE by the spec, not by line splitting
+                    if event.data.startswith("{"):
+                        chunk = json.loads(event.data)
                         if chunk["choices"]:
                             events.append((time.perf_counter(), chunk["usage"]["completion_tokens"]))
             (t0, n0), (t1, n1) = events[0], events[-1]

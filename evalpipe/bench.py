@@ -26,9 +26,11 @@ from typing import Any, Callable, Optional
 
 import httpx
 import numpy as np
+from httpx_sse import EventSource, SSEError
 
 from evalpipe import spec_metrics
 from evalpipe.endpoint import CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache, v1_hint
+from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
 
@@ -42,8 +44,8 @@ class BenchConfig:
     base_url: str
     model: Optional[str] = None
     api_key: Optional[str] = None
-    input_len: int = 4096
-    output_len: int = 1024
+    input_len: int = 1024  # 1024 + 256 fits the default server's 4096-token context with room to spare
+    output_len: int = 256
     rounds: int = 6
     warmup: int = 1
     concurrency: int = 1
@@ -96,7 +98,10 @@ def _event_tokens(chunk: dict, prev_cum: Optional[int]) -> tuple[Optional[int], 
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> dict:
-    """One streamed completion; times are perf_counter seconds since the request was sent."""
+    """One streamed completion; times are perf_counter seconds since the request was sent.
+
+    Events are parsed by the SSE spec (httpx-sse: lines end only at CR/LF, an event at a blank line), never by
+    splitting lines: text may hold U+2028 or U+0085, which line readers take for line breaks."""
     out: dict[str, Any] = {"events": [], "error": None, "completion_tokens": None, "spec": None,
                            "count_sources": [], "usage_mismatch": False, "finish_reason": None}
     t0 = time.perf_counter()
@@ -107,11 +112,11 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                 text = (await resp.aread()).decode(errors="replace")[:2000]
                 out["error"] = {"type": "http", "status": resp.status_code, "message": text}
                 return out
-            async for line in resp.aiter_lines():
+            async for event in EventSource(resp).aiter_sse():
                 t = time.perf_counter() - t0
-                if not line.startswith("data:"):
+                payload = event.data.strip()
+                if not payload:
                     continue
-                payload = line[5:].strip()
                 if payload == "[DONE]":
                     break
                 chunk = json.loads(payload)
@@ -140,7 +145,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                 if usage and not chunk.get("choices"):
                     out["completion_tokens"] = usage.get("completion_tokens")
         out["total_s"] = time.perf_counter() - t0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, json.JSONDecodeError, SSEError) as exc:
         out["error"] = {"type": type(exc).__name__, "status": None, "message": str(exc)[:2000]}
     if out["completion_tokens"] is None and prev_cum is not None:
         out["completion_tokens"] = prev_cum
@@ -319,7 +324,7 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
         st.config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
                          input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
                          decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
-        st.server = {"models": models, "server_info": info, "flush_cache_offered": reset_path is not None,
+        st.server = {"models": models, "server_info": redact(info, [cfg.api_key or ""]), "flush_cache_offered": reset_path is not None,
                      "cache_reset_path": reset_path,
                      "cache_reset_tried": list(CACHE_RESET_PATHS) if cfg.flush else []}
         url = f"{cfg.base_url.rstrip('/')}/completions"

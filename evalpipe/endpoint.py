@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import httpx
 
+from evalpipe.redact import redact
+
 # vLLM's /server_info (dev mode) is one text string unless asked for JSON; others ignore the query
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info?config_format=json")
 
@@ -68,7 +70,9 @@ def fetch_models(base_url: str, api_key: Optional[str], timeout_s: float = 30.0)
 
 
 def fetch_server_info(base_url: str, api_key: Optional[str], timeout_s: float = 30.0) -> tuple[Optional[str], Any]:
-    """(path, json) from the first of /get_server_info, /server_info that answers 200 with JSON, else (None, None)."""
+    """(path, json) from the first of /get_server_info, /server_info that answers 200 with JSON, else (None, None).
+
+    The JSON is redacted (evalpipe.redact): a server may echo its key in its settings or launch command."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     root = server_root(base_url)
     for path in SERVER_INFO_PATHS:
@@ -78,7 +82,7 @@ def fetch_server_info(base_url: str, api_key: Optional[str], timeout_s: float = 
             continue
         if r.status_code == 200:
             try:
-                return path, r.json()
+                return path, redact(r.json(), [api_key or ""])
             except ValueError:
                 continue
     return None, None

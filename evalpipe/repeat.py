@@ -26,6 +26,7 @@ import openai
 from evalpipe.compare.agreement import first_divergence, logprob_gap
 from evalpipe.endpoint import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
 from evalpipe.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
+from evalpipe.redact import redact
 from tasks.repeat_fixtures import Fixture, fixtures_sha256
 
 CONDITIONS = ("serial", "burst", "logprobs", "prefix_fresh", "prefix_reused")
@@ -136,7 +137,7 @@ class RepeatRun:
             try:
                 r = await self.http.get(root + path)
                 if r.status_code == 200:
-                    return r.json()
+                    return redact(r.json(), [self.cfg.api_key or ""])
             except (httpx.HTTPError, ValueError):
                 continue
         return None

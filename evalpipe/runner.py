@@ -5,6 +5,11 @@ simulated-acceptance server) -> write manifest(start) -> send every planned (que
 `concurrency` asyncio workers, each response graded and appended to responses.jsonl as it lands ->
 summary.json + manifest(end). Ctrl-C keeps landed records and writes a partial summary.
 
+Exit codes (`Outcome.exit_code`, README "Running lanes"): 0 every planned item has a non-error record;
+EXIT_ERRORS_REMAIN when some ended as error records (the message names how many and the `--resume` command
+that retries them); 3 refused (simulated acceptance); 130 SIGINT, 143 SIGTERM. A run that cannot start raises
+RunError (the CLI exits 1).
+
 Transport: `AsyncOpenAI.post(path, body=..., cast_to=httpx.Response)` (the client's documented route for
 arbitrary bodies): the body we record is byte-for-byte the body we send, and skipping pydantic parsing keeps
 the hot path lean. The client's own retries are off; ours retry transport errors, timeouts, 5xx and
@@ -61,10 +66,13 @@ from evalpipe.records import (
     rewrite_records,
     write_json,
 )
+from evalpipe.redact import redact_text, scrub_values
 from evalpipe.summary import compute_summary
 
 
 CONNECTIONS_PER_CLIENT = 8
+EXIT_ERRORS_REMAIN = 4
+EXIT_REFUSED = 3
 
 
 class RunError(Exception):
@@ -147,6 +155,7 @@ class Runner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.lane = cfg.lane
+        self.recorded_url = redact_text(cfg.base_url)  # what records and manifests say: no URL password
         self.interrupted: Optional[str] = None
         self.refused: Optional[str] = None
 
@@ -234,7 +243,7 @@ class Runner:
                 "prompt_stream_sha256_all": data.stream_sha256(),
                 "prompt_stream_sha256_selected": prompt_stream_sha256(selected_digests),
             },
-            endpoint={"base_url": cfg.base_url, "api": lane.api, "model": self.model},
+            endpoint={"base_url": self.recorded_url, "api": lane.api, "model": self.model},
             server=manifest_mod.stable_server(server),
         )
 
@@ -249,7 +258,9 @@ class Runner:
             old_manifest = json.loads((self.run_dir / MANIFEST_FILE).read_text())
             self.run_id = old_manifest["run_id"]
             resume_start = self._snapshot(self.server_facts)
-            protocol, _ = manifest_mod.differences(old_manifest["start"], resume_start)
+            # the address may change (a restarted server, another host name); the server it reaches is compared
+            protocol, _ = manifest_mod.differences(_without_base_url(old_manifest["start"]),
+                                                   _without_base_url(resume_start))
             if protocol:  # checked before the folder is touched
                 raise RunError("cannot resume: the protocol changed since the run started:\n  " + "\n  ".join(protocol))
             read = read_records(self.run_dir / RESPONSES_FILE)
@@ -296,7 +307,7 @@ class Runner:
             self.manifest["start"] = self._snapshot(self.server_facts)
         else:
             self.manifest["resume_start"] = resume_start
-        write_json(self.run_dir / MANIFEST_FILE, self.manifest)
+        self._write_manifest()
 
     # ---- requests ---------------------------------------------------------------------------------------
 
@@ -332,6 +343,7 @@ class Runner:
             except (openai.APITimeoutError, openai.APIConnectionError) as exc:
                 err = {"type": type(exc).__name__, "status": None, "message": str(exc)[:2000]}
                 retryable = True
+            err = scrub_values(err, [self.cfg.api_key or ""])  # a server may echo what it was sent
             attempts.append({"start": start, "end": time.time(), "error": err})
             if not retryable or i == n_tries - 1:
                 err = dict(err, retries_exhausted=retryable)
@@ -362,7 +374,7 @@ class Runner:
             "question_id": item.question_id,
             "repeat_index": rep,
             "request_seq": seq,
-            "endpoint": self.cfg.base_url,
+            "endpoint": self.recorded_url,
             "model": self.model,
             "prompt_sha256": item.prompt_sha256,
             **({"group": item.group} if item.group is not None else {}),
@@ -531,7 +543,7 @@ class Runner:
         if metrics is not None and self.resumed is not None:
             metrics["covers"] = "only the requests this resume sent"
         meta = {
-            "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.cfg.base_url,
+            "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.recorded_url,
             "interrupted": self.interrupted, "refused": self.refused,
             "wall_s": wall, "requests_per_s": (n_new / wall) if wall > 0 else None,
             "overrides": dict(self.cfg.overrides, **({"num_examples": self.cfg.num_examples} if self.cfg.num_examples else {}),
@@ -554,13 +566,36 @@ class Runner:
         # the records file as it stood when the run (or its last resume) finished: audit catches any later edit,
         # including one that leaves every grade and count unchanged
         self.manifest["responses_sha256"] = file_sha256(self.run_dir / RESPONSES_FILE)
-        write_json(self.run_dir / MANIFEST_FILE, self.manifest)
+        self._write_manifest()
         if self.refused:
-            return Outcome(self.run_dir, summary, 3, f"refusing to score: {self.refused}; records kept in {self.run_dir}")
+            return Outcome(self.run_dir, summary, EXIT_REFUSED,
+                           f"refusing to score: {self.refused}; records kept in {self.run_dir}")
         if self.interrupted:
             code = 130 if self.interrupted == "SIGINT" else 143
-            return Outcome(self.run_dir, summary, code, f"interrupted ({self.interrupted}): partial summary written")
+            return Outcome(self.run_dir, summary, code, f"interrupted ({self.interrupted}): partial summary written; "
+                           f"continue with:\n  {self.resume_command()}")
+        unfinished = summary["n_errors"] + summary["n_missing"]
+        if unfinished:
+            kinds = _error_kinds(self.records)
+            return Outcome(self.run_dir, summary, EXIT_ERRORS_REMAIN,
+                           f"{unfinished} of {summary['n_planned']} planned items have no successful response "
+                           f"({kinds}); they count as wrong. Retry just those with:\n  {self.resume_command()}")
         return Outcome(self.run_dir, summary, 0)
+
+    def resume_command(self) -> str:
+        """The exact command that continues this run (the endpoint comes from its manifest unless it moved)."""
+        import shlex
+
+        cmd = ["evalpipe", "run", "--resume", str(self.run_dir)]
+        if self.recorded_url != self.manifest["start"]["endpoint"]["base_url"]:
+            cmd += ["--base-url", self.recorded_url]
+        line = shlex.join(cmd)
+        if self.cfg.api_key:
+            line += "   # with the same key in EVALPIPE_API_KEY (or --api-key)"
+        return line
+
+    def _write_manifest(self) -> None:
+        write_json(self.run_dir / MANIFEST_FILE, scrub_values(self.manifest, [self.cfg.api_key or ""]))
 
     def _refetch_server(self) -> dict:
         try:
@@ -569,3 +604,16 @@ class Runner:
             models = {"error": str(exc)}
         path, info = fetch_server_info(self.cfg.base_url, self.cfg.api_key)
         return {"models": models, "server_info_path": path, "server_info": info}
+
+
+def _without_base_url(snapshot: dict) -> dict:
+    endpoint = {k: v for k, v in (snapshot.get("endpoint") or {}).items() if k != "base_url"}
+    return {**snapshot, "endpoint": endpoint}
+
+
+def _error_kinds(records: list[dict]) -> str:
+    """`APIConnectionError x70, InternalServerError x3`: what the error records of a run were."""
+    from collections import Counter
+
+    counts = Counter((r.get("error") or {}).get("type") or "error" for r in records if r.get("error"))
+    return ", ".join(f"{kind} x{n}" for kind, n in counts.most_common()) or "no record"

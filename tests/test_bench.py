@@ -181,3 +181,23 @@ def test_bench_refuses_clearly_before_any_request(tmp_path):
     assert no_v1.exit_code == 1 and f"did you mean --base-url {base_url} ?" in no_v1.output, no_v1.output
     assert too_long.exit_code == 1 and "exceeds the server's max_model_len 20" in too_long.output, too_long.output
     assert peer["requests"] == 0 and not (tmp_path / "b").exists()
+
+
+def test_defaults_and_readme_example_fit_the_default_server():
+    """`evalpipe bench` with no length flags, and README's example, work against a default `evalpipe serve`."""
+    import re
+
+    from evalpipe.bench import BenchConfig
+    from evalpipe.server.state import ServerSettings
+
+    limit = ServerSettings().max_seq_len
+    defaults = {p.name: p.default for p in bench_cmd.params}
+    assert defaults["input_len"] == BenchConfig.input_len and defaults["output_len"] == BenchConfig.output_len
+    assert defaults["input_len"] + defaults["output_len"] <= limit
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    examples = [line for line in readme.splitlines() if line.startswith("evalpipe bench ")]
+    assert examples
+    for line in examples:
+        lengths = dict(re.findall(r"--(input-len|output-len) (\d+)", line))
+        total = int(lengths.get("input-len", defaults["input_len"])) + int(lengths.get("output-len", defaults["output_len"]))
+        assert total <= limit, line

@@ -245,6 +245,79 @@ def test_report_renders_in_headless_chromium(greedy_pair, tmp_path):
     assert flips.count("<tr>") == 1 + len(GAINED) + len(LOST)  # header + one row per flip
 
 
+def _set_server(run: Path, server: dict, captured_at: float) -> None:
+    manifest = json.loads((run / "manifest.json").read_text())
+    for snap in (manifest["start"], manifest["end"]):
+        snap["server"], snap["captured_at"] = server, captured_at
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _native_server(spec: str, port: int) -> dict:
+    """A server section as `evalpipe run` records it from `evalpipe serve` (spec off or block)."""
+    argv = ["evalpipe", "serve", "--port", str(port), "--speculative", spec]
+    return {"server_info": {"launch": {"argv": argv, "command": " ".join(argv)},
+                            "server_args": {"argv": argv, "speculative": spec, "port": port},
+                            "speculative": {"mode": spec, "drafter": "layerskip:3" if spec == "block" else None}}}
+
+
+@pytest.fixture(scope="module")
+def all_wrong_pair(tmp_path_factory):
+    """0/40 vs 0/40, spec off vs spec on, compared without --out from another directory."""
+    root = tmp_path_factory.mktemp("allwrong") / "gsm8k"
+    a = write_run(root / "spec_off-1", "spec_off", [record("A", q, 0, False) for q in range(N_Q)])
+    b = write_run(root / "spec_on-1", "spec_on", [record("B", q, 0, False) for q in range(N_Q)])
+    _set_server(a, _native_server("off", 30001), 1.0)
+    _set_server(b, _native_server("block", 30002), 2.0)
+    elsewhere = root.parent / "elsewhere"
+    elsewhere.mkdir()
+    cwd = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--resamples", "200", "--intended", "server.*spec*"])
+    finally:
+        os.chdir(cwd)
+    assert res.exit_code == 0, res.output
+    out = root / "compare" / "spec_off-1__vs__spec_on-1"  # beside the inputs, not ./results/compare
+    assert not (elsewhere / "results").exists()
+    return res.output, json.loads((out / "compare.json").read_text()), (out / "report.html").read_text()
+
+
+def test_verdict_on_all_wrong_arms_says_it_carries_no_information(all_wrong_pair):
+    output, cmp, html = all_wrong_pair
+    g = cmp["greedy"]
+    assert g["both_wrong"] == N_Q and g["informative"] is False
+    assert "carries no information" in g["verdict_note"]
+    assert "no information" in output and "carries no information" in output
+    assert "carries no information" in html
+
+
+def test_restating_command_lines_are_volatile_not_unintended(all_wrong_pair):
+    output, cmp, html = all_wrong_pair
+    md = cmp["manifest_diff"]
+    assert md["n_unintended"] == 0, md["differences"]
+    assert {d["key"] for d in md["differences"]} == {
+        "server.server_info.server_args.speculative", "server.server_info.speculative.mode",
+        "server.server_info.speculative.drafter"}
+    for key in ("server.server_info.launch.argv", "server.server_info.launch.command",
+                "server.server_info.server_args.argv", "server.server_info.server_args.port", "captured_at"):
+        assert key in md["volatile_keys_ignored"], md["volatile_keys_ignored"]
+        assert key in html and key in output  # both views say which volatile keys were ignored
+    assert "UNINTENDED" not in output
+
+
+def test_report_html_reads_as_prose(all_wrong_pair, greedy_pair):
+    _, _, html = all_wrong_pair
+    assert "id='no-flips'" in html and "No flips" in html and "id='flips'" not in html
+    assert "not marked intended:" not in html and "intended:</li>" not in html  # no dangling list lead-in
+    full = (greedy_pair[2] / "report.html").read_text()
+    assert "not marked intended:</" not in full and "(see Manifest differences)" in full
+    agreement = full.split("id='agreement'")[1].split("</table>")[0]
+    for raw in ("share_identical", "basis_counts", "n_identical_tokens_but_text_differs"):
+        assert raw not in agreement
+    assert "share identical" in agreement and "compared on (pairs per basis)" in agreement
+    assert "token ids: 40" in agreement
+
+
 def test_refuses_mismatched_prompt_stream(tmp_path):
     a = write_run(tmp_path / "A", "spec_off", greedy_records("A"))
     b = write_run(tmp_path / "B", "spec_on", greedy_records("B"), prompt_stream="99" * 32)

@@ -340,6 +340,8 @@ def test_polluted_environment_never_reaches_a_real_server_and_receipt_is_complet
     data = json.loads(receipt.read_text())
     text = receipt.read_text()
     assert "s3cret" not in text  # api key in argv, MY_API_KEY and HF_TOKEN in env: all redacted
+    log = receipt.with_suffix(".log").read_text()  # the engine printed its argv, key included
+    assert "fake engine starting" in log and "--api-key" in log and "s3cret" not in log
     assert data["env"]["MY_API_KEY"] == "<redacted>" and data["env"]["HF_TOKEN"] == "<redacted>"
     assert data["argv"][data["argv"].index("--api-key") + 1] == "<redacted>"
     assert data["env_removed"] == ["SGLANG_FOO", "SGLANG_SIMULATE_ACC_LEN", "VLLM_BAR"]

@@ -26,7 +26,7 @@ def server():
     yield srv
     rc = srv.stop()
     assert rc == 0, srv.output()
-    assert "ready at http://127.0.0.1:" in srv.output()
+    assert "ready at http://127.0.0.1:" in srv.output() and "speculation off" in srv.output()
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,8 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
     assert totals["avg_accept_length"] == pytest.approx(totals["completion_tokens"] / totals["verify_steps"])
     assert info["server_args"]["speculative"] == "block"
     assert simulation_reason(info) is None
+    ready = next(line for line in server.output().splitlines() if "ready at" in line)
+    assert f"speculation block G={BLOCK} drafter layerskip:2" in ready, ready
 
 
 def test_simulated_server_reports_itself_everywhere():
@@ -128,6 +130,8 @@ def test_simulated_server_reports_itself_everywhere():
         check_spec(spec, len(body["choices"][0]["token_ids"]), 5)
         hist = spec["accept_histogram"]
         assert hist[2] + hist[3] == sum(hist)  # accept lengths 3 and 4 only (2 or 3 drafts + bonus)
+        ready = next(line for line in srv.output().splitlines() if "ready at" in line)
+        assert "speculation block G=5" in ready and "SIMULATED accept length 3.5" in ready, ready
     finally:
         assert srv.stop() == 0, srv.output()
 

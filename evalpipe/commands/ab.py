@@ -150,13 +150,14 @@ def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, ma
         click.echo("note: --a and --b are identical; this A/B measures boot-to-boot variation only", err=True)
 
     from evalpipe.launchers.abrun import ABRun
+    from evalpipe.redact import redact_argv
 
     run = ABRun(
         out=out, lanes=lane_names, options={"A": opts_a, "B": opts_b}, port_given={"A": "port" in given_a, "B": "port" in given_b},
         args={"A": a_args, "B": b_args, "common": common_args}, order=order, declared=declared,
         allow=list(allow_diff), ready_timeout=ready_timeout, num_examples=num_examples, max_tokens=max_tokens,
         concurrency=concurrency, logprobs=None if no_logprobs else logprobs, tie_threshold=tie_threshold,
-        margin=margin, data_dir=data_dir, command_line=["evalpipe", *sys.argv[1:]],
+        margin=margin, data_dir=data_dir, command_line=redact_argv(["evalpipe", *sys.argv[1:]]),
     )
     code = run.execute(preflight=preflight)
     click.echo(f"A/B folder: {out}")

@@ -13,9 +13,10 @@ import click
 @click.option("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1.")
 @click.option("--model", default=None, help="Model id [default: the first id the server lists].")
 @click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", help="Bearer key (env EVALPIPE_API_KEY).")
-@click.option("--input-len", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Prompt length in token ids (fixed random ids from --seed, sent as a token-id prompt).")
-@click.option("--output-len", type=click.IntRange(min=2), default=1024, show_default=True,
+@click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Prompt length in token ids (fixed random ids from --seed, sent as a token-id prompt). "
+                   "--input-len + --output-len must fit the server's max_model_len (4096 for `evalpipe serve`).")
+@click.option("--output-len", type=click.IntRange(min=2), default=256, show_default=True,
               help="Completion tokens per request (ignore_eos keeps every request this long).")
 @click.option("--rounds", type=click.IntRange(min=1), default=6, show_default=True,
               help="Measured rounds; every value is kept, low outliers included.")
@@ -41,11 +42,11 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     records TTFT, total time, the server's accept length when reported, and run-level speculative counters from
     its /metrics (vLLM, SGLang). Writes bench.json (every event time and count) and prints medians.
     """
-    from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
 
     from evalpipe.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
+    from evalpipe.console import make_console
 
     cfg = BenchConfig(base_url=base_url, model=model, api_key=api_key, input_len=input_len, output_len=output_len,
                       rounds=rounds, warmup=warmup, concurrency=concurrency, seed=seed,
@@ -86,7 +87,7 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     if run_level.get("mean_accept_length") is not None:
         t.add_row("accept_length (run-level, /metrics)", f"{run_level['mean_accept_length']:.4g}",
                   "server counters over the measured rounds, not per request")
-    Console().print(t)
+    make_console().print(t)
     if res["n_errors"]:
         msgs = sorted({str((r.get("error") or {}).get("message"))[:300] for r in result["requests"] if r.get("error")})
         click.echo(f"warning: {res['n_errors']} request(s) failed (details in bench.json): " + " | ".join(msgs[:3]),

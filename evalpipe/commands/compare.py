@@ -7,6 +7,7 @@ the same way (or are partial) unless --force, which compare.json records.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -15,11 +16,17 @@ import click
 from evalpipe.compare import stats
 
 
-def _default_out(a: str, b: str) -> Path:
-    def tag(p: str) -> str:
-        return re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(p).resolve().name) or "run"
+def default_out(a: str, b: str) -> Path:
+    """Beside the inputs: `<their common folder>/compare/<A>__vs__<B>` (results/gsm8k/compare/... for two gsm8k
+    runs), whatever the current directory; B's folder when the two share nothing but the root."""
+    def tag(p: Path) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", p.name) or "run"
 
-    return Path("results") / "compare" / f"{tag(a)}__vs__{tag(b)}"
+    pa, pb = Path(a).resolve(), Path(b).resolve()
+    parent = Path(os.path.commonpath([pa.parent, pb.parent]))
+    if parent == Path(parent.anchor):
+        parent = pb.parent
+    return parent / "compare" / f"{tag(pa)}__vs__{tag(pb)}"
 
 
 @click.command(name="compare")
@@ -29,7 +36,8 @@ def _default_out(a: str, b: str) -> Path:
               help="Non-inferiority margin in accuracy points: B is non-inferior when the CI lower bound of B - A "
                    "is above -MARGIN. Pre-register it.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for compare.json and report.html [default: results/compare/<A>__vs__<B>].")
+              help="Folder for compare.json and report.html [default: beside the inputs, "
+                   "<their common folder>/compare/<A>__vs__<B>].")
 @click.option("--force", is_flag=True,
               help="Compare even when prompt streams, datasets or lane protocols differ or a run is partial; "
                    "the overridden reasons are recorded in compare.json and shown in the report.")
@@ -76,7 +84,7 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
 
         result = analyse(a, b, margin_pts=margin_pts, seed=seed, n_resamples=resamples, intended=list(intended),
                          forced=problems)
-    out = Path(out_dir) if out_dir else _default_out(run_a, run_b)
+    out = Path(out_dir) if out_dir else default_out(run_a, run_b)
     out.mkdir(parents=True, exist_ok=True)
     result["command"] = {"run_a": str(run_a), "run_b": str(run_b), "margin_pts": margin_pts, "force": force,
                          "intended": list(intended), "seed": seed, "resamples": resamples}

@@ -24,8 +24,9 @@ def command(as_json, check_pins, data_dir):
         click.echo(json.dumps([lane.describe() | {"pins": load_pins(lane.name)} for lane in lanes], indent=2))
         return
     if not as_json:
-        from rich.console import Console
         from rich.table import Table
+
+        from evalpipe.console import make_console
 
         t = Table(title="evalpipe lanes", show_lines=True)
         for col in ("lane", "api", "params", "repeats", "concurrency", "grader", "headline"):
@@ -33,7 +34,7 @@ def command(as_json, check_pins, data_dir):
         for lane in lanes:
             params = ", ".join(f"{k}={v!r}" for k, v in lane.params.items())
             t.add_row(lane.name, lane.api, params, str(lane.repeats), str(lane.concurrency), lane.grader, lane.headline)
-        Console(width=160).print(t)
+        make_console().print(t)
     if check_pins:
         bad = False
         results = []

@@ -41,11 +41,11 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     divergence position from the mode (token ids where returned, else characters) and the logprob gap there,
     and whether the controls were correct. Writes responses.jsonl (run-record form), repeat.json, manifest.json.
     """
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
     from tqdm import tqdm
 
+    from evalpipe.console import make_console
     from evalpipe.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
     from tasks.repeat_fixtures import fixtures
 
@@ -98,7 +98,7 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
                       f"{g['modal_share']:.0%}" if "modal_share" in g else "n/a",
                       str(g.get("first_divergence_from_mode") if g.get("first_divergence_from_mode") is not None else "-"),
                       f"{gap:.3g}" if gap is not None else "-", escape(control))
-    Console().print(t)
+    make_console().print(t)
     for line in error_lines(runner.records):
         click.echo(line, err=True)
     for c, why in result["config"]["conditions_skipped"].items():

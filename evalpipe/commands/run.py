@@ -27,7 +27,9 @@ def _parse_seed(ctx, param, value):
 
 @click.command(name="run")
 @click.argument("lane", required=False, type=click.Choice(list(LANE_MODULES)))
-@click.option("--base-url", required=True, help="OpenAI-compatible endpoint including /v1, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--base-url", default=None, help="OpenAI-compatible endpoint including /v1, e.g. "
+              "http://127.0.0.1:30000/v1. Required for a new run; with --resume the run's own endpoint is used unless "
+              "this overrides it.")
 @click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models. "
               "A name the server does not list is an error before any request.")
 @click.option("--api-key", envvar="EVALPIPE_API_KEY", default=None, help="Bearer key (env EVALPIPE_API_KEY). Never recorded.")
@@ -73,12 +75,20 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     """Run LANE against an OpenAI-compatible endpoint and write responses.jsonl, summary.json, manifest.json.
 
     Every planned item lands exactly once: a final failure is an error record, never a dropped item.
-    Accuracy is over all planned items. Ctrl-C keeps landed records, writes a partial summary and exits 130
-    (SIGTERM: 143). A server that simulates speculative acceptance is refused: before any request when its
-    server info says so (exit 1), or at the first response whose spec says `simulated` (exit 3, records kept).
+    Accuracy is over all planned items.
+
+    \b
+    Exit codes:
+      0    every planned item has a non-error record
+      1    the run could not start (unreachable server, unknown model, data pins, ...)
+      2    usage error
+      3    refused: a response reports simulated speculative acceptance (records kept)
+      4    finished, but some items ended as error records; the count and the --resume command are printed
+      130  interrupted by Ctrl-C (143: SIGTERM); landed records kept, partial summary, resume command printed
     """
-    from evalpipe.runner import RunConfig, Runner, RunError
     from evalpipe.records import MANIFEST_FILE
+    from evalpipe.redact import redact_argv
+    from evalpipe.runner import RunConfig, Runner, RunError
 
     overrides = {}
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
@@ -118,8 +128,14 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
             no_token_ids = True
         if logprobs is None:
             logprobs = eff.get("logprobs")
+        if base_url is None:
+            base_url = (old["start"].get("endpoint") or {}).get("base_url")
+            if not base_url:
+                raise click.UsageError(f"{mpath} records no endpoint; pass --base-url")
     elif lane is None:
         raise click.UsageError("give a LANE (see `evalpipe lanes`) or --resume RUN_DIR")
+    elif base_url is None:
+        raise click.UsageError("--base-url is required (the OpenAI-compatible endpoint, e.g. http://127.0.0.1:30000/v1)")
 
     cfg = RunConfig(
         lane=get_lane(lane), base_url=base_url, model=model, api_key=api_key, arm=arm, out_dir=out_dir,
@@ -127,7 +143,7 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         overrides=overrides, num_examples=num_examples, repeats=repeats, data_dir=data_dir,
         allow_data_drift=allow_data_drift, token_ids=not no_token_ids, logprobs=logprobs,
         grader_workers=grader_workers, grader_timeout_s=grader_timeout, fsync=fsync, progress=not no_progress,
-        resume_dir=resume_dir, command_line=_redacted_argv(sys.argv),
+        resume_dir=resume_dir, command_line=redact_argv(sys.argv, [api_key or ""]),
     )
     try:
         outcome = Runner(cfg).execute()
@@ -143,41 +159,30 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         sys.exit(outcome.exit_code)
 
 
-def _redacted_argv(argv: list[str]) -> list[str]:
-    """The command line for the manifest, with the API key's value replaced."""
-    out, hide = [], False
-    for a in argv:
-        if hide:
-            out.append("***")
-            hide = False
-        elif a == "--api-key":
-            out.append(a)
-            hide = True
-        elif a.startswith("--api-key="):
-            out.append("--api-key=***")
-        else:
-            out.append(a)
-    return out
-
-
 def print_summary(summary: dict, run_dir: Path) -> None:
     """A compact table on stdout, then the run folder."""
-    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from evalpipe.console import make_console
 
     def pct(x):
         return "-" if x is None else f"{100 * x:.2f}%"
 
-    t = Table(title=f"{summary['lane']} [{summary.get('arm')}]  {summary.get('model')}", show_header=True)
+    accept = summary.get("spec_accept_length_mean")
+
+    # escaped: "[spec_on]" would otherwise be read as rich markup and vanish from the title
+    t = Table(title=escape(f"{summary['lane']} [{summary.get('arm')}]  {summary.get('model')}"), show_header=True)
     for col in ("accuracy", "correct", "planned", "records", "errors", "truncated",
-                "invalid" if "n_invalid" in summary else "no answer", "partial"):
+                "invalid" if "n_invalid" in summary else "no answer", "accept len", "partial"):
         t.add_column(col, justify="right")
     t.add_row(
         pct(summary.get("accuracy")), str(summary["n_correct"]), str(summary["n_planned"]), str(summary["n_records"]),
         str(summary["n_errors"]), str(summary["n_truncated"]),
-        str(summary.get("n_invalid", summary.get("n_no_answer"))), str(summary.get("partial")),
+        str(summary.get("n_invalid", summary.get("n_no_answer"))),
+        "-" if accept is None else f"{accept:.2f}", str(summary.get("partial")),
     )
-    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+    console = make_console()
     console.print(t)
     extra = [f"{k}={pct(summary[k])}" for k in summary if k.startswith(("pass@", "majority@")) and k[-1].isdigit()]
     if "no_answer" in summary:

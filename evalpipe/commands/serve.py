@@ -41,6 +41,9 @@ DEVICES = ("cpu", "cuda")
               help="Longest prompt + completion per sequence, in tokens.")
 @click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", metavar="KEY",
               help="Require 'Authorization: Bearer KEY' (all routes but /health*). Also read from EVALPIPE_API_KEY.")
+@click.option("--docs", is_flag=True,
+              help="Serve the interactive API docs (/docs, /redoc, /openapi.json); off by default. With --api-key "
+                   "they need the key like every other route.")
 @click.option("--speculative", default="off", show_default=True, type=click.Choice(["off", "block"]),
               help="Block speculative decoding: each step drafts G tokens per sequence and verifies the last token "
                    "plus the G drafts (G+1 rows, request-major) in one target forward.")
@@ -91,8 +94,8 @@ DEVICES = ("cpu", "cuda")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="Server log verbosity.")
 def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_per_step, max_queue, max_seq_len,
-            api_key, speculative, block_size, drafter, simulate_acc_len, spec_accept_topk, spec_accept_threshold_single,
-            spec_accept_threshold_acc, fused, cuda_graphs, wo_quant, threads, log_level):
+            api_key, docs, speculative, block_size, drafter, simulate_acc_len, spec_accept_topk,
+            spec_accept_threshold_single, spec_accept_threshold_acc, fused, cuda_graphs, wo_quant, threads, log_level):
     """Serve a model (the built-in evalpipe-skills-dsv4 by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
@@ -128,7 +131,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
     port = sock.getsockname()[1]
     settings = ServerSettings(
         model=model, tokenizer=tokenizer, host=host, port=port, dtype=dtype, device=device, max_batch=max_batch,
-        max_tokens_per_step=max_tokens_per_step, max_queue=max_queue, max_seq_len=max_seq_len, api_key=api_key,
+        max_tokens_per_step=max_tokens_per_step, max_queue=max_queue, max_seq_len=max_seq_len, api_key=api_key, docs=docs,
         argv=["evalpipe", *sys.argv[1:]],
         speculative=speculative, block_size=block_size, drafter=drafter, simulate_acc_len=simulate_acc_len,
         spec_accept_topk=spec_accept_topk, spec_accept_threshold_single=spec_accept_threshold_single,
@@ -140,7 +143,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
     def on_ready(state: ServerState) -> None:
         url = f"http://{_display_host(host)}:{port}/v1"
         click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {dtype} on {device}, "
-                   f"loaded in {state.load_seconds:.1f}s{_speculation_phrase(state)})")
+                   f"{speculation_summary(state)}, loaded in {state.load_seconds:.1f}s)")
         sys.stdout.flush()
 
     def on_error(message: str) -> None:
@@ -205,18 +208,22 @@ def _check_accept_rule(mode, simulate_acc_len, topk, threshold_single, threshold
         raise click.UsageError("--simulate-acc-len checks no draft at all, so an acceptance rule has nothing to decide")
 
 
-def _speculation_phrase(state) -> str:
-    """'; speculative block G=5, drafter layerskip:3, accept topk k=3 (LOSSY)' for the ready line ('' when off)."""
-    s = state.settings
-    if s.speculative != "block":
-        return ""
-    from evalpipe.engine.spec_decoder import accept_rule_from_settings, default_drafter
+def speculation_summary(state) -> str:
+    """`speculation off`, or the mode with its block size, drafter, acceptance rule (LOSSY when it is) and simulated
+    accept length as served."""
+    spec = state.engine.decoder.describe() if state.engine is not None else {}
+    if spec.get("mode", "off") == "off":
+        return "speculation off"
+    from evalpipe.engine.spec_decoder import accept_rule_from_settings
 
-    drafter = s.drafter or default_drafter(state.runner)
-    phrase = f"; speculative block G={s.block_size}, drafter {drafter}, {accept_rule_from_settings(s).label()}"
-    if s.simulate_acc_len is not None:
-        phrase += f", SIMULATED accept length {s.simulate_acc_len:g}"
-    return phrase
+    parts = [f"speculation {spec['mode']}", f"G={spec.get('block_size', state.settings.block_size)}"]
+    drafter = spec.get("drafter") or state.settings.drafter
+    if drafter:
+        parts.append(f"drafter {drafter}")
+    parts.append(accept_rule_from_settings(state.settings).label())
+    if spec.get("simulate_acc_len") is not None:
+        parts.append(f"SIMULATED accept length {spec['simulate_acc_len']} (performance only)")
+    return " ".join(parts)
 
 
 def _raise_interrupt(signum, frame):
@@ -226,8 +233,12 @@ def _raise_interrupt(signum, frame):
 def _bind(host: str, port: int) -> socket.socket:
     """Bind before loading, so a busy port is reported at once (and --port 0 knows its port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP, and
+    # with Nagle on, a response's second write waits for the client's delayed ACK: +40 ms per keep-alive request
+    # and per streamed event
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

@@ -16,6 +16,7 @@ from evalpipe.compare import stats
 from evalpipe.compare.agreement import compare_outputs, summarize_agreement
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
 from evalpipe.endpoint import lossy_acceptance
+from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
 GSM8K_INVALID = -9999999
@@ -26,8 +27,11 @@ VOLATILE_LEAVES = {
     "run_id", "arm", "started_at", "ended_at", "start_time", "end_time", "finished_at", "created", "created_at",
     "timestamp", "time", "wall_s", "duration_s", "out_dir", "run_dir", "output_dir", "pid", "output_sha256",
     "responses_sha256", "n_records", "n_done", "done", "captured_at", "command_line", "load_seconds", "uptime_s",
-    # a fresh boot gets a fresh free port: the address is not a setting (launch argv, which holds it, stays compared)
+    # a fresh boot gets a fresh free port: the address is not a setting
     "port", "base_url",
+    # command lines (launch.argv, launch.command, server_args.argv) only restate the settings the server reports
+    # field by field (server_args.*, speculative.*), which are compared, so a declared flag shows up once, there
+    "argv", "command",
 }
 
 
@@ -250,10 +254,11 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
 
 
 def manifest_view(manifest: dict) -> dict:
-    """The provenance snapshot with packages as {name: version}, so a changed package is one row."""
+    """The provenance snapshot with packages as {name: version}, so a changed package is one row; server facts
+    without what changes per call or per boot, and redacted (a manifest written before either rule may hold both)."""
     snap = dict(snapshot(manifest))
-    if "server" in snap:  # what changes per call or per boot (manifests written before a rule was known too)
-        snap["server"] = volatile.strip_server(snap["server"])
+    if isinstance(snap.get("server"), dict):
+        snap["server"] = redact(volatile.strip_server(snap["server"]))
     view = {k: (_scrub(v) if isinstance(v, (dict, list)) and k != "packages" else v) for k, v in snap.items()}
     pkgs = view.get("packages")
     if isinstance(pkgs, list):

@@ -21,6 +21,8 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from evalpipe.console import make_console  # noqa: E402
+
 COLORS = {"a": "#4c72b0", "b": "#dd8452"}
 
 
@@ -61,7 +63,7 @@ def label(result: dict, arm: str) -> str:
 # ----------------------------------------------------------------------------- terminal
 
 def print_terminal(result: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     if result["kind"] == "bench":
         _print_bench(result, console)
         return
@@ -101,8 +103,9 @@ def print_terminal(result: dict, console: Console | None = None) -> None:
         console.print(ft)
 
 
-def headline_lines(result: dict) -> list[str]:
-    """The few sentences that answer "did anything move"."""
+def headline_lines(result: dict, details: bool = True) -> list[str]:
+    """The few sentences that answer "did anything move". Without `details` the manifest differences are only
+    counted (report.html lists them in their own table)."""
     lines = []
     if result.get("forced"):
         lines.append("[bold red]FORCED[/]: compared despite: " + escape("; ".join(result["forced_over"])))
@@ -118,32 +121,41 @@ def headline_lines(result: dict) -> list[str]:
             f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
             f"exact McNemar p = {g['mcnemar_p']:.4g}; paired bootstrap {int(100 * bs['confidence'])}% CI of B - A "
             f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}] ({bs['n_resamples']} resamples, seed {bs['seed']}); "
-            f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]")
+            f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]"
+            + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else ""))
     r = result.get("repeated_stats")
     if r:
         pt = r["permutation_test"]
         lines.append(
             f"repeated: {r['n_questions']} questions, mean rate A {pct(r['mean_rate_a'])} B {pct(r['mean_rate_b'])}, "
             f"diff {pts(r['diff'])}; SE fixed-question {spts(r['se_fixed_question'])}, clustered "
-            f"{spts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}")
+            f"{spts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}"
+            + (f"; [bold red]no information[/]: {escape(r['note'])}" if r.get("note") else ""))
     ag = result.get("agreement") or {}
     if "n_pairs" in ag:
         lines.append(
             f"output agreement: {ag['n_identical']}/{ag['n_pairs']} identical ({pct(ag['share_identical'])}) by "
-            f"{', '.join(f'{k} {v}' for k, v in ag['basis_counts'].items()) or 'n/a'}; first divergence median "
+            f"{', '.join(f'{BASIS_LABELS.get(k, k)} {v}' for k, v in ag['basis_counts'].items()) or 'n/a'}; first divergence median "
             f"{num(ag['first_divergence_median'], 1)}; logprob gap median {num(ag['logprob_gap_median'])}")
         if ag.get("n_identical_tokens_but_text_differs"):
             lines.append(f"[bold red]warning[/]: {ag['n_identical_tokens_but_text_differs']} pair(s) have identical "
                          "token ids but different text (server detokenization or record fault)")
     md = result.get("manifest_diff") or {}
+    ignored = len(md.get("volatile_keys_ignored") or [])
     if md.get("differences"):
+        unintended = f"[bold]{md['n_unintended']} not marked intended[/]" if md["n_unintended"] else "none unmarked"
         lines.append(f"manifest: {len(md['differences'])} difference(s), {md['n_intended']} marked intended, "
-                     f"[bold]{md['n_unintended']} not marked intended[/]:")
-        for d in md["differences"]:
-            tag = "intended" if d["intended"] else "UNINTENDED?"
-            lines.append(escape(f"  [{d['category']}] {d['key']}: {_short(d['a'])} -> {_short(d['b'])}  ({tag})"))
+                     f"{unintended}" + (":" if details else " (see Manifest differences)")
+                     + (f"; {ignored} volatile key(s) ignored" if not details and ignored else ""))
+        if details:
+            for d in md["differences"]:
+                tag = "intended" if d["intended"] else "UNINTENDED?"
+                lines.append(escape(f"  [{d['category']}] {d['key']}: {_short(d['a'])} -> {_short(d['b'])}  ({tag})"))
     else:
-        lines.append("manifest: no differences outside volatile keys")
+        lines.append("manifest: no differences outside volatile keys"
+                     + (f" ({ignored} volatile key(s) ignored)" if ignored else ""))
+    if details and ignored:
+        lines.append(escape(f"  volatile, ignored: {', '.join(md['volatile_keys_ignored'])}"))
     return lines
 
 
@@ -339,6 +351,29 @@ class _Raw(str):
     """Already-escaped HTML cell content."""
 
 
+AGREEMENT_LABELS = {
+    "n_pairs": "paired responses",
+    "n_identical": "identical outputs",
+    "share_identical": "share identical",
+    "basis_counts": "compared on (pairs per basis)",
+    "first_divergence_median": "first differing position, median",
+    "first_divergence_min": "first differing position, min",
+    "first_divergence_max": "first differing position, max",
+    "logprob_gap_median": "logprob gap at the first difference, median",
+    "n_with_logprob_gap": "pairs with a logprob gap",
+    "n_identical_tokens_but_text_differs": "identical token ids but different text",
+}
+BASIS_LABELS = {"token_ids": "token ids", "logprob_tokens": "logprob tokens", "text": "text"}
+
+
+def _agreement_value(key: str, value: Any) -> Any:
+    if key == "share_identical":
+        return pct(value)
+    if key == "basis_counts" and isinstance(value, dict):
+        return ", ".join(f"{BASIS_LABELS.get(k, k)}: {v}" for k, v in value.items()) or None
+    return value
+
+
 def render_html(result: dict) -> str:
     if result["kind"] == "bench":
         return _render_bench_html(result)
@@ -347,7 +382,7 @@ def render_html(result: dict) -> str:
     parts.append(_table(["arm", "folder", "run id", "label"],
                         [["A (reference)", a["path"], a["run_id"], a["arm"]], ["B (candidate)", b["path"], b["run_id"], b["arm"]]]))
     parts.append("<h2>Headline</h2><ul>" + "".join(
-        f"<li>{_Raw(_rich_to_html(line))}</li>" for line in headline_lines(result) if not line.startswith("  ")) + "</ul>")
+        f"<li>{_Raw(_rich_to_html(line))}</li>" for line in headline_lines(result, details=False)) + "</ul>")
     acc = result["accuracy"]
     rows = [["accuracy", f"{pct(acc['a'])} ({a['n_correct']}/{acc['denominator_a']})",
              f"{pct(acc['b'])} ({b['n_correct']}/{acc['denominator_b']})", pts(acc["diff"]), ""]]
@@ -378,7 +413,9 @@ def render_html(result: dict) -> str:
             ["difference B - A", pts(g["diff"])], ["exact McNemar p (two-sided)", num(g["mcnemar_p"], 4)],
             [f"paired bootstrap {int(100 * bs['confidence'])}% CI", f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}]"],
             ["bootstrap resamples / seed", f"{bs['n_resamples']} / {bs['seed']}"],
-            [f"non-inferiority (margin {g['margin_pts']} pt)", g["verdict"]]], "greedy"))
+            [f"non-inferiority (margin {g['margin_pts']} pt)", g["verdict"]]]
+            + ([["information", _Raw(f"<span class='bad'>none: {html.escape(g['verdict_note'])}</span>")]]
+               if g.get("verdict_note") else []), "greedy"))
     r = result.get("repeated_stats")
     if r:
         pt = r["permutation_test"]
@@ -402,11 +439,15 @@ def render_html(result: dict) -> str:
     ag = result.get("agreement") or {}
     parts.append("<h2>Output agreement</h2>")
     if "n_pairs" in ag:
-        parts.append(_table(["quantity", "value"], [[k, v] for k, v in ag.items()], "agreement"))
+        parts.append(_table(["quantity", "value"], [[AGREEMENT_LABELS.get(k, k.replace("_", " ")), _agreement_value(k, v)]
+                                                    for k, v in ag.items()], "agreement"))
     else:
         parts.append(f"<p>{_e(ag.get('note'))}</p>")
     flips = result.get("flips") or []
-    if not result.get("repeated_stats"):
+    if not result.get("repeated_stats") and not flips:
+        parts.append("<h2>Flip list (0)</h2><p id='no-flips'>No flips: every paired question is right in both arms "
+                     "or wrong in both.</p>")
+    elif not result.get("repeated_stats"):
         parts.append(f"<h2>Flip list ({len(flips)})</h2>")
         parts.append(_table(
             ["id", "direction", "expected", "answer A", "answer B", "finish A", "finish B", "tokens A", "tokens B",
@@ -417,11 +458,18 @@ def render_html(result: dict) -> str:
     md = result["manifest_diff"]
     parts.append("<h2>Manifest differences</h2>")
     parts.append(f"<p>Intended patterns: {_e(', '.join(md['intended_patterns']) or 'none given (use --intended)')}. "
-                 f"Volatile keys ignored: {len(md['volatile_keys_ignored'])}.</p>")
-    parts.append(_table(["category", "key", "A", "B", "status"], [
-        [d["category"], d["key"], d["a"], d["b"],
-         _Raw("<span class='ok'>intended</span>" if d["intended"] else "<span class='bad'>not marked intended</span>")]
-        for d in md["differences"]], "manifest-diff"))
+                 f"{md['n_intended']} difference(s) marked intended, {md['n_unintended']} not marked intended.</p>")
+    if md["differences"]:
+        parts.append(_table(["category", "key", "A", "B", "status"], [
+            [d["category"], d["key"], d["a"], d["b"],
+             _Raw("<span class='ok'>intended</span>" if d["intended"] else "<span class='bad'>not marked intended</span>")]
+            for d in md["differences"]], "manifest-diff"))
+    else:
+        parts.append("<p id='manifest-diff'>No differences outside the volatile keys.</p>")
+    ignored = md["volatile_keys_ignored"]
+    parts.append(f"<details id='volatile-keys'><summary>Volatile keys ignored ({len(ignored)}): differ between any two "
+                 "runs by construction (times, run ids, ports, command lines that restate the settings compared "
+                 "above)</summary><p>" + (html.escape(", ".join(ignored)) or "none") + "</p></details>")
     if result.get("forced"):
         parts.insert(1, "<p class='bad'>FORCED comparison despite: " + html.escape("; ".join(result["forced_over"])) + "</p>")
     return _page("evalpipe compare", "".join(parts))

@@ -110,9 +110,24 @@ class GreedyComparison:
     bootstrap: dict
     margin_pts: float
     verdict: str
+    # False when every question landed in one cell (both arms all wrong, or all right): then nothing could have
+    # flipped, the interval is the point [0, 0], and the verdict says nothing about a difference in accuracy
+    informative: bool = True
+    verdict_note: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def uninformative_reason(n: int, both_right: int, both_wrong: int) -> str | None:
+    """Why a paired verdict carries no information about a difference, or None when it does."""
+    if n and both_wrong == n:
+        return (f"both arms answered all {n} questions wrong: nothing could be lost, so this verdict carries no "
+                "information (use a model that gets some right)")
+    if n and both_right == n:
+        return (f"both arms answered all {n} questions right: nothing could be gained or lost among them, so this "
+                "verdict carries no information about a difference (use harder questions or more of them)")
+    return None
 
 
 def compare_greedy(
@@ -129,6 +144,7 @@ def compare_greedy(
     b_only = int(np.sum(b & ~a))
     a_only = int(np.sum(a & ~b))
     boot = paired_bootstrap_diff(a, b, n_resamples=n_resamples, seed=seed, confidence=confidence)
+    note = uninformative_reason(int(a.size), int(np.sum(a & b)), int(np.sum(~a & ~b)))
     return GreedyComparison(
         n=int(a.size),
         n_correct_a=int(a.sum()),
@@ -142,6 +158,8 @@ def compare_greedy(
         bootstrap=boot,
         margin_pts=float(margin_pts),
         verdict=non_inferiority(boot["ci_low"], boot["ci_high"], margin_pts),
+        informative=note is None,
+        verdict_note=note,
     )
 
 
@@ -245,7 +263,17 @@ def compare_repeated(
     for row, adj in zip(per_question, holm([r["fisher_p"] for r in per_question])):
         row["fisher_p_holm"] = adj
         row["flag"] = adj is not None and adj < 0.05
+    total = sum(o.size for o in oa) + sum(o.size for o in ob)
+    right = sum(float(o.sum()) for o in oa) + sum(float(o.sum()) for o in ob)
+    note = None
+    if total and right == 0:
+        note = ("every response of both arms is wrong: the test carries no information about a difference "
+                "(use a model that gets some right)")
+    elif total and right == total:
+        note = "every response of both arms is right: the test carries no information about a difference"
     return {
+        "informative": note is None,
+        "note": note,
         "n_questions": len(ids),
         "n_responses_a": int(sum(o.size for o in oa)),
         "n_responses_b": int(sum(o.size for o in ob)),

@@ -93,10 +93,13 @@ class ABRun:
 
     # ----- bookkeeping ----------------------------------------------------------------------------------
     def save(self) -> None:
+        """ab.json and report.html, secrets redacted (the arm arguments and the command line may carry a key)."""
         from evalpipe.launchers.ab_report import write_report
+        from evalpipe.redact import redact
 
-        write_receipt(self.out / INDEX_FILE, self.index)  # atomic JSON write (same as receipts)
-        write_report(self.out, self.index)
+        index = redact(self.index, [o.api_key or "" for o in self.options.values()])
+        write_receipt(self.out / INDEX_FILE, index)  # atomic JSON write (same as receipts)
+        write_report(self.out, index)
 
     def fail(self, message: str, status: str = "failed") -> int:
         self.index.update(status=status, error=message, finished_at=_now())

@@ -11,12 +11,14 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -35,6 +37,7 @@ from evalpipe.launchers.env import (
     redact_tree,
 )
 from evalpipe.launchers.errors import LaunchConfigError, ServerStartError
+from evalpipe.redact import redact_text
 
 LOG_TAIL_LINES = 40
 
@@ -160,6 +163,7 @@ class Launcher(ABC):
         )
         self.argv: list[str] = self.command()
         self.process: subprocess.Popen | None = None
+        self._log_copier: threading.Thread | None = None
         self.log_path: Path | None = None
         self.started_at: str | None = None
         self.ready_at: str | None = None
@@ -267,7 +271,10 @@ class Launcher(ABC):
         }
 
     def start(self, log_path: str | os.PathLike) -> None:
-        """Start the server in its own process group, stdout and stderr into `log_path`."""
+        """Start the server in its own process group, stdout and stderr into `log_path`.
+
+        The output goes through a pipe and a copying thread that redacts secrets line by line (engines print
+        their settings at start-up, SGLang its api_key among them), so the key never reaches the log file."""
         if self.process is not None:
             raise RuntimeError("launcher already started")
         self.check_installed()
@@ -279,15 +286,17 @@ class Launcher(ABC):
                 self.argv,
                 env=self.child_env.env,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=_terminate_with_parent(),
             )
         except OSError as exc:
-            raise ServerStartError(f"cannot start {self.argv[0]!r}: {exc}") from exc
-        finally:
             log.close()
+            raise ServerStartError(f"cannot start {self.argv[0]!r}: {exc}") from exc
+        self._log_copier = threading.Thread(target=_copy_redacted, args=(self.process.stdout, log, self.secret_values()),
+                                            name=f"{self.engine}-log", daemon=True)
+        self._log_copier.start()
         self.started_at = utc_now()
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
@@ -347,6 +356,8 @@ class Launcher(ABC):
         deadline = time.monotonic() + 5
         while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self._log_copier is not None:
+            self._log_copier.join(timeout=5)  # the group is gone, so the pipe is at EOF: the log is complete
         if self.stopped_at is None:
             self.stopped_at = utc_now()
             self.exit_code = proc.returncode
@@ -385,6 +396,35 @@ class Launcher(ABC):
 
     def __exit__(self, *exc):
         self.stop()
+
+
+LOG_PIECE_MAX = 1 << 16  # a line longer than this (a progress bar that never ends its line) is written in pieces
+
+
+def _copy_redacted(pipe, log, secrets: list[str]) -> None:
+    """Server output -> log file, secrets redacted (evalpipe.redact) one line at a time (CR ends a line too, for
+    progress bars); flushed as it comes so a failed boot's log tail is current."""
+    def write(piece: bytes) -> None:
+        text = piece.decode("utf-8", "surrogateescape")
+        log.write(redact_text(text, secrets).encode("utf-8", "surrogateescape"))
+
+    pending = b""
+    try:
+        while chunk := pipe.read1(LOG_PIECE_MAX):
+            pending += chunk
+            *lines, pending = re.split(rb"(?<=[\r\n])", pending)
+            for line in lines:
+                write(line)
+            if len(pending) > LOG_PIECE_MAX:
+                write(pending)
+                pending = b""
+            log.flush()
+        write(pending)
+    except (OSError, ValueError):  # the log or the pipe was closed under us
+        pass
+    finally:
+        pipe.close()
+        log.close()
 
 
 def _terminate_with_parent():

@@ -2,18 +2,18 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /health_generate,
 GET /get_server_info (alias /server_info), GET /get_model_info (SGLang's fields), GET|POST /flush_cache,
-GET /version. With an API key configured,
-every route except /health and /health_generate needs `Authorization: Bearer <key>`.
+GET /version. With an API key configured, every route except /health and /health_generate needs
+`Authorization: Bearer <key>`, checked before the body is read (`middleware.RequireAPIKey`). The interactive
+docs (/docs, /redoc, /openapi.json) exist only with `serve --docs`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from evalpipe import __version__
@@ -21,7 +21,8 @@ from evalpipe.engine.engine import SeqEvent
 from evalpipe.engine.sampling import SamplingParams
 from evalpipe.engine.scheduler import QueueFull, Sequence
 from evalpipe.server import generation
-from evalpipe.server.errors import APIError, install_error_handlers
+from evalpipe.server.errors import APIError, SafeJSONResponse, install_error_handlers
+from evalpipe.server.middleware import ContainErrors, RequireAPIKey
 from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest
 from evalpipe.server.state import ServerState
 
@@ -35,20 +36,14 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.shutdown()
 
-    app = FastAPI(title="evalpipe native server", version=__version__, lifespan=lifespan)
+    docs = state.settings.docs
+    app = FastAPI(title="evalpipe native server", version=__version__, lifespan=lifespan,
+                  default_response_class=SafeJSONResponse, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = state
     install_error_handlers(app)
-
-    def require_key(request: Request) -> None:
-        key = state.settings.api_key
-        if not key:
-            return
-        given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given.lower().startswith("bearer ") else ""
-        if not token:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
-        if not hmac.compare_digest(token.encode(), key.encode()):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    app.add_middleware(RequireAPIKey, api_key=state.settings.api_key)
+    app.add_middleware(ContainErrors)  # outermost: also answers for an error in the key check
 
     def require_ready() -> None:
         if state.load_error:
@@ -57,16 +52,13 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(503, "The model is still loading. Retry later.", code="model_loading",
                            headers={"Retry-After": "1"})
 
-    open_routes = APIRouter()
-    routes = APIRouter(dependencies=[Depends(require_key)])
-
-    @open_routes.get("/health")
+    @app.get("/health")
     async def health():
         if not state.ready.is_set():
             return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
         return {"status": "ok"}
 
-    @open_routes.get("/health_generate")
+    @app.get("/health_generate")
     async def health_generate():
         if not state.ready.is_set():
             return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
@@ -75,7 +67,7 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "generation failed or timed out"}, status_code=503)
         return {"status": "ok"}
 
-    @routes.get("/v1/models")
+    @app.get("/v1/models")
     async def models():
         require_ready()
         limit = getattr(state.runner, "max_seq_len", state.settings.max_seq_len)
@@ -84,40 +76,38 @@ def create_app(state: ServerState) -> FastAPI:
             "root": state.settings.model or state.model_id, "max_model_len": limit,
         }]}
 
-    @routes.post("/v1/completions")
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         require_ready()
         return await generation.respond(state, generation.completion_job(state, req), request)
 
-    @routes.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         require_ready()
         return await generation.respond(state, generation.chat_job(state, req), request)
 
-    @routes.get("/get_server_info")
-    @routes.get("/server_info")
+    @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
         return state.info()
 
-    @routes.get("/get_model_info")
-    @routes.get("/model_info")
+    @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info():
         require_ready()
         return {"model_path": state.settings.model or getattr(state.runner, "model_path", None),
                 "tokenizer_path": state.settings.tokenizer, "is_generation": True, "served_model_name": state.model_id}
 
-    @routes.get("/flush_cache")
-    @routes.post("/flush_cache")
+    @app.get("/flush_cache")
+    @app.post("/flush_cache")
     async def flush_cache():
         # The engine keeps no prefix cache: every request prefills from scratch, so there is nothing to drop.
         return {"flushed": True, "cached_tokens": 0, "message": "no prefix cache in this engine; nothing to flush"}
 
-    @routes.get("/version")
+    @app.get("/version")
     async def version():
         return {"version": __version__}
 
-    app.include_router(open_routes)
-    app.include_router(routes)
     return app
 
 

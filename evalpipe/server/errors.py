@@ -1,7 +1,10 @@
-"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` for every failure, and the one JSON
+encoder every response uses.
 
-FastAPI's 422 for invalid bodies becomes a 400 (as vLLM and SGLang do), unknown routes keep their 404/405, and
-an unexpected exception becomes a 500 with the same body shape instead of a bare traceback.
+FastAPI's 422 for invalid bodies becomes a 400 (as vLLM and SGLang do) and unknown routes keep their 404/405. An
+unexpected exception is answered by `middleware.ContainErrors` (a 500 with the same body that keeps the
+connection open), not here: Starlette re-raises exceptions its own catch-all handler answers, which resets the
+client's keep-alive connection.
 """
 
 from __future__ import annotations
@@ -20,6 +23,27 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           405: "invalid_request_error", 503: "server_overloaded"}
 
 
+# Characters that JSON allows raw inside strings but that line-splitting readers (str.splitlines, httpx's
+# aiter_lines) take for line breaks; escaped so that every JSON document, and so every SSE event, is one line.
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def json_bytes(obj) -> bytes:
+    """Compact UTF-8 JSON that any reader can take as one line, and that never fails on a lone surrogate.
+
+    A lone surrogate (from a request string, e.g. `"\\ud800"`) cannot be UTF-8 encoded; backslashreplace writes it
+    as the JSON escape it came in as (it only ever occurs inside a JSON string, where `\\udXXX` is valid)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.translate(_LINE_BREAKS).encode("utf-8", "backslashreplace")
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSONResponse rendered by `json_bytes` (FastAPI's default response class in this server)."""
+
+    def render(self, content) -> bytes:
+        return json_bytes(content)
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
@@ -35,7 +59,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return SafeJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -51,6 +75,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
                            code="invalid_json")
+    if loc == [] and isinstance(first.get("input"), (bytes, str)) and first.get("type") in ("model_type", "dict_type"):
+        return bad_request("the request body must be a JSON object sent with 'Content-Type: application/json'",
+                           code="invalid_json")
+    if first.get("type") == "lone_surrogate":
+        return bad_request(first["msg"], param=first["ctx"]["param"], code="invalid_unicode")
     param = loc[0] if loc else None  # the top-level field, as OpenAI reports it
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     where = f"{'.'.join(loc)}: " if loc else ""
@@ -74,7 +103,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+def internal_error(exc: BaseException) -> APIError:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")

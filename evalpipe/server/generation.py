@@ -1,31 +1,32 @@
 """From a validated OpenAI request to engine sequences, and from engine events to OpenAI responses or SSE chunks.
 
-One request becomes `len(prompts) * n` sequences (choice index = prompt_index * n + i). Events arrive from the
-engine thread through an asyncio queue; a client that goes away (stream closed, or disconnect noticed while
-waiting) has its unfinished sequences aborted, which frees their runner slots before the next forward.
+One request becomes `len(prompts) * n` sequences (choice index = prompt_index * n + i); a request with more
+sequences than the queue could ever hold is a 400, not a retryable 503. Events arrive from the engine thread
+through an asyncio queue. While a request runs, a watcher waits on the connection itself; when the client goes
+away (streamed or not) its unfinished sequences are aborted at once, so the engine drops them and frees their
+runner slots before its next forward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from evalpipe import __version__
 from evalpipe.engine.engine import SeqEvent, make_sequences
 from evalpipe.engine.sampling import SamplingParams
 from evalpipe.engine.scheduler import QueueFull, Sequence
-from evalpipe.server.errors import APIError, bad_request
+from evalpipe.server.errors import APIError, SafeJSONResponse, bad_request, json_bytes
 from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
 
-DISCONNECT_POLL_S = 1.0  # how often a waiting handler checks whether its client is still there
 RETRY_AFTER_S = "1"
+DISCONNECTED = object()  # put on a job's event queue by its disconnect watcher
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Job:
     seqs: list[Sequence] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
     queue: asyncio.Queue | None = None
+    disconnected: bool = False
 
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -74,7 +76,9 @@ class Job:
 def check_model(state, requested: str | None) -> None:
     if requested is None or requested in (state.model_id, state.settings.model):
         return
-    raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+    shown = requested if len(requested) <= 200 else requested[:200] + "..."
+    raise APIError(404, f"The model `{shown}` does not exist (this server serves `{state.model_id}`).",
+                   param="model", code="model_not_found")
 
 
 def _sampling(state, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -105,6 +109,15 @@ def _check_length(state, prompt: list[int], max_tokens: int | None, param: str) 
     return room if max_tokens is None else min(max_tokens, room)
 
 
+def _check_batch(state, n_sequences: int, param: str) -> None:
+    """A request is queued whole or not at all: one with more sequences than the queue holds can never run."""
+    limit = state.engine.scheduler.max_queue
+    if n_sequences > limit:
+        raise bad_request(f"this request needs {n_sequences} sequences (prompts x n) but the server queues at most "
+                          f"{limit} (--max-queue); split it into smaller requests", param=param,
+                          code="batch_too_large")
+
+
 def _common(req) -> tuple[bool, bool]:
     unsupported = check_unsupported(req)
     if unsupported:
@@ -116,6 +129,7 @@ def _common(req) -> tuple[bool, bool]:
 def chat_job(state, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
     include_usage, continuous = _common(req)
+    _check_batch(state, req.n, "n")
     try:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     except ValueError as exc:
@@ -144,6 +158,7 @@ def completion_job(state, req: CompletionRequest) -> Job:
         raw = req.prompts()
     except ValueError as exc:
         raise bad_request(str(exc), param="prompt") from None
+    _check_batch(state, len(raw) * req.n, "prompt" if len(raw) > 1 else "n")
     prompts: list[list[int]] = []
     for p in raw:
         ids = state.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
@@ -178,23 +193,33 @@ def submit(state, job: Job) -> None:
                        headers={"Retry-After": RETRY_AFTER_S}) from None
 
 
+async def _watch_disconnect(state, job: Job, request: Request) -> None:
+    """Wait on the connection (the body is already read, so the next ASGI message is the disconnect); then abort
+    the job's sequences and wake its reader. Runs for the whole request, streamed or not."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # not expected (the body is read); never spin if a server repeats a message
+    job.disconnected = True
+    state.engine.abort(job.seqs)
+    job.queue.put_nowait(DISCONNECTED)
+
+
 async def events(state, job: Job, request: Request | None) -> AsyncIterator[SeqEvent]:
-    """The job's engine events until every choice has finished; aborts the rest if the caller stops early."""
+    """The job's engine events until every choice has finished or the client left; aborts the rest when the caller
+    stops early."""
     remaining = len(job.seqs)
+    watcher = asyncio.ensure_future(_watch_disconnect(state, job, request)) if request is not None else None
     try:
         while remaining:
-            try:  # fast path without a timer when the engine has already delivered
-                event = job.queue.get_nowait() if not job.queue.empty() else \
-                    await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    return
-                continue
+            event = job.queue.get_nowait() if not job.queue.empty() else await job.queue.get()
+            if event is DISCONNECTED:
+                return
             if event.finish_reason is not None:
                 remaining -= 1
             _apply(job, event)
             yield event
     finally:
+        if watcher is not None:
+            watcher.cancel()
         state.engine.abort(job.seqs)  # no-op for finished sequences
 
 
@@ -216,7 +241,10 @@ async def respond(state, job: Job, request: Request):
     async for ev in events(state, job, request):
         if ev.error:
             raise APIError(500, f"generation failed: {ev.error}", type="server_error")
-    return JSONResponse(_full_response(state, job))
+    if job.disconnected:  # nobody is listening; uvicorn drops what is sent to a closed connection
+        return APIError(499, "client closed the connection; generation aborted", type="invalid_request_error",
+                        code="client_disconnected").response()
+    return SafeJSONResponse(_full_response(state, job))
 
 
 def _full_response(state, job: Job) -> dict:
@@ -240,7 +268,7 @@ def _full_response(state, job: Job) -> dict:
     }
 
 
-async def _sse(state, job: Job, request: Request) -> AsyncIterator[str]:
+async def _sse(state, job: Job, request: Request) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if job.chat else "text_completion"
     with_usage = job.include_usage or job.continuous_usage
 
@@ -286,13 +314,15 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[str]:
         started.add(ev.index)
         yield chunk([choice])
     else:
-        if job.include_usage:
+        if job.include_usage and not job.disconnected:
             yield chunk([], job.usage())
-    yield "data: [DONE]\n\n"
+    if not job.disconnected:
+        yield b"data: [DONE]\n\n"
 
 
-def _data(body: dict) -> str:
-    return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+def _data(body: dict) -> bytes:
+    """One SSE event: a single `data:` line (json_bytes escapes every character a reader could split on)."""
+    return b"data: " + json_bytes(body) + b"\n\n"
 
 
 def _finish(reason: str | None) -> str | None:

@@ -2,16 +2,43 @@
 
 Unknown fields are accepted and ignored (clients send many optional OpenAI fields). Fields this engine cannot
 honour (repetition/frequency/presence penalties other than neutral, echo, suffix, best_of != n) are refused
-by `check_unsupported` with a 400 that names the field, rather than silently ignored.
+by `check_unsupported` with a 400 that names the field, rather than silently ignored; tool calling and
+constrained output have their own refusal, `check_structured_output`. Numbers must be finite, and no string
+anywhere in a body may hold a lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not text).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20
+# Finite and bounded: far beyond the range that changes sampling (OpenAI allows 0-2), and an fp32 logit row
+# divided by 1e39 or more is inf/nan, not a distribution.
+MAX_TEMPERATURE = 100.0
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_path(value: Any) -> str | None:
+    """Where the first string (or object key) holding a lone UTF-16 surrogate sits, as `messages[0].content`;
+    None when every string is valid Unicode. Iterative, so any nesting depth the JSON parser accepted is fine."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return f"{path}.<key>" if path else "<key>"
+                stack.append((f"{path}.{key}" if path else str(key), sub))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in enumerate(item))
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -22,11 +49,11 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -42,6 +69,17 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     return_token_ids: bool = False
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_path(data)
+        if where is not None:
+            # the message names the place, never repeats the string (it cannot be encoded)
+            raise PydanticCustomError(
+                "lone_surrogate", "{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which "
+                "is not valid Unicode text", {"where": where, "param": re.split(r"[.\[]", where)[0]})
+        return data
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -107,8 +145,40 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+# Tool calling and constrained decoding (JSON schema, regex, grammar) are not implemented: this is the one place
+# that refuses them, and the place a grammar backend (e.g. xgrammar) replaces. Until then a request that asks
+# for them gets a 400 instead of unconstrained text. Values listed here are neutral (ask for nothing).
+STRUCTURED_OUTPUT_FIELDS: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    # vLLM / SGLang constrained-decoding extensions
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structural_tag": (None,), "regex": (None,), "ebnf": (None,), "json_schema": (None,),
+}
+
+
+def check_structured_output(req: _Sampling) -> tuple[str, str] | None:
+    """(param, message) for the first tool-calling or constrained-output field with a non-neutral value."""
+    extra = req.model_extra or {}
+    for name, neutral in STRUCTURED_OUTPUT_FIELDS.items():
+        if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in neutral):
+            what = "logit biasing" if name == "logit_bias" else (
+                "tool calling" if "tool" in name or "function" in name else "constrained output")
+            return name, (f"{name} is not supported by this engine ({what} is not implemented); "
+                          "remove the field or send a neutral value")
+    return None
+
+
 def check_unsupported(req: _Sampling) -> tuple[str, str] | None:
     """(param, message) for the first field this engine cannot honour or combination it refuses, else None."""
+    structured = check_structured_output(req)
+    if structured:
+        return structured
     if req.stream_options is not None and not req.stream:
         return "stream_options", "stream_options is only allowed when stream is true"
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:

@@ -20,6 +20,7 @@ import torch
 from evalpipe import __version__
 from evalpipe.engine.config import DEFAULT_MODEL_NAME
 from evalpipe.engine.engine import Engine
+from evalpipe.redact import redact, redact_argv
 
 log = logging.getLogger("evalpipe.server")
 
@@ -37,6 +38,7 @@ class ServerSettings:
     max_queue: int = 1024
     max_seq_len: int = 4096
     api_key: str | None = None
+    docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key when one is set)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     # block speculation (evalpipe/engine/spec_decoder.py): "off" | "block", G drafts per verify, drafter spec
     # (None: layerskip over 3/4 of the layers), simulated accept length (None: off; performance runs only)
@@ -58,9 +60,8 @@ class ServerSettings:
     wo_quant: str = "none"
 
     def public(self) -> dict:
-        d = asdict(self)
-        d["api_key"] = "<set>" if self.api_key else None
-        return d
+        """The settings as /get_server_info shows them: secrets redacted (evalpipe.redact's rule)."""
+        return redact(asdict(self), [self.api_key or ""])
 
 
 def default_runner_factory(settings: ServerSettings) -> Any:
@@ -179,7 +180,7 @@ class ServerState:
             "load_seconds": self.load_seconds,
             "dtype": s.dtype,
             "device": s.device,
-            "launch": {"argv": s.argv, "command": shlex.join(s.argv)},
+            "launch": {"argv": redact_argv(s.argv), "command": shlex.join(redact_argv(s.argv))},
             "server_args": s.public(),
             "engine": {
                 "max_batch": s.max_batch, "max_tokens_per_step": s.max_tokens_per_step,
@@ -218,7 +219,7 @@ class ServerState:
         internal["peak_rss_mb"] = _peak_rss_mb()
         internal["uptime_s"] = time.time() - self.started_at
         info["internal_states"] = internal
-        return info
+        return redact(info, [s.api_key or ""])  # no setting or echoed command line carries the key out
 
 
 def _accept_setting(settings: ServerSettings) -> dict:

@@ -1,0 +1,21 @@
+"""The rich Console every command prints tables with.
+
+On a terminal rich fits the terminal. Piped or redirected (a log, `| tee`, CI), rich would assume 80 columns and
+cut or fold table cells; there the width is unbounded instead (COLUMNS still wins when set), so a saved log
+holds every value whole.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+
+PIPED_WIDTH = 10_000
+
+
+def make_console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty() and not os.environ.get("COLUMNS")
+    return Console(stderr=stderr, soft_wrap=True, width=PIPED_WIDTH if piped else None)
