@@ -127,7 +127,9 @@ def test_kernel_sliding_only_and_empty_entries(variant):
         args.update(entry_rows=torch.empty(args["q"].shape[0], 0, dtype=torch.long))
     ref = sa.fused_attention_reference(*call(args))
     sliding = sa.fused_attention_reference(*call(args, entries=None, entry_rows=None))
-    assert (ref - sliding).abs().max().item() == 0  # no visible entry: only the window counts
+    # no visible entry: only the window counts. Equal up to rounding, not bitwise: the softmax denominator sums a
+    # longer row (its -inf columns add exact zeros, but a vectorised reduction groups the other terms differently)
+    assert (ref - sliding).abs().max().item() < 1e-6
     got = sa.fused_attention(*call(args), backend="triton")
     assert (got - ref).abs().max().item() < TOL
     got = sa._launch(*call(args), splits=2)
