@@ -244,7 +244,7 @@ class Runner:
                 "prompt_stream_sha256_selected": prompt_stream_sha256(selected_digests),
             },
             endpoint={"base_url": self.recorded_url, "api": lane.api, "model": self.model},
-            server=manifest_mod.stable_server(server),
+            server=server,  # as the server reported it (redacted on write); comparisons drop what is volatile
         )
 
     # ---- run folder -------------------------------------------------------------------------------------

@@ -234,6 +234,10 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
     """Every differing manifest key (dotted), grouped, with the intended ones (glob patterns) marked."""
     fa, fb = flatten(manifest_view(ma)), flatten(manifest_view(mb))
     rows, volatile = [], []
+    raw_a, raw_b = flatten(manifest_view(ma, strip=False)), flatten(manifest_view(mb, strip=False))
+    for key in sorted(set(raw_a) | set(raw_b)):  # what the per-engine volatile list removed, listed as ignored
+        if key not in fa and key not in fb and raw_a.get(key, "<absent>") != raw_b.get(key, "<absent>"):
+            volatile.append(key)
     for key in sorted(set(fa) | set(fb)):
         va, vb = fa.get(key, "<absent>"), fb.get(key, "<absent>")
         if va == vb:
@@ -249,16 +253,17 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
         "differences": rows,
         "n_intended": sum(r["intended"] for r in rows),
         "n_unintended": sum(not r["intended"] for r in rows),
-        "volatile_keys_ignored": volatile,
+        "volatile_keys_ignored": sorted(volatile),
     }
 
 
-def manifest_view(manifest: dict) -> dict:
+def manifest_view(manifest: dict, strip: bool = True) -> dict:
     """The provenance snapshot with packages as {name: version}, so a changed package is one row; server facts
-    without what changes per call or per boot, and redacted (a manifest written before either rule may hold both)."""
+    redacted and (with `strip`) without what changes per call or per boot (a manifest written before either rule
+    may hold both)."""
     snap = dict(snapshot(manifest))
     if isinstance(snap.get("server"), dict):
-        snap["server"] = redact(volatile.strip_server(snap["server"]))
+        snap["server"] = redact(volatile.strip_server(snap["server"]) if strip else snap["server"])
     view = {k: (_scrub(v) if isinstance(v, (dict, list)) and k != "packages" else v) for k, v in snap.items()}
     pkgs = view.get("packages")
     if isinstance(pkgs, list):
