@@ -16,9 +16,14 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch first, pinned to the CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build.
-install: $(PY)
+# The stamp skips the install while pyproject.toml is unchanged (the editable install picks up code changes).
+INSTALL_STAMP = $(VENV)/.installed-evalpipe
+install: $(INSTALL_STAMP)
+
+$(INSTALL_STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	touch '$@'
 
 # vLLM's CPU build in an environment of its own (tests/test_vllm_peer.py serves with it; `--engine-python
 # $(VLLM_VENV)/bin/python` for `evalpipe serve --engine vllm`). torch first: our pinned CPU build from local disk.
@@ -37,7 +42,7 @@ $(VLLM_STAMP):
 # The main job on the default model: two fresh servers, A with speculation off and B with block speculation (its
 # trained layerskip drafter), the arith lane on each, then compare; prints both accuracies, flips, the verdict,
 # the accept length and the report's path.
-DEMO_EXAMPLES ?= 150
+DEMO_EXAMPLES ?= 120
 demo: install
 	$(VENV)/bin/evalpipe ab --lanes arith --order AB --num-examples $(DEMO_EXAMPLES) \
 	  --a "--speculative off" --b "--speculative block" --out results/demo-$$(date -u +%Y%m%d-%H%M%S)
