@@ -27,7 +27,7 @@ from evalpipe.compare.agreement import first_divergence, logprob_gap
 from evalpipe.endpoint import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
 from evalpipe.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
 from evalpipe.redact import redact
-from tasks.repeat_fixtures import Fixture, fixtures_sha256
+from evalpipe.lanes.repeat_fixtures import Fixture, fixtures_sha256
 
 CONDITIONS = ("serial", "burst", "logprobs", "prefix_fresh", "prefix_reused")
 LANE = "repeat"

@@ -33,7 +33,7 @@ import openai
 
 from evalpipe import manifest as manifest_mod
 from evalpipe import spec_metrics
-from evalpipe.data import DataError, file_sha256
+from evalpipe.lanes.data import DataError, file_sha256
 from evalpipe.endpoint import (
     EndpointError,
     fetch_models,
@@ -43,7 +43,7 @@ from evalpipe.endpoint import (
     spec_from_response,
     ssl_context,
 )
-from evalpipe.grading import GraderPool, grade_text
+from evalpipe.lanes.grading import GraderPool, grade_text
 from evalpipe.lanes import (
     Item,
     Lane,
@@ -170,7 +170,7 @@ class Runner:
         self.pin_diffs = pin_differences(lane, self.data)
         if self.pin_diffs and not cfg.allow_data_drift:
             raise RunError(
-                f"lane {lane.name}: hashes differ from manifests/{lane.name}.json:\n  " + "\n  ".join(self.pin_diffs)
+                f"lane {lane.name}: hashes differ from the pins in evalpipe/lanes/pins/{lane.name}.json:\n  " + "\n  ".join(self.pin_diffs)
                 + "\nThe prompts are not the pinned ones; pass --allow-data-drift to run anyway (recorded)."
             )
         items = self.data.items

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from evalpipe.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
+from evalpipe.lanes.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
 from evalpipe.lanes import computed_pins, get_lane, load_pins
 from evalpipe.summary import compute_summary
 from tests.core_helpers import DATA_DIR, run_cli

@@ -51,7 +51,7 @@ def _parse_seed(ctx, param, value):
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`.")
 @click.option("--allow-data-drift", is_flag=True, help="Run even when the data or prompt hashes differ from "
-              "manifests/<lane>.json (recorded in manifest and summary).")
+              "evalpipe/lanes/pins/<lane>.json (recorded in manifest and summary).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="Continue RUN_DIR: items with a non-error record are skipped, error records are retried "
               "(the old ones move to superseded.jsonl), the rest is appended. Lane flags come from its manifest.")

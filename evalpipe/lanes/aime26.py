@@ -1,7 +1,7 @@
 """Lane `aime26`: AIME 2026, one greedy response per problem, served one at a time.
 
 Data: the 30 problems vendored in sgl-eval 0.1.0 (`_vendored/nemo_skills/dataset/aime26/test.txt`,
-NeMo-Skills@645cf567; sha256 pinned in manifests/aime26.json); id = the row's `id` (aime26-0..29).
+NeMo-Skills@645cf567; sha256 pinned in pins/aime26.json); id = the row's `id` (aime26-0..29).
 Prompt: the vendored `matharena-aime` YAML rendered with `str.format` as the single user message.
 It is NeMo-Skills' copy of MathArena's **AIME-2024 wording** ("Please reason step by step, and put your final
 answer within \\boxed{}." + range sentence), not MathArena's 2025/2026 wording; no system message.
@@ -18,7 +18,7 @@ from typing import Optional
 
 from sgl_eval.evals._prompts import render_prompt, vendored_prompt
 
-from evalpipe.data import check_pin, file_sha256, read_jsonl
+from evalpipe.lanes.data import check_pin, file_sha256, read_jsonl
 from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256
 
 PROMPT_NAME = "matharena-aime"
@@ -44,7 +44,7 @@ class AIME26Lane(Lane):
         template = vendored_prompt(PROMPT_NAME)
         template_sha = file_sha256(template)
         if template_sha != pins["template_sha256"] and not allow_data_drift:
-            from evalpipe.data import DataError
+            from evalpipe.lanes.data import DataError
 
             raise DataError(
                 f"prompt template {template} has sha256 {template_sha}, pin is {pins['template_sha256']} "

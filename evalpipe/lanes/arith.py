@@ -7,7 +7,7 @@ exact result; truncated replies and replies without digits count wrong. Reported
 """
 
 from evalpipe.skills import arith
-from tasks.skill_lane import skill_lane
+from evalpipe.lanes.skill_lane import skill_lane
 
 LANE = skill_lane(
     name="arith",

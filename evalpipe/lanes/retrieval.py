@@ -6,7 +6,7 @@ Greedy, max_tokens 16; exact match of the reply (stripped) with the 5-digit code
 """
 
 from evalpipe.skills import retrieval
-from tasks.skill_lane import skill_lane
+from evalpipe.lanes.skill_lane import skill_lane
 
 DEPTHS = [("in-window", 0, None), ("d256", 150, None), ("d1024", 800, None), ("d2048", 1800, None),
           ("deepest", 3780, 0)]
