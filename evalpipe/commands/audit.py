@@ -23,7 +23,7 @@ def command(run_dir, data_dir, grader_timeout, grader_workers, no_progress):
     planned item exactly once), summary (recomputed), manifest (start == end, pins). A partial run fails
     `complete`. A change of evalpipe's own source during the run is a warning only.
     """
-    from evalpipe.audit import MAX_SHOWN, audit_run
+    from evalpipe.harness.audit import MAX_SHOWN, audit_run
 
     if not (run_dir / "manifest.json").exists():
         raise click.UsageError(f"{run_dir} is not a run folder (no manifest.json)")

@@ -46,7 +46,7 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     from tqdm import tqdm
 
     from evalpipe.console import make_console
-    from evalpipe.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
+    from evalpipe.harness.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
     from evalpipe.lanes.repeat_fixtures import fixtures
 
     all_fx = fixtures(long_context_chars=long_context_chars, open_max_tokens=open_max_tokens)

@@ -86,9 +86,9 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
       4    finished, but some items ended as error records; the count and the --resume command are printed
       130  interrupted by Ctrl-C (143: SIGTERM); landed records kept, partial summary, resume command printed
     """
-    from evalpipe.records import MANIFEST_FILE
+    from evalpipe.harness.records import MANIFEST_FILE
     from evalpipe.redact import redact_argv
-    from evalpipe.runner import RunConfig, Runner, RunError
+    from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
 
     overrides = {}
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
@@ -146,7 +146,7 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         resume_dir=resume_dir, command_line=redact_argv(sys.argv, [api_key or ""]),
     )
     try:
-        outcome = Runner(cfg).execute()
+        outcome = LaneRun(cfg).execute()
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
     print_summary(outcome.summary, outcome.run_dir)

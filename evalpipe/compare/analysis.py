@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from evalpipe import spec_metrics, volatile
+from evalpipe import volatile
+from evalpipe.harness import spec_metrics
 from evalpipe.compare import stats
 from evalpipe.compare.agreement import compare_outputs, summarize_agreement
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
-from evalpipe.endpoint import lossy_acceptance
+from evalpipe.harness.server_facts import lossy_acceptance
 from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1

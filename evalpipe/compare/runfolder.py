@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from evalpipe.records import read_records
+from evalpipe.harness.records import read_records
 
 RESPONSES = "responses.jsonl"
 SUMMARY = "summary.json"

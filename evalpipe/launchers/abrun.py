@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from evalpipe import spec_metrics
+from evalpipe.harness import spec_metrics
 from evalpipe.compare.analysis import arm_accept_length
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
 from evalpipe.launchers.base import free_port
@@ -226,7 +226,7 @@ class ABRun:
     def run_lane(self, lane: str, label: str, launcher, out: Path):
         """Run one lane in-process through evalpipe's runner; returns (run_dir, exit_code, message)."""
         from evalpipe.lanes import get_lane
-        from evalpipe.runner import RunConfig, Runner, RunError
+        from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
 
         overrides = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
         config = RunConfig(
@@ -235,7 +235,7 @@ class ABRun:
             data_dir=self.data_dir, logprobs=self.logprobs, command_line=self.command_line,
         )
         try:
-            outcome = Runner(config).execute()
+            outcome = LaneRun(config).execute()
         except RunError as exc:
             return None, 1, str(exc)
         finally:

@@ -172,7 +172,7 @@ def _number(value) -> float | None:
 
 
 def _source() -> dict | None:
-    from evalpipe.manifest import code_provenance
+    from evalpipe.harness.manifest import code_provenance
 
     try:
         facts = code_provenance()

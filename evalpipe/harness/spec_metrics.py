@@ -74,7 +74,7 @@ def _pos_key(position: str) -> tuple[int, str]:
 
 def snapshot(base_url: str, api_key: Optional[str] = None, timeout_s: float = 30.0) -> Optional[dict]:
     """GET <server root>/metrics now; None when the server has no /metrics or no speculative statistics there."""
-    from evalpipe.endpoint import server_root, ssl_context
+    from evalpipe.harness.server_facts import server_root, ssl_context
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:

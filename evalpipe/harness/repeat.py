@@ -24,8 +24,8 @@ import httpx
 import openai
 
 from evalpipe.compare.agreement import first_divergence, logprob_gap
-from evalpipe.endpoint import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
-from evalpipe.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
+from evalpipe.harness.server_facts import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
+from evalpipe.harness.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
 from evalpipe.redact import redact
 from evalpipe.lanes.repeat_fixtures import Fixture, fixtures_sha256
 
@@ -246,7 +246,7 @@ class RepeatRun:
 
     def write_result(self, partial: bool) -> dict:
         """Build repeat.json from the records alone (so an interrupted run still gets one) and write it."""
-        from evalpipe.manifest import code_provenance, installed_packages, python_platform
+        from evalpipe.harness.manifest import code_provenance, installed_packages, python_platform
 
         cfg = self.cfg
         groups: dict[str, dict[str, dict]] = {}

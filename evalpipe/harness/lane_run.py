@@ -31,10 +31,10 @@ from typing import Any, Optional
 import httpx
 import openai
 
-from evalpipe import manifest as manifest_mod
-from evalpipe import spec_metrics
+from evalpipe.harness import manifest as manifest_mod
+from evalpipe.harness import spec_metrics
 from evalpipe.lanes.data import DataError, file_sha256
-from evalpipe.endpoint import (
+from evalpipe.harness.server_facts import (
     EndpointError,
     fetch_models,
     fetch_server_info,
@@ -54,7 +54,7 @@ from evalpipe.lanes import (
     pin_differences,
     prompt_stream_sha256,
 )
-from evalpipe.records import (
+from evalpipe.harness.records import (
     MANIFEST_FILE,
     RESPONSES_FILE,
     SCHEMA_VERSION,
@@ -67,7 +67,7 @@ from evalpipe.records import (
     write_json,
 )
 from evalpipe.redact import redact_text, scrub_values
-from evalpipe.summary import compute_summary
+from evalpipe.harness.summary import compute_summary
 
 
 CONNECTIONS_PER_CLIENT = 8
@@ -79,8 +79,8 @@ class RunError(Exception):
     """A run cannot start or must stop; the message says why and what to do."""
 
 
-class SimulatedAcceptance(RunError):
-    pass
+class SimulatedServerRefused(RunError):
+    """The server simulates speculative acceptance: its outputs are not scored."""
 
 
 @dataclass
@@ -148,10 +148,12 @@ def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool
     return body
 
 
-# -------------------------------------------------------------------------------------------- the runner
+# ------------------------------------------------------------------------------------------ the lane run
 
 
-class Runner:
+class LaneRun:
+    """One lane against one endpoint: prepare (data, server identity), open the run folder, send, summarise."""
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.lane = cfg.lane
@@ -200,7 +202,7 @@ class Runner:
         info_path, info = fetch_server_info(cfg.base_url, cfg.api_key)
         reason = simulation_reason(info)
         if reason:
-            raise SimulatedAcceptance(f"refusing to score: {reason}. Restart the server without simulation.")
+            raise SimulatedServerRefused(f"refusing to score: {reason}. Restart the server without simulation.")
         # a lossy acceptance rule is scored (measuring its accuracy cost is its purpose), never hidden
         self.server_lossy = lossy_acceptance(info)
         if self.server_lossy:

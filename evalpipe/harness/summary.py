@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Optional
 
-from evalpipe.records import SCHEMA_VERSION, record_key
+from evalpipe.harness.records import SCHEMA_VERSION, record_key
 
 
 def _quantile(sorted_vals: list[float], q: float) -> Optional[float]:

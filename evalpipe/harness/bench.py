@@ -28,8 +28,8 @@ import httpx
 import numpy as np
 from httpx_sse import EventSource, SSEError
 
-from evalpipe import spec_metrics
-from evalpipe.endpoint import CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache, v1_hint
+from evalpipe.harness import spec_metrics
+from evalpipe.harness.server_facts import CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache, v1_hint
 from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
@@ -269,7 +269,7 @@ class BenchState:
             n_kept=len(kept), n_errors=sum(1 for r in self.requests if r["error"]),
             n_dropped=sum(1 for r in kept if r["decode_tokens_per_s"] is None),
         )
-        from evalpipe.manifest import code_provenance, installed_packages, python_platform
+        from evalpipe.harness.manifest import code_provenance, installed_packages, python_platform
 
         return {
             "schema_version": SCHEMA_VERSION,

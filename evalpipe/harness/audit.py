@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from evalpipe import manifest as manifest_mod
+from evalpipe.harness import manifest as manifest_mod
 from evalpipe.lanes.data import DataError, file_sha256
 from evalpipe.lanes.grading import GraderPool, grade_text
 from evalpipe.lanes import get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
-from evalpipe.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
-from evalpipe.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, compute_summary
+from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
+from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, compute_summary
 
 MAX_SHOWN = 20
 
@@ -231,7 +231,7 @@ def _spec_metrics_problems(block: Any) -> list[str]:
     """The run-level speculative figures must follow from the two /metrics snapshots recorded beside them."""
     if not isinstance(block, dict) or "after" not in block:
         return []
-    from evalpipe.spec_metrics import run_level
+    from evalpipe.harness.spec_metrics import run_level
 
     again = run_level(block.get("before"), block.get("after")) or {}
     return [f"spec_metrics.{k}: summary.json says {block.get(k)!r}, its /metrics snapshots give {again.get(k)!r}"
