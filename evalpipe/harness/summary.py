@@ -11,6 +11,7 @@ import statistics
 from typing import Any, Iterable, Optional
 
 from evalpipe.harness.records import SCHEMA_VERSION, record_key
+from evalpipe.lanes import sgl_eval_adapter
 
 
 def _quantile(sorted_vals: list[float], q: float) -> Optional[float]:
@@ -52,9 +53,7 @@ def repeated_metrics(by_key: dict, lane_name: str, question_ids: list, repeats: 
     """pass@k, majority@k, no_answer and pass@1 spread via the vendored NS MathMetrics.
 
     A planned response with no record is fed as a wrong, answerless sample (never padded by copying)."""
-    from sgl_eval._vendored.nemo_skills.math_metrics import MathMetrics
-
-    metrics = MathMetrics()
+    metrics = sgl_eval_adapter.math_metrics()
     for qid in question_ids:
         preds = []
         for r in range(repeats):

@@ -16,19 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from sgl_eval.evals._prompts import render_prompt, vendored_prompt
-
 from evalpipe.lanes.data import check_pin, file_sha256, read_jsonl
 from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256
+from evalpipe.lanes.sgl_eval_adapter import aime26_dataset, prompt_template, render_prompt
 
 PROMPT_NAME = "matharena-aime"
 PROMPT_NOTE = "NS-vendored MathArena AIME-2024 wording (sgl-eval 0.1.0 matharena-aime.yaml), not MathArena's 2026 prompt"
-
-
-def dataset_path() -> Path:
-    import sgl_eval
-
-    return Path(sgl_eval.__file__).resolve().parent / "_vendored" / "nemo_skills" / "dataset" / "aime26" / "test.txt"
 
 
 def build_messages(template_path: Path, problem: str) -> list[dict]:
@@ -37,11 +30,11 @@ def build_messages(template_path: Path, problem: str) -> list[dict]:
 
 class AIME26Lane(Lane):
     def load(self, data_dir: Optional[Path], allow_data_drift: bool) -> LaneData:
-        path = dataset_path()
+        path = aime26_dataset()
         sha = file_sha256(path)
         pins = load_pins(self.name)
         drift = check_pin(path, sha, pins["dataset_sha256"], allow_data_drift)
-        template = vendored_prompt(PROMPT_NAME)
+        template = prompt_template(PROMPT_NAME)
         template_sha = file_sha256(template)
         if template_sha != pins["template_sha256"] and not allow_data_drift:
             from evalpipe.lanes.data import DataError
