@@ -46,6 +46,7 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     from tqdm import tqdm
 
     from evalpipe.console import make_console
+    from evalpipe.harness.records import REPEAT_FILE, RESPONSES_FILE
     from evalpipe.harness.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
     from evalpipe.lanes.repeat_fixtures import fixtures
 
@@ -104,7 +105,7 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     for c, why in result["config"]["conditions_skipped"].items():
         click.echo(f"skipped condition {c}: {why}")
     run_dir = Path(out_dir) / "repeat" / result["run_id"]
-    click.echo(f"wrote {run_dir / 'repeat.json'} and {run_dir / 'responses.jsonl'}")
+    click.echo(f"wrote {run_dir / REPEAT_FILE} and {run_dir / RESPONSES_FILE}")
 
 
 def error_lines(records: list[dict]) -> list[str]:

@@ -277,7 +277,7 @@ def _category(key: str) -> str:
     return "other"
 
 
-def flip_list(pairs: dict[tuple[str, int], tuple[dict, dict]], agreement: dict) -> list[dict]:
+def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[dict]:
     """Every question answered right in exactly one arm, with what each arm said."""
     flips = []
     for key, (ra, rb) in pairs.items():
@@ -286,7 +286,7 @@ def flip_list(pairs: dict[tuple[str, int], tuple[dict, dict]], agreement: dict) 
             continue
         ag = agreement.get(key) or {}
         flips.append({
-            "question_id": key[0], "repeat_index": key[1],
+            "question_id": key[1], "repeat_index": key[2],
             "direction": "gained" if cb else "lost",
             "expected_answer": rb.get("expected_answer", ra.get("expected_answer")),
             "answer_a": ra.get("extracted_answer"), "answer_b": rb.get("extracted_answer"),
@@ -311,7 +311,7 @@ def _id_sort_key(qid) -> tuple:
 def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resamples: int,
             intended: list[str], forced: list[str]) -> dict:
     """The whole comparison of run A (reference) and run B (candidate)."""
-    common = sorted(set(a.by_key) & set(b.by_key), key=lambda k: (_id_sort_key(k[0]), k[1]))
+    common = sorted(set(a.by_key) & set(b.by_key), key=lambda k: (_id_sort_key(k[1]), k[2]))
     only_a = sorted(set(a.by_key) - set(b.by_key))
     only_b = sorted(set(b.by_key) - set(a.by_key))
     pairs = {k: (a.by_key[k], b.by_key[k]) for k in common}
@@ -330,8 +330,8 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
             if over_a["accuracy"] is not None and over_b["accuracy"] is not None else None,
         },
         "paired_keys": len(common),
-        "keys_only_in_a": [list(k) for k in only_a],
-        "keys_only_in_b": [list(k) for k in only_b],
+        "keys_only_in_a": [list(k[1:]) for k in only_a],
+        "keys_only_in_b": [list(k[1:]) for k in only_b],
         "repeated": a.repeated or b.repeated,
         "settings": {"margin_pts": margin_pts, "seed": seed, "n_resamples": n_resamples,
                      "confidence": stats.DEFAULT_CONFIDENCE},
@@ -341,9 +341,9 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
     if result["repeated"]:
         oa: dict = {}
         ob: dict = {}
-        for (qid, _), rec in a.by_key.items():
+        for (_, qid, _), rec in a.by_key.items():
             oa.setdefault(qid, []).append(float(is_correct(rec)))
-        for (qid, _), rec in b.by_key.items():
+        for (_, qid, _), rec in b.by_key.items():
             ob.setdefault(qid, []).append(float(is_correct(rec)))
         ids = sorted(set(oa) & set(ob), key=_id_sort_key)
         result["repeated_stats"] = stats.compare_repeated(
@@ -365,7 +365,7 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         result["agreement"] = summarize_agreement(list(per_pair.items()))
         result["flips"] = flip_list(pairs, per_pair)
         result["per_question"] = [
-            {"question_id": k[0], "correct_a": bool(x), "correct_b": bool(y),
+            {"question_id": k[1], "correct_a": bool(x), "correct_b": bool(y),
              "identical": per_pair[k]["identical"], "divergence_position": per_pair[k]["position"]}
             for k, x, y in zip(common, ca, cb)]
     result["spec"] = {"a": spec_block(recs_a, a.summary), "b": spec_block(recs_b, b.summary)}

@@ -30,6 +30,7 @@ from httpx_sse import EventSource, SSEError
 
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.server_facts import CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache, v1_hint
+from evalpipe.harness.records import BENCH_FILE, write_json
 from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
@@ -376,8 +377,5 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
 
 def write_bench(result: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "bench.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
+    write_json(out_dir / BENCH_FILE, result)
+    return out_dir / BENCH_FILE

@@ -61,6 +61,7 @@ from evalpipe.harness.records import (
     SUMMARY_FILE,
     SUPERSEDED_FILE,
     RecordWriter,
+    counted_records,
     read_records,
     record_key,
     rewrite_records,
@@ -268,15 +269,10 @@ class LaneRun:
             read = read_records(self.run_dir / RESPONSES_FILE)
             if read.bad_lines:
                 raise RunError(f"{self.run_dir / RESPONSES_FILE}: lines {read.bad_lines[:10]} are not JSON; refusing to resume")
-            keep, superseded = [], []
-            seen = set()
-            for r in read.records:
-                k = record_key(r)
-                if r.get("error") or k in seen:
-                    superseded.append(r)
-                else:
-                    keep.append(r)
-                    seen.add(k)
+            # the records that count (records.py) stay, unless they are errors: those are retried
+            kept = {id(r) for r in counted_records(read.records).by_key.values() if not r.get("error")}
+            keep = [r for r in read.records if id(r) in kept]
+            superseded = [r for r in read.records if id(r) not in kept]
             if superseded:
                 with open(self.run_dir / SUPERSEDED_FILE, "a", encoding="utf-8") as fh:
                     for r in superseded:

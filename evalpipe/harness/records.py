@@ -1,10 +1,16 @@
-"""The per-response record: one JSON object per line of `responses.jsonl`.
+"""The run folder: its file names, the per-response record, the record key and the one duplicate rule.
 
-Why a fixed schema: the spec-on and spec-off arms are joined on `(lane, question_id, repeat_index)` and
-every number in `summary.json` must be re-derivable from these lines alone (`evalpipe audit` does that).
-Records are appended and flushed as each response lands, so a crash or Ctrl-C loses only in-flight work.
+A record is one JSON object per line of `responses.jsonl`. Why a fixed schema: the spec-on and spec-off arms are
+joined on `record_key` = (lane, question_id, repeat_index) and every number in `summary.json` must be re-derivable
+from these lines alone (`evalpipe audit` does that). Records are appended and flushed as each response lands, so a
+crash or Ctrl-C loses only in-flight work. Readers use `read_records` (it tolerates a torn last line) and
+`counted_records` (which record of a key counts).
 
-Readers (e.g. `evalpipe compare`) should use `read_records`, which tolerates a torn last line.
+Duplicates: `evalpipe run` writes each key once and `--resume` keeps it so, but a file written by two resumes at
+once or edited by hand can hold a key twice. Then the record that counts, in summary.json, audit and compare.json
+alike, is the key's FIRST NON-ERROR record in file order; a key whose records are all errors counts its LAST one
+(the latest failure). This is what `--resume` keeps: it never re-asks a key that has a non-error record, and it
+retries a key that has only errors, moving every record that does not count to superseded.jsonl.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ SCHEMA_VERSION = 1
 RESPONSES_FILE = "responses.jsonl"
 SUMMARY_FILE = "summary.json"
 MANIFEST_FILE = "manifest.json"
-SUPERSEDED_FILE = "superseded.jsonl"  # error records replaced by a --resume retry
+SUPERSEDED_FILE = "superseded.jsonl"  # records that no longer count: error records retried by --resume, duplicates
+REPEAT_FILE = "repeat.json"  # `evalpipe repeat`'s result beside its records
+BENCH_FILE = "bench.json"  # `evalpipe bench` writes only this
 
 # Keys every record carries (the issue's list plus the project additions), in writing order.
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -62,9 +70,41 @@ REQUIRED_KEYS: tuple[str, ...] = (
 GRADE_STATUSES = ("ok", "no_answer", "truncated", "request_error", "grader_timeout", "grader_error")
 
 
-def record_key(record: dict) -> tuple[str, Any, int]:
-    """The join key between arms and the uniqueness key inside one run."""
-    return (record["lane"], record["question_id"], record["repeat_index"])
+def record_key(record: dict) -> tuple[Any, Any, int]:
+    """(lane, question_id, repeat_index): the uniqueness key inside one run and the join key between arms.
+
+    A question id that is not an int or str (a hand-made file) is keyed by its canonical JSON."""
+    qid = record.get("question_id")
+    if not isinstance(qid, (int, str)):
+        qid = json.dumps(qid, sort_keys=True)
+    return (record.get("lane"), qid, int(record.get("repeat_index") or 0))
+
+
+@dataclass
+class Counted:
+    by_key: dict  # record_key -> the record that counts, keys in order of first appearance
+    superseded: list[dict]  # every other record, in file order
+
+    @property
+    def n_duplicates(self) -> int:
+        return len(self.superseded)
+
+
+def counted_records(records: Iterable[dict]) -> Counted:
+    """Which record of each key counts (module docstring): the first non-error one, else the last error."""
+    by_key: dict = {}  # key -> (position, record)
+    superseded: list[tuple[int, dict]] = []
+    for i, rec in enumerate(records):
+        key = record_key(rec)
+        old = by_key.get(key)
+        if old is None:
+            by_key[key] = (i, rec)
+        elif old[1].get("error"):  # a later record replaces an error: a non-error one, or the newer failure
+            superseded.append(old)
+            by_key[key] = (i, rec)
+        else:
+            superseded.append((i, rec))
+    return Counted({k: rec for k, (_, rec) in by_key.items()}, [rec for _, rec in sorted(superseded, key=lambda p: p[0])])
 
 
 class RecordWriter:

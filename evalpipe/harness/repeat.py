@@ -25,7 +25,15 @@ import openai
 
 from evalpipe.compare.agreement import first_divergence, logprob_gap
 from evalpipe.harness.server_facts import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
-from evalpipe.harness.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
+from evalpipe.harness.records import (
+    MANIFEST_FILE,
+    REPEAT_FILE,
+    REQUIRED_KEYS,
+    RESPONSES_FILE,
+    SCHEMA_VERSION,
+    RecordWriter,
+    write_json,
+)
 from evalpipe.redact import redact
 from evalpipe.lanes.repeat_fixtures import Fixture, fixtures_sha256
 
@@ -218,7 +226,7 @@ class RepeatRun:
         self.conditions: list[str] = []
         self.skipped: dict[str, str] = {}
         probe = cfg.fixtures[0]
-        self.writer = RecordWriter(self.run_dir / "responses.jsonl")
+        self.writer = RecordWriter(self.run_dir / RESPONSES_FILE)
         try:
             # cached-token reporting: ask twice for the same prompt and look at the usage block
             if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions):
@@ -274,8 +282,8 @@ class RepeatRun:
         manifest = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "arm": cfg.arm, "lane": LANE,
                     "created_at": time.time(), "config": result["config"], "server": result["server"],
                     "code": code_provenance(), "packages": installed_packages(), "python": python_platform()}
-        write_json(self.run_dir / "manifest.json", manifest)
-        write_json(self.run_dir / "repeat.json", result)
+        write_json(self.run_dir / MANIFEST_FILE, manifest)
+        write_json(self.run_dir / REPEAT_FILE, result)
         return result
 
 

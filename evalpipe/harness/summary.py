@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Optional
 
-from evalpipe.harness.records import SCHEMA_VERSION, record_key
+from evalpipe.harness.records import SCHEMA_VERSION, counted_records
 from evalpipe.lanes import sgl_eval_adapter
 
 
@@ -35,18 +35,6 @@ def _reasoning_tokens(usage: Any) -> int:
     if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), (int, float)):
         return int(details["reasoning_tokens"])
     return _usage_int(usage, "reasoning_tokens")
-
-
-def dedupe(records: Iterable[dict]) -> tuple[dict, int]:
-    """{key: last record} and how many records were duplicates of an earlier key."""
-    by_key: dict = {}
-    dups = 0
-    for r in records:
-        k = record_key(r)
-        if k in by_key:
-            dups += 1
-        by_key[k] = r
-    return by_key, dups
 
 
 def repeated_metrics(by_key: dict, lane_name: str, question_ids: list, repeats: int) -> dict:
@@ -108,7 +96,8 @@ def compute_summary(
     `groups` maps planned question ids to their lane's reporting group (accuracy per group, same denominators)."""
     planned = [(lane_name, q, r) for q in planned_question_ids for r in range(repeats)]
     planned_set = set(planned)
-    by_key, n_dups = dedupe(records)
+    counted = counted_records(records)
+    by_key, n_dups = counted.by_key, counted.n_duplicates
     unplanned = [k for k in by_key if k not in planned_set]
     recs = [by_key[k] for k in planned if k in by_key]
 

@@ -308,7 +308,7 @@ class ABRun:
             if result["identical"]:
                 continue
             gap = (result.get("logprob") or {}).get("gap")
-            row = {"question_id": key[0], "repeat_index": key[1], "position": result["position"],
+            row = {"question_id": key[1], "repeat_index": key[2], "position": result["position"],
                    "basis": result["basis"], "gap": gap}
             if gap is None:
                 undecided.append(row)
