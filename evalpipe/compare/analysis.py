@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from evalpipe import volatile
-from evalpipe.harness import spec_metrics
+from evalpipe.harness import metrics, spec_metrics
+from evalpipe.harness.metrics import completion_tokens, first_number, is_correct
 from evalpipe.compare import stats
 from evalpipe.compare.agreement import compare_outputs, summarize_agreement
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
@@ -20,7 +21,6 @@ from evalpipe.harness.server_facts import lossy_acceptance
 from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
-GSM8K_INVALID = -9999999
 
 # Keys of our own manifests that differ between any two runs by construction (ids, clocks, paths): listed as
 # volatile, never flagged. What the server itself changes per call or per boot is evalpipe.volatile's list.
@@ -47,42 +47,12 @@ def _scrub(obj: Any, in_list: bool = False) -> Any:
     return obj
 
 
-def is_correct(rec: dict) -> bool:
-    """Errors and truncations count as wrong: they stay in the denominator."""
-    return bool(rec.get("correct")) and not rec.get("error")
-
-
-def is_invalid(rec: dict) -> bool:
-    """No extractable answer, counted as `evalpipe run` counts it: grade_status `no_answer` on a non-error record
-    (a truncated record is graded `truncated`, not invalid). Records without a grade_status fall back to the
-    extracted answer (None or GSM8K's INVALID value)."""
-    if rec.get("error"):
-        return False
-    status = rec.get("grade_status")
-    if status is not None:
-        return status in ("no_answer", "invalid")
-    ans = rec.get("extracted_answer")
-    return ans is None or ans == GSM8K_INVALID or ans == str(GSM8K_INVALID)
-
-
-def is_truncated(rec: dict) -> bool:
-    return bool(rec.get("truncated")) or rec.get("finish_reason") == "length"
-
-
-def completion_tokens(rec: dict) -> int | None:
-    usage = rec.get("usage") or {}
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), (int, float)):
-        return int(usage["completion_tokens"])
-    ids = rec.get("output_token_ids")
-    return len(ids) if isinstance(ids, list) else None
-
-
 def arm_overview(run: RunFolder) -> dict:
     recs = list(run.by_key.values())
     n_planned = run.summary.get("n_planned")
     if not isinstance(n_planned, int):
         n_planned = len(recs)
-    n_correct = sum(is_correct(r) for r in recs)
+    n_correct = sum(map(is_correct, recs))
     return {
         "path": str(run.path),
         "run_id": run.run_id,
@@ -101,7 +71,7 @@ def arm_overview(run: RunFolder) -> dict:
 def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> dict:
     """Truncation, error and invalid/no-answer counts and rates per arm and their difference (B - A)."""
     out = {}
-    for name, pred in (("truncated", is_truncated), ("error", lambda r: bool(r.get("error"))), ("invalid", is_invalid)):
+    for name, pred in metrics.RATES:
         ka, kb = sum(map(pred, recs_a)), sum(map(pred, recs_b))
         ra, rb = (ka / n_a if n_a else None), (kb / n_b if n_b else None)
         out[name] = {"n_a": ka, "n_b": kb, "denominator_a": n_a, "denominator_b": n_b, "rate_a": ra, "rate_b": rb,
@@ -112,7 +82,7 @@ def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> di
 def spec_stats(recs: list[dict]) -> dict:
     """Accept-length mean and distribution from the records' `spec` (null when speculation was off).
 
-    Per record the accept length is the server's figure, else completion_tokens / verify steps. Per-step
+    Per record the accept length is metrics.accept_length (the server's figure, else tokens / verify steps). Per-step
     lengths (`accept_lengths`), a histogram by length (`accept_length_histogram`) or by accepted drafts
     (`accept_histogram`, the native engine's; length = drafts + 1) feed the
     distribution; else the per-record means do. The token-weighted mean is sum(tokens) / sum(steps).
@@ -130,13 +100,11 @@ def spec_stats(recs: list[dict]) -> dict:
         n_lossy += spec.get("lossy") is True
         if isinstance(spec.get("accept"), dict) and spec["accept"].get("rule"):
             rules.add(str(spec["accept"]["rule"]))
-        verify = _first_num(spec, ("verify_steps", "verify_ct", "spec_verify_ct", "num_verify_steps"))
-        tokens = _first_num(spec, ("num_tokens", "accepted_tokens_total")) or completion_tokens(r)
-        al = _first_num(spec, ("accept_length", "spec_accept_length", "avg_accept_length", "mean_accept_length"))
-        if al is None and verify and tokens:
-            al = tokens / verify
+        verify = first_number(spec, metrics.VERIFY_STEP_KEYS)
+        tokens = first_number(spec, metrics.SPEC_TOKEN_KEYS) or completion_tokens(r)
+        al = metrics.accept_length(r)
         if al is not None:
-            per_record.append(float(al))
+            per_record.append(al)
         if verify and tokens:
             tok_sum += tokens
             step_sum += verify
@@ -160,7 +128,7 @@ def spec_stats(recs: list[dict]) -> dict:
         histogram[str(int(x))] = histogram.get(str(int(x)), 0) + 1
     return {
         "n_records_with_spec": n_with,
-        "accept_length_mean": float(np.mean(per_record)) if per_record else None,
+        "accept_length_mean": metrics.mean_accept_length(recs),
         "accept_length_token_weighted": tok_sum / step_sum if step_sum else None,
         "accept_length_median": float(np.median(per_record)) if per_record else None,
         "histogram_basis": "per-step accept lengths" if steps else "per-record mean accept length, rounded",
@@ -192,14 +160,6 @@ def arm_accept_length(block: Any) -> tuple[float | None, str | None]:
     if isinstance(block.get("accept_length_run_level"), (int, float)):
         return float(block["accept_length_run_level"]), "run-level /metrics"
     return None, None
-
-
-def _first_num(d: dict, names: tuple[str, ...]) -> float | None:
-    for n in names:
-        v = d.get(n)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return v
-    return None
 
 
 def speed_stats(recs: list[dict]) -> dict:
@@ -356,8 +316,7 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         cb = np.array([is_correct(pairs[k][1]) for k in common], dtype=bool)
         greedy = stats.compare_greedy(ca, cb, margin_pts=margin_pts, n_resamples=n_resamples, seed=seed)
         result["greedy"] = greedy.to_dict()
-        for name, pred in (("truncated", is_truncated), ("error", lambda r: bool(r.get("error"))),
-                           ("invalid", is_invalid)):
+        for name, pred in metrics.RATES:
             fa = np.array([pred(pairs[k][0]) for k in common], dtype=bool)
             fb = np.array([pred(pairs[k][1]) for k in common], dtype=bool)
             result["rates"][name]["mcnemar_p"] = stats.mcnemar_exact(int(np.sum(fb & ~fa)), int(np.sum(fa & ~fb)))
