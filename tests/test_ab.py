@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evalpipe.commands.ab import arm_labels, comparison_pairs, declared_flags, merge_args
+from evalpipe.ab.plan import arm_labels, comparison_pairs, declared_flags, merge_args
 from evalpipe.launchers.base import group_members
 from evalpipe.launchers.cli import parse_serve_args
 

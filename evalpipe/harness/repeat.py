@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import httpx
 import openai
 
-from evalpipe.compare.agreement import first_divergence, logprob_gap
+from evalpipe.harness.agreement import first_divergence, logprob_gap
 from evalpipe.harness.server_facts import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
 from evalpipe.harness.records import (
     MANIFEST_FILE,
