@@ -21,6 +21,7 @@ from evalpipe.harness.server_facts import lossy_acceptance
 from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
+ABSENT = "<absent>"  # a manifest key one side lacks
 
 # Keys of our own manifests that differ between any two runs by construction (ids, clocks, paths): listed as
 # volatile, never flagged. What the server itself changes per call or per boot is evalpipe.volatile's list.
@@ -194,13 +195,16 @@ def _mean(xs: list[float]) -> float | None:
 def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
     """Every differing manifest key (dotted), grouped, with the intended ones (glob patterns) marked."""
     fa, fb = flatten(manifest_view(ma)), flatten(manifest_view(mb))
+    # what the server changes by itself (evalpipe.volatile) is left out of the views: listed, when it differs
+    ra, rb = flatten(manifest_view(ma, strip_volatile=False)), flatten(manifest_view(mb, strip_volatile=False))
+    stripped = {k for k in set(ra) | set(rb) if k not in fa and k not in fb and ra.get(k, ABSENT) != rb.get(k, ABSENT)}
     rows, volatile = [], []
-    for key in sorted(set(fa) | set(fb)):
-        va, vb = fa.get(key, "<absent>"), fb.get(key, "<absent>")
-        if va == vb:
+    for key in sorted(set(fa) | set(fb) | stripped):
+        va, vb = fa.get(key, ABSENT), fb.get(key, ABSENT)
+        if va == vb and key not in stripped:
             continue
         leaf = key.rsplit(".", 1)[-1]
-        if leaf in VOLATILE_LEAVES:
+        if key in stripped or leaf in VOLATILE_LEAVES:
             volatile.append(key)
             continue
         mark = any(fnmatch.fnmatchcase(key, pat) or fnmatch.fnmatchcase(leaf, pat) for pat in intended)
@@ -214,12 +218,12 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
     }
 
 
-def manifest_view(manifest: dict) -> dict:
+def manifest_view(manifest: dict, strip_volatile: bool = True) -> dict:
     """The provenance snapshot with packages as {name: version}, so a changed package is one row; server facts
     without what changes per call or per boot, and redacted (a manifest written before either rule may hold both)."""
     snap = dict(snapshot(manifest))
     if isinstance(snap.get("server"), dict):
-        snap["server"] = redact(volatile.strip_server(snap["server"]))
+        snap["server"] = redact(volatile.strip_server(snap["server"]) if strip_volatile else snap["server"])
     view = {k: (_scrub(v) if isinstance(v, (dict, list)) and k != "packages" else v) for k, v in snap.items()}
     pkgs = view.get("packages")
     if isinstance(pkgs, list):
