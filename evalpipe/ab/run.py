@@ -25,6 +25,7 @@ from evalpipe.compare.workflow import NotComparable, compare_runs
 from evalpipe.console import make_console
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.agreement import compare_outputs
+from evalpipe.harness.client import Server
 from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
 from evalpipe.lanes import get_lane
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
@@ -190,7 +191,7 @@ class ABRun:
             first_of.setdefault(side, label)
             if run_lanes:
                 # the arm's speculative counters from /metrics (vLLM, SGLang): run-level, the whole arm
-                metrics_before = spec_metrics.snapshot(launcher.base_url, launcher.options.api_key)
+                metrics_before = self.metrics_snapshot(launcher)
                 for lane in self.lanes:
                     arm["status"] = f"running {lane}"
                     self.save()
@@ -201,14 +202,18 @@ class ABRun:
                         if code in (130, 143):
                             raise KeyboardInterrupt
                         return f"[{label}] lane {lane}: {message}"
-                arm["spec_metrics"] = spec_metrics.run_level(
-                    metrics_before, spec_metrics.snapshot(launcher.base_url, launcher.options.api_key))
+                arm["spec_metrics"] = spec_metrics.run_level(metrics_before, self.metrics_snapshot(launcher))
             arm["status"] = "done"
         finally:
             receipt = finish(launcher, receipt_path, receipts.get(label, receipt))
             receipts[label] = receipt
             self.save()
         return None
+
+    @staticmethod
+    def metrics_snapshot(launcher) -> dict | None:
+        with Server(launcher.base_url, launcher.options.api_key) as server:
+            return spec_metrics.snapshot(server)
 
     def check_receipt(self, side, label, receipt, receipts, first_of) -> list[str]:
         """Same side: everything equal. Other side: differences only where the declared flags explain them."""

@@ -46,6 +46,7 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     from tqdm import tqdm
 
     from evalpipe.console import make_console
+    from evalpipe.harness.client import EndpointError
     from evalpipe.harness.records import REPEAT_FILE, RESPONSES_FILE
     from evalpipe.harness.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
     from evalpipe.lanes.repeat_fixtures import fixtures
@@ -76,14 +77,8 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
             runner.write_result(partial=True)
             click.echo(f"interrupted: partial repeat.json written in {runner.run_dir}", err=True)
         raise SystemExit(130)
-    except RepeatError as exc:
+    except (RepeatError, EndpointError) as exc:  # a wrong model, an unreachable server: a message, no traceback
         raise click.ClickException(str(exc)) from exc
-    except Exception as exc:  # connection refused and friends: a clear message, not a traceback
-        import openai
-
-        if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)):
-            raise click.ClickException(f"cannot talk to {base_url}: {exc}") from exc
-        raise
     finally:
         bar.close()
     t = Table(title=f"evalpipe repeat — {result['config']['model']}, N = {repeats}, temperature 0")
