@@ -212,7 +212,7 @@ class ABRun:
 
     @staticmethod
     def metrics_snapshot(launcher) -> dict | None:
-        with Server(launcher.base_url, launcher.options.api_key) as server:
+        with Server(launcher.base_url, launcher.options.api_key, trust_env=False) as server:  # a server started here
             return spec_metrics.snapshot(server)
 
     def check_receipt(self, side, label, receipt, receipts, first_of) -> list[str]:

@@ -10,10 +10,6 @@ import click
 
 from evalpipe.lanes import LANE_MODULES, get_lane
 
-# lane-protocol flags: recorded as overrides; not allowed together with --resume (the run keeps its protocol)
-PROTOCOL_FLAGS = ("max_tokens", "temperature", "seed", "top_p", "num_examples", "repeats", "lane_concurrency")
-
-
 def _parse_seed(ctx, param, value):
     if value is None:
         return None

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, counted_records, read_records
+from evalpipe.harness.server_facts import find_key
 
 # Manifest keys searched (depth first) for each identity; the first one found wins.
 PROMPT_STREAM_KEYS = ("prompt_stream_sha256_selected", "prompt_stream_sha256")
@@ -69,20 +70,6 @@ class RunFolder:
         if self.summary.get("manifest_changed") or self.manifest.get("consistent") is False:
             reasons.append("manifest changed between start and end of the run")
         return reasons
-
-
-def find_key(obj: Any, names: Iterable[str]) -> Any:
-    """First value stored under any of `names`, searching nested dicts breadth first."""
-    names = tuple(names)
-    queue = [obj]
-    while queue:
-        cur = queue.pop(0)
-        if isinstance(cur, dict):
-            for name in names:
-                if name in cur and cur[name] is not None:
-                    return cur[name]
-            queue.extend(v for v in cur.values() if isinstance(v, dict))
-    return None
 
 
 def snapshot(manifest: dict) -> dict:

@@ -39,6 +39,7 @@ from evalpipe.harness.client import (
     streaming_client,
 )
 from evalpipe.harness.records import BENCH_FILE, write_json
+from evalpipe.harness.server_facts import find_key
 
 SCHEMA_VERSION = 1
 
@@ -147,17 +148,6 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
     return out
 
 
-def _find(obj: Any, name: str) -> Any:
-    queue = [obj]
-    while queue:
-        cur = queue.pop(0)
-        if isinstance(cur, dict):
-            if name in cur and cur[name] is not None:
-                return cur[name]
-            queue.extend(v for v in cur.values() if isinstance(v, dict))
-    return None
-
-
 # Text whose tokens span a tokenizer's ordinary range (words, digits, punctuation); sent to /tokenize only.
 TOKENIZE_PROBE = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
@@ -181,7 +171,7 @@ def token_id_range(server: Server, cfg: "BenchConfig", model: str, info: Optiona
     if cfg.token_id_range:
         low, high = cfg.token_id_range
         return low, high, "--token-id-range"
-    vocab = _find(info, "vocab_size") if info else None
+    vocab = find_key(info, ("vocab_size",))
     if isinstance(vocab, int) and vocab > 8:
         return min(100, vocab // 4), min(vocab, 30000), f"server vocab_size {vocab}"
     ids = _tokenize_ids(server, model)
@@ -195,11 +185,8 @@ def token_id_range(server: Server, cfg: "BenchConfig", model: str, info: Optiona
 
 
 def _server_accept_length(info: Optional[dict]) -> Optional[float]:
-    for name in ("avg_spec_accept_length", "avg_accept_length"):
-        v = _find(info, name) if info else None
-        if isinstance(v, (int, float)):
-            return float(v)
-    return None
+    value = find_key(info, ("avg_spec_accept_length", "avg_accept_length"))
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _median(xs: list[float]) -> Optional[float]:

@@ -76,11 +76,12 @@ class EndpointError(Exception):
 class Server:
     """One endpoint's routes beside generation (module docstring). Use as a context manager, or `close()` it."""
 
-    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout_s: float = 30.0):
+    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout_s: float = 30.0, trust_env: bool = True):
         self.base_url = base_url.rstrip("/")
         self.root = server_root(base_url)
         self.api_key = api_key
-        self._http = httpx.Client(verify=ssl_context(), timeout=timeout(timeout_s), headers=auth_headers(api_key))
+        self._http = httpx.Client(verify=ssl_context(), timeout=timeout(timeout_s), headers=auth_headers(api_key),
+                                  trust_env=trust_env)
 
     def close(self) -> None:
         self._http.close()

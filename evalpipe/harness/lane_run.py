@@ -30,7 +30,7 @@ from evalpipe.harness import client as http
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.client import EndpointError, Reply, Server
-from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason, spec_from_response
+from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
 from evalpipe.lanes.data import DataError, file_sha256
 from evalpipe.lanes.grading import GraderPool, grade_text
 from evalpipe.lanes import (
@@ -53,6 +53,7 @@ from evalpipe.harness.records import (
     counted_records,
     read_records,
     record_key,
+    response_fields,
     rewrite_records,
     write_json,
 )
@@ -302,22 +303,9 @@ class LaneRun:
 
     # ---- requests ---------------------------------------------------------------------------------------
 
-    async def _grade(self, item: Item, text: str, truncated: bool) -> tuple[Any, bool, str]:
-        """(extracted_answer, correct, grade_status) from the raw response text."""
-        return await grade_text(self.lane.grader, item.expected_answer, text, truncated, self.pool)
-
     def _record(self, item: Item, rep: int, seq: int, body: dict, reply: Reply, extracted: Any, correct: bool,
                 status: str) -> dict:
-        data = reply.data
-        choice = data["choices"][0] if data else {}
-        if self.lane.api == "chat":
-            msg = choice.get("message") or {}
-            text = msg.get("content") or ""
-            reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        else:
-            text = choice.get("text") or ""
-            reasoning = None
-        finish = choice.get("finish_reason") if data else None
+        fields = response_fields(reply, chat=self.lane.api == "chat")
         return {
             "schema_version": SCHEMA_VERSION,
             "run_id": self.run_id,
@@ -331,24 +319,12 @@ class LaneRun:
             "prompt_sha256": item.prompt_sha256,
             **({"group": item.group} if item.group is not None else {}),
             "request": body,
-            "response_text": text,
-            "reasoning_text": reasoning,
-            "finish_reason": finish,
-            "matched_stop": choice.get("matched_stop"),
-            "truncated": finish == "length",
-            "error": reply.error,
-            "attempts": reply.attempts,
-            "usage": data.get("usage") if data else None,
-            "latency_s": reply.latency_s,
-            "spec": spec_from_response(data, choice) if data else None,
-            "output_token_ids": choice.get("token_ids"),
-            "logprobs": choice.get("logprobs") if self.cfg.logprobs is not None else None,
+            **fields,
+            "logprobs": fields["logprobs"] if self.cfg.logprobs is not None else None,
             "extracted_answer": extracted,
             "expected_answer": item.expected_answer,
             "correct": correct,
             "grade_status": status,
-            "response_id": data.get("id") if data else None,
-            "model_reported": data.get("model") if data else None,
             "created_at": time.time(),
         }
 
@@ -371,10 +347,10 @@ class LaneRun:
                 if reply.data is None:
                     extracted, correct, status = None, False, "request_error"
                 else:
-                    choice = reply.data["choices"][0]
-                    text = (choice.get("message") or {}).get("content") if self.lane.api == "chat" else choice.get("text")
-                    extracted, correct, status = await self._grade(
-                        item, text if isinstance(text, str) else "", choice.get("finish_reason") == "length")
+                    fields = response_fields(reply, chat=self.lane.api == "chat")
+                    text = fields["response_text"] if isinstance(fields["response_text"], str) else ""
+                    extracted, correct, status = await grade_text(self.lane.grader, item.expected_answer, text,
+                                                                  fields["truncated"], self.pool)
                 rec = self._record(item, rep, seq, body, reply, extracted, correct, status)
             except Exception as exc:  # noqa: BLE001 - a surprise must still land as a record, never drop the item
                 err = {"type": "internal_error", "status": None, "message": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from evalpipe.harness.server_facts import spec_from_response
+
 SCHEMA_VERSION = 1
 
 RESPONSES_FILE = "responses.jsonl"
@@ -105,6 +107,30 @@ def counted_records(records: Iterable[dict]) -> Counted:
         else:
             superseded.append((i, rec))
     return Counted({k: rec for k, (_, rec) in by_key.items()}, [rec for _, rec in sorted(superseded, key=lambda p: p[0])])
+
+
+def response_fields(reply, chat: bool) -> dict:
+    """The record fields a `client.Reply` fills, in writing order; a failed request gets empty text, no finish."""
+    data = reply.data or {}
+    choice = data["choices"][0] if data else {}
+    msg = (choice.get("message") or {}) if chat else {}
+    finish = choice.get("finish_reason")
+    return {
+        "response_text": (msg.get("content") if chat else choice.get("text")) or "",
+        "reasoning_text": (msg.get("reasoning_content") or msg.get("reasoning")) if chat else None,
+        "finish_reason": finish,
+        "matched_stop": choice.get("matched_stop"),
+        "truncated": finish == "length",
+        "error": reply.error,
+        "attempts": reply.attempts,
+        "usage": data.get("usage"),
+        "latency_s": reply.latency_s,
+        "spec": spec_from_response(data, choice) if data else None,
+        "output_token_ids": choice.get("token_ids"),
+        "logprobs": choice.get("logprobs"),
+        "response_id": data.get("id"),
+        "model_reported": data.get("model"),
+    }
 
 
 class RecordWriter:

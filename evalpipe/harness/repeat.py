@@ -30,6 +30,7 @@ from evalpipe.harness.records import (
     RESPONSES_FILE,
     SCHEMA_VERSION,
     RecordWriter,
+    response_fields,
     write_json,
 )
 from evalpipe.lanes.repeat_fixtures import Fixture, fixtures_sha256
@@ -147,22 +148,12 @@ class RepeatRun:
                    request={**body, **extra}, fixture=fixture.id, condition=condition, expected_answer=fixture.expected)
         reply = await send(self.client, "/completions", rec["request"], chat=False, max_retries=MAX_RETRIES,
                            backoff_s=RETRY_BACKOFF_S, secrets=[self.cfg.api_key or ""])
+        rec.update(response_fields(reply, chat=False), created_at=time.time())
         if reply.data is not None:
-            data = reply.data
-            choice = data["choices"][0]
-            text = choice.get("text") or ""
-            finish = choice.get("finish_reason")
-            answer, correct = fixture.grade(text)
-            rec.update(response_text=text, finish_reason=finish, matched_stop=choice.get("matched_stop"),
-                       truncated=finish == "length", error=None, usage=data.get("usage"),
-                       spec=choice.get("spec") if isinstance(choice.get("spec"), dict) else None,
-                       output_token_ids=choice.get("token_ids") if isinstance(choice.get("token_ids"), list) else None,
-                       logprobs=choice.get("logprobs"), extracted_answer=answer, correct=correct,
-                       grade_status="ok" if fixture.kind != "open" else "ungraded")
+            answer, correct = fixture.grade(rec["response_text"])
+            rec.update(extracted_answer=answer, correct=correct, grade_status="ok" if fixture.kind != "open" else "ungraded")
         else:
-            rec.update(response_text="", truncated=False, correct=False, grade_status="request_error",
-                       error=reply.error)
-        rec.update(latency_s=reply.latency_s, attempts=reply.attempts, created_at=time.time())
+            rec.update(correct=False, grade_status="request_error")
         self.writer.write(rec)
         self.records.append(rec)
         if self.progress:

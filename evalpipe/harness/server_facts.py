@@ -7,7 +7,7 @@ scored as if it were real speculative decoding.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 
 def _simulate_value(info: Any) -> Any:
@@ -63,4 +63,18 @@ def spec_from_response(body: dict, choice: dict) -> Optional[dict]:
             block = {k: v for k, v in meta.items() if k.startswith("spec_")}
             if block:
                 return block
+    return None
+
+
+def find_key(obj: Any, names: Iterable[str]) -> Any:
+    """First value stored under any of `names` in nested dicts (a server's settings, a manifest), breadth first."""
+    names = tuple(names)
+    queue = [obj]
+    while queue:
+        cur = queue.pop(0)
+        if isinstance(cur, dict):
+            for name in names:
+                if name in cur and cur[name] is not None:
+                    return cur[name]
+            queue.extend(v for v in cur.values() if isinstance(v, dict))
     return None
