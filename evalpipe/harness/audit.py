@@ -47,6 +47,7 @@ class AuditReport:
     run_dir: Path
     checks: list[Check]
     warnings: list[str]
+    recomputed: Optional[dict] = None  # the summary rebuilt from the records (what `summary` compares)
 
     @property
     def ok(self) -> bool:
@@ -181,6 +182,7 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
         c_done.problems.append(f"{len(unplanned)} records are not in the plan, e.g. {unplanned[:5]}")
 
     # ---- summary
+    again = None
     if summ is not None:
         meta = {k: summ.get(k) for k in ("arm", "run_id", "model", "endpoint")}
         again = compute_summary(lane_name=lane.name, grader=lane.grader, repeats=repeats,
@@ -224,7 +226,7 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
             c_man.problems.append("the dataset file changed since the run")
     except OSError:
         c_man.notes.append(f"dataset file {start['dataset']['path']} not present here; rebuilt from the data dir")
-    return AuditReport(run_dir, checks, warnings)
+    return AuditReport(run_dir, checks, warnings, again)
 
 
 def _spec_metrics_problems(block: Any) -> list[str]:
