@@ -111,12 +111,6 @@ class Outcome:
 # ----------------------------------------------------------------------------------------- request bodies
 
 
-def effective_params(lane: Lane, overrides: dict) -> dict:
-    params = dict(lane.params)
-    params.update(overrides)
-    return params
-
-
 def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int]) -> dict:
     """The exact JSON body for one request. `None`-valued params are not sent (e.g. the x16 lane's seed)."""
     body: dict = {"model": model}
@@ -175,7 +169,7 @@ class LaneRun:
         if self.repeats < 1:
             raise RunError("--repeats must be >= 1")
         self.concurrency = cfg.concurrency or lane.concurrency
-        self.params = effective_params(lane, cfg.overrides)
+        self.params = {**lane.params, **cfg.overrides}
 
         with Server(cfg.base_url, cfg.api_key) as server:
             self._ask_server(server)

@@ -1,16 +1,14 @@
 """The run folder: its file names, the per-response record, the record key and the one duplicate rule.
 
-A record is one JSON object per line of `responses.jsonl`. Why a fixed schema: the spec-on and spec-off arms are
-joined on `record_key` = (lane, question_id, repeat_index) and every number in `summary.json` must be re-derivable
-from these lines alone (`evalpipe audit` does that). Records are appended and flushed as each response lands, so a
-crash or Ctrl-C loses only in-flight work. Readers use `read_records` (it tolerates a torn last line) and
-`counted_records` (which record of a key counts).
+A record is one JSON object per line of `responses.jsonl`, appended and flushed as its response lands (a crash or
+Ctrl-C loses only in-flight work). Every number in summary.json is re-derivable from these lines (`evalpipe audit`
+does that), and arms are joined on `record_key` = (lane, question_id, repeat_index). Read with `read_records`
+(it tolerates a torn last line) and `counted_records`.
 
-Duplicates: `evalpipe run` writes each key once and `--resume` keeps it so, but a file written by two resumes at
-once or edited by hand can hold a key twice. Then the record that counts, in summary.json, audit and compare.json
-alike, is the key's FIRST NON-ERROR record in file order; a key whose records are all errors counts its LAST one
-(the latest failure). This is what `--resume` keeps: it never re-asks a key that has a non-error record, and it
-retries a key that has only errors, moving every record that does not count to superseded.jsonl.
+Duplicates: `evalpipe run` writes each key once, but two resumes at once or a hand edit can write a key twice. Then
+the record that counts, in summary.json, audit and compare.json alike, is the key's FIRST NON-ERROR record in file
+order, else its LAST error record (the latest failure). That is what `--resume` keeps: it never re-asks a key with a
+non-error record, retries a key with only errors, and moves every record that does not count to superseded.jsonl.
 """
 
 from __future__ import annotations

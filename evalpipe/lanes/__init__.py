@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,17 +108,9 @@ class Lane:
         raise NotImplementedError
 
     def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "api": self.api,
-            "params": dict(self.params),
-            "concurrency": self.concurrency,
-            "repeats": self.repeats,
-            "grader": self.grader,
-            "headline": self.headline,
-            "notes": self.notes,
-        }
+        """The protocol as recorded in every manifest: the fields above, in that order (a subclass's own are not)."""
+        desc = {f.name: getattr(self, f.name) for f in fields(Lane)}
+        return {**desc, "params": dict(self.params)}
 
 
 def get_lane(name: str) -> Lane:
