@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 
 from evalpipe import volatile
-from evalpipe.harness import metrics, spec_metrics
-from evalpipe.harness.metrics import completion_tokens, first_number, is_correct
 from evalpipe.compare import stats
-from evalpipe.harness.agreement import compare_outputs, summarize_agreement
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
+from evalpipe.harness import metrics, spec_metrics
+from evalpipe.harness.agreement import compare_outputs, summarize_agreement
+from evalpipe.harness.metrics import completion_tokens, first_number, is_correct
 from evalpipe.harness.server_facts import lossy_acceptance
 from evalpipe.redact import redact
 

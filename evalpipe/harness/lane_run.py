@@ -30,19 +30,6 @@ from evalpipe.harness import client as http
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.client import EndpointError, Reply, Server
-from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
-from evalpipe.lanes.data import DataError, file_sha256
-from evalpipe.lanes.grading import GraderPool, grade_text
-from evalpipe.lanes import (
-    Item,
-    Lane,
-    LaneData,
-    computed_pins,
-    id_list_sha256,
-    item_groups,
-    pin_differences,
-    prompt_stream_sha256,
-)
 from evalpipe.harness.records import (
     MANIFEST_FILE,
     RESPONSES_FILE,
@@ -57,8 +44,21 @@ from evalpipe.harness.records import (
     rewrite_records,
     write_json,
 )
-from evalpipe.redact import redact_text, scrub_values
+from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
 from evalpipe.harness.summary import compute_summary
+from evalpipe.lanes import (
+    Item,
+    Lane,
+    LaneData,
+    computed_pins,
+    id_list_sha256,
+    item_groups,
+    pin_differences,
+    prompt_stream_sha256,
+)
+from evalpipe.lanes.data import DataError, file_sha256
+from evalpipe.lanes.grading import GraderPool, grade_text
+from evalpipe.redact import redact_text, scrub_values
 
 
 EXIT_ERRORS_REMAIN = 4

@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256, sha256_hex
 from evalpipe.lanes.data import check_pin, file_sha256, find_gsm8k_test, read_jsonl
 from evalpipe.lanes.grading import legacy_answer_value
-from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256, sha256_hex
 
 N_DEMOS = 5
 TEMPLATE_ID = "legacy-sglang-gsm8k-5shot-rows0-4"
