@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from evalpipe.ab.plan import arm_labels, comparison_pairs
+from evalpipe.ab.plan import TIE_THRESHOLD, arm_labels, comparison_pairs
 from evalpipe.ab.report import write_report
 from evalpipe.compare.analysis import arm_accept_length
 from evalpipe.compare.report import print_terminal
@@ -61,7 +61,7 @@ class ABRun:
     max_tokens: int | None = None
     concurrency: int | None = None
     logprobs: int | None = 2
-    tie_threshold: float = 1e-4
+    tie_threshold: float = TIE_THRESHOLD
     margin: float = 1.0
     data_dir: Path | None = None
     command_line: list[str] = field(default_factory=list)
