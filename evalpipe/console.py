@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional, TextIO
 
 from rich.console import Console
 
 PIPED_WIDTH = 10_000
 
 
-def make_console(stderr: bool = False) -> Console:
+def make_console(stderr: bool = False, file: Optional[TextIO] = None) -> Console:
+    """A console on stdout (stderr), or into `file` (unbounded width, as when piped)."""
+    if file is not None:
+        return Console(file=file, soft_wrap=True, width=PIPED_WIDTH)
     stream = sys.stderr if stderr else sys.stdout
     piped = not stream.isatty() and not os.environ.get("COLUMNS")
     return Console(stderr=stderr, soft_wrap=True, width=PIPED_WIDTH if piped else None)

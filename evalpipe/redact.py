@@ -110,11 +110,6 @@ def redact_argv(argv: Iterable[str], secrets: Iterable[str] = ()) -> list[str]:
     return [scrub_values(t, secrets) for t in out]
 
 
-def redact_command(command: str, secrets: Iterable[str] = ()) -> str:
-    """A shell command line with secret values hidden, quoting and spacing kept."""
-    return redact_text(command, secrets)
-
-
 def redact_env(env: Mapping[str, str], secrets: Iterable[str] = ()) -> dict[str, str]:
     """Environment variables, sorted, with the values of secret-named ones hidden."""
     return {name: (REDACTED if is_secret_env_name(name) and value else scrub_values(value, secrets))

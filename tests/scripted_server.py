@@ -93,14 +93,14 @@ def mixed_bucket(question: str) -> str:
 def answer_table(lane: str, data_dir: Optional[Path] = None) -> dict:
     """{question: gold} for a lane, read from the same files evalpipe reads (gold as the grader sees it)."""
     if lane == "gsm8k":
-        from evalpipe.data import find_gsm8k_test, read_jsonl
-        from evalpipe.grading import legacy_answer_value
+        from evalpipe.lanes.data import find_gsm8k_test, read_jsonl
+        from evalpipe.lanes.grading import legacy_answer_value
 
         return {r["question"]: str(legacy_answer_value(r["answer"])) for r in read_jsonl(find_gsm8k_test(data_dir))}
-    from tasks.aime26 import dataset_path
-    from evalpipe.data import read_jsonl
+    from evalpipe.lanes.data import read_jsonl
+    from evalpipe.lanes.sgl_eval_adapter import aime26_dataset
 
-    return {r["problem"]: str(r["expected_answer"]) for r in read_jsonl(dataset_path())}
+    return {r["problem"]: str(r["expected_answer"]) for r in read_jsonl(aime26_dataset())}
 
 
 def start_scripted_server(config: Optional[dict] = None, *, startup_timeout_s: float = 30.0, **kwargs) -> tuple[str, subprocess.Popen]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evalpipe.commands.ab import arm_labels, comparison_pairs, declared_flags, merge_args
+from evalpipe.ab.plan import arm_labels, comparison_pairs, declared_flags, merge_args
 from evalpipe.launchers.base import group_members
 from evalpipe.launchers.cli import parse_serve_args
 
@@ -145,9 +145,8 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
     out = tmp_path / "ab"
     n = AB_QUESTIONS
     result = evalpipe("ab", "--lanes", "gsm8k", "--common", "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
-                      "--a", a, "--b", b,
-                      "--order", "ABBA", "--num-examples", str(n), "--max-tokens", "32", "--out", str(out),
-                      "--ready-timeout", "300", timeout=1800)
+                      "--a", a, "--b", b, "--order", "ABBA", "--num-examples", str(n), "--max-tokens", "32",
+                      "--out", str(out), "--ready-timeout", "300", timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     index = json.loads((out / "ab.json").read_text())
     assert index["status"] == "done", index.get("error")

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from evalpipe.bench import inputs_sha256, make_inputs  # noqa: E402
+from evalpipe.harness.bench import inputs_sha256, make_inputs  # noqa: E402
 from evalpipe.commands.bench import command as bench_cmd  # noqa: E402
 from evalpipe.commands.run import command as run_cmd  # noqa: E402
 from test_bench_peer import start_peer  # noqa: E402
@@ -68,7 +68,7 @@ def test_bench_refuses_a_stream_without_token_counts(tmp_path):
         res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "4", "--output-len", "4",
                                              "--rounds", "1", "--warmup", "0", "--out", str(tmp_path / "b")])
         assert res.exit_code == 0, res.output  # token_ids present: fine
-        from evalpipe.bench import BenchConfig, BenchError, run_bench
+        from evalpipe.harness.bench import BenchConfig, BenchError, run_bench
         import asyncio
 
         cfg = BenchConfig(base_url=base_url, input_len=4, output_len=4, rounds=1, warmup=0,
@@ -187,7 +187,7 @@ def test_defaults_and_readme_example_fit_the_default_server():
     """`evalpipe bench` with no length flags, and README's example, work against a default `evalpipe serve`."""
     import re
 
-    from evalpipe.bench import BenchConfig
+    from evalpipe.harness.bench import BenchConfig
     from evalpipe.server.state import ServerSettings
 
     limit = ServerSettings().max_seq_len

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from evalpipe.commands.compare import command as compare_cmd
-from evalpipe.records import REQUIRED_KEYS
+from evalpipe.harness.records import REQUIRED_KEYS
 
 N_Q = 40
 GAINED = [3, 8, 12, 17, 21, 30, 33]  # B right, A wrong

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from evalpipe.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
+from evalpipe.lanes.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
 from evalpipe.lanes import computed_pins, get_lane, load_pins
-from evalpipe.summary import compute_summary
+from evalpipe.harness.summary import compute_summary
 from tests.core_helpers import DATA_DIR, run_cli
 
 GSM8K_SHA = "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"
@@ -111,7 +111,7 @@ def test_repeated_lane_metrics_formulas():
 
 
 def test_simulation_and_spec_blocks_are_recognised():
-    from evalpipe.endpoint import simulation_reason, spec_from_response
+    from evalpipe.harness.server_facts import simulation_reason, spec_from_response
 
     assert simulation_reason({"simulate_acc_len": 2.5})
     assert simulation_reason({"speculative": {"simulate_acc_len": 3}})
@@ -126,7 +126,7 @@ def test_simulation_and_spec_blocks_are_recognised():
 
 
 def test_reader_keeps_landed_records_and_reports_a_torn_tail(tmp_path):
-    from evalpipe.records import RecordWriter, read_records
+    from evalpipe.harness.records import RecordWriter, read_records
 
     path = tmp_path / "responses.jsonl"
     with RecordWriter(path) as w:

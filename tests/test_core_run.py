@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from evalpipe.grading import legacy_answer_value
-from evalpipe.records import REQUIRED_KEYS
+from evalpipe.lanes.grading import legacy_answer_value
+from evalpipe.harness.records import REQUIRED_KEYS
 from tests.core_helpers import DATA_DIR, evalpipe_cmd, load_run, only_run_dir, run_cli, run_lane
 from tests.scripted_server import (
     DEFAULT_CONFIG,

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from evalpipe.commands.repeat import command as repeat_cmd  # noqa: E402
-from evalpipe.records import REQUIRED_KEYS  # noqa: E402
+from evalpipe.harness.records import REQUIRED_KEYS  # noqa: E402
 from test_bench_peer import start_peer  # noqa: E402
 
 V0 = [11, 12, 13, 14, 15, 16]

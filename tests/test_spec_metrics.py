@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from evalpipe import spec_metrics
+from evalpipe.harness import spec_metrics
 
 
 def vllm_text(drafts: float, draft_tokens: float, accepted: float, per_pos: list[float], engines: int = 1) -> str:

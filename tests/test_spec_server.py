@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from core_helpers import only_run_dir, run_cli, run_lane
-from evalpipe.endpoint import lossy_acceptance, simulation_reason
+from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
 from evalpipe.engine.runner import ModelRunner
 from server_harness import ServerProcess
 from spec_helpers import compare_with_tie_rule, plain_greedy, single_thread

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from evalpipe.bench import stream_request
+from evalpipe.harness.bench import stream_request
 from server_harness import ServerProcess
 from tests.core_helpers import run_cli
 

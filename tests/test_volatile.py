@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from evalpipe import manifest, volatile
+from evalpipe import volatile
+from evalpipe.harness import manifest
 from evalpipe.compare.analysis import manifest_differences
 from evalpipe.launchers.receipts import receipt_differences
 

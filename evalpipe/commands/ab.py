@@ -10,7 +10,6 @@ ab.json and report.html.
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import click
 
-TIE_THRESHOLD = 1e-4
+from evalpipe.ab.plan import TIE_THRESHOLD, declared_flags, merge_args
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -26,16 +25,6 @@ def _split(text: str, what: str) -> list[str]:
         return shlex.split(text or "")
     except ValueError as exc:
         raise click.UsageError(f"{what}: {exc}") from None
-
-
-def merge_args(common: list[str], own: list[str]) -> list[str]:
-    """Common then own arguments; each side's `--` passthrough part goes after every evalpipe flag."""
-    def split(args):
-        return (args[: args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
-
-    (common_flags, common_rest), (own_flags, own_rest) = split(common), split(own)
-    rest = common_rest + own_rest
-    return common_flags + own_flags + (["--", *rest] if rest else [])
 
 
 def _parse_arm(side: str, common: list[str], own: list[str]):
@@ -52,38 +41,6 @@ def _parse_arm(side: str, common: list[str], own: list[str]):
     except LaunchConfigError as exc:
         raise click.UsageError(f"arm {side}: {exc}") from None
     return options, given
-
-
-def declared_flags(a, b) -> list[str]:
-    """Option names whose values differ between the arms, plus differing passthrough flags."""
-    from evalpipe.launchers.sglang import extra_flag_values
-
-    names = [f.name for f in dataclasses.fields(a) if f.name != "extra_args" and getattr(a, f.name) != getattr(b, f.name)]
-    extra_a, extra_b = dict(extra_flag_values(a.extra_args)), dict(extra_flag_values(b.extra_args))
-    names += sorted(f for f in set(extra_a) | set(extra_b) if extra_a.get(f, object()) != extra_b.get(f, object()))
-    if "set_env" in names:
-        names.remove("set_env")
-        names += sorted(k for k in set(a.set_env) | set(b.set_env) if a.set_env.get(k) != b.set_env.get(k))
-    return names
-
-
-def arm_labels(order: str) -> list[tuple[str, str]]:
-    """'ABBA' -> [('A','A1'), ('B','B1'), ('B','B2'), ('A','A2')]."""
-    seen: dict[str, int] = {}
-    out = []
-    for side in order:
-        seen[side] = seen.get(side, 0) + 1
-        out.append((side, f"{side}{seen[side]}"))
-    return out
-
-
-def comparison_pairs(labels: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
-    """(kind, x, y): A_i vs B_i ('ab'), then A1 vs A_k and B1 vs B_k ('boot')."""
-    a = [label for side, label in labels if side == "A"]
-    b = [label for side, label in labels if side == "B"]
-    pairs = [("ab", x, y) for x, y in zip(a, b)]
-    pairs += [("boot", a[0], x) for x in a[1:]] + [("boot", b[0], y) for y in b[1:]]
-    return pairs
 
 
 @click.command("ab", context_settings={"help_option_names": ["-h", "--help"]})
@@ -149,7 +106,7 @@ def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, ma
     if not declared:
         click.echo("note: --a and --b are identical; this A/B measures boot-to-boot variation only", err=True)
 
-    from evalpipe.launchers.abrun import ABRun
+    from evalpipe.ab.run import ABRun
     from evalpipe.redact import redact_argv
 
     run = ABRun(

@@ -23,10 +23,11 @@ def command(run_dir, data_dir, grader_timeout, grader_workers, no_progress):
     planned item exactly once), summary (recomputed), manifest (start == end, pins). A partial run fails
     `complete`. A change of evalpipe's own source during the run is a warning only.
     """
-    from evalpipe.audit import MAX_SHOWN, audit_run
+    from evalpipe.harness.audit import MAX_SHOWN, audit_run
+    from evalpipe.harness.records import MANIFEST_FILE
 
-    if not (run_dir / "manifest.json").exists():
-        raise click.UsageError(f"{run_dir} is not a run folder (no manifest.json)")
+    if not (run_dir / MANIFEST_FILE).exists():
+        raise click.UsageError(f"{run_dir} is not a run folder (no {MANIFEST_FILE})")
     report = audit_run(run_dir, data_dir=data_dir, grader_timeout_s=grader_timeout, grader_workers=grader_workers,
                        progress=not no_progress)
     for c in report.checks:

@@ -45,7 +45,7 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     from rich.table import Table
     from tqdm import tqdm
 
-    from evalpipe.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
+    from evalpipe.harness.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
     from evalpipe.console import make_console
 
     cfg = BenchConfig(base_url=base_url, model=model, api_key=api_key, input_len=input_len, output_len=output_len,

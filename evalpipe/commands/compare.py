@@ -7,26 +7,9 @@ the same way (or are partial) unless --force, which compare.json records.
 
 from __future__ import annotations
 
-import os
-import re
-from pathlib import Path
-
 import click
 
 from evalpipe.compare import stats
-
-
-def default_out(a: str, b: str) -> Path:
-    """Beside the inputs: `<their common folder>/compare/<A>__vs__<B>` (results/gsm8k/compare/... for two gsm8k
-    runs), whatever the current directory; B's folder when the two share nothing but the root."""
-    def tag(p: Path) -> str:
-        return re.sub(r"[^A-Za-z0-9_.-]+", "-", p.name) or "run"
-
-    pa, pb = Path(a).resolve(), Path(b).resolve()
-    parent = Path(os.path.commonpath([pa.parent, pb.parent]))
-    if parent == Path(parent.anchor):
-        parent = pb.parent
-    return parent / "compare" / f"{tag(pa)}__vs__{tag(pb)}"
 
 
 @click.command(name="compare")
@@ -59,37 +42,17 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     Bench folders (bench.json): ratio of medians B / A with a bootstrap interval.
     """
     from evalpipe.compare import report
-    from evalpipe.compare.bench_compare import bench_problems, compare_benches, is_bench_folder, load_bench
-    from evalpipe.compare.runfolder import RunFolderError, comparability_problems, load_run
+    from evalpipe.compare.runfolder import RunFolderError
+    from evalpipe.compare.workflow import MixedFolders, NotComparable, compare_runs
 
-    bench_a, bench_b = is_bench_folder(run_a), is_bench_folder(run_b)
     try:
-        if bench_a and bench_b:
-            a, b = load_bench(run_a), load_bench(run_b)
-            problems = bench_problems(a, b)
-        elif bench_a or bench_b:
-            raise click.UsageError("one folder is a bench folder (bench.json) and the other is not; compare like with like.")
-        else:
-            a, b = load_run(run_a), load_run(run_b)
-            problems = comparability_problems(a, b)
-    except RunFolderError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if problems and not force:
-        raise click.ClickException(
-            "refusing to compare:\n  - " + "\n  - ".join(problems) + "\n(use --force to compare anyway; it is recorded)")
-    if bench_a:
-        result = compare_benches(a, b, seed=seed, n_resamples=resamples, forced=problems)
-    else:
-        from evalpipe.compare.analysis import analyse
-
-        result = analyse(a, b, margin_pts=margin_pts, seed=seed, n_resamples=resamples, intended=list(intended),
-                         forced=problems)
-    out = Path(out_dir) if out_dir else default_out(run_a, run_b)
-    out.mkdir(parents=True, exist_ok=True)
-    result["command"] = {"run_a": str(run_a), "run_b": str(run_b), "margin_pts": margin_pts, "force": force,
-                         "intended": list(intended), "seed": seed, "resamples": resamples}
-    json_path = report.write_json(result, out)
-    report.print_terminal(result)
-    click.echo(f"wrote {json_path}")
-    if not no_html:
-        click.echo(f"wrote {report.write_html(result, out)}")
+        done = compare_runs(run_a, run_b, out=out_dir, margin_pts=margin_pts, force=force, intended=intended,
+                            seed=seed, n_resamples=resamples, html=not no_html)
+    except MixedFolders as exc:
+        raise click.UsageError(str(exc)) from None
+    except (RunFolderError, NotComparable) as exc:
+        raise click.ClickException(str(exc)) from None
+    report.print_terminal(done.result)
+    click.echo(f"wrote {done.json_path}")
+    if done.html_path is not None:
+        click.echo(f"wrote {done.html_path}")

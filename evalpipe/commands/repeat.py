@@ -46,8 +46,10 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     from tqdm import tqdm
 
     from evalpipe.console import make_console
-    from evalpipe.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
-    from tasks.repeat_fixtures import fixtures
+    from evalpipe.harness.client import EndpointError
+    from evalpipe.harness.records import REPEAT_FILE, RESPONSES_FILE
+    from evalpipe.harness.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
+    from evalpipe.lanes.repeat_fixtures import fixtures
 
     all_fx = fixtures(long_context_chars=long_context_chars, open_max_tokens=open_max_tokens)
     if fixture_ids:
@@ -75,14 +77,8 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
             runner.write_result(partial=True)
             click.echo(f"interrupted: partial repeat.json written in {runner.run_dir}", err=True)
         raise SystemExit(130)
-    except RepeatError as exc:
+    except (RepeatError, EndpointError) as exc:  # a wrong model, an unreachable server: a message, no traceback
         raise click.ClickException(str(exc)) from exc
-    except Exception as exc:  # connection refused and friends: a clear message, not a traceback
-        import openai
-
-        if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)):
-            raise click.ClickException(f"cannot talk to {base_url}: {exc}") from exc
-        raise
     finally:
         bar.close()
     t = Table(title=f"evalpipe repeat — {result['config']['model']}, N = {repeats}, temperature 0")
@@ -104,7 +100,7 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     for c, why in result["config"]["conditions_skipped"].items():
         click.echo(f"skipped condition {c}: {why}")
     run_dir = Path(out_dir) / "repeat" / result["run_id"]
-    click.echo(f"wrote {run_dir / 'repeat.json'} and {run_dir / 'responses.jsonl'}")
+    click.echo(f"wrote {run_dir / REPEAT_FILE} and {run_dir / RESPONSES_FILE}")
 
 
 def error_lines(records: list[dict]) -> list[str]:

@@ -10,10 +10,6 @@ import click
 
 from evalpipe.lanes import LANE_MODULES, get_lane
 
-# lane-protocol flags: recorded as overrides; not allowed together with --resume (the run keeps its protocol)
-PROTOCOL_FLAGS = ("max_tokens", "temperature", "seed", "top_p", "num_examples", "repeats", "lane_concurrency")
-
-
 def _parse_seed(ctx, param, value):
     if value is None:
         return None
@@ -51,7 +47,7 @@ def _parse_seed(ctx, param, value):
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`.")
 @click.option("--allow-data-drift", is_flag=True, help="Run even when the data or prompt hashes differ from "
-              "manifests/<lane>.json (recorded in manifest and summary).")
+              "evalpipe/lanes/pins/<lane>.json (recorded in manifest and summary).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="Continue RUN_DIR: items with a non-error record are skipped, error records are retried "
               "(the old ones move to superseded.jsonl), the rest is appended. Lane flags come from its manifest.")
@@ -86,9 +82,9 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
       4    finished, but some items ended as error records; the count and the --resume command are printed
       130  interrupted by Ctrl-C (143: SIGTERM); landed records kept, partial summary, resume command printed
     """
-    from evalpipe.records import MANIFEST_FILE
+    from evalpipe.harness.records import MANIFEST_FILE
     from evalpipe.redact import redact_argv
-    from evalpipe.runner import RunConfig, Runner, RunError
+    from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
 
     overrides = {}
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
@@ -146,7 +142,7 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         resume_dir=resume_dir, command_line=redact_argv(sys.argv, [api_key or ""]),
     )
     try:
-        outcome = Runner(cfg).execute()
+        outcome = LaneRun(cfg).execute()
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
     print_summary(outcome.summary, outcome.run_dir)

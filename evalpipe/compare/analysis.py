@@ -11,15 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from evalpipe import spec_metrics, volatile
+from evalpipe import volatile
 from evalpipe.compare import stats
-from evalpipe.compare.agreement import compare_outputs, summarize_agreement
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
-from evalpipe.endpoint import lossy_acceptance
+from evalpipe.harness import metrics, spec_metrics
+from evalpipe.harness.agreement import compare_outputs, summarize_agreement
+from evalpipe.harness.metrics import completion_tokens, first_number, is_correct
+from evalpipe.harness.server_facts import lossy_acceptance
 from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
-GSM8K_INVALID = -9999999
+ABSENT = "<absent>"  # a manifest key one side lacks
 
 # Keys of our own manifests that differ between any two runs by construction (ids, clocks, paths): listed as
 # volatile, never flagged. What the server itself changes per call or per boot is evalpipe.volatile's list.
@@ -46,42 +48,12 @@ def _scrub(obj: Any, in_list: bool = False) -> Any:
     return obj
 
 
-def is_correct(rec: dict) -> bool:
-    """Errors and truncations count as wrong: they stay in the denominator."""
-    return bool(rec.get("correct")) and not rec.get("error")
-
-
-def is_invalid(rec: dict) -> bool:
-    """No extractable answer, counted as `evalpipe run` counts it: grade_status `no_answer` on a non-error record
-    (a truncated record is graded `truncated`, not invalid). Records without a grade_status fall back to the
-    extracted answer (None or GSM8K's INVALID value)."""
-    if rec.get("error"):
-        return False
-    status = rec.get("grade_status")
-    if status is not None:
-        return status in ("no_answer", "invalid")
-    ans = rec.get("extracted_answer")
-    return ans is None or ans == GSM8K_INVALID or ans == str(GSM8K_INVALID)
-
-
-def is_truncated(rec: dict) -> bool:
-    return bool(rec.get("truncated")) or rec.get("finish_reason") == "length"
-
-
-def completion_tokens(rec: dict) -> int | None:
-    usage = rec.get("usage") or {}
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), (int, float)):
-        return int(usage["completion_tokens"])
-    ids = rec.get("output_token_ids")
-    return len(ids) if isinstance(ids, list) else None
-
-
 def arm_overview(run: RunFolder) -> dict:
     recs = list(run.by_key.values())
     n_planned = run.summary.get("n_planned")
     if not isinstance(n_planned, int):
         n_planned = len(recs)
-    n_correct = sum(is_correct(r) for r in recs)
+    n_correct = sum(map(is_correct, recs))
     return {
         "path": str(run.path),
         "run_id": run.run_id,
@@ -100,7 +72,7 @@ def arm_overview(run: RunFolder) -> dict:
 def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> dict:
     """Truncation, error and invalid/no-answer counts and rates per arm and their difference (B - A)."""
     out = {}
-    for name, pred in (("truncated", is_truncated), ("error", lambda r: bool(r.get("error"))), ("invalid", is_invalid)):
+    for name, pred in metrics.RATES:
         ka, kb = sum(map(pred, recs_a)), sum(map(pred, recs_b))
         ra, rb = (ka / n_a if n_a else None), (kb / n_b if n_b else None)
         out[name] = {"n_a": ka, "n_b": kb, "denominator_a": n_a, "denominator_b": n_b, "rate_a": ra, "rate_b": rb,
@@ -111,7 +83,7 @@ def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> di
 def spec_stats(recs: list[dict]) -> dict:
     """Accept-length mean and distribution from the records' `spec` (null when speculation was off).
 
-    Per record the accept length is the server's figure, else completion_tokens / verify steps. Per-step
+    Per record the accept length is metrics.accept_length (the server's figure, else tokens / verify steps). Per-step
     lengths (`accept_lengths`), a histogram by length (`accept_length_histogram`) or by accepted drafts
     (`accept_histogram`, the native engine's; length = drafts + 1) feed the
     distribution; else the per-record means do. The token-weighted mean is sum(tokens) / sum(steps).
@@ -129,13 +101,11 @@ def spec_stats(recs: list[dict]) -> dict:
         n_lossy += spec.get("lossy") is True
         if isinstance(spec.get("accept"), dict) and spec["accept"].get("rule"):
             rules.add(str(spec["accept"]["rule"]))
-        verify = _first_num(spec, ("verify_steps", "verify_ct", "spec_verify_ct", "num_verify_steps"))
-        tokens = _first_num(spec, ("num_tokens", "accepted_tokens_total")) or completion_tokens(r)
-        al = _first_num(spec, ("accept_length", "spec_accept_length", "avg_accept_length", "mean_accept_length"))
-        if al is None and verify and tokens:
-            al = tokens / verify
+        verify = first_number(spec, metrics.VERIFY_STEP_KEYS)
+        tokens = first_number(spec, metrics.SPEC_TOKEN_KEYS) or completion_tokens(r)
+        al = metrics.accept_length(r)
         if al is not None:
-            per_record.append(float(al))
+            per_record.append(al)
         if verify and tokens:
             tok_sum += tokens
             step_sum += verify
@@ -159,7 +129,7 @@ def spec_stats(recs: list[dict]) -> dict:
         histogram[str(int(x))] = histogram.get(str(int(x)), 0) + 1
     return {
         "n_records_with_spec": n_with,
-        "accept_length_mean": float(np.mean(per_record)) if per_record else None,
+        "accept_length_mean": metrics.mean_accept_length(recs),
         "accept_length_token_weighted": tok_sum / step_sum if step_sum else None,
         "accept_length_median": float(np.median(per_record)) if per_record else None,
         "histogram_basis": "per-step accept lengths" if steps else "per-record mean accept length, rounded",
@@ -191,14 +161,6 @@ def arm_accept_length(block: Any) -> tuple[float | None, str | None]:
     if isinstance(block.get("accept_length_run_level"), (int, float)):
         return float(block["accept_length_run_level"]), "run-level /metrics"
     return None, None
-
-
-def _first_num(d: dict, names: tuple[str, ...]) -> float | None:
-    for n in names:
-        v = d.get(n)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return v
-    return None
 
 
 def speed_stats(recs: list[dict]) -> dict:
@@ -233,17 +195,16 @@ def _mean(xs: list[float]) -> float | None:
 def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
     """Every differing manifest key (dotted), grouped, with the intended ones (glob patterns) marked."""
     fa, fb = flatten(manifest_view(ma)), flatten(manifest_view(mb))
+    # what the server changes by itself (evalpipe.volatile) is left out of the views: listed, when it differs
+    ra, rb = flatten(manifest_view(ma, strip_volatile=False)), flatten(manifest_view(mb, strip_volatile=False))
+    stripped = {k for k in set(ra) | set(rb) if k not in fa and k not in fb and ra.get(k, ABSENT) != rb.get(k, ABSENT)}
     rows, volatile = [], []
-    raw_a, raw_b = flatten(manifest_view(ma, strip=False)), flatten(manifest_view(mb, strip=False))
-    for key in sorted(set(raw_a) | set(raw_b)):  # what the per-engine volatile list removed, listed as ignored
-        if key not in fa and key not in fb and raw_a.get(key, "<absent>") != raw_b.get(key, "<absent>"):
-            volatile.append(key)
-    for key in sorted(set(fa) | set(fb)):
-        va, vb = fa.get(key, "<absent>"), fb.get(key, "<absent>")
-        if va == vb:
+    for key in sorted(set(fa) | set(fb) | stripped):
+        va, vb = fa.get(key, ABSENT), fb.get(key, ABSENT)
+        if va == vb and key not in stripped:
             continue
         leaf = key.rsplit(".", 1)[-1]
-        if leaf in VOLATILE_LEAVES:
+        if key in stripped or leaf in VOLATILE_LEAVES:
             volatile.append(key)
             continue
         mark = any(fnmatch.fnmatchcase(key, pat) or fnmatch.fnmatchcase(leaf, pat) for pat in intended)
@@ -253,17 +214,16 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
         "differences": rows,
         "n_intended": sum(r["intended"] for r in rows),
         "n_unintended": sum(not r["intended"] for r in rows),
-        "volatile_keys_ignored": sorted(volatile),
+        "volatile_keys_ignored": volatile,
     }
 
 
-def manifest_view(manifest: dict, strip: bool = True) -> dict:
+def manifest_view(manifest: dict, strip_volatile: bool = True) -> dict:
     """The provenance snapshot with packages as {name: version}, so a changed package is one row; server facts
-    redacted and (with `strip`) without what changes per call or per boot (a manifest written before either rule
-    may hold both)."""
+    without what changes per call or per boot, and redacted (a manifest written before either rule may hold both)."""
     snap = dict(snapshot(manifest))
     if isinstance(snap.get("server"), dict):
-        snap["server"] = redact(volatile.strip_server(snap["server"]) if strip else snap["server"])
+        snap["server"] = redact(volatile.strip_server(snap["server"]) if strip_volatile else snap["server"])
     view = {k: (_scrub(v) if isinstance(v, (dict, list)) and k != "packages" else v) for k, v in snap.items()}
     pkgs = view.get("packages")
     if isinstance(pkgs, list):
@@ -281,7 +241,7 @@ def _category(key: str) -> str:
     return "other"
 
 
-def flip_list(pairs: dict[tuple[str, int], tuple[dict, dict]], agreement: dict) -> list[dict]:
+def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[dict]:
     """Every question answered right in exactly one arm, with what each arm said."""
     flips = []
     for key, (ra, rb) in pairs.items():
@@ -290,7 +250,7 @@ def flip_list(pairs: dict[tuple[str, int], tuple[dict, dict]], agreement: dict) 
             continue
         ag = agreement.get(key) or {}
         flips.append({
-            "question_id": key[0], "repeat_index": key[1],
+            "question_id": key[1], "repeat_index": key[2],
             "direction": "gained" if cb else "lost",
             "expected_answer": rb.get("expected_answer", ra.get("expected_answer")),
             "answer_a": ra.get("extracted_answer"), "answer_b": rb.get("extracted_answer"),
@@ -315,7 +275,7 @@ def _id_sort_key(qid) -> tuple:
 def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resamples: int,
             intended: list[str], forced: list[str]) -> dict:
     """The whole comparison of run A (reference) and run B (candidate)."""
-    common = sorted(set(a.by_key) & set(b.by_key), key=lambda k: (_id_sort_key(k[0]), k[1]))
+    common = sorted(set(a.by_key) & set(b.by_key), key=lambda k: (_id_sort_key(k[1]), k[2]))
     only_a = sorted(set(a.by_key) - set(b.by_key))
     only_b = sorted(set(b.by_key) - set(a.by_key))
     pairs = {k: (a.by_key[k], b.by_key[k]) for k in common}
@@ -334,8 +294,8 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
             if over_a["accuracy"] is not None and over_b["accuracy"] is not None else None,
         },
         "paired_keys": len(common),
-        "keys_only_in_a": [list(k) for k in only_a],
-        "keys_only_in_b": [list(k) for k in only_b],
+        "keys_only_in_a": [list(k[1:]) for k in only_a],
+        "keys_only_in_b": [list(k[1:]) for k in only_b],
         "repeated": a.repeated or b.repeated,
         "settings": {"margin_pts": margin_pts, "seed": seed, "n_resamples": n_resamples,
                      "confidence": stats.DEFAULT_CONFIDENCE},
@@ -345,9 +305,9 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
     if result["repeated"]:
         oa: dict = {}
         ob: dict = {}
-        for (qid, _), rec in a.by_key.items():
+        for (_, qid, _), rec in a.by_key.items():
             oa.setdefault(qid, []).append(float(is_correct(rec)))
-        for (qid, _), rec in b.by_key.items():
+        for (_, qid, _), rec in b.by_key.items():
             ob.setdefault(qid, []).append(float(is_correct(rec)))
         ids = sorted(set(oa) & set(ob), key=_id_sort_key)
         result["repeated_stats"] = stats.compare_repeated(
@@ -360,8 +320,7 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         cb = np.array([is_correct(pairs[k][1]) for k in common], dtype=bool)
         greedy = stats.compare_greedy(ca, cb, margin_pts=margin_pts, n_resamples=n_resamples, seed=seed)
         result["greedy"] = greedy.to_dict()
-        for name, pred in (("truncated", is_truncated), ("error", lambda r: bool(r.get("error"))),
-                           ("invalid", is_invalid)):
+        for name, pred in metrics.RATES:
             fa = np.array([pred(pairs[k][0]) for k in common], dtype=bool)
             fb = np.array([pred(pairs[k][1]) for k in common], dtype=bool)
             result["rates"][name]["mcnemar_p"] = stats.mcnemar_exact(int(np.sum(fb & ~fa)), int(np.sum(fa & ~fb)))
@@ -369,7 +328,7 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         result["agreement"] = summarize_agreement(list(per_pair.items()))
         result["flips"] = flip_list(pairs, per_pair)
         result["per_question"] = [
-            {"question_id": k[0], "correct_a": bool(x), "correct_b": bool(y),
+            {"question_id": k[1], "correct_a": bool(x), "correct_b": bool(y),
              "identical": per_pair[k]["identical"], "divergence_position": per_pair[k]["position"]}
             for k, x, y in zip(common, ca, cb)]
     result["spec"] = {"a": spec_block(recs_a, a.summary), "b": spec_block(recs_b, b.summary)}

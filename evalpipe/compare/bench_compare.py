@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from evalpipe.compare import stats
-from evalpipe.compare.runfolder import BENCH, RunFolderError
+from evalpipe.compare.runfolder import RunFolderError
+from evalpipe.harness.records import BENCH_FILE
 
 # Settings that must match for two benches to measure the same thing.
 PROTOCOL_KEYS = ("input_len", "output_len", "concurrency", "input_ids_sha256", "temperature", "ignore_eos")
@@ -14,11 +15,11 @@ METRICS = ("decode_tokens_per_s", "ttft_s", "total_s")
 
 
 def is_bench_folder(path: str | Path) -> bool:
-    return (Path(path) / BENCH).is_file()
+    return (Path(path) / BENCH_FILE).is_file()
 
 
 def load_bench(path: str | Path) -> dict:
-    p = Path(path) / BENCH
+    p = Path(path) / BENCH_FILE
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

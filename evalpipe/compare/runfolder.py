@@ -10,14 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from evalpipe.records import read_records
-
-RESPONSES = "responses.jsonl"
-SUMMARY = "summary.json"
-MANIFEST = "manifest.json"
-BENCH = "bench.json"
+from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, counted_records, read_records
+from evalpipe.harness.server_facts import find_key
 
 # Manifest keys searched (depth first) for each identity; the first one found wins.
 PROMPT_STREAM_KEYS = ("prompt_stream_sha256_selected", "prompt_stream_sha256")
@@ -39,7 +35,7 @@ class RunFolder:
     manifest: dict
     bad_lines: int = 0
     duplicates: int = 0
-    by_key: dict[tuple[str, int], dict] = field(default_factory=dict)
+    by_key: dict[tuple, dict] = field(default_factory=dict)  # record_key -> the record that counts (records.py)
 
     @property
     def lane(self) -> str | None:
@@ -70,24 +66,10 @@ class RunFolder:
         if isinstance(planned, int) and len(self.by_key) < planned:
             reasons.append(f"{len(self.by_key)} of {planned} planned items have a record")
         if self.bad_lines:
-            reasons.append(f"{self.bad_lines} unreadable line(s) in {RESPONSES}")
+            reasons.append(f"{self.bad_lines} unreadable line(s) in {RESPONSES_FILE}")
         if self.summary.get("manifest_changed") or self.manifest.get("consistent") is False:
             reasons.append("manifest changed between start and end of the run")
         return reasons
-
-
-def find_key(obj: Any, names: Iterable[str]) -> Any:
-    """First value stored under any of `names`, searching nested dicts breadth first."""
-    names = tuple(names)
-    queue = [obj]
-    while queue:
-        cur = queue.pop(0)
-        if isinstance(cur, dict):
-            for name in names:
-                if name in cur and cur[name] is not None:
-                    return cur[name]
-            queue.extend(v for v in cur.values() if isinstance(v, dict))
-    return None
 
 
 def snapshot(manifest: dict) -> dict:
@@ -140,37 +122,20 @@ def lane_protocol(manifest: dict, summary: dict) -> Any:
     return {"spec": spec, "overrides": overrides or {}}
 
 
-def record_key(rec: dict) -> tuple[Any, int]:
-    """(question_id as recorded, repeat_index): the join key between arms (both run one lane)."""
-    qid = rec.get("question_id")
-    if not isinstance(qid, (int, str)):
-        qid = json.dumps(qid, sort_keys=True)
-    return (qid, int(rec.get("repeat_index") or 0))
-
-
 def load_run(path: str | Path) -> RunFolder:
     folder = Path(path)
-    responses = folder / RESPONSES
+    responses = folder / RESPONSES_FILE
     if not folder.is_dir():
         raise RunFolderError(f"{folder}: not a directory")
     if not responses.is_file():
-        raise RunFolderError(f"{folder}: no {RESPONSES} (is this a run folder?)")
+        raise RunFolderError(f"{folder}: no {RESPONSES_FILE} (is this a run folder?)")
     read = read_records(responses)
     records = read.records
     bad = len(read.bad_lines) + int(read.torn_tail)
-    summary = _read_json(folder / SUMMARY)
-    manifest = _read_json(folder / MANIFEST)
-    run = RunFolder(path=folder, records=records, summary=summary, manifest=manifest, bad_lines=bad)
-    # A resumed run appends: the last non-error record for a key wins, an error only when nothing else landed.
-    for rec in records:
-        key = record_key(rec)
-        old = run.by_key.get(key)
-        if old is not None:
-            run.duplicates += 1
-            if rec.get("error") and not old.get("error"):
-                continue
-        run.by_key[key] = rec
-    return run
+    counted = counted_records(records)
+    return RunFolder(path=folder, records=records, summary=_read_json(folder / SUMMARY_FILE),
+                     manifest=_read_json(folder / MANIFEST_FILE), bad_lines=bad, duplicates=counted.n_duplicates,
+                     by_key=counted.by_key)
 
 
 def _read_json(path: Path) -> dict:

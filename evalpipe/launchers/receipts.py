@@ -19,41 +19,27 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
-import httpx
-
 from evalpipe import volatile
+from evalpipe.harness.client import Server
 from evalpipe.launchers.base import Launcher
 from evalpipe.launchers.env import redact_tree, scrub_values
 
 RECEIPT_SCHEMA = 1
 
 
-def fetch_json(client: httpx.Client, url: str):
-    """GET a JSON document; None when the server has no such endpoint or answers with something else."""
-    try:
-        response = client.get(url, timeout=30)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    try:
-        return response.json()
-    except ValueError:
-        return None
-
-
 def server_report(launcher: Launcher) -> dict:
-    """Ask the running server about itself: effective settings, served models, version."""
+    """Ask the running server about itself: effective settings, served models, version (proxy settings ignored:
+    the launcher started it on this host)."""
     report: dict = {"server_info": None, "server_info_path": None, "models": None, "version": None}
-    with httpx.Client(base_url=launcher.base_url, headers=launcher.headers(), trust_env=False) as client:
+    with Server(launcher.base_url, launcher.options.api_key, trust_env=False) as server:
         for path in launcher.info_paths:
-            info = fetch_json(client, path)
+            info = Server.json_of(server.get(path))
             if isinstance(info, dict):
                 report["server_info"], report["server_info_path"] = redact_tree(info), path
                 break
-        report["models"] = fetch_json(client, "/v1/models")
+        report["models"] = Server.json_of(server.get("/v1/models"))
         if launcher.version_path:
-            version = fetch_json(client, launcher.version_path)
+            version = Server.json_of(server.get(launcher.version_path))
             report["version"] = version.get("version") if isinstance(version, dict) else None
     return report
 
@@ -172,7 +158,7 @@ def _number(value) -> float | None:
 
 
 def _source() -> dict | None:
-    from evalpipe.manifest import code_provenance
+    from evalpipe.harness.manifest import code_provenance
 
     try:
         facts = code_provenance()

@@ -7,7 +7,8 @@ this counts distinct completions out of N, the modal completion's share, where t
 
 Conditions: serial; burst (all N concurrently); logprobs (serial, with top-2 logprobs); prefix_fresh
 (cache dropped before each request) and prefix_reused (after a priming request) where the server can drop its
-prefix cache (/flush_cache, or vLLM's /reset_prefix_cache in dev mode) and reports cached tokens. Every response is recorded in the run-record JSONL form.
+prefix cache (/flush_cache, or vLLM's /reset_prefix_cache in dev mode) and reports cached tokens. Every response is
+recorded in the run-record JSONL form.
 """
 
 from __future__ import annotations
@@ -20,18 +21,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import httpx
-import openai
-
-from evalpipe.compare.agreement import first_divergence, logprob_gap
-from evalpipe.endpoint import CACHE_RESET_MISSING, CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache
-from evalpipe.records import REQUIRED_KEYS, SCHEMA_VERSION, RecordWriter, write_json
-from evalpipe.redact import redact
-from tasks.repeat_fixtures import Fixture, fixtures_sha256
+from evalpipe.harness.agreement import first_divergence, logprob_gap
+from evalpipe.harness.client import CACHE_RESET_MISSING, CACHE_RESET_PATHS, Server, openai_client, send
+from evalpipe.harness.records import (
+    MANIFEST_FILE,
+    REPEAT_FILE,
+    REQUIRED_KEYS,
+    RESPONSES_FILE,
+    SCHEMA_VERSION,
+    RecordWriter,
+    response_fields,
+    write_json,
+)
+from evalpipe.lanes.repeat_fixtures import Fixture, fixtures_sha256
+from evalpipe.redact import redact_text
 
 CONDITIONS = ("serial", "burst", "logprobs", "prefix_fresh", "prefix_reused")
 LANE = "repeat"
 TOP_LOGPROBS = 2
+MAX_RETRIES, RETRY_BACKOFF_S = 2, 0.5  # harness/client.py's policy; a repeat's requests are short
 
 
 @dataclass
@@ -47,11 +55,6 @@ class RepeatConfig:
     arm: str = "repeat"
     out_dir: Path = Path("results")
     extra_body: dict = field(default_factory=dict)
-
-
-def server_root(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    return root[:-3] if root.endswith("/v1") else root
 
 
 def output_key(rec: dict) -> Any:
@@ -118,29 +121,15 @@ class RepeatRun:
         self.run_dir: Optional[Path] = None
         self.conditions: list[str] = []
         self.cache_reset_path: Optional[str] = None
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), headers=headers)
-        self.client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "none",
-                                         timeout=cfg.timeout_s, max_retries=2)
+        self.server = Server(cfg.base_url, cfg.api_key)
+        self.client = openai_client(cfg.base_url, cfg.api_key, cfg.timeout_s, connections=cfg.repeats)
 
-    async def flush(self) -> bool:
+    def flush(self) -> bool:
         """Drop the server's prefix cache through the route it offers (probed once, then that one only)."""
-        paths = (self.cache_reset_path,) if self.cache_reset_path else CACHE_RESET_PATHS
-        path = await reset_prefix_cache(self.http, server_root(self.cfg.base_url), {}, paths)
+        path = self.server.reset_prefix_cache((self.cache_reset_path,) if self.cache_reset_path else CACHE_RESET_PATHS)
         if self.cache_reset_path is None:
             self.cache_reset_path = path
         return path is not None
-
-    async def server_info(self) -> Optional[dict]:
-        root = server_root(self.cfg.base_url)
-        for path in SERVER_INFO_PATHS:
-            try:
-                r = await self.http.get(root + path)
-                if r.status_code == 200:
-                    return redact(r.json(), [self.cfg.api_key or ""])
-            except (httpx.HTTPError, ValueError):
-                continue
-        return None
 
     async def one(self, fixture: Fixture, condition: str, index: int, *, logprobs: bool) -> dict:
         body: dict[str, Any] = {"model": self.model, "prompt": fixture.prompt, "max_tokens": fixture.max_tokens,
@@ -154,31 +143,17 @@ class RepeatRun:
         rec = {k: None for k in REQUIRED_KEYS}
         rec.update(schema_version=SCHEMA_VERSION, run_id=self.run_id, arm=self.cfg.arm, lane=LANE,
                    question_id=f"{fixture.id}/{condition}", repeat_index=index, request_seq=self.seq,
-                   endpoint=self.cfg.base_url + "/completions", model=self.model,
+                   endpoint=redact_text(self.cfg.base_url) + "/completions", model=self.model,
                    prompt_sha256=hashlib.sha256(fixture.prompt.encode()).hexdigest(),
                    request={**body, **extra}, fixture=fixture.id, condition=condition, expected_answer=fixture.expected)
-        start = time.time()
-        t0 = time.perf_counter()
-        try:
-            resp = await self.client.completions.create(**body, extra_body=extra or None)
-            data = resp.model_dump()
-            choice = (data.get("choices") or [{}])[0]
-            text = choice.get("text") or ""
-            finish = choice.get("finish_reason")
-            answer, correct = fixture.grade(text)
-            rec.update(response_text=text, finish_reason=finish, matched_stop=choice.get("matched_stop"),
-                       truncated=finish == "length", error=None, usage=data.get("usage"),
-                       spec=choice.get("spec") if isinstance(choice.get("spec"), dict) else None,
-                       output_token_ids=choice.get("token_ids") if isinstance(choice.get("token_ids"), list) else None,
-                       logprobs=choice.get("logprobs"), extracted_answer=answer, correct=correct,
-                       grade_status="ok" if fixture.kind != "open" else "ungraded")
-        except openai.APIError as exc:
-            status = getattr(exc, "status_code", None)
-            rec.update(response_text="", truncated=False, correct=False, grade_status="request_error",
-                       error={"type": type(exc).__name__, "status": status, "message": str(exc)[:2000]})
-        rec["latency_s"] = time.perf_counter() - t0
-        rec["attempts"] = [{"start": start, "end": time.time(), "error": rec["error"]}]
-        rec["created_at"] = time.time()
+        reply = await send(self.client, "/completions", rec["request"], chat=False, max_retries=MAX_RETRIES,
+                           backoff_s=RETRY_BACKOFF_S, secrets=[self.cfg.api_key or ""])
+        rec.update(response_fields(reply, chat=False), created_at=time.time())
+        if reply.data is not None:
+            answer, correct = fixture.grade(rec["response_text"])
+            rec.update(extracted_answer=answer, correct=correct, grade_status="ok" if fixture.kind != "open" else "ungraded")
+        else:
+            rec.update(correct=False, grade_status="request_error")
         self.writer.write(rec)
         self.records.append(rec)
         if self.progress:
@@ -194,31 +169,28 @@ class RepeatRun:
             await self.one(fixture, "prefix_reused_priming", 0, logprobs=False)
         for i in range(n):
             if condition == "prefix_fresh":
-                await self.flush()
+                self.flush()
             out.append(await self.one(fixture, condition, i, logprobs=condition == "logprobs"))
         return out
 
     async def run(self) -> dict:
         cfg = self.cfg
-        models = await self.client.models.list()
-        ids = [m.id for m in models.data]
+        ids = [m["id"] for m in self.server.models()["data"]]
         if cfg.model and cfg.model not in ids:
             raise RepeatError(f"model {cfg.model!r} is not served (served: {ids})")
-        if not cfg.model and not ids:
-            raise RepeatError("the server lists no model; pass --model")
         self.model = cfg.model or ids[0]
-        info = await self.server_info()
+        info = self.server.server_info()[1]
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.run_id = f"{cfg.arm}-{stamp}-{hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]}"
         self.run_dir = Path(cfg.out_dir) / LANE / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=False)
-        flush_offered = await self.flush()
+        flush_offered = self.flush()
         self.server_facts = {"models": ids, "server_info": info, "flush_cache_offered": flush_offered,
                              "cache_reset_path": self.cache_reset_path, "reports_cached_tokens": None}
         self.conditions: list[str] = []
         self.skipped: dict[str, str] = {}
         probe = cfg.fixtures[0]
-        self.writer = RecordWriter(self.run_dir / "responses.jsonl")
+        self.writer = RecordWriter(self.run_dir / RESPONSES_FILE)
         try:
             # cached-token reporting: ask twice for the same prompt and look at the usage block
             if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions):
@@ -239,14 +211,13 @@ class RepeatRun:
                     await self.condition(fx, c)
         finally:
             self.writer.close()
-        result = self.write_result(partial=False)
-        await self.http.aclose()
-        await self.client.close()
-        return result
+            self.server.close()
+            await self.client.close()
+        return self.write_result(partial=False)
 
     def write_result(self, partial: bool) -> dict:
         """Build repeat.json from the records alone (so an interrupted run still gets one) and write it."""
-        from evalpipe.manifest import code_provenance, installed_packages, python_platform
+        from evalpipe.harness.manifest import code_provenance, installed_packages, python_platform
 
         cfg = self.cfg
         groups: dict[str, dict[str, dict]] = {}
@@ -261,7 +232,7 @@ class RepeatRun:
             "run_id": self.run_id,
             "arm": cfg.arm,
             "partial": partial,
-            "config": {"base_url": cfg.base_url, "model": self.model, "repeats": cfg.repeats,
+            "config": {"base_url": redact_text(cfg.base_url), "model": self.model, "repeats": cfg.repeats,
                        "conditions": list(self.conditions), "conditions_skipped": self.skipped,
                        "token_ids": cfg.token_ids, "temperature": 0.0, "top_logprobs": TOP_LOGPROBS,
                        "fixtures": [f.describe() for f in cfg.fixtures],
@@ -274,8 +245,8 @@ class RepeatRun:
         manifest = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "arm": cfg.arm, "lane": LANE,
                     "created_at": time.time(), "config": result["config"], "server": result["server"],
                     "code": code_provenance(), "packages": installed_packages(), "python": python_platform()}
-        write_json(self.run_dir / "manifest.json", manifest)
-        write_json(self.run_dir / "repeat.json", result)
+        write_json(self.run_dir / MANIFEST_FILE, manifest)
+        write_json(self.run_dir / REPEAT_FILE, result)
         return result
 
 

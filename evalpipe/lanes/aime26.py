@@ -1,7 +1,7 @@
 """Lane `aime26`: AIME 2026, one greedy response per problem, served one at a time.
 
 Data: the 30 problems vendored in sgl-eval 0.1.0 (`_vendored/nemo_skills/dataset/aime26/test.txt`,
-NeMo-Skills@645cf567; sha256 pinned in manifests/aime26.json); id = the row's `id` (aime26-0..29).
+NeMo-Skills@645cf567; sha256 pinned in pins/aime26.json); id = the row's `id` (aime26-0..29).
 Prompt: the vendored `matharena-aime` YAML rendered with `str.format` as the single user message.
 It is NeMo-Skills' copy of MathArena's **AIME-2024 wording** ("Please reason step by step, and put your final
 answer within \\boxed{}." + range sentence), not MathArena's 2025/2026 wording; no system message.
@@ -16,19 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from sgl_eval.evals._prompts import render_prompt, vendored_prompt
-
-from evalpipe.data import check_pin, file_sha256, read_jsonl
 from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256
+from evalpipe.lanes.data import check_pin, file_sha256, read_jsonl
+from evalpipe.lanes.sgl_eval_adapter import aime26_dataset, prompt_template, render_prompt
 
 PROMPT_NAME = "matharena-aime"
 PROMPT_NOTE = "NS-vendored MathArena AIME-2024 wording (sgl-eval 0.1.0 matharena-aime.yaml), not MathArena's 2026 prompt"
-
-
-def dataset_path() -> Path:
-    import sgl_eval
-
-    return Path(sgl_eval.__file__).resolve().parent / "_vendored" / "nemo_skills" / "dataset" / "aime26" / "test.txt"
 
 
 def build_messages(template_path: Path, problem: str) -> list[dict]:
@@ -37,14 +30,14 @@ def build_messages(template_path: Path, problem: str) -> list[dict]:
 
 class AIME26Lane(Lane):
     def load(self, data_dir: Optional[Path], allow_data_drift: bool) -> LaneData:
-        path = dataset_path()
+        path = aime26_dataset()
         sha = file_sha256(path)
         pins = load_pins(self.name)
         drift = check_pin(path, sha, pins["dataset_sha256"], allow_data_drift)
-        template = vendored_prompt(PROMPT_NAME)
+        template = prompt_template(PROMPT_NAME)
         template_sha = file_sha256(template)
         if template_sha != pins["template_sha256"] and not allow_data_drift:
-            from evalpipe.data import DataError
+            from evalpipe.lanes.data import DataError
 
             raise DataError(
                 f"prompt template {template} has sha256 {template_sha}, pin is {pins['template_sha256']} "

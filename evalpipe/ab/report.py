@@ -9,6 +9,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from evalpipe.compare.analysis import arm_accept_length
+
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
@@ -32,8 +34,6 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _accept(comparison: dict, side: str) -> str:
-    from evalpipe.compare.analysis import arm_accept_length
-
     mean, basis = arm_accept_length((comparison.get("spec") or {}).get(side))
     return "off" if mean is None else f"{mean:.2f}" + (" (run-level)" if basis != "per-record" else "")
 

@@ -1,8 +1,8 @@
 """Lane `copy`: 300 held-out random strings of evalpipe.skills.copy_text (72-160 characters, longer than the
 sliding window), 100 per length group. Greedy, max_tokens 192; exact match of the reply (stripped)."""
 
+from evalpipe.lanes.skill_lane import skill_lane
 from evalpipe.skills import copy_text
-from tasks.skill_lane import skill_lane
 
 RANGES = [("short", 72, 96), ("medium", 97, 128), ("long", 129, 160)]
 

@@ -5,8 +5,8 @@ the question), ~200, ~1000, ~2000, and the deepest (the needle first, the prompt
 Greedy, max_tokens 16; exact match of the reply (stripped) with the 5-digit code. Reported per depth.
 """
 
+from evalpipe.lanes.skill_lane import skill_lane
 from evalpipe.skills import retrieval
-from tasks.skill_lane import skill_lane
 
 DEPTHS = [("in-window", 0, None), ("d256", 150, None), ("d1024", 800, None), ("d2048", 1800, None),
           ("deepest", 3780, 0)]

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from evalpipe import __version__, volatile
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the source checkout (this file is evalpipe/harness/manifest.py)
 
 # sections whose change between start and end means the protocol itself moved
 PROTOCOL_SECTIONS = ("dataset", "prompts", "lane", "endpoint", "server", "packages", "python")

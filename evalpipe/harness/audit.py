@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from evalpipe import manifest as manifest_mod
-from evalpipe.data import DataError, file_sha256
-from evalpipe.grading import GraderPool, grade_text
+from evalpipe.harness import manifest as manifest_mod
+from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
+from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, compute_summary
 from evalpipe.lanes import get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
-from evalpipe.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
-from evalpipe.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, compute_summary
+from evalpipe.lanes.data import DataError, file_sha256
+from evalpipe.lanes.grading import GraderPool, grade_text
 
 MAX_SHOWN = 20
 
@@ -47,6 +47,7 @@ class AuditReport:
     run_dir: Path
     checks: list[Check]
     warnings: list[str]
+    recomputed: Optional[dict] = None  # the summary rebuilt from the records (what `summary` compares)
 
     @property
     def ok(self) -> bool:
@@ -181,6 +182,7 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
         c_done.problems.append(f"{len(unplanned)} records are not in the plan, e.g. {unplanned[:5]}")
 
     # ---- summary
+    again = None
     if summ is not None:
         meta = {k: summ.get(k) for k in ("arm", "run_id", "model", "endpoint")}
         again = compute_summary(lane_name=lane.name, grader=lane.grader, repeats=repeats,
@@ -224,14 +226,14 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
             c_man.problems.append("the dataset file changed since the run")
     except OSError:
         c_man.notes.append(f"dataset file {start['dataset']['path']} not present here; rebuilt from the data dir")
-    return AuditReport(run_dir, checks, warnings)
+    return AuditReport(run_dir, checks, warnings, again)
 
 
 def _spec_metrics_problems(block: Any) -> list[str]:
     """The run-level speculative figures must follow from the two /metrics snapshots recorded beside them."""
     if not isinstance(block, dict) or "after" not in block:
         return []
-    from evalpipe.spec_metrics import run_level
+    from evalpipe.harness.spec_metrics import run_level
 
     again = run_level(block.get("before"), block.get("after")) or {}
     return [f"spec_metrics.{k}: summary.json says {block.get(k)!r}, its /metrics snapshots give {again.get(k)!r}"

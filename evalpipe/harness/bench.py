@@ -16,6 +16,7 @@ Every event time and count is kept in bench.json so the numbers can be recompute
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import statistics
@@ -26,11 +27,19 @@ from typing import Any, Callable, Optional
 
 import httpx
 import numpy as np
-from httpx_sse import EventSource, SSEError
+from httpx_sse import SSEError
 
-from evalpipe import spec_metrics
-from evalpipe.endpoint import CACHE_RESET_PATHS, SERVER_INFO_PATHS, reset_prefix_cache, v1_hint
-from evalpipe.redact import redact
+from evalpipe.harness import spec_metrics
+from evalpipe.harness.client import (
+    CACHE_RESET_PATHS,
+    EndpointError,
+    Server,
+    StreamRefused,
+    sse_json,
+    streaming_client,
+)
+from evalpipe.harness.records import BENCH_FILE, write_json
+from evalpipe.harness.server_facts import find_key
 
 SCHEMA_VERSION = 1
 
@@ -54,11 +63,6 @@ class BenchConfig:
     flush: bool = True
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)
-
-
-def server_root(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    return root[:-3] if root.endswith("/v1") else root
 
 
 def make_inputs(seed: int, n: int, length: int, low: int, high: int) -> list[list[int]]:
@@ -97,29 +101,17 @@ def _event_tokens(chunk: dict, prev_cum: Optional[int]) -> tuple[Optional[int], 
     return None, cum, "none"
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> dict:
-    """One streamed completion; times are perf_counter seconds since the request was sent.
-
-    Events are parsed by the SSE spec (httpx-sse: lines end only at CR/LF, an event at a blank line), never by
-    splitting lines: text may hold U+2028 or U+0085, which line readers take for line breaks."""
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: Optional[dict] = None) -> dict:
+    """One streamed completion (events parsed by client.sse_json); times are perf_counter seconds since the request
+    was sent."""
     out: dict[str, Any] = {"events": [], "error": None, "completion_tokens": None, "spec": None,
                            "count_sources": [], "usage_mismatch": False, "finish_reason": None}
     t0 = time.perf_counter()
     prev_cum: Optional[int] = None
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")[:2000]
-                out["error"] = {"type": "http", "status": resp.status_code, "message": text}
-                return out
-            async for event in EventSource(resp).aiter_sse():
+        async with contextlib.aclosing(sse_json(client, url, body, headers)) as events:
+            async for chunk in events:
                 t = time.perf_counter() - t0
-                payload = event.data.strip()
-                if not payload:
-                    continue
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
                 if "error" in chunk and not chunk.get("choices"):
                     out["error"] = {"type": "stream", "status": None, "message": json.dumps(chunk["error"])[:2000]}
                     break
@@ -145,6 +137,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                 if usage and not chunk.get("choices"):
                     out["completion_tokens"] = usage.get("completion_tokens")
         out["total_s"] = time.perf_counter() - t0
+    except StreamRefused as exc:
+        out["error"] = {"type": "http", "status": exc.status, "message": exc.text}
     except (httpx.HTTPError, json.JSONDecodeError, SSEError) as exc:
         out["error"] = {"type": type(exc).__name__, "status": None, "message": str(exc)[:2000]}
     if out["completion_tokens"] is None and prev_cum is not None:
@@ -152,31 +146,6 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
     if out["completion_tokens"] is None and out["events"]:
         out["completion_tokens"] = int(sum(n for _, n in out["events"]))
     return out
-
-
-def _find(obj: Any, name: str) -> Any:
-    queue = [obj]
-    while queue:
-        cur = queue.pop(0)
-        if isinstance(cur, dict):
-            if name in cur and cur[name] is not None:
-                return cur[name]
-            queue.extend(v for v in cur.values() if isinstance(v, dict))
-    return None
-
-
-async def _get_json(client: httpx.AsyncClient, url: str, headers: dict) -> Optional[dict]:
-    try:
-        r = await client.get(url, headers=headers)
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
-        return None
-    try:
-        data = r.json()
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 # Text whose tokens span a tokenizer's ordinary range (words, digits, punctuation); sent to /tokenize only.
@@ -188,35 +157,24 @@ TOKENIZE_PROBE = (
 )
 
 
-async def _tokenize_ids(client: httpx.AsyncClient, root: str, headers: dict, model: str) -> Optional[list[int]]:
+def _tokenize_ids(server: Server, model: str) -> Optional[list[int]]:
     """Token ids the server's /tokenize (vLLM, SGLang) gives for the probe text, or None without one."""
-    try:
-        r = await client.post(f"{root}/tokenize", headers=headers,
-                              json={"model": model, "prompt": TOKENIZE_PROBE, "add_special_tokens": False})
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
-        return None
-    try:
-        body = r.json()
-    except ValueError:
-        return None
+    body = Server.json_of(server.post("/tokenize", {"model": model, "prompt": TOKENIZE_PROBE, "add_special_tokens": False}))
     ids = next((body.get(k) for k in ("tokens", "token_ids", "input_ids") if isinstance(body, dict) and k in body), None)
     if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return ids
     return None
 
 
-async def token_id_range(client: httpx.AsyncClient, cfg: "BenchConfig", root: str, headers: dict, model: str,
-                         info: Optional[dict]) -> tuple[int, int, str]:
+def token_id_range(server: Server, cfg: "BenchConfig", model: str, info: Optional[dict]) -> tuple[int, int, str]:
     """[low, high) of the input ids and where it came from; BenchError when the server's range cannot be known."""
     if cfg.token_id_range:
         low, high = cfg.token_id_range
         return low, high, "--token-id-range"
-    vocab = _find(info, "vocab_size") if info else None
+    vocab = find_key(info, ("vocab_size",))
     if isinstance(vocab, int) and vocab > 8:
         return min(100, vocab // 4), min(vocab, 30000), f"server vocab_size {vocab}"
-    ids = await _tokenize_ids(client, root, headers, model)
+    ids = _tokenize_ids(server, model)
     if ids:
         return min(ids), max(ids) + 1, (f"server /tokenize of a probe text: ids {min(ids)}..{max(ids)} "
                                         f"({len(set(ids))} distinct)")
@@ -227,11 +185,8 @@ async def token_id_range(client: httpx.AsyncClient, cfg: "BenchConfig", root: st
 
 
 def _server_accept_length(info: Optional[dict]) -> Optional[float]:
-    for name in ("avg_spec_accept_length", "avg_accept_length"):
-        v = _find(info, name) if info else None
-        if isinstance(v, (int, float)):
-            return float(v)
-    return None
+    value = find_key(info, ("avg_spec_accept_length", "avg_accept_length"))
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _median(xs: list[float]) -> Optional[float]:
@@ -269,7 +224,7 @@ class BenchState:
             n_kept=len(kept), n_errors=sum(1 for r in self.requests if r["error"]),
             n_dropped=sum(1 for r in kept if r["decode_tokens_per_s"] is None),
         )
-        from evalpipe.manifest import code_provenance, installed_packages, python_platform
+        from evalpipe.harness.manifest import code_provenance, installed_packages, python_platform
 
         return {
             "schema_version": SCHEMA_VERSION,
@@ -289,95 +244,88 @@ async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], No
                     state: Optional[BenchState] = None) -> dict:
     """Run warm-up + measured rounds; return the bench.json dict (`state` keeps the pieces if interrupted)."""
     st = state or BenchState(cfg)
-    root = server_root(cfg.base_url)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=cfg.concurrency + 4)) as client:
-        models_url = f"{cfg.base_url.rstrip('/')}/models"
-        try:
-            status: Optional[int] = (await client.get(models_url, headers=headers)).status_code
-        except httpx.HTTPError as exc:
-            raise BenchError(f"cannot reach {models_url}: {type(exc).__name__}: {exc}; is the server up?") from exc
-        models = await _get_json(client, models_url, headers) if status == 200 else None
-        if models is None:
-            raise BenchError(f"GET {models_url} gave HTTP {status}, not an OpenAI model list"
-                             + v1_hint(cfg.base_url, status))
-        ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
-        model = cfg.model or (ids[0] if ids else None)
-        if model is None:
-            raise BenchError("the server lists no model; pass --model")
-        if cfg.model and ids and cfg.model not in ids:
-            raise BenchError(f"model {cfg.model!r} is not served (served: {ids})")
-        limit = next((m.get("max_model_len") for m in models.get("data", [])
-                      if isinstance(m, dict) and m.get("id") == model), None)
-        if isinstance(limit, int) and cfg.input_len + cfg.output_len > limit:
-            raise BenchError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} exceeds the server's "
-                             f"max_model_len {limit} for {model}: every request would be rejected")
-        info = None
-        for path in SERVER_INFO_PATHS:
-            info = await _get_json(client, f"{root}{path}", headers)
-            if info is not None:
-                break
-        low, high, range_source = await token_id_range(client, cfg, root, headers, model, info)
-        inputs = make_inputs(cfg.seed, cfg.concurrency, cfg.input_len, low, high)
-        reset_path = await reset_prefix_cache(client, root, headers) if cfg.flush else None
-        st.config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
-                         input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
-                         decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
-        st.server = {"models": models, "server_info": redact(info, [cfg.api_key or ""]), "flush_cache_offered": reset_path is not None,
-                     "cache_reset_path": reset_path,
-                     "cache_reset_tried": list(CACHE_RESET_PATHS) if cfg.flush else []}
-        url = f"{cfg.base_url.rstrip('/')}/completions"
-        total_rounds = cfg.warmup + cfg.rounds
-        for rnd in range(total_rounds):
-            if rnd == cfg.warmup:  # the measured rounds start: speculative counters before them
-                st.metrics_before = await spec_metrics.snapshot_async(client, root, headers)
-            flushed = (await reset_prefix_cache(client, root, headers, (reset_path,)) is not None) if reset_path else False
-            bodies = [{
-                "model": model, "prompt": inputs[slot], "max_tokens": cfg.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **cfg.extra_body,
-            } for slot in range(cfg.concurrency)]
-            t_round = time.perf_counter()
-            results = await asyncio.gather(*(stream_request(client, url, b, headers) for b in bodies))
-            wall = time.perf_counter() - t_round
-            round_tokens = sum(r["completion_tokens"] or 0 for r in results if not r["error"])
-            st.rounds.append({"round": rnd, "warmup": rnd < cfg.warmup, "wall_s": wall,
-                              "completion_tokens": round_tokens,
-                              "aggregate_tokens_per_s": round_tokens / wall if wall > 0 else None})
-            for slot, res in enumerate(results):
-                ev = res["events"]
-                rate = decode_rate(ev, res["completion_tokens"]) if not res["error"] else None
-                spec = res["spec"]
-                st.requests.append({
-                    "round": rnd, "slot": slot, "warmup": rnd < cfg.warmup, "flushed_before": flushed,
-                    "error": res["error"], "finish_reason": res["finish_reason"],
-                    "completion_tokens": res["completion_tokens"],
-                    "first_event_tokens": ev[0][1] if ev else None,
-                    "n_events": len(ev),
-                    "t_first": ev[0][0] if ev else None, "t_last": ev[-1][0] if ev else None,
-                    "ttft_s": ev[0][0] if ev else None, "total_s": res.get("total_s"),
-                    "decode_tokens_per_s": rate,
-                    "dropped_reason": None if rate is not None or res["error"] else "fewer than 2 content events",
-                    "count_source": sorted(set(res["count_sources"])),
-                    "usage_mismatch": res["usage_mismatch"],
-                    "accept_length": spec.get("accept_length") if isinstance(spec, dict) else None,
-                    "spec": spec,
-                    "events": ev,
-                })
-            after = await _get_json(client, f"{root}/get_server_info", headers)
-            st.server_accept.append(_server_accept_length(after))
-            if rnd >= cfg.warmup:
-                st.metrics_after = await spec_metrics.snapshot_async(client, root, headers)
-            if progress:
-                progress(rnd + 1, total_rounds)
+    with Server(cfg.base_url, cfg.api_key, timeout_s=cfg.timeout_s) as server:
+        model, inputs, reset_path = _prepare(server, cfg, st)
+        async with streaming_client(cfg.api_key, cfg.timeout_s, cfg.concurrency) as client:
+            await _rounds(server, client, cfg, st, model, inputs, reset_path, progress)
     return st.assemble(partial=False)
+
+
+def _prepare(server: Server, cfg: BenchConfig, st: BenchState) -> tuple[str, list[list[int]], Optional[str]]:
+    """Who serves what, with which token ids and which prefix-cache reset: refused here, before any request."""
+    try:
+        models = server.models()
+    except EndpointError as exc:
+        raise BenchError(str(exc)) from exc
+    ids = [m["id"] for m in models["data"]]
+    model = cfg.model or ids[0]
+    if cfg.model and cfg.model not in ids:
+        raise BenchError(f"model {cfg.model!r} is not served (served: {ids})")
+    limit = next((m.get("max_model_len") for m in models["data"] if isinstance(m, dict) and m.get("id") == model), None)
+    if isinstance(limit, int) and cfg.input_len + cfg.output_len > limit:
+        raise BenchError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} exceeds the server's "
+                         f"max_model_len {limit} for {model}: every request would be rejected")
+    _, info = server.server_info()
+    low, high, range_source = token_id_range(server, cfg, model, info)
+    inputs = make_inputs(cfg.seed, cfg.concurrency, cfg.input_len, low, high)
+    reset_path = server.reset_prefix_cache() if cfg.flush else None
+    st.config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
+                     input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
+                     decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
+    st.server = {"models": models, "server_info": info, "flush_cache_offered": reset_path is not None,
+                 "cache_reset_path": reset_path, "cache_reset_tried": list(CACHE_RESET_PATHS) if cfg.flush else []}
+    return model, inputs, reset_path
+
+
+async def _rounds(server: Server, client: httpx.AsyncClient, cfg: BenchConfig, st: BenchState, model: str,
+                  inputs: list[list[int]], reset_path: Optional[str], progress) -> None:
+    """Warm-up and measured rounds; between rounds (nothing in flight) the cache reset and the /metrics reads."""
+    url = f"{cfg.base_url.rstrip('/')}/completions"
+    total_rounds = cfg.warmup + cfg.rounds
+    for rnd in range(total_rounds):
+        if rnd == cfg.warmup:  # the measured rounds start: speculative counters before them
+            st.metrics_before = spec_metrics.snapshot(server)
+        flushed = server.reset_prefix_cache((reset_path,)) is not None if reset_path else False
+        bodies = [{
+            "model": model, "prompt": inputs[slot], "max_tokens": cfg.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **cfg.extra_body,
+        } for slot in range(cfg.concurrency)]
+        t_round = time.perf_counter()
+        results = await asyncio.gather(*(stream_request(client, url, b) for b in bodies))
+        wall = time.perf_counter() - t_round
+        round_tokens = sum(r["completion_tokens"] or 0 for r in results if not r["error"])
+        st.rounds.append({"round": rnd, "warmup": rnd < cfg.warmup, "wall_s": wall,
+                          "completion_tokens": round_tokens,
+                          "aggregate_tokens_per_s": round_tokens / wall if wall > 0 else None})
+        for slot, res in enumerate(results):
+            ev = res["events"]
+            rate = decode_rate(ev, res["completion_tokens"]) if not res["error"] else None
+            spec = res["spec"]
+            st.requests.append({
+                "round": rnd, "slot": slot, "warmup": rnd < cfg.warmup, "flushed_before": flushed,
+                "error": res["error"], "finish_reason": res["finish_reason"],
+                "completion_tokens": res["completion_tokens"],
+                "first_event_tokens": ev[0][1] if ev else None,
+                "n_events": len(ev),
+                "t_first": ev[0][0] if ev else None, "t_last": ev[-1][0] if ev else None,
+                "ttft_s": ev[0][0] if ev else None, "total_s": res.get("total_s"),
+                "decode_tokens_per_s": rate,
+                "dropped_reason": None if rate is not None or res["error"] else "fewer than 2 content events",
+                "count_source": sorted(set(res["count_sources"])),
+                "usage_mismatch": res["usage_mismatch"],
+                "accept_length": spec.get("accept_length") if isinstance(spec, dict) else None,
+                "spec": spec,
+                "events": ev,
+            })
+        st.server_accept.append(_server_accept_length(Server.json_of(server.get("/get_server_info"))))
+        if rnd >= cfg.warmup:
+            st.metrics_after = spec_metrics.snapshot(server)
+        if progress:
+            progress(rnd + 1, total_rounds)
 
 
 def write_bench(result: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "bench.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
+    write_json(out_dir / BENCH_FILE, result)
+    return out_dir / BENCH_FILE

@@ -7,10 +7,7 @@ never leaves a server running; `ab.json` is rewritten after every step, so a fai
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import json
 import signal
 import traceback
 from dataclasses import dataclass, field
@@ -19,11 +16,23 @@ from pathlib import Path
 
 import click
 
-from evalpipe import spec_metrics
+from evalpipe.ab.plan import TIE_THRESHOLD, arm_labels, comparison_pairs
+from evalpipe.ab.report import write_report
 from evalpipe.compare.analysis import arm_accept_length
+from evalpipe.compare.report import print_terminal
+from evalpipe.compare.runfolder import RunFolderError, load_run
+from evalpipe.compare.workflow import NotComparable, compare_runs
+from evalpipe.console import make_console
+from evalpipe.harness import spec_metrics
+from evalpipe.harness.agreement import compare_outputs
+from evalpipe.harness.client import Server
+from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
+from evalpipe.lanes import get_lane
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
 from evalpipe.launchers.base import free_port
+from evalpipe.launchers.cli import boot, finish
 from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences, write_receipt
+from evalpipe.redact import redact
 
 INDEX_FILE = "ab.json"
 REPORT_FILE = "report.html"
@@ -52,14 +61,12 @@ class ABRun:
     max_tokens: int | None = None
     concurrency: int | None = None
     logprobs: int | None = 2
-    tie_threshold: float = 1e-4
+    tie_threshold: float = TIE_THRESHOLD
     margin: float = 1.0
     data_dir: Path | None = None
     command_line: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        from evalpipe.commands.ab import arm_labels
-
         self.labels = arm_labels(self.order)
         self.index: dict = {
             "schema": 1,
@@ -94,9 +101,6 @@ class ABRun:
     # ----- bookkeeping ----------------------------------------------------------------------------------
     def save(self) -> None:
         """ab.json and report.html, secrets redacted (the arm arguments and the command line may carry a key)."""
-        from evalpipe.launchers.ab_report import write_report
-        from evalpipe.redact import redact
-
         index = redact(self.index, [o.api_key or "" for o in self.options.values()])
         write_receipt(self.out / INDEX_FILE, index)  # atomic JSON write (same as receipts)
         write_report(self.out, index)
@@ -165,8 +169,6 @@ class ABRun:
 
     def run_arm(self, side, label, arm, receipts, first_of, run_lanes: bool) -> str | None:
         """Boot one arm, check it, run its lanes, stop it. Returns a failure message, or None."""
-        from evalpipe.launchers.cli import boot, finish
-
         options = self.options[side]
         if not self.port_given[side]:
             options = dataclasses.replace(options, port=free_port())
@@ -189,7 +191,7 @@ class ABRun:
             first_of.setdefault(side, label)
             if run_lanes:
                 # the arm's speculative counters from /metrics (vLLM, SGLang): run-level, the whole arm
-                metrics_before = spec_metrics.snapshot(launcher.base_url, launcher.options.api_key)
+                metrics_before = self.metrics_snapshot(launcher)
                 for lane in self.lanes:
                     arm["status"] = f"running {lane}"
                     self.save()
@@ -200,14 +202,18 @@ class ABRun:
                         if code in (130, 143):
                             raise KeyboardInterrupt
                         return f"[{label}] lane {lane}: {message}"
-                arm["spec_metrics"] = spec_metrics.run_level(
-                    metrics_before, spec_metrics.snapshot(launcher.base_url, launcher.options.api_key))
+                arm["spec_metrics"] = spec_metrics.run_level(metrics_before, self.metrics_snapshot(launcher))
             arm["status"] = "done"
         finally:
             receipt = finish(launcher, receipt_path, receipts.get(label, receipt))
             receipts[label] = receipt
             self.save()
         return None
+
+    @staticmethod
+    def metrics_snapshot(launcher) -> dict | None:
+        with Server(launcher.base_url, launcher.options.api_key, trust_env=False) as server:  # a server started here
+            return spec_metrics.snapshot(server)
 
     def check_receipt(self, side, label, receipt, receipts, first_of) -> list[str]:
         """Same side: everything equal. Other side: differences only where the declared flags explain them."""
@@ -225,9 +231,6 @@ class ABRun:
 
     def run_lane(self, lane: str, label: str, launcher, out: Path):
         """Run one lane in-process through evalpipe's runner; returns (run_dir, exit_code, message)."""
-        from evalpipe.lanes import get_lane
-        from evalpipe.runner import RunConfig, Runner, RunError
-
         overrides = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
         config = RunConfig(
             lane=get_lane(lane), base_url=launcher.base_url + "/v1", api_key=launcher.options.api_key, arm=label,
@@ -235,7 +238,7 @@ class ABRun:
             data_dir=self.data_dir, logprobs=self.logprobs, command_line=self.command_line,
         )
         try:
-            outcome = Runner(config).execute()
+            outcome = LaneRun(config).execute()
         except RunError as exc:
             return None, 1, str(exc)
         finally:
@@ -244,8 +247,6 @@ class ABRun:
 
     # ----- comparisons ----------------------------------------------------------------------------------
     def compare_all(self) -> None:
-        from evalpipe.commands.ab import comparison_pairs
-
         runs = {arm["label"]: arm["runs"] for arm in self.index["arms"]}
         for lane in self.lanes:
             for kind, x, y in comparison_pairs(self.labels):
@@ -268,21 +269,14 @@ class ABRun:
         return patterns
 
     def compare_pair(self, run_x: str, run_y: str, out: Path, kind: str) -> dict:
-        from evalpipe.commands.compare import command as compare_command
-
-        args = [str(self.out / run_x), str(self.out / run_y), "--out", str(out), "--margin", str(self.margin)]
-        for pattern in self.intended_patterns(kind):
-            args += ["--intended", pattern]
-        terminal = io.StringIO()  # compare's table goes to compare.txt; the A/B prints one summary at the end
+        """`compare_runs` on one pair; its table goes to compare.txt (the A/B prints one summary at the end)."""
         try:
-            with contextlib.redirect_stdout(terminal):
-                compare_command.main(args, prog_name="evalpipe compare", standalone_mode=False)
-        except click.ClickException as exc:
-            return {"error": exc.format_message()}
-        finally:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "compare.txt").write_text(terminal.getvalue())
-        result = json.loads((out / "compare.json").read_text())
+            result = compare_runs(self.out / run_x, self.out / run_y, out=out, margin_pts=self.margin,
+                                  intended=self.intended_patterns(kind)).result
+        except (RunFolderError, NotComparable) as exc:
+            return {"error": str(exc)}
+        with open(out / "compare.txt", "w", encoding="utf-8") as fh:
+            print_terminal(result, make_console(file=fh))
         summary = {
             "report": f"{out.relative_to(self.out)}/report.html",
             "accuracy_a": result.get("accuracy", {}).get("a"),
@@ -297,9 +291,6 @@ class ABRun:
 
     def tie_analysis(self, run_x: Path, run_y: Path) -> dict:
         """Classify every non-identical greedy output: numerical tie, real difference, or undecidable."""
-        from evalpipe.compare.agreement import compare_outputs
-        from evalpipe.compare.runfolder import load_run
-
         a, b = load_run(run_x), load_run(run_y)
         common = sorted(set(a.by_key) & set(b.by_key), key=str)
         ties, real, undecided = [], [], []
@@ -308,7 +299,7 @@ class ABRun:
             if result["identical"]:
                 continue
             gap = (result.get("logprob") or {}).get("gap")
-            row = {"question_id": key[0], "repeat_index": key[1], "position": result["position"],
+            row = {"question_id": key[1], "repeat_index": key[2], "position": result["position"],
                    "basis": result["basis"], "gap": gap}
             if gap is None:
                 undecided.append(row)

@@ -1,6 +1,6 @@
 """Lane `aime26-x16`: AIME 2026, 16 sampled responses per problem (480), concurrency 64.
 
-Same data, prompt, endpoint and grader as `aime26` (see tasks/aime26.py); differs only in sampling:
+Same data, prompt, endpoint and grader as `aime26` (see evalpipe/lanes/aime26.py); differs only in sampling:
 temperature 1, **no seed sent** (one seed repeated to all 16 would make them identical where honoured).
 Requests queue question-major (question 0's 16 repeats, then question 1's, ...).
 Headline: correctness over all 480 responses (= pass@1 averaged over 16), truncations and errors wrong and in
@@ -9,7 +9,7 @@ the denominator. pass@16 and majority@16 are secondary figures, never the headli
 
 from __future__ import annotations
 
-from tasks.aime26 import COMMON_PARAMS, PROMPT_NOTE, AIME26Lane
+from evalpipe.lanes.aime26 import COMMON_PARAMS, PROMPT_NOTE, AIME26Lane
 
 LANE = AIME26Lane(
     name="aime26-x16",

@@ -2,7 +2,7 @@
 
 Items are drawn from fixed seeds, only from the held-out split of the skill's identity hash, a fixed number per
 reporting group (number of operations, needle depth, string length), groups interleaved; ids are 0..N-1. The whole item
-list (id, group, prompt, expected answer) is pinned by its sha256 in `manifests/<lane>.json`, so a change to a
+list (id, group, prompt, expected answer) is pinned by its sha256 in `evalpipe/lanes/pins/<lane>.json`, so a change to a
 generator is a data drift the runner refuses unless `--allow-data-drift`.
 """
 

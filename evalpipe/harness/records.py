@@ -1,10 +1,14 @@
-"""The per-response record: one JSON object per line of `responses.jsonl`.
+"""The run folder: its file names, the per-response record, the record key and the one duplicate rule.
 
-Why a fixed schema: the spec-on and spec-off arms are joined on `(lane, question_id, repeat_index)` and
-every number in `summary.json` must be re-derivable from these lines alone (`evalpipe audit` does that).
-Records are appended and flushed as each response lands, so a crash or Ctrl-C loses only in-flight work.
+A record is one JSON object per line of `responses.jsonl`, appended and flushed as its response lands (a crash or
+Ctrl-C loses only in-flight work). Every number in summary.json is re-derivable from these lines (`evalpipe audit`
+does that), and arms are joined on `record_key` = (lane, question_id, repeat_index). Read with `read_records`
+(it tolerates a torn last line) and `counted_records`.
 
-Readers (e.g. `evalpipe compare`) should use `read_records`, which tolerates a torn last line.
+Duplicates: `evalpipe run` writes each key once, but two resumes at once or a hand edit can write a key twice. Then
+the record that counts, in summary.json, audit and compare.json alike, is the key's FIRST NON-ERROR record in file
+order, else its LAST error record (the latest failure). That is what `--resume` keeps: it never re-asks a key with a
+non-error record, retries a key with only errors, and moves every record that does not count to superseded.jsonl.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from evalpipe.harness.server_facts import spec_from_response
+
 SCHEMA_VERSION = 1
 
 RESPONSES_FILE = "responses.jsonl"
 SUMMARY_FILE = "summary.json"
 MANIFEST_FILE = "manifest.json"
-SUPERSEDED_FILE = "superseded.jsonl"  # error records replaced by a --resume retry
+SUPERSEDED_FILE = "superseded.jsonl"  # records that no longer count: error records retried by --resume, duplicates
+REPEAT_FILE = "repeat.json"  # `evalpipe repeat`'s result beside its records
+BENCH_FILE = "bench.json"  # `evalpipe bench` writes only this
 
 # Keys every record carries (the issue's list plus the project additions), in writing order.
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -62,9 +70,65 @@ REQUIRED_KEYS: tuple[str, ...] = (
 GRADE_STATUSES = ("ok", "no_answer", "truncated", "request_error", "grader_timeout", "grader_error")
 
 
-def record_key(record: dict) -> tuple[str, Any, int]:
-    """The join key between arms and the uniqueness key inside one run."""
-    return (record["lane"], record["question_id"], record["repeat_index"])
+def record_key(record: dict) -> tuple[Any, Any, int]:
+    """(lane, question_id, repeat_index): the uniqueness key inside one run and the join key between arms.
+
+    A question id that is not an int or str (a hand-made file) is keyed by its canonical JSON."""
+    qid = record.get("question_id")
+    if not isinstance(qid, (int, str)):
+        qid = json.dumps(qid, sort_keys=True)
+    return (record.get("lane"), qid, int(record.get("repeat_index") or 0))
+
+
+@dataclass
+class Counted:
+    by_key: dict  # record_key -> the record that counts, keys in order of first appearance
+    superseded: list[dict]  # every other record, in file order
+
+    @property
+    def n_duplicates(self) -> int:
+        return len(self.superseded)
+
+
+def counted_records(records: Iterable[dict]) -> Counted:
+    """Which record of each key counts (module docstring): the first non-error one, else the last error."""
+    by_key: dict = {}  # key -> (position, record)
+    superseded: list[tuple[int, dict]] = []
+    for i, rec in enumerate(records):
+        key = record_key(rec)
+        old = by_key.get(key)
+        if old is None:
+            by_key[key] = (i, rec)
+        elif old[1].get("error"):  # a later record replaces an error: a non-error one, or the newer failure
+            superseded.append(old)
+            by_key[key] = (i, rec)
+        else:
+            superseded.append((i, rec))
+    return Counted({k: rec for k, (_, rec) in by_key.items()}, [rec for _, rec in sorted(superseded, key=lambda p: p[0])])
+
+
+def response_fields(reply, chat: bool) -> dict:
+    """The record fields a `client.Reply` fills, in writing order; a failed request gets empty text, no finish."""
+    data = reply.data or {}
+    choice = data["choices"][0] if data else {}
+    msg = (choice.get("message") or {}) if chat else {}
+    finish = choice.get("finish_reason")
+    return {
+        "response_text": (msg.get("content") if chat else choice.get("text")) or "",
+        "reasoning_text": (msg.get("reasoning_content") or msg.get("reasoning")) if chat else None,
+        "finish_reason": finish,
+        "matched_stop": choice.get("matched_stop"),
+        "truncated": finish == "length",
+        "error": reply.error,
+        "attempts": reply.attempts,
+        "usage": data.get("usage"),
+        "latency_s": reply.latency_s,
+        "spec": spec_from_response(data, choice) if data else None,
+        "output_token_ids": choice.get("token_ids"),
+        "logprobs": choice.get("logprobs"),
+        "response_id": data.get("id"),
+        "model_reported": data.get("model"),
+    }
 
 
 class RecordWriter:

@@ -1,16 +1,20 @@
 """Summarise a run from its records alone, so `evalpipe audit` can recompute it bit for bit.
 
 Denominators are always the *planned* items: an error, a truncation, a missing record (partial run) or an
-unparsable answer all count as wrong. For the repeated lane the headline is pass@1 over all responses;
-pass@k / majority@k come from sgl-eval's vendored NeMo-Skills `MathMetrics` and are secondary.
+unparsable answer all count as wrong; what each record counts as is metrics.py's, which record of a key counts is
+records.py's. For the repeated lane the headline is pass@1 over all responses; pass@k / majority@k come from
+sgl-eval's vendored NeMo-Skills `MathMetrics` and are secondary, and so is its `no_answer` rate (NeMo-Skills'
+definition: a sample without a predicted answer, error records and missing responses included).
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-from evalpipe.records import SCHEMA_VERSION, record_key
+from evalpipe.harness import metrics
+from evalpipe.harness.records import SCHEMA_VERSION, counted_records
+from evalpipe.lanes import sgl_eval_adapter
 
 
 def _quantile(sorted_vals: list[float], q: float) -> Optional[float]:
@@ -36,25 +40,11 @@ def _reasoning_tokens(usage: Any) -> int:
     return _usage_int(usage, "reasoning_tokens")
 
 
-def dedupe(records: Iterable[dict]) -> tuple[dict, int]:
-    """{key: last record} and how many records were duplicates of an earlier key."""
-    by_key: dict = {}
-    dups = 0
-    for r in records:
-        k = record_key(r)
-        if k in by_key:
-            dups += 1
-        by_key[k] = r
-    return by_key, dups
-
-
 def repeated_metrics(by_key: dict, lane_name: str, question_ids: list, repeats: int) -> dict:
     """pass@k, majority@k, no_answer and pass@1 spread via the vendored NS MathMetrics.
 
     A planned response with no record is fed as a wrong, answerless sample (never padded by copying)."""
-    from sgl_eval._vendored.nemo_skills.math_metrics import MathMetrics
-
-    metrics = MathMetrics()
+    metrics = sgl_eval_adapter.math_metrics()
     for qid in question_ids:
         preds = []
         for r in range(repeats):
@@ -109,20 +99,21 @@ def compute_summary(
     `groups` maps planned question ids to their lane's reporting group (accuracy per group, same denominators)."""
     planned = [(lane_name, q, r) for q in planned_question_ids for r in range(repeats)]
     planned_set = set(planned)
-    by_key, n_dups = dedupe(records)
+    counted = counted_records(records)
+    by_key, n_dups = counted.by_key, counted.n_duplicates
     unplanned = [k for k in by_key if k not in planned_set]
     recs = [by_key[k] for k in planned if k in by_key]
 
     n_planned = len(planned)
-    n_correct = sum(1 for r in recs if r.get("correct") is True)
-    n_errors = sum(1 for r in recs if r.get("error"))
-    n_trunc = sum(1 for r in recs if r.get("truncated"))
+    n_correct = sum(map(metrics.is_correct, recs))
+    n_errors = sum(map(metrics.is_error, recs))
+    n_trunc = sum(map(metrics.is_truncated, recs))
     status_counts: dict[str, int] = {}
     for r in recs:
         status_counts[r.get("grade_status")] = status_counts.get(r.get("grade_status"), 0) + 1
 
     latencies = sorted(float(r["latency_s"]) for r in recs if isinstance(r.get("latency_s"), (int, float)))
-    ok_recs = [r for r in recs if not r.get("error")]
+    ok_recs = [r for r in recs if not metrics.is_error(r)]
     completion = [_usage_int(r.get("usage"), "completion_tokens") for r in ok_recs]
     summary: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -145,11 +136,7 @@ def compute_summary(
         "n_duplicate_records": n_dups,
         "n_unplanned_records": len(unplanned),
     }
-    if grader == "legacy_last_int":
-        # INVALID = a response (not an error record) with no parsable digits
-        summary["n_invalid"] = sum(1 for r in ok_recs if r.get("grade_status") == "no_answer")
-    else:
-        summary["n_no_answer"] = sum(1 for r in recs if r.get("extracted_answer") is None)
+    summary[metrics.no_answer_key(grader)] = sum(map(metrics.is_no_answer, recs))
     if groups:
         summary["by_group"] = group_accuracy(groups, planned, by_key)
     if repeats > 1:
@@ -170,12 +157,10 @@ def compute_summary(
         "max": latencies[-1] if latencies else None,
     }
     # per-record statistics from the responses; run-level ones from the server's /metrics go in `spec_metrics`
-    spec_recs = [r["spec"] for r in recs if isinstance(r.get("spec"), dict)]
-    summary["n_records_with_spec"] = len(spec_recs)
-    accept = [s["accept_length"] for s in spec_recs if isinstance(s.get("accept_length"), (int, float))]
-    summary["spec_accept_length_mean"] = statistics.fmean(accept) if accept else None
+    summary["n_records_with_spec"] = sum(map(metrics.has_spec, recs))
+    summary["spec_accept_length_mean"] = metrics.mean_accept_length(recs)
     # a lossy acceptance rule (evalpipe serve --spec-accept-*) decided these responses: their accuracy measures it
-    summary["n_records_lossy"] = sum(1 for s in spec_recs if s.get("lossy") is True)
+    summary["n_records_lossy"] = sum(map(metrics.is_lossy, recs))
     summary["spec_lossy"] = summary["n_records_lossy"] > 0
     for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
                 "manifest_changed", "manifest_changes", "resumed", "server_lossy_acceptance",

@@ -1,8 +1,10 @@
-"""What a lane is, and the registry of lanes defined in `tasks/`.
+"""What a lane is, and the registry of the lanes in this package.
 
 A lane is a complete protocol: which rows are scored, the exact prompt, the endpoint, the sampling
-parameters, how many repeats, and how an answer is graded. Each lane lives in one module under `tasks/`
-so its whole protocol reads in one place; this module only holds the shared shapes and the lookup.
+parameters, how many repeats, and how an answer is graded. Each lane lives in one module of this package
+(`evalpipe/lanes/<lane>.py`) so its whole protocol reads in one place; this module only holds the shared shapes,
+the lookup and the pins. To add a lane: write its module (a `LANE` object), add it to LANE_MODULES, and pin its
+hashes in `pins/<lane>.json` (`evalpipe lanes --check-pins --json` prints them).
 """
 
 from __future__ import annotations
@@ -10,18 +12,18 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-# lane name -> module under tasks/ that defines `LANE`
+# lane name -> module that defines `LANE`
 LANE_MODULES: dict[str, str] = {
-    "gsm8k": "tasks.gsm8k",
-    "aime26": "tasks.aime26",
-    "aime26-x16": "tasks.aime26_x16",
-    "arith": "tasks.arith",
-    "retrieval": "tasks.retrieval",
-    "copy": "tasks.copy_text",
+    "gsm8k": "evalpipe.lanes.gsm8k",
+    "aime26": "evalpipe.lanes.aime26",
+    "aime26-x16": "evalpipe.lanes.aime26_x16",
+    "arith": "evalpipe.lanes.arith",
+    "retrieval": "evalpipe.lanes.retrieval",
+    "copy": "evalpipe.lanes.copy_text",
 }
 
 
@@ -90,7 +92,7 @@ class LaneData:
 
 @dataclass(frozen=True)
 class Lane:
-    """A lane's fixed protocol. Subclasses in tasks/ implement `load` and `grade_text`."""
+    """A lane's fixed protocol. Subclasses in the lane modules implement `load`."""
 
     name: str
     description: str
@@ -106,17 +108,9 @@ class Lane:
         raise NotImplementedError
 
     def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "api": self.api,
-            "params": dict(self.params),
-            "concurrency": self.concurrency,
-            "repeats": self.repeats,
-            "grader": self.grader,
-            "headline": self.headline,
-            "notes": self.notes,
-        }
+        """The protocol as recorded in every manifest: the fields above, in that order (a subclass's own are not)."""
+        desc = {f.name: getattr(self, f.name) for f in fields(Lane)}
+        return {**desc, "params": dict(self.params)}
 
 
 def get_lane(name: str) -> Lane:
@@ -130,9 +124,10 @@ def all_lanes() -> list[Lane]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# pins (manifests/<lane>.json): the expected dataset / id-list / template / prompt-stream hashes
+# pins (pins/<lane>.json): the expected dataset / id-list / template / prompt-stream hashes. They ship inside the
+# package (package data), so an installed evalpipe checks the same hashes as a source checkout.
 
-PINS_DIR = Path(__file__).resolve().parent.parent / "manifests"
+PINS_DIR = Path(__file__).resolve().parent / "pins"
 
 
 def load_pins(lane_name: str) -> dict:
@@ -143,7 +138,7 @@ def load_pins(lane_name: str) -> dict:
 
 
 def computed_pins(lane: Lane, data: LaneData) -> dict:
-    """The hashes `manifests/<lane>.json` pins, computed from loaded data (all scored items)."""
+    """The hashes `pins/<lane>.json` holds, computed from loaded data (all scored items)."""
     return {
         "lane": lane.name,
         "n_items": len(data.items),

@@ -10,10 +10,8 @@ EXIT_ERRORS_REMAIN when some ended as error records (the message names how many 
 that retries them); 3 refused (simulated acceptance); 130 SIGINT, 143 SIGTERM. A run that cannot start raises
 RunError (the CLI exits 1).
 
-Transport: `AsyncOpenAI.post(path, body=..., cast_to=httpx.Response)` (the client's documented route for
-arbitrary bodies): the body we record is byte-for-byte the body we send, and skipping pydantic parsing keeps
-the hot path lean. The client's own retries are off; ours retry transport errors, timeouts, 5xx and
-malformed bodies with exponential backoff, never 4xx.
+Transport: harness/client.py (the real `openai` client, one retry policy: transport errors, timeouts, 5xx and
+malformed bodies with exponential backoff, never 4xx); the body recorded is byte-for-byte the body sent.
 """
 
 from __future__ import annotations
@@ -28,22 +26,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
-import openai
-
-from evalpipe import manifest as manifest_mod
-from evalpipe import spec_metrics
-from evalpipe.data import DataError, file_sha256
-from evalpipe.endpoint import (
-    EndpointError,
-    fetch_models,
-    fetch_server_info,
-    lossy_acceptance,
-    simulation_reason,
-    spec_from_response,
-    ssl_context,
+from evalpipe.harness import client as http
+from evalpipe.harness import manifest as manifest_mod
+from evalpipe.harness import spec_metrics
+from evalpipe.harness.client import EndpointError, Reply, Server
+from evalpipe.harness.records import (
+    MANIFEST_FILE,
+    RESPONSES_FILE,
+    SCHEMA_VERSION,
+    SUMMARY_FILE,
+    SUPERSEDED_FILE,
+    RecordWriter,
+    counted_records,
+    read_records,
+    record_key,
+    response_fields,
+    rewrite_records,
+    write_json,
 )
-from evalpipe.grading import GraderPool, grade_text
+from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
+from evalpipe.harness.summary import compute_summary
 from evalpipe.lanes import (
     Item,
     Lane,
@@ -54,23 +56,11 @@ from evalpipe.lanes import (
     pin_differences,
     prompt_stream_sha256,
 )
-from evalpipe.records import (
-    MANIFEST_FILE,
-    RESPONSES_FILE,
-    SCHEMA_VERSION,
-    SUMMARY_FILE,
-    SUPERSEDED_FILE,
-    RecordWriter,
-    read_records,
-    record_key,
-    rewrite_records,
-    write_json,
-)
+from evalpipe.lanes.data import DataError, file_sha256
+from evalpipe.lanes.grading import GraderPool, grade_text
 from evalpipe.redact import redact_text, scrub_values
-from evalpipe.summary import compute_summary
 
 
-CONNECTIONS_PER_CLIENT = 8
 EXIT_ERRORS_REMAIN = 4
 EXIT_REFUSED = 3
 
@@ -79,8 +69,8 @@ class RunError(Exception):
     """A run cannot start or must stop; the message says why and what to do."""
 
 
-class SimulatedAcceptance(RunError):
-    pass
+class SimulatedServerRefused(RunError):
+    """The server simulates speculative acceptance: its outputs are not scored."""
 
 
 @dataclass
@@ -121,12 +111,6 @@ class Outcome:
 # ----------------------------------------------------------------------------------------- request bodies
 
 
-def effective_params(lane: Lane, overrides: dict) -> dict:
-    params = dict(lane.params)
-    params.update(overrides)
-    return params
-
-
 def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int]) -> dict:
     """The exact JSON body for one request. `None`-valued params are not sent (e.g. the x16 lane's seed)."""
     body: dict = {"model": model}
@@ -148,10 +132,12 @@ def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool
     return body
 
 
-# -------------------------------------------------------------------------------------------- the runner
+# ------------------------------------------------------------------------------------------ the lane run
 
 
-class Runner:
+class LaneRun:
+    """One lane against one endpoint: prepare (data, server identity), open the run folder, send, summarise."""
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.lane = cfg.lane
@@ -170,7 +156,7 @@ class Runner:
         self.pin_diffs = pin_differences(lane, self.data)
         if self.pin_diffs and not cfg.allow_data_drift:
             raise RunError(
-                f"lane {lane.name}: hashes differ from manifests/{lane.name}.json:\n  " + "\n  ".join(self.pin_diffs)
+                f"lane {lane.name}: hashes differ from the pins in evalpipe/lanes/pins/{lane.name}.json:\n  " + "\n  ".join(self.pin_diffs)
                 + "\nThe prompts are not the pinned ones; pass --allow-data-drift to run anyway (recorded)."
             )
         items = self.data.items
@@ -183,11 +169,16 @@ class Runner:
         if self.repeats < 1:
             raise RunError("--repeats must be >= 1")
         self.concurrency = cfg.concurrency or lane.concurrency
-        self.params = effective_params(lane, cfg.overrides)
+        self.params = {**lane.params, **cfg.overrides}
 
-        # who is the server? (before any generation request)
+        with Server(cfg.base_url, cfg.api_key) as server:
+            self._ask_server(server)
+
+    def _ask_server(self, server: Server) -> None:
+        """Who is the server? (before any generation request): its model, its settings, its /metrics counters."""
+        cfg = self.cfg
         try:
-            models_json = fetch_models(cfg.base_url, cfg.api_key)
+            models_json = server.models()
         except EndpointError as exc:
             raise RunError(str(exc)) from exc
         served = [m["id"] for m in models_json["data"]]
@@ -197,10 +188,10 @@ class Runner:
             raise RunError(f"--model {cfg.model!r} is not served by {cfg.base_url} (it lists: {', '.join(served)})")
         else:
             self.model = cfg.model
-        info_path, info = fetch_server_info(cfg.base_url, cfg.api_key)
+        info_path, info = server.server_info()
         reason = simulation_reason(info)
         if reason:
-            raise SimulatedAcceptance(f"refusing to score: {reason}. Restart the server without simulation.")
+            raise SimulatedServerRefused(f"refusing to score: {reason}. Restart the server without simulation.")
         # a lossy acceptance rule is scored (measuring its accuracy cost is its purpose), never hidden
         self.server_lossy = lossy_acceptance(info)
         if self.server_lossy:
@@ -208,7 +199,7 @@ class Runner:
                   "the responses it decides measure that rule, not the model (scored on purpose)", file=sys.stderr)
         self.server_facts = {"models": models_json, "server_info_path": info_path, "server_info": info}
         # speculative counters from /metrics (vLLM reports speculation nowhere else): run-level, before and after
-        self.metrics_before = spec_metrics.snapshot(cfg.base_url, cfg.api_key)
+        self.metrics_before = spec_metrics.snapshot(server)
 
     def _snapshot(self, server: dict) -> dict:
         cfg, lane, data = self.cfg, self.lane, self.data
@@ -223,7 +214,7 @@ class Runner:
             },
             transport={
                 "timeout_s": cfg.timeout_s, "max_retries": cfg.max_retries, "retry_backoff_s": cfg.retry_backoff_s,
-                "retry_policy": "transport errors, timeouts, 5xx, malformed bodies; never 4xx; backoff doubles, cap 30 s",
+                "retry_policy": http.RETRY_POLICY,
                 "grader_timeout_s": cfg.grader_timeout_s, "grader_workers": cfg.grader_workers, "fsync": cfg.fsync,
             },
             data_facts={
@@ -266,15 +257,10 @@ class Runner:
             read = read_records(self.run_dir / RESPONSES_FILE)
             if read.bad_lines:
                 raise RunError(f"{self.run_dir / RESPONSES_FILE}: lines {read.bad_lines[:10]} are not JSON; refusing to resume")
-            keep, superseded = [], []
-            seen = set()
-            for r in read.records:
-                k = record_key(r)
-                if r.get("error") or k in seen:
-                    superseded.append(r)
-                else:
-                    keep.append(r)
-                    seen.add(k)
+            # the records that count (records.py) stay, unless they are errors: those are retried
+            kept = {id(r) for r in counted_records(read.records).by_key.values() if not r.get("error")}
+            keep = [r for r in read.records if id(r) in kept]
+            superseded = [r for r in read.records if id(r) not in kept]
             if superseded:
                 with open(self.run_dir / SUPERSEDED_FILE, "a", encoding="utf-8") as fh:
                     for r in superseded:
@@ -311,61 +297,9 @@ class Runner:
 
     # ---- requests ---------------------------------------------------------------------------------------
 
-    async def _send(self, client: openai.AsyncOpenAI, body: dict) -> tuple[Optional[dict], dict, list]:
-        """POST with bounded retries. Returns (json, deciding-attempt info, attempts list)."""
-        path = "/completions" if self.lane.api == "completions" else "/chat/completions"
-        attempts: list[dict] = []
-        n_tries = 1 + max(0, self.cfg.max_retries)
-        for i in range(n_tries):
-            start = time.time()
-            t0 = time.perf_counter()
-            err: Optional[dict] = None
-            retryable = False
-            try:
-                resp = await client.post(path, body=body, cast_to=httpx.Response)
-                try:
-                    data = json.loads(resp.content)
-                    choice = data["choices"][0]
-                    if not isinstance(choice, dict):
-                        raise TypeError("choice is not an object")
-                    if self.lane.api == "chat" and not isinstance(choice.get("message"), dict):
-                        raise TypeError("chat choice has no message object")
-                except (ValueError, KeyError, IndexError, TypeError) as exc:
-                    err = {"type": "malformed_response", "status": resp.status_code,
-                           "message": f"{type(exc).__name__}: {exc}; body starts {resp.text[:200]!r}"}
-                    retryable = True
-                else:
-                    attempts.append({"start": start, "end": time.time(), "error": None})
-                    return data, {"latency_s": time.perf_counter() - t0}, attempts
-            except openai.APIStatusError as exc:
-                err = {"type": type(exc).__name__, "status": exc.status_code, "message": str(exc)[:2000]}
-                retryable = exc.status_code >= 500
-            except (openai.APITimeoutError, openai.APIConnectionError) as exc:
-                err = {"type": type(exc).__name__, "status": None, "message": str(exc)[:2000]}
-                retryable = True
-            err = scrub_values(err, [self.cfg.api_key or ""])  # a server may echo what it was sent
-            attempts.append({"start": start, "end": time.time(), "error": err})
-            if not retryable or i == n_tries - 1:
-                err = dict(err, retries_exhausted=retryable)
-                return None, {"latency_s": time.perf_counter() - t0, "error": err}, attempts
-            await asyncio.sleep(min(30.0, self.cfg.retry_backoff_s * (2 ** i)))
-        raise AssertionError("unreachable")
-
-    async def _grade(self, item: Item, text: str, truncated: bool) -> tuple[Any, bool, str]:
-        """(extracted_answer, correct, grade_status) from the raw response text."""
-        return await grade_text(self.lane.grader, item.expected_answer, text, truncated, self.pool)
-
-    def _record(self, item: Item, rep: int, seq: int, body: dict, data: Optional[dict], info: dict,
-                attempts: list, extracted: Any, correct: bool, status: str) -> dict:
-        choice = data["choices"][0] if data else {}
-        if self.lane.api == "chat":
-            msg = choice.get("message") or {}
-            text = msg.get("content") or ""
-            reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        else:
-            text = choice.get("text") or ""
-            reasoning = None
-        finish = choice.get("finish_reason") if data else None
+    def _record(self, item: Item, rep: int, seq: int, body: dict, reply: Reply, extracted: Any, correct: bool,
+                status: str) -> dict:
+        fields = response_fields(reply, chat=self.lane.api == "chat")
         return {
             "schema_version": SCHEMA_VERSION,
             "run_id": self.run_id,
@@ -379,28 +313,17 @@ class Runner:
             "prompt_sha256": item.prompt_sha256,
             **({"group": item.group} if item.group is not None else {}),
             "request": body,
-            "response_text": text,
-            "reasoning_text": reasoning,
-            "finish_reason": finish,
-            "matched_stop": choice.get("matched_stop"),
-            "truncated": finish == "length",
-            "error": info.get("error"),
-            "attempts": attempts,
-            "usage": data.get("usage") if data else None,
-            "latency_s": info["latency_s"],
-            "spec": spec_from_response(data, choice) if data else None,
-            "output_token_ids": choice.get("token_ids"),
-            "logprobs": choice.get("logprobs") if self.cfg.logprobs is not None else None,
+            **fields,
+            "logprobs": fields["logprobs"] if self.cfg.logprobs is not None else None,
             "extracted_answer": extracted,
             "expected_answer": item.expected_answer,
             "correct": correct,
             "grade_status": status,
-            "response_id": data.get("id") if data else None,
-            "model_reported": data.get("model") if data else None,
             "created_at": time.time(),
         }
 
     async def _worker(self, client, queue: asyncio.Queue, writer: RecordWriter, bar) -> None:
+        path = "/completions" if self.lane.api == "completions" else "/chat/completions"
         while True:
             try:
                 item, rep = queue.get_nowait()
@@ -411,19 +334,21 @@ class Runner:
             body = build_body(self.lane, self.model, item, self.params, self.cfg.token_ids, self.cfg.logprobs)
             attempts: list = []
             try:
-                data, info, attempts = await self._send(client, body)
-                if data is None:
+                reply = await http.send(client, path, body, chat=self.lane.api == "chat",
+                                        max_retries=self.cfg.max_retries, backoff_s=self.cfg.retry_backoff_s,
+                                        secrets=[self.cfg.api_key or ""])
+                attempts = reply.attempts
+                if reply.data is None:
                     extracted, correct, status = None, False, "request_error"
                 else:
-                    choice = data["choices"][0]
-                    text = (choice.get("message") or {}).get("content") if self.lane.api == "chat" else choice.get("text")
-                    extracted, correct, status = await self._grade(
-                        item, text if isinstance(text, str) else "", choice.get("finish_reason") == "length")
-                rec = self._record(item, rep, seq, body, data, info, attempts, extracted, correct, status)
+                    fields = response_fields(reply, chat=self.lane.api == "chat")
+                    text = fields["response_text"] if isinstance(fields["response_text"], str) else ""
+                    extracted, correct, status = await grade_text(self.lane.grader, item.expected_answer, text,
+                                                                  fields["truncated"], self.pool)
+                rec = self._record(item, rep, seq, body, reply, extracted, correct, status)
             except Exception as exc:  # noqa: BLE001 - a surprise must still land as a record, never drop the item
                 err = {"type": "internal_error", "status": None, "message": f"{type(exc).__name__}: {exc}"[:2000]}
-                rec = self._record(item, rep, seq, body, None, {"latency_s": 0.0, "error": err}, attempts,
-                                   None, False, "request_error")
+                rec = self._record(item, rep, seq, body, Reply(None, 0.0, err, attempts), None, False, "request_error")
                 correct = False
             writer.write(rec)
             self.records.append(rec)
@@ -450,17 +375,7 @@ class Runner:
         queue: asyncio.Queue = asyncio.Queue()
         for pair in todo:
             queue.put_nowait(pair)
-        # httpcore's async pool scans every connection for every request (O(connections) per event), so 64
-        # connections in one pool cost more CPU than the requests themselves; shard into small pools instead.
-        n_clients = max(1, -(-self.concurrency // CONNECTIONS_PER_CLIENT))
-        per_client = -(-self.concurrency // n_clients)
-        clients = []
-        for _ in range(n_clients):
-            limits = httpx.Limits(max_connections=per_client + 2, max_keepalive_connections=per_client + 2)
-            http = openai.DefaultAsyncHttpxClient(
-                limits=limits, verify=ssl_context(), timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)))
-            clients.append(openai.AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key or "EMPTY", max_retries=0,
-                                              timeout=cfg.timeout_s, http_client=http))
+        clients = http.openai_clients(cfg.base_url, cfg.api_key, cfg.timeout_s, self.concurrency)
         bar = None
         if cfg.progress:
             from tqdm import tqdm
@@ -468,7 +383,7 @@ class Runner:
             bar = tqdm(total=self.n_planned, initial=len(self.existing), desc=f"{self.lane.name}[{cfg.arm}]",
                        unit="req", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
         loop = asyncio.get_running_loop()
-        workers = self._workers = [asyncio.create_task(self._worker(clients[i % n_clients], queue, self.writer, bar))
+        workers = self._workers = [asyncio.create_task(self._worker(clients[i % len(clients)], queue, self.writer, bar))
                                    for i in range(min(self.concurrency, max(1, len(todo))))]
 
         def on_signal(name: str) -> None:
@@ -530,7 +445,9 @@ class Runner:
         return self.finish(wall, len(todo))
 
     def finish(self, wall: float, n_sent_planned: int) -> Outcome:
-        end = self._snapshot(self._refetch_server())
+        with Server(self.cfg.base_url, self.cfg.api_key) as server:
+            end = self._snapshot(server.describe())
+            metrics_after = spec_metrics.snapshot(server)
         start = self.manifest.get("resume_start") or self.manifest["start"]
         protocol, warnings = manifest_mod.differences(start, end)
         self.manifest["end"] = end
@@ -539,7 +456,7 @@ class Runner:
         self.manifest["differences"] = protocol
         self.manifest["code_changes_during_run"] = warnings
         n_new = len(self.records) - len(self.existing)
-        metrics = spec_metrics.run_level(self.metrics_before, spec_metrics.snapshot(self.cfg.base_url, self.cfg.api_key))
+        metrics = spec_metrics.run_level(self.metrics_before, metrics_after)
         if metrics is not None and self.resumed is not None:
             metrics["covers"] = "only the requests this resume sent"
         meta = {
@@ -596,14 +513,6 @@ class Runner:
 
     def _write_manifest(self) -> None:
         write_json(self.run_dir / MANIFEST_FILE, scrub_values(self.manifest, [self.cfg.api_key or ""]))
-
-    def _refetch_server(self) -> dict:
-        try:
-            models = fetch_models(self.cfg.base_url, self.cfg.api_key)
-        except EndpointError as exc:
-            models = {"error": str(exc)}
-        path, info = fetch_server_info(self.cfg.base_url, self.cfg.api_key)
-        return {"models": models, "server_info_path": path, "server_info": info}
 
 
 def _without_base_url(snapshot: dict) -> dict:

@@ -1,7 +1,7 @@
 """Find dataset files and refuse ones whose bytes differ from the pin.
 
 Why: SGLang and NeMo-Skills both fetch GSM8K from an unpinned `master` URL. A score is only comparable
-when the exact file is known, so every file is hashed and checked against `manifests/<lane>.json`.
+when the exact file is known, so every file is hashed and checked against `evalpipe/lanes/pins/<lane>.json`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the source checkout (this file is evalpipe/lanes/data.py)
 CACHE_DIR = REPO_ROOT / ".evalpipe-cache"
 
 

@@ -1,6 +1,6 @@
 """Lane `gsm8k`: the legacy SGLang few-shot GSM8K protocol, with the demo-overlap bug fixed.
 
-Data: openai/grade-school-math `test.jsonl` (1319 rows, sha256 pinned in manifests/gsm8k.json).
+Data: openai/grade-school-math `test.jsonl` (1319 rows, sha256 pinned in pins/gsm8k.json).
 Rows 0-4 are demonstrations only; rows 5..1318 are the 1314 scored questions; id = source row index.
 Prompt (raw text, no chat template): for j in 0..4 "Question: " + q_j + "\\nAnswer: " + a_j + "\\n\\n"
 (answer field verbatim, calculator annotations and "#### N" kept), then "Question: " + q_i + "\\nAnswer:".
@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from evalpipe.data import check_pin, file_sha256, find_gsm8k_test, read_jsonl
-from evalpipe.grading import legacy_answer_value
 from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256, sha256_hex
+from evalpipe.lanes.data import check_pin, file_sha256, find_gsm8k_test, read_jsonl
+from evalpipe.lanes.grading import legacy_answer_value
 
 N_DEMOS = 5
 TEMPLATE_ID = "legacy-sglang-gsm8k-5shot-rows0-4"

@@ -13,9 +13,12 @@ The text format is parsed by prometheus_client's parser; counters are summed ove
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import httpx
+
+if TYPE_CHECKING:
+    from evalpipe.harness.client import Server
 
 METRICS_PATH = "/metrics"
 
@@ -72,30 +75,13 @@ def _pos_key(position: str) -> tuple[int, str]:
     return (int(position), "") if position.isdigit() else (1 << 30, position)
 
 
-def snapshot(base_url: str, api_key: Optional[str] = None, timeout_s: float = 30.0) -> Optional[dict]:
+def snapshot(server: "Server") -> Optional[dict]:
     """GET <server root>/metrics now; None when the server has no /metrics or no speculative statistics there."""
-    from evalpipe.endpoint import server_root, ssl_context
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        with httpx.Client(verify=ssl_context(), timeout=timeout_s, trust_env=False) as client:
-            response = client.get(server_root(base_url) + METRICS_PATH, headers=headers)
-    except httpx.HTTPError:
-        return None
-    return _from_response(response)
+    return _from_response(server.get(METRICS_PATH))
 
 
-async def snapshot_async(client: httpx.AsyncClient, root: str, headers: dict) -> Optional[dict]:
-    """`snapshot` through an open async client (bench)."""
-    try:
-        response = await client.get(root + METRICS_PATH, headers=headers)
-    except httpx.HTTPError:
-        return None
-    return _from_response(response)
-
-
-def _from_response(response: httpx.Response) -> Optional[dict]:
-    if response.status_code != 200:
+def _from_response(response: Optional[httpx.Response]) -> Optional[dict]:
+    if response is None or response.status_code != 200:
         return None
     try:
         return parse(response.text)

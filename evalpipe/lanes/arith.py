@@ -6,8 +6,8 @@ greedy, max_tokens 320. Graded like GSM8K legacy: the last integer of the reply 
 exact result; truncated replies and replies without digits count wrong. Reported overall and per operation count.
 """
 
+from evalpipe.lanes.skill_lane import skill_lane
 from evalpipe.skills import arith
-from tasks.skill_lane import skill_lane
 
 LANE = skill_lane(
     name="arith",

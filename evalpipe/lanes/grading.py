@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from evalpipe.lanes import sgl_eval_adapter
+
 # ---------------------------------------------------------------------------------------------- GSM8K legacy
 
 INVALID = -9999999
@@ -47,9 +49,7 @@ def legacy_answer_value(text: Optional[str]) -> int:
 
 def extract_boxed(text: Optional[str]) -> Optional[str]:
     """Content of the last `\\boxed{...}` (brace-matched), as the vendored NS extractor returns it."""
-    from sgl_eval._vendored.nemo_skills.math_grader import search_boxed  # imports sympy: only on AIME lanes
-
-    return search_boxed(text or "")
+    return sgl_eval_adapter.search_boxed(text or "")
 
 
 @dataclass
@@ -67,8 +67,7 @@ NS_VERIFY_TIMEOUT_S = 10
 
 def _worker_main(conn) -> None:
     """Worker process loop: import the grader once (warm), then answer (gold, pred) requests."""
-    from sgl_eval._vendored.nemo_skills.math_grader import math_equal
-
+    math_equal = sgl_eval_adapter.math_equal()
     conn.send("ready")
     while True:
         try:
