@@ -75,7 +75,7 @@ import torch  # noqa: E402
 
 import gpu_bench  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
 
-from evalpipe.engine import step_attention as sa  # noqa: E402
+from evalpipe.kernels import attention as sa  # noqa: E402
 from evalpipe.engine.attention import Attention  # noqa: E402
 from evalpipe.engine.cache import StatePools  # noqa: E402
 from evalpipe.engine.config import CSA, HCA, SLIDING  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine import graph_ops
+from benchmarks import baseline_ops
 from evalpipe.engine.cuda_graphs import GraphRunner, bucket_for, pack_step_inputs
 from evalpipe.engine.runner import ModelRunner
 
@@ -108,12 +108,12 @@ def test_padding_never_writes_live_state(tiny_runner):
 
 
 def test_graph_ops_reference_matches_engine_hyper_and_moe(tiny_runner):
-    """The references graph_ops falls back to (CPU) compute the engine's own mHC and MoE."""
+    """The references of the benchmarks' baseline ops (CPU) compute the engine's own mHC and MoE."""
     runner = tiny_runner(**SMALL)
     layer = runner.model.layers[2]
     streams = torch.randn(5, runner.config.hc_mult, runner.config.hidden_size)
     ref = layer.attn_hc(streams)
-    got = graph_ops.hc_pre(layer.attn_hc, streams)
+    got = baseline_ops.hc_pre(layer.attn_hc, streams)
     for r, g in zip(ref, got):
         assert (r - g).abs().max().item() < 1e-5
     from evalpipe.engine.cuda_graphs import StaticModel

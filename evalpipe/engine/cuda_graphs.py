@@ -39,11 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine import graph_ops, step_attention, step_attn_inputs, step_hyper
 from evalpipe.engine.forward_batch import Group, RowRope, entry_index
 from evalpipe.engine.primitives import apply_rope
-from evalpipe.engine.step_meta import MetaShape, step_meta
-from evalpipe.engine.step_moe import moe_forward
+from evalpipe.kernels import attention as step_attention, hyper as step_hyper, indexer, norm
+from evalpipe.kernels.compress import compress
+from evalpipe.kernels.moe import moe_forward
+from evalpipe.kernels.step_meta import MetaShape, step_meta
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -172,9 +173,9 @@ class StaticModel:
         H, D = attn.heads, attn.head_dim
         group = batch.groups[0]
         projected = F.linear(x, attn.w_in).split(attn.in_splits, dim=-1)
-        q_residual = graph_ops.rms_norm(projected[0], attn.q_a_norm, attn.eps, backend=self.backend)
+        q_residual = norm.rms_norm(projected[0], attn.q_a_norm, attn.eps, backend=self.backend)
         qb = F.linear(q_residual, attn.w_qb)
-        qkv = step_attn_inputs.qkv_norm(qb[:, : H * D], projected[1], attn.kv_norm, H, attn.eps,
+        qkv = norm.qkv_norm(qb[:, : H * D], projected[1], attn.kv_norm, H, attn.eps,
                                         backend=self.backend)
         qkv = self._rotate(qkv, attn.rope, batch)
         q, kv = qkv[:, :H], qkv[:, H]
@@ -193,7 +194,7 @@ class StaticModel:
                 idx = attn.indexer
                 self.compress(idx.compressor, projected[3], batch, pool.indexer)
                 iq = self._rotate(qb[:, H * D:].view(T, idx.heads, idx.dim), idx.rope, batch)
-                scores = step_attn_inputs.indexer_scores(iq, projected[4], pool.indexer.entries, rows, batch.pos,
+                scores = indexer.indexer_scores(iq, projected[4], pool.indexer.entries, rows, batch.pos,
                                                          group.n, attn.ratio, idx.dim ** -0.5, idx.heads ** -0.5,
                                                          backend=self.backend)
                 entry_rows = self.csa_rows(attn, scores, rows, batch)
@@ -228,11 +229,11 @@ class StaticModel:
             from evalpipe.engine.fused_sites import csa_rows
 
             return csa_rows(attn, scores, group, batch, k)
-        return step_attn_inputs.csa_select(scores, rows, group.n, k, backend=self.backend)
+        return indexer.csa_select(scores, rows, group.n, k, backend=self.backend)
 
     def compress(self, comp, proj: torch.Tensor, batch: StaticBatch, cpool) -> None:
         if not (comp.ratio == 2 and not comp.overlap):  # not a fusion site: the graph path's one-kernel pooling
-            graph_ops.compress(comp, proj, batch, cpool, backend=self.backend)
+            compress(comp, proj, batch, cpool, backend=self.backend)
             return
         if not self.fused:  # the C2 fusion site, reference chain
             comp.pool(proj, batch, cpool)

@@ -3,58 +3,11 @@ by `pre`, re-expanded by `post`, and mixed by a Sinkhorn-projected (doubly stoch
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from evalpipe.engine.primitives import unweighted_rms_norm
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Alternate column / row normalisation of [T, hc, hc] (column first, `iters` column passes in all).
-
-    On CPU the ~60 tiny sequential ops run in numpy, where one op costs ~1 us instead of ~5 us through torch; with
-    many rows the matrices are laid out hc-major so each sum is a few contiguous adds over T. Both numpy layouts
-    add the hc terms in the same sequential order, so results do not depend on the batch size."""
-    if comb.device.type == "cpu" and comb.dtype == torch.float32 and comb.shape[-1] >= 2:
-        e = np.float32(eps)
-        if comb.shape[0] < 8:
-            add, div = np.add.reduce, np.divide  # the ufuncs themselves: no Python wrapper per call
-            a = comb.numpy()
-            a = a / (add(a, axis=-2, keepdims=True) + e)
-            for _ in range(iters - 1):
-                div(a, add(a, axis=-1, keepdims=True) + e, out=a)
-                div(a, add(a, axis=-2, keepdims=True) + e, out=a)
-            return torch.from_numpy(a)
-        b = np.ascontiguousarray(comb.numpy().transpose(1, 2, 0))  # [hc_in, hc_out, T]
-        hc = b.shape[0]
-        rows = [b[i] for i in range(hc)]  # views [hc_out, T]
-        cols = [b[:, j] for j in range(hc)]  # views [hc_in, T]
-
-        def col_pass():  # divide by the sum over hc_in (axis -2 of the [T, hc, hc] matrix)
-            acc = rows[0] + rows[1]
-            for r in rows[2:]:
-                acc += r
-            acc += e
-            b.__itruediv__(acc)
-
-        def row_pass():  # divide by the sum over hc_out (axis -1)
-            acc = cols[0] + cols[1]
-            for c in cols[2:]:
-                acc += c
-            acc += e
-            b.__itruediv__(acc[:, None, :])
-
-        col_pass()
-        for _ in range(iters - 1):
-            row_pass()
-            col_pass()
-        return torch.from_numpy(b.transpose(2, 0, 1))
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+from evalpipe.kernels.hyper import sinkhorn
 
 
 class HyperConnection:

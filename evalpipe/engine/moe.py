@@ -7,15 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-
-def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if scoring_func == "sigmoid":
-        return logits.sigmoid()
-    if scoring_func == "softmax":
-        return logits.softmax(dim=-1)
-    raise ValueError(f"unknown scoring_func {scoring_func!r}")
+from evalpipe.kernels.moe import score
 
 
 class MoE:
@@ -37,7 +29,7 @@ class MoE:
         self.in_splits = [self.router.shape[0], self.shared[0].shape[0], self.shared[1].shape[0]]
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor, router_logits: torch.Tensor | None = None):
-        scores = _score(F.linear(x, self.router) if router_logits is None else router_logits, self.scoring)
+        scores = score(F.linear(x, self.router) if router_logits is None else router_logits, self.scoring)
         if self.is_hash:
             idx = self.tid2eid[input_ids].long()
         else:

@@ -1,26 +1,14 @@
 """Small numeric building blocks shared by the layers, written to round like transformers' DeepSeek-V4 in float32
-(fused torch kernels where they give the same float32 result, fewer ops where the CPU is op-overhead bound)."""
+(fused torch kernels where they give the same float32 result, fewer ops where the CPU is op-overhead bound).
+
+The two RMSNorms are defined once, in evalpipe.kernels.norm, as the references of the CUDA step's norm kernels."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm in float32; the (float32) gain multiplies before the single cast back, as DeepSeek-V4 does."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype) if weight is not None else xf.to(x.dtype)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gain-free RMSNorm whose scale is computed in float32 but applied in x's dtype (q heads, mHC inputs)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), None, eps)
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+from evalpipe.kernels.norm import rms_norm_reference as rms_norm  # noqa: F401
+from evalpipe.kernels.norm import unweighted_rms_norm_reference as unweighted_rms_norm  # noqa: F401
 
 
 def rotate_half_matrix(rope_dim: int, device=None) -> torch.Tensor:

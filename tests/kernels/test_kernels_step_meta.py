@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.step_meta import MetaShape, step_meta, step_meta_reference
+from evalpipe.kernels.step_meta import MetaShape, step_meta, step_meta_reference
 
 
 def _buffer(B, n, max_seqs, pages_per_seq, gen):

@@ -1,4 +1,4 @@
-"""evalpipe/engine/step_hyper.py (mHC between blocks in two kernels) in Triton's CPU interpreter, float32: each kernel
+"""evalpipe/kernels/hyper.py (mHC between blocks in two kernels) in Triton's CPU interpreter, float32: each kernel
 against its PyTorch reference and against the engine path it replaces (HyperConnection.__call__ + rms_norm,
 HyperConnection.merge, HyperHead), on random hyper-connections and on the tiny model's own, plus a two-layer chain
 with stand-in blocks, determinism and rows of huge / tiny magnitude."""
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine import primitives, step_hyper
+from evalpipe.engine import primitives
+from evalpipe.kernels import hyper as step_hyper
 from evalpipe.engine.hyper import HyperConnection, HyperHead
 
 HC, D, EPS = 4, 64, 1e-6

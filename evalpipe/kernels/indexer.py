@@ -1,32 +1,25 @@
-"""Launch-lean attention inputs for the CUDA-graph step: the q/kv RMSNorms and the lightning indexer's scores.
+"""The lightning indexer on the CUDA-graph step: its scores and the CSA top-k, one kernel each.
 
-Per layer the eager chain normalises q (per head, no gain) and the shared K=V row (with gain) in separate kernels
-plus a copy of the strided q slice and a `cat` into one RoPE buffer; the indexer's scores take ~8 kernels (gather
-keys, cast, matmul, ReLU, scale, weight, sum, mask). Here each is one kernel:
+The eager chain spends ~8 kernels on the scores (gather keys, cast, matmul, ReLU, scale, weight, sum, mask). Here:
 
-- `qkv_norm(q_src, kv_src, kv_w, heads, eps)` -> [T, heads + 1, D]: heads 0..H-1 are
-  `unweighted_rms_norm(q_src[t, h*D:(h+1)*D])`, head H is `rms_norm(kv_src[t], kv_w)` -- the layout the RoPE site
-  (`q_rope_store` or `apply_rope`) takes, so no `cat`. Inputs may be strided row views (column slices of a GEMM).
 - `indexer_scores(q, weight_logits, entries, rows, pos, n, ratio, softmax_scale, head_scale)` -> [T, E] float32:
   sum_h ReLU(q[t,h] . entries[rows[t // n, e]]) * softmax_scale * (weight_logits[t,h] * head_scale), and -inf
   where entry e is not causally visible (e >= (pos[t] + 1) // ratio) -- what `Indexer.scores` computes, masked the
   way `causal_topk` masks it.
-
 - `csa_select(scores, rows, n, k)` -> [T, k] pool rows of each query's top-k entries (-1 = none): rank by (score
   descending, entry index ascending) -- `causal_topk`'s tie rule -- then map through the request's entry rows, in
   one kernel instead of a radix sort plus ~5 index ops: the (score, index) pairs packed into unique int64 keys, each
   entry's rank counted against all others by many programs in parallel (a one-program in-register bitonic sort of
   the same keys measured 37 us per call on the H200 at E = 1282, slower than torch's radix sort at 21 us).
 
-Same dispatch as `graph_ops`: Triton on CUDA, the reference (the engine's own ops) elsewhere; `backend="triton"`
-runs the kernel on the CPU under TRITON_INTERPRET=1 (tests/kernels)."""
+Triton on CUDA, the reference (the engine's own ops) elsewhere; `backend="triton"` runs the kernel on the CPU under
+TRITON_INTERPRET=1 (tests/kernels)."""
 
 from __future__ import annotations
 
 import torch
 
-from evalpipe.engine import primitives
-from evalpipe.engine.graph_ops import _interpret, _use_triton
+from evalpipe.kernels._backend import jit, use_triton
 
 try:
     import triton
@@ -36,22 +29,6 @@ except Exception:  # pragma: no cover - triton is optional
 
 
 if tl is not None:
-    def _qkv_norm_kernel(q_ptr, q_stride, kv_ptr, kv_stride, w_ptr, out_ptr, H, D, eps, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        offs = tl.arange(0, BLOCK)
-        m = offs < D
-        if h < H:  # a query head: gain-free, scale rounded to x's dtype, one rounded product
-            xin = tl.load(q_ptr + t * q_stride + h * D + offs, mask=m, other=0.0)
-            x = xin.to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            y = x * r.to(xin.dtype).to(tl.float32)
-        else:  # the shared K=V head: fp32 gain times the fp32 normalised row, one rounding
-            x = tl.load(kv_ptr + t * kv_stride + offs, mask=m, other=0.0).to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            y = tl.load(w_ptr + offs, mask=m, other=0.0) * (x * r)
-        tl.store(out_ptr + (t * (H + 1) + h) * D + offs, y.to(out_ptr.dtype.element_ty), mask=m)
-
     def _indexer_scores_kernel(q_ptr, w_ptr, w_stride, ent_ptr, ent_stride, rows_ptr, rows_stride, pos_ptr,
                                out_ptr, E, n, ratio, softmax_scale, head_scale,
                                H: tl.constexpr, DI: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr):
@@ -100,43 +77,6 @@ if tl is not None:
         tl.store(out_ptr + t * k + rank, tl.where(live, row, -1).to(out_ptr.dtype.element_ty), mask=im & (rank < k))
 
 
-_JIT: dict = {}
-
-
-def _kernels() -> dict:
-    key = _interpret()
-    if key not in _JIT:
-        _JIT[key] = {f.__name__: triton.jit(f) for f in (_qkv_norm_kernel, _indexer_scores_kernel, _csa_select_kernel)}
-    return _JIT[key]
-
-
-# ---- qkv_norm ----------------------------------------------------------------------------------------------------
-
-def qkv_norm_reference(q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int,
-                       eps: float) -> torch.Tensor:
-    T, D = kv_src.shape
-    q = primitives.unweighted_rms_norm(q_src.reshape(T, heads, D), eps)
-    kv = primitives.rms_norm(kv_src, kv_w, eps)
-    return torch.cat([q, kv.unsqueeze(1)], dim=1)
-
-
-def qkv_norm(q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int, eps: float, *,
-             backend: str = "auto") -> torch.Tensor:
-    """[T, heads + 1, D]: normalised query heads then the normalised shared K=V head (see module docstring).
-    q_src [T, heads * D] and kv_src [T, D] need unit stride on the last dim only."""
-    if not _use_triton(backend, q_src, kv_src, kv_w) or kv_src.shape[-1] > 16384:
-        return qkv_norm_reference(q_src, kv_src, kv_w, heads, eps)
-    T, D = kv_src.shape
-    if q_src.shape != (T, heads * D) or q_src.stride(-1) != 1 or kv_src.stride(-1) != 1:
-        raise ValueError(f"q_src must be [T, {heads} * {D}] and kv_src [T, {D}] with unit last stride")
-    out = torch.empty(T, heads + 1, D, device=kv_src.device, dtype=kv_src.dtype)
-    if T:
-        _kernels()["_qkv_norm_kernel"][(T, heads + 1)](q_src, q_src.stride(0), kv_src, kv_src.stride(0), kv_w, out,
-                                                        heads, D, float(eps), BLOCK=triton.next_power_of_2(D),
-                                                        num_warps=4)
-    return out
-
-
 # ---- indexer_scores ----------------------------------------------------------------------------------------------
 
 def indexer_scores_reference(q, weight_logits, entries, rows, pos, n: int, ratio: int, softmax_scale: float,
@@ -162,12 +102,12 @@ def indexer_scores(q, weight_logits, entries, rows, pos, n: int, ratio: int, sof
     T, H, DI = q.shape
     E = rows.shape[1]
     pow2 = H >= 16 and DI >= 16 and (H & (H - 1)) == 0 and (DI & (DI - 1)) == 0
-    if not _use_triton(backend, q, weight_logits, entries, rows, pos) or not pow2 or E == 0:
+    if not use_triton(backend, [q, weight_logits, entries, rows, pos]) or not pow2 or E == 0:
         return indexer_scores_reference(q, weight_logits, entries, rows, pos, n, ratio, softmax_scale, head_scale)
     q = q.contiguous()
     out = torch.empty(T, E, device=q.device, dtype=torch.float32)
     block_e = 64 if H * DI <= 4096 else 32
-    _kernels()["_indexer_scores_kernel"][(T, triton.cdiv(E, block_e))](
+    jit(_indexer_scores_kernel)[(T, triton.cdiv(E, block_e))](
         q, weight_logits, weight_logits.stride(0), entries, entries.stride(0), rows, rows.stride(0), pos, out,
         E, n, ratio, float(softmax_scale), float(head_scale),
         H=H, DI=DI, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4)
@@ -195,12 +135,12 @@ def csa_select(scores: torch.Tensor, rows: torch.Tensor, n: int, k: int, *, back
     """[T, k] pool rows of each query row's k best entries by (score desc, index asc), -1 where the pick is an
     invisible (-inf) entry. scores [T, E] float32 contiguous (indexer_scores' output), rows [T // n, E]."""
     T, E = scores.shape
-    if not _use_triton(backend, scores, rows) or E >= 1 << 31 or k > E:
+    if not use_triton(backend, [scores, rows]) or E >= 1 << 31 or k > E:
         return csa_select_reference(scores, rows, n, k)
     out = torch.empty(T, k, device=scores.device, dtype=rows.dtype)
     if T and k:
         block_i = 64
-        _kernels()["_csa_select_kernel"][(T, triton.cdiv(E, block_i))](
+        jit(_csa_select_kernel)[(T, triton.cdiv(E, block_i))](
             scores.contiguous(), rows, rows.stride(0), out, E, n, k, NEG_INF_KEY=_NEG_INF_KEY, BLOCK_I=block_i,
             BLOCK_J=128, num_warps=4)
     return out

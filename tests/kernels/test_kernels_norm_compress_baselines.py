@@ -1,5 +1,6 @@
-"""graph_ops' Triton kernels (evalpipe/engine/graph_ops.py, used by the CUDA-graph static step) in Triton's CPU
-interpreter against their PyTorch references. Lives here for this directory's conftest, which turns the interpreter
+"""The benchmarks' baseline mHC / expert-GEMV kernels (benchmarks/baseline_ops.py) and the static step's RMSNorm
+and compressor-window kernels (evalpipe/kernels/norm.py, compress.py) in Triton's CPU interpreter against their
+PyTorch references. Lives here for this directory's conftest, which turns the interpreter
 on before Triton's language modules are imported."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine import graph_ops
+from benchmarks import baseline_ops
+from evalpipe.kernels import norm
+from evalpipe.kernels.compress import compress
 
 
 @pytest.mark.parametrize("T", [1, 6])
@@ -22,21 +25,21 @@ def test_graph_ops_triton_kernels_match_references(T):
                         base=0.5 * torch.randn(2 * hc + hc * hc, generator=gen),
                         scale=1 + 0.1 * torch.randn(3, generator=gen), hc=hc, iters=20, eps=1e-6, norm_eps=1e-6)
     s = torch.randn(T, hc, D, generator=gen)
-    got = graph_ops.hc_pre(m, s, backend="triton")
-    ref = graph_ops.hc_pre(m, s, backend="reference")
+    got = baseline_ops.hc_pre(m, s, backend="triton")
+    ref = baseline_ops.hc_pre(m, s, backend="reference")
     for g, r in zip(got, ref):
         assert torch.isfinite(g).all() and (g - r).abs().max().item() < 1e-5
     y = torch.randn(T, D, generator=gen)
-    merged = graph_ops.hc_merge(s, y, ref[0], ref[1], backend="triton")
-    assert (merged - graph_ops.hc_merge_reference(s, y, ref[0], ref[1])).abs().max().item() < 1e-5
+    merged = baseline_ops.hc_merge(s, y, ref[0], ref[1], backend="triton")
+    assert (merged - baseline_ops.hc_merge_reference(s, y, ref[0], ref[1])).abs().max().item() < 1e-5
     K = 3
     x = torch.randn(T, 300, generator=gen)
     W = torch.randn(7, 70, 300, generator=gen)
     idx = torch.randint(0, 7, (T * K,), generator=gen)
     scale = torch.rand(T * K, generator=gen)
     for sc in (None, scale):
-        out = graph_ops.expert_gemv(x, idx, W, sc, x_div=K, backend="triton")
-        want = graph_ops.expert_gemv_reference(x, idx, W, sc, x_div=K)
+        out = baseline_ops.expert_gemv(x, idx, W, sc, x_div=K, backend="triton")
+        want = baseline_ops.expert_gemv_reference(x, idx, W, sc, x_div=K)
         assert out.shape == (T * K, 70) and (out - want).abs().max().item() < 1e-4
 
 
@@ -47,8 +50,8 @@ def test_expert_gemv_row_major_path_for_many_rows():
     W = torch.randn(5, 48, 96, generator=gen)
     idx = torch.randint(0, 5, (80,), generator=gen)
     scale = torch.rand(80, generator=gen)
-    out = graph_ops.expert_gemv(x, idx, W, scale, x_div=2, backend="triton")
-    assert (out - graph_ops.expert_gemv_reference(x, idx, W, scale, x_div=2)).abs().max().item() < 1e-4
+    out = baseline_ops.expert_gemv(x, idx, W, scale, x_div=2, backend="triton")
+    assert (out - baseline_ops.expert_gemv_reference(x, idx, W, scale, x_div=2)).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("D", [64, 200])
@@ -58,14 +61,14 @@ def test_rms_norm_kernel_matches_engine_primitives(D):
     gen = torch.Generator().manual_seed(D)
     x = 3 * torch.randn(7, 3, D, generator=gen)
     w = 1 + 0.1 * torch.randn(D, generator=gen)
-    got = graph_ops.rms_norm(x, w, 1e-6, backend="triton")
+    got = norm.rms_norm(x, w, 1e-6, backend="triton")
     assert (got - primitives.rms_norm(x, w, 1e-6)).abs().max().item() < 1e-5
-    got = graph_ops.rms_norm(x, None, 1e-6, backend="triton")
+    got = norm.rms_norm(x, None, 1e-6, backend="triton")
     assert (got - primitives.unweighted_rms_norm(x, 1e-6)).abs().max().item() < 1e-5
 
 
 def test_compress_kernel_matches_engine_compressor(tiny_runner):
-    """graph_ops.compress (one kernel) writes the same entries as the engine's Compressor.pool for every compressor
+    """kernels.compress (one kernel) writes the same entries as the engine's Compressor.pool for every compressor
     of the tiny model (CSA overlap ratio 4, its indexer, HCA ratio 2), on a padded static step of two live
     requests whose rows complete windows, with ring (past) and in-forward rows both feeding the windows."""
     import dataclasses
@@ -99,7 +102,7 @@ def test_compress_kernel_matches_engine_compressor(tiny_runner):
             ref = dataclasses.replace(cpool, ring=cpool.ring.clone(), entries=cpool.entries.clone())
             got = dataclasses.replace(cpool, ring=cpool.ring.clone(), entries=cpool.entries.clone())
             comp.pool(proj, batch, ref)
-            graph_ops.compress(comp, proj, batch, got, backend="triton")
+            compress(comp, proj, batch, got, backend="triton")
             trash = runner.pools.trash_page * runner.pools.page_tokens // comp.ratio
             live = slice(0, trash)  # the trash page collects padding windows in the reference only
             changed = (ref.entries[live] != cpool.entries[live]).any(dim=1).sum().item()

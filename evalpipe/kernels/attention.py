@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from evalpipe.kernels._backend import interpret_mode, use_triton
+from evalpipe.kernels._backend import jit, use_triton
 
 try:
     import triton
@@ -128,7 +128,7 @@ def fused_attention_reference(q, kv, window_ring, ring_size, window, pos, slot, 
     return out.to(q.dtype)
 
 
-# ---- kernels (jitted lazily by `_kernels`, so TRITON_INTERPRET set by a test is honoured) ---------------------
+# ---- kernels (built on first use by `jit`) ---------------------------------------------------------------
 
 if tl is not None:
     def _step_attention_kernel(q_ptr, ring_ptr, kv_off, ent_off, rows_ptr, pos_ptr, slot_ptr, sinks_ptr,
@@ -234,16 +234,6 @@ if tl is not None:
             tl.store(out_ptr + (i * H + h) * D + d0 + ds, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
-_JIT: dict = {}
-
-
-def _kernels() -> dict:
-    key = interpret_mode()
-    if key not in _JIT:
-        _JIT[key] = {f.__name__: triton.jit(f) for f in (_step_attention_kernel, _step_attention_combine_kernel)}
-    return _JIT[key]
-
-
 # ---- launch ---------------------------------------------------------------------------------------------------
 
 def _sm_count(device: torch.device) -> int:
@@ -309,8 +299,7 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
         pl = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
     else:
         po = pm = pl = out
-    k = _kernels()
-    k["_step_attention_kernel"][(T, S, cfg["head_blocks"])](
+    jit(_step_attention_kernel)[(T, S, cfg["head_blocks"])](
         q, window_ring, kv_off, ent_off, rows, pos, slot, sinks,
         out, po, pm, pl,
         H, n, ring_size, window, K, float(scale), cfg["per_split"], cfg["total"],
@@ -320,7 +309,7 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
         W_CHUNKS=cfg["W_CHUNKS"], HAS_ENT=has_ent, SPLIT=S > 1, IEEE=q.dtype == torch.float32, ALIGNED=aligned,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
-        k["_step_attention_combine_kernel"][(T, H)](po, pm, pl, out, H, S, D=D,
+        jit(_step_attention_combine_kernel)[(T, H)](po, pm, pl, out, H, S, D=D,
                                                      S_PAD=triton.next_power_of_2(S),
                                                      BLOCK_D=min(128, triton.next_power_of_2(D)), num_warps=4)
     return out

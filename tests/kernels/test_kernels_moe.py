@@ -1,4 +1,4 @@
-"""evalpipe/engine/step_moe.py: the 4-launch MoE block, its Triton kernels run in Triton's CPU interpreter (float32,
+"""evalpipe/kernels/moe.py: the 4-launch MoE block, its Triton kernels run in Triton's CPU interpreter (float32,
 small shapes) against the module's references and against the engine's own `MoE` (`MoE.__call__`, `MoE.route`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine import step_moe
+from evalpipe.kernels import moe as step_moe
 from evalpipe.engine.moe import MoE
 
 D, I, E, K, VOCAB, LIMIT = 64, 32, 8, 2, 50, 10.0

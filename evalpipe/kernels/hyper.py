@@ -1,32 +1,34 @@
-"""mHC between blocks in two kernels per block instead of ~5, for the CUDA-graph step.
+"""mHC between blocks in two kernels per block instead of ~5, for the CUDA-graph step; and `sinkhorn`.
 
-Today each block runs streams.float(), the mixing GEMV (cuBLAS), `graph_ops.hc_pre` (one program per row that reads
-the whole [hc * D] row in a serial loop for its RMS scale: ~12.6 us on the H200), `graph_ops.rms_norm` and, after the
-block, `graph_ops.hc_merge`. Here the merge that ends one block also computes what the next block's hyper-connection
-needs from the new streams -- each program's partial dot products of its slice of the flattened streams with the
-next `fn` plus its partial sum of squares (`hc_merge_mix`, many programs) -- so the next block starts with one small
-kernel that reduces those partials in a fixed order, runs pre/post/comb + Sinkhorn, collapses the streams and applies
-the block's input RMSNorm (`hc_pre_norm`; `hc_head_norm` for the model head). No atomics: bitwise deterministic.
+Eagerly, each block runs streams.float(), the mixing GEMV, the pre/post/comb maps with the Sinkhorn iterations
+(~140 tiny kernels), the collapse, the block's RMSNorm and, after the block, the merge. Here the merge that ends one
+block also computes what the next block's hyper-connection needs from the new streams -- each program's partial dot
+products of its slice of the flattened streams with the next `fn` plus its partial sum of squares (`hc_merge_mix`,
+many programs) -- so the next block starts with one small kernel that reduces those partials in a fixed order, runs
+pre/post/comb + Sinkhorn, collapses the streams and applies the block's input RMSNorm (`hc_pre_norm`;
+`hc_head_norm` for the model head). No atomics: bitwise deterministic.
 
-`StaticModel.forward` (engine/cuda_graphs.py) is the caller: `hc_mix` on the embedded streams, then per layer
+`StaticModel.forward` (engine/static/model.py) is the caller: `hc_mix` on the embedded streams, then per layer
 `hc_pre_norm` -> attention -> `hc_merge_mix` (partials for the layer's ffn_hc) -> `hc_pre_norm` -> MoE ->
 `hc_merge_mix` (partials for the next layer's attn_hc, or the head), and `hc_head_norm` before the lm_head.
 
-Per-object preparation (contiguous fp32 fn/base/scale, mix count) is cached in `_PREP` keyed by id(obj) on first
-use (dropped when the object is collected); nothing is prepared per step. The partials'
-blocking depends only on D and T (`mix_block`), so the reference and the Triton kernel produce comparable partials.
+A hyper-connection is passed as the engine's layer object (`HyperConnection`: fn, base, scale, hc, iters, eps,
+norm_eps; `HyperHead`: fn, base, scale, eps, norm_eps). Its preparation (contiguous fp32 fn/base/scale, mix count)
+is cached in `_PREP` keyed by id(obj) on first use (dropped when the object is collected); nothing is prepared per
+step. The partials' blocking depends only on D and T (`mix_block`), so the reference and the Triton kernel produce
+comparable partials. `sinkhorn` is the engine's own Sinkhorn projection (engine/model/hyper.py imports it).
 """
 
 from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine import primitives
-from evalpipe.engine.graph_ops import _interpret, _use_triton
-from evalpipe.engine.hyper import sinkhorn
+from evalpipe.kernels._backend import jit, use_triton
+from evalpipe.kernels.norm import rms_norm_reference
 
 try:
     import triton
@@ -83,7 +85,7 @@ def _prep(obj) -> tuple:
     return _PREP[key]
 
 
-# ---- kernel sources (jitted lazily by `_kernels`) ------------------------------------------------------------
+# ---- kernel sources (built on first use by `jit`) -------------------------------------------------------------
 
 if tl is not None:
     def _merge_mix_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, T, D,
@@ -109,7 +111,7 @@ if tl is not None:
             hr = hs < tl.where(ok, HC, 0)
             m2 = hr[:, None] & kr[None, :]
             s = tl.load(streams_ptr + t64 * K + col, mask=m2, other=0.0).to(tl.float32)
-            if MERGE:  # graph_ops.hc_merge's expression: fp32 accumulate, one rounding
+            if MERGE:  # HyperConnection.merge accumulated in fp32, one rounding
                 y = tl.load(block_ptr + t64 * D + ks, mask=kr, other=0.0).to(tl.float32)
                 post = tl.load(post_ptr + t64 * HC + hs, mask=hr, other=0.0)
                 comb = tl.load(comb_ptr + t64 * HC * HC + hs[:, None] * HC + hs[None, :],
@@ -162,24 +164,61 @@ if tl is not None:
             dt = out_ptr.dtype.element_ty
             pre_raw = tl.sum(tl.load(prow[:, None] + hs[None, :], mask=bm[:, None], other=0.0), axis=0)
             pre = tl.sigmoid(pre_raw * r * tl.load(scale_ptr) + tl.load(base_ptr + hs)) + eps
-            # collapse, rounded to the streams' dtype, then the block's RMSNorm (primitives.rms_norm's roundings)
+            # collapse, rounded to the streams' dtype, then the block's RMSNorm (rms_norm_reference's roundings)
             x = tl.sum(pre[:, None] * s, axis=0).to(dt).to(tl.float32)
             rr = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + rms_eps)
             y = tl.load(normw_ptr + ds, mask=dm, other=0.0) * (x * rr)
             tl.store(out_ptr + t * D + ds, y.to(dt), mask=dm)
 
 
-_JIT = {}
-
-
-def _kernels() -> dict:
-    key = _interpret()
-    if key not in _JIT:
-        _JIT[key] = {f.__name__: triton.jit(f) for f in (_merge_mix_kernel, _pre_norm_kernel)}
-    return _JIT[key]
-
-
 # ---- references ------------------------------------------------------------------------------------------------
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Alternate column / row normalisation of [T, hc, hc] (column first, `iters` column passes in all).
+
+    On CPU the ~60 tiny sequential ops run in numpy, where one op costs ~1 us instead of ~5 us through torch; with
+    many rows the matrices are laid out hc-major so each sum is a few contiguous adds over T. Both numpy layouts
+    add the hc terms in the same sequential order, so results do not depend on the batch size."""
+    if comb.device.type == "cpu" and comb.dtype == torch.float32 and comb.shape[-1] >= 2:
+        e = np.float32(eps)
+        if comb.shape[0] < 8:
+            add, div = np.add.reduce, np.divide  # the ufuncs themselves: no Python wrapper per call
+            a = comb.numpy()
+            a = a / (add(a, axis=-2, keepdims=True) + e)
+            for _ in range(iters - 1):
+                div(a, add(a, axis=-1, keepdims=True) + e, out=a)
+                div(a, add(a, axis=-2, keepdims=True) + e, out=a)
+            return torch.from_numpy(a)
+        b = np.ascontiguousarray(comb.numpy().transpose(1, 2, 0))  # [hc_in, hc_out, T]
+        hc = b.shape[0]
+        rows = [b[i] for i in range(hc)]  # views [hc_out, T]
+        cols = [b[:, j] for j in range(hc)]  # views [hc_in, T]
+
+        def col_pass():  # divide by the sum over hc_in (axis -2 of the [T, hc, hc] matrix)
+            acc = rows[0] + rows[1]
+            for r in rows[2:]:
+                acc += r
+            acc += e
+            b.__itruediv__(acc)
+
+        def row_pass():  # divide by the sum over hc_out (axis -1)
+            acc = cols[0] + cols[1]
+            for c in cols[2:]:
+                acc += c
+            acc += e
+            b.__itruediv__(acc[:, None, :])
+
+        col_pass()
+        for _ in range(iters - 1):
+            row_pass()
+            col_pass()
+        return torch.from_numpy(b.transpose(2, 0, 1))
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
 
 def hc_mix_reference(streams: torch.Tensor, fn: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """partials [T, nb, M + 1] fp32: per block of `block` columns of every stream, the dot products of the
@@ -195,7 +234,7 @@ def hc_mix_reference(streams: torch.Tensor, fn: torch.Tensor, block: int | None 
 
 
 def hc_merge_mix_reference(streams, block_out, post, comb, fn, block: int | None = None):
-    """graph_ops.hc_merge_reference's new streams (fp32 accumulate, one rounding) and their partials for fn."""
+    """HyperConnection.merge's new streams (fp32 accumulate, one rounding) and their partials for fn."""
     new = (post.unsqueeze(-1) * block_out.float().unsqueeze(-2)
            + torch.matmul(comb.transpose(-1, -2), streams.float())).to(streams.dtype)
     return new, hc_mix_reference(new, fn, block)
@@ -209,7 +248,7 @@ def _scaled_mixes(streams, partials, M: int, norm_eps: float) -> torch.Tensor:
 
 def hc_pre_norm_reference(streams, partials, base, scale, norm_w, rms_eps, *, hc: int, iters: int, eps: float,
                           norm_eps: float):
-    """HyperConnection.__call__ (from the partials' mixes and sum of squares) followed by primitives.rms_norm."""
+    """HyperConnection.__call__ (from the partials' mixes and sum of squares) followed by rms_norm_reference."""
     mixes = _scaled_mixes(streams, partials, 2 * hc + hc * hc, norm_eps)
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
@@ -218,15 +257,15 @@ def hc_pre_norm_reference(streams, partials, base, scale, norm_w, rms_eps, *, hc
     comb = torch.softmax(comb_w.reshape(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
     comb = sinkhorn(comb.contiguous(), iters, eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, primitives.rms_norm(collapsed, norm_w, rms_eps)
+    return post, comb, rms_norm_reference(collapsed, norm_w, rms_eps)
 
 
 def hc_head_norm_reference(streams, partials, base, scale, norm_w, rms_eps, *, eps: float, norm_eps: float):
-    """HyperHead.__call__ (from the partials) followed by primitives.rms_norm."""
+    """HyperHead.__call__ (from the partials) followed by rms_norm_reference."""
     mixes = _scaled_mixes(streams, partials, streams.shape[1], norm_eps)
     pre = torch.sigmoid(mixes * scale + base) + eps
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return primitives.rms_norm(collapsed, norm_w, rms_eps)
+    return rms_norm_reference(collapsed, norm_w, rms_eps)
 
 
 # ---- dispatchers -----------------------------------------------------------------------------------------------
@@ -239,7 +278,7 @@ def _launch_mix(streams, block_out, post, comb, fn, M: int, new) -> torch.Tensor
     if T:
         rows = _rows_per_program(T)
         merge = block_out is not None
-        _kernels()["_merge_mix_kernel"][(_cdiv(T, rows), nb)](
+        jit(_merge_mix_kernel)[(_cdiv(T, rows), nb)](
             streams, block_out if merge else streams, post if merge else fn, comb if merge else fn,
             new if merge else streams, fn, parts, T, D, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows,
             BLOCK=block, num_warps=MIX_WARPS)
@@ -250,16 +289,16 @@ def hc_mix(streams: torch.Tensor, hc, *, backend: str = "auto") -> torch.Tensor:
     """Partials [T, nb, M + 1] of streams [T, hc, D] for `hc` (a HyperConnection or the HyperHead): the first
     block's input, which no merge produced."""
     _, fn, _, _, M = _prep(hc)
-    if not _use_triton(backend, streams, fn):
+    if not use_triton(backend, [streams, fn]):
         return hc_mix_reference(streams, fn)
     return _launch_mix(streams.contiguous(), None, None, None, fn, M, None)
 
 
 def hc_merge_mix(streams, block_out, post, comb, next_hc, *, backend: str = "auto"):
     """(new streams [T, hc, D] in streams' dtype, their partials [T, nb, M + 1] fp32 for `next_hc`): the merge
-    after a block (graph_ops.hc_merge) and the next hyper-connection's mixing GEMV in one kernel."""
+    after a block (HyperConnection.merge, fp32 accumulation) and the next hyper-connection's mixing GEMV in one kernel."""
     _, fn, _, _, M = _prep(next_hc)
-    if not _use_triton(backend, streams, block_out, post, comb, fn):
+    if not use_triton(backend, [streams, block_out, post, comb, fn]):
         return hc_merge_mix_reference(streams, block_out, post, comb, fn)
     streams = streams.contiguous()
     new = _empty(streams.shape, device=streams.device, dtype=streams.dtype)
@@ -275,7 +314,7 @@ def _launch_norm(streams, partials, base, scale, norm_w, rms_eps, obj, head: boo
     if T:
         block_d = _pow2(D)
         split = NORM_SPLIT and not head
-        _kernels()["_pre_norm_kernel"][(T, 2 if split else 1)](
+        jit(_pre_norm_kernel)[(T, 2 if split else 1)](
             streams, partials, base, scale, norm_w, post, comb, out, D, partials.shape[1], float(obj.norm_eps),
             float(obj.eps), float(rms_eps), HEAD=head, M=M, HC=hc, ITERS=1 if head else int(obj.iters),
             COMB_ROLE=-1 if head else int(split), NB_PAD=_pow2(partials.shape[1]), BLOCK_D=block_d,
@@ -291,14 +330,14 @@ def _check(streams, partials, M: int):
 
 def hc_pre_norm(streams, partials, hc, norm_w, eps: float, *, backend: str = "auto"):
     """(post [T, hc] fp32, comb [T, hc, hc] fp32, x [T, D]) = HyperConnection `hc` applied to streams, its
-    collapsed input then RMSNormed with gain norm_w and `eps` -- graph_ops.hc_pre + graph_ops.rms_norm in one
-    kernel, from the partials hc_mix / hc_merge_mix wrote for `hc`."""
+    collapsed input then RMSNormed with gain norm_w and `eps` -- in one kernel, from the partials hc_mix /
+    hc_merge_mix wrote for `hc`."""
     _, _, base, scale, M = _prep(hc)
     _check(streams, partials, M)
     n = streams.shape[1]
     if M != 2 * n + n * n:
         raise ValueError(f"{M} mixes is not a hyper-connection of {n} streams")
-    if not _use_triton(backend, streams, partials, base, norm_w) or n * _pow2(streams.shape[2]) > MAX_ROW:
+    if not use_triton(backend, [streams, partials, base, norm_w]) or n * _pow2(streams.shape[2]) > MAX_ROW:
         return hc_pre_norm_reference(streams, partials, base, scale, norm_w, eps, hc=n, iters=hc.iters,
                                      eps=hc.eps, norm_eps=hc.norm_eps)
     return _launch_norm(streams.contiguous(), partials.contiguous(), base, scale, norm_w, eps, hc, False, M)
@@ -311,7 +350,7 @@ def hc_head_norm(streams, partials, head, norm_w, eps: float, *, backend: str = 
     _check(streams, partials, M)
     if M != streams.shape[1]:
         raise ValueError(f"{M} mixes is not a head of {streams.shape[1]} streams")
-    if not _use_triton(backend, streams, partials, base, norm_w) or M * _pow2(streams.shape[2]) > MAX_ROW:
+    if not use_triton(backend, [streams, partials, base, norm_w]) or M * _pow2(streams.shape[2]) > MAX_ROW:
         return hc_head_norm_reference(streams, partials, base, scale, norm_w, eps, eps=head.eps,
                                       norm_eps=head.norm_eps)
     return _launch_norm(streams.contiguous(), partials.contiguous(), base, scale, norm_w, eps, head, True, M)[2]

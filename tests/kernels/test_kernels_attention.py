@@ -1,4 +1,4 @@
-"""evalpipe/engine/step_attention.py: the decode/verify attention core as one split-KV Triton kernel, run in Triton's
+"""evalpipe/kernels/attention.py: the decode/verify attention core as one split-KV Triton kernel, run in Triton's
 CPU interpreter (float32) against its PyTorch reference and against the engine's own `Attention._attend` on a real
 tiny-model runner (sliding, CSA and HCA layers; decode and 6-row verify groups)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine import step_attention as sa
+from evalpipe.kernels import attention as sa
 from evalpipe.engine.attention import Attention
 from evalpipe.engine.config import CSA, HCA, SLIDING
 from evalpipe.engine.forward_batch import entry_index

@@ -6,7 +6,7 @@ compression ratio (through its page table), and for HCA the [T, E] rows with -1 
 (arange, mul, floor_divide, remainder, clamp, index, where, ...); here it is one launch. The results are integers,
 so the kernel and the torch reference (the engine's own `entry_rows` arithmetic) agree exactly.
 
-Layout of the input buffer (cuda_graphs.pack_step_inputs): ids [B*n] | starts [B] | slots [B] | row_valid [B*n] |
+Layout of the input buffer (engine/static/batch.py, pack_step_inputs): ids [B*n] | starts [B] | slots [B] | row_valid [B*n] |
 page table [max_seqs, pages_per_seq]."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalpipe.engine.graph_ops import _interpret, _use_triton
-from evalpipe.engine.step_attention import hca_entry_rows
+from evalpipe.kernels._backend import jit, use_triton
+from evalpipe.kernels.attention import hca_entry_rows
 
 try:
     import triton
@@ -96,16 +96,6 @@ if tl is not None:
                 tl.store(out_ptr + off_hca + (b * n + r) * he + w, tl.where(vis, hrow, -1), mask=hm)
 
 
-_JIT: dict = {}
-
-
-def _kernel():
-    key = _interpret()
-    if key not in _JIT:
-        _JIT[key] = triton.jit(_step_meta_kernel)
-    return _JIT[key]
-
-
 def step_meta_reference(meta: torch.Tensor, shape: MetaShape) -> StepMeta:
     """The torch chain (what StaticBatch computed before): the engine's entry-row arithmetic on device tensors."""
     B, n, T = shape.B, shape.n, shape.T
@@ -127,7 +117,7 @@ def step_meta_reference(meta: torch.Tensor, shape: MetaShape) -> StepMeta:
 def step_meta(meta: torch.Tensor, shape: MetaShape, *, backend: str = "auto") -> StepMeta:
     """All of a step's index arrays from its input buffer: one kernel on CUDA, the torch chain elsewhere."""
     ok = 1 <= len(shape.rings) <= 3 and 1 <= len(shape.ratios) <= 2 and meta.dtype == torch.int64
-    if not ok or not _use_triton(backend, meta):
+    if not ok or not use_triton(backend, [meta]):
         return step_meta_reference(meta, shape)
     B, n, T = shape.B, shape.n, shape.T
     E = list(shape.entries) + [0] * (2 - len(shape.entries))
@@ -140,7 +130,7 @@ def step_meta(meta: torch.Tensor, shape: MetaShape, *, backend: str = "auto") ->
     ratios = list(shape.ratios) + [0] * (2 - len(shape.ratios))
     block = 1024
     grid = (B, max(1, triton.cdiv(max(E), block)))
-    _kernel()[grid](meta, out, T, B, n, shape.page_tokens, shape.pages_per_seq, E[0], E[1], off_rows1, off_rows2,
+    jit(_step_meta_kernel)[grid](meta, out, T, B, n, shape.page_tokens, shape.pages_per_seq, E[0], E[1], off_rows1, off_rows2,
                     off_hca, R1=rings[0], R2=rings[1], R3=rings[2], Q1=ratios[0], Q2=ratios[1],
                     HCA=shape.hca_ratio, N_PAD=triton.next_power_of_2(n), BLOCK=block, num_warps=4)
     cells = {R: out[(2 + k) * T:(3 + k) * T] for k, R in enumerate(shape.rings)}

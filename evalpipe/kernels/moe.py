@@ -1,15 +1,14 @@
 """The MoE block of a decode/verify step in 4 launches: router GEMM, route kernel, gate_up kernel, down kernel.
 
-`StaticModel.moe` (cuda_graphs.py) runs ~25 kernels per layer (router, score, bias, topk, gather, normalise,
-expert GEMVs, chunk/clamp/silu/mul, shared gate|up and down GEMMs, sums, casts, add). Here the shared expert is
+As torch ops the block is ~25 kernels per layer (router, score, bias, topk, gather, normalise, expert GEMVs,
+chunk/clamp/silu/mul, shared gate|up and down GEMMs, sums, casts, add), and the eager MoE reads expert counts back
+to the host, which a CUDA graph cannot contain. Here the shared expert is
 just one more pick: the route kernel appends it as column K of every token's picks (index E, weight 1.0), so one
 gate_up kernel and one down kernel serve routed and shared experts alike, and the down kernel sums a token's K+1
 picks in registers (no [T, K, D] intermediate, no separate add).
 
-How to call it from StaticModel (replaces the whole body of `StaticModel.moe`)::
-
-    from evalpipe.engine.step_moe import moe_forward
-    return moe_forward(moe, x, input_ids, backend=self.backend)
+`StaticModel.moe` (engine/static/model.py) calls `moe_forward(moe, x, input_ids, backend=...)` with the engine's
+`MoE` layer object (router, gate_up, down, shared, top_k, scoring, scaling, limit, bias, tid2eid, is_hash, act).
 
 Per-layer preparation is automatic and one-off: the first call for a MoE object caches (keyed by the object's
 identity, weakly, so the entry goes with the object) contiguous views of its weights and its kernel flags. Nothing
@@ -41,7 +40,8 @@ the benchmark prints their names), 2.7 TB/s of picked weights; T=32 1.6x; E 16 t
 
 Triton path: no host synchronisation, fixed shapes (CUDA-graph capturable). `backend="auto"` runs it on CUDA
 tensors, the reference elsewhere; "triton" forces it (CPU needs TRITON_INTERPRET=1); "reference" forces torch.
-Kernels are built on first use, so a test that sets TRITON_INTERPRET=1 runs them interpreted.
+Kernels are built on first use, so a test that sets TRITON_INTERPRET=1 runs them interpreted. `score` is the
+engine's own scoring chain (engine/model/moe.py imports it).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine.graph_ops import _interpret, _use_triton
+from evalpipe.kernels._backend import jit, use_triton
 
 try:
     import triton
@@ -63,7 +63,7 @@ SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 TARGET_PROGRAMS = 264  # ~2 programs per H200 SM (132): enough loads in flight to approach HBM bandwidth
 
 
-# ---- kernel sources (jitted lazily by `_kernels`) ------------------------------------------------------------
+# ---- kernel sources (built on first use by `jit`) -------------------------------------------------------------
 
 if tl is not None:
     def _route_kernel(logits_ptr, bias_ptr, ids_ptr, tid2eid_ptr, idx_ptr, w_ptr, E, scaling,
@@ -288,17 +288,6 @@ if tl is not None:
                  mask=(t0 + ts < T)[:, None] & nm[None, :])
 
 
-_JIT = {}
-
-
-def _kernels() -> dict:
-    key = _interpret()
-    if key not in _JIT:
-        _JIT[key] = {f.__name__: triton.jit(f) for f in (_route_kernel, _gate_up_kernel, _down_kernel,
-                                                         _gate_up_mm_kernel, _down_mm_kernel)}
-    return _JIT[key]
-
-
 # ---- per-MoE preparation ---------------------------------------------------------------------------------------
 
 class _Prepared:
@@ -339,17 +328,22 @@ def prepare(moe) -> _Prepared:
 
 # ---- references ------------------------------------------------------------------------------------------------
 
-def _score_reference(logits: torch.Tensor, scoring: str) -> torch.Tensor:
-    from evalpipe.engine.moe import _score
-
-    return _score(logits, scoring).float()  # the engine's chain, in the logits' dtype
+def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """The router scores in the logits' dtype: the engine MoE's chain."""
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    raise ValueError(f"unknown scoring_func {scoring_func!r}")
 
 
 def route_reference(moe, logits: torch.Tensor, input_ids: torch.Tensor):
     """(idx [T, K+1] int32, w [T, K+1] fp32): the engine's routing with ties to the lowest expert index and the
     shared expert appended as column K (index E, weight 1)."""
     p = prepare(moe)
-    scores = _score_reference(logits, moe.scoring)
+    scores = score(logits, moe.scoring).float()
     T = scores.shape[0]
     if moe.is_hash:
         idx = p.tid2eid[input_ids].long()
@@ -415,14 +409,14 @@ def _pick_block_n(rows: int, n: int) -> int:
 def route(moe, logits: torch.Tensor, input_ids: torch.Tensor, *, backend: str = "auto"):
     """(idx [T, K+1] int32, w [T, K+1] fp32) from router logits [T, E]; see the module docstring."""
     p = prepare(moe)
-    if not _use_triton(backend, logits, input_ids):
+    if not use_triton(backend, [logits, input_ids]):
         return route_reference(moe, logits, input_ids)
     T, E = logits.shape
     idx = torch.empty(T, p.K + 1, dtype=torch.int32, device=logits.device)
     w = torch.empty(T, p.K + 1, dtype=torch.float32, device=logits.device)
     if T == 0:
         return idx, w
-    _kernels()["_route_kernel"][(T,)](
+    jit(_route_kernel)[(T,)](
         logits.contiguous(), p.bias if p.bias is not None else w, input_ids.contiguous(),
         p.tid2eid if p.tid2eid is not None else idx, idx, w, E, float(moe.scaling),
         K=p.K, SCORING=SCORING[moe.scoring], HAS_BIAS=p.bias is not None, IS_HASH=bool(moe.is_hash),
@@ -451,7 +445,7 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", m
     (pick, channel block), weights streamed as coalesced rows (few picks); "mm": expert-major tl.dot over
     compacted picks per token block of `block_t` tokens (many picks); "auto" picks by T (MM_MIN_TOKENS)."""
     p = prepare(moe)
-    if not _use_triton(backend, x, idx):
+    if not use_triton(backend, [x, idx]):
         return gate_up_reference(moe, x, idx)
     T, KP1 = idx.shape
     R = T * KP1
@@ -464,7 +458,7 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", m
     if _mode(mode, "gate_up", T) == "gemv":
         bn = block_n or _pick_block_n(R, p.I)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
-        _kernels()["_gate_up_kernel"][(R * triton.cdiv(p.I, bn),)](
+        jit(_gate_up_kernel)[(R * triton.cdiv(p.I, bn),)](
             x, idx, p.gate_up, sg, su, h, R, p.E, p.limit,
             D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
         return h
@@ -472,7 +466,7 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", m
     bn = max(16, block_n or 32)
     bk = max(16, min(block_k or 128, triton.next_power_of_2(p.D)))
     grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
-    _kernels()["_gate_up_mm_kernel"][grid](
+    jit(_gate_up_mm_kernel)[grid](
         x, idx, p.gate_up, sg, su, h, T, p.E, p.limit,
         D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
         BLOCK_N=bn, BLOCK_K=bk, IEEE=p.gate_up.dtype == torch.float32, num_warps=num_warps, **extra)
@@ -485,7 +479,7 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
     """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes as in
     `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
     p = prepare(moe)
-    if not _use_triton(backend, h, idx, w):
+    if not use_triton(backend, [h, idx, w]):
         return down_reference(moe, h, idx, w, out_dtype)
     T, KP1 = idx.shape
     y = torch.empty(T, p.D, device=h.device, dtype=out_dtype or h.dtype)
@@ -496,7 +490,7 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
     if _mode(mode, "down", T) == "gemv":
         bn = block_n or _pick_block_n(T, p.D)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
-        _kernels()["_down_kernel"][(T * triton.cdiv(p.D, bn),)](
+        jit(_down_kernel)[(T * triton.cdiv(p.D, bn),)](
             h, idx, w, p.down, p.shared[2], y, T, p.E,
             D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
         return y
@@ -505,7 +499,7 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
     # each program walks every expert serially, so fewer, longer k steps should pay (H200, E 8 T=32: bn 32/bk 64
     # 113 us, bn 16/bk 128 81 us; bk 256 is the untimed default, step_moe_gpu.py times 128/256/512)
     bk = max(16, min(block_k or 256, triton.next_power_of_2(p.I)))
-    _kernels()["_down_mm_kernel"][(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
+    jit(_down_mm_kernel)[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
         h, idx, w, p.down, p.shared[2], y, T, p.E,
         D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
         BLOCK_N=bn, BLOCK_K=bk, IEEE=p.down.dtype == torch.float32, num_warps=num_warps, **extra)
@@ -519,7 +513,7 @@ def moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor, *, backend: str =
     `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm", block_n, block_k, block_t, block_m,
     num_warps, num_stages; see `gate_up` / `down`)."""
     p = prepare(moe)
-    if not p.kernel_ok or not _use_triton(backend, x, input_ids, p.gate_up):
+    if not p.kernel_ok or not use_triton(backend, [x, input_ids, p.gate_up]):
         if backend == "triton" and not p.kernel_ok:
             raise ValueError("backend='triton': this MoE (activation, scoring, shared-expert shape or dtypes) "
                              "has no kernel; use backend='auto'")

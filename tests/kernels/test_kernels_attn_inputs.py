@@ -1,4 +1,4 @@
-"""The attention-input kernels of the CUDA-graph step (evalpipe/engine/step_attn_inputs.py, and graph_ops.rms_norm on
+"""The attention-input kernels of the CUDA-graph step (evalpipe/kernels/norm.py and indexer.py, rms_norm on
 strided rows) in Triton's CPU interpreter, against their references and the engine's own ops."""
 
 from __future__ import annotations
@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine import graph_ops, primitives
-from evalpipe.engine.step_attn_inputs import indexer_scores, indexer_scores_reference, qkv_norm
+from evalpipe.engine import primitives
+from evalpipe.kernels import norm
+from evalpipe.kernels.indexer import indexer_scores, indexer_scores_reference
+from evalpipe.kernels.norm import qkv_norm
 
 
 @pytest.mark.parametrize("T", [1, 6])
@@ -36,7 +38,7 @@ def test_rms_norm_reads_a_column_slice_in_place():
     x = proj[:, 10:60]
     assert not x.is_contiguous()
     w = 1 + 0.1 * torch.randn(50, generator=gen)
-    got = graph_ops.rms_norm(x, w, 1e-6, backend="triton")
+    got = norm.rms_norm(x, w, 1e-6, backend="triton")
     assert got.is_contiguous() and (got - primitives.rms_norm(x.contiguous(), w, 1e-6)).abs().max().item() < 1e-5
 
 
@@ -81,7 +83,7 @@ def test_csa_select_kernel_ranks_like_causal_topk(n, E, k):
     treats as equal), negative scores, and invisible (-inf) entries that become -1 -- equal to the reference and to
     the engine's causal_topk followed by the request's row lookup."""
     from evalpipe.engine.compressor import causal_topk
-    from evalpipe.engine.step_attn_inputs import csa_select, csa_select_reference
+    from evalpipe.kernels.indexer import csa_select, csa_select_reference
 
     gen = torch.Generator().manual_seed(n * 1000 + E + k)
     B = 2
