@@ -1,4 +1,4 @@
-"""GPU check and benchmark of evalpipe/engine/step_hyper.py (mHC between blocks in 2 kernels per block).
+"""GPU check and benchmark of evalpipe/kernels/hyper.py (mHC between blocks in 2 kernels per block).
 
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py                 # H200: production shapes, < 60 s
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
@@ -45,9 +45,9 @@ import torch  # noqa: E402
 
 import baseline_ops  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
 
+from evalpipe.engine.model.hyper import HyperConnection, HyperHead  # noqa: E402
 from evalpipe.kernels import hyper as step_hyper  # noqa: E402
 from evalpipe.kernels.norm import rms_norm  # noqa: E402
-from evalpipe.engine.hyper import HyperConnection, HyperHead  # noqa: E402
 
 FAILED: list[str] = []
 

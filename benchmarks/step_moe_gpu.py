@@ -1,4 +1,4 @@
-"""GPU check and benchmark of evalpipe/engine/step_moe.py (the decode/verify MoE block in 4 launches).
+"""GPU check and benchmark of evalpipe/kernels/moe.py (the decode/verify MoE block in 4 launches).
 
     PYTHONPATH=. python benchmarks/step_moe_gpu.py                 # H200: production shapes, < 60 s
     PYTHONPATH=. python benchmarks/step_moe_gpu.py --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
@@ -47,8 +47,8 @@ import torch  # noqa: E402
 import gpu_bench  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
 import torch.nn.functional as F  # noqa: E402
 
+from evalpipe.engine.model.moe import MoE  # noqa: E402
 from evalpipe.kernels import moe as step_moe  # noqa: E402
-from evalpipe.engine.moe import MoE  # noqa: E402
 
 CHECKS = gpu_bench.Checks()
 FAILED, report, check, rel_diff = CHECKS.failed, CHECKS.report, CHECKS.check, CHECKS.rel_diff

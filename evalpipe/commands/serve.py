@@ -99,7 +99,7 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
     """Serve a model (the built-in evalpipe-skills-dsv4 by default) on http://HOST:PORT/v1 until Ctrl-C."""
     from pathlib import Path
 
-    from evalpipe.engine.weights import BUILTIN_MODELS
+    from evalpipe.engine.model.weights import BUILTIN_MODELS
 
     if model is not None and model not in BUILTIN_MODELS and not Path(model).exists():
         raise click.BadParameter(f"{model} does not exist (built-in models: {', '.join(BUILTIN_MODELS)})",
@@ -122,8 +122,8 @@ def command(model, tokenizer, host, port, dtype, device, max_batch, max_tokens_p
 
     import uvicorn
 
+    from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
     from evalpipe.server.app import create_app
-    from evalpipe.engine.config import DEFAULT_MODEL_NAME
     from evalpipe.server.state import ServerSettings, ServerState
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -174,7 +174,7 @@ def _check_speculation(mode, block_size, drafter, simulate_acc_len) -> None:
     """Reject speculation flags that cannot work before anything loads (clear usage errors, no tracebacks)."""
     from pathlib import Path
 
-    from evalpipe.engine.drafters import parse_drafter_spec
+    from evalpipe.engine.spec.drafters import parse_drafter_spec
 
     if mode == "off" and (drafter is not None or simulate_acc_len is not None):
         raise click.UsageError("--drafter and --simulate-acc-len need --speculative block")
@@ -192,7 +192,7 @@ def _check_speculation(mode, block_size, drafter, simulate_acc_len) -> None:
 
 def _check_accept_rule(mode, simulate_acc_len, topk, threshold_single, threshold_acc) -> None:
     """Reject acceptance-rule flags that cannot work, with the reason (the rule itself lives in AcceptRule)."""
-    from evalpipe.engine.speculative import AcceptRule
+    from evalpipe.engine.spec.accept import AcceptRule
 
     given = [f for f, v in (("--spec-accept-topk", topk), ("--spec-accept-threshold-single", threshold_single),
                             ("--spec-accept-threshold-acc", threshold_acc)) if v is not None]
@@ -214,7 +214,7 @@ def speculation_summary(state) -> str:
     spec = state.engine.decoder.describe() if state.engine is not None else {}
     if spec.get("mode", "off") == "off":
         return "speculation off"
-    from evalpipe.engine.spec_decoder import accept_rule_from_settings
+    from evalpipe.engine.spec.decoder import accept_rule_from_settings
 
     parts = [f"speculation {spec['mode']}", f"G={spec.get('block_size', state.settings.block_size)}"]
     drafter = spec.get("drafter") or state.settings.drafter

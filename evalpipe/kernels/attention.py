@@ -29,10 +29,10 @@ registers at the production shapes). The first H200 measurement (benchmarks/step
 version that selected between three base pointers, which compiled to scalar, unpipelined 2-byte loads: even so
 1.2x-2.8x faster than `_attend` with 1-2 kernels instead of 14-28.
 
-`StaticModel.attention` (engine/cuda_graphs.py) is the caller, after the q/kv RoPE and the compressors and before
+`StaticModel.attention` (engine/static/model.py) is the caller, after the q/kv RoPE and the compressors and before
 the ring stores: sliding layers pass entries None; HCA layers the rows of every entry with -1 where not yet visible
 (`hca_entry_rows`, computed once per step and ratio: `step_meta`); CSA layers the indexer's top-k pool rows
-(`step_attn_inputs.csa_select`, or `fused_sites.csa_rows` on a served model). No per-layer preparation: sinks are
+(`indexer.csa_select`, or the model's fused site `csa_rows` when built with sites). No per-layer preparation: sinks are
 already float32 on the layer. `picked_entry_rows` maps the plain runner's `Indexer.select` picks the same way.
 """
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.kernels import attention as sa
-from evalpipe.engine.attention import Attention
-from evalpipe.engine.config import CSA, HCA, SLIDING
 from evalpipe.engine.forward_batch import entry_index
+from evalpipe.engine.model.attention import Attention
+from evalpipe.engine.model.config import CSA, HCA, SLIDING
+from evalpipe.kernels import attention as sa
 
 TOL = 1e-5
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine import primitives
+from evalpipe.engine.model import primitives
 from evalpipe.kernels import norm
 from evalpipe.kernels.indexer import indexer_scores, indexer_scores_reference
 from evalpipe.kernels.norm import qkv_norm
@@ -82,7 +82,7 @@ def test_csa_select_kernel_ranks_like_causal_topk(n, E, k):
     """Top-k pool rows by (score desc, index asc) with exact ties (many equal scores, +0.0 and -0.0, which the sort
     treats as equal), negative scores, and invisible (-inf) entries that become -1 -- equal to the reference and to
     the engine's causal_topk followed by the request's row lookup."""
-    from evalpipe.engine.compressor import causal_topk
+    from evalpipe.engine.model.compressor import causal_topk
     from evalpipe.kernels.indexer import csa_select, csa_select_reference
 
     gen = torch.Generator().manual_seed(n * 1000 + E + k)

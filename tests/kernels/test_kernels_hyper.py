@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine import primitives
+from evalpipe.engine.model import primitives
+from evalpipe.engine.model.hyper import HyperConnection, HyperHead
 from evalpipe.kernels import hyper as step_hyper
-from evalpipe.engine.hyper import HyperConnection, HyperHead
 
 HC, D, EPS = 4, 64, 1e-6
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from evalpipe.engine.model.moe import MoE
 from evalpipe.kernels import moe as step_moe
-from evalpipe.engine.moe import MoE
 
 D, I, E, K, VOCAB, LIMIT = 64, 32, 8, 2, 50, 10.0
 
@@ -178,7 +178,7 @@ def test_dispatch_and_guards():
 def test_static_step_with_moe_forward_equals_plain_runner(tiny_runner, monkeypatch):
     """The integration as StaticModel will call it: a GraphRunner decode step (dry path, bucket 2) whose MoE blocks
     run moe_forward's Triton kernels (interpreted) gives the plain runner's logits."""
-    from evalpipe.engine.cuda_graphs import GraphRunner, StaticModel
+    from evalpipe.engine.static.graphs import GraphRunner, StaticModel
     calls = []
 
     def moe(self, moe_obj, x, input_ids):

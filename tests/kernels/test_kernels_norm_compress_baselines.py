@@ -14,7 +14,7 @@ from evalpipe.kernels.compress import compress
 
 
 @pytest.mark.parametrize("T", [1, 6])
-def test_graph_ops_triton_kernels_match_references(T):
+def test_baseline_kernels_match_references(T):
     """The three Triton kernels, run in Triton's CPU interpreter, against their references (fresh random inputs,
     float32, non-power-of-two sizes to exercise the masks)."""
     from types import SimpleNamespace
@@ -56,7 +56,7 @@ def test_expert_gemv_row_major_path_for_many_rows():
 
 @pytest.mark.parametrize("D", [64, 200])
 def test_rms_norm_kernel_matches_engine_primitives(D):
-    from evalpipe.engine import primitives
+    from evalpipe.engine.model import primitives
 
     gen = torch.Generator().manual_seed(D)
     x = 3 * torch.randn(7, 3, D, generator=gen)
@@ -74,7 +74,7 @@ def test_compress_kernel_matches_engine_compressor(tiny_runner):
     import dataclasses
 
     n = 6  # rows per request: windows complete inside the forward and straddle the ring (decode is the n=1 case)
-    from evalpipe.engine.cuda_graphs import GraphRunner, StaticBatch, pack_step_inputs
+    from evalpipe.engine.static.graphs import GraphRunner, StaticBatch, pack_step_inputs
     runner = tiny_runner(max_seqs=5, max_seq_len=160)
     graph = GraphRunner(runner, widths=(n,), buckets=(4,))
     gen = torch.Generator().manual_seed(n)

@@ -12,7 +12,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from evalpipe.engine.primitives import rotate_half_matrix
+from evalpipe.engine.model.primitives import rotate_half_matrix
 
 TINY_MODEL_NAME = "evalpipe-tiny-dsv4"  # random weights from seed 0: every lane runs, nothing is answered
 TINY_CONFIG_PATH = Path(__file__).with_name("tiny_config.json")

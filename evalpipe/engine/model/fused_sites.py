@@ -1,4 +1,4 @@
-"""The engine's call sites of the fused verify ops that are not RoPE or compression (those live in cuda_graphs):
+"""The model's call sites of the fused verify ops that are not RoPE or compression (those are engine/static's):
 
 * CSA layers, `candidate_block_mask` (source mode) on the lightning indexer's scores before top-k: blocks of
   `candidate_block_size` compressed entries, the best `candidate_blocks` of them kept. The default budget (None)
@@ -9,12 +9,14 @@
   with per_page = page_tokens // ratio (`StatePools.entry_rows`), which is the kernel's mapping with
   page_size = per_page and the slot's page-table row repeated for each of the request's query rows.
 * `--wo-quant mxfp8`: WO-A through `wo_a_mxfp8` (grouped projection, bf16 round, MXFP8 activation) and WO-B through
-  `mxfp8_linear` on o_b weights quantized to MXFP8 once at `configure` (lossy).
+  `mxfp8_linear` on o_b weights quantized to MXFP8 once, when the layer is built (lossy).
 
-Both the eager ModelRunner and the static (CUDA-graph) step reach these sites through `Attention._attend` /
-the output projection, so the same code runs in both -- once `configure` has run on the model (the server's runner
-factory always calls it; a bare ModelRunner keeps the plain CSA selection, see attention.py). `backend="auto"`: Triton on CUDA where the op's guard passes,
-the PyTorch reference elsewhere. `site_counts()` counts the host-side calls per op (a graph replay does not call
+The choice is a construction-time setting of the model: `ModelRunner(..., sites=SiteSettings(...))` hands it to
+every attention layer, which quantizes its o_b then. Both the eager ModelRunner and the static (CUDA-graph) step
+reach these sites through `Attention._attend` / the output projection, so the same code runs in both. The server
+always builds with sites (engine/build.py); `sites=None` (a bare ModelRunner's default) keeps the plain CSA
+selection without the kernels' references (see attention.py). `backend="auto"`: Triton on CUDA where the op's guard
+passes, the PyTorch reference elsewhere. `site_counts()` counts the host-side calls per op (a graph replay does not call
 Python, so under CUDA graphs it counts captures, not replays)."""
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from evalpipe.engine.model.compressor import causal_topk
 from evalpipe.kernels import candidate_block_mask, indexer_postprocess, mxfp8_linear, mxfp8_quantize, wo_a_mxfp8
 
 WO_QUANT_CHOICES = ("none", "mxfp8")
@@ -33,9 +36,27 @@ _CALLS: Counter = Counter()
 
 @dataclass(frozen=True)
 class SiteSettings:
+    """How a model's fused sites run; fixed when the model is built."""
+
     candidate_block_size: int = 4  # compressed entries per candidate block
     candidate_blocks: int | None = None  # None: keep every block (exact); N: keep the best N (changes selection)
+    wo_quant: str = "none"  # "mxfp8": WO-A/WO-B through the MXFP8 kernels on o_b quantized once (lossy)
     backend: str = "auto"
+
+    def __post_init__(self):
+        if self.candidate_block_size < 1:
+            raise ValueError(f"candidate_block_size must be >= 1, got {self.candidate_block_size}")
+        if self.candidate_blocks is not None and self.candidate_blocks < 1:
+            raise ValueError(f"candidate_blocks must be >= 1 (or None for all), got {self.candidate_blocks}")
+        if self.wo_quant not in WO_QUANT_CHOICES:
+            raise ValueError(f"wo_quant must be one of {WO_QUANT_CHOICES}, got {self.wo_quant!r}")
+
+    def describe(self, model) -> dict:
+        """The settings of `model` (built with them) as /get_server_info reports them under "fused_sites"."""
+        quantized = sum(layer.attn.wo_b_mxfp8 is not None for layer in model.layers)
+        return {"wo_quant": self.wo_quant, "wo_quant_layers": quantized,
+                "candidate_block_size": self.candidate_block_size,
+                "candidate_blocks": self.candidate_blocks if self.candidate_blocks is not None else "all"}
 
 
 DEFAULT_SETTINGS = SiteSettings()
@@ -46,28 +67,12 @@ def site_counts() -> dict[str, int]:
     return dict(_CALLS)
 
 
-def configure(model, *, candidate_block_size: int = 4, candidate_blocks: int | None = None,
-              wo_quant: str = "none", backend: str = "auto") -> dict:
-    """Set the site settings on every attention layer of an engine model (DeepseekV4Model); with
-    wo_quant="mxfp8" quantize each layer's o_b weights to MXFP8 once (where the WO-A shape check passes).
-    Returns a description for /get_server_info."""
-    if candidate_block_size < 1:
-        raise ValueError(f"candidate_block_size must be >= 1, got {candidate_block_size}")
-    if candidate_blocks is not None and candidate_blocks < 1:
-        raise ValueError(f"candidate_blocks must be >= 1 (or None for all), got {candidate_blocks}")
-    if wo_quant not in WO_QUANT_CHOICES:
-        raise ValueError(f"wo_quant must be one of {WO_QUANT_CHOICES}, got {wo_quant!r}")
-    settings = SiteSettings(candidate_block_size, candidate_blocks, backend)
-    quantized = 0
-    for layer in model.layers:
-        attn = layer.attn
-        attn.site_settings = settings
-        attn.wo_b_mxfp8 = None
-        if wo_quant == "mxfp8" and _wo_shapes_ok(attn):
-            attn.wo_b_mxfp8 = quantize_wo_b(attn.o_b)
-            quantized += 1
-    return {"wo_quant": wo_quant, "wo_quant_layers": quantized, "candidate_block_size": candidate_block_size,
-            "candidate_blocks": candidate_blocks if candidate_blocks is not None else "all"}
+def quantized_wo_b(attn, settings: SiteSettings | None) -> torch.Tensor | None:
+    """The layer's MXFP8-rounded o_b under `settings` (None without --wo-quant mxfp8 or where the WO-A shape
+    check fails)."""
+    if settings is None or settings.wo_quant != "mxfp8" or not _wo_shapes_ok(attn):
+        return None
+    return quantize_wo_b(attn.o_b)
 
 
 def _wo_shapes_ok(attn) -> bool:
@@ -83,7 +88,7 @@ def quantize_wo_b(w_b: torch.Tensor) -> torch.Tensor:
 
 def wo_project(attn, out: torch.Tensor) -> torch.Tensor:
     """The grouped output projection with MXFP8 activations: out [T, H, D] -> [T, hidden]."""
-    settings = getattr(attn, "site_settings", None) or DEFAULT_SETTINGS
+    settings = attn.site_settings or DEFAULT_SETTINGS
     x = out.reshape(out.shape[0], attn.groups, -1)
     if x.dtype != attn.o_a.dtype:
         x = x.to(attn.o_a.dtype)
@@ -113,9 +118,7 @@ def csa_rows(attn, scores: torch.Tensor, group, batch, k: int) -> torch.Tensor:
     """[G * n, k] pool rows of the entries each query of a CSA group attends to (-1 = none), from the indexer's
     scores [G * n, E] (invisible entries at -inf): candidate_block_mask -> causal top-k -> indexer_postprocess.
     Device ops only, so the CUDA-graph step calls it too."""
-    from evalpipe.engine.compressor import causal_topk
-
-    settings = getattr(attn, "site_settings", None) or DEFAULT_SETTINGS
+    settings = attn.site_settings or DEFAULT_SETTINGS
     GN, E = scores.shape
     G, n = group.size, group.n
     # visibility is the prefix w < (t + 1) // ratio: the kernel's lens

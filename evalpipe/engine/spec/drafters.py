@@ -11,14 +11,19 @@ sequences of a step together: one batched forward per draft position. A drafter 
 (prompt + output) of each sequence; it feeds whatever it has not consumed yet (the whole prompt the first time, then
 the last one or two committed tokens), and after verification it is rolled back to the accepted prefix.
 
-Every drafter returns, per sequence, its G drafts and the distributions they were drawn from (q, [G, V]) for
-rejection sampling, or None under greedy, where acceptance only compares tokens.
+A drafter has a `name` and three methods, which the speculative decoder (spec/decoder.py) calls:
+- `propose(seqs, widths)` -> (drafts, qs): widths[i] drafts for seqs[i] and the [widths[i], V] distributions they
+  were drawn from (q, for rejection sampling), or None under greedy, where acceptance only compares tokens;
+- `rollback(seq, committed_before, accepted)`: after verify, keep the state of the first committed_before +
+  accepted tokens (the bonus is not fed);
+- `release(slot)`: the sequence in target slot `slot` is gone, free its draft state.
+A new drafter kind is one class here and one case in `parse_drafter_spec` / `build_drafter`.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,22 +34,6 @@ from evalpipe.engine.sampling import sample, sampling_probs
 def history(seq: Any) -> list[int]:
     """Committed tokens of a sequence: prompt + output (the last one is not yet fed to the target)."""
     return seq.prompt + seq.output
-
-
-class Drafter(Protocol):
-    name: str
-
-    def propose(self, seqs: list[Any], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """widths[i] drafts for seqs[i], plus the [widths[i], V] draft distributions (None when greedy)."""
-        ...
-
-    def rollback(self, seq: Any, committed_before: int, accepted: int) -> None:
-        """After verify: keep the state of the first committed_before + accepted tokens (the bonus is not fed)."""
-        ...
-
-    def release(self, key: int) -> None:
-        """The sequence in target slot `key` is gone: free its draft state."""
-        ...
 
 
 class RunnerDrafter:

@@ -12,7 +12,7 @@ batch hooks the engine calls when present: `prepare(seqs)` drafts for all decodi
 `release(slot)` frees a finished sequence's draft state and adds its statistics to the server-wide totals.
 `verify_step(seqs)` runs prepare + target forward + accept directly on a runner (tests, benchmarks).
 
-The acceptance rule is exact unless the server was started with a lossy `AcceptRule` (speculative.py); the rule and
+The acceptance rule is exact unless the server was started with a lossy `AcceptRule` (spec/accept.py); the rule and
 whether it decided a request lossily ride on every `spec` object and on `describe()`.
 """
 
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from evalpipe.engine.sampling import sample, sampling_probs
-from evalpipe.engine.speculative import (
+from evalpipe.engine.spec.accept import (
     AcceptRule,
     ServerSpecTotals,
-    SimulatedAcceptance,
+    SimulatedAcceptLengths,
     SpecStats,
     greedy_accept,
     in_top_k,
@@ -43,7 +43,7 @@ class _SeqSpec:
     """Per-sequence speculation state, kept in `seq.state["spec"]`."""
 
     stats: SpecStats
-    sim: SimulatedAcceptance | None
+    sim: SimulatedAcceptLengths | None
     drafts: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None
     base_len: int = 0  # target length (committed tokens - 1) when the current block was drafted
@@ -58,7 +58,7 @@ class SpeculativeDecoder:
             raise ValueError(f"block size must be >= 1, got {block_size}")
         self.accept_rule = accept_rule or AcceptRule()
         if simulate_acc_len is not None:
-            SimulatedAcceptance(simulate_acc_len, block_size)  # validates the range
+            SimulatedAcceptLengths(simulate_acc_len, block_size)  # validates the range
             if self.accept_rule.lossy:
                 raise ValueError("simulated acceptance checks no draft, so an acceptance rule has nothing to decide")
         self.target = target
@@ -165,7 +165,7 @@ class SpeculativeDecoder:
     def _spec(self, seq: Any) -> _SeqSpec:
         spec = seq.state.get("spec")
         if spec is None:
-            sim = SimulatedAcceptance(self.simulate_acc_len, self.block_size) if self.simulate_acc_len else None
+            sim = SimulatedAcceptLengths(self.simulate_acc_len, self.block_size) if self.simulate_acc_len else None
             spec = seq.state["spec"] = _SeqSpec(stats=SpecStats(self.block_size), sim=sim)
             self._live[seq.slot] = seq
         return spec
@@ -186,7 +186,7 @@ def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | No
 
     Reads `speculative`, `block_size`, `drafter` (None: `default_drafter`), `simulate_acc_len` (None: off) and the
     acceptance rule (`accept_rule_from_settings`)."""
-    from evalpipe.engine.drafters import build_drafter
+    from evalpipe.engine.spec.drafters import build_drafter
 
     mode = getattr(settings, "speculative", "off") or "off"
     if mode not in SPECULATIVE_MODES:

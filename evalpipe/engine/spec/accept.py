@@ -218,7 +218,7 @@ class AcceptRule:
                 "(LOSSY on sampled requests)")
 
 
-class SimulatedAcceptance:
+class SimulatedAcceptLengths:
     """Accept lengths (bonus included) whose running mean is exactly `mean`: a deterministic floor/ceil mix.
 
     Error diffusion: each call adds the fractional part to a carry and returns ceil when the carry reaches 1, so

@@ -7,20 +7,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine import fused_sites
 from evalpipe.engine.cache import LayerPool
-from evalpipe.engine.compressor import Compressor, Indexer
-from evalpipe.engine.config import CSA, SLIDING, RopeTable, compress_ratio
 from evalpipe.engine.forward_batch import ForwardBatch, entry_index, entry_mask, window_keys_index
-from evalpipe.engine.primitives import apply_rope, rms_norm, unweighted_rms_norm
+from evalpipe.engine.model import fused_sites
+from evalpipe.engine.model.compressor import Compressor, Indexer
+from evalpipe.engine.model.config import CSA, SLIDING, RopeTable, compress_ratio
+from evalpipe.engine.model.primitives import apply_rope, rms_norm, unweighted_rms_norm
 
 
 class Attention:
-    # set by engine/fused_sites.configure: per-layer site settings and the MXFP8-rounded o_b (`--wo-quant mxfp8`)
-    site_settings = None
-    wo_b_mxfp8: torch.Tensor | None = None
-
-    def __init__(self, sd: dict, prefix: str, config, layer_type: str, ropes: dict[str, RopeTable]):
+    def __init__(self, sd: dict, prefix: str, config, layer_type: str, ropes: dict[str, RopeTable],
+                 sites: fused_sites.SiteSettings | None = None):
         self.layer_type = layer_type
         self.heads, self.head_dim, self.eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
         self.window = config.sliding_window
@@ -53,6 +50,10 @@ class Attention:
         self.in_splits = [p.shape[0] for p in parts]
         # and both projections of q_residual: attention q_b | indexer q_b
         self.w_qb = torch.cat([self.q_b, self.indexer.q_b], dim=0) if self.indexer is not None else self.q_b
+        # the fused sites (engine/model/fused_sites.py): None keeps the plain CSA selection; the MXFP8-rounded o_b
+        # of `--wo-quant mxfp8`
+        self.site_settings = sites
+        self.wo_b_mxfp8 = fused_sites.quantized_wo_b(self, sites)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pool: LayerPool) -> torch.Tensor:
         T = x.shape[0]
@@ -114,7 +115,7 @@ class Attention:
         comp = None
         if self.compressor is not None:
             if self.indexer is not None:
-                if self.site_settings is not None:  # configured (serve, graph steps): the fused-site chain
+                if self.site_settings is not None:  # built with sites (serve): the fused-site chain
                     # indexer scores -> candidate_block_mask -> top-k -> indexer_postprocess (page table) -> rows
                     comp, empty = fused_sites.csa_entries(self, idx_q, group, batch, pool)  # [G,n,k,D], [G,n,k]
                 else:  # plain runner: the same selection without the kernels' references (fewer CPU ops)

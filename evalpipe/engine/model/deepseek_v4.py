@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine.attention import Attention
 from evalpipe.engine.cache import StatePools
-from evalpipe.engine.config import rope_tables
 from evalpipe.engine.forward_batch import ForwardBatch
-from evalpipe.engine.hyper import HyperConnection, HyperHead
-from evalpipe.engine.moe import MoE
-from evalpipe.engine.primitives import rms_norm
+from evalpipe.engine.model.attention import Attention
+from evalpipe.engine.model.config import rope_tables
+from evalpipe.engine.model.fused_sites import SiteSettings
+from evalpipe.engine.model.hyper import HyperConnection, HyperHead
+from evalpipe.engine.model.moe import MoE
+from evalpipe.engine.model.primitives import rms_norm
 
 # Parameters transformers keeps in float32 whatever the model dtype (norm gains, sinks, mHC, biases).
 _FP32_MARKERS = ("norm", "sinks", "position_bias", "e_score_correction_bias", "_hc.", "hc_head", "tid2eid")
@@ -28,9 +29,9 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> di
 
 
 class DecoderLayer:
-    def __init__(self, sd, i: int, config, ropes):
+    def __init__(self, sd, i: int, config, ropes, sites: SiteSettings | None):
         p = f"model.layers.{i}."
-        self.attn = Attention(sd, p + "self_attn.", config, config.layer_types[i], ropes)
+        self.attn = Attention(sd, p + "self_attn.", config, config.layer_types[i], ropes, sites)
         self.mlp = MoE(sd, p + "mlp.", config, config.mlp_layer_types[i] == "hash_moe")
         self.attn_norm = sd[p + "input_layernorm.weight"].float()
         self.mlp_norm = sd[p + "post_attention_layernorm.weight"].float()
@@ -48,7 +49,8 @@ class DecoderLayer:
 
 
 class DeepseekV4Model:
-    def __init__(self, config, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device, max_positions: int):
+    def __init__(self, config, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device, max_positions: int,
+                 sites: SiteSettings | None = None):
         sd = cast_state(state, dtype, device)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         ropes = rope_tables(config, max_positions, device)
@@ -57,7 +59,7 @@ class DeepseekV4Model:
         self.norm = sd["model.norm.weight"].float()
         self.head = HyperHead(sd["model.hc_head.hc_fn"], sd["model.hc_head.hc_base"], sd["model.hc_head.hc_scale"],
                               config)
-        self.layers = [DecoderLayer(sd, i, config, ropes) for i in range(config.num_hidden_layers)]
+        self.layers = [DecoderLayer(sd, i, config, ropes, sites) for i in range(config.num_hidden_layers)]
         self.num_parameters = sum(t.numel() for t in state.values())
 
     def forward(self, batch: ForwardBatch, pools: StatePools, logit_rows: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from evalpipe.engine.config import DEFAULT_MODEL_NAME, TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.model.config import DEFAULT_MODEL_NAME, TINY_MODEL_NAME, config_hash, tiny_config
 
 # Original-checkpoint leaf names -> module names (suffix of a per-layer key after "layers.N.").
 _LAYER_RENAMES = [
@@ -207,8 +207,8 @@ def default_checkpoint() -> Path:
     return out
 
 
-PACKAGED_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-MODEL_PINS = Path(__file__).resolve().parents[2] / "manifests" / "default_model.json"
+PACKAGED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+MODEL_PINS = Path(__file__).resolve().parents[3] / "manifests" / "default_model.json"
 
 
 def file_sha256(path: Path) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from evalpipe.engine.primitives import unweighted_rms_norm
+from evalpipe.engine.model.primitives import unweighted_rms_norm
 from evalpipe.kernels.hyper import sinkhorn
 
 

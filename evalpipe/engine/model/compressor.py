@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from evalpipe.engine.cache import CompressorPool, StatePools
-from evalpipe.engine.config import RopeTable
 from evalpipe.engine.forward_batch import ForwardBatch, entry_index, window_plan
-from evalpipe.engine.primitives import apply_rope, rms_norm
+from evalpipe.engine.model.config import RopeTable
+from evalpipe.engine.model.primitives import apply_rope, rms_norm
 
 
 class Compressor:
@@ -96,7 +96,7 @@ class Indexer:
     def scores(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
                pool: CompressorPool) -> tuple[torch.Tensor, torch.Tensor, int]:
         """([G, n, E] float32 scores of every entry, [G, n, E] causal visibility, k): what `select` ranks (also
-        the input of the fused CSA sites in engine/fused_sites.py)."""
+        the input of the fused CSA sites in engine/model/fused_sites.py)."""
         rows, visible = entry_index(group, pools, self.ratio)
         k = min(self.topk, rows.shape[1])
         keys = pool.entries[rows].float()  # [G, E, d]
