@@ -165,7 +165,7 @@ class ABRun:
 
     def run_arm(self, side, label, arm, receipts, first_of, run_lanes: bool) -> str | None:
         """Boot one arm, check it, run its lanes, stop it. Returns a failure message, or None."""
-        from evalpipe.launchers.cli import boot, finish
+        from evalpipe.launchers.launch import boot, finish
 
         options = self.options[side]
         if not self.port_given[side]:
