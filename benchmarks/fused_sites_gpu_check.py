@@ -1,7 +1,8 @@
-"""The engine's fused sites (engine/model/fused_sites.py) on CUDA, bf16 tiny model, through the captured GraphRunner steps
-and the eager prefill: Triton (backend auto) against the PyTorch references, same inputs. With the default candidate
-budget the CSA sites (candidate_block_mask, indexer_postprocess) must give bitwise-equal logits; --wo-quant mxfp8
-(wo_a_mxfp8 + mxfp8_linear) agrees with its reference to fp32 accumulation order. Prints one line per arm.
+"""The engine's fused sites (engine/model/fused_sites.py) on CUDA, bf16 default model, through the captured
+GraphRunner steps and the eager prefill: Triton (backend auto) against the PyTorch references, same inputs. With the
+default candidate budget the CSA sites (candidate_block_mask, indexer_postprocess) must give bitwise-equal logits;
+--wo-quant mxfp8 (wo_a_mxfp8 + mxfp8_linear) agrees with its reference to fp32 accumulation order. One line per
+arm; each arm builds its model with its site settings.
 
     python benchmarks/fused_sites_gpu_check.py
 """

@@ -56,7 +56,9 @@ def capture_drafter(decoder: Any, target: Any) -> bool:
     model: nothing to capture. Returns whether the drafter's runner was wrapped."""
     drafter = getattr(decoder, "drafter", None)
     inner = getattr(drafter, "runner", None)
-    if not isinstance(target, GraphRunner) or not isinstance(inner, ModelRunner) or getattr(drafter, "forward_kwargs", None):
+    if not isinstance(target, GraphRunner) or not isinstance(inner, ModelRunner):
+        return False
+    if getattr(drafter, "forward_kwargs", None):
         return False
     graph = GraphRunner(inner, widths=(1,), buckets=target.buckets, fused=target.fused,
                         use_graphs=target.use_graphs, kernel_backend=target.static_model.backend)

@@ -139,7 +139,8 @@ class StaticModel:
     def csa_rows(self, attn, scores: torch.Tensor, rows: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         """[T, k] pool rows of each query's top-k entries (-1 = none) from the indexer's masked scores [T, E]:
         through the fused CSA sites (candidate_block_mask, indexer_postprocess) when the model is built with
-        sites (the server), else `kernels.indexer.csa_select` (rank by score desc, entry index asc, as `causal_topk`)."""
+        sites (the server), else `kernels.indexer.csa_select` (rank by score desc, entry index asc, as
+        `causal_topk`)."""
         group = batch.groups[0]
         E = scores.shape[1]
         k = min(attn.indexer.topk, E)
