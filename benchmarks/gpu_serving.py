@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from evalpipe.engine.config import TINY_CONFIG_PATH, load_config
-from evalpipe.engine.cuda_graphs import GraphRunner
 from evalpipe.engine.engine import Engine
+from evalpipe.engine.model.config import TINY_CONFIG_PATH, load_config
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import SamplingParams
 from evalpipe.engine.scheduler import Sequence, Status
-from evalpipe.engine.spec_decoder import SpeculativeDecoder
+from evalpipe.engine.spec.decoder import SpeculativeDecoder
+from evalpipe.engine.static.graphs import GraphRunner
 from evalpipe.engine.tokenizer import load_tokenizer
 
 
@@ -81,7 +81,7 @@ def bench_config(smoke: bool, name: str = "v4-top2") -> dict:
 
 
 def random_state(config, device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights drawn on the device (the scales of evalpipe.engine.weights.init_tiny_weights)."""
+    """Random weights drawn on the device (the scales of evalpipe.engine.model.weights.init_tiny_weights)."""
     from transformers import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
@@ -315,7 +315,7 @@ def main() -> int:
     report["copy_bandwidth_Bps"] = bw
     print(f"copy bandwidth (read + write): {bw / 1e12:.3f} TB/s", flush=True)
 
-    from evalpipe.engine.weights import save_checkpoint
+    from evalpipe.engine.model.weights import save_checkpoint
 
     config = load_config(bench_config(smoke, args.config))
     tmp = Path(tempfile.mkdtemp(prefix="gpu_serving_"))

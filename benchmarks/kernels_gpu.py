@@ -388,7 +388,7 @@ def section_q_rope(bench: Bench) -> None:
     bench.check("T {1,2,5,6,8} x H {8,16,32} x int32/int64: bitwise == engine RoPE + copy, q unchanged, pad heads 7.0", ok)
 
     try:  # the model's own RoPE (per-dim tables) must give the same bits on the GPU too (FMA contraction would not)
-        from evalpipe.engine.primitives import apply_rope
+        from evalpipe.engine.model.primitives import apply_rope
 
         cos_full, sin_full = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         engine_ok = True
@@ -398,9 +398,9 @@ def section_q_rope(bench: Bench) -> None:
             out = torch.empty_like(q)
             q_rope_store(q, out, cos, sin, pos, backend="triton")
             engine_ok &= bitwise_equal(out, apply_rope(q, cos_full[pos], sin_full[pos]))
-        bench.check("T {6,48,384} H=16: bitwise == evalpipe.engine.primitives.apply_rope", engine_ok)
+        bench.check("T {6,48,384} H=16: bitwise == evalpipe.engine.model.primitives.apply_rope", engine_ok)
     except ImportError as exc:
-        bench.check("bitwise == evalpipe.engine.primitives.apply_rope", False, f"engine RoPE not importable: {exc}")
+        bench.check("bitwise == evalpipe.engine.model.primitives.apply_rope", False, f"engine RoPE not importable: {exc}")
 
     # prefill size whose padded buffer exceeds 2 GiB (int64 offsets): T = PREFILL_TOKENS, H = 16
     tokens = PREFILL_TOKENS

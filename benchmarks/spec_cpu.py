@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.engine import Engine, make_sequences
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import SamplingParams
-from evalpipe.engine.spec_decoder import SpeculativeDecoder, default_drafter
+from evalpipe.engine.spec.decoder import SpeculativeDecoder, default_drafter
+from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer
 
 

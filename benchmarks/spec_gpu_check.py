@@ -16,11 +16,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from evalpipe.engine.cuda_graphs import GraphRunner  # noqa: E402
-from evalpipe.engine.drafters import build_drafter  # noqa: E402
 from evalpipe.engine.runner import ModelRunner  # noqa: E402
 from evalpipe.engine.sampling import SamplingParams  # noqa: E402
-from evalpipe.engine.spec_decoder import SpeculativeDecoder  # noqa: E402
+from evalpipe.engine.spec.decoder import SpeculativeDecoder  # noqa: E402
+from evalpipe.engine.spec.drafters import build_drafter  # noqa: E402
+from evalpipe.engine.static.graphs import GraphRunner  # noqa: E402
 from spec_helpers import compare_with_tie_rule, finish, start  # noqa: E402
 
 

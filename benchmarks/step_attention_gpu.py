@@ -1,4 +1,4 @@
-"""GPU check and benchmark of evalpipe/engine/step_attention.py (the decode/verify attention core in one kernel, or
+"""GPU check and benchmark of evalpipe/kernels/attention.py (the decode/verify attention core in one kernel, or
 one + a merge when the key axis is split).
 
     PYTHONPATH=. python benchmarks/step_attention_gpu.py                 # H200: production shapes, < 60 s
@@ -75,11 +75,11 @@ import torch  # noqa: E402
 
 import gpu_bench  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
 
-from evalpipe.engine import step_attention as sa  # noqa: E402
-from evalpipe.engine.attention import Attention  # noqa: E402
 from evalpipe.engine.cache import StatePools  # noqa: E402
-from evalpipe.engine.config import CSA, HCA, SLIDING  # noqa: E402
 from evalpipe.engine.forward_batch import ForwardBatch, entry_index  # noqa: E402
+from evalpipe.engine.model.attention import Attention  # noqa: E402
+from evalpipe.engine.model.config import CSA, HCA, SLIDING  # noqa: E402
+from evalpipe.kernels import attention as sa  # noqa: E402
 
 CHECKS = gpu_bench.Checks()
 FAILED, report, check = CHECKS.failed, CHECKS.report, CHECKS.check

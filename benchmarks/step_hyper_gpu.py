@@ -1,4 +1,4 @@
-"""GPU check and benchmark of evalpipe/engine/step_hyper.py (mHC between blocks in 2 kernels per block).
+"""GPU check and benchmark of evalpipe/kernels/hyper.py (mHC between blocks in 2 kernels per block).
 
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py                 # H200: production shapes, < 60 s
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
@@ -6,7 +6,7 @@
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py --sweep         # also time launch-shape variants
 
 At hc 4, D 4096, bf16 streams, T in {1, 6, 32}: a 2-layer chain (4 blocks whose outputs are fixed random tensors,
-then the head) run the previous StaticModel way (graph_ops.hc_pre + rms_norm + hc_merge per block, HyperHead +
+then the head) run the previous StaticModel way (baseline_ops.hc_pre + rms_norm + hc_merge per block, HyperHead +
 rms_norm) and the new way (hc_mix, then hc_pre_norm + hc_merge_mix per block, hc_head_norm). Checks: each Triton
 kernel against its PyTorch reference; each new op against the old ops on the same inputs; the whole chain against
 the old chain; two runs bitwise equal. Then both chains are CUDA-graph captured and replayed (median of event-timed
@@ -43,8 +43,11 @@ if ARGS.device == "cpu":
 
 import torch  # noqa: E402
 
-from evalpipe.engine import graph_ops, step_hyper  # noqa: E402
-from evalpipe.engine.hyper import HyperConnection, HyperHead  # noqa: E402
+import baseline_ops  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
+
+from evalpipe.engine.model.hyper import HyperConnection, HyperHead  # noqa: E402
+from evalpipe.kernels import hyper as step_hyper  # noqa: E402
+from evalpipe.kernels.norm import rms_norm  # noqa: E402
 
 FAILED: list[str] = []
 
@@ -80,12 +83,12 @@ def build(hc: int, D: int, layers: int, device, gen):
 def old_chain(streams, outs, blocks, head, norm, eps, xs=None):
     """StaticModel.forward's mHC today, blocks replaced by fixed outputs."""
     for (hcm, w), out in zip(blocks, outs):
-        post, comb, h = graph_ops.hc_pre(hcm, streams)
-        x = graph_ops.rms_norm(h, w, eps)
+        post, comb, h = baseline_ops.hc_pre(hcm, streams)
+        x = rms_norm(h, w, eps)
         if xs is not None:
             xs.append(x)
-        streams = graph_ops.hc_merge(streams, out, post, comb)
-    return graph_ops.rms_norm(head(streams), norm, eps)
+        streams = baseline_ops.hc_merge(streams, out, post, comb)
+    return rms_norm(head(streams), norm, eps)
 
 
 def new_chain(streams, outs, blocks, head, norm, eps, xs=None, backend="auto"):
@@ -124,18 +127,18 @@ def checks(T, hc, D, dtype, device, gen):
     check(f"{tag} hc_merge_mix partials vs reference (same streams)", p2 / row,
           step_hyper.hc_mix_reference(new, h1.fn) / row, TOL_MIX)
     # new ops vs the engine path they replace, same inputs
-    post, comb, h = graph_ops.hc_pre(h0, streams)
+    post, comb, h = baseline_ops.hc_pre(h0, streams)
     check(f"{tag} hc_pre_norm post vs hc_pre", got[0], post, TOL_MIX)
     check(f"{tag} hc_pre_norm comb vs hc_pre", got[1], comb, TOL_MIX)
-    check(f"{tag} hc_pre_norm x vs hc_pre + rms_norm", got[2], graph_ops.rms_norm(h, w0, eps), TOL_OP)
-    check(f"{tag} hc_merge_mix streams vs hc_merge", new, graph_ops.hc_merge(streams, out, got[0], got[1]),
+    check(f"{tag} hc_pre_norm x vs hc_pre + rms_norm", got[2], rms_norm(h, w0, eps), TOL_OP)
+    check(f"{tag} hc_merge_mix streams vs hc_merge", new, baseline_ops.hc_merge(streams, out, got[0], got[1]),
           TOL_OP)
     mixes = torch.nn.functional.linear(new.flatten(1).float(), h1.fn)
     row = mixes.abs().amax(dim=1, keepdim=True)
     check(f"{tag} hc_merge_mix partials vs F.linear(new, fn)", p2.sum(1)[:, :-1] / row, mixes / row, TOL_MIX)
     head_parts = step_hyper.hc_mix(new, head, backend="triton")
     check(f"{tag} hc_head_norm vs HyperHead + rms_norm", step_hyper.hc_head_norm(new, head_parts, head, norm, eps),
-          graph_ops.rms_norm(head(new), norm, eps), TOL_OP)
+          rms_norm(head(new), norm, eps), TOL_OP)
     # chain vs chain, determinism
     outs = [torch.randn(T, D, generator=gen).to(device, dtype) for _ in blocks]
     xs_old, xs_new = [], []
@@ -226,14 +229,14 @@ def detail(T, streams, outs, blocks, head, norm, eps) -> None:
     """Each op alone: 20 launches captured in one graph, us per launch."""
     (h0, w0), (h1, _) = blocks[0], blocks[1]
     out = outs[0]
-    post, comb, h = graph_ops.hc_pre(h0, streams)
+    post, comb, h = baseline_ops.hc_pre(h0, streams)
     parts = step_hyper.hc_mix(streams, h0)
     hparts = step_hyper.hc_mix(streams, head)
     ops = {
-        "old hc_pre (+ .float + GEMV)": lambda: graph_ops.hc_pre(h0, streams),
-        "old rms_norm": lambda: graph_ops.rms_norm(h, w0, eps),
-        "old hc_merge": lambda: graph_ops.hc_merge(streams, out, post, comb),
-        "old head + rms_norm": lambda: graph_ops.rms_norm(head(streams), norm, eps),
+        "old hc_pre (+ .float + GEMV)": lambda: baseline_ops.hc_pre(h0, streams),
+        "old rms_norm": lambda: rms_norm(h, w0, eps),
+        "old hc_merge": lambda: baseline_ops.hc_merge(streams, out, post, comb),
+        "old head + rms_norm": lambda: rms_norm(head(streams), norm, eps),
         "new hc_mix": lambda: step_hyper.hc_mix(streams, h0),
         "new hc_pre_norm": lambda: step_hyper.hc_pre_norm(streams, parts, h0, w0, eps),
         "new hc_merge_mix": lambda: step_hyper.hc_merge_mix(streams, out, post, comb, h1),

@@ -1,4 +1,4 @@
-"""GPU check and benchmark of evalpipe/engine/step_moe.py (the decode/verify MoE block in 4 launches).
+"""GPU check and benchmark of evalpipe/kernels/moe.py (the decode/verify MoE block in 4 launches).
 
     PYTHONPATH=. python benchmarks/step_moe_gpu.py                 # H200: production shapes, < 60 s
     PYTHONPATH=. python benchmarks/step_moe_gpu.py --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
@@ -47,8 +47,8 @@ import torch  # noqa: E402
 import gpu_bench  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
 import torch.nn.functional as F  # noqa: E402
 
-from evalpipe.engine import step_moe  # noqa: E402
-from evalpipe.engine.moe import MoE  # noqa: E402
+from evalpipe.engine.model.moe import MoE  # noqa: E402
+from evalpipe.kernels import moe as step_moe  # noqa: E402
 
 CHECKS = gpu_bench.Checks()
 FAILED, report, check, rel_diff = CHECKS.failed, CHECKS.report, CHECKS.check, CHECKS.rel_diff
@@ -94,20 +94,20 @@ def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
 
 class PreviousChain:
     """`StaticModel.moe` as it was before step_moe took over (the baseline this script times): the engine's router
-    ops, two `graph_ops.expert_gemv` launches with SwiGLU and the sum between them, the shared expert as two GEMMs."""
+    ops, two `baseline_ops.expert_gemv` launches with SwiGLU and the sum between them, the shared expert as two GEMMs."""
 
     def __init__(self):
         self._shared_gu = {}
 
     def moe(self, moe, x, input_ids):
-        from evalpipe.engine import graph_ops
+        import baseline_ops  # benchmarks/: the script's own folder is on sys.path
 
         idx, w = moe.route(x, input_ids)
         T, K = idx.shape
         flat = idx.reshape(-1)
-        gate, up = graph_ops.expert_gemv(x, flat, moe.gate_up, x_div=K).chunk(2, dim=-1)
+        gate, up = baseline_ops.expert_gemv(x, flat, moe.gate_up, x_div=K).chunk(2, dim=-1)
         h = moe._swiglu(gate, up)
-        y = graph_ops.expert_gemv(h, flat, moe.down, w.reshape(-1), out_dtype=torch.float32)
+        y = baseline_ops.expert_gemv(h, flat, moe.down, w.reshape(-1), out_dtype=torch.float32)
         routed = y.view(T, K, -1).sum(dim=1).to(x.dtype)
         g, u, d = moe.shared
         if id(moe) not in self._shared_gu:

@@ -26,7 +26,7 @@ def tiny_runner(cache_dir):
     in the module's private cache (built once per module, reused by every runner after the first)."""
     from evalpipe.engine.runner import ModelRunner
 
-    from evalpipe.engine.config import TINY_MODEL_NAME
+    from evalpipe.engine.model.config import TINY_MODEL_NAME
 
     def make(**kwargs):
         with pytest.MonkeyPatch.context() as mp:

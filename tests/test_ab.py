@@ -14,7 +14,7 @@ import pytest
 
 from evalpipe.ab.plan import arm_labels, comparison_pairs, declared_flags, merge_args
 from evalpipe.launchers.base import group_members
-from evalpipe.launchers.cli import parse_serve_args
+from evalpipe.launchers.flags import parse_serve_args
 
 PY = sys.executable
 FAKE = str(Path(__file__).with_name("fake_engine_server.py"))

@@ -1,4 +1,4 @@
-"""The CUDA-graph static step (evalpipe/engine/cuda_graphs.py) and its launch-lean ops (graph_ops.py).
+"""The CUDA-graph static step (evalpipe/engine/static/) and the server's build of it (evalpipe/engine/build.py).
 
 On the CPU the static step runs un-captured (the dry path): same buffers, same padding, same fixed entry count, so
 these tests check the logic a captured graph replays -- logits and every pool equal to the plain runner's, padding
@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine import graph_ops
-from evalpipe.engine.cuda_graphs import GraphRunner, bucket_for, pack_step_inputs
+from benchmarks import baseline_ops
 from evalpipe.engine.runner import ModelRunner
+from evalpipe.engine.static.graphs import GraphRunner, bucket_for, pack_step_inputs
+from engine_state import state_snapshot
 
 SMALL = dict(max_seqs=6, max_seq_len=160)  # the runners of these tests
 LOGIT_TOL = 5e-5  # float32, same math, different op grouping (fixed entry count, fp32-accumulated MoE/mHC)
@@ -81,7 +82,7 @@ def test_static_steps_equal_plain_runner(tiny_runner, fused):
     assert sorted(graph.steps) == [(1, 1), (4, 1), (4, 6)]
     for sp, sg in zip(seqs_p, seqs_g):
         assert plain.tokens(sp) == graph.tokens(sg)
-        snap_p, snap_g = plain.state_snapshot(sp), graph.state_snapshot(sg)
+        snap_p, snap_g = state_snapshot(plain, sp), state_snapshot(graph, sg)
         assert snap_p.keys() == snap_g.keys()
         for k in snap_p:
             assert (snap_p[k] - snap_g[k]).abs().max().item() < 1e-4, k
@@ -95,11 +96,11 @@ def test_padding_never_writes_live_state(tiny_runner):
     a, b = graph.allocate(), graph.allocate()
     graph.forward([a], [prompt(40, 1)])
     graph.forward([b], [prompt(33, 2)])
-    before = graph.state_snapshot(b)
+    before = state_snapshot(graph, b)
     pages_b = list(runner.pools.seq_pages[b])
     for t in range(8):
         graph.forward([a], [[3 + t]])  # bucket 4: three padding requests per step
-    after = graph.state_snapshot(b)
+    after = state_snapshot(graph, b)
     for k in before:
         torch.testing.assert_close(before[k], after[k], atol=0, rtol=0)
     assert runner.pools.seq_pages[b] == pages_b
@@ -107,16 +108,16 @@ def test_padding_never_writes_live_state(tiny_runner):
     assert graph.describe()["cuda_graphs"]["captured"] == ["4x1"]
 
 
-def test_graph_ops_reference_matches_engine_hyper_and_moe(tiny_runner):
-    """The references graph_ops falls back to (CPU) compute the engine's own mHC and MoE."""
+def test_baseline_and_static_references_match_engine_hyper_and_moe(tiny_runner):
+    """The references of the benchmarks' baseline ops (CPU) compute the engine's own mHC and MoE."""
     runner = tiny_runner(**SMALL)
     layer = runner.model.layers[2]
     streams = torch.randn(5, runner.config.hc_mult, runner.config.hidden_size)
     ref = layer.attn_hc(streams)
-    got = graph_ops.hc_pre(layer.attn_hc, streams)
+    got = baseline_ops.hc_pre(layer.attn_hc, streams)
     for r, g in zip(ref, got):
         assert (r - g).abs().max().item() < 1e-5
-    from evalpipe.engine.cuda_graphs import StaticModel
+    from evalpipe.engine.static.graphs import StaticModel
 
     sm = StaticModel(runner.model, fused=False)
     x = torch.randn(5, runner.config.hidden_size)
@@ -145,24 +146,23 @@ def test_captured_graph_replays_equal_eager(tiny_runner):
 
 
 
-def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner):
+def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner, cache_dir, monkeypatch):
     """`evalpipe serve` wiring: on the CPU the plain runner (max_batch slots); a GraphRunner hands drafters its
     wrapped ModelRunner (layerskip views copy a ModelRunner, not the wrapper) and still decodes speculatively."""
     from types import SimpleNamespace
 
-    from evalpipe.engine.cuda_graphs import capture_drafter, serving_runner
-    from evalpipe.engine.scheduler import Sequence
+    from evalpipe.engine.build import build, capture_drafter
+    from evalpipe.engine.model.config import TINY_MODEL_NAME
     from evalpipe.engine.sampling import SamplingParams
-    from evalpipe.engine.spec_decoder import decoder_from_settings
+    from evalpipe.engine.scheduler import Sequence
+    from evalpipe.engine.spec.decoder import decoder_from_settings
+    from evalpipe.server.state import ServerSettings
 
-    built = []
-
-    def factory(max_seqs):
-        built.append(max_seqs)
-        return tiny_runner(**SMALL)
-
-    plain = serving_runner(factory, device="cpu", max_batch=5, speculative="block")
-    assert isinstance(plain, ModelRunner) and built == [5]
+    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
+    plain, served_decoder = build(ServerSettings(model=TINY_MODEL_NAME, max_batch=5, max_seq_len=SMALL["max_seq_len"],
+                                                 speculative="block", drafter="layerskip:2"))
+    assert isinstance(plain, ModelRunner) and plain.max_seqs == 5
+    assert not capture_drafter(served_decoder, plain)  # nothing to capture on the CPU
     graph = GraphRunner(tiny_runner(**SMALL), widths=(1, 3), buckets=(1, 2), fused=True)
     assert graph.eager_runner is graph.runner and graph.max_seqs == graph.runner.max_seqs - 1
     settings = SimpleNamespace(speculative="block", block_size=2, drafter="layerskip:2", simulate_acc_len=None)

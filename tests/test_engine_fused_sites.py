@@ -1,4 +1,4 @@
-"""The engine's fused-op sites (evalpipe/engine/fused_sites.py) on the CPU, where the kernels' references run.
+"""The engine's fused-op sites (evalpipe/engine/model/fused_sites.py) on the CPU, where the kernels' references run.
 
 - With `candidate_block_mask` (default budget: every block) and `indexer_postprocess` on every CSA layer's
   selection, greedy tokens still equal the transformers oracle (same tie rule as test_engine_oracle).
@@ -13,10 +13,11 @@ import openai
 import pytest
 import torch
 
-from evalpipe.engine import fused_sites
-from evalpipe.engine.drafters import build_drafter
+from evalpipe.engine.model import fused_sites
+from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.spec_decoder import SpeculativeDecoder
+from evalpipe.engine.spec.decoder import SpeculativeDecoder
+from evalpipe.engine.spec.drafters import build_drafter
 from spec_helpers import compare_with_tie_rule, finish, spec_generate
 from test_engine_oracle import TIE_MARGIN, engine_greedy, make_checkpoint, oracle_greedy
 from test_spec_server import start_server
@@ -48,8 +49,8 @@ def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 def test_greedy_with_fused_sites_matches_oracle(checkpoint):
-    runner = ModelRunner(checkpoint, max_seqs=2, max_seq_len=256)
-    fused_sites.configure(runner.model)  # the serving defaults: every candidate block kept, no WO quantization
+    # the serving defaults: every candidate block kept, no WO quantization
+    runner = ModelRunner(checkpoint, max_seqs=2, max_seq_len=256, sites=SiteSettings())
     oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = prompt(45)
     before = fused_sites.site_counts()
@@ -67,8 +68,7 @@ def test_greedy_with_fused_sites_matches_oracle(checkpoint):
 
 def test_block_speculation_through_the_sites_equals_oracle_greedy(checkpoint):
     """(G+1)-row verify forwards and rollback with the sites on: spec-on greedy tokens equal the oracle's."""
-    runner = ModelRunner(checkpoint, max_seqs=4, max_seq_len=256)
-    fused_sites.configure(runner.model)
+    runner = ModelRunner(checkpoint, max_seqs=4, max_seq_len=256, sites=SiteSettings())
     oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     prompts = [prompt(45), prompt(13, seed=8)]
     decoder = SpeculativeDecoder(runner, build_drafter("layerskip:1", runner), block_size=5)
@@ -81,18 +81,46 @@ def test_block_speculation_through_the_sites_equals_oracle_greedy(checkpoint):
 
 
 def test_candidate_budget_is_wired_and_default_is_exact(checkpoint):
-    runner = ModelRunner(checkpoint, max_seqs=2, max_seq_len=256)
+    def runner(**sites):
+        return ModelRunner(checkpoint, max_seqs=2, max_seq_len=256, sites=SiteSettings(**sites))
+
     ids = prompt(101, seed=11)  # 25 entries per CSA layer: 7 blocks of 4
-    fused_sites.configure(runner.model)
-    default = prefill_logits(runner, ids)
-    fused_sites.configure(runner.model, candidate_blocks=10_000)
-    assert torch.equal(prefill_logits(runner, ids), default), "a budget covering every block must be the default"
-    fused_sites.configure(runner.model, candidate_blocks=1, candidate_block_size=1)
-    narrowed = prefill_logits(runner, ids)
+    default = prefill_logits(runner(), ids)
+    assert torch.equal(prefill_logits(runner(candidate_blocks=10_000), ids), default), \
+        "a budget covering every block must be the default"
+    narrowed = prefill_logits(runner(candidate_blocks=1, candidate_block_size=1), ids)
     # rows that see more than one entry now attend to a single (newest) entry instead of the top-3
     assert float((narrowed - default).abs().max()) > 1e-3
     # rows before the first completed window see no entry at all: unchanged
     assert torch.equal(narrowed[:4], default[:4])
+
+
+def test_bare_runner_built_with_the_server_settings_equals_the_served_one(checkpoint):
+    """The fused-site choice is made when the model is built: `build` (what `evalpipe serve` runs) and a bare
+    ModelRunner given the same SiteSettings run the same CSA and WO paths, bitwise, and call the same sites; a bare
+    runner without them runs the plain path (here visibly, since --wo-quant mxfp8 is lossy)."""
+    from evalpipe.engine.build import build
+    from evalpipe.server.state import ServerSettings
+
+    settings = ServerSettings(model=checkpoint, max_batch=2, max_seq_len=256, wo_quant="mxfp8")
+    served, decoder = build(settings)
+    bare = ModelRunner(checkpoint, max_seqs=2, max_seq_len=256, sites=SiteSettings(wo_quant="mxfp8"))
+    plain = ModelRunner(checkpoint, max_seqs=2, max_seq_len=256)
+    assert decoder is None and type(served) is ModelRunner and served.fused_sites == bare.fused_sites
+    assert bare.fused_sites["wo_quant_layers"] == len(bare.model.layers) and plain.fused_sites is None
+    ids = prompt(45)
+    logits, calls = [], []
+    for runner in (served, bare, plain):
+        before = fused_sites.site_counts()
+        seq = runner.allocate()
+        out = [runner.forward([seq], [ids], all_logits=True)]
+        for _ in range(4):
+            out.append(runner.forward([seq], [[int(out[-1][-1].argmax())]]))
+        logits.append(torch.cat(out))
+        calls.append({k: v - before.get(k, 0) for k, v in fused_sites.site_counts().items() if v > before.get(k, 0)})
+    assert torch.equal(logits[0], logits[1]) and calls[0] == calls[1]
+    assert set(calls[0]) == {"candidate_block_mask", "indexer_postprocess", "wo_a_mxfp8", "mxfp8_linear"}
+    assert calls[2] == {} and float((logits[2] - logits[0]).abs().max()) > 1e-4
 
 
 @pytest.fixture(scope="module")

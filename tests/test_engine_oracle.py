@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.config import load_config
+from evalpipe.engine.model.config import load_config
+from evalpipe.engine.model.weights import init_tiny_weights, save_checkpoint
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.weights import init_tiny_weights, save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,8 +157,8 @@ def test_greedy_and_prefill_match_transformers(checkpoints, name, capsys):
 def test_shipped_default_model_matches_transformers_on_lane_prompts(capsys):
     """The trained default model (evalpipe-skills-dsv4) on held-out lane prompts: same greedy tokens as transformers'
     full-sequence forward, prefill logits within the bound."""
+    from evalpipe.engine.model.weights import resolve_model
     from evalpipe.engine.tokenizer import ByteTokenizer
-    from evalpipe.engine.weights import resolve_model
     from evalpipe.lanes import get_lane
 
     path, name = resolve_model(None)

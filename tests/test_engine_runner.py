@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.config import TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.model.config import TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.model.weights import init_tiny_weights, load_state_dict
 from evalpipe.engine.runner import ModelRunner, PoolExhausted
-from evalpipe.engine.weights import init_tiny_weights, load_state_dict
+from engine_state import state_snapshot
 
 LOGIT_TOL = 2e-5  # same math, different batch shapes: float32 reassociation only
 
@@ -133,7 +134,7 @@ def test_truncate_then_diverge_equals_fresh(runner, rejected):
     if exact:  # the shallow path moves only the length: bit-identical
         assert torch.equal(got, want)
     assert float((got - want).abs().max()) < LOGIT_TOL
-    _assert_same_state(runner.state_snapshot(a), runner.state_snapshot(b), 0.0 if exact else LOGIT_TOL)
+    _assert_same_state(state_snapshot(runner, a), state_snapshot(runner, b), 0.0 if exact else LOGIT_TOL)
     # and the sequences keep agreeing afterwards
     assert greedy(runner, a, got[-1:], 8) == greedy(runner, b, want[-1:], 8)
     runner.free(a)
@@ -169,7 +170,7 @@ def test_slots_pages_and_validation(tiny_runner):
 
 
 def test_indexer_tie_rule_prefers_lower_index_and_ignores_invisible():
-    from evalpipe.engine.compressor import causal_topk
+    from evalpipe.engine.model.compressor import causal_topk
 
     scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0, 0.0]])
     visible = torch.tensor([[True] * 5 + [False] * 2])
@@ -188,8 +189,8 @@ def test_forward_is_causal_under_exact_indexer_ties(tmp_path):
     """One indexer head: about half of all indexer scores are exactly 0 (every ReLU closed), so top-k boundary
     ties are everywhere. The tie rule keeps the engine causal: a prefix's logits do not move when later tokens
     are appended (transformers' full forward breaks ties by length-dependent order and is not causal here)."""
-    from evalpipe.engine.config import load_config
-    from evalpipe.engine.weights import init_tiny_weights, save_checkpoint
+    from evalpipe.engine.model.config import load_config
+    from evalpipe.engine.model.weights import init_tiny_weights, save_checkpoint
 
     data = tiny_config().to_dict()
     data.update(index_n_heads=1, index_topk=2, num_hidden_layers=2,
@@ -228,7 +229,7 @@ def test_checkpoint_names_both_schemes_and_quantized_refused(runner, tmp_path):
     a checkpoint saved with the module names of DeepseekV4ForCausalLM loads to the same tensors."""
     from safetensors.torch import save_file
 
-    from evalpipe.engine.weights import load_state_dict
+    from evalpipe.engine.model.weights import load_state_dict
 
     original = load_state_dict(runner.model_path)
     (tmp_path / "modnames").mkdir()
@@ -269,6 +270,6 @@ def test_batched_verify_rows_then_partial_accept_equal_plain_decoding(runner):
     want = runner.forward(fresh, nxt)
     assert float((got - want).abs().max()) < LOGIT_TOL
     for s, f in zip(spec, fresh):
-        _assert_same_state(runner.state_snapshot(s), runner.state_snapshot(f), LOGIT_TOL)
+        _assert_same_state(state_snapshot(runner, s), state_snapshot(runner, f), LOGIT_TOL)
     for s in spec + plain + fresh:
         runner.free(s)

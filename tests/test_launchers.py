@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from evalpipe.commands.serve import command as launch_command
 from evalpipe.launchers import LaunchOptions, make_launcher
 from evalpipe.launchers.base import free_port, group_members
-from evalpipe.launchers.cli import command as launch_command
-from evalpipe.launchers.dispatch import wants_launcher
 from evalpipe.launchers.env import build_child_env, redact_argv, redact_env
+from evalpipe.launchers.flags import given, needs_launcher
 from evalpipe.launchers.receipts import effective_problems, receipt_differences
 
 PY = sys.executable
@@ -258,6 +258,11 @@ def test_env_hygiene_rules():
         "x", "--api-key", "<redacted>", "--hf-token=<redacted>", "--tokenizer-path", "tok", "--max-num-tokens", "5"]
 
 
+def wants_launcher(args: list[str]) -> bool:
+    ctx = launch_command.make_context("serve", list(args))
+    return needs_launcher(ctx.params, given(ctx))
+
+
 def test_dispatch_rule_for_serve_hook():
     assert wants_launcher(["--engine", "sglang", "--model", "M"])
     assert wants_launcher(["--engine=vllm"])
@@ -297,7 +302,7 @@ def test_receipt_differences_explained_only_by_declared_flags():
 def _launch(args: list[str], env_extra: dict, tmp_path: Path) -> subprocess.Popen:
     env = {**os.environ, **env_extra}
     return subprocess.Popen(
-        [PY, "-m", "evalpipe.launchers", *args],
+        [PY, "-m", "evalpipe.cli", "serve", *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )
 

@@ -1,6 +1,6 @@
 """Server start-up: 503 (with an OpenAI body) while the model loads, a load failure reported, `--tokenizer`.
 
-The loading test runs a real uvicorn server on 127.0.0.1 in this process, with the real runner factory held
+The loading test runs a real uvicorn server on 127.0.0.1 in this process, with the real engine build held
 back by an event until the test has seen the "loading" answers.
 """
 
@@ -14,8 +14,9 @@ import time
 import httpx
 import uvicorn
 
+from evalpipe.engine.build import build
 from evalpipe.server.app import create_app
-from evalpipe.server.state import ServerSettings, ServerState, default_runner_factory
+from evalpipe.server.state import ServerSettings, ServerState
 from server_harness import free_port
 from test_server_tokenizer import hf_dir  # noqa: F401  (fixture: a small Hugging Face tokenizer directory)
 
@@ -23,13 +24,13 @@ from test_server_tokenizer import hf_dir  # noqa: F401  (fixture: a small Huggin
 def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir):  # noqa: F811
     gate = threading.Event()
 
-    def gated_runner(settings):
+    def gated_build(settings):
         gate.wait(60)
-        return default_runner_factory(settings)
+        return build(settings)
 
     port = free_port()
     settings = ServerSettings(port=port, tokenizer=str(hf_dir), max_batch=2, max_seq_len=128)
-    state = ServerState(settings, runner_factory=gated_runner)
+    state = ServerState(settings, build=gated_build)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -18,9 +18,9 @@ import scipy.stats
 import torch
 
 from evalpipe.engine.sampling import SamplingParams, sampling_probs
-from evalpipe.engine.speculative import (
+from evalpipe.engine.spec.accept import (
     AcceptRule,
-    SimulatedAcceptance,
+    SimulatedAcceptLengths,
     SpecStats,
     greedy_accept,
     in_top_k,
@@ -144,7 +144,7 @@ def test_rejection_accept_certain_cases():
 
 @pytest.mark.parametrize("mean,block", [(5.5, 5), (3.3, 5), (1.0, 5), (6.0, 5), (2.71, 9)])
 def test_simulated_acceptance_realised_mean(mean, block):
-    sim = SimulatedAcceptance(mean, block)
+    sim = SimulatedAcceptLengths(mean, block)
     lengths = [sim.next_length() for _ in range(1000)]
     assert set(lengths) <= {int(np.floor(mean)), int(np.ceil(mean))}
     assert all(1 <= n <= block + 1 for n in lengths)
@@ -154,7 +154,7 @@ def test_simulated_acceptance_realised_mean(mean, block):
 def test_simulated_acceptance_rejects_impossible_means():
     for bad in (0.5, 6.5):
         with pytest.raises(ValueError):
-            SimulatedAcceptance(bad, 5)
+            SimulatedAcceptLengths(bad, 5)
 
 
 def test_simulated_accept_commits_drafts_then_target_token():
@@ -177,7 +177,7 @@ def test_spec_stats_consistency():
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
-    from evalpipe.engine.drafters import NgramDrafter
+    from evalpipe.engine.spec.drafters import NgramDrafter
 
     d = NgramDrafter(max_ngram=3)
     assert d.lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # suffix [1, 2] seen at 0

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.engine import Engine, make_sequences
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import SamplingParams
-from evalpipe.engine.spec_decoder import SpeculativeDecoder
+from evalpipe.engine.spec.decoder import SpeculativeDecoder
+from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.config import load_config
-from evalpipe.engine.drafters import build_drafter
+from evalpipe.engine.model.config import load_config
+from evalpipe.engine.model.weights import default_checkpoint, load_state_dict, save_checkpoint
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.spec_decoder import SpeculativeDecoder
-from evalpipe.engine.weights import default_checkpoint, load_state_dict, save_checkpoint
+from evalpipe.engine.spec.decoder import SpeculativeDecoder
+from evalpipe.engine.spec.drafters import build_drafter
 from spec_helpers import compare_with_tie_rule, finish, plain_greedy, spec_generate
 
 NEW_TOKENS = 16

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import SamplingParams
-from evalpipe.engine.spec_decoder import SpeculativeDecoder, decoder_from_settings
-from evalpipe.engine.speculative import AcceptRule
+from evalpipe.engine.spec.accept import AcceptRule
+from evalpipe.engine.spec.decoder import SpeculativeDecoder, decoder_from_settings
+from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.server.state import ServerSettings
 from spec_helpers import compare_with_tie_rule, finish, plain_greedy, spec_generate, start
 

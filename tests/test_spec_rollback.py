@@ -3,7 +3,7 @@
 A scripted drafter proposes the target's own greedy continuation with draft number `a` corrupted, so the target
 accepts exactly `a` drafts; the schedule walks a through every accepted length 0..G (asserted observed), with two
 sequences in the same verify forward on opposite schedules. After every step the runner's state pools for each
-sequence (sliding-window ring, compressor and indexer rings, compressed entries: `ModelRunner.state_snapshot`) are
+sequence (sliding-window ring, compressor and indexer rings, compressed entries: `engine_state.state_snapshot`) are
 compared with a twin sequence of the same runner that decoded the same committed tokens one row at a time.
 The same check is made on a real drafter's own pools (layerskip view) after its rollback."""
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.drafters import build_drafter, history
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.spec_decoder import SpeculativeDecoder
+from evalpipe.engine.spec.decoder import SpeculativeDecoder
+from evalpipe.engine.spec.drafters import build_drafter, history
+from engine_state import state_snapshot
 from spec_helpers import finish, plain_greedy, start
 
 STATE_ATOL = 2e-5  # multi-row vs one-row float32 arithmetic (observed up to ~5e-6; printed)
@@ -67,7 +68,7 @@ def _twin_catch_up(runner, twin, seq) -> None:
 
 
 def _assert_same_state(runner, a, b, label) -> float:
-    sa, sb = runner.state_snapshot(a), runner.state_snapshot(b)
+    sa, sb = state_snapshot(runner, a), state_snapshot(runner, b)
     assert sa.keys() == sb.keys()
     worst = 0.0
     for key in sa:

@@ -13,10 +13,10 @@ import pytest
 import scipy.stats
 import torch
 
-from evalpipe.engine.drafters import build_drafter
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import SamplingParams, sampling_probs
-from evalpipe.engine.spec_decoder import SpeculativeDecoder
+from evalpipe.engine.spec.decoder import SpeculativeDecoder
+from evalpipe.engine.spec.drafters import build_drafter
 from spec_helpers import start
 
 BATCH = 16

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evalpipe.engine.config import load_config  # noqa: E402
+from evalpipe.engine.model.config import load_config  # noqa: E402
 from training import data, objectives  # noqa: E402
 
 CONFIG = Path(__file__).with_name("default_model_config.json")

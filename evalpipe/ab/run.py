@@ -30,7 +30,7 @@ from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
 from evalpipe.lanes import get_lane
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
 from evalpipe.launchers.base import free_port
-from evalpipe.launchers.cli import boot, finish
+from evalpipe.launchers.launch import boot, finish
 from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences, write_receipt
 from evalpipe.redact import redact
 

@@ -29,7 +29,7 @@ def _split(text: str, what: str) -> list[str]:
 
 def _parse_arm(side: str, common: list[str], own: list[str]):
     from evalpipe.launchers import LaunchConfigError, make_launcher
-    from evalpipe.launchers.cli import parse_serve_args
+    from evalpipe.launchers.flags import parse_serve_args
 
     try:
         options, given = parse_serve_args(merge_args(common, own))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalpipe.engine.config import CSA, SLIDING, compress_ratio
+from evalpipe.engine.model.config import CSA, SLIDING, compress_ratio
 
 
 class PoolExhausted(RuntimeError):
@@ -129,26 +129,6 @@ class StatePools:
         return pages * per_page + entries % per_page
 
     # ---- inspection (tests, rollback checks) -----------------------------------------------------------------
-    def snapshot(self, seq: int, length: int) -> dict[str, torch.Tensor]:
-        """The live state of `seq` at `length`, ordered by position: what a fresh history of the same tokens must
-        reproduce. Rings: the positions a next forward may read; entries: all final entries."""
-        out = {}
-        slot = torch.tensor([seq], device=self.device)
-        for i, pool in enumerate(self.layers):
-            lo = max(0, length - (self.window_ring - self.margin))
-            pos = torch.arange(lo, length, device=self.device)
-            out[f"layer{i}.window"] = pool.window[seq * self.window_ring + pos % self.window_ring]
-            for name, comp in (("compressor", pool.compressor), ("indexer", pool.indexer)):
-                if comp is None:
-                    continue
-                ring = comp.ring_size
-                pos = torch.arange(max(0, length - comp.lookback), length, device=self.device)
-                out[f"layer{i}.{name}.ring"] = comp.ring[seq * ring + pos % ring]
-                n = length // comp.ratio
-                rows = self.entry_rows(slot, torch.arange(n, device=self.device)[None], comp.ratio)[0]
-                out[f"layer{i}.{name}.entries"] = comp.entries[rows]
-        return out
-
     def describe(self) -> dict:
         nbytes = sum(t.numel() * t.element_size() for t in self._tensors())
         return {"max_seqs": self.max_seqs, "max_seq_len": self.max_seq_len, "page_tokens": self.page_tokens,

@@ -1,18 +1,21 @@
 """ModelRunner: the engine's model half. Owns the weights and the state pools; a sequence is a slot with pages and
-a length. One `forward` appends any number of tokens to any number of sequences in a single batched model pass."""
+a length. One `forward` appends any number of tokens to any number of sequences in a single batched model pass.
+
+`sites` (engine/model/fused_sites.py) is the model's fused-site setting, fixed at construction: the server builds
+with SiteSettings (engine/build.py), a bare runner's None keeps the plain CSA selection."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
 from evalpipe.engine.cache import PoolExhausted, StatePools
-from evalpipe.engine.config import load_config
 from evalpipe.engine.forward_batch import ForwardBatch
-from evalpipe.engine.model import DeepseekV4Model
-from evalpipe.engine.weights import load_state_dict, resolve_model
+from evalpipe.engine.model.config import load_config
+from evalpipe.engine.model.deepseek_v4 import DeepseekV4Model
+from evalpipe.engine.model.fused_sites import SiteSettings
+from evalpipe.engine.model.weights import load_state_dict, resolve_model
 
 __all__ = ["ModelRunner", "PoolExhausted"]
 
@@ -20,14 +23,15 @@ __all__ = ["ModelRunner", "PoolExhausted"]
 class ModelRunner:
     def __init__(self, model_path: str | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  max_seqs: int = 64, max_seq_len: int = 4096, rollback_margin: int = 32,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, sites: SiteSettings | None = None):
         path, self.model_name = resolve_model(model_path)  # None: the default (trained) model
         self.model_path = str(path)
         self.config = load_config(path)
         self.device, self.dtype = torch.device(device), dtype
         self.max_seq_len, self.max_seqs = int(max_seq_len), int(max_seqs)
         self.model = DeepseekV4Model(self.config, load_state_dict(path), dtype=dtype, device=self.device,
-                                     max_positions=self.max_seq_len)
+                                     max_positions=self.max_seq_len, sites=sites)
+        self.fused_sites = sites.describe(self.model) if sites is not None else None  # /get_server_info
         self.pools = StatePools(self.config, max_seqs=self.max_seqs, max_seq_len=self.max_seq_len,
                                 device=self.device, dtype=dtype, rollback_margin=rollback_margin,
                                 num_pages=num_pages)
@@ -108,10 +112,6 @@ class ModelRunner:
         chunk = 512
         for i in range(0, new_len, chunk):
             self.forward([seq], [kept[i:i + chunk]])
-
-    def state_snapshot(self, seq: int) -> dict[str, torch.Tensor]:
-        """Copies of the live state of `seq` (rings it may still read, final entries), ordered by position."""
-        return {k: v.clone() for k, v in self.pools.snapshot(seq, self.seq_len(seq)).items()}
 
     def describe(self) -> dict:
         c = self.config

@@ -14,7 +14,7 @@ import codecs
 import json
 import re
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jinja2
 
@@ -49,11 +49,6 @@ BYTE_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- if thinking or enable_thinking -%}<think>{%- endif -%}{%- endif -%}"
 )
-
-
-class Detokenizer(Protocol):
-    def push(self, token_ids: list[int]) -> str: ...
-    def flush(self) -> str: ...
 
 
 class ByteTokenizer:

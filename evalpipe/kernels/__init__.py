@@ -1,6 +1,14 @@
-"""The fused verify stack: five ops of the DSpark target-verify path, each a Triton kernel with a PyTorch reference.
+"""Every Triton kernel of evalpipe, each beside a PyTorch reference with the same signature.
 
-Every op accepts `backend="auto" | "triton" | "reference"` (see `_backend.py`).
+Called by the engine: the model's fused sites (engine/model/fused_sites.py) and the CUDA-graph step
+(engine/static/model.py). Imports nothing else from evalpipe; a layer object an op takes (a hyper-connection, a MoE,
+a compressor) is read through its attributes. Every op accepts `backend="auto" | "triton" | "reference"` and its
+kernels are built by the one selector and JIT cache in `_backend.py`.
+
+- the DSpark verify ops: indexer_postprocess, candidate_block_mask, q_rope_store (rope.py: its RoPE), mxfp8
+  (wo_a_mxfp8, mxfp8_linear), c2_verify (the ratio-2 compressor);
+- the graph step's ops: norm (RMSNorms, q/kv norms), hyper (mHC), attention (the attention core), indexer (scores,
+  CSA top-k), moe (the MoE block), compress (the other compressor windows), step_meta (a step's index arrays).
 """
 
 from evalpipe.kernels.indexer_postprocess import indexer_postprocess, indexer_postprocess_reference

@@ -1,13 +1,17 @@
-"""Backend choice shared by every fused op: Triton on CUDA inputs that pass the op's guards, the reference elsewhere.
+"""The one backend selector and the one lazy Triton JIT cache of every op in `evalpipe.kernels`.
 
 Each public op takes `backend="auto" | "triton" | "reference"`. "auto" picks Triton only when every tensor is on
 CUDA, Triton imports, and the op's own guard accepts the shapes/dtypes. "triton" forces the kernel (on CPU that
 needs TRITON_INTERPRET=1, which is how the tests run it); "reference" forces the plain PyTorch chain.
+
+Kernels written as plain functions are compiled by `jit` on first use, per interpreter mode, so a test that sets
+TRITON_INTERPRET=1 after import still runs them interpreted.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import torch
 
@@ -27,7 +31,7 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(backend: str, tensors: list[torch.Tensor], guard_ok: bool) -> bool:
+def use_triton(backend: str, tensors: list[torch.Tensor], guard_ok: bool = True) -> bool:
     """Decide whether to launch the Triton kernel; raise on an impossible forced choice."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -43,3 +47,16 @@ def use_triton(backend: str, tensors: list[torch.Tensor], guard_ok: bool) -> boo
             raise ValueError("backend='triton' requested but the inputs fail this kernel's shape/dtype guard")
         return True
     return on_cuda and guard_ok and triton_available()
+
+
+_JIT: dict[tuple[bool, Callable], Any] = {}
+
+
+def jit(fn: Callable) -> Any:
+    """`triton.jit(fn)`, built on first use and cached per interpreter mode."""
+    key = (interpret_mode(), fn)
+    if key not in _JIT:
+        import triton
+
+        _JIT[key] = triton.jit(fn)
+    return _JIT[key]

@@ -11,7 +11,7 @@ Rounding points (the contract `q_rope_store` reproduces bit for bit):
 The leading D - rope_dim dims are copied bit for bit. Because PyTorch evaluates every product and sum as its
 own rounded op, a Triton kernel matches only when launched with `enable_fp_fusion=False` (no mul+add contraction);
 for the same reason keep this function out of torch.compile, whose generated code may contract into FMAs.
-`evalpipe.engine.primitives.apply_rope` (per-dim tables, cos[2i] == cos[2i+1]) computes the same products and
+`evalpipe.engine.model.primitives.apply_rope` (per-dim tables, cos[2i] == cos[2i+1]) computes the same products and
 sums, so it gives the same bits; tests/kernels/test_kernels_q_rope.py checks that.
 """
 

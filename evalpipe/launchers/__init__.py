@@ -1,4 +1,9 @@
-"""Launchers: start the native engine, SGLang or vLLM the same way, with clean environments and receipts."""
+"""Launchers: start the native engine, SGLang or vLLM the same way, with clean environments and receipts.
+
+flags.py is the one table of serve flags (`evalpipe serve`, `evalpipe ab` arms) and rules.py the rules they obey;
+base.py the launcher interface and process handling, native/sglang/vllm.py each engine's argv; launch.py one
+launch (dry run, boot, serve until interrupted); env.py and receipts.py the environment hygiene and receipts.
+"""
 
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ from evalpipe.launchers.env import (
     redact_env,
     redact_tree,
 )
-from evalpipe.launchers.errors import LaunchConfigError, ServerStartError
+from evalpipe.launchers.errors import ServerStartError
+from evalpipe.launchers.rules import check_acceptance
 from evalpipe.redact import redact_text
 
 LOG_TAIL_LINES = 40
@@ -183,26 +184,8 @@ class Launcher(ABC):
         """Refuse settings this engine cannot honour; raise LaunchConfigError."""
 
     def validate_accept_rule(self) -> None:
-        """--spec-accept-*: only where the engine has that rule, with speculation on, one rule, sane values."""
-        o = self.options
-        thresholds = [v for v in (o.spec_accept_threshold_single, o.spec_accept_threshold_acc) if v is not None]
-        if o.spec_accept_topk is None and not thresholds:
-            return
-        if o.spec_accept_topk is not None:
-            require("topk" in self.accept_rules, f"{self.engine} has no top-k acceptance (--spec-accept-topk is a "
-                    "native-engine rule)" + ("; its lossy knobs are --spec-accept-threshold-single/-acc"
-                                             if "threshold" in self.accept_rules else ""))
-            require(o.spec_accept_topk >= 2, f"--spec-accept-topk {o.spec_accept_topk}: K = 1 is the exact greedy "
-                    "rule; a lossy top-k rule needs K >= 2")
-        if thresholds:
-            require("threshold" in self.accept_rules,
-                    f"{self.engine} has no acceptance thresholds to loosen (--spec-accept-threshold-* are for the "
-                    "native engine and sglang)")
-            require(all(0.0 <= v <= 1.0 for v in thresholds), "acceptance thresholds must be in [0, 1] (1.0 = lossless)")
-        require(o.speculation_on, "--spec-accept-* need a speculation profile (--speculative ...)")
-        require(o.simulate_acc_len is None, "--simulate-acc-len checks no draft, so an acceptance rule has nothing to decide")
-        require(o.spec_accept_topk is None or all(v == 1.0 for v in thresholds),
-                "choose one lossy acceptance rule: --spec-accept-topk or the thresholds, not both")
+        """--spec-accept-*: only the rules this engine offers (`accept_rules`), by the one rule (rules.py)."""
+        check_acceptance(self.options, self.engine, self.accept_rules)
 
     @property
     def interpreter(self) -> str | None:
@@ -475,8 +458,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise LaunchConfigError(message)

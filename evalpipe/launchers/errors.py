@@ -7,3 +7,8 @@ class LaunchConfigError(ValueError):
 
 class ServerStartError(RuntimeError):
     """The server exited or never answered its health check in time; the message carries its log tail."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise LaunchConfigError(message)

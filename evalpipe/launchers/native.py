@@ -8,36 +8,18 @@ from __future__ import annotations
 
 import sys
 
-from evalpipe.launchers.base import Launcher, fmt_number, require
-
-PROFILES = ("off", "block")
+from evalpipe.launchers.base import Launcher, fmt_number
+from evalpipe.launchers.rules import NATIVE_ACCEPT_RULES, check_native
 
 
 class NativeLauncher(Launcher):
     engine = "native"
     health_path = "/health_generate"
     info_paths = ("/get_server_info", "/server_info")
-    accept_rules = ("topk", "threshold")
+    accept_rules = NATIVE_ACCEPT_RULES
 
     def validate(self) -> None:
-        o = self.options
-        require(
-            o.speculative in (None, *PROFILES),
-            f"the native engine's speculation is off or block; got {o.speculative!r} (dspark/eagle/nextn are sglang/vllm)",
-        )
-        require(o.tp is None and o.ep is None and o.dp is None, "--tp/--ep/--dp are for sglang/vllm; the native engine runs on one device")
-        require(o.draft_model is None, "the native engine takes --drafter model:PATH, not --draft-model")
-        require(
-            o.spec_steps is None and o.spec_topk is None and o.spec_draft_tokens is None,
-            "--spec-steps/--spec-topk/--spec-draft-tokens are sglang/vllm tree settings; the native engine takes --block-size",
-        )
-        require(o.engine_python is None, "--engine-python is for sglang/vllm; the native engine runs in this interpreter")
-        require(o.ngram_min is None and o.ngram_max is None, "--ngram-min/--ngram-max are vllm ngram settings; "
-                "the native engine takes --drafter ngram")
-        require(not o.deterministic, "--deterministic is an sglang/vllm switch; the native engine is batch-invariant by design")
-        if o.speculative in (None, "off"):
-            require(o.block_size is None and o.drafter is None, "--block-size/--drafter need --speculative block")
-            require(o.simulate_acc_len is None, "--simulate-acc-len needs --speculative block")
+        check_native(self.options)
 
     @property
     def interpreter(self) -> str | None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from evalpipe.launchers.base import Launcher, engine_interpreter, fmt_number, require
+from evalpipe.launchers.base import Launcher, engine_interpreter, fmt_number
+from evalpipe.launchers.errors import require
 
 PROFILES = ("off", "dspark", "eagle", "eagle3", "nextn")
 ALGORITHM = {"dspark": "DSPARK", "eagle": "EAGLE", "eagle3": "EAGLE3", "nextn": "NEXTN"}

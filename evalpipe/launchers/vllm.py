@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from functools import cached_property
 
-from evalpipe.launchers.base import Launcher, engine_interpreter, require
+from evalpipe.launchers.base import Launcher, engine_interpreter
+from evalpipe.launchers.errors import require
 from evalpipe.launchers.sglang import check_passthrough
 
 PROFILES = ("off", "dspark", "eagle", "eagle3", "nextn", "ngram")

@@ -18,8 +18,10 @@ from typing import Any, Callable
 import torch
 
 from evalpipe import __version__
-from evalpipe.engine.config import DEFAULT_MODEL_NAME
+from evalpipe.engine.build import build
+from evalpipe.engine.cache import PoolExhausted
 from evalpipe.engine.engine import Engine
+from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
 from evalpipe.redact import redact, redact_argv
 
 log = logging.getLogger("evalpipe.server")
@@ -40,61 +42,28 @@ class ServerSettings:
     api_key: str | None = None
     docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key when one is set)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
-    # block speculation (evalpipe/engine/spec_decoder.py): "off" | "block", G drafts per verify, drafter spec
+    # block speculation (evalpipe/engine/spec/decoder.py): "off" | "block", G drafts per verify, drafter spec
     # (None: layerskip over 3/4 of the layers), simulated accept length (None: off; performance runs only)
     speculative: str = "off"
     block_size: int = 5
     drafter: str | None = None
     simulate_acc_len: float | None = None
-    # LOSSY acceptance (evalpipe/engine/speculative.py, AcceptRule), off unless set: a draft among the target's top K
+    # LOSSY acceptance (evalpipe/engine/spec/accept.py, AcceptRule), off unless set: a draft among the target's top K
     # (K >= 2), or SGLang's probability thresholds below 1.0 (sampled requests). None: exact acceptance.
     spec_accept_topk: int | None = None
     spec_accept_threshold_single: float | None = None
     spec_accept_threshold_acc: float | None = None
-    # CUDA serving path (evalpipe/engine/cuda_graphs.py): verify through the Triton kernels or the reference
+    # CUDA serving path (evalpipe/engine/static/): verify through the Triton kernels or the reference
     # chains; capture decode/verify steps as CUDA graphs. Both only act with device "cuda".
     fused: str = "on"
     cuda_graphs: str = "on"
     # output projection: "none" (model dtype) or "mxfp8" (WO-A wo_a_mxfp8, WO-B mxfp8_linear on MXFP8-rounded o_b
-    # weights; lossy; evalpipe/engine/fused_sites.py). Acts on every device (the kernels' references on the CPU).
+    # weights; lossy; evalpipe/engine/model/fused_sites.py). Acts on every device (the kernels' references on the CPU).
     wo_quant: str = "none"
 
     def public(self) -> dict:
         """The settings as /get_server_info shows them: secrets redacted (evalpipe.redact's rule)."""
         return redact(asdict(self), [self.api_key or ""])
-
-
-def default_runner_factory(settings: ServerSettings) -> Any:
-    from evalpipe.engine.cuda_graphs import serving_runner
-    from evalpipe.engine.runner import ModelRunner
-
-    # on CUDA: CUDA-graph decode/verify steps with the fused verify path switchable (evalpipe/engine/cuda_graphs.py)
-    return serving_runner(
-        lambda max_seqs: _with_fused_sites(ModelRunner(
-            settings.model, device=settings.device, dtype=getattr(torch, settings.dtype), max_seqs=max_seqs,
-            max_seq_len=settings.max_seq_len), settings),
-        device=settings.device, max_batch=settings.max_batch, speculative=settings.speculative,
-        block_size=settings.block_size, fused=settings.fused == "on", cuda_graphs=settings.cuda_graphs == "on",
-    )
-
-
-def _with_fused_sites(runner: Any, settings: ServerSettings) -> Any:
-    """Apply the engine's fused-site settings (--wo-quant) to a fresh ModelRunner; the description is reported
-    in /get_server_info under "fused_sites"."""
-    from evalpipe.engine.fused_sites import configure
-
-    runner.fused_sites = configure(runner.model, wo_quant=settings.wo_quant)
-    return runner
-
-
-def default_decoder_factory(settings: ServerSettings, runner: Any) -> Any:
-    """Plain decoding (None) unless settings.speculative == "block"."""
-    from evalpipe.engine.cuda_graphs import capture_drafter
-    from evalpipe.engine.spec_decoder import decoder_from_settings
-
-    decoder = decoder_from_settings(settings, runner)
-    capture_drafter(decoder, runner)  # CUDA: the drafter's one-row steps are captured like the target's
-    return decoder
 
 
 def default_tokenizer_factory(settings: ServerSettings) -> Any:
@@ -111,16 +80,14 @@ class ServerState:
         self,
         settings: ServerSettings,
         *,
-        runner_factory: Callable[[ServerSettings], Any] = default_runner_factory,
+        build: Callable[[ServerSettings], tuple[Any, Any]] = build,
         tokenizer_factory: Callable[[ServerSettings], Any] = default_tokenizer_factory,
-        decoder_factory: Callable[[ServerSettings, Any], Any] | None = default_decoder_factory,
         on_ready: Callable[["ServerState"], None] | None = None,
         on_error: Callable[[str], None] | None = None,
     ):
         self.settings = settings
-        self._runner_factory = runner_factory
+        self._build = build  # settings -> (runner, decoder); decoder None: plain decoding
         self._tokenizer_factory = tokenizer_factory
-        self._decoder_factory = decoder_factory  # (settings, runner) -> Decoder; None: plain decoding
         self._on_ready = on_ready
         self._on_error = on_error
         self.ready = threading.Event()
@@ -140,17 +107,15 @@ class ServerState:
         t0 = time.perf_counter()
         try:
             self.tokenizer = self._tokenizer_factory(self.settings)
-            self.runner = self._runner_factory(self.settings)
+            self.runner, decoder = self._build(self.settings)
             self.model_id = getattr(self.runner, "model_name", None) or self.model_id
             vocab = getattr(self.runner.config, "vocab_size", None)
             if vocab is not None and self.tokenizer.vocab_size > vocab:
                 raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
-            exhausted = _runner_exceptions(self.runner, "PoolExhausted")
-            decoder = self._decoder_factory(self.settings, self.runner) if self._decoder_factory else None
             self.engine = Engine(
                 self.runner, self.tokenizer, max_batch=self.settings.max_batch,
                 max_tokens_per_step=self.settings.max_tokens_per_step, max_queue=self.settings.max_queue,
-                decoder=decoder, exhausted=exhausted,
+                decoder=decoder, exhausted=(PoolExhausted,),
             )
             self.engine.start()
         except Exception as exc:
@@ -204,7 +169,7 @@ class ServerState:
             info["engine"]["max_seq_len"] = getattr(self.runner, "max_seq_len", s.max_seq_len)
             sites = getattr(self.runner, "fused_sites", None)
             if sites is not None:
-                from evalpipe.engine.fused_sites import site_counts
+                from evalpipe.engine.model.fused_sites import site_counts
 
                 info["fused_sites"] = sites
                 internal["fused_site_calls"] = site_counts()
@@ -226,7 +191,7 @@ def _accept_setting(settings: ServerSettings) -> dict:
     """The acceptance rule as `speculative.accept` reports it before the engine has loaded (block mode only)."""
     if settings.speculative != "block":
         return {}
-    from evalpipe.engine.spec_decoder import accept_rule_from_settings
+    from evalpipe.engine.spec.decoder import accept_rule_from_settings
 
     try:
         return {"accept": accept_rule_from_settings(settings).describe()}
@@ -251,8 +216,3 @@ def _safe(fn: Callable[[], Any]) -> Any:
     except Exception as exc:  # introspection must never break /get_server_info
         return {"error": f"{type(exc).__name__}: {exc}"}
 
-
-def _runner_exceptions(runner: Any, name: str) -> tuple[type[BaseException], ...]:
-    """The runner module's `name` exception (PoolExhausted: no free slot now, admit later), if it defines one."""
-    exc = getattr(sys.modules.get(type(runner).__module__), name, None)
-    return (exc,) if isinstance(exc, type) and issubclass(exc, BaseException) else ()

@@ -131,8 +131,8 @@ def test_bf16_rounding_helper_matches_torch_on_every_kind_of_float():
 
 
 def test_kernel_bitwise_equals_the_engines_own_rope_then_copy():
-    """The contract against the real engine: evalpipe.engine.primitives.apply_rope (per-dim cos/sin tables)."""
-    from evalpipe.engine.primitives import apply_rope
+    """The contract against the real engine: evalpipe.engine.model.primitives.apply_rope (per-dim cos/sin tables)."""
+    from evalpipe.engine.model.primitives import apply_rope
 
     cos_full, sin_full = COS.repeat_interleave(2, dim=-1) * 0.9, SIN.repeat_interleave(2, dim=-1) * 0.9  # YaRN-like
     q = make_q(6, 16, seed=21)

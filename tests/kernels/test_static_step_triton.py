@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.cuda_graphs import GraphRunner
+from evalpipe.engine.static.graphs import GraphRunner
+from engine_state import state_snapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,12 +22,11 @@ def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites)
     """Two requests (bucket 2) whose prompts cross the sliding window and both compression ratios: decode steps and
     one 6-row verify step give the plain runner's logits (fp32, different op grouping) and the same greedy tokens,
     and leave the same state behind. `served-csa-sites`: the model set up as the server sets it up
-    (`fused_sites.configure`: CSA selection through candidate_block_mask + indexer_postprocess, Triton too)."""
-    from evalpipe.engine import fused_sites
+    (built with sites: CSA selection through candidate_block_mask + indexer_postprocess, Triton too)."""
+    from evalpipe.engine.model import fused_sites
 
-    plain, base = tiny_runner(max_seqs=4, max_seq_len=96), tiny_runner(max_seqs=4, max_seq_len=96)
-    if sites:
-        fused_sites.configure(base.model, backend="triton")
+    plain = tiny_runner(max_seqs=4, max_seq_len=96)
+    base = tiny_runner(max_seqs=4, max_seq_len=96, sites=fused_sites.SiteSettings(backend="triton") if sites else None)
     graph = GraphRunner(base, widths=(1, 6), buckets=(2,), fused=True, kernel_backend="triton")
     seqs_p = [plain.allocate() for _ in range(2)]
     seqs_g = [graph.allocate() for _ in range(2)]
@@ -61,6 +61,6 @@ def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites)
         assert now["indexer_postprocess"] > calls.get("indexer_postprocess", 0)
         assert now["candidate_block_mask"] > calls.get("candidate_block_mask", 0)
     for sp, sg in zip(seqs_p, seqs_g):
-        snap_p, snap_g = plain.state_snapshot(sp), graph.state_snapshot(sg)
+        snap_p, snap_g = state_snapshot(plain, sp), state_snapshot(graph, sg)
         for k in snap_p:
             assert (snap_p[k] - snap_g[k]).abs().max().item() < 1e-4, k

@@ -1,0 +1,227 @@
+"""Drafters for block speculation: who proposes the G tokens the target verifies in one forward.
+
+- `layerskip:N`: the target's own first N layers, its final norm and its head (no extra weights; random tiny
+  weights still give natural, partial acceptance);
+- `model:PATH`: a separate small checkpoint in the same format and with the same tokenizer;
+- `ngram`: prompt lookup, no model: the tokens that followed the latest earlier occurrence of the current suffix;
+- `self`: the target itself with its own state (greedy acceptance must be 100%: a sanity mode).
+
+Model drafters keep their OWN per-sequence state (a sequence handle of a runner with its own pools) and draft all
+sequences of a step together: one batched forward per draft position. A drafter sees the committed history
+(prompt + output) of each sequence; it feeds whatever it has not consumed yet (the whole prompt the first time, then
+the last one or two committed tokens), and after verification it is rolled back to the accepted prefix.
+
+A drafter has a `name` and three methods, which the speculative decoder (spec/decoder.py) calls:
+- `propose(seqs, widths)` -> (drafts, qs): widths[i] drafts for seqs[i] and the [widths[i], V] distributions they
+  were drawn from (q, for rejection sampling), or None under greedy, where acceptance only compares tokens;
+- `rollback(seq, committed_before, accepted)`: after verify, keep the state of the first committed_before +
+  accepted tokens (the bonus is not fed);
+- `release(slot)`: the sequence in target slot `slot` is gone, free its draft state.
+A new drafter kind is one class here and one case in `parse_drafter_spec` / `build_drafter`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from evalpipe.engine.sampling import sample, sampling_probs
+
+
+def history(seq: Any) -> list[int]:
+    """Committed tokens of a sequence: prompt + output (the last one is not yet fed to the target)."""
+    return seq.prompt + seq.output
+
+
+class RunnerDrafter:
+    """A drafter that is a runner (ModelRunner interface): a separate model, the target itself, or a layer prefix.
+
+    `forward_kwargs` are passed to every `runner.forward` (layerskip passes `num_layers=N`).
+    """
+
+    catch_up_chunk = 512  # most rows a drafter forward takes while catching up with the committed history
+
+    def __init__(self, name: str, runner: Any, forward_kwargs: dict | None = None):
+        self.name = name
+        self.runner = runner
+        self.forward_kwargs = dict(forward_kwargs or {})
+        self._handles: dict[int, int] = {}  # target slot -> draft runner sequence
+
+    def _handle(self, seq: Any) -> int:
+        key = seq.slot
+        if key not in self._handles:
+            self._handles[key] = self.runner.allocate()
+        return self._handles[key]
+
+    def propose(self, seqs, widths):
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, w in enumerate(widths) if w > 0]
+        handles = {i: self._handle(seqs[i]) for i in active}
+        feed = {}
+        for i in active:
+            hist = history(seqs[i])
+            fed = self.runner.seq_len(handles[i])
+            feed[i] = hist[fed:]  # never empty: the last committed token is never fed before drafting
+            while len(feed[i]) > self.catch_up_chunk:  # a long prompt is fed in chunks, like a prefill
+                self.runner.forward([handles[i]], [feed[i][: self.catch_up_chunk]], **self.forward_kwargs)
+                feed[i] = feed[i][self.catch_up_chunk:]
+        while active:
+            logits = self.runner.forward([handles[i] for i in active], [feed[i] for i in active], **self.forward_kwargs)
+            argmax = logits.argmax(-1).tolist()  # greedy rows need nothing else (one op for the whole batch)
+            still = []
+            for row, i in enumerate(active):
+                seq = seqs[i]
+                if seq.params.greedy:
+                    token = argmax[row]
+                else:
+                    probs = sampling_probs(logits[row], seq.params)
+                    token = int(sample(probs, seq.generator))
+                    qs[i].append(probs)
+                drafts[i].append(token)
+                if len(drafts[i]) < widths[i]:
+                    feed[i] = [token]
+                    still.append(i)
+            active = still
+        q_out = [torch.stack(q) if q else None for q in qs]
+        return drafts, q_out
+
+    def rollback(self, seq, committed_before, accepted):
+        handle = self._handles.get(seq.slot)
+        if handle is None:
+            return
+        keep = committed_before + accepted
+        if self.runner.seq_len(handle) > keep:
+            self.runner.truncate(handle, keep)
+
+    def release(self, key):
+        handle = self._handles.pop(key, None)
+        if handle is not None:
+            self.runner.free(handle)
+
+    def describe(self) -> dict:
+        return {"drafter": self.name}
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the longest suffix (up to max_ngram tokens) of the
+    history and propose what followed it; keep extending on the proposal itself until G tokens are found. With no
+    match, repeat the last token. Deterministic, so under sampling q is the one-hot of the proposal."""
+
+    def __init__(self, max_ngram: int = 3, vocab_size: int | None = None):
+        self.name = "ngram"
+        self.max_ngram = max_ngram
+        self.vocab_size = vocab_size
+
+    def lookup(self, tokens: list[int], count: int) -> list[int]:
+        out: list[int] = []
+        work = np.asarray(tokens, dtype=np.int64)
+        while len(out) < count:
+            take = self._follow(work, count - len(out)) or [int(work[-1])]
+            out += take
+            work = np.concatenate([work, np.asarray(take, dtype=np.int64)])
+        return out
+
+    def _follow(self, tokens: np.ndarray, count: int) -> list[int]:
+        """Up to `count` tokens after the latest earlier occurrence of the longest matching suffix (vectorised:
+        histories of tens of thousands of tokens are scanned in C, not Python)."""
+        length = len(tokens)
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            suffix = tokens[length - n:]
+            starts = np.flatnonzero(tokens[: length - n] == suffix[0])  # earlier starts, suffix itself excluded
+            for k in range(1, n):
+                starts = starts[tokens[starts + k] == suffix[k]]
+            if starts.size:
+                begin = int(starts[-1]) + n
+                return tokens[begin: begin + count].tolist()
+        return []
+
+    def propose(self, seqs, widths):
+        drafts, qs = [], []
+        for seq, w in zip(seqs, widths):
+            d = self.lookup(history(seq), w) if w > 0 else []
+            drafts.append(d)
+            if seq.params.greedy or not d:
+                qs.append(None)
+            else:
+                if self.vocab_size is None:
+                    raise ValueError("ngram drafter needs vocab_size for sampled acceptance")
+                qs.append(torch.nn.functional.one_hot(torch.tensor(d), self.vocab_size).to(torch.float32))
+        return drafts, qs
+
+    def rollback(self, seq, committed_before, accepted):
+        pass
+
+    def release(self, key):
+        pass
+
+    def describe(self) -> dict:
+        return {"drafter": self.name}
+
+
+DRAFTER_KINDS = ("layerskip:N", "model:PATH", "ngram", "self")
+
+
+def parse_drafter_spec(spec: str) -> tuple[str, str | int | None]:
+    """'layerskip:2' -> ('layerskip', 2); 'model:/p' -> ('model', '/p'); 'ngram'/'self' -> (kind, None)."""
+    kind, _, arg = spec.partition(":")
+    if kind in ("ngram", "self") and not arg:
+        return kind, None
+    if kind == "layerskip":
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"drafter {spec!r}: layerskip needs a positive layer count, e.g. layerskip:2")
+        return kind, int(arg)
+    if kind == "model" and arg:
+        return kind, arg
+    raise ValueError(f"unknown drafter {spec!r}; expected one of {', '.join(DRAFTER_KINDS)}")
+
+
+def build_drafter(spec: str, target: Any) -> Any:
+    """A drafter for `target` (a ModelRunner) from its command-line spec."""
+    kind, arg = parse_drafter_spec(spec)
+    vocab = int(target.config.vocab_size)
+    if kind == "ngram":
+        return NgramDrafter(vocab_size=vocab)
+    from evalpipe.engine.runner import ModelRunner
+
+    common = dict(device=target.device, dtype=target.dtype, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len)
+    if kind == "model":
+        runner = ModelRunner(arg, **common)
+        if int(runner.config.vocab_size) != vocab:
+            raise ValueError(f"draft model {arg} has vocab {runner.config.vocab_size}, the target has {vocab}")
+        return RunnerDrafter(spec, runner)
+    if kind == "self":
+        return RunnerDrafter(spec, draft_view(target))
+    layers = int(target.config.num_hidden_layers)
+    if arg >= layers:
+        raise ValueError(f"layerskip:{arg} needs fewer layers than the target's {layers}")
+    return RunnerDrafter(spec, draft_view(target, num_layers=arg))
+
+
+def draft_view(target: Any, num_layers: int | None = None) -> Any:
+    """A runner over the target's weights with its OWN state pools and slots (drafters `self` and `layerskip:N`).
+
+    With num_layers, only the first N decoder layers run, followed by the target's own hyper-connection head,
+    final norm and lm_head; the view's pools hold state for those N layers only. The weights are shared, not copied.
+    """
+    from evalpipe.engine.cache import StatePools
+    from evalpipe.engine.runner import ModelRunner
+
+    while not isinstance(target, ModelRunner) and hasattr(target, "runner"):
+        target = target.runner  # a wrapper (GraphRunner): draft eagerly on the wrapped runner's weights
+    view = copy.copy(target)
+    config = target.config
+    if num_layers is not None:
+        view.model = copy.copy(target.model)
+        view.model.layers = target.model.layers[:num_layers]
+        config = copy.copy(target.config)
+        config.layer_types = list(target.config.layer_types[:num_layers])
+        view.model_name = f"{target.model_name}[layers 0..{num_layers - 1}]"
+    view.pools = StatePools(config, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len,
+                            device=target.device, dtype=target.dtype, rollback_margin=target.pools.margin)
+    view._free_slots = list(range(target.max_seqs - 1, -1, -1))
+    view._tokens = {}
+    return view

@@ -1,0 +1,213 @@
+"""GraphRunner: a ModelRunner whose decode and verify forwards run the static step, captured as CUDA graphs.
+
+A forward in which every sequence feeds the same number of rows n, with n one of `widths` (1 = decode, G+1 =
+verify), and at most the largest bucket of sequences, runs the static step (engine/static/model.py) of bucket B (the
+smallest bucket that fits); any other forward (prefill chunks, mixed widths) goes to the wrapped runner unchanged.
+On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph` (after two warm-up runs that
+compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
+step runs eagerly (the "dry path"), which is what the CPU tests check against the plain runner.
+
+GraphRunner offers the runner interface the engine, the speculative decoder, drafters and the server call:
+forward, truncate, allocate, free, seq_len, tokens, describe, and config, device, dtype, max_seqs (one slot less:
+the padding slot), max_seq_len, model_name, fused_sites. Anything else is the wrapped `runner`'s (`eager_runner`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from evalpipe.engine.static.batch import StaticBatch, pack_step_inputs
+from evalpipe.engine.static.model import StaticModel
+from evalpipe.kernels.step_meta import MetaShape
+
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_for(batch: int, buckets) -> int:
+    """Smallest bucket that holds `batch` requests (ValueError past the largest)."""
+    for b in sorted(buckets):
+        if b >= batch:
+            return b
+    raise ValueError(f"batch {batch} exceeds the largest graph bucket {max(buckets)}")
+
+
+class _Step:
+    """One (bucket, width) static step: its input buffer, its output, and (on CUDA) its captured graph."""
+
+    def __init__(self, owner: "GraphRunner", B: int, n: int):
+        self.owner, self.B, self.n = owner, B, n
+        pools, dev = owner.runner.pools, owner.runner.device
+        size = 2 * B * n + 2 * B + pools.page_table.numel()
+        self.meta = torch.zeros(size, dtype=torch.long, device=dev)
+        self.page_table = self.meta[2 * B * n + 2 * B:].view_as(pools.page_table)
+        ratios = sorted({c.ratio for p in pools.layers for c in (p.compressor, p.indexer) if c is not None})
+        rings = sorted({pools.window_ring} | {c.ring_size for p in pools.layers for c in (p.compressor, p.indexer)
+                                              if c is not None})
+        model = owner.static_model.model
+        hca = {layer.attn.ratio for layer in model.layers
+               if layer.attn.compressor is not None and layer.attn.indexer is None}
+        self.consts = {
+            "rows": torch.arange(B * n, device=dev).view(B, n),
+            "meta_shape": MetaShape(B=B, n=n, rings=tuple(rings), ratios=tuple(ratios),
+                                    entries=tuple(pools.max_seq_len // r for r in ratios),
+                                    hca_ratio=min(hca) if len(hca) == 1 else 0, page_tokens=pools.page_tokens,
+                                    pages_per_seq=pools.pages_per_seq),
+        }
+        self.graph = None
+        self.staging: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.replays = 0
+
+    def _run(self) -> torch.Tensor:
+        runner = self.owner.runner
+        runner.pools._page_table_dev = self.page_table  # entry_rows() reads the table from this step's buffer
+        batch = StaticBatch(runner.pools, self.meta, self.B, self.n, self.consts, self.owner.static_model.backend)
+        return self.owner.static_model.forward(batch, runner.pools)
+
+    def fill_padding(self) -> None:
+        """Inputs that address only the pad slot: what warm-up and capture run on."""
+        runner = self.owner.runner
+        host = pack_step_inputs([[0] * self.n], [0], [self.owner.pad_slot], self.B, self.owner.pad_slot,
+                                runner.pools.page_table)
+        T = self.B * self.n
+        host[T + 2 * self.B:2 * T + 2 * self.B] = 0  # row_valid: no live row at all
+        self.meta.copy_(host)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.fill_padding()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the Triton kernels, initialises cuBLAS handles
+                self._run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.owner.mempool):
+            self.logits = self._run()
+        self.graph = graph
+
+    def __call__(self, host_meta: torch.Tensor) -> torch.Tensor:
+        if self.meta.is_cuda:  # through a pinned staging buffer: an async DMA instead of a pageable staged copy
+            if self.staging is None:
+                self.staging = torch.empty(self.meta.shape, dtype=self.meta.dtype, pin_memory=True)
+                self.copied = torch.cuda.Event()
+            else:  # the previous copy out of the staging buffer must be done before it is overwritten
+                self.copied.synchronize()
+            self.staging.copy_(host_meta)
+            self.meta.copy_(self.staging, non_blocking=True)
+            self.copied.record()
+        else:
+            self.meta.copy_(host_meta)
+        if self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+            return self.logits
+        self.logits = self._run()
+        return self.logits
+
+
+class GraphRunner:
+    """A ModelRunner whose fixed-width forwards (decode, verify) run captured static steps. See module docstring."""
+
+    def __init__(self, runner: Any, *, widths=(1,), buckets=DEFAULT_BUCKETS, fused: bool = True,
+                 use_graphs: bool | None = None, kernel_backend: str = "auto"):
+        self.runner = runner
+        self.config, self.device, self.dtype = runner.config, runner.device, runner.dtype
+        self.max_seq_len, self.model_name = runner.max_seq_len, runner.model_name
+        self.fused_sites = runner.fused_sites
+        self.widths = tuple(sorted(set(int(w) for w in widths)))
+        limit = runner.max_seqs - 1
+        self.buckets = tuple(b for b in sorted(set(buckets)) if b <= limit) or (1,)
+        self.fused = bool(fused)
+        self.use_graphs = runner.device.type == "cuda" if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need device cuda")
+        for ring in [runner.pools.window_ring] + [c.ring_size for p in runner.pools.layers
+                                                   for c in (p.compressor, p.indexer) if c is not None]:
+            if max(self.widths) > ring:
+                raise ValueError(f"width {max(self.widths)} exceeds ring size {ring}; raise rollback_margin")
+        self.pad_slot = runner.allocate()  # never reserves pages: its page-table row stays the trash page
+        self.static_model = StaticModel(runner.model, fused=self.fused, kernel_backend=kernel_backend)
+        self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.steps: dict[tuple[int, int], _Step] = {}
+
+    @property
+    def eager_runner(self) -> Any:
+        """The wrapped ModelRunner (drafter views are built on it, not on the graph wrapper)."""
+        return self.runner
+
+    @property
+    def max_seqs(self) -> int:
+        return self.runner.max_seqs - 1  # one slot is the padding slot
+
+    def allocate(self) -> int:
+        return self.runner.allocate()
+
+    def free(self, seq: int) -> None:
+        self.runner.free(seq)
+
+    def seq_len(self, seq: int) -> int:
+        return self.runner.seq_len(seq)
+
+    def tokens(self, seq: int) -> list[int]:
+        return self.runner.tokens(seq)
+
+    def truncate(self, seq: int, new_len: int) -> None:
+        self.runner.truncate(seq, new_len)
+
+    def step_for(self, batch: int, width: int) -> _Step:
+        key = (bucket_for(batch, self.buckets), width)
+        if key not in self.steps:
+            step = _Step(self, *key)
+            if self.use_graphs:
+                step.capture()
+            self.steps[key] = step
+        return self.steps[key]
+
+    def capture_all(self) -> None:
+        """Capture every (bucket, width) step now (server start-up) instead of on first use."""
+        for b in self.buckets:
+            for w in self.widths:
+                self.step_for(b, w)
+
+    def graphable(self, seqs: list[int], tokens: list[list[int]]) -> bool:
+        return (bool(seqs) and len(seqs) == len(tokens) and len(seqs) <= self.buckets[-1]
+                and len({len(t) for t in tokens}) == 1 and len(tokens[0]) in self.widths)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False,
+                **kwargs) -> torch.Tensor:
+        if kwargs or not self.graphable(seqs, tokens) or self.pad_slot in seqs:
+            return self.runner.forward(seqs, tokens, all_logits=all_logits, **kwargs)
+        r = self.runner
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("a sequence may appear only once per forward")
+        n, vocab = len(tokens[0]), r.config.vocab_size
+        starts = []
+        for seq, toks in zip(seqs, tokens):
+            r._check(seq)
+            if any(not 0 <= t < vocab for t in toks):
+                raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
+            start = len(r._tokens[seq])
+            if start + n > r.max_seq_len:
+                raise ValueError(f"sequence {seq}: length {start + n} exceeds max_seq_len {r.max_seq_len}")
+            starts.append(start)
+        r.pools.reserve({seq: s + n for seq, s in zip(seqs, starts)})
+        step = self.step_for(len(seqs), n)
+        host = pack_step_inputs(tokens, starts, seqs, step.B, self.pad_slot, r.pools.page_table)
+        logits = step(host).view(step.B, n, -1)[: len(seqs)]
+        logits = (logits.reshape(len(seqs) * n, -1) if all_logits else logits[:, -1]).clone()
+        for seq, toks in zip(seqs, tokens):
+            r._tokens[seq].extend(int(t) for t in toks)
+        return logits
+
+    def describe(self) -> dict:
+        d = self.runner.describe()
+        d["cuda_graphs"] = {"enabled": self.use_graphs, "buckets": list(self.buckets), "widths": list(self.widths),
+                            "captured": sorted(f"{b}x{w}" for b, w in self.steps), "fused": self.fused,
+                            "pad_slot": self.pad_slot}
+        return d

@@ -1,0 +1,523 @@
+"""The MoE block of a decode/verify step in 4 launches: router GEMM, route kernel, gate_up kernel, down kernel.
+
+As torch ops the block is ~25 kernels per layer (router, score, bias, topk, gather, normalise, expert GEMVs,
+chunk/clamp/silu/mul, shared gate|up and down GEMMs, sums, casts, add), and the eager MoE reads expert counts back
+to the host, which a CUDA graph cannot contain. Here the shared expert is
+just one more pick: the route kernel appends it as column K of every token's picks (index E, weight 1.0), so one
+gate_up kernel and one down kernel serve routed and shared experts alike, and the down kernel sums a token's K+1
+picks in registers (no [T, K, D] intermediate, no separate add).
+
+`StaticModel.moe` (engine/static/model.py) calls `moe_forward(moe, x, input_ids, backend=...)` with the engine's
+`MoE` layer object (router, gate_up, down, shared, top_k, scoring, scaling, limit, bias, tid2eid, is_hash, act).
+
+Per-layer preparation is automatic and one-off: the first call for a MoE object caches (keyed by the object's
+identity, weakly, so the entry goes with the object) contiguous views of its weights and its kernel flags. Nothing
+is copied: the kernels pick the shared expert's weights (moe.shared[0..2]) by pointer when a pick's index is E,
+instead of concatenating [E+1, 2I, D] / [E+1, D, I] tensors -- that concatenation would duplicate every routed
+expert's weights in GPU memory.
+
+Math (= engine `MoE.__call__`):
+- scores = scoring_func(logits), computed in fp32 and rounded to the logits' dtype after each op where the engine's
+  torch chain rounds (softplus, then sqrt; sigmoid; softmax), so the top-k sees the engine's scores;
+- top-k of scores + e_score_correction_bias (fp32). Ties: the lowest expert index first (as a stable descending
+  sort would order them); torch.topk leaves ties unspecified. NaN scores are undefined but always give in-range
+  indices. Hash layers take tid2eid[input_ids] instead (no bias);
+- w = gathered unbiased scores / (sum + 1e-20) * routed_scaling_factor, kept in fp32 (the engine rounds w to the
+  activation dtype);
+- h = act(gate.clamp(max=limit)) * up.clamp(-limit, limit) from fp32 gate/up accumulators, rounded once to
+  x.dtype (the engine rounds gate and up first), act = SiLU (other activations fall back to the reference);
+- y[t] = sum_j w[t, j] * W_down[idx[t, j]] @ h[t, j] over the K+1 picks, fp32 accumulation, one rounding to
+  x.dtype. The engine rounds the routed sum and the shared output separately and adds them in x.dtype; the
+  difference is one bf16 rounding step, inside bf16 tolerance.
+
+Kernel shapes: few tokens (T=1 decode) stream each pick's weights with GEMV programs (coalesced 16-byte loads
+along the reduction dim, ~2+ programs per SM); from a few tokens on, expert-major tl.dot kernels read each picked
+expert once per token block of up to 32 tokens (MM_MIN_TOKENS). Their grids have E+1 expert programs per channel
+block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. First H200 run (hidden 4096, I 2048, bf16,
+4 layers per captured graph, benchmarks/step_moe_gpu.py, before the heuristics below were retuned from it): E 8 top-2 T=1 56 us vs 118 us for the StaticModel chain (27
+kernels -> 5 counted by the profiler: 3 Triton + the router GEMM, which cuBLAS presumably runs as split-K + reduce;
+the benchmark prints their names), 2.7 TB/s of picked weights; T=32 1.6x; E 16 top-6 T=32 4.2x.
+
+Triton path: no host synchronisation, fixed shapes (CUDA-graph capturable). `backend="auto"` runs it on CUDA
+tensors, the reference elsewhere; "triton" forces it (CPU needs TRITON_INTERPRET=1); "reference" forces torch.
+Kernels are built on first use, so a test that sets TRITON_INTERPRET=1 runs them interpreted. `score` is the
+engine's own scoring chain (engine/model/moe.py imports it).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from evalpipe.kernels._backend import jit, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - triton is optional
+    triton = tl = None
+
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+TARGET_PROGRAMS = 264  # ~2 programs per H200 SM (132): enough loads in flight to approach HBM bandwidth
+
+
+# ---- kernel sources (built on first use by `jit`) -------------------------------------------------------------
+
+if tl is not None:
+    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, tid2eid_ptr, idx_ptr, w_ptr, E, scaling,
+                      K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, IS_HASH: tl.constexpr,
+                      ROUND: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+        t = tl.program_id(0)
+        es = tl.arange(0, BLOCK_E)
+        em = es < E
+        lin = tl.load(logits_ptr + t * E + es, mask=em, other=0.0)
+        dt = lin.dtype
+        lg = lin.to(tl.float32)
+        if SCORING == 0:  # sqrt(softplus): torch's softplus is the identity past 20
+            u = tl.exp(-tl.abs(lg))
+            v = 1.0 + u
+            log1p = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))  # log1p, no libdevice
+            sp = tl.where(lg > 20.0, lg, tl.maximum(lg, 0.0) + log1p)
+            if ROUND:
+                sp = sp.to(dt).to(tl.float32)
+            s = tl.sqrt(sp)
+        elif SCORING == 1:
+            s = 1.0 / (1.0 + tl.exp(-lg))
+        else:
+            z = tl.where(em, lg, float("-inf"))
+            ex = tl.exp(z - tl.max(z, axis=0))
+            s = ex / tl.sum(ex, axis=0)
+        if ROUND:
+            s = s.to(dt).to(tl.float32)
+        ks = tl.arange(0, K_PAD)
+        picks = tl.zeros([K_PAD], dtype=tl.int32)
+        if IS_HASH:
+            tok = tl.load(ids_ptr + t).to(tl.int64)
+            picks = tl.load(tid2eid_ptr + tok * K + ks, mask=ks < K, other=0).to(tl.int32)
+        else:
+            b = s
+            if HAS_BIAS:
+                b = b + tl.load(bias_ptr + es, mask=em, other=0.0)
+            avail = em
+            for k in tl.static_range(K):
+                m = tl.max(tl.where(avail, b, float("-inf")), axis=0)
+                e = tl.min(tl.where(avail & (b == m), es, BLOCK_E), axis=0)
+                e = tl.where(e < BLOCK_E, e, tl.min(tl.where(avail, es, BLOCK_E), axis=0))  # NaN: stay in range
+                picks = tl.where(ks == k, e, picks)
+                avail = avail & (es != e)
+        hit = (picks[:, None] == es[None, :]) & (ks < K)[:, None]
+        ws = tl.sum(tl.where(hit, s[None, :], 0.0), axis=1)  # [K_PAD] unbiased scores of the picks
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20) * scaling
+        out = t * (K + 1)
+        tl.store(idx_ptr + out + ks, picks, mask=ks < K)
+        tl.store(w_ptr + out + ks, ws, mask=ks < K)
+        tl.store(idx_ptr + out + K, E)  # the shared expert, weight 1
+        tl.store(w_ptr + out + K, 1.0)
+
+    def _gate_up_kernel(x_ptr, idx_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, R, E, limit,
+                        D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One pick row r, BLOCK_N output channels: gate rows j and up rows I + j in the same program, so the
+        SwiGLU happens in registers. Rows vary fastest over program ids: programs running together share a
+        channel block, so rows that picked the same expert find its weights in L2."""
+        pid = tl.program_id(0)
+        r = pid % R
+        n0 = (pid // R) * BLOCK_N
+        e = tl.load(idx_ptr + r)
+        routed = gu_ptr + e.to(tl.int64) * (2 * I * D)
+        gbase = tl.where(e == E, sg_ptr, routed)
+        ubase = tl.where(e == E, su_ptr, routed + I * D)
+        ns = n0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        nm = ns < I
+        woff = ns[:, None].to(tl.int64) * D + ks[None, :]
+        xrow = x_ptr + (r // KP1).to(tl.int64) * D
+        accg = tl.zeros([BLOCK_N], dtype=tl.float32)
+        accu = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            if D % BLOCK_K == 0:
+                xv = tl.load(xrow + k0 + ks).to(tl.float32)
+                if I % BLOCK_N == 0:
+                    g = tl.load(gbase + woff + k0)
+                    u = tl.load(ubase + woff + k0)
+                else:
+                    g = tl.load(gbase + woff + k0, mask=nm[:, None], other=0.0)
+                    u = tl.load(ubase + woff + k0, mask=nm[:, None], other=0.0)
+            else:
+                km = k0 + ks < D
+                xv = tl.load(xrow + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                g = tl.load(gbase + woff + k0, mask=nm[:, None] & km[None, :], other=0.0)
+                u = tl.load(ubase + woff + k0, mask=nm[:, None] & km[None, :], other=0.0)
+            accg += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+            accu += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+        g = tl.minimum(accg, limit)
+        u = tl.minimum(tl.maximum(accu, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u
+        tl.store(h_ptr + r.to(tl.int64) * I + ns, h.to(h_ptr.dtype.element_ty), mask=nm)
+
+    def _down_kernel(h_ptr, idx_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, T, E,
+                     D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One token, BLOCK_N output channels, all K+1 picks summed in fp32 registers, one rounding."""
+        pid = tl.program_id(0)
+        t = pid % T
+        n0 = (pid // T) * BLOCK_N
+        ns = n0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        nm = ns < D
+        woff = ns[:, None].to(tl.int64) * I + ks[None, :]
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(KP1):
+            r = t * KP1 + j
+            e = tl.load(idx_ptr + r)
+            wj = tl.load(w_ptr + r)
+            base = tl.where(e == E, sd_ptr, dn_ptr + tl.cast(e, tl.int64) * (D * I))
+            hrow = h_ptr + r.to(tl.int64) * I
+            part = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                if I % BLOCK_K == 0:
+                    hv = tl.load(hrow + k0 + ks).to(tl.float32)
+                    if D % BLOCK_N == 0:
+                        wt = tl.load(base + woff + k0)
+                    else:
+                        wt = tl.load(base + woff + k0, mask=nm[:, None], other=0.0)
+                else:
+                    km = k0 + ks < I
+                    hv = tl.load(hrow + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                    wt = tl.load(base + woff + k0, mask=nm[:, None] & km[None, :], other=0.0)
+                part += tl.sum(wt.to(tl.float32) * hv[None, :], axis=1)
+            acc += wj * part
+        tl.store(y_ptr + t.to(tl.int64) * D + ns, acc.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+    def _gate_up_mm_kernel(x_ptr, idx_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, T, E, limit,
+                           D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr, BLOCK_T: tl.constexpr,
+                           R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """Expert-major: program (e, channel block, token block) compacts the pick rows of its token block that
+        chose expert e and multiplies them BLOCK_M at a time with tl.dot, so each expert's weights are read once
+        per token block instead of once per pick. Experts nobody picked read nothing."""
+        e = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        r0 = tl.program_id(2) * (BLOCK_T * KP1)
+        lr = tl.arange(0, R_PAD)
+        live = (lr < BLOCK_T * KP1) & (r0 + lr < T * KP1)
+        sel = live & (tl.load(idx_ptr + r0 + lr, mask=live, other=-1) == e)
+        cnt = tl.sum(sel.to(tl.int32), axis=0)
+        if cnt > 0:
+            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            routed = gu_ptr + e.to(tl.int64) * (2 * I * D)
+            gbase = tl.where(e == E, sg_ptr, routed)
+            ubase = tl.where(e == E, su_ptr, routed + I * D)
+            ns = n0 + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            ms = tl.arange(0, BLOCK_M)
+            nm = ns < I
+            woff = ns[None, :].to(tl.int64) * D + ks[:, None]  # [BLOCK_K, BLOCK_N], unit stride along k
+            for m0 in range(0, cnt, BLOCK_M):
+                hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
+                row = r0 + tl.sum(tl.where(hit, lr[None, :], 0), axis=1)  # [BLOCK_M] compacted pick rows
+                mv = m0 + ms < cnt
+                xrow = x_ptr + (row // KP1).to(tl.int64)[:, None] * D
+                accg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                accu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, D, BLOCK_K):
+                    km = k0 + ks < D
+                    xt = tl.load(xrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
+                    g = tl.load(gbase + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+                    u = tl.load(ubase + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+                    xt = xt.to(g.dtype)
+                    if IEEE:  # float32 weights: exact products (a float32 tl.dot defaults to tf32)
+                        accg = tl.dot(xt, g, accg, input_precision="ieee")
+                        accu = tl.dot(xt, u, accu, input_precision="ieee")
+                    else:
+                        accg = tl.dot(xt, g, accg)
+                        accu = tl.dot(xt, u, accu)
+                g = tl.minimum(accg, limit)
+                u = tl.minimum(tl.maximum(accu, -limit), limit)
+                h = g / (1.0 + tl.exp(-g)) * u
+                tl.store(h_ptr + row.to(tl.int64)[:, None] * I + ns[None, :], h.to(h_ptr.dtype.element_ty),
+                         mask=mv[:, None] & nm[None, :])
+
+    def _down_mm_kernel(h_ptr, idx_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, T, E,
+                        D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr, BLOCK_T: tl.constexpr,
+                        R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """Program (channel block, token block) walks the experts; for each, the compacted pick rows that chose
+        it go through tl.dot, are scaled by their routing weight and added to their token's fp32 row through a
+        one-hot [BLOCK_T, BLOCK_M] matrix (an exact fp32 dot) -- the sum over picks stays in registers."""
+        n0 = tl.program_id(0) * BLOCK_N
+        t0 = tl.program_id(1) * BLOCK_T
+        r0 = t0 * KP1
+        lr = tl.arange(0, R_PAD)
+        live = (lr < BLOCK_T * KP1) & (r0 + lr < T * KP1)
+        ridx = tl.load(idx_ptr + r0 + lr, mask=live, other=-1)
+        ns = n0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        ms = tl.arange(0, BLOCK_M)
+        ts = tl.arange(0, BLOCK_T)
+        nm = ns < D
+        woff = ns[None, :].to(tl.int64) * I + ks[:, None]
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for e in range(0, E + 1):
+            sel = live & (ridx == e)
+            cnt = tl.sum(sel.to(tl.int32), axis=0)
+            if cnt > 0:
+                pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                base = tl.where(e == E, sd_ptr, dn_ptr + tl.cast(e, tl.int64) * (D * I))
+                for m0 in range(0, cnt, BLOCK_M):
+                    hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
+                    lrow = tl.sum(tl.where(hit, lr[None, :], 0), axis=1)
+                    mv = m0 + ms < cnt
+                    hrow = h_ptr + (r0 + lrow).to(tl.int64)[:, None] * I
+                    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for k0 in range(0, I, BLOCK_K):
+                        km = k0 + ks < I
+                        ht = tl.load(hrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
+                        wt = tl.load(base + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+                        if IEEE:
+                            part = tl.dot(ht.to(wt.dtype), wt, part, input_precision="ieee")
+                        else:
+                            part = tl.dot(ht.to(wt.dtype), wt, part)
+                    part = part * tl.load(w_ptr + r0 + lrow, mask=mv, other=0.0)[:, None]
+                    onehot = (((lrow // KP1)[None, :] == ts[:, None]) & mv[None, :]).to(tl.float32)
+                    acc = tl.dot(onehot, part, acc, input_precision="ieee")
+        tl.store(y_ptr + (t0 + ts).to(tl.int64)[:, None] * D + ns[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(t0 + ts < T)[:, None] & nm[None, :])
+
+
+# ---- per-MoE preparation ---------------------------------------------------------------------------------------
+
+class _Prepared:
+    """What the kernels need from one engine MoE object, computed once."""
+
+    def __init__(self, moe):
+        self.gate_up = moe.gate_up.contiguous()
+        self.down = moe.down.contiguous()
+        self.shared = [w.contiguous() for w in moe.shared]
+        self.router = moe.router
+        self.E, two_i, self.D = self.gate_up.shape
+        self.I = two_i // 2
+        self.K = moe.top_k
+        self.limit = float("inf") if moe.limit is None else float(moe.limit)
+        self.bias = moe.bias.float().contiguous() if moe.bias is not None else None
+        self.tid2eid = moe.tid2eid.contiguous() if moe.is_hash else None
+        sg, su, sd = self.shared
+        probe = torch.linspace(-30.0, 30.0, 241)
+        is_silu = torch.allclose(moe.act(probe), F.silu(probe), rtol=1e-6, atol=1e-6)  # hidden_act name is gone
+        self.kernel_ok = (is_silu and moe.scoring in SCORING
+                          and sg.shape == su.shape == (self.I, self.D) and sd.shape == (self.D, self.I)
+                          and self.down.shape == (self.E, self.D, self.I)
+                          and len({self.gate_up.dtype, self.down.dtype, sg.dtype, su.dtype, sd.dtype}) == 1)
+
+
+# keyed by the MoE object's identity (MoE defines no __eq__/__hash__), weakly: an entry goes with its object, so a
+# dropped model frees its entries and a new object that reuses a freed id never meets a stale one
+_PREPARED: "weakref.WeakKeyDictionary[object, _Prepared]" = weakref.WeakKeyDictionary()
+
+
+def prepare(moe) -> _Prepared:
+    """The kernels' view of `moe`, built on its first call and cached for the object's lifetime."""
+    p = _PREPARED.get(moe)
+    if p is None:
+        p = _PREPARED[moe] = _Prepared(moe)
+    return p
+
+
+# ---- references ------------------------------------------------------------------------------------------------
+
+def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """The router scores in the logits' dtype: the engine MoE's chain."""
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    raise ValueError(f"unknown scoring_func {scoring_func!r}")
+
+
+def route_reference(moe, logits: torch.Tensor, input_ids: torch.Tensor):
+    """(idx [T, K+1] int32, w [T, K+1] fp32): the engine's routing with ties to the lowest expert index and the
+    shared expert appended as column K (index E, weight 1)."""
+    p = prepare(moe)
+    scores = score(logits, moe.scoring).float()
+    T = scores.shape[0]
+    if moe.is_hash:
+        idx = p.tid2eid[input_ids].long()
+    else:
+        biased = scores + p.bias if p.bias is not None else scores
+        idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : p.K]
+    w = scores.gather(1, idx)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * moe.scaling
+    shared_idx = torch.full((T, 1), p.E, dtype=torch.long, device=idx.device)
+    return (torch.cat([idx, shared_idx], 1).to(torch.int32),
+            torch.cat([w, torch.ones(T, 1, device=w.device)], 1))
+
+
+def _expert(p: _Prepared, e: int):
+    """(gate [I, D], up [I, D], down [D, I]) of expert e; e == E is the shared expert."""
+    if e == p.E:
+        return p.shared
+    return p.gate_up[e, : p.I], p.gate_up[e, p.I:], p.down[e]
+
+
+def gate_up_reference(moe, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """h [T, K+1, I] (x.dtype) = act(gate.clamp(max=limit)) * up.clamp(-limit, limit) of each pick, fp32 math.
+    Every expert runs on every token and a mask keeps the picks: no data-dependent shapes, no host reads."""
+    p = prepare(moe)
+    xf = x.float()
+    h = torch.zeros(*idx.shape, p.I, device=x.device)
+    for e in range(p.E + 1):
+        g, u, _ = _expert(p, e)
+        he = moe.act(F.linear(xf, g.float()).clamp(max=p.limit)) * F.linear(xf, u.float()).clamp(-p.limit, p.limit)
+        h = torch.where((idx == e)[..., None], he[:, None, :], h)
+    return h.to(x.dtype)
+
+
+def down_reference(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """y [T, D] = sum_j w[t, j] * W_down[idx[t, j]] @ h[t, j], fp32 accumulation, one rounding."""
+    p = prepare(moe)
+    hf = h.float()
+    y = torch.zeros(h.shape[0], p.D, device=h.device)
+    for e in range(p.E + 1):
+        _, _, d = _expert(p, e)
+        y = y + ((idx == e).float() * w)[..., None].mul(F.linear(hf, d.float())).sum(1)
+    return y.to(out_dtype or h.dtype)
+
+
+def moe_forward_reference(moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    idx, w = route_reference(moe, F.linear(x, moe.router), input_ids)
+    return down_reference(moe, gate_up_reference(moe, x, idx), idx, w, x.dtype)
+
+
+# ---- Triton launches -------------------------------------------------------------------------------------------
+
+# GEMV reduction block: 1024 measured best at T=1 in the integrated H200 run of benchmarks/step_moe_gpu.py (E8 top-2:
+# 52.1 vs 55.7 us at 512; E16 top-6: 100.6 vs 113.9 us), for gate_up and down alike
+GEMV_BLOCK_K = 1024
+
+
+def _pick_block_n(rows: int, n: int) -> int:
+    """GEMV channel block: 16 while that still gives ~2 programs per SM, else 8. Measured on the H200 (hidden
+    4096, I 2048, bf16): gate_up at 3 and 7 picks is fastest with 16 (32: -15% at 7 picks), down at T=1 with 8."""
+    return 16 if rows * triton.cdiv(n, 16) >= TARGET_PROGRAMS else 8
+
+
+def route(moe, logits: torch.Tensor, input_ids: torch.Tensor, *, backend: str = "auto"):
+    """(idx [T, K+1] int32, w [T, K+1] fp32) from router logits [T, E]; see the module docstring."""
+    p = prepare(moe)
+    if not use_triton(backend, [logits, input_ids]):
+        return route_reference(moe, logits, input_ids)
+    T, E = logits.shape
+    idx = torch.empty(T, p.K + 1, dtype=torch.int32, device=logits.device)
+    w = torch.empty(T, p.K + 1, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return idx, w
+    jit(_route_kernel)[(T,)](
+        logits.contiguous(), p.bias if p.bias is not None else w, input_ids.contiguous(),
+        p.tid2eid if p.tid2eid is not None else idx, idx, w, E, float(moe.scaling),
+        K=p.K, SCORING=SCORING[moe.scoring], HAS_BIAS=p.bias is not None, IS_HASH=bool(moe.is_hash),
+        ROUND=logits.dtype != torch.float32, BLOCK_E=triton.next_power_of_2(E),
+        K_PAD=triton.next_power_of_2(p.K), num_warps=1)
+    return idx, w
+
+
+# From how many tokens the expert-major tl.dot kernels take over from the GEMVs. H200, E 8 top-2 / E 16 top-6:
+# at T=1 the GEMVs win (gate_up by ~5%, down by ~35%); at T=6 the tl.dot kernels win (gate_up 2x, down 1.2x) and at
+# T=32 by 3-7x (the GEMVs stream a weight slice per pick). T 2..5 are unmeasured: gate_up switches as soon as two
+# tokens can share an expert, down (whose tl.dot grid has fewer programs) later.
+MM_MIN_TOKENS = {"gate_up": 2, "down": 4}
+
+
+def _mode(mode: str, kernel: str, tokens: int) -> str:
+    if mode not in ("auto", "gemv", "mm"):
+        raise ValueError(f"mode must be auto, gemv or mm, got {mode!r}")
+    return mode if mode != "auto" else ("mm" if tokens >= MM_MIN_TOKENS[kernel] else "gemv")
+
+
+def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", mode: str = "auto",
+            block_n: int | None = None, block_k: int | None = None, block_t: int = 32, block_m: int = 16,
+            num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert). mode "gemv": one program per
+    (pick, channel block), weights streamed as coalesced rows (few picks); "mm": expert-major tl.dot over
+    compacted picks per token block of `block_t` tokens (many picks); "auto" picks by T (MM_MIN_TOKENS)."""
+    p = prepare(moe)
+    if not use_triton(backend, [x, idx]):
+        return gate_up_reference(moe, x, idx)
+    T, KP1 = idx.shape
+    R = T * KP1
+    h = torch.empty(T, KP1, p.I, device=x.device, dtype=x.dtype)
+    if R == 0:
+        return h
+    sg, su, _ = p.shared
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    x, idx = x.contiguous(), idx.contiguous()
+    if _mode(mode, "gate_up", T) == "gemv":
+        bn = block_n or _pick_block_n(R, p.I)
+        bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
+        jit(_gate_up_kernel)[(R * triton.cdiv(p.I, bn),)](
+            x, idx, p.gate_up, sg, su, h, R, p.E, p.limit,
+            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+        return h
+    bt = min(block_t, max(1, triton.next_power_of_2(T)))
+    bn = max(16, block_n or 32)
+    bk = max(16, min(block_k or 128, triton.next_power_of_2(p.D)))
+    grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
+    jit(_gate_up_mm_kernel)[grid](
+        x, idx, p.gate_up, sg, su, h, T, p.E, p.limit,
+        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
+        BLOCK_N=bn, BLOCK_K=bk, IEEE=p.gate_up.dtype == torch.float32, num_warps=num_warps, **extra)
+    return h
+
+
+def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=None, backend: str = "auto",
+         mode: str = "auto", block_n: int | None = None, block_k: int | None = None, block_t: int = 32,
+         block_m: int = 16, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes as in
+    `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
+    p = prepare(moe)
+    if not use_triton(backend, [h, idx, w]):
+        return down_reference(moe, h, idx, w, out_dtype)
+    T, KP1 = idx.shape
+    y = torch.empty(T, p.D, device=h.device, dtype=out_dtype or h.dtype)
+    if T == 0:
+        return y
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    h, idx, w = h.contiguous(), idx.contiguous(), w.contiguous()
+    if _mode(mode, "down", T) == "gemv":
+        bn = block_n or _pick_block_n(T, p.D)
+        bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
+        jit(_down_kernel)[(T * triton.cdiv(p.D, bn),)](
+            h, idx, w, p.down, p.shared[2], y, T, p.E,
+            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+        return y
+    bt = max(16, min(block_t, triton.next_power_of_2(T)))
+    bn = max(16, block_n or 16)
+    # each program walks every expert serially, so fewer, longer k steps should pay (H200, E 8 T=32: bn 32/bk 64
+    # 113 us, bn 16/bk 128 81 us; bk 256 is the untimed default, step_moe_gpu.py times 128/256/512)
+    bk = max(16, min(block_k or 256, triton.next_power_of_2(p.I)))
+    jit(_down_mm_kernel)[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
+        h, idx, w, p.down, p.shared[2], y, T, p.E,
+        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
+        BLOCK_N=bn, BLOCK_K=bk, IEEE=p.down.dtype == torch.float32, num_warps=num_warps, **extra)
+    return y
+
+
+def moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor, *, backend: str = "auto",
+                gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
+    """y [T, hidden] (x.dtype) = engine `MoE.__call__(x, input_ids)`: routed top-k (or hash) experts plus the
+    shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down). `gate_up_cfg` /
+    `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm", block_n, block_k, block_t, block_m,
+    num_warps, num_stages; see `gate_up` / `down`)."""
+    p = prepare(moe)
+    if not p.kernel_ok or not use_triton(backend, [x, input_ids, p.gate_up]):
+        if backend == "triton" and not p.kernel_ok:
+            raise ValueError("backend='triton': this MoE (activation, scoring, shared-expert shape or dtypes) "
+                             "has no kernel; use backend='auto'")
+        return moe_forward_reference(moe, x, input_ids)
+    idx, w = route(moe, F.linear(x, p.router), input_ids, backend="triton")
+    h = gate_up(moe, x, idx, backend="triton", **(gate_up_cfg or {}))
+    return down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", **(down_cfg or {}))

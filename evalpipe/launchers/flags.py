@@ -1,0 +1,222 @@
+"""The serve flags, defined once, and every rule about them.
+
+`evalpipe serve` (commands/serve.py: the native engine in this process, or any engine through a launcher) and the
+arms of `evalpipe ab` (`parse_serve_args`) parse this one table. Four groups:
+- COMMON: every engine (model, address, dtype/device, batch, key, speculation, lossy acceptance);
+- NATIVE: the native engine's own settings; a launcher passes them on to its server unchanged;
+- LAUNCH: how a launcher starts sglang/vllm (parallelism, their speculation trees, environment, interpreter);
+- RUN: how one launch runs (dry run, readiness, receipt, log); `evalpipe ab` sets these itself.
+
+The rules the flags obey are in rules.py, one place each, for a native in-process server and the launchers alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import click
+from click.core import ParameterSource
+
+from evalpipe.launchers import ENGINES
+from evalpipe.launchers.base import LaunchOptions
+from evalpipe.launchers.env import parse_assignments
+from evalpipe.launchers.errors import LaunchConfigError
+
+SPECULATION_PROFILES = ("off", "block", "dspark", "eagle", "eagle3", "nextn", "ngram")
+
+
+def _pos_int(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter("must be >= 1")
+    return value
+
+
+O = click.option
+COMMON = [
+    O("--engine", type=click.Choice(ENGINES), default="native", show_default=True,
+      help="Which server: native (this package's engine, served in this process), sglang or vllm (through a "
+           "launcher)."),
+    O("--model", "--model-path", "model", default=None, metavar="PATH|NAME",
+      help="native: a checkpoint directory (config.json + *.safetensors, DeepSeek-V4 format) or a built-in model: "
+           "evalpipe-skills-dsv4 (the default: 7.8 M parameters trained on evalpipe's synthetic skills, shipped in "
+           "the package) or evalpipe-tiny-dsv4 (random weights, nonsense answers; for tests). sglang/vllm: "
+           "required, the model path or id."),
+    O("--tokenizer", "--tokenizer-path", "tokenizer", default=None, metavar="PATH",
+      help="Tokenizer, when it differs from the model. native: a Hugging Face tokenizer directory (local files); "
+           "default: the model directory's tokenizer if it has one, else the built-in byte-level tokenizer."),
+    O("--host", default="127.0.0.1", show_default=True, help="Address the server binds."),
+    O("--port", default=30000, show_default=True, type=click.IntRange(0, 65535),
+      help="Port the server binds (native: 0 picks a free one; `ab` picks a free one unless given)."),
+    O("--dtype", default=None, help="Weight/activation dtype. native: float32 (default) or bfloat16; sglang/vllm: "
+                                    "passed to the engine."),
+    O("--device", default=None, help="native: where the model runs, cpu (default) or cuda."),
+    O("--max-batch", type=int, callback=_pos_int, default=None,
+      help="native: most sequences running at once (each choice of a request is one sequence) [default: 64]."),
+    O("--api-key", default=None, metavar="KEY",
+      help="Require 'Authorization: Bearer KEY' (native: all routes but /health*; also read from "
+           "EVALPIPE_API_KEY). Redacted in every receipt and printout."),
+    O("--speculative", type=click.Choice(SPECULATION_PROFILES), default=None,
+      help="Speculation profile [default: off]. native: off | block (block speculative decoding: each step drafts "
+           "G tokens per sequence and verifies the last token plus the G drafts, G+1 rows, in one target forward); "
+           "sglang: off | dspark | eagle | eagle3 | nextn; vllm: the same plus ngram."),
+    O("--block-size", type=int, callback=_pos_int, default=None, metavar="G",
+      help="native: drafts per verify step with --speculative block, 1..16 [default: 5]; sglang: the dspark "
+           "block size; vllm: dspark draft tokens."),
+    O("--drafter", default=None, metavar="SPEC",
+      help="native, with --speculative block: layerskip:N (the target's first N layers + final norm and head), "
+           "model:PATH (a separate small checkpoint, same tokenizer), ngram (prompt lookup), self (the target "
+           "itself; 100% greedy acceptance). Default: layerskip over three quarters of the layers (layerskip:3 "
+           "for the tiny model)."),
+    O("--simulate-acc-len", type=float, default=None, metavar="X",
+      help="PERFORMANCE ONLY: accept a floor/ceil mix of X-1 drafts per step (mean exactly X, bonus included) "
+           "without checking them (native flag, SGLANG_SIMULATE_ACC_LEN, vLLM's synthetic sampler). Reported in "
+           "/get_server_info and every response; output quality is meaningless, so `evalpipe run` refuses to "
+           "score against it."),
+    O("--spec-accept-topk", type=int, default=None, metavar="K",
+      help="LOSSY, evaluation only (proves an eval catches a lossy speculator), native only: accept a draft when "
+           "it is among the target's top K tokens at its row (K >= 2; K = 1 is the default exact greedy rule). "
+           "Greedy requests rank the logits; sampled requests keep a top-K draft without the rejection test. "
+           "Reported as lossy in /get_server_info, every `spec`, the ready line and the receipt. Default: exact."),
+    O("--spec-accept-threshold-single", type=float, default=None, metavar="P",
+      help="LOSSY below 1.0, evaluation only (native, sglang --speculative-accept-threshold-single): on sampled "
+           "requests accept a draft whose target probability is >= P (greedy requests stay exact, as in SGLang). "
+           "1.0 (with --spec-accept-threshold-acc 1.0) is lossless and keeps the exact rule."),
+    O("--spec-accept-threshold-acc", type=float, default=None, metavar="P",
+      help="LOSSY below 1.0, evaluation only (native, sglang --speculative-accept-threshold-acc): on sampled "
+           "requests accept a draft with probability min(1, p(draft) / P) instead of the exact test (SGLang's "
+           "target-only rule; greedy requests stay exact)."),
+]
+NATIVE = [
+    O("--max-tokens-per-step", default=512, show_default=True, type=click.IntRange(1),
+      help="native: rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size)."),
+    O("--max-queue", default=1024, show_default=True, type=click.IntRange(0),
+      help="native: most sequences waiting for a slot; beyond it requests get 503 with Retry-After."),
+    O("--max-seq-len", default=4096, show_default=True, type=click.IntRange(2),
+      help="native: longest prompt + completion per sequence, in tokens."),
+    O("--docs", is_flag=True,
+      help="native: serve the interactive API docs (/docs, /redoc, /openapi.json); off by default. With "
+           "--api-key they need the key like every other route."),
+    O("--fused", default="on", show_default=True, type=click.Choice(["on", "off"]),
+      help="native, with --device cuda: route the verify (and decode) steps through the fused Triton kernels of "
+           "evalpipe.kernels (on) or the engine's reference PyTorch chains (off), to A/B fusion in one build. On "
+           "the CPU the reference chains always run."),
+    O("--cuda-graphs", default="on", show_default=True, type=click.Choice(["on", "off"]),
+      help="native, with --device cuda: capture the decode and (G+1)-row verify steps as CUDA graphs per batch "
+           "bucket at start-up and replay them (off: run the same static steps eagerly)."),
+    O("--wo-quant", default="none", show_default=True, type=click.Choice(["none", "mxfp8"]),
+      help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
+           "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "
+           "once at load. LOSSY: outputs differ from the unquantized model (and from the transformers oracle). "
+           "Triton on CUDA where the kernels' guards pass (bf16), their PyTorch references elsewhere (CPU). "
+           "Reported in /get_server_info (wo_quant, fused_sites)."),
+    O("--threads", default=1, show_default=True, type=click.IntRange(1), metavar="N",
+      help="native: torch intra-op threads for --device cpu. One by default: the tiny model is op-overhead bound "
+           "(2 threads gave the same prefill speed here) and extra OpenMP threads fight the client and other "
+           "processes on small machines (a request took 20-50x longer under contention)."),
+    O("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]),
+      help="native: server log verbosity."),
+]
+LAUNCH = [
+    O("--tp", "--tp-size", "tp", type=int, callback=_pos_int,
+      help="Tensor-parallel size (sglang --tp-size, vllm --tensor-parallel-size)."),
+    O("--ep", "--ep-size", "ep", type=int, callback=_pos_int,
+      help="Expert-parallel size (sglang --ep-size; vllm: must equal TP x DP, enables expert parallel)."),
+    O("--dp", "--dp-size", "dp", type=int, callback=_pos_int,
+      help="Data-parallel size (sglang --dp-size, vllm --data-parallel-size)."),
+    O("--draft-model", help="sglang/vllm draft model path (--speculative-draft-model-path / speculative-config "
+                            "model)."),
+    O("--spec-steps", type=int, callback=_pos_int,
+      help="eagle/eagle3/nextn: draft depth (--speculative-num-steps); vllm ngram: draft tokens per step."),
+    O("--spec-topk", type=int, callback=_pos_int, help="eagle/eagle3/nextn: branching (--speculative-eagle-topk)."),
+    O("--spec-draft-tokens", type=int, callback=_pos_int,
+      help="eagle/eagle3/nextn: tokens verified per step (--speculative-num-draft-tokens)."),
+    O("--deterministic", is_flag=True, help="sglang --enable-deterministic-inference; vllm VLLM_BATCH_INVARIANT=1."),
+    O("--keep-env", multiple=True, help="Keep an inherited SGLANG_*/VLLM_* variable (name or glob; repeatable)."),
+    O("--set-env", multiple=True, help="Set NAME=VALUE in the server environment on purpose (repeatable), e.g. "
+                                       "SGLANG_ENABLE_SPEC_V2=True."),
+    O("--engine-python", type=click.Path(dir_okay=False),
+      help="sglang/vllm: the python of the environment where the engine lives, e.g. .venv-vllm/bin/python "
+           "[default: this one if it imports the engine, else the one behind `sglang`/`vllm` on PATH]."),
+    O("--engine-command", help="Replace the program prefix, e.g. 'srun -N2 ./sglang_node.sh' (shell-split); not "
+                               "with --engine-python."),
+    O("--ngram-min", type=int, callback=_pos_int,
+      help="vllm ngram: shortest prompt n-gram to match (prompt_lookup_min) [default: vLLM's]."),
+    O("--ngram-max", type=int, callback=_pos_int,
+      help="vllm ngram: longest prompt n-gram to match (prompt_lookup_max) [default: vLLM's]."),
+]
+RUN = [
+    O("--dry-run", is_flag=True, help="Print the command and environment, start nothing (the only way to exercise "
+                                      "sglang/vllm where they are not installed)."),
+    O("--json", "as_json", is_flag=True, help="With --dry-run: print it as JSON."),
+    O("--ready-timeout", type=float, default=900.0, show_default=True,
+      help="Launcher: seconds to wait for the health check."),
+    O("--receipt", type=click.Path(dir_okay=False),
+      help="Launcher: receipt JSON path [default: results/receipts/ENGINE-TIME.json]."),
+    O("--log-file", type=click.Path(dir_okay=False),
+      help="Launcher: server log path [default: next to the receipt, .log]."),
+]
+EXTRA = click.argument("extra_args", nargs=-1, type=click.UNPROCESSED)
+CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
+
+
+def serve_flags(func):
+    """Every serve flag (the four groups) plus the passthrough arguments, on a click command function."""
+    for option in reversed(COMMON + NATIVE + LAUNCH + RUN):
+        func = option(func)
+    return EXTRA(func)
+
+
+def _param(option) -> click.Parameter:
+    return option(lambda: None).__click_params__[0]
+
+
+NATIVE_PARAMS = [_param(o) for o in NATIVE]
+RUN_PARAMS = [_param(o) for o in RUN]
+LAUNCH_NAMES = {_param(o).name for o in LAUNCH + RUN} - {"dry_run", "as_json"}
+
+
+def given(ctx: click.Context) -> set[str]:
+    """Names of the parameters set on the command line."""
+    return {name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+
+
+def needs_launcher(params: dict, given_names: set[str]) -> bool:
+    """A launch: another engine, a dry run, or any launcher flag; otherwise the native engine in this process."""
+    return params["engine"] != "native" or params["dry_run"] or bool(given_names & LAUNCH_NAMES)
+
+
+def native_argv(params: dict, given_names: set[str]) -> list[str]:
+    """The native-only flags given, as a launched server's command line takes them (passed on unchanged)."""
+    argv: list[str] = []
+    for p in NATIVE_PARAMS:
+        if p.name in given_names:
+            flag = p.opts[0]
+            argv += [flag] if p.is_flag else [flag, str(params[p.name])]
+    return argv
+
+
+def options_from_params(params: dict, given_names: set[str]) -> LaunchOptions:
+    """LaunchOptions from parsed serve flags; raises LaunchConfigError on malformed --set-env."""
+    values = {f.name: params[f.name] for f in dataclasses.fields(LaunchOptions) if f.name in params}
+    command = params["engine_command"]
+    values.update(keep_env=tuple(params["keep_env"]), set_env=parse_assignments(params["set_env"]),
+                  engine_command=tuple(shlex.split(command)) if command else None,
+                  extra_args=tuple(native_argv(params, given_names)) + tuple(params["extra_args"]))
+    return LaunchOptions(**values)
+
+
+def parse_serve_args(argv: list[str]) -> tuple[LaunchOptions, set[str]]:
+    """Parse one arm's server arguments as `evalpipe serve` would.
+
+    Returns the options and the names of the flags given on the command line (for declaring A/B differences).
+    """
+    command = serve_flags(click.command("serve", context_settings=CONTEXT)(lambda **_: None))
+    ctx = command.make_context("serve", list(argv), resilient_parsing=False)
+    names = given(ctx)
+    for p in RUN_PARAMS:
+        if p.name in names:
+            raise click.UsageError(f"{p.opts[0]} is set by `evalpipe ab` itself, not in an arm")
+    try:
+        return options_from_params(ctx.params, names), names
+    except LaunchConfigError as exc:
+        raise click.UsageError(str(exc)) from None

@@ -1,0 +1,200 @@
+"""evalpipe/kernels/moe.py: the 4-launch MoE block, its Triton kernels run in Triton's CPU interpreter (float32,
+small shapes) against the module's references and against the engine's own `MoE` (`MoE.__call__`, `MoE.route`)."""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evalpipe.engine.model.moe import MoE
+from evalpipe.kernels import moe as step_moe
+
+D, I, E, K, VOCAB, LIMIT = 64, 32, 8, 2, 50, 10.0
+
+
+def make_moe(*, scoring="sqrtsoftplus", is_hash=False, bias=True, seed=0, act="silu", E=E, K=K):
+    """An engine MoE over a random state dict (the checkpoint's key names)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {"gate.weight": torch.randn(E, D, generator=g) / D**0.5,
+          "experts.gate_up_proj": torch.randn(E, 2 * I, D, generator=g) / D**0.5,
+          "experts.down_proj": torch.randn(E, D, I, generator=g) / I**0.5,
+          "shared_experts.gate_proj.weight": torch.randn(I, D, generator=g) / D**0.5,
+          "shared_experts.up_proj.weight": torch.randn(I, D, generator=g) / D**0.5,
+          "shared_experts.down_proj.weight": torch.randn(D, I, generator=g) / I**0.5}
+    if bias:
+        sd["gate.e_score_correction_bias"] = 0.5 * torch.randn(E, generator=g)
+    if is_hash:
+        sd["gate.tid2eid"] = torch.randint(0, E, (VOCAB, K), generator=g)
+    cfg = SimpleNamespace(num_experts_per_tok=K, scoring_func=scoring, routed_scaling_factor=1.5,
+                          swiglu_limit=LIMIT, hidden_act=act)
+    return MoE(sd, "", cfg, is_hash)
+
+
+def sorted_picks(idx, w):
+    order = idx.long().argsort(dim=-1)
+    return idx.long().gather(1, order), w.float().gather(1, order)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("is_hash", [False, True])
+def test_route_kernel_matches_reference_and_engine(scoring, is_hash):
+    gen = torch.Generator().manual_seed(len(scoring) + is_hash)
+    moe = make_moe(scoring=scoring, is_hash=is_hash, seed=3)
+    T = 9
+    logits = 4 * torch.randn(T, E, generator=gen)
+    logits[0, 0] = 30.0  # softplus identity branch
+    logits[1, 1] = -40.0  # tiny softplus (log1p accuracy)
+    ids = torch.randint(0, VOCAB, (T,), generator=gen)
+    idx, w = step_moe.route(moe, logits, ids, backend="triton")
+    ridx, rw = step_moe.route_reference(moe, logits, ids)
+    assert idx.dtype == torch.int32 and w.dtype == torch.float32 and idx.shape == w.shape == (T, K + 1)
+    assert torch.equal(idx, ridx)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    assert (idx[:, K] == E).all() and (w[:, K] == 1.0).all()  # the shared expert column
+    # the engine's routing (unsorted top-k, no shared column): same picks, same weights
+    eidx, ew = moe.route(None, ids, logits)
+    a, aw = sorted_picks(idx[:, :K], w[:, :K])
+    b, bw = sorted_picks(eidx, ew)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(aw, bw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_route_ties_pick_lowest_expert_first(scoring):
+    """Exact ties in the (biased) scores go to the lowest expert index, in order, like a stable descending sort."""
+    moe = make_moe(scoring=scoring, bias=False, seed=4)
+    logits = torch.randn(4, E, generator=torch.Generator().manual_seed(5))
+    logits[0] = 0.0  # all equal -> experts 0, 1
+    logits[1] = -1.0
+    logits[1, [6, 2, 5]] = 2.0  # three-way tie at the top -> 2, 5
+    logits[2] = -1.0
+    logits[2, 7] = 3.0
+    logits[2, [4, 3]] = 1.0  # a unique max, then a tie -> 7, 3
+    ids = torch.zeros(4, dtype=torch.long)
+    idx, w = step_moe.route(moe, logits, ids, backend="triton")
+    assert idx[:3, :K].tolist() == [[0, 1], [2, 5], [7, 3]]
+    assert torch.equal(idx, step_moe.route_reference(moe, logits, ids)[0])
+    torch.testing.assert_close(w[0, :K], torch.full((K,), 1.5 / K))  # equal scores share the scaling equally
+    biased = make_moe(scoring=scoring, bias=True, seed=4)
+    biased.bias = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.25, 0.0, 0.0, 0.0])  # ties made by the bias: 1, 4
+    idx, _ = step_moe.route(biased, torch.zeros(2, E), ids[:2], backend="triton")
+    assert idx[:, :K].tolist() == [[1, 4], [1, 4]]
+
+
+def picks(T, gen):
+    routed = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    return torch.cat([routed, torch.full((T, 1), E)], 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("T", [5, 20])
+def test_gate_up_and_down_kernels_match_references(T):
+    """Both kernel shapes (GEMV per pick; expert-major tl.dot over compacted picks) with clamping active on both
+    sides of the SwiGLU, heuristic blocks and blocks that split D and I into several steps, leave masked channel
+    tails, split tokens into several token blocks (a partial last one) and picks of one expert into several
+    BLOCK_M chunks (T 20: the shared expert has 20 picks)."""
+    gen = torch.Generator().manual_seed(11 + T)
+    moe = make_moe(seed=6)
+    x = 12 * torch.randn(T, D, generator=gen)
+    idx = picks(T, gen)
+    gate = torch.stack([torch.stack([step_moe._expert(step_moe.prepare(moe), int(e))[0] @ x[t]
+                                     for e in idx[t]]) for t in range(T)])
+    assert (gate > LIMIT).any() and (gate < -LIMIT).any()  # the clamps matter for this input
+    hr = step_moe.gate_up_reference(moe, x, idx)
+    w = torch.rand(T, K + 1, generator=gen)
+    w[:, K] = 1.0
+    yr = step_moe.down_reference(moe, hr, idx, w)
+    cfgs = [dict(), dict(mode="gemv", block_n=16, block_k=16), dict(mode="gemv", block_n=64, block_k=32),
+            dict(mode="mm"), dict(mode="mm", block_t=8, block_n=16, block_k=16)]
+    for cfg in cfgs:
+        h = step_moe.gate_up(moe, x, idx, backend="triton", **cfg)
+        assert h.shape == (T, K + 1, I) and torch.isfinite(h).all()
+        torch.testing.assert_close(h, hr, rtol=1e-5, atol=1e-4, msg=str(cfg))
+        y = step_moe.down(moe, hr, idx, w, backend="triton", **cfg)
+        assert y.shape == (T, D) and torch.isfinite(y).all()
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-4, msg=str(cfg))
+
+
+@pytest.mark.parametrize("T", [1, 6, 13])
+@pytest.mark.parametrize("kind", ["moe", "hash", "sigmoid"])
+def test_moe_forward_matches_engine_moe(T, kind):
+    """moe_forward (4 launches, Triton interpreted) == engine MoE.__call__ on the same object, with activations
+    large enough that swiglu_limit clamps."""
+    moe = make_moe(scoring="sigmoid" if kind == "sigmoid" else "sqrtsoftplus", is_hash=kind == "hash",
+                   seed=7 + T)
+    gen = torch.Generator().manual_seed(100 + T)
+    x = 8 * torch.randn(T, D, generator=gen)
+    ids = torch.randint(0, VOCAB, (T,), generator=gen)
+    pre = F.linear(x, moe.gate_up.reshape(-1, D))
+    assert pre.abs().max() > LIMIT  # clamping is active
+    y = step_moe.moe_forward(moe, x, ids, backend="triton")
+    ye = moe(x, ids)
+    assert y.shape == ye.shape == (T, D) and y.dtype == x.dtype
+    assert (y - ye).abs().max().item() < 1e-4 * max(1.0, ye.abs().max().item())
+    yr = step_moe.moe_forward(moe, x, ids, backend="reference")
+    assert (y - yr).abs().max().item() < 1e-4 * max(1.0, yr.abs().max().item())
+
+
+def test_moe_forward_on_tiny_model_layers(tiny_runner):
+    """The default tiny model's own MoE objects as ModelRunner builds them (a hash_moe and a moe layer, E 8,
+    top-2, I 128, hidden 256), T = 6 rows."""
+    layers = tiny_runner(max_seqs=2, max_seq_len=64).model.layers
+    gen = torch.Generator().manual_seed(21)
+    for layer in (layers[0], layers[2]):
+        moe = layer.mlp
+        assert moe.is_hash == (layer is layers[0])
+        x = 3 * torch.randn(6, moe.gate_up.shape[-1], generator=gen)
+        ids = torch.randint(0, moe.tid2eid.shape[0] if moe.is_hash else 512, (6,), generator=gen)
+        y, ye = step_moe.moe_forward(moe, x, ids, backend="triton"), moe(x, ids)
+        assert (y - ye).abs().max().item() < 1e-4 * max(1.0, ye.abs().max().item())
+
+
+def test_dispatch_and_guards():
+    moe = make_moe(seed=9)
+    x = torch.randn(3, D)
+    ids = torch.zeros(3, dtype=torch.long)
+    ref = step_moe.moe_forward(moe, x, ids, backend="reference")
+    torch.testing.assert_close(step_moe.moe_forward(moe, x, ids), ref)  # auto on CPU tensors: the reference
+    assert step_moe.prepare(moe) is step_moe.prepare(moe)  # prepared once per object ...
+    dropped = make_moe(seed=10)
+    step_moe.prepare(dropped)
+    n = len(step_moe._PREPARED)
+    del dropped
+    gc.collect()
+    assert len(step_moe._PREPARED) == n - 1  # ... and the entry goes with its object
+    gelu = make_moe(seed=9, act="gelu")
+    with pytest.raises(ValueError):
+        step_moe.moe_forward(gelu, x, ids, backend="triton")
+    torch.testing.assert_close(step_moe.moe_forward(gelu, x, ids), gelu(x, ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        step_moe.moe_forward(moe, x, ids, backend="cuda")
+    empty = step_moe.moe_forward(moe, x[:0], ids[:0], backend="triton")
+    assert empty.shape == (0, D)
+
+
+def test_static_step_with_moe_forward_equals_plain_runner(tiny_runner, monkeypatch):
+    """The integration as StaticModel will call it: a GraphRunner decode step (dry path, bucket 2) whose MoE blocks
+    run moe_forward's Triton kernels (interpreted) gives the plain runner's logits."""
+    from evalpipe.engine.static.graphs import GraphRunner, StaticModel
+    calls = []
+
+    def moe(self, moe_obj, x, input_ids):
+        calls.append(x.shape[0])
+        return step_moe.moe_forward(moe_obj, x, input_ids, backend="triton")
+
+    monkeypatch.setattr(StaticModel, "moe", moe)
+    plain = tiny_runner(max_seqs=3, max_seq_len=64)
+    graph = GraphRunner(tiny_runner(max_seqs=3, max_seq_len=64), widths=(1,), buckets=(2,), fused=False)
+    seqs_p, seqs_g = [plain.allocate(), plain.allocate()], [graph.allocate(), graph.allocate()]
+    gen = torch.Generator().manual_seed(3)
+    for sp, sg, n in zip(seqs_p, seqs_g, (9, 14)):
+        toks = torch.randint(2, 500, (n,), generator=gen).tolist()
+        plain.forward([sp], [toks])
+        graph.forward([sg], [toks])  # prefill: delegated to the plain runner
+    rows = [[5], [77]]
+    a, b = plain.forward(seqs_p, rows), graph.forward(seqs_g, rows)
+    assert calls == [2] * len(plain.model.layers)  # the static step ran, through moe_forward
+    assert (a - b).abs().max().item() < 5e-5
