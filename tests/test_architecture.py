@@ -22,7 +22,7 @@ ALLOWED = {
     "lanes": {"lanes", "skills", "shared"},
     "harness": {"harness", "lanes", "skills", "shared"},
     "compare": {"compare", "harness", "lanes", "shared"},
-    "launchers": {"launchers", "harness", "shared"},
+    "launchers": {"launchers", "harness", "engine", "shared"},  # the native launcher checks flags by the engine's rules
     "ab": {"ab", "compare", "harness", "lanes", "launchers", "shared"},
     "commands": {"commands", "ab", "compare", "harness", "lanes", "launchers", "server", "engine", "skills", "shared"},
     "cli": {"shared"},  # it finds the commands by name (importlib), so nothing imports evalpipe.commands
