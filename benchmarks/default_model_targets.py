@@ -2,6 +2,7 @@
 printed as one table. Every number comes from the run folders this script leaves under --out.
 
     python benchmarks/default_model_targets.py --out results/targets [--arith-examples 1200]
+        [--serve-args "--device cuda"] [--run-args "--concurrency 64"]
 
 Rows:
 - greedy exact answers, speculation off: arith (per operation count), retrieval (per depth), copy (per length);
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from pathlib import Path
 import httpx
 
 EVALPIPE = [sys.executable, "-m", "evalpipe.cli"]
+RUN_EXTRA: list[str] = []
 
 
 def free_port() -> int:
@@ -35,10 +38,12 @@ def free_port() -> int:
 
 
 class Server:
+    extra: list[str] = []
+
     def __init__(self, *args: str, log: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.cmd = [*EVALPIPE, "serve", "--port", str(self.port), *args]
+        self.cmd = [*EVALPIPE, "serve", "--port", str(self.port), *args, *self.extra]
         print("$", " ".join(self.cmd[2:]), flush=True)
         self.proc = subprocess.Popen(self.cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         for _ in range(600):
@@ -61,7 +66,7 @@ class Server:
 
 
 def run(lane: str, server: Server, out: Path, arm: str, *extra: str) -> dict:
-    cmd = [*EVALPIPE, "run", lane, "--base-url", server.url, "--out", str(out), "--arm", arm, "--no-progress", *extra]
+    cmd = [*EVALPIPE, "run", lane, "--base-url", server.url, "--out", str(out), "--arm", arm, "--no-progress", *RUN_EXTRA, *extra]
     print("$", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
     run_dir = sorted((out / lane).glob(f"{arm}-*"))[-1]
@@ -85,7 +90,11 @@ def main() -> None:
     ap.add_argument("--model", default="evalpipe-skills-dsv4")
     ap.add_argument("--arith-examples", type=int, default=1200, help="arith items per run (1200 = the whole lane)")
     ap.add_argument("--skip", default="", help="comma-separated rows to skip: greedy,spec,t1,lossy")
+    ap.add_argument("--serve-args", default="", help="added to every `evalpipe serve` (e.g. \"--device cuda\")")
+    ap.add_argument("--run-args", default="", help="added to every `evalpipe run` (e.g. \"--concurrency 64\")")
     args = ap.parse_args()
+    Server.extra = shlex.split(args.serve_args)
+    RUN_EXTRA.extend(shlex.split(args.run_args))
     skip = set(args.skip.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     n = ["--num-examples", str(args.arith_examples)]
