@@ -45,20 +45,20 @@ def written(served, tmp_path_factory):
     url = served.base + "/v1"
     runs = root / "runs"
     printed = [
-        cli("run", "gsm8k", "--base-url", url, "--api-key", KEY, "--num-examples", "2", "--max-tokens", "4",
+        cli("run", "arith", "--base-url", url, "--api-key", KEY, "--num-examples", "2", "--max-tokens", "4",
             "--arm", "flag_key", "--out", runs, "--no-progress"),
-        cli("run", "gsm8k", "--base-url", url, "--num-examples", "2", "--max-tokens", "4", "--arm", "env_key",
+        cli("run", "arith", "--base-url", url, "--num-examples", "2", "--max-tokens", "4", "--arm", "env_key",
             "--out", runs, "--no-progress", env_key=True),
         cli("bench", "--base-url", url, "--api-key", KEY, "--input-len", "8", "--output-len", "4", "--rounds", "1",
             "--warmup", "0", "--out", root / "bench"),
-        cli("ab", "--lanes", "gsm8k", "--order", "AB", "--num-examples", "2", "--max-tokens", "4",
+        cli("ab", "--lanes", "arith", "--order", "AB", "--num-examples", "2", "--max-tokens", "4",
             "--common", f"--api-key {KEY}", "--a", "--speculative off", "--b", "--speculative block",
             "--out", root / "ab"),
     ]
-    a, b = sorted((runs / "gsm8k").iterdir())
+    a, b = sorted((runs / "arith").iterdir())
     printed.append(cli("compare", a, b, "--out", root / "compare-runs", "--resamples", "200"))
-    ab_a = next((root / "ab" / "arms" / "A1" / "runs" / "gsm8k").iterdir())
-    ab_b = next((root / "ab" / "arms" / "B1" / "runs" / "gsm8k").iterdir())
+    ab_a = next((root / "ab" / "arms" / "A1" / "runs" / "arith").iterdir())
+    ab_b = next((root / "ab" / "arms" / "B1" / "runs" / "arith").iterdir())
     printed.append(cli("compare", ab_a, ab_b, "--out", root / "compare-ab", "--resamples", "200",
                        "--intended", "server.*spec*"))
     return root, printed
@@ -96,7 +96,7 @@ def test_the_key_is_in_no_file_and_no_output(served, written):
         assert KEY not in r.stdout and KEY not in r.stderr, r.args
     assert KEY not in served.output()  # the server's own log
     # where the key was given it is recorded as given, redacted
-    manifest = json.loads(next((root / "runs" / "gsm8k").glob("flag_key-*/manifest.json")).read_text())
+    manifest = json.loads(next((root / "runs" / "arith").glob("flag_key-*/manifest.json")).read_text())
     assert manifest["command_line"][manifest["command_line"].index("--api-key") + 1] == "<redacted>"
     ab = json.loads((root / "ab" / "ab.json").read_text())
     assert ab["args"]["common"] == "--api-key <redacted>"
@@ -108,11 +108,12 @@ def test_clean_spec_off_vs_on_pair_has_nothing_unintended(written):
     md = cmp["manifest_diff"]
     assert md["n_unintended"] == 0, [d for d in md["differences"] if not d["intended"]]
     assert md["n_intended"] > 0  # the speculation settings themselves do differ
-    # the servers' command lines restate the settings compared field by field: run manifests leave them out (the
-    # per-engine volatile list), and compare lists them as ignored where an older manifest still holds them
+    # the servers' command lines restate the settings compared field by field: run manifests keep them as the
+    # server reported them (redacted), and compare lists them as ignored (the per-engine volatile list)
     ignored = set(md["volatile_keys_ignored"])
     for arm in ("A1", "B1"):
-        run = next((root / "ab" / "arms" / arm / "runs" / "gsm8k").iterdir())
+        run = next((root / "ab" / "arms" / arm / "runs" / "arith").iterdir())
         info = json.loads((run / "manifest.json").read_text())["start"]["server"]["server_info"]
-        assert "launch" not in info and "argv" not in info["server_args"], info
+        assert KEY not in json.dumps(info) and "--speculative" in info["launch"]["argv"], info
+    assert {"server.server_info.launch.argv", "server.server_info.server_args.argv"} <= ignored, sorted(ignored)
     assert {"captured_at", "endpoint.base_url"} <= ignored, sorted(ignored)

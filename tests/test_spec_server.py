@@ -158,14 +158,14 @@ def test_lossy_topk_server_reports_itself_and_is_scored_visibly(server, tmp_path
             assert spec["lossy"] is True and spec["accept"]["rule"] == "topk" and spec["accept"]["k"] == 3
 
         args = ("--num-examples", "3", "--max-tokens", "12")
-        exact_run = run_lane("gsm8k", server.base + "/v1", tmp_path / "exact", *args, "--arm", "exact")
-        lossy_run = run_lane("gsm8k", srv.base + "/v1", tmp_path / "lossy", *args, "--arm", "topk3")
+        exact_run = run_lane("arith", server.base + "/v1", tmp_path / "exact", *args, "--arm", "exact")
+        lossy_run = run_lane("arith", srv.base + "/v1", tmp_path / "lossy", *args, "--arm", "topk3")
     finally:
         assert srv.stop() == 0, srv.output()
     assert exact_run.returncode == 0, exact_run.stderr
     assert lossy_run.returncode == 0, lossy_run.stderr  # scored, not refused
     assert "LOSSY" in lossy_run.stderr and "LOSSY" in lossy_run.stdout
-    lossy_dir, exact_dir = only_run_dir(tmp_path / "lossy", "gsm8k"), only_run_dir(tmp_path / "exact", "gsm8k")
+    lossy_dir, exact_dir = only_run_dir(tmp_path / "lossy", "arith"), only_run_dir(tmp_path / "exact", "arith")
     summary = json.loads((lossy_dir / "summary.json").read_text())
     assert (summary["spec_lossy"], summary["n_records_lossy"]) == (True, 3)
     assert summary["server_lossy_acceptance"]["rule"] == "topk"

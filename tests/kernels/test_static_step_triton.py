@@ -17,7 +17,9 @@ def _prompt(n, seed):
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("sites", [False, True], ids=["plain-csa", "served-csa-sites"])
+# The served configuration only (the server always builds with sites): the bare runner's plain CSA selection
+# runs the same kernels except candidate_block_mask/indexer_postprocess, each tested alone against its reference.
+@pytest.mark.parametrize("sites", [True], ids=["served-csa-sites"])
 def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites):
     """Two requests (bucket 2) whose prompts cross the sliding window and both compression ratios: decode steps and
     one 6-row verify step give the plain runner's logits (fp32, different op grouping) and the same greedy tokens,
@@ -36,8 +38,8 @@ def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites)
         last.append(int(plain.forward([seqs_p[i]], [toks])[0].argmax()))
         graph.forward([seqs_g[i]], [toks])
     calls = dict(fused_sites.site_counts())  # after the (eager) prefills: what follows is static steps only
-    for step in range(4):
-        if step == 2:
+    for step in range(3):  # decode, a 6-row verify with a rollback, decode from the rolled-back state
+        if step == 1:
             rows = [[t] + _prompt(5, 50 + i) for i, t in enumerate(last)]
             a = plain.forward(seqs_p, rows, all_logits=True)
             b = graph.forward(seqs_g, rows, all_logits=True)
