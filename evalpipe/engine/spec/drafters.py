@@ -224,4 +224,6 @@ def draft_view(target: Any, num_layers: int | None = None) -> Any:
                             device=target.device, dtype=target.dtype, rollback_margin=target.pools.margin)
     view._free_slots = list(range(target.max_seqs - 1, -1, -1))
     view._tokens = {}
+    view._frozen = {}
+    view.prefix = None  # the view's own pools share nothing (it re-feeds each history itself)
     return view
