@@ -217,3 +217,26 @@ def _refeed(runner, seq, prompt):
     """Logits of the last prompt row again: roll back one token and feed it."""
     runner.truncate(seq, len(prompt) - 1)
     return runner.forward([seq], [prompt[-1:]])
+
+
+def test_default_model_gsm8k_prompts_hit_the_five_shot_prefix(cache_dir, tokenizer, monkeypatch):
+    """The trained default model on two GSM8K lane prompts (one five-shot prefix, 2,212 characters): with the cache
+    the 2nd prompt reuses every full page of the prefix and decode exactly what they decode without it."""
+    from evalpipe.engine.runner import ModelRunner
+    from evalpipe.lanes import get_lane
+
+    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
+    data = get_lane("gsm8k").load(None, allow_data_drift=False)
+    prompts = [tokenizer.encode_prompt(item.prompt) for item in data.items[:2]]
+    prefix = data.extra["prefix_chars"]
+    outs = {}
+    for cache in (False, True):
+        runner = ModelRunner(None, max_seqs=2, max_seq_len=4096, prefix_cache=cache)
+        engine = Engine(runner, tokenizer, max_batch=2, max_tokens_per_step=512)
+        outs[cache] = run(engine, prompts, together=False)
+    page = 64
+    for off, on in zip(*outs.values()):
+        assert on.output == off.output
+    assert outs[True][0].cached_tokens == 0
+    # byte tokens: BOS + the prefix's bytes; every full page inside it is reused
+    assert all(s.cached_tokens >= (prefix + 1) // page * page for s in outs[True][1:]), [s.cached_tokens for s in outs[True]]

@@ -163,11 +163,6 @@ class StatePools:
             self.free_pages.append(page)
 
     # ---- tails (prefix cache) --------------------------------------------------------------------------------
-    def tail_cell(self, page: int, offset: int, tail_rows: int) -> int:
-        """Tail row of position `offset` of `page` (offset >= P - tail_rows), or -1 when the tail does not keep it."""
-        first = self.page_tokens - tail_rows
-        return page * tail_rows + offset - first if offset >= first else -1
-
     def _rings(self):
         """(ring, ring_size, tail, tail_rows, look-back) of every ring that has a tail."""
         for pool in self.layers:
@@ -179,20 +174,23 @@ class StatePools:
 
     def _ring_tail_index(self, seq: int, pages: list[int], start: int, end: int, ring_size: int, tail_rows: int,
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        cells, tails = [], []
-        for x in range(max(0, start), end):
-            cell = self.tail_cell(pages[x // self.page_tokens], x % self.page_tokens, tail_rows)
-            if cell >= 0:
-                cells.append(seq * ring_size + x % ring_size)
-                tails.append(cell)
-        return (torch.tensor(cells, dtype=torch.long, device=self.device),
-                torch.tensor(tails, dtype=torch.long, device=self.device))
+        """(ring cells, tail rows) of the positions [start, end) of `seq` that the tails keep."""
+        P = self.page_tokens
+        x = torch.arange(max(0, start), end)
+        offset = x % P
+        x, offset = x[offset >= P - tail_rows], offset[offset >= P - tail_rows]
+        page = torch.tensor(pages, dtype=torch.long)[x // P]
+        cells = seq * ring_size + x % ring_size
+        return cells.to(self.device), (page * tail_rows + offset - (P - tail_rows)).to(self.device)
 
     def restore_rings(self, seq: int, boundary: int) -> None:
         """Rebuild the rings of `seq` at length `boundary` (a page edge) from the tails of its first pages."""
-        pages = self.seq_pages[seq]
+        pages, memo = self.seq_pages[seq], {}
         for ring, size, tail, tail_rows, lookback in self._rings():
-            cells, tails = self._ring_tail_index(seq, pages, boundary - lookback, boundary, size, tail_rows)
+            key = (size, tail_rows, lookback)
+            if key not in memo:
+                memo[key] = self._ring_tail_index(seq, pages, boundary - lookback, boundary, size, tail_rows)
+            cells, tails = memo[key]
             if cells.numel():
                 ring.index_copy_(0, cells, tail[tails])
 
@@ -207,9 +205,11 @@ class StatePools:
         for edge in range(first_edge, end + 1, P):
             if end - edge > self.margin:
                 raise ValueError(f"page edge {edge} is no longer in the rings at length {end}")
-            page_lo = (edge // P - 1) * P
+            memo = {}
             for ring, size, tail, tail_rows, _ in self._rings():
-                cells, tails = self._ring_tail_index(seq, pages, page_lo + P - tail_rows, edge, size, tail_rows)
+                if (size, tail_rows) not in memo:
+                    memo[size, tail_rows] = self._ring_tail_index(seq, pages, edge - tail_rows, edge, size, tail_rows)
+                cells, tails = memo[size, tail_rows]
                 tail.index_copy_(0, tails, ring[cells])
 
     def page_table_on_device(self) -> torch.Tensor:
