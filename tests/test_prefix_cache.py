@@ -78,18 +78,17 @@ def spec_decoder(runner):
                               block_size=3)
 
 
-def serve(tiny_runner, tokenizer, prompts, *, cache: bool, spec: bool, page_tokens=None, graph=False,
-          num_pages=None, max_batch=4) -> tuple[list[Sequence], object]:
-    runner = tiny_runner(max_seqs=max_batch + (1 if graph else 0), max_seq_len=512, prefix_cache=cache,
-                         page_tokens=page_tokens, num_pages=num_pages)
-    if graph:  # the static step the CUDA graphs capture, run eagerly on the CPU
-        runner = GraphRunner(runner, widths=(1, 4), buckets=(1, 2, 4), fused=False, use_graphs=False)
+def serve(tiny_runner, tokenizer, prompts, *, cache: bool, spec: bool, page_tokens=None, num_pages=None,
+          max_batch=4) -> tuple[list[Sequence], Engine]:
+    """The base prompt alone, then every other prompt queued at once, through a fresh engine."""
+    runner = tiny_runner(max_seqs=max_batch, max_seq_len=512, prefix_cache=cache, page_tokens=page_tokens,
+                         num_pages=num_pages)
     engine = Engine(runner, tokenizer, max_batch=max_batch, max_tokens_per_step=CHUNK,
                     decoder=spec_decoder(runner) if spec else None)
     names = list(prompts)
     first = run(engine, [prompts[names[0]]], together=False)
     rest = run(engine, [prompts[n] for n in names[1:]], together=True)
-    return first + rest, runner
+    return first + rest, engine
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +109,8 @@ def expected_hit(name: str, prompt: list[int], page: int) -> int:
 @pytest.mark.parametrize("spec", [False, True], ids=["spec-off", "spec-on"])
 @pytest.mark.parametrize("page_tokens", [None, 8], ids=["page64", "page8"])
 def test_cache_on_equals_cache_off_at_every_boundary(tiny_runner, tokenizer, prompts, reference, spec, page_tokens):
-    seqs, runner = serve(tiny_runner, tokenizer, prompts, cache=True, spec=spec, page_tokens=page_tokens)
+    seqs, engine = serve(tiny_runner, tokenizer, prompts, cache=True, spec=spec, page_tokens=page_tokens)
+    runner = engine.runner
     page = runner.pools.page_tokens
     assert page == (page_tokens or PAGE)
     for name, seq in zip(prompts, seqs):
@@ -121,6 +121,9 @@ def test_cache_on_equals_cache_off_at_every_boundary(tiny_runner, tokenizer, pro
     assert sum(s.cached_tokens == expected_hit(n, s.prompt, page) for n, s in zip(prompts, seqs) if n != "base") >= 8
     info = runner.describe()["prefix_cache"]
     assert info["hits"] == len(prompts) - 1 and info["hit_tokens"] == sum(s.cached_tokens for s in seqs)
+    if spec:  # the drafter (layerskip:2, its own pools) starts from its own cached pages too
+        drafter = engine.decoder.drafter.runner.prefix.describe()
+        assert drafter["hits"] >= len(prompts) - 2 and drafter["hit_tokens"] > 0, drafter
 
 
 def test_reference_matches_transformers(tiny_runner, prompts, reference):
@@ -175,7 +178,8 @@ def test_eviction_under_pressure_loses_nothing_and_corrupts_no_shared_page(tiny_
     prompts = {f"f{i}-{j}": families[i][:40 + 9 * j] + torch.randint(2, 500, (5,), generator=gen).tolist()
                for j in range(4) for i in range(4)}
     off, _ = serve(tiny_runner, tokenizer, prompts, cache=False, spec=False, page_tokens=8, num_pages=40)
-    on, runner = serve(tiny_runner, tokenizer, prompts, cache=True, spec=False, page_tokens=8, num_pages=40)
+    on, engine = serve(tiny_runner, tokenizer, prompts, cache=True, spec=False, page_tokens=8, num_pages=40)
+    runner = engine.runner
     for name, a, b in zip(prompts, off, on):
         assert a.output == b.output, name
     info = runner.describe()
