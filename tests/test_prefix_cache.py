@@ -244,3 +244,38 @@ def test_default_model_gsm8k_prompts_hit_the_five_shot_prefix(cache_dir, tokeniz
     assert outs[True][0].cached_tokens == 0
     # byte tokens: BOS + the prefix's bytes; every full page inside it is reused
     assert all(s.cached_tokens >= (prefix + 1) // page * page for s in outs[True][1:]), [s.cached_tokens for s in outs[True]]
+
+
+def test_page_finished_by_an_eager_forward_after_static_steps_has_a_whole_tail(tiny_runner):
+    """A page whose first tail positions came from static decode steps (which write only the rings) and whose edge
+    is crossed by an eager mixed forward (a decode row beside a prompt chunk): its tail must still be complete,
+    so a later hit on it decodes as without the cache."""
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(2, 500, (59,), generator=gen).tolist()
+    other = torch.randint(2, 500, (30,), generator=gen).tolist()
+    out = {}
+    for cache in (False, True):
+        g = GraphRunner(tiny_runner(max_seqs=3, max_seq_len=256, prefix_cache=cache, page_tokens=8),
+                        widths=(1,), buckets=(1, 2), fused=False, use_graphs=False)
+        a, b = g.allocate(), g.allocate()
+        tokens = list(prompt)
+        logits = g.forward([a], [prompt])  # eager prefill: 0..58
+        for _ in range(3):  # static steps: positions 59, 60, 61
+            tokens.append(int(logits[0].argmax()))
+            logits = g.forward([a], [[tokens[-1]]])
+        for chunk in (other[:10], other[10:20]):  # eager mixed forwards: positions 62, 63 (crossing edge 64)
+            tokens.append(int(logits[0].argmax()))
+            logits = g.forward([a, b], [[tokens[-1]], chunk])[:1]
+        g.free(a)
+        g.free(b)
+        c = g.allocate()
+        probe = tokens + [5, 6, 7]
+        hit = g.attach_prefix(c, probe)
+        logits = g.forward([c], [probe[hit:]])
+        got = []
+        for _ in range(8):
+            got.append(int(logits[0].argmax()))
+            logits = g.forward([c], [[got[-1]]])
+        out[cache] = (hit, got)
+    assert out[False][0] == 0 and out[True][0] == 64
+    assert out[True][1] == out[False][1]

@@ -194,6 +194,25 @@ class StatePools:
             if cells.numel():
                 ring.index_copy_(0, cells, tail[tails])
 
+    def tails_before(self, seq: int, start: int, end: int) -> None:
+        """Before an eager forward that takes `seq` from `start` to `end` and writes the tails of its own rows: copy
+        from the rings the tail rows of the first page edge it crosses that lie before `start` (they may come from
+        static steps, which write only the rings; the rings still hold them, being at most a tail behind)."""
+        if not self.prefix_tails:
+            return
+        P = self.page_tokens
+        edge = (start // P + 1) * P
+        if edge > end or start % P == 0:
+            return
+        pages, memo = self.seq_pages[seq], {}
+        for ring, size, tail, tail_rows, _ in self._rings():
+            if edge - tail_rows >= start:
+                continue
+            if (size, tail_rows) not in memo:
+                memo[size, tail_rows] = self._ring_tail_index(seq, pages, edge - tail_rows, start, size, tail_rows)
+            cells, tails = memo[size, tail_rows]
+            tail.index_copy_(0, tails, ring[cells])
+
     def tails_from_rings(self, seq: int, start: int, end: int) -> None:
         """After a forward that took `seq` from `start` to `end` rows without writing tails itself (the static step):
         copy each crossed page's tail from the rings, which still hold it while end - edge <= rollback_margin."""

@@ -135,6 +135,8 @@ class ModelRunner:
             starts.append(start)
             counts.append(len(toks))
         self.pools.reserve({seq: s + c for seq, s, c in zip(seqs, starts, counts)})
+        for seq, s, c in zip(seqs, starts, counts):
+            self.pools.tails_before(seq, s, s + c)  # the model writes the tails of this forward's rows
         flat = [t for toks in tokens for t in toks]
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         batch = ForwardBatch(self.pools, seqs, starts, counts, input_ids)
