@@ -346,3 +346,65 @@ def test_invalid_json_and_unknown_route(server):
     assert_error(post(server, "/v1/chat/completions", '{"messages": [}'), 400)
     assert_error(post(server, "/v1/completions", b"\xff\xfe not json"), 400)
     assert_error(httpx.get(server.base + "/v1/nope"), 404)
+
+
+# -- prefix cache ------------------------------------------------------------------------------------------
+def test_prefix_cache_reports_cached_tokens_and_flush_drops_them(server, client, model):
+    """A prompt sharing two 64-token pages with an earlier one reports 128 cached tokens (non-stream and in the
+    stream's usage chunk) and decodes what it decodes after a flush, where it reports 0."""
+    info = httpx.get(server.base + "/get_server_info").json()
+    assert info["prefix_cache"] == {"enabled": True, "page_tokens": 64}
+    assert info["server_args"]["prefix_cache"] == "on"
+    shared = "".join(chr(ord("a") + i % 26) for i in range(140))
+    assert httpx.post(server.base + "/flush_cache").json()["flushed"] is True
+    kw = dict(model=model, max_tokens=6, temperature=0.0, extra_body=extra(ignore_eos=True))
+    first = client.completions.create(prompt=shared + " one", **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hit = client.completions.create(prompt=shared + " two", **kw)
+    assert hit.usage.prompt_tokens_details.cached_tokens == 128
+    chunks = list(client.completions.create(prompt=shared + " two", stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 128
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == hit.choices[0].text
+    flushed = httpx.post(server.base + "/flush_cache").json()
+    assert flushed["flushed"] is True and flushed["flushed_pages"] >= 2
+    cold = client.completions.create(prompt=shared + " two", **kw)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.choices[0].text == hit.choices[0].text
+    internal = httpx.get(server.base + "/get_server_info").json()["internal_states"]
+    assert internal["prefix_cache"]["flushes"] >= 2 and internal["stats"]["cached_tokens"] >= 256
+
+
+def test_repeat_prefix_conditions_see_the_cache(server, model, tmp_path):
+    """`evalpipe repeat`: prefix_fresh (flush before each request) reports cached_tokens 0, prefix_reused (after a
+    priming request) > 0, with the same greedy completion."""
+    from click.testing import CliRunner
+
+    from evalpipe.commands.repeat import command as repeat_cmd
+
+    res = CliRunner().invoke(repeat_cmd, ["--base-url", server.base + "/v1", "--repeats", "2", "--fixtures",
+                                          "regex_date", "--conditions", "prefix_fresh,prefix_reused",
+                                          "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    run_dir = next((tmp_path / "repeat").iterdir())
+    result = json.loads((run_dir / "repeat.json").read_text())
+    assert result["server"]["reports_cached_tokens"] is True and not result["config"]["conditions_skipped"]
+    recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
+    cached = {c: [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in recs if r["condition"] == c]
+              for c in ("prefix_fresh", "prefix_reused")}
+    assert cached["prefix_fresh"] == [0, 0] and all(n > 0 for n in cached["prefix_reused"]), cached
+    assert len({tuple(r["output_token_ids"]) for r in recs if r["condition"].startswith("prefix_")}) == 1
+
+
+def test_prefix_cache_off_is_reported():
+    """`--prefix-cache off` builds a runner without a cache and says so (in process: the server's own loader)."""
+    from evalpipe.server.state import ServerSettings, ServerState
+
+    state = ServerState(ServerSettings(model="evalpipe-tiny-dsv4", max_batch=1, max_seq_len=128,
+                                       prefix_cache="off"))
+    state._load()
+    try:
+        info = state.info()
+        assert info["prefix_cache"] == {"enabled": False} and state.engine.flush_cache()["enabled"] is False
+        assert state.runner.pools.prefix_tails is False
+    finally:
+        state.shutdown()

@@ -37,7 +37,8 @@ def build(settings: Any) -> tuple[Any, Any]:
 def build_runner(settings: Any) -> Any:
     def model_runner(max_seqs: int) -> ModelRunner:
         return ModelRunner(settings.model, device=settings.device, dtype=getattr(torch, settings.dtype),
-                           max_seqs=max_seqs, max_seq_len=settings.max_seq_len, sites=site_settings(settings))
+                           max_seqs=max_seqs, max_seq_len=settings.max_seq_len, sites=site_settings(settings),
+                           prefix_cache=getattr(settings, "prefix_cache", "off") == "on")
 
     max_batch = settings.max_batch
     if settings.device != "cuda":

@@ -5,7 +5,9 @@ then sampling, stop checks and one `SeqEvent` per advanced sequence. How decode 
 into committed tokens is delegated to a `Decoder`; `PlainDecoder` feeds the last token and samples one. A
 speculative decoder plugs in at the same place: `propose` returns the last token plus drafts (`width` rows),
 `accept` verifies them against the target rows, rolls the runner back, and returns the tokens it committed.
-Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before
+A runner with a prefix cache (`attach_prefix`, `cache_prefix`, `flush_prefix_cache`) starts admitted sequences
+from their cached prefix and indexes prompt pages as they are prefilled; `flush_cache` runs on the engine thread
+between steps. Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before
 `propose`) and `release(slot)` (called when a sequence's runner slot is given back).
 """
 
@@ -103,12 +105,15 @@ class Engine:
             max_queue=max_queue,
             decode_width=self.decoder.width,
             exhausted=exhausted,
+            attach=self._attach_prefix if hasattr(runner, "attach_prefix") else None,
         )
         self.allocated_slots = 0
         self.last_step_at = 0.0  # time.monotonic() of the last completed forward (liveness for /health_generate)
-        self.stats = {"requests": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0}
+        self.stats = {"requests": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0,
+                      "cached_tokens": 0}
         self._cond = threading.Condition()
         self._aborts: list[Sequence] = []
+        self._calls: list[tuple[Callable[[], Any], dict]] = []  # run on the engine thread before the next step
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -132,6 +137,36 @@ class Engine:
                     seq.aborted = True
                     self._aborts.append(seq)
             self._cond.notify()
+
+    def flush_cache(self, timeout: float = 30.0) -> dict:
+        """Drop the runner's prefix cache, on the engine thread between two steps (pages are not thread-safe)."""
+        flush = getattr(self.runner, "flush_prefix_cache", None)
+        if flush is None:
+            return {"enabled": False, "flushed_pages": 0}
+        return self._on_engine_thread(flush, timeout)
+
+    def _on_engine_thread(self, fn: Callable[[], Any], timeout: float) -> Any:
+        if self._thread is None or not self._thread.is_alive():
+            return fn()
+        box: dict = {"done": threading.Event()}
+        with self._cond:
+            self._calls.append((fn, box))
+            self._cond.notify()
+        if not box["done"].wait(timeout):
+            raise TimeoutError(f"the engine thread did not run the call within {timeout:.0f}s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _run_calls(self) -> None:
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for fn, box in calls:
+            try:
+                box["result"] = fn()
+            except Exception as exc:  # reported to the caller, never fatal to the loop
+                box["error"] = exc
+            box["done"].set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="evalpipe-engine", daemon=True)
@@ -157,10 +192,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._aborts and not self.scheduler.running and not self.scheduler.waiting:
+                while (not self._stopping and not self._aborts and not self._calls and not self.scheduler.running
+                       and not self.scheduler.waiting):
                     self._cond.wait()
                 if self._stopping:
                     break
+            self._run_calls()
             try:
                 self.step()
             except Exception as exc:  # a bug outside the forward: fail what is in flight, keep the thread alive
@@ -196,6 +233,7 @@ class Engine:
                 slots.append(seq.slot)
                 rows.append(self.decoder.propose(seq))
             logits = self.runner.forward(slots, rows, all_logits=self.decoder.all_logits)
+            self._cache_prompts(plan)
             committed = self._commit_tokens(plan, rows, logits)
         except Exception as exc:  # keep serving: fail this step's sequences, not the server
             log.error("engine step failed:\n%s", traceback.format_exc())
@@ -210,6 +248,19 @@ class Engine:
                 if not seq.aborted and seq.status is Status.RUNNING:
                     self._emit(seq, tokens, logit_rows)
         return len(plan.prefills) + len(plan.decodes)
+
+    def _attach_prefix(self, seq: Sequence) -> int:
+        cached = self.runner.attach_prefix(seq.slot, seq.prompt)
+        self.stats["cached_tokens"] += cached
+        return cached
+
+    def _cache_prompts(self, plan) -> None:
+        """Prompt tokens are final once fed: index the full pages they complete for later requests."""
+        cache = getattr(self.runner, "cache_prefix", None)
+        if cache is not None:
+            for chunk in plan.prefills:
+                if chunk.seq.slot is not None:
+                    cache(chunk.seq.slot, chunk.seq.num_prefilled)
 
     def _commit_tokens(self, plan, rows, logits) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
         """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""

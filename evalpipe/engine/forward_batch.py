@@ -72,7 +72,9 @@ class ForwardBatch(RowRope):
             rows = torch.tensor(offsets[:-1])[idx][:, None] + torch.arange(n)[None]
             self.groups.append(Group(n, slots_t[idx].to(dev), starts_t[idx].to(dev), rows.to(dev),
                                      row_pos[rows].to(dev), host_starts=[starts[i] for i in reqs]))
+        self._host_pos, self._host_slot = row_pos, slots_t[row_req]
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tail_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +86,19 @@ class ForwardBatch(RowRope):
             cells = self.slot[rows] * ring_size + self.pos[rows] % ring_size
             self._ring_writes[ring_size] = (rows, cells)
         return self._ring_writes[ring_size]
+
+    def tail_writes(self, tail_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, tail cells) of the rows that fall in the last `tail_rows` positions of their page (prefix cache:
+        cache.py); the pages are already reserved, so the host page table addresses them."""
+        if tail_rows not in self._tail_writes:
+            P = self.pools.page_tokens
+            offset = self._host_pos % P
+            keep = (offset >= P - tail_rows).nonzero().squeeze(1)
+            pages = self.pools.page_table[self._host_slot[keep], self._host_pos[keep] // P]
+            cells = pages * tail_rows + offset[keep] - (P - tail_rows)
+            dev = self.pools.device
+            self._tail_writes[tail_rows] = (keep.to(dev), cells.to(dev))
+        return self._tail_writes[tail_rows]
 
 
 def window_keys_index(group: Group, ring_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:

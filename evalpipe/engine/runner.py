@@ -1,6 +1,12 @@
 """ModelRunner: the engine's model half. Owns the weights and the state pools; a sequence is a slot with pages and
 a length. One `forward` appends any number of tokens to any number of sequences in a single batched model pass.
 
+With `prefix_cache=True` (the server's default) full pages are shared through engine/prefix_cache.py:
+`attach_prefix` starts a fresh sequence from the longest cached page chain of its prompt, `cache_prefix` indexes
+the full pages of tokens that are final (prompt chunks as they are prefilled), and `free` indexes every full page
+before letting go. Leading pages that are indexed or shared are never written again: a truncation below them
+re-prefills (copy-on-write by recomputation).
+
 `sites` (engine/model/fused_sites.py) is the model's fused-site setting, fixed at construction: the server builds
 with SiteSettings (engine/build.py), a bare runner's None keeps the plain CSA selection."""
 
@@ -16,6 +22,7 @@ from evalpipe.engine.model.config import load_config
 from evalpipe.engine.model.deepseek_v4 import DeepseekV4Model
 from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.model.weights import load_state_dict, resolve_model
+from evalpipe.engine.prefix_cache import ROOT, PrefixCache
 
 __all__ = ["ModelRunner", "PoolExhausted"]
 
@@ -23,7 +30,8 @@ __all__ = ["ModelRunner", "PoolExhausted"]
 class ModelRunner:
     def __init__(self, model_path: str | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  max_seqs: int = 64, max_seq_len: int = 4096, rollback_margin: int = 32,
-                 num_pages: int | None = None, sites: SiteSettings | None = None):
+                 num_pages: int | None = None, sites: SiteSettings | None = None, prefix_cache: bool = False,
+                 page_tokens: int | None = None):
         path, self.model_name = resolve_model(model_path)  # None: the default (trained) model
         self.model_path = str(path)
         self.config = load_config(path)
@@ -34,9 +42,12 @@ class ModelRunner:
         self.fused_sites = sites.describe(self.model) if sites is not None else None  # /get_server_info
         self.pools = StatePools(self.config, max_seqs=self.max_seqs, max_seq_len=self.max_seq_len,
                                 device=self.device, dtype=dtype, rollback_margin=rollback_margin,
-                                num_pages=num_pages)
+                                num_pages=num_pages, page_tokens=page_tokens, prefix_tails=prefix_cache)
+        self.prefix = PrefixCache(self.pools) if prefix_cache else None
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._tokens: dict[int, list[int]] = {}  # per live slot: every appended token (for deep rollbacks)
+        # per live slot, prefix cache: (leading pages indexed or shared, i.e. read-only; chain node of the last one)
+        self._frozen: dict[int, tuple[int, int]] = {}
 
     # ---- slots -----------------------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -44,13 +55,52 @@ class ModelRunner:
             raise PoolExhausted(f"all {self.max_seqs} sequence slots are in use")
         seq = self._free_slots.pop()
         self._tokens[seq] = []
+        self._frozen[seq] = (0, ROOT)
         return seq
 
     def free(self, seq: int) -> None:
         self._check(seq)
+        self.cache_prefix(seq, len(self._tokens[seq]))  # everything it computed is final now
         self.pools.shrink(seq, 0)
         del self._tokens[seq]
+        del self._frozen[seq]
         self._free_slots.append(seq)
+
+    # ---- prefix cache ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def attach_prefix(self, seq: int, tokens: list[int]) -> int:
+        """Start the empty sequence `seq` from the longest cached prefix of `tokens` (at most len - 1 tokens, so the
+        last prompt row is always computed); returns how many tokens it now holds (0: no hit or cache off)."""
+        self._check(seq)
+        if self.prefix is None or self._tokens[seq]:
+            return 0
+        pages, node = self.prefix.match(tokens, len(tokens) - 1)
+        if not pages:
+            return 0
+        length = len(pages) * self.pools.page_tokens
+        self.pools.share(seq, pages)
+        self.pools.restore_rings(seq, length)
+        self._tokens[seq] = list(tokens[:length])
+        self._frozen[seq] = (len(pages), node)
+        return length
+
+    def cache_prefix(self, seq: int, upto: int) -> None:
+        """Index the full pages of the first `upto` tokens of `seq`: the caller vouches they are final (prompt
+        tokens, or everything at free). They become read-only for `seq`."""
+        if self.prefix is None:
+            return
+        done, node = self._frozen[seq]
+        tokens = self._tokens[seq][:upto]
+        self._frozen[seq] = self.prefix.insert(tokens, self.pools.seq_pages.get(seq, []), done, node)
+
+    def flush_prefix_cache(self) -> dict:
+        """Forget every cached page (idle pages are freed at once); live sequences keep what they hold."""
+        if self.prefix is None:
+            return {"enabled": False, "flushed_pages": 0}
+        return {"enabled": True, "flushed_pages": self.prefix.flush()}
+
+    def prefix_cache_info(self) -> dict:
+        return self.prefix.describe() if self.prefix is not None else {"enabled": False}
 
     def seq_len(self, seq: int) -> int:
         self._check(seq)
@@ -85,6 +135,8 @@ class ModelRunner:
             starts.append(start)
             counts.append(len(toks))
         self.pools.reserve({seq: s + c for seq, s, c in zip(seqs, starts, counts)})
+        for seq, s, c in zip(seqs, starts, counts):
+            self.pools.tails_before(seq, s, s + c)  # the model writes the tails of this forward's rows
         flat = [t for toks in tokens for t in toks]
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         batch = ForwardBatch(self.pools, seqs, starts, counts, input_ids)
@@ -103,7 +155,10 @@ class ModelRunner:
         if not 0 <= new_len <= old:
             raise ValueError(f"truncate({seq}, {new_len}): length is {old}")
         kept = self._tokens[seq][:new_len]
-        if old - new_len <= self.pools.margin:
+        frozen_tokens = self._frozen[seq][0] * self.pools.page_tokens
+        if new_len < frozen_tokens:  # shared pages are read-only: recompute into private pages
+            self._frozen[seq] = (0, ROOT)
+        elif old - new_len <= self.pools.margin:
             self._tokens[seq] = kept
             self.pools.shrink(seq, new_len)
             return
@@ -135,6 +190,7 @@ class ModelRunner:
             "max_seq_len": self.max_seq_len,
             "live_sequences": len(self._tokens),
             "pools": self.pools.describe(),
+            "prefix_cache": self.prefix_cache_info(),
             "threads": torch.get_num_threads(),
             "pid": os.getpid(),
         }

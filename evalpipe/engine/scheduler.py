@@ -3,7 +3,8 @@
 Every step, each sequence that has finished its prompt gets `decode_width` rows (1 for plain decoding, G+1
 for a speculative verify); the rest of the `max_tokens_per_step` row budget goes to prompt chunks, first of
 sequences already admitted, then of new ones taken FIFO from the waiting queue while fewer than `max_batch`
-are running and the runner still has a free slot. The queue is bounded: `add` raises `QueueFull` beyond
+are running and the runner still has a free slot. A newly admitted sequence first asks `attach` how many of its
+prompt tokens the runner already holds (a prefix-cache hit) and prefills only the rest. The queue is bounded: `add` raises `QueueFull` beyond
 `max_queue` waiting sequences. Runner slots are taken at admission and given back at once on finish or abort.
 """
 
@@ -49,6 +50,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int | None = None  # runner sequence handle while RUNNING
     num_prefilled: int = 0  # prompt tokens already fed to the runner
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission (usage.prompt_tokens_details)
     output: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     aborted: bool = False
@@ -93,12 +95,14 @@ class Scheduler:
         max_queue: int = 1024,
         decode_width: int = 1,
         exhausted: tuple[type[BaseException], ...] = (),
+        attach: Callable[[Sequence], int] | None = None,
     ):
         if max_batch < 1 or max_tokens_per_step < 1 or max_queue < 0:
             raise ValueError("max_batch and max_tokens_per_step must be >= 1, max_queue >= 0")
         self._allocate = allocate
         self._free = free
         self._exhausted = exhausted  # exception types meaning "no slot now, try later"
+        self._attach = attach  # admitted sequence -> prompt tokens already in its slot (prefix cache)
         self.max_batch = max_batch
         self.max_tokens_per_step = max_tokens_per_step
         self.max_queue = max_queue
@@ -156,6 +160,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot, seq.status = slot, Status.RUNNING
             self.running.append(seq)
+            if self._attach is not None:
+                seq.cached_tokens = seq.num_prefilled = self._attach(seq)
             prefill_budget -= self._plan_chunk(plan, seq, prefill_budget)
         return plan
 

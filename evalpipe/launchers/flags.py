@@ -103,6 +103,11 @@ NATIVE = [
     O("--cuda-graphs", default="on", show_default=True, type=click.Choice(["on", "off"]),
       help="native, with --device cuda: capture the decode and (G+1)-row verify steps as CUDA graphs per batch "
            "bucket at start-up and replay them (off: run the same static steps eagerly)."),
+    O("--prefix-cache", default="on", show_default=True, type=click.Choice(["on", "off"]),
+      help="native: reuse the state of shared prompt prefixes across requests (full pages of compressed-KV entries "
+           "and indexer keys shared by reference count, sliding-window and compressor rows restored at the page "
+           "edge; LRU eviction when pages run short). Exact: greedy outputs equal those with it off. Hits show in "
+           "usage.prompt_tokens_details.cached_tokens; POST /flush_cache drops it."),
     O("--wo-quant", default="none", show_default=True, type=click.Choice(["none", "mxfp8"]),
       help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
            "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "

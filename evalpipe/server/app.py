@@ -101,8 +101,19 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/flush_cache")
     @app.post("/flush_cache")
     async def flush_cache():
-        # The engine keeps no prefix cache: every request prefills from scratch, so there is nothing to drop.
-        return {"flushed": True, "cached_tokens": 0, "message": "no prefix cache in this engine; nothing to flush"}
+        # Runs on the engine thread between two steps; sequences in flight keep the pages they hold (so, unlike
+        # SGLang, a flush while busy needs no retry), and no later request can hit what was cached before.
+        require_ready()
+        try:
+            result = await asyncio.to_thread(state.engine.flush_cache)
+        except TimeoutError as exc:
+            raise APIError(503, f"cache flush timed out: {exc}", type="server_error",
+                           headers={"Retry-After": "1"}) from None
+        if not result.get("enabled"):
+            return {"flushed": True, "flushed_pages": 0,
+                    "message": "the prefix cache is off (--prefix-cache off); nothing to flush"}
+        return {"flushed": True, "flushed_pages": result["flushed_pages"],
+                "message": f"prefix cache flushed ({result['flushed_pages']} pages)"}
 
     @app.get("/version")
     async def version():

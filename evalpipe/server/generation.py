@@ -69,7 +69,13 @@ class Job:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens()}}
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt like prompt_tokens (the best of its
+        n choices: a later choice may hit the pages an earlier one just computed)."""
+        n = max(1, self.n)
+        return sum(max((s.cached_tokens for s in self.seqs[i:i + n]), default=0) for i in range(0, len(self.seqs), n))
 
 
 # -- request -> job -----------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ class ServerSettings:
     # output projection: "none" (model dtype) or "mxfp8" (WO-A wo_a_mxfp8, WO-B mxfp8_linear on MXFP8-rounded o_b
     # weights; lossy; evalpipe/engine/model/fused_sites.py). Acts on every device (the kernels' references on the CPU).
     wo_quant: str = "none"
+    # prefix cache (evalpipe/engine/prefix_cache.py): "on" | "off"
+    prefix_cache: str = "on"
 
     def public(self) -> dict:
         """The settings as /get_server_info shows them: secrets redacted (evalpipe.redact's rule)."""
@@ -152,6 +154,7 @@ class ServerState:
                 "max_queue": s.max_queue, "max_seq_len": s.max_seq_len,
             },
             "wo_quant": s.wo_quant,
+            "prefix_cache": {"enabled": s.prefix_cache == "on"},
             "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
                             "simulate_acc_len": s.simulate_acc_len, **_accept_setting(s)},
             "torch": torch.__version__,
@@ -167,6 +170,10 @@ class ServerState:
             info["runner"] = {k: v for k, v in described.items() if k not in RUNNER_VOLATILE_KEYS}
             internal["runner"] = described
             info["engine"]["max_seq_len"] = getattr(self.runner, "max_seq_len", s.max_seq_len)
+            cache = described.get("prefix_cache") if isinstance(described, dict) else None
+            if isinstance(cache, dict):
+                info["prefix_cache"] = {k: cache[k] for k in ("enabled", "page_tokens") if k in cache}
+                internal["prefix_cache"] = cache
             sites = getattr(self.runner, "fused_sites", None)
             if sites is not None:
                 from evalpipe.engine.model.fused_sites import site_counts
@@ -200,7 +207,7 @@ def _accept_setting(settings: ServerSettings) -> dict:
 
 
 # runner.describe() keys that change while serving (moved under internal_states only)
-RUNNER_VOLATILE_KEYS = {"live_sequences", "pools", "free_pages", "free_slots"}
+RUNNER_VOLATILE_KEYS = {"live_sequences", "pools", "free_pages", "free_slots", "prefix_cache"}
 
 
 def _peak_rss_mb() -> float:

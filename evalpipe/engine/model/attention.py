@@ -89,6 +89,11 @@ class Attention:
             self._store_ring(pool.compressor.ring, comp_proj, batch, pool.compressor.ring_size)
         if idx_proj is not None:
             self._store_ring(pool.indexer.ring, idx_proj, batch, pool.indexer.ring_size)
+        if pool.window_tail is not None:  # prefix cache: each page keeps its end-of-page ring rows (cache.py)
+            self._store_tail(pool.window_tail, kv, batch, batch.pools.window_tail_rows)
+            for comp, proj in ((pool.compressor, comp_proj), (pool.indexer, idx_proj)):
+                if comp is not None:
+                    self._store_tail(comp.tail, proj, batch, comp.tail_rows)
 
         out = apply_rope(out, cos, neg_sin, self.rope.rot)
         if self.wo_b_mxfp8 is not None:  # --wo-quant mxfp8: wo_a_mxfp8 + mxfp8_linear (fused_sites)
@@ -101,6 +106,12 @@ class Attention:
     def _store_ring(ring: torch.Tensor, values: torch.Tensor, batch: ForwardBatch, ring_size: int) -> None:
         rows, cells = batch.ring_writes(ring_size)
         ring.index_copy_(0, cells, values[rows].to(ring.dtype))
+
+    @staticmethod
+    def _store_tail(tail: torch.Tensor, values: torch.Tensor, batch: ForwardBatch, tail_rows: int) -> None:
+        rows, cells = batch.tail_writes(tail_rows)
+        if rows.numel():
+            tail.index_copy_(0, cells, values[rows].to(tail.dtype))
 
     def _attend(self, q, kv, group, batch: ForwardBatch, pool: LayerPool, idx_q) -> torch.Tensor:
         """[G, n, H, D] attention output of one group: window keys from the ring + this forward's rows, then

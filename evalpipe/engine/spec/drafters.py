@@ -6,7 +6,8 @@
 - `ngram`: prompt lookup, no model: the tokens that followed the latest earlier occurrence of the current suffix;
 - `self`: the target itself with its own state (greedy acceptance must be 100%: a sanity mode).
 
-Model drafters keep their OWN per-sequence state (a sequence handle of a runner with its own pools) and draft all
+Model drafters keep their OWN per-sequence state (a sequence handle of a runner with its own pools, and its own
+prefix cache when the target has one: a new sequence starts from the drafter's cached pages) and draft all
 sequences of a step together: one batched forward per draft position. A drafter sees the committed history
 (prompt + output) of each sequence; it feeds whatever it has not consumed yet (the whole prompt the first time, then
 the last one or two committed tokens), and after verification it is rolled back to the accepted prefix.
@@ -53,7 +54,10 @@ class RunnerDrafter:
     def _handle(self, seq: Any) -> int:
         key = seq.slot
         if key not in self._handles:
-            self._handles[key] = self.runner.allocate()
+            handle = self._handles[key] = self.runner.allocate()
+            attach = getattr(self.runner, "attach_prefix", None)  # the drafter's own prefix cache, when it has one
+            if attach is not None:
+                attach(handle, history(seq))
         return self._handles[key]
 
     def propose(self, seqs, widths):
@@ -62,9 +66,12 @@ class RunnerDrafter:
         active = [i for i, w in enumerate(widths) if w > 0]
         handles = {i: self._handle(seqs[i]) for i in active}
         feed = {}
+        cache = getattr(self.runner, "cache_prefix", None)
         for i in active:
             hist = history(seqs[i])
             fed = self.runner.seq_len(handles[i])
+            if cache is not None:  # between steps the drafter holds committed tokens only: final, shareable
+                cache(handles[i], fed)
             feed[i] = hist[fed:]  # never empty: the last committed token is never fed before drafting
             while len(feed[i]) > self.catch_up_chunk:  # a long prompt is fed in chunks, like a prefill
                 self.runner.forward([handles[i]], [feed[i][: self.catch_up_chunk]], **self.forward_kwargs)
@@ -187,7 +194,8 @@ def build_drafter(spec: str, target: Any) -> Any:
         return NgramDrafter(vocab_size=vocab)
     from evalpipe.engine.runner import ModelRunner
 
-    common = dict(device=target.device, dtype=target.dtype, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len)
+    common = dict(device=target.device, dtype=target.dtype, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len,
+                  prefix_cache=getattr(target, "prefix", None) is not None)
     if kind == "model":
         runner = ModelRunner(arg, **common)
         if int(runner.config.vocab_size) != vocab:
@@ -208,6 +216,7 @@ def draft_view(target: Any, num_layers: int | None = None) -> Any:
     final norm and lm_head; the view's pools hold state for those N layers only. The weights are shared, not copied.
     """
     from evalpipe.engine.cache import StatePools
+    from evalpipe.engine.prefix_cache import PrefixCache
     from evalpipe.engine.runner import ModelRunner
 
     while not isinstance(target, ModelRunner) and hasattr(target, "runner"):
@@ -220,8 +229,12 @@ def draft_view(target: Any, num_layers: int | None = None) -> Any:
         config = copy.copy(target.config)
         config.layer_types = list(target.config.layer_types[:num_layers])
         view.model_name = f"{target.model_name}[layers 0..{num_layers - 1}]"
+    cached = getattr(target, "prefix", None) is not None
     view.pools = StatePools(config, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len,
-                            device=target.device, dtype=target.dtype, rollback_margin=target.pools.margin)
+                            device=target.device, dtype=target.dtype, rollback_margin=target.pools.margin,
+                            page_tokens=target.pools.page_tokens, prefix_tails=cached)
     view._free_slots = list(range(target.max_seqs - 1, -1, -1))
     view._tokens = {}
+    view._frozen = {}
+    view.prefix = PrefixCache(view.pools) if cached else None  # its own cache over its own pools
     return view

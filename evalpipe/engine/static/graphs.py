@@ -8,7 +8,7 @@ compile the Triton kernels) and replayed; the step contains no host synchronisat
 step runs eagerly (the "dry path"), which is what the CPU tests check against the plain runner.
 
 GraphRunner offers the runner interface the engine, the speculative decoder, drafters and the server call:
-forward, truncate, allocate, free, seq_len, tokens, describe, and config, device, dtype, max_seqs (one slot less:
+forward, truncate, allocate, free, seq_len, tokens, describe, the prefix-cache calls, and config, device, dtype, max_seqs (one slot less:
 the padding slot), max_seq_len, model_name, fused_sites. Anything else is the wrapped `runner`'s (`eager_runner`).
 """
 
@@ -159,6 +159,15 @@ class GraphRunner:
     def truncate(self, seq: int, new_len: int) -> None:
         self.runner.truncate(seq, new_len)
 
+    def attach_prefix(self, seq: int, tokens: list[int]) -> int:
+        return self.runner.attach_prefix(seq, tokens)
+
+    def cache_prefix(self, seq: int, upto: int) -> None:
+        self.runner.cache_prefix(seq, upto)
+
+    def flush_prefix_cache(self) -> dict:
+        return self.runner.flush_prefix_cache()
+
     def step_for(self, batch: int, width: int) -> _Step:
         key = (bucket_for(batch, self.buckets), width)
         if key not in self.steps:
@@ -201,8 +210,9 @@ class GraphRunner:
         host = pack_step_inputs(tokens, starts, seqs, step.B, self.pad_slot, r.pools.page_table)
         logits = step(host).view(step.B, n, -1)[: len(seqs)]
         logits = (logits.reshape(len(seqs) * n, -1) if all_logits else logits[:, -1]).clone()
-        for seq, toks in zip(seqs, tokens):
+        for seq, toks, start in zip(seqs, tokens, starts):
             r._tokens[seq].extend(int(t) for t in toks)
+            r.pools.tails_from_rings(seq, start, start + n)  # the static step writes rings only
         return logits
 
     def describe(self) -> dict:
