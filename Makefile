@@ -42,7 +42,7 @@ $(VLLM_STAMP):
 # The main job on the default model: two fresh servers, A with speculation off and B with block speculation (its
 # trained layerskip drafter), the arith lane on each, then compare; prints both accuracies, flips, the verdict,
 # the accept length and the report's path.
-DEMO_EXAMPLES ?= 120
+DEMO_EXAMPLES ?= 60
 demo: install
 	$(VENV)/bin/evalpipe ab --lanes arith --order AB --num-examples $(DEMO_EXAMPLES) \
 	  --a "--speculative off" --b "--speculative block" --out results/demo-$$(date -u +%Y%m%d-%H%M%S)
