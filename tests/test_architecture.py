@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "evalpipe"
 
 # Layer -> the layers it may import. "shared" are the few modules every layer uses (the version, the one
 # redaction rule, the volatile-field list, the console).
-SHARED = {"evalpipe", "evalpipe.redact", "evalpipe.volatile", "evalpipe.console"}
+SHARED = {"evalpipe", "evalpipe.redact", "evalpipe.volatile", "evalpipe.console", "evalpipe.digest"}
 ALLOWED = {
     "shared": {"shared"},
     "kernels": {"kernels"},  # nothing else from the project

@@ -25,7 +25,8 @@ from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
 from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, compute_summary
 from evalpipe.lanes import get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
-from evalpipe.lanes.data import DataError, file_sha256
+from evalpipe.digest import file_sha256
+from evalpipe.lanes.data import DataError
 from evalpipe.lanes.grading import GraderPool, grade_text
 
 MAX_SHOWN = 20

@@ -56,7 +56,8 @@ from evalpipe.lanes import (
     pin_differences,
     prompt_stream_sha256,
 )
-from evalpipe.lanes.data import DataError, file_sha256
+from evalpipe.digest import file_sha256
+from evalpipe.lanes.data import DataError
 from evalpipe.lanes.grading import GraderPool, grade_text
 from evalpipe.redact import redact_text, scrub_values
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256
-from evalpipe.lanes.data import check_pin, file_sha256, read_jsonl
+from evalpipe.digest import file_sha256
+from evalpipe.lanes.data import check_pin, read_jsonl
 from evalpipe.lanes.sgl_eval_adapter import aime26_dataset, prompt_template, render_prompt
 
 PROMPT_NAME = "matharena-aime"

@@ -6,7 +6,6 @@ when the exact file is known, so every file is hashed and checked against `evalp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -19,13 +18,6 @@ CACHE_DIR = REPO_ROOT / ".evalpipe-cache"
 class DataError(Exception):
     """A dataset could not be found, or its hash differs from the pin (message says what to do)."""
 
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def data_dir_candidates(data_dir: Optional[Path]) -> list[Path]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from evalpipe.digest import file_sha256
 from evalpipe.engine.model.config import DEFAULT_MODEL_NAME, TINY_MODEL_NAME, config_hash, tiny_config
 
 # Original-checkpoint leaf names -> module names (suffix of a per-layer key after "layers.N.").
@@ -210,13 +211,6 @@ def default_checkpoint() -> Path:
 PACKAGED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MODEL_PINS = Path(__file__).resolve().parents[3] / "manifests" / "default_model.json"
 
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def packaged_checkpoint(name: str = DEFAULT_MODEL_NAME) -> Path:
