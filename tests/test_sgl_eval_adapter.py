@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from evalpipe.lanes import load_pins, sgl_eval_adapter
-from evalpipe.lanes.data import file_sha256, read_jsonl
+from evalpipe.digest import file_sha256
+from evalpipe.lanes.data import read_jsonl
 
 
 def test_the_vendored_aime26_file_is_the_pinned_one():
