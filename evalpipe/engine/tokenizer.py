@@ -58,6 +58,8 @@ class ByteTokenizer:
     bos_token_id = 0
     eos_token_id = 1
     vocab_size = BYTE_VOCAB_SIZE
+    special_token_ids = range(BYTE_OFFSET)
+    tool_call_token_id = SPECIAL_TOKENS.index("<|tool_call|>")  # the template's tool-call marker (see above)
 
     def __init__(self):
         self._special_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
