@@ -177,8 +177,7 @@ class Constraint:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids,
-                                          max_rollback_tokens=max(1, max_rows))
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)  # rollback is unlimited
         self._bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._tentative: list[int] = []
