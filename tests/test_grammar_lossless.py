@@ -96,8 +96,9 @@ def test_greedy_speculation_equals_plain_decoding_under_a_grammar(engines, promp
             call = json.loads(tokenizer.decode(e["ids"][1:]))
             assert call["name"] in ([n for n, _ in CALLS] if kind == "required" else [CALLS[1][0]])
             assert set(call["arguments"]) <= set(dict(CALLS)[call["name"]]["properties"])
-    steps = spec.decoder.totals.to_dict()
-    assert steps["accepted_drafts"] > 0  # drafts were verified under the mask, not just rejected
+    hist = spec.decoder.totals.to_dict()["accept_histogram"]
+    # drafts were accepted under the mask, and rejected ones rolled the matcher back (partial blocks)
+    assert sum(i * h for i, h in enumerate(hist)) > 0 and sum(hist[:-1]) > 0
 
 
 def test_sampled_speculation_stays_inside_the_grammar(engines, prompts, tokenizer):
@@ -110,3 +111,17 @@ def test_sampled_speculation_stays_inside_the_grammar(engines, prompts, tokenize
             assert replays(spec.grammars, GRAMMARS["json_schema"], r["ids"])
         else:
             assert r["finish"] == "length"
+
+
+def test_lossy_or_simulated_acceptance_refuses_grammars(runner, tokenizer):
+    """A rule that can commit a draft without the exact test could commit a token the grammar forbids."""
+    from evalpipe.engine.spec.accept import AcceptRule
+
+    drafter = build_drafter("ngram", runner)
+    exact = Engine(runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3))
+    lossy = Engine(runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3,
+                                                                 accept_rule=AcceptRule(topk=2)))
+    simulated = Engine(runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3,
+                                                                     simulate_acc_len=2.0))
+    assert exact.grammar_blocker() is None
+    assert "lossy" in lossy.grammar_blocker() and "simulate" in simulated.grammar_blocker()
