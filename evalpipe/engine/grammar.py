@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 JSON_SEPARATORS = (", ", ": ")
+CACHE_SIZE = 256  # compiled grammars kept (distinct schemas); a server fed endless new schemas stays bounded
 # A string no text can spell (0xFF never occurs in UTF-8), so a grammar can name a special token by id while no
 # JSON string or free text can contain it.
 _SPECIAL_PREFIX = b"\xff"
@@ -60,7 +62,7 @@ class GrammarSpec:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=False, separators=(",", ":"))
+    return json.dumps(value, separators=(",", ":"))  # key order kept: it is the order JSON is generated in
 
 
 def call_schema(name: str, parameters: dict) -> dict:
@@ -78,7 +80,7 @@ class Grammars:
         self.stop_token_ids = [tokenizer.eos_token_id]
         self._lock = threading.Lock()
         self._compiler = None
-        self._cache: dict[GrammarSpec, Any] = {}
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # least recently used first
 
     def _xgr_compiler(self):
         with self._lock:
@@ -90,9 +92,11 @@ class Grammars:
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec` (cached); raises GrammarError for a schema xgrammar cannot take."""
-        cached = self._cache.get(spec)
-        if cached is not None:
-            return cached
+        with self._lock:
+            cached = self._cache.get(spec)
+            if cached is not None:
+                self._cache.move_to_end(spec)
+                return cached
         compiler = self._xgr_compiler()
         try:
             compiled = _compile(compiler, spec)
@@ -102,6 +106,8 @@ class Grammars:
             raise GrammarError(_short(exc)) from None
         with self._lock:
             self._cache[spec] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
     def constraint(self, spec: GrammarSpec, max_rows: int) -> "Constraint":
@@ -149,7 +155,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
     special or reserved id is empty (xgrammar never allows those, except the stop token)."""
     import xgrammar as xgr
 
-    hf = getattr(tokenizer, "_tok", None)
+    hf = getattr(tokenizer, "hf_tokenizer", None)
     if hf is not None:
         return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id])
     named = {t for t in (getattr(tokenizer, "tool_call_token_id", None),) if t is not None}

@@ -140,6 +140,11 @@ class HFTokenizer:
         self.eos_token_id = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped transformers tokenizer (xgrammar reads its vocabulary from it)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
