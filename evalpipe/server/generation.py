@@ -4,7 +4,9 @@ One request becomes `len(prompts) * n` sequences (choice index = prompt_index * 
 sequences than the queue could ever hold is a 400, not a retryable 503. Events arrive from the engine thread
 through an asyncio queue. While a request runs, a watcher waits on the connection itself; when the client goes
 away (streamed or not) its unfinished sequences are aborted at once, so the engine drops them and frees their
-runner slots before its next forward.
+runner slots before its next forward. A chat request's tools and response_format become a grammar on its
+sampling params (structured.plan; compiled off the event loop before queueing, so a bad schema is a 400), and a
+choice that may hold tool calls is split into content and `tool_calls` by tool_calls.ToolCallSplitter, streamed or not.
 """
 
 from __future__ import annotations
