@@ -95,13 +95,25 @@ CHAT_FIELDS = {
     "reasoning_effort": STR_BAD,
     "add_generation_prompt": BOOL_BAD,
 }
-STRUCTURED = {
+# on /v1/completions every value of these is refused; on chat only the malformed ones (tests/test_server_structured.py
+# covers what chat accepts)
+CHAT_ONLY = {
     "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}], 5, "x", {}],
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}, 5],
     "parallel_tool_calls": [True, False, "x"],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "json", 5],
+}
+CHAT_ONLY_BAD = {
+    "tools": [5, "x", {}, [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}],
+              [{"type": "function", "function": {"name": "f", "parameters": 5}}]],
+    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 5, "always", {"type": "function"}],
+    "parallel_tool_calls": ["x", 1],
+    "response_format": ["json", 5, {"type": "regex"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": 5},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}],
+}
+STRUCTURED = {
     "functions": [[{"name": "f"}], 5],
     "function_call": ["auto", {"name": "f"}],
-    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "json", 5],
     "logit_bias": [{"5": 100}, {"x": "y"}, [1], 5],
     "guided_json": [{"type": "object"}, "{}"],
     "guided_regex": ["[0-9]+"],
@@ -132,7 +144,8 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
                 if field == "model" and isinstance(value, str):
                     continue
                 add(f"{path} {field}={value!r}"[:120], path, body)
-        for field, values in STRUCTURED.items():
+        refused = {**STRUCTURED, **(CHAT_ONLY_BAD if "chat" in path else CHAT_ONLY)}
+        for field, values in refused.items():
             for value in values:
                 add(f"{path} {field}={value!r}"[:120], path, {**base, field: value})
         # missing fields and non-object bodies

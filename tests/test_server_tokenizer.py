@@ -85,3 +85,16 @@ def test_hf_tokenizer_dir_loads_with_its_chat_template(hf_dir):
 def test_missing_tokenizer_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_hf_tokenizer_gives_xgrammar_its_vocabulary(hf_dir):
+    """response_format works with Hugging Face tokenizers: xgrammar reads the vocabulary through the wrapper; a JSON
+    object cannot start with a word, so every word is masked at the first row."""
+    import torch
+
+    from evalpipe.engine.grammar import Grammars, GrammarSpec
+
+    tok = load_tokenizer(str(hf_dir))
+    constraint = Grammars(tok, 16).constraint(GrammarSpec.json(None), 1)
+    masked = constraint.mask(torch.zeros(1, 16))
+    assert torch.isinf(masked[0, tok.encode("hello")[0]]) and torch.isinf(masked[0, tok.encode("world")[0]])

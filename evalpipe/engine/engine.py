@@ -9,6 +9,11 @@ A runner with a prefix cache (`attach_prefix`, `cache_prefix`, `flush_prefix_cac
 from their cached prefix and indexes prompt pages as they are prefilled; `flush_cache` runs on the engine thread
 between steps. Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before
 `propose`) and `release(slot)` (called when a sequence's runner slot is given back).
+
+A sequence whose params carry a grammar gets a `Constraint` (engine/grammar.py) at submit. The engine masks its
+rows before anything samples from them: the first token after the prompt, and every row a decoder verifies (the
+decoder stays grammar-blind), then commits the tokens the decoder returned to the matcher. The grammar's end is the
+stop token, so such a sequence always stops there.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from evalpipe.engine.grammar import Grammars
 from evalpipe.engine.sampling import SamplingParams, sample_token, token_logprobs
 from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status
 
@@ -97,6 +103,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.decoder = decoder or PlainDecoder()
         self.eos_token_id = _eos_id(runner, tokenizer)
+        vocab = getattr(getattr(runner, "config", None), "vocab_size", None) or tokenizer.vocab_size
+        self.grammars = Grammars(tokenizer, int(vocab))  # compiles nothing until a request asks for a grammar
         self.scheduler = Scheduler(
             self._allocate_slot,
             self._free_slot,
@@ -123,6 +131,8 @@ class Engine:
         for seq in seqs:
             seq.generator = seq.params.generator(getattr(self.runner, "device", "cpu"))
             seq.state = {"detok": self.tokenizer.detokenizer(), "text": "", "sent": 0, "checked": 0}
+            if seq.params.grammar is not None:
+                seq.state["grammar"] = self.grammars.constraint(seq.params.grammar, self.decoder.width)
         with self._cond:
             self.scheduler.add(seqs)
             self.stats["requests"] += 1
@@ -178,6 +188,16 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def grammar_blocker(self) -> str | None:
+        """Why this engine cannot decode under a grammar, or None. An acceptance rule that commits drafts without
+        the exact test (lossy rules, simulated acceptance) could commit a token the grammar forbids."""
+        rule = getattr(self.decoder, "accept_rule", None)
+        if getattr(self.decoder, "simulate_acc_len", None):
+            return "simulated speculative acceptance (--simulate-acc-len) commits drafts unchecked"
+        if rule is not None and rule.lossy:
+            return f"the lossy speculative acceptance rule ({rule.label()}) may accept drafts the grammar forbids"
+        return None
 
     def describe(self) -> dict:
         with self._cond:
@@ -270,11 +290,22 @@ class Engine:
         for chunk, w in zip(plan.prefills, width):
             if chunk.last:
                 row = logits[offset + w - 1: offset + w]
-                out[chunk.seq] = ([sample_token(row[0], chunk.seq.params, chunk.seq.generator)], row)
+                constraint = chunk.seq.state.get("grammar")
+                sampled = constraint.mask(row) if constraint is not None else row
+                token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator)
+                if constraint is not None:
+                    constraint.commit([token])
+                out[chunk.seq] = ([token], row)
             offset += w
-        for seq, w in zip(plan.decodes, width[len(plan.prefills):]):
+        decode_rows = rows[len(plan.prefills):]
+        for seq, w, fed in zip(plan.decodes, width[len(plan.prefills):], decode_rows):
             seq_rows = logits[offset: offset + w]
-            tokens = self.decoder.accept(seq, seq_rows)
+            constraint = seq.state.get("grammar")
+            if constraint is None:
+                tokens = self.decoder.accept(seq, seq_rows)
+            else:  # row i scores the token after fed[:i + 1]; fed[1:] are the drafts (none in plain decoding)
+                tokens = self.decoder.accept(seq, constraint.mask(seq_rows, fed[1:]))
+                constraint.commit(tokens)
             out[seq] = (tokens, seq_rows[: len(tokens)])
             offset += w
         return out
@@ -288,7 +319,8 @@ class Engine:
         for tok in tokens:
             seq.output.append(tok)
             taken.append(tok)
-            if tok in params.stop_token_ids or (tok == self.eos_token_id and not params.ignore_eos):
+            stops_at_eos = not params.ignore_eos or params.grammar is not None  # a grammar ends at the stop token
+            if tok in params.stop_token_ids or (tok == self.eos_token_id and stops_at_eos):
                 reason, seq.matched_stop = "stop", tok
                 break
             st["text"] += st["detok"].push([tok])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
+    grammar: Any = None  # a GrammarSpec (engine/grammar.py): every sampled row is masked to what it allows
 
     @property
     def greedy(self) -> bool:

@@ -58,6 +58,8 @@ class ByteTokenizer:
     bos_token_id = 0
     eos_token_id = 1
     vocab_size = BYTE_VOCAB_SIZE
+    special_token_ids = range(BYTE_OFFSET)
+    tool_call_token_id = SPECIAL_TOKENS.index("<|tool_call|>")  # the template's tool-call marker (see above)
 
     def __init__(self):
         self._special_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -137,6 +139,11 @@ class HFTokenizer:
         self.bos_token_id = self._tok.bos_token_id
         self.eos_token_id = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped transformers tokenizer (xgrammar reads its vocabulary from it)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

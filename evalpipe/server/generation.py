@@ -4,7 +4,9 @@ One request becomes `len(prompts) * n` sequences (choice index = prompt_index * 
 sequences than the queue could ever hold is a 400, not a retryable 503. Events arrive from the engine thread
 through an asyncio queue. While a request runs, a watcher waits on the connection itself; when the client goes
 away (streamed or not) its unfinished sequences are aborted at once, so the engine drops them and frees their
-runner slots before its next forward.
+runner slots before its next forward. A chat request's tools and response_format become a grammar on its
+sampling params (structured.plan; compiled off the event loop before queueing, so a bad schema is a 400), and a
+choice that may hold tool calls is split into content and `tool_calls` by tool_calls.ToolCallSplitter, streamed or not.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from fastapi.responses import StreamingResponse
 
 from evalpipe import __version__
 from evalpipe.engine.engine import SeqEvent, make_sequences
+from evalpipe.engine.grammar import GrammarError
 from evalpipe.engine.sampling import SamplingParams
 from evalpipe.engine.scheduler import QueueFull, Sequence
+from evalpipe.server import structured
 from evalpipe.server.errors import APIError, SafeJSONResponse, bad_request, json_bytes
 from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+from evalpipe.server.tool_calls import ToolCallSplitter
 
 RETRY_AFTER_S = "1"
 DISCONNECTED = object()  # put on a job's event queue by its disconnect watcher
@@ -54,6 +59,9 @@ class Job:
     continuous_usage: bool
     return_token_ids: bool
     want_logprobs: bool
+    tool_marker: int | None = None  # parse tool calls behind this token (chat requests with tools)
+    parallel_tool_calls: bool = True
+    grammar_param: str | None = None  # the request field a grammar came from (named by a compile error)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     seqs: list[Sequence] = field(default_factory=list)
@@ -87,7 +95,7 @@ def check_model(state, requested: str | None) -> None:
                    param="model", code="model_not_found")
 
 
-def _sampling(state, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(state, req, max_tokens: int, logprobs: int | None, grammar=None) -> SamplingParams:
     vocab = int(getattr(state.runner.config, "vocab_size", 1 << 31))
     stop_ids = tuple(req.stop_token_ids or ())
     bad = [t for t in stop_ids if not 0 <= t < vocab]
@@ -96,7 +104,7 @@ def _sampling(state, req, max_tokens: int, logprobs: int | None) -> SamplingPara
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
         min_p=req.min_p, seed=req.seed, stop=tuple(req.stop_list()), stop_token_ids=stop_ids,
-        ignore_eos=req.ignore_eos, logprobs=logprobs,
+        ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar,
     )
 
 
@@ -136,13 +144,21 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
     include_usage, continuous = _common(req)
     _check_batch(state, req.n, "n")
+    plan = structured.plan(req, state.tokenizer)
+    if plan.grammar is not None:
+        blocker = state.engine.grammar_blocker()
+        if blocker:
+            raise bad_request(f"constrained output (tools/response_format) is not available on this server: {blocker}",
+                              param="response_format" if req.response_format else "tool_choice")
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [_template_message(m) for m in req.messages]
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if plan.tools:
+        kwargs["tools"] = plan.tools
     try:
         prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     except Exception as exc:
@@ -150,10 +166,25 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     max_tokens = _check_length(state, prompt, req.max_completion_tokens or req.max_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Job(
-        chat=True, model=state.model_id, prompts=[prompt], params=[_sampling(state, req, max_tokens, logprobs)],
+        chat=True, model=state.model_id, prompts=[prompt],
+        params=[_sampling(state, req, max_tokens, logprobs, plan.grammar)],
         n=req.n, stream=req.stream, include_usage=include_usage, continuous_usage=continuous,
-        return_token_ids=req.return_token_ids, want_logprobs=req.logprobs,
+        return_token_ids=req.return_token_ids, want_logprobs=req.logprobs, tool_marker=plan.tool_marker,
+        parallel_tool_calls=plan.parallel,
+        grammar_param="response_format" if req.response_format and req.response_format.type != "text" else "tools",
     )
+
+
+def _template_message(m) -> dict:
+    """One message as the chat template reads it (an assistant's tool calls and a tool turn's call id included)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def completion_job(state, req: CompletionRequest) -> Job:
@@ -183,6 +214,18 @@ def completion_job(state, req: CompletionRequest) -> Job:
 
 
 # -- running -----------------------------------------------------------------------------------------
+async def compile_grammar(state, job: Job) -> None:
+    """Compile the job's grammar off the event loop (cached per spec); a schema xgrammar cannot take is a 400."""
+    spec = job.params[0].grammar if job.params else None
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(state.engine.grammars.compile, spec)
+    except GrammarError as exc:
+        raise bad_request(f"the {job.grammar_param} schema cannot be used for constrained decoding: {exc}",
+                          param=job.grammar_param, code="invalid_schema") from None
+
+
 def submit(state, job: Job) -> None:
     loop = asyncio.get_running_loop()
     job.queue = asyncio.Queue()
@@ -240,6 +283,7 @@ def _apply(job: Job, ev: SeqEvent) -> None:
 
 
 async def respond(state, job: Job, request: Request):
+    await compile_grammar(state, job)
     submit(state, job)
     if job.stream:
         return StreamingResponse(_sse(state, job, request), media_type="text/event-stream",
@@ -257,13 +301,21 @@ def _full_response(state, job: Job) -> dict:
     choices = []
     for i, c in enumerate(job.choices):
         choice: dict[str, Any] = {"index": i}
+        finish = _finish(c.finish_reason)
         if job.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
+            if job.tool_marker is not None:
+                splitter = _splitter(state, job)
+                content, _ = splitter.feed(c.token_ids, c.text, final=True)
+                calls = splitter.calls()
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    finish = "tool_calls" if finish == "stop" else finish
             choice["logprobs"] = _chat_logprobs(state, c.logprobs) if job.want_logprobs else None
         else:
             choice["text"] = c.text
             choice["logprobs"] = _legacy_logprobs(state, c.logprobs, 0) if job.want_logprobs else None
-        choice.update(finish_reason=_finish(c.finish_reason), matched_stop=c.matched_stop, spec=c.spec)
+        choice.update(finish_reason=finish, matched_stop=c.matched_stop, spec=c.spec)
         if job.return_token_ids:
             choice["prompt_token_ids"] = c.prompt_ids
             choice["token_ids"] = c.token_ids
@@ -286,6 +338,7 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[bytes]:
         return _data(body)
 
     started: set[int] = set()
+    splitters = {i: _splitter(state, job) for i in range(len(job.choices))} if job.tool_marker is not None else {}
     if job.chat:  # the role comes first, before any token, as in OpenAI's streams
         for i, c in enumerate(job.choices):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -303,13 +356,21 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[bytes]:
         c = job.choices[ev.index]
         offset = len(c.text) - len(ev.text)
         choice: dict[str, Any] = {"index": ev.index}
+        finish = _finish(ev.finish_reason)
         if job.chat:
             choice["delta"] = {"content": ev.text}
+            if ev.index in splitters:
+                splitter = splitters[ev.index]
+                content, calls = splitter.feed(c.token_ids, c.text, final=ev.finish_reason is not None)
+                choice["delta"] = ({"content": content} if content or not splitter.has_calls else {}) | (
+                    {"tool_calls": calls} if calls else {})
+                if splitter.calls() and finish == "stop":
+                    finish = "tool_calls"
             choice["logprobs"] = _chat_logprobs(state, ev.logprobs or []) if job.want_logprobs else None
         else:
             choice["text"] = ev.text
             choice["logprobs"] = _legacy_logprobs(state, ev.logprobs or [], offset) if job.want_logprobs else None
-        choice["finish_reason"] = _finish(ev.finish_reason)
+        choice["finish_reason"] = finish
         choice["matched_stop"] = ev.matched_stop
         if ev.finish_reason is not None:
             choice["spec"] = ev.spec
@@ -324,6 +385,10 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[bytes]:
             yield chunk([], job.usage())
     if not job.disconnected:
         yield b"data: [DONE]\n\n"
+
+
+def _splitter(state, job: Job) -> ToolCallSplitter:
+    return ToolCallSplitter(decode=state.tokenizer.decode, marker=job.tool_marker, parallel=job.parallel_tool_calls)
 
 
 def _data(body: dict) -> bytes:

@@ -2,9 +2,11 @@
 
 Unknown fields are accepted and ignored (clients send many optional OpenAI fields). Fields this engine cannot
 honour (repetition/frequency/presence penalties other than neutral, echo, suffix, best_of != n) are refused
-by `check_unsupported` with a 400 that names the field, rather than silently ignored; tool calling and
-constrained output have their own refusal, `check_structured_output`. Numbers must be finite, and no string
-anywhere in a body may hold a lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not text).
+by `check_unsupported` with a 400 that names the field, rather than silently ignored. Chat requests take OpenAI's
+`tools`, `tool_choice`, `parallel_tool_calls` and `response_format` (their meaning: server/structured.py); the other
+constrained-output fields (legacy functions, logit_bias, vLLM/SGLang guided_* extensions) and those fields on
+/v1/completions are refused by `check_structured_output`. Numbers must be finite, and no string anywhere in a body
+may hold a lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not text).
 """
 
 from __future__ import annotations
@@ -95,12 +97,84 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+# OpenAI's rule for function names (the name a tool call carries back)
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments ({})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(..., pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a "json_schema" object ({"name": ..., "schema": {...}})')
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (rendered back by the chat template)
+    tool_call_id: str | None = None  # a tool turn's answer to which call
 
     def text(self) -> str:
         """The message content as one string; only text parts are supported."""
@@ -124,6 +198,10 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -145,9 +223,9 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-# Tool calling and constrained decoding (JSON schema, regex, grammar) are not implemented: this is the one place
-# that refuses them, and the place a grammar backend (e.g. xgrammar) replaces. Until then a request that asks
-# for them gets a 400 instead of unconstrained text. Values listed here are neutral (ask for nothing).
+# Constrained-output fields this server does not take (on chat, `tools`, `tool_choice`, `parallel_tool_calls` and
+# `response_format` are declared fields of ChatCompletionRequest, so they never reach this check there): a request
+# that asks for them gets a 400 instead of unconstrained text. Values listed here are neutral (ask for nothing).
 STRUCTURED_OUTPUT_FIELDS: dict[str, tuple] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -162,11 +240,16 @@ STRUCTURED_OUTPUT_FIELDS: dict[str, tuple] = {
 }
 
 
+CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+
+
 def check_structured_output(req: _Sampling) -> tuple[str, str] | None:
     """(param, message) for the first tool-calling or constrained-output field with a non-neutral value."""
     extra = req.model_extra or {}
     for name, neutral in STRUCTURED_OUTPUT_FIELDS.items():
         if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in neutral):
+            if name in CHAT_ONLY_FIELDS:
+                return name, f"{name} is only supported on /v1/chat/completions (tool calls and response formats)"
             what = "logit biasing" if name == "logit_bias" else (
                 "tool calling" if "tool" in name or "function" in name else "constrained output")
             return name, (f"{name} is not supported by this engine ({what} is not implemented); "

@@ -157,6 +157,7 @@ class ServerState:
             "prefix_cache": {"enabled": s.prefix_cache == "on"},
             "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
                             "simulate_acc_len": s.simulate_acc_len, **_accept_setting(s)},
+            "structured_output": _structured_output_backend(),
             "torch": torch.__version__,
             "python": sys.version.split()[0],
         }
@@ -208,6 +209,16 @@ def _accept_setting(settings: ServerSettings) -> dict:
 
 # runner.describe() keys that change while serving (moved under internal_states only)
 RUNNER_VOLATILE_KEYS = {"live_sequences", "pools", "free_pages", "free_slots", "prefix_cache"}
+
+
+def _structured_output_backend() -> dict:
+    """The grammar library behind tools and response_format, and its version (a receipt names what masked)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return {"backend": "xgrammar", "version": version("xgrammar")}
+    except PackageNotFoundError:
+        return {"backend": "xgrammar", "version": None}
 
 
 def _peak_rss_mb() -> float:
