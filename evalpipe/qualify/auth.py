@@ -56,8 +56,9 @@ def run(ep: Endpoint) -> GateResult:
                     checks = [check("accepted", ok, detail)]
                 else:
                     ok = status in REFUSED
-                    checks = [check("refused", ok, f"HTTP {status}" + ("" if ok else f" with the {label} key: the route "
-                                                                       "answered without valid credentials"))]
+                    how = "without a key" if key is None else "with a wrong key"
+                    checks = [check("refused", ok, f"HTTP {status}" + ("" if ok else f" {how}: the route answered "
+                                                                       "without valid credentials"))]
                     if resp is not None:
                         text = resp.text
                         checks.append(check("no secret echoed", all(k not in text for k in keys + [wrong]),

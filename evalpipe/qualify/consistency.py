@@ -173,7 +173,7 @@ async def run_mixed(ep: Endpoint) -> GateResult:
     result = GateResult("mixed")
     t0 = time.perf_counter()
     n_short = cfg.concurrency
-    decode_tokens = max(cfg.max_tokens, 48)
+    decode_tokens = max(2 * cfg.max_tokens, 16)  # long enough to be still decoding when the long prompt lands
     shorts = [greedy(ep, p, decode_tokens, stream=True, ignore_eos=True) for p in short_prompts(n_short)]
     budget = cfg.max_context - needles.REPLY_ROOM - 220
     long_ex = needles.generate(random.Random("qualify|mixed|long"), after=budget // 2, before=budget - budget // 2,
