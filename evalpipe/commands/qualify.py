@@ -75,9 +75,10 @@ def _gates(ctx, param, value):
               help="Seconds between MemAvailable / server RSS samples during the soak.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=600.0, show_default=True,
               help="Per-request timeout in seconds.")
+@click.option("--no-progress", is_flag=True, help="No soak progress bar (it is drawn on a terminal only).")
 def command(base_url, model, api_keys, gates, out_dir, record_reference, reference, max_context, concurrency,
             max_tokens, retrieval_depths, needles_per_depth, retrieval_any_code, chunk_size, page_size,
-            sliding_window, compress_ratios, soak_s, hang_s, soak_max_tokens, sample_every_s, timeout_s):
+            sliding_window, compress_ratios, soak_s, hang_s, soak_max_tokens, sample_every_s, timeout_s, no_progress):
     """Qualify a serving stack: run the gates against any OpenAI-compatible server and write qualify.json (every
     request, its checks and verdict), manifest.json and report.html; print one table of the gates.
 
@@ -115,7 +116,7 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
         chunk_size=chunk_size, page_size=page_size, sliding_window=sliding_window,
         compress_ratios=tuple(compress_ratios), soak_s=soak_s, hang_s=hang_s, soak_max_tokens=soak_max_tokens,
         sample_every_s=sample_every_s, record_reference=record_reference, reference=reference,
-        command_line=redact_argv(sys.argv, list(api_keys)),
+        command_line=redact_argv(sys.argv, list(api_keys)), progress=not no_progress,
     )
     try:
         code, result = execute(cfg)

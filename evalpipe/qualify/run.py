@@ -88,25 +88,34 @@ async def run_gates(ep: Endpoint, ref: Optional[dict], say) -> list[GateResult]:
     results = []
     for name in (g for g in GATES if g in cfg.gates):
         say(f"gate {name}: running" + (f" for {cfg.soak_s:g} s" if name == "soak" else ""))
-        if name == "auth":
-            result = await asyncio.to_thread(auth.run, ep)
-        elif name == "reference":
-            result = await (reference.record(ep, cfg.record_reference) if cfg.record_reference
-                            else reference.compare(ep, ref, cfg.reference))
-        elif name == "retrieval":
-            result = await retrieval.run(ep)
-        elif name == "boundaries":
-            result = await consistency.run_boundaries(ep)
-        elif name == "mixed":
-            result = await consistency.run_mixed(ep)
-        elif name == "structured":
-            result = await structured.run(ep)
-        else:
-            result = await soak.run(ep)
+        t0 = time.perf_counter()
+        try:
+            result = await _gate(name, ep, ref)
+        except Exception as exc:  # a gate that breaks is a failed gate with its reason, never a lost run
+            result = GateResult(name, problem=f"the gate stopped on an error: {type(exc).__name__}: {exc}"[:400],
+                                wall_s=time.perf_counter() - t0)
         say(f"gate {name}: {result.verdict} ({result.passed}/{len(result.records)} requests passed, "
             f"{result.wall_s:.1f} s){'' if result.verdict == 'pass' else ': ' + result.reason[:200]}")
         results.append(result)
     return results
+
+
+async def _gate(name: str, ep: Endpoint, ref: Optional[dict]) -> GateResult:
+    cfg = ep.cfg
+    if name == "auth":
+        return await asyncio.to_thread(auth.run, ep)
+    if name == "reference":
+        return await (reference.record(ep, cfg.record_reference) if cfg.record_reference
+                      else reference.compare(ep, ref, cfg.reference))
+    if name == "retrieval":
+        return await retrieval.run(ep)
+    if name == "boundaries":
+        return await consistency.run_boundaries(ep)
+    if name == "mixed":
+        return await consistency.run_mixed(ep)
+    if name == "structured":
+        return await structured.run(ep)
+    return await soak.run(ep)
 
 
 def execute(cfg: QualifyConfig, say=lambda line: print(f"evalpipe qualify: {line}", file=sys.stderr)) -> tuple[int, dict]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
+from evalpipe.console import make_console
 from evalpipe.harness.client import Server
 from evalpipe.harness.server_facts import find_key
 from evalpipe.qualify.core import Endpoint, GateResult, check, exchange
@@ -63,6 +64,10 @@ def reported_rss_mb(ep: Endpoint) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def stderr_console():
+    return make_console(stderr=True)
+
+
 def prompt(rng: random.Random) -> str:
     kind = rng.random()
     if kind < 0.4:
@@ -105,10 +110,25 @@ async def run(ep: Endpoint) -> GateResult:
                                            output_cap_hit=out.finish_reason == "length"))
             i += 1
 
-    sampling = asyncio.create_task(sampler())
+    async def progress() -> None:
+        """A time bar with the request count (stderr; rich draws nothing when it is not a terminal)."""
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(TextColumn("soak"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
+                      TextColumn("{task.fields[n]} requests"), TimeRemainingColumn(), console=stderr_console(),
+                      transient=True) as bar:
+            task = bar.add_task("soak", total=cfg.soak_s, n=0)
+            while not stop.is_set():
+                bar.update(task, completed=min(cfg.soak_s, time.perf_counter() - t0), n=len(result.records))
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+
+    side = [asyncio.create_task(sampler())] + ([asyncio.create_task(progress())] if cfg.progress else [])
     await asyncio.gather(*(worker(w) for w in range(cfg.concurrency)))
     stop.set()
-    await sampling
+    await asyncio.gather(*side)
     mem = [s["mem_available_mb"] for s in samples if s["mem_available_mb"] is not None]
     rss = [s["server_rss_mb"] for s in samples if s["server_rss_mb"] is not None]
     result.notes = {
