@@ -36,7 +36,7 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
 needle's code, a tool ask with the matching call (tools given), a tool result by stating it, a JSON ask under
 response_format with the object; any other prompt with a continuation determined by the prompt (max_tokens long
-with ignore_eos). It is byte-level: token ids are bytes + 16 and usage.prompt_tokens is the prompt's bytes + 1.
+with ignore_eos); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16 and usage.prompt_tokens is the prompt's bytes + 1.
 Every mode streams (`stream: true`) as SSE, chunk by chunk, ending with `[DONE]`.
 A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
@@ -211,7 +211,7 @@ class ScriptedApp:
         if not path.startswith("/scripted/") and not self._authorized(scope):
             return await self._json(send, 401, {"error": {"message": "Incorrect API key provided.",
                                                           "code": "invalid_api_key"}})
-        if path == "/flush_cache":
+        if path == "/flush_cache" and self.cfg["mode"] == "skills":  # other modes stand in for a server without one
             return await self._json(send, 200, {"flushed": True})
         if path == "/v1/models":
             data = [{"id": m, "object": "model", "owned_by": "scripted"} for m in self.cfg["models"]]
