@@ -27,6 +27,17 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
   server_info  JSON returned by /get_server_info (default {"scripted": true}); null -> 404.
   spec         object put on every choice as `spec` (e.g. {"accept_length": 2.5, "simulated": false}).
   token_ids    when true (default) and the request has return_token_ids, the choice carries `token_ids`.
+  api_keys     when non-empty, every route but /health* and /scripted/* needs `Authorization: Bearer <one of them>`.
+  faults       list of deliberate faults (for `evalpipe qualify`'s gates):
+               "open_route" /get_server_info answers without a key; "any_key" any non-empty key is accepted;
+               "lose_needle" retrieval answers a wrong code; "early_stop" every answer stops half way
+               (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text.
+  stream_delay_s  pause between streamed events (default 0.002).
+Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
+needle's code, a tool ask with the matching call (tools given), a tool result by stating it, a JSON ask under
+response_format with the object; any other prompt with a continuation determined by the prompt (max_tokens long
+with ignore_eos); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16 and usage.prompt_tokens is the prompt's bytes + 1.
+Every mode streams (`stream: true`) as SSE, chunk by chunk, ending with `[DONE]`.
 A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
 """
@@ -38,6 +49,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -59,7 +71,12 @@ DEFAULT_CONFIG: dict = {
     "server_info": {"scripted": True},
     "spec": None,
     "token_ids": True,
+    "api_keys": [],
+    "faults": [],
+    "stream_delay_s": 0.002,
 }
+OPEN_PATHS = ("/health", "/health_generate")
+TOOL_MARK = "<|tool_call|>"
 
 
 # ------------------------------------------------------------------------------------------- helpers (API)
@@ -191,6 +208,11 @@ class ScriptedApp:
                 break
         if path == "/health" or path == "/health_generate":
             return await self._send(send, 200, b"{}")
+        if not path.startswith("/scripted/") and not self._authorized(scope):
+            return await self._json(send, 401, {"error": {"message": "Incorrect API key provided.",
+                                                          "code": "invalid_api_key"}})
+        if path == "/flush_cache" and self.cfg["mode"] == "skills":  # other modes stand in for a server without one
+            return await self._json(send, 200, {"flushed": True})
         if path == "/v1/models":
             data = [{"id": m, "object": "model", "owned_by": "scripted"} for m in self.cfg["models"]]
             return await self._json(send, 200, {"object": "list", "data": data})
@@ -209,8 +231,20 @@ class ScriptedApp:
             return await self._generate(send, json.loads(raw), chat=path.endswith("chat/completions"))
         return await self._json(send, 404, {"error": {"message": f"no route {path}"}})
 
+    def _authorized(self, scope) -> bool:
+        keys, faults = self.cfg["api_keys"], self.cfg["faults"]
+        if not keys or ("open_route" in faults and scope["path"] == "/get_server_info"):
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"").decode()
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        return bool(token) and ("any_key" in faults or token in keys)
+
     async def _generate(self, send, body: dict, chat: bool):
         cfg = self.cfg
+        if cfg["mode"] == "skills":
+            self.n_requests += 1
+            choice, n_prompt = skills_choice(body, chat, cfg["faults"])
+            return await self._answer(send, body, chat, choice, n_prompt)
         q = question_of(body)
         self.n_requests += 1
         n_q = self.per_question[q] = self.per_question.get(q, 0) + 1
@@ -280,7 +314,60 @@ class ScriptedApp:
             "choices": [choice],
             "usage": {"prompt_tokens": prompt_len // 4, "completion_tokens": n_out, "total_tokens": prompt_len // 4 + n_out},
         }
+        if body.get("stream"):
+            return await self._stream(send, body, chat, choice, resp["usage"])
         return await self._json(send, 200, resp)
+
+    async def _answer(self, send, body: dict, chat: bool, choice: dict, n_prompt: int):
+        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(text.encode()),
+                 "total_tokens": n_prompt + len(text.encode())}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = [b + 16 for b in text.encode()]
+        if body.get("stream"):
+            return await self._stream(send, body, chat, choice, usage)
+        resp = {"id": f"cmpl-{self.n_requests}", "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": body.get("model"), "choices": [choice], "usage": usage}
+        return await self._json(send, 200, resp)
+
+    async def _stream(self, send, body: dict, chat: bool, choice: dict, usage: dict):
+        """The choice as SSE chunks: its text a few characters at a time (token ids alongside), tool calls as a
+        name then their arguments in two pieces, the finish reason last, usage when asked for, then [DONE]."""
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def event(payload: dict) -> None:
+            data = {"id": f"cmpl-{self.n_requests}", "object": obj, "created": int(time.time()),
+                    "model": body.get("model"), **payload}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(data)}\n\n".encode(), "more_body": True})
+            if self.cfg["stream_delay_s"]:
+                await asyncio.sleep(self.cfg["stream_delay_s"])
+
+        msg = choice.get("message") or {}
+        text = (msg.get("content") if chat else choice.get("text")) or ""
+        ids = choice.get("token_ids")
+        raw = text.encode()
+        for i in range(0, len(raw), 2):
+            piece = raw[i:i + 2].decode(errors="ignore")
+            c: dict[str, Any] = {"index": 0, "finish_reason": None}
+            c.update({"delta": {"content": piece}} if chat else {"text": piece})
+            if ids is not None:
+                c["token_ids"] = ids[i:i + 2]
+            await event({"choices": [c]})
+        for k, call in enumerate(msg.get("tool_calls") or []):
+            args = call["function"]["arguments"]
+            await event({"choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
+                {"index": k, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}]}}]})
+            for part in (args[: len(args) // 2], args[len(args) // 2:]):
+                await event({"choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
+                    {"index": k, "function": {"arguments": part}}]}}]})
+        last: dict[str, Any] = {"index": 0, "finish_reason": choice.get("finish_reason")}
+        last.update({"delta": {}} if chat else {"text": ""})
+        await event({"choices": [last]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await event({"choices": [], "usage": usage})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _json(self, send, status: int, obj: Any):
         return await self._send(send, status, json.dumps(obj).encode())
@@ -290,6 +377,68 @@ class ScriptedApp:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+# ------------------------------------------------------------------------------------------- mode "skills"
+
+NEEDLE_ASK = re.compile(r"What is the secret code of the ([a-z]+ [a-z]+)\?")
+COUNT_ASK = re.compile(r"How many (.+) does (.+) have\?")
+JSON_ASK = re.compile(r"^(.+) has (\d+) (.+)\. Reply in JSON")
+
+
+def _continuation(prompt: str, n: int) -> str:
+    """Text determined by the prompt alone: the same prompt always continues the same way."""
+    out, seed = "", hashlib.sha256(prompt.encode()).digest()
+    while len(out) < n:
+        seed = hashlib.sha256(seed).digest()
+        out += "".join("abcdefghij klmnopqrstuvwxyz"[b % 27] for b in seed)
+    return out[:n]
+
+
+def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
+    """(choice, prompt tokens) for mode "skills"; see the module docstring."""
+    max_tokens = int(body.get("max_tokens") or 16)
+    finish, calls = "stop", None
+    if chat:
+        messages = body.get("messages") or [{}]
+        prompt = json.dumps(messages)
+        last = messages[-1]
+        ask = str(messages[0].get("content") or "")
+        needle, count, fact = NEEDLE_ASK.search(ask), COUNT_ASK.search(ask), JSON_ASK.search(ask)
+        wants_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        if last.get("role") == "tool":
+            text = f"The answer is {last.get('content')}."
+        elif wants_tools and (needle or count):
+            name, args = (("get_secret_code", {"place": needle.group(1)}) if needle else
+                          ("count_items", {"person": count.group(2), "item": count.group(1)}))
+            text, finish = "", "tool_calls"
+            calls = [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]
+            if "leak_tool_protocol" in faults:
+                text, calls, finish = TOOL_MARK + json.dumps({"name": name, "arguments": args}), None, "stop"
+        elif fact and body.get("response_format"):
+            text = json.dumps({"name": fact.group(1), "count": int(fact.group(2))})
+        else:
+            text = _continuation(prompt, min(max_tokens, 24))
+    else:
+        prompt = body.get("prompt") if isinstance(body.get("prompt"), str) else json.dumps(body.get("prompt"))
+        needle = NEEDLE_ASK.search(prompt[-200:])
+        code = re.search(r"The secret code of the " + re.escape(needle.group(1)) + r" is (\d+)\.", prompt) if needle else None
+        if code:
+            value = code.group(1)
+            text = " " + (str((int(value) + 1) % 100000) if "lose_needle" in faults else value)
+        else:
+            n = max_tokens if body.get("ignore_eos") else min(max_tokens, 24)
+            text = _continuation(prompt, n)
+            finish = "length" if n == max_tokens else "stop"
+    if "early_stop" in faults and text:
+        text, finish = text[: max(1, len(text) // 2)], "length"
+    text = text[: max_tokens] if not calls else text
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": calls}
+    else:
+        choice["text"] = text
+    return choice, len(prompt.encode()) + 1
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -24,7 +24,8 @@ ALLOWED = {
     "compare": {"compare", "harness", "lanes", "shared"},
     "launchers": {"launchers", "harness", "engine", "shared"},  # the native launcher checks flags by the engine's rules
     "ab": {"ab", "compare", "harness", "lanes", "launchers", "shared"},
-    "commands": {"commands", "ab", "compare", "harness", "lanes", "launchers", "server", "engine", "skills", "shared"},
+    "qualify": {"qualify", "harness", "lanes", "skills", "shared"},  # gates against an endpoint, through the harness
+    "commands": {"commands", "ab", "compare", "qualify", "harness", "lanes", "launchers", "server", "engine", "skills", "shared"},
     "cli": {"shared"},  # it finds the commands by name (importlib), so nothing imports evalpipe.commands
 }
 ENGINE_SIDE = {"engine", "kernels", "server"}

@@ -498,3 +498,18 @@ def test_an_interpreter_without_the_engine_is_refused_before_anything_starts(tmp
     assert proc.returncode == 1, (out, err)
     assert f"{PY} cannot import vllm" in err and "--engine-python" in err and "Traceback" not in err
     assert not (tmp_path / "r.json").exists()  # nothing was started
+
+
+def test_several_api_keys_reach_the_native_server_and_other_engines_refuse_them():
+    from evalpipe.launchers.errors import LaunchConfigError
+    from evalpipe.launchers.flags import parse_serve_args
+
+    options, _ = parse_serve_args(["--api-key", "key-a", "--api-key", "key-b"])
+    assert options.api_key == "key-a" and options.more_api_keys == ("key-b",)
+    argv = make_launcher(options).command()
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--api-key"] == ["key-a", "key-b"]
+    assert "key-b" not in json.dumps(options.recorded()) and "key-b" in make_launcher(options).secret_values()
+    for engine in ("sglang", "vllm"):
+        options, _ = parse_serve_args(["--engine", engine, "--model", "m", "--api-key", "a", "--api-key", "b"])
+        with pytest.raises(LaunchConfigError, match="takes one --api-key"):
+            make_launcher(options).validate()

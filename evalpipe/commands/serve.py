@@ -109,10 +109,10 @@ def serve_native(params: dict) -> None:
     sock = _bind(host, params["port"])
     port = sock.getsockname()[1]
     fields = {f.name for f in dataclasses.fields(ServerSettings)}
-    given = {k: v for k, v in params.items() if k in fields - {"port", "argv"} and v is not None}
-    settings = ServerSettings(**given, port=port, argv=["evalpipe", *sys.argv[1:]])
-    if settings.api_key is None:
-        settings.api_key = os.environ.get("EVALPIPE_API_KEY")
+    given = {k: v for k, v in params.items() if k in fields - {"port", "argv", "api_key"} and v is not None}
+    keys = tuple(params["api_key"]) or tuple(k for k in [os.environ.get("EVALPIPE_API_KEY")] if k)
+    settings = ServerSettings(**given, port=port, argv=["evalpipe", *sys.argv[1:]],
+                              api_key=keys[0] if keys else None, more_api_keys=keys[1:])
     failure: list[str] = []
     server: uvicorn.Server | None = None
 

@@ -58,7 +58,8 @@ class LaunchOptions:
     dtype: str | None = None
     device: str | None = None
     max_batch: int | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # the key this launcher itself sends (the first --api-key)
+    more_api_keys: tuple[str, ...] = ()  # further keys the server accepts (native only)
     # speculation profile: native off|block; sglang/vllm off|dspark|eagle|eagle3|nextn. None = engine default (off)
     speculative: str | None = None
     block_size: int | None = None
@@ -83,7 +84,7 @@ class LaunchOptions:
 
     def recorded(self) -> dict:
         """The options as a receipt stores them (secrets hidden)."""
-        return redact_tree(asdict(self))
+        return redact_tree(asdict(self), self.more_api_keys)
 
     @property
     def speculation_on(self) -> bool:
@@ -223,7 +224,7 @@ class Launcher(ABC):
 
     def secret_values(self) -> list[str]:
         """Values that must never appear in a receipt: the API key and secret-named environment values."""
-        values = [self.options.api_key or ""]
+        values = [self.options.api_key or "", *self.options.more_api_keys]
         values += [v for k, v in self.child_env.env.items() if is_secret_env_name(k)]
         return [v for v in values if v]
 

@@ -52,9 +52,10 @@ COMMON = [
     O("--device", default=None, help="native: where the model runs, cpu (default) or cuda."),
     O("--max-batch", type=int, callback=_pos_int, default=None,
       help="native: most sequences running at once (each choice of a request is one sequence) [default: 64]."),
-    O("--api-key", default=None, metavar="KEY",
+    O("--api-key", "api_key", multiple=True, metavar="KEY",
       help="Require 'Authorization: Bearer KEY' (native: all routes but /health*; also read from "
-           "EVALPIPE_API_KEY). Redacted in every receipt and printout."),
+           "EVALPIPE_API_KEY). native: repeat it to accept any of several keys (key rotation, one key per "
+           "client); sglang/vllm take one. Redacted in every receipt and printout."),
     O("--speculative", type=click.Choice(SPECULATION_PROFILES), default=None,
       help="Speculation profile [default: off]. native: off | block (block speculative decoding: each step drafts "
            "G tokens per sequence and verifies the last token plus the G drafts, G+1 rows, in one target forward); "
@@ -203,6 +204,8 @@ def native_argv(params: dict, given_names: set[str]) -> list[str]:
 def options_from_params(params: dict, given_names: set[str]) -> LaunchOptions:
     """LaunchOptions from parsed serve flags; raises LaunchConfigError on malformed --set-env."""
     values = {f.name: params[f.name] for f in dataclasses.fields(LaunchOptions) if f.name in params}
+    keys = tuple(params.get("api_key") or ())
+    values.update(api_key=keys[0] if keys else None, more_api_keys=keys[1:])
     command = params["engine_command"]
     values.update(keep_env=tuple(params["keep_env"]), set_env=parse_assignments(params["set_env"]),
                   engine_command=tuple(shlex.split(command)) if command else None,

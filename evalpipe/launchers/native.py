@@ -42,6 +42,8 @@ class NativeLauncher(Launcher):
         ):
             if value is not None:
                 argv += [flag, str(value)]
+        for key in o.more_api_keys:
+            argv += ["--api-key", key]
         if o.simulate_acc_len is not None:
             argv += ["--simulate-acc-len", fmt_number(o.simulate_acc_len)]
         if o.spec_accept_topk is not None:

@@ -72,6 +72,7 @@ class SGLangLauncher(Launcher):
     def validate(self) -> None:
         o = self.options
         profile = o.speculative or "off"
+        require(not o.more_api_keys, "sglang takes one --api-key; several keys are a native-server feature")
         require(not (o.engine_command and o.engine_python), "give --engine-command or --engine-python, not both")
         require(o.ngram_min is None and o.ngram_max is None, "--ngram-min/--ngram-max are vllm ngram settings")
         require(profile in PROFILES, f"sglang speculation profile must be one of {', '.join(PROFILES)}; got {profile!r}")

@@ -46,6 +46,7 @@ class VLLMLauncher(Launcher):
     def validate(self) -> None:
         o = self.options
         profile = o.speculative or "off"
+        require(not o.more_api_keys, "vllm takes one --api-key; several keys are a native-server feature")
         require(profile in PROFILES, f"vllm speculation profile must be one of {', '.join(PROFILES)}; got {profile!r}")
         require(bool(o.model), "vllm needs --model (a local path or a Hugging Face id)")
         require(o.drafter is None, "--drafter is for the native engine; vllm takes --draft-model")

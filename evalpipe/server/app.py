@@ -2,7 +2,7 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /health_generate,
 GET /get_server_info (alias /server_info), GET /get_model_info (SGLang's fields), GET|POST /flush_cache,
-GET /version. With an API key configured, every route except /health and /health_generate needs
+GET /version. With API keys configured (any one of them is accepted), every route except /health and /health_generate needs
 `Authorization: Bearer <key>`, checked before the body is read (`middleware.RequireAPIKey`). The interactive
 docs (/docs, /redoc, /openapi.json) exist only with `serve --docs`.
 """
@@ -42,7 +42,7 @@ def create_app(state: ServerState) -> FastAPI:
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(RequireAPIKey, api_key=state.settings.api_key)
+    app.add_middleware(RequireAPIKey, api_keys=state.settings.api_keys())
     app.add_middleware(ContainErrors)  # outermost: also answers for an error in the key check
 
     def require_ready() -> None:

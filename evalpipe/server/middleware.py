@@ -29,14 +29,15 @@ async def _send_error(send, err: APIError) -> None:
 
 
 class RequireAPIKey:
-    """`Authorization: Bearer <key>` on every HTTP route except OPEN_PATHS, checked first."""
+    """`Authorization: Bearer <key>` with any one of `api_keys` on every HTTP route except OPEN_PATHS, checked
+    first. Every key is compared (constant time each), so the answer's timing does not tell which one matched."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_keys: list[str]):
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.keys = [k.encode() for k in api_keys if k]
 
     async def __call__(self, scope, receive, send):
-        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if not self.keys or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope["headers"]:
@@ -47,7 +48,8 @@ class RequireAPIKey:
         if not token:
             return await _send_error(send, APIError(
                 401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
-        if not hmac.compare_digest(token, self.key):
+        matches = [hmac.compare_digest(token, key) for key in self.keys]
+        if not any(matches):
             return await _send_error(send, APIError(401, "Incorrect API key provided.", code="invalid_api_key"))
         return await self.app(scope, receive, send)
 

@@ -40,6 +40,7 @@ class ServerSettings:
     max_queue: int = 1024
     max_seq_len: int = 4096
     api_key: str | None = None
+    more_api_keys: tuple[str, ...] = ()  # further keys accepted beside api_key (`--api-key` given several times)
     docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key when one is set)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     # block speculation (evalpipe/engine/spec/decoder.py): "off" | "block", G drafts per verify, drafter spec
@@ -65,7 +66,11 @@ class ServerSettings:
 
     def public(self) -> dict:
         """The settings as /get_server_info shows them: secrets redacted (evalpipe.redact's rule)."""
-        return redact(asdict(self), [self.api_key or ""])
+        return redact(asdict(self), self.api_keys())
+
+    def api_keys(self) -> list[str]:
+        """Every key the server accepts; empty: no key required."""
+        return [k for k in (self.api_key, *self.more_api_keys) if k]
 
 
 def default_tokenizer_factory(settings: ServerSettings) -> Any:
@@ -192,7 +197,7 @@ class ServerState:
         internal["peak_rss_mb"] = _peak_rss_mb()
         internal["uptime_s"] = time.time() - self.started_at
         info["internal_states"] = internal
-        return redact(info, [s.api_key or ""])  # no setting or echoed command line carries the key out
+        return redact(info, s.api_keys())  # no setting or echoed command line carries the key out
 
 
 def _accept_setting(settings: ServerSettings) -> dict:

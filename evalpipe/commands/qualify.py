@@ -1,0 +1,130 @@
+"""`evalpipe qualify --base-url URL`: serving qualification gates (flags only; the gates live in evalpipe/qualify/)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from evalpipe.qualify import EXIT_BAD_INPUT, GATES
+
+DEFAULT_GATES = tuple(g for g in GATES if g != "reference")  # reference joins when a reference file is named
+
+
+def _gates(ctx, param, value):
+    if value is None:
+        return None
+    names = [g.strip() for g in value.split(",") if g.strip()]
+    if names == ["all"]:
+        return GATES
+    unknown = [g for g in names if g not in GATES]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown gate(s) {', '.join(unknown) or '(none given)'}; choose from "
+                                 f"{', '.join(GATES)} or 'all'")
+    return tuple(names)
+
+
+@click.command(name="qualify", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--base-url", required=True, help="OpenAI-compatible endpoint including /v1, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models.")
+@click.option("--api-key", "api_keys", multiple=True, envvar="EVALPIPE_API_KEY",
+              help="A key the server accepts; repeat it for every key the server is configured with (the auth gate "
+              "checks each on every route; generation uses the first). Env EVALPIPE_API_KEY. Never recorded.")
+@click.option("--gates", callback=_gates, default=None, metavar="G1,G2",
+              help=f"Gates to run, comma-separated, or 'all': {', '.join(GATES)}. Default: every gate but "
+              "reference, plus reference when --record-reference or --reference is given.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for qualify.json, manifest.json and report.html (created; one that already holds a "
+              "qualify.json is refused). Default: results/qualify/<UTC time>.")
+@click.option("--record-reference", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Record 20 greedy fixtures (first token and up to 48 tokens: ids, text, logprobs) with the "
+              "server's receipt into this file.")
+@click.option("--reference", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Compare against a recorded reference: first-token and continuation agreement, first "
+              "divergence and logprob gap per fixture; passes on 20/20 and 20/20.")
+@click.option("--max-context", type=click.IntRange(0), default=0,
+              help="Longest prompt + reply in tokens for retrieval and mixed (bytes are tokens for the default "
+              "byte-level model). Default (0): the server's max_model_len from /v1/models, else 4096.")
+@click.option("--concurrency", type=click.IntRange(1, 512), default=8, show_default=True,
+              help="Requests in flight for the C-way parts: mixed's short decodes, structured's parallel round, "
+              "the soak, the reference and retrieval requests.")
+@click.option("--max-tokens", type=click.IntRange(1), default=32, show_default=True,
+              help="Greedy continuation length compared by boundaries and mixed.")
+@click.option("--retrieval-depths", type=click.IntRange(3, 64), default=4, show_default=True,
+              help="Needle depths, from just before the question to the front of a --max-context prompt.")
+@click.option("--needles-per-depth", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--retrieval-any-code", is_flag=True,
+              help="Draw needle codes unfiltered (by default they end in 3: see evalpipe/qualify/retrieval.py).")
+@click.option("--chunk-size", type=click.IntRange(2), default=None,
+              help="Prefill chunk size for boundaries. Default: what /get_server_info reports.")
+@click.option("--page-size", type=click.IntRange(2), default=None,
+              help="KV page size for boundaries. Default: what /get_server_info reports.")
+@click.option("--sliding-window", type=click.IntRange(2), default=None,
+              help="Sliding attention window for boundaries. Default: what /get_server_info reports.")
+@click.option("--compress-ratio", "compress_ratios", type=click.IntRange(2), multiple=True,
+              help="A KV compression ratio for boundaries (repeatable). Default: what /get_server_info reports.")
+@click.option("--soak-duration", "soak_s", type=click.FloatRange(0.1), default=120.0, show_default=True,
+              help="Seconds the soak keeps --concurrency streams in flight.")
+@click.option("--hang-timeout", "hang_s", type=click.FloatRange(0.1), default=60.0, show_default=True,
+              help="A stream with no event for this many seconds is a hang (soak and mixed).")
+@click.option("--soak-max-tokens", type=click.IntRange(1), default=64, show_default=True,
+              help="max_tokens of each soak request; replies ending there count as output-cap hits.")
+@click.option("--sample-every", "sample_every_s", type=click.FloatRange(0.1), default=2.0, show_default=True,
+              help="Seconds between MemAvailable / server RSS samples during the soak.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=600.0, show_default=True,
+              help="Per-request timeout in seconds.")
+@click.option("--no-progress", is_flag=True, help="No soak progress bar (it is drawn on a terminal only).")
+def command(base_url, model, api_keys, gates, out_dir, record_reference, reference, max_context, concurrency,
+            max_tokens, retrieval_depths, needles_per_depth, retrieval_any_code, chunk_size, page_size,
+            sliding_window, compress_ratios, soak_s, hang_s, soak_max_tokens, sample_every_s, timeout_s, no_progress):
+    """Qualify a serving stack: run the gates against any OpenAI-compatible server and write qualify.json (every
+    request, its checks and verdict), manifest.json and report.html; print one table of the gates.
+
+    \b
+    Gates:
+      auth        every --api-key accepted, missing and wrong keys refused, on every route
+      reference   --record-reference / --reference: 20 greedy fixtures against an earlier boot
+      retrieval   exact needle answers with a normal stop at several depths up to --max-context
+      boundaries  prompts at +-1 of chunk, page, window and compression sizes equal their solo runs
+      mixed       a long prompt arriving during C short decodes: every output equals its solo run
+      structured  tool calls (auto, required, named), tool results, json_schema; streamed and not; serial and C
+      soak        C streams for --soak-duration s: no failures, no hangs; output-cap hits, memory sampled
+
+    \b
+    Exit codes:
+      0    every selected gate passed
+      2    bad input: a flag, an unreadable --reference, an unknown --model, a refused key, a used --out
+      3    cannot connect: the endpoint is unreachable or not OpenAI-compatible
+      4    the gates ran and at least one failed (or the server's settings changed during the run)
+      130  interrupted (what ran is written)
+    """
+    from evalpipe.qualify.core import QualifyConfig
+    from evalpipe.qualify.report import print_table
+    from evalpipe.qualify.run import QualifyError, execute
+    from evalpipe.redact import redact_argv
+
+    if gates is None:
+        gates = DEFAULT_GATES + (("reference",) if record_reference or reference else ())
+    if out_dir is None:
+        out_dir = Path("results") / "qualify" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    cfg = QualifyConfig(
+        base_url=base_url, out_dir=out_dir, gates=gates, model=model, api_keys=tuple(api_keys),
+        max_context=max_context, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout_s,
+        retrieval_depths=retrieval_depths, needles_per_depth=needles_per_depth, any_code=retrieval_any_code,
+        chunk_size=chunk_size, page_size=page_size, sliding_window=sliding_window,
+        compress_ratios=tuple(compress_ratios), soak_s=soak_s, hang_s=hang_s, soak_max_tokens=soak_max_tokens,
+        sample_every_s=sample_every_s, record_reference=record_reference, reference=reference,
+        command_line=redact_argv(sys.argv, list(api_keys)), progress=not no_progress,
+    )
+    try:
+        code, result = execute(cfg)
+    except QualifyError as exc:
+        click.echo(f"evalpipe qualify: {exc}", err=True)
+        sys.exit(exc.code)
+    print_table(result)
+    sys.exit(code)
+
+
+assert EXIT_BAD_INPUT == 2  # click's own usage errors exit 2 too: one code for bad input

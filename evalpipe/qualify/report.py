@@ -1,0 +1,70 @@
+"""Views of a qualification: the terminal table (gate, requests, passed, failed, time) and report.html."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from evalpipe.console import make_console
+
+
+def print_table(result: dict) -> None:
+    t = Table(title=escape(f"evalpipe qualify  {result['endpoint']['model']}  {result['endpoint']['base_url']}"))
+    for col, justify in (("gate", "left"), ("verdict", "left"), ("requests", "right"), ("passed", "right"),
+                         ("failed", "right"), ("time", "right"), ("reason", "left")):
+        t.add_column(col, justify=justify)
+    for g in result["gates"]:
+        colour = "green" if g["verdict"] == "pass" else "red"
+        t.add_row(g["gate"], f"[{colour}]{g['verdict']}[/]", str(g["requests"]), str(g["passed"]), str(g["failed"]),
+                  f"{g['wall_s']:.1f}s", escape(g["reason"][:120]))
+    console = make_console()
+    console.print(t)
+    console.print(f"verdict: {result['verdict']} (exit {result['exit_code']}); folder {result['out_dir']}")
+
+
+def _e(x: Any) -> str:
+    return html.escape(x if isinstance(x, str) else json.dumps(x, default=str))
+
+
+def _rows(headers: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(result: dict) -> str:
+    gates = result["gates"]
+    summary = _rows(["gate", "verdict", "requests", "passed", "failed", "time (s)", "reason"],
+                    [[g["gate"], g["verdict"], g["requests"], g["passed"], g["failed"], g["wall_s"], g["reason"]]
+                     for g in gates])
+    sections = []
+    for g in gates:
+        failed = [r for r in g["records"] if r["verdict"] != "pass"]
+        shown = failed[:50] if failed else g["records"][:20]
+        rows = [[r["id"], r["verdict"], "; ".join(f"{'ok' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}"
+                                                  for c in r["checks"])] for r in shown]
+        sections.append(
+            f"<details{' open' if g['verdict'] != 'pass' else ''}><summary><b>{_e(g['gate'])}</b>: {_e(g['verdict'])}"
+            f" ({g['passed']}/{g['requests']} passed)</summary><p class='muted'>notes: {_e(g['notes'])[:3000]}</p>"
+            f"<p>{'failed requests' if failed else 'first requests'} (all of them are in qualify.json):</p>"
+            + _rows(["request", "verdict", "checks"], rows) + "</details>")
+    verdict_class = "good" if result["verdict"] == "pass" else "bad"
+    body = (f"<h1>evalpipe qualify</h1><p>{_e(result['endpoint'])}</p>"
+            f"<section id='qualification'><h2>Qualification: <span class='{verdict_class}'>{_e(result['verdict'])}"
+            f"</span></h2>{summary}{''.join(sections)}</section>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>evalpipe qualify</title><style>"
+            "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:.5em 0}"
+            "td,th{border:1px solid #ccc;padding:.2em .5em;font-size:90%;vertical-align:top}"
+            ".good{color:#080}.bad{color:#b00}.muted{color:#666;font-size:85%}</style></head><body>"
+            + body + "</body></html>\n")
+
+
+def write_html(result: dict, out_dir: Path) -> Path:
+    path = Path(out_dir) / "report.html"
+    path.write_text(render_html(result), encoding="utf-8")
+    return path

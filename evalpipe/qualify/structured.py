@@ -1,0 +1,128 @@
+"""Gate `structured`: tool calls and JSON-schema output, streamed and not, one at a time and C at once.
+
+Cases (the chat skill's fixtures, evalpipe.skills.chat, so the default model was taught exactly these):
+- tool_choice auto, required and named: the reply is one call of the expected tool with the expected arguments
+  (parsed JSON, compared as objects), finish_reason "tool_calls", and no text beside it;
+- tool-result continuation: after the call and the tool's answer, the reply states the value and stops normally;
+- response_format json_schema: the content parses to the expected object and the reply stops normally.
+Every reply is also checked for leaked or repeated tool protocol: no template marker (`<|tool_call|>` and the like)
+in any content or arguments, and exactly one call where one is expected. Each case is sent plain and streamed,
+serially, then all of them again with C in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+from evalpipe.qualify.core import Endpoint, GateResult, Outcome, check, exchange, gather_limited, leaked_protocol
+from evalpipe.skills import chat
+
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "fact", "schema": chat.JSON_SCHEMA, "strict": True}}
+MAX_TOKENS = 64
+
+
+def _call_of(ex: chat.ChatExample) -> dict:
+    return json.loads(ex.reply[len("<|tool_call|>"):])
+
+
+def cases(seed: str) -> list[dict]:
+    """[{"name", "body" (without model/stream), "expect"}] for one round of the five kinds."""
+    rng = random.Random(seed)
+    out = []
+    for choice in ("auto", "required", "named"):
+        ex = chat.tool_call(rng)
+        call = _call_of(ex)
+        tool_choice: Any = choice if choice != "named" else {"type": "function", "function": {"name": call["name"]}}
+        out.append({"name": f"tool_choice {choice}", "body": {"messages": ex.messages, "tools": ex.tools,
+                                                              "tool_choice": tool_choice},
+                    "expect": {"call": call}})
+    ex = chat.tool_result(rng)
+    out.append({"name": "tool result", "body": {"messages": ex.messages, "tools": ex.tools, "tool_choice": "auto"},
+                "expect": {"value": ex.meta["expected"]}})
+    ex = chat.json_reply(rng)
+    out.append({"name": "json_schema", "body": {"messages": ex.messages, "response_format": SCHEMA_FORMAT},
+                "expect": {"json": ex.meta["expected"]}})
+    return out
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+def checks_for(expect: dict, out: Outcome) -> list[dict]:
+    checks = [out.transport_check()]
+    if not out.ok:
+        return checks
+    calls = out.tool_calls or []
+    texts = [out.text] + [str(c.get("arguments")) for c in calls] + [str(c.get("name")) for c in calls]
+    leaked = leaked_protocol(*texts)
+    checks.append(check("no leaked tool protocol", not leaked, f"found {leaked}" if leaked else "none"))
+    if "call" in expect:
+        want = expect["call"]
+        checks.append(check("one tool call", len(calls) == 1, f"{len(calls)} calls"))
+        if calls:
+            got = calls[0]
+            checks.append(check("tool name", got.get("name") == want["name"], f"{got.get('name')!r}, expected {want['name']!r}"))
+            args = _arguments(got.get("arguments"))
+            checks.append(check("arguments", args == want["arguments"],
+                                f"{got.get('arguments')!r}, expected {json.dumps(want['arguments'])}"))
+        checks.append(check("finish tool_calls", out.finish_reason == "tool_calls", f"finish_reason {out.finish_reason}"))
+        checks.append(check("no text beside the call", not out.text.strip(), repr(out.text[:80])))
+    else:
+        checks.append(check("no tool call", not calls, f"{len(calls)} calls"))
+        checks.append(check("normal stop", out.finish_reason == "stop", f"finish_reason {out.finish_reason}"))
+        if "value" in expect:
+            checks.append(check("states the result", expect["value"] in out.text,
+                                f"replied {out.text[:80]!r}, expected it to hold {expect['value']!r}"))
+        else:
+            try:
+                parsed = json.loads(out.text)
+            except ValueError:
+                parsed = None
+            checks.append(check("schema JSON", parsed == expect["json"],
+                                f"replied {out.text[:120]!r}, expected {json.dumps(expect['json'])}"))
+    return checks
+
+
+async def run(ep: Endpoint) -> GateResult:
+    cfg = ep.cfg
+    result = GateResult("structured")
+    t0 = time.perf_counter()
+    plan = []
+    for case in cases("qualify|structured|serial"):
+        for stream in (False, True):
+            plan.append(("serial", case, stream))
+    rounds = max(1, -(-cfg.concurrency // 5))
+    parallel = [c for r in range(rounds) for c in cases(f"qualify|structured|c|{r}")][: max(cfg.concurrency, 5)]
+    for i, case in enumerate(parallel):
+        plan.append((f"C{cfg.concurrency}", case, i % 2 == 1))
+
+    def body_of(case: dict, stream: bool) -> dict:
+        body = ep.body(**case["body"], max_tokens=MAX_TOKENS, temperature=0.0)
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return body
+
+    serial = [(m, c, s) for m, c, s in plan if m == "serial"]
+    outcomes = [await ep.send(body_of(c, s), chat=True) for _, c, s in serial]
+    together = [(m, c, s) for m, c, s in plan if m != "serial"]
+    outcomes += await gather_limited([ep.send(body_of(c, s), chat=True) for _, c, s in together], cfg.concurrency)
+    for (mode, case, stream), out in zip(serial + together, outcomes):
+        result.records.append(exchange(f"{mode} {case['name']} {'streamed' if stream else 'plain'}", "structured",
+                                       body_of(case, stream), out, checks_for(case["expect"], out),
+                                       expect=case["expect"], mode=mode, stream=stream))
+    refused = [r for r in result.records if r.get("status") == 400]
+    if refused and len(refused) == len(result.records):
+        result.problem = ("the server refuses tool calling / response_format (HTTP 400 on every request): "
+                          + str(refused[0].get("error"))[:200])
+    result.notes = {"cases": len(result.records), "concurrency": cfg.concurrency}
+    result.wall_s = time.perf_counter() - t0
+    return result
