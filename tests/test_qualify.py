@@ -1,4 +1,4 @@
-"""`evalpipe qualify`: every non-structured gate passes against `evalpipe serve` with the default model; against the
+"""`evalpipe qualify`: every gate passes against `evalpipe serve` with the default model; against the
 scripted stand-in each gate fails for its own reason with exit 4 (keys mishandled, a lost needle, an early stop,
 leaked tool protocol); bad input exits 2 and an unreachable endpoint 3; a reference recorded on one boot matches
 20/20 on a fresh boot of the same settings, and another model is reported as a divergence.
@@ -122,13 +122,10 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     assert len(recorded["fixtures"]) == 20 and all(f["token_ids"] for f in recorded["fixtures"])
     assert "qualify-key-" not in ref.read_text()
 
-    # structured: the native server refuses tools today (a 400, named); once it supports them the gate must pass
+    # structured: tool calls (auto, required, named), a tool result and a JSON-schema reply through xgrammar
     code, result, output = qualify(url, tmp_path / "structured", *KEY_ARGS, "--gates", "structured")
     g = gates(result)["structured"]
-    if g["verdict"] == "fail":
-        assert code == 4 and "refuses tool calling" in g["reason"], g["reason"]
-    else:
-        assert code == 0
+    assert code == 0 and g["verdict"] == "pass" and g["failed"] == 0 and g["passed"] == len(g["records"]), output
 
     # a fresh boot of the same settings, and the random tiny model (same API, other weights), started side by side
     with ThreadPoolExecutor(2) as pool:
