@@ -1,7 +1,14 @@
 """Fixtures shared by the engine test modules."""
 
+import os
+
 import pytest
 import torch
+
+# pytest-xdist workers export COLUMNS=80 and LINES=24 as if a terminal were attached; the commands these tests
+# start must see what a script that pipes their output sees (unbounded tables).
+for _terminal_size in ("COLUMNS", "LINES"):
+    os.environ.pop(_terminal_size, None)
 
 
 @pytest.fixture(scope="module")
