@@ -36,21 +36,10 @@ from pathlib import Path
 import httpx
 from httpx_sse import EventSource
 
+from evalpipe.qualify.soak import rss_mb
+
 REPO = Path(__file__).resolve().parent.parent
 WORDS = "the of and to in is that for it as was with be by on not he this are or his from at which but".split()
-
-
-def rss_mb(pid: int | None) -> float | None:
-    """Resident memory of a process on this machine (VmRSS), in MiB."""
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        return None
-    return None
 
 
 def free_port() -> int:
