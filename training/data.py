@@ -22,13 +22,13 @@ PAD_ID = 7  # <|pad|>; right padding is never attended to by real tokens (causal
 
 # name -> (weight, generator) of the short mixture (`--mix` can change the weights)
 SHORT_MIX = {
-    "arith": (0.30, arith.generate),
-    "calc": (0.08, arith.drill),
-    "copy-short": (0.07, lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
-    "copy": (0.08, copy_text.generate),
-    "retrieval": (0.15, lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
+    "arith": (0.32, arith.generate),
+    "calc": (0.14, arith.drill),
+    "copy-short": (0.06, lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
+    "copy": (0.12, copy_text.generate),
+    "retrieval": (0.16, lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
                                                        before=rng.randint(0, 256))),
-    "chat": (0.32, chat.generate),
+    "chat": (0.20, chat.generate),
 }
 
 
@@ -100,22 +100,24 @@ def collate(examples: list[Encoded], width: int | None = None) -> dict[str, torc
     return {"input_ids": ids, "labels": labels, "prompt_labels": prompt_labels}
 
 
-SHORT_BUCKETS = (192, 256, 320, 384, 448, 512, 640, 768, 1024)  # padded lengths of short batches
+SHORT_BUCKETS = (96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024)  # padded lengths of short batches
 LONG_BUCKETS = (1536, 2560, 4096)
 
 
 class BatchStream(torch.utils.data.IterableDataset):
     """Endless batches of about `batch_tokens` padded tokens, each of examples of similar length (a batch is padded
     to its length bucket's bound, so little compute goes to padding). Every `long_every`-th batch is a long one of
-    `long_tokens`. Worker w of W draws from the seeded stream (seed, w)."""
+    `long_tokens`. Worker w of W draws from the seeded stream (seed, w), and call k > 0 of a resumed run from
+    (seed, w, k), so a resumed run never repeats the examples of its earlier calls."""
 
-    def __init__(self, seed: int, batch_tokens: int, long_tokens: int, long_every: int):
+    def __init__(self, seed: int, batch_tokens: int, long_tokens: int, long_every: int, call: int = 0):
         self.seed, self.batch_tokens, self.long_tokens, self.long_every = seed, batch_tokens, long_tokens, long_every
+        self.call = call
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        rng = random.Random(f"train|{self.seed}|{worker}")
+        rng = random.Random(f"train|{self.seed}|{worker}" + (f"|call{self.call}" if self.call else ""))
         pools = {b: [] for b in SHORT_BUCKETS + LONG_BUCKETS}
         step = worker
         while True:

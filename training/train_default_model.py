@@ -10,6 +10,15 @@ the CSA indexers learn from a KL loss (dense selection for the first `--dense-fr
 top-k); routed MoE layers are balanced by DeepSeek-V3's bias rule. The schedule is linear warm-up then cosine decay
 over the planned steps; with `--time-budget` the step count is planned from the measured speed of the first steps
 and written to the receipt, so `--steps N` repeats the run.
+
+One run may span several machine sessions: `--stop-after S` ends a call after S seconds with its state written,
+and `--resume DIR` continues that state's schedule (same planned steps, same cosine) from its weights, with fresh
+AdamW moments warmed up again over `--rewarmup` steps (the moments are not saved: they would double the checkpoint)
+and a data stream of its own, so no example repeats the earlier call's. The receipt lists every call.
+
+On CUDA the step is launch-bound at this size (~12k small kernels per step), so training uses transformers'
+`grouped_mm` experts (no host sync per expert) and compiles the hyper-connections' Sinkhorn loop; both compute the
+same function as the eager modules the oracle runs.
 """
 
 from __future__ import annotations
@@ -42,12 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, hash table and data streams")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: planned from --time-budget)")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds of training when --steps is not given")
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--batch-tokens", type=int, default=40960, help="padded tokens per short batch")
-    p.add_argument("--long-tokens", type=int, default=24576, help="padded tokens per long (deep retrieval) batch")
+    p.add_argument("--batch-tokens", type=int, default=131072, help="padded tokens per short batch")
+    p.add_argument("--long-tokens", type=int, default=49152, help="padded tokens per long (deep retrieval) batch")
     p.add_argument("--long-every", type=int, default=8, help="every N-th batch is a long one (0: never)")
     p.add_argument("--exit-layers", default="3,4", help="early-exit layers trained through the shared head")
     p.add_argument("--exit-weight", type=float, default=0.2, help="weight of each early-exit loss")
@@ -57,11 +66,20 @@ def parse_args(argv=None):
                    help="learning-rate multiplier of the kv_norm gains (K=V: the only temperature attention has)")
     p.add_argument("--dense-fraction", type=float, default=0.2, help="share of steps with dense CSA selection")
     p.add_argument("--bias-rate", type=float, default=1e-3, help="MoE selection-bias step per optimizer step")
-    p.add_argument("--eval-every", type=float, default=100.0, help="seconds between held-out evaluations")
+    p.add_argument("--eval-every", type=float, default=150.0, help="seconds between held-out evaluations")
     p.add_argument("--eval-per-group", type=int, default=64)
     p.add_argument("--mix", default="", help="short-mixture weights, e.g. arith=0.3,calc=0.15 (default: data.py's)")
     p.add_argument("--workers", type=int, default=4, help="data worker processes")
-    p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
+    p.add_argument("--init-from", type=Path, default=None, help="start a new run from this checkpoint's weights")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="continue the run whose output folder (weights + receipt.json) this is, on its own schedule")
+    p.add_argument("--stop-after", type=float, default=None,
+                   help="end this call after this many seconds of training, state written (resume it with --resume)")
+    p.add_argument("--rewarmup", type=int, default=20, help="warm-up steps of the fresh moments after --resume")
+    p.add_argument("--experts", default=None, choices=["eager", "grouped_mm"],
+                   help="transformers' experts implementation (default: grouped_mm on CUDA, eager elsewhere)")
+    p.add_argument("--compile-hc", choices=["on", "off"], default=None,
+                   help="torch.compile the hyper-connections (default: on on CUDA)")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     return p.parse_args(argv)
@@ -72,12 +90,18 @@ def build_model(args, device):
 
     config = load_config(args.config)
     torch.manual_seed(args.seed)
-    if args.init_from:
-        model = DeepseekV4ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+    experts = args.experts or ("grouped_mm" if device.type == "cuda" else "eager")
+    start = args.resume or args.init_from
+    if start:
+        model = DeepseekV4ForCausalLM.from_pretrained(start, dtype=torch.float32, experts_implementation=experts)
     else:
+        config._experts_implementation = experts
         model = DeepseekV4ForCausalLM(config)
         objectives.seed_hash_routing(model, args.seed)
-    return model.to(device).train()
+    model = model.to(device).train()
+    if (args.compile_hc or ("on" if device.type == "cuda" else "off")) == "on":
+        objectives.compile_hyper_connections(model)
+    return model
 
 
 def lr_at(step: int, total: int, args) -> float:
@@ -221,6 +245,9 @@ def main(argv=None):
         data.LONG_AFTER = (512, 640)
     if args.mix:
         data.set_mix(args.mix)
+    prior = json.loads((args.resume / "receipt.json").read_text()) if args.resume else None
+    if prior and ("calls" not in prior or prior["steps"] >= (prior["planned_steps"] or 0)):
+        raise SystemExit(f"{args.resume}: nothing to resume (a finished run, or one written without --stop-after)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     random.seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -230,7 +257,8 @@ def main(argv=None):
     exit_layers = [int(x) for x in args.exit_layers.split(",") if x]
     taps = objectives.Taps(model, exit_layers)
     opt = optimizer(model, args)
-    stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every)
+    call = len(prior["calls"]) if prior else 0
+    stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every, call=call)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
                                          persistent_workers=bool(args.workers))
@@ -238,35 +266,43 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters on {device}; exits {exit_layers}", flush=True)
 
-    total = args.steps
+    total = prior["planned_steps"] if prior else args.steps
+    step = first_step = prior["steps"] if prior else 0
+    history, evals = (prior["history"], prior["evals"]) if prior else ([], [])
+    tokens, answer_tokens = (prior["tokens"], prior["answer_tokens"]) if prior else (0, 0)
+    earlier_wall = prior["wall_s"] if prior else 0.0
+    calls = prior["calls"] if prior else []
     calibrate_at = 30
-    history, evals = [], []
-    tokens = answer_tokens = 0
     topk = model.config.index_topk
     t0 = time.time()
     last_eval = t0
-    step = 0
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    this_call = {"call": call, "first_step": first_step, "command": " ".join(sys.argv), "git_commit": git_commit(),
+                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
 
     def receipt_facts():
-        return {"seed": args.seed, "data_streams": f"train|{args.seed}|<worker> of {max(1, args.workers)}",
+        call_wall = round(time.time() - t0, 1)
+        return {"seed": args.seed, "data_streams": f"train|{args.seed}|<worker> of {max(1, args.workers)}[|call<k>]",
                 "eval_seed": "train-eval|1234 (held-out split)", "steps": step, "planned_steps": total,
-                "tokens": tokens, "answer_tokens": answer_tokens, "wall_s": round(time.time() - t0, 1),
-                "device": device_name}
+                "tokens": tokens, "answer_tokens": answer_tokens, "wall_s": round(earlier_wall + call_wall, 1),
+                "device": device_name,
+                "calls": calls + [{**this_call, "last_step": step, "wall_s": call_wall}]}
 
     for batch in loader:
-        if total is None and step == calibrate_at:  # plan the run from the measured speed
+        local = step - first_step
+        if total is None and local == calibrate_at:  # plan the run from the measured speed
             per_step = (time.time() - t_cal) / (calibrate_at - 10)
             total = max(calibrate_at + 1, int(args.time_budget / per_step))
             mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
             print(f"planned {total} steps ({per_step * 1e3:.0f} ms/step, peak memory {mem:.1f} GiB)", flush=True)
-        if step == 10:
+        if local == 10:
             t_cal = time.time()
         planned = total or 10 ** 9
         dense = total is None or step < args.dense_fraction * total
         taps.set_index_topk(10 ** 9 if dense else topk)
+        rewarm = min(1.0, (local + 1) / args.rewarmup) if prior else 1.0
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total or 10 ** 9, args) * g["lr_mult"]
+            g["lr"] = lr_at(step, total or 10 ** 9, args) * g["lr_mult"] * rewarm
         stats = train_step(model, taps, batch, args, device, autocast)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -275,24 +311,27 @@ def main(argv=None):
         tokens += stats.pop("tokens")
         answer_tokens += stats.pop("answer_tokens")
         if step % 10 == 0 or step == planned - 1:
-            row = {"step": step, "time_s": time.time() - t0, "lr": opt.param_groups[0]["lr"], "dense": dense,
-                   **{k: float(v) for k, v in stats.items()}}
+            row = {"step": step, "time_s": earlier_wall + time.time() - t0, "lr": opt.param_groups[0]["lr"],
+                   "dense": dense, **{k: float(v) for k, v in stats.items()}}
             history.append(row)
             print(json.dumps(row), flush=True)
         step += 1
         now = time.time()
-        if now - last_eval > args.eval_every or step >= planned:
+        stopping = step >= planned or (args.stop_after is not None and now - t0 > args.stop_after)
+        if now - last_eval > args.eval_every or stopping:
             res = evaluate(model, taps, sets, device, autocast)
-            evals.append({"step": step, "time_s": now - t0, "results": res})
+            evals.append({"step": step, "time_s": earlier_wall + now - t0, "results": res})
             print("eval", step, json.dumps({k: round(v["exact"], 3) for k, v in res.items()}),
                   json.dumps({k: round(v.get(f"accept{exit_layers[-1]}", 0), 2) for k, v in res.items()}), flush=True)
-            if step < planned:
+            if not stopping:
                 write_outputs(model, taps, args, topk, receipt_facts(), history, evals)
             last_eval = time.time()
-        if step >= planned:
+        if stopping:
             break
     write_outputs(model, taps, args, topk, receipt_facts(), history, evals)
-    print(f"wrote {args.out} in {time.time() - t0:.0f} s ({tokens / (time.time() - t0):.0f} tokens/s)", flush=True)
+    left = f"; {total - step} planned steps left (--resume {args.out})" if total and step < total else ""
+    print(f"wrote {args.out} in {time.time() - t0:.0f} s ({(tokens - (prior or {}).get('tokens', 0)) / (time.time() - t0):.0f}"
+          f" tokens/s){left}", flush=True)
 
 
 def write_outputs(model, taps, args, topk, facts, history, evals) -> None:
@@ -306,8 +345,7 @@ def write_outputs(model, taps, args, topk, facts, history, evals) -> None:
         "what": "evalpipe default model: DeepseekV4ForCausalLM trained on evalpipe.skills",
         **facts,
         "parameters": sum(p.numel() for p in model.parameters()), "packages": package_versions(),
-        "git_commit": git_commit(),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "optimizer_note": "AdamW moments start fresh at each --resume call (re-warmed over --rewarmup steps)",
         "final_eval": evals[-1] if evals else None, "evals": evals, "history": history,
     }
     (args.out / "receipt.json").write_text(json.dumps(receipt, indent=1))

@@ -1,0 +1,85 @@
+"""Step time of the default model's training (`training/train_default_model.py`) under each speed option, side by
+side in one process: transformers' eager experts vs `grouped_mm`, and the hyper-connections eager vs compiled, at
+each batch size. Same model, same batches, same losses (the options change kernels, not the function).
+
+    python benchmarks/training_step.py [--batch-tokens 40960,131072] [--steps 6] [--width 512]
+
+Prints one row per (option, batch): ms per optimizer step, padded tokens/s, peak memory, the first step's loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training import data, objectives  # noqa: E402
+from training import train_default_model as train  # noqa: E402
+
+OPTIONS = [("eager", "off"), ("grouped_mm", "off"), ("grouped_mm", "on")]
+
+
+def batch_of(tokens: int, width: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    examples = []
+    while len(examples) * width < tokens:
+        ex = data.sample_short(rng)
+        if len(ex) <= width:
+            examples.append(ex)
+    return data.collate(examples, width=width)
+
+
+def time_option(experts: str, compile_hc: str, batch: dict, steps: int, device) -> dict:
+    args = train.parse_args(["--out", "/dev/null", "--experts", experts, "--compile-hc", compile_hc])
+    model = train.build_model(args, device)
+    taps = objectives.Taps(model, [3, 4])
+    opt = train.optimizer(model, args)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
+        (lambda: torch.autocast("cpu", enabled=False))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    first_loss = None
+    for i in range(steps + 2):  # two untimed steps: compilation and allocator warm-up
+        if i == 2:
+            sync()
+            t = time.perf_counter()
+        stats = train.train_step(model, taps, batch, args, device, autocast)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        first_loss = first_loss if first_loss is not None else float(stats["loss"])
+    sync()
+    per_step = (time.perf_counter() - t) / steps
+    mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return {"ms": per_step * 1e3, "tok_s": batch["input_ids"].numel() / per_step, "mem": mem, "loss": first_loss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-tokens", default="40960,131072", help="comma-separated padded tokens per step")
+    ap.add_argument("--width", type=int, default=512, help="padded sequence length of every row")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per row (after two untimed ones)")
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, width {args.width}, {args.steps} timed steps per row")
+    print(f"{'experts':<11} {'compile hc':<10} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} "
+          f"{'loss@0':>8}")
+    for tokens in (int(x) for x in args.batch_tokens.split(",")):
+        batch = batch_of(tokens, args.width, seed=tokens)
+        for experts, compile_hc in OPTIONS:
+            r = time_option(experts, compile_hc, batch, args.steps, device)
+            print(f"{experts:<11} {compile_hc:<10} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
+                  f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
