@@ -1,6 +1,6 @@
-"""Step time of the default model's training (`training/train_default_model.py`) under each speed option, side by
-side in one process: transformers' eager experts vs `grouped_mm`, and the hyper-connections eager vs compiled, at
-each batch size. Same model, same batches, same losses (the options change kernels, not the function).
+"""Step time of the default model's training (`training/train_default_model.py`) under each experts implementation,
+side by side in one process: transformers' eager experts vs `grouped_mm`, at each batch size. Same model, same
+batches, same losses (the options change kernels, not the function).
 
     python benchmarks/training_step.py [--batch-tokens 40960,131072] [--steps 6] [--width 512]
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from training import data, objectives  # noqa: E402
 from training import train_default_model as train  # noqa: E402
 
-OPTIONS = [("eager", "off"), ("grouped_mm", "off"), ("grouped_mm", "on")]
+OPTIONS = ["eager", "grouped_mm"]
 
 
 def batch_of(tokens: int, width: int, seed: int) -> dict:
@@ -35,8 +35,8 @@ def batch_of(tokens: int, width: int, seed: int) -> dict:
     return data.collate(examples, width=width)
 
 
-def time_option(experts: str, compile_hc: str, batch: dict, steps: int, device) -> dict:
-    args = train.parse_args(["--out", "/dev/null", "--experts", experts, "--compile-hc", compile_hc])
+def time_option(experts: str, batch: dict, steps: int, device) -> dict:
+    args = train.parse_args(["--out", "/dev/null", "--experts", experts])
     model = train.build_model(args, device)
     taps = objectives.Taps(model, [3, 4])
     opt = train.optimizer(model, args)
@@ -71,13 +71,13 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, width {args.width}, {args.steps} timed steps per row")
-    print(f"{'experts':<11} {'compile hc':<10} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} "
+    print(f"{'experts':<11} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} "
           f"{'loss@0':>8}")
     for tokens in (int(x) for x in args.batch_tokens.split(",")):
         batch = batch_of(tokens, args.width, seed=tokens)
-        for experts, compile_hc in OPTIONS:
-            r = time_option(experts, compile_hc, batch, args.steps, device)
-            print(f"{experts:<11} {compile_hc:<10} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
+        for experts in OPTIONS:
+            r = time_option(experts, batch, args.steps, device)
+            print(f"{experts:<11} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
                   f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f}", flush=True)
 
 

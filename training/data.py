@@ -22,13 +22,13 @@ PAD_ID = 7  # <|pad|>; right padding is never attended to by real tokens (causal
 
 # name -> (weight, generator) of the short mixture (`--mix` can change the weights)
 SHORT_MIX = {
-    "arith": (0.32, arith.generate),
-    "calc": (0.14, arith.drill),
-    "copy-short": (0.06, lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
-    "copy": (0.12, copy_text.generate),
-    "retrieval": (0.16, lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
+    "arith": (0.30, arith.generate),
+    "calc": (0.08, arith.drill),
+    "copy-short": (0.07, lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
+    "copy": (0.08, copy_text.generate),
+    "retrieval": (0.15, lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
                                                        before=rng.randint(0, 256))),
-    "chat": (0.20, chat.generate),
+    "chat": (0.32, chat.generate),
 }
 
 
@@ -100,7 +100,7 @@ def collate(examples: list[Encoded], width: int | None = None) -> dict[str, torc
     return {"input_ids": ids, "labels": labels, "prompt_labels": prompt_labels}
 
 
-SHORT_BUCKETS = (96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024)  # padded lengths of short batches
+SHORT_BUCKETS = (192, 256, 320, 384, 448, 512, 640, 768, 1024)  # padded lengths of short batches
 LONG_BUCKETS = (1536, 2560, 4096)
 
 

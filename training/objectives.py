@@ -111,20 +111,6 @@ def update_router_bias(taps: Taps, rate: float) -> None:
         gate.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
 
 
-def compile_hyper_connections(model) -> None:
-    """One torch.compile'd copy of transformers' own `DeepseekV4HyperConnection.forward` (the 20-iteration Sinkhorn
-    loop is ~250 tiny kernels per call in eager) bound to every hyper-connection module: parameters are graph inputs,
-    so the modules share one graph; `dynamic` keeps it across batch shapes."""
-    import types
-
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
-
-    compiled = torch.compile(DeepseekV4HyperConnection.forward, dynamic=True)
-    for module in model.modules():
-        if isinstance(module, DeepseekV4HyperConnection):
-            module.forward = types.MethodType(compiled, module)
-
-
 def seed_hash_routing(model, seed: int) -> None:
     """tid2eid for every hash-routed layer: a seeded draw of top_k distinct experts per token id (transformers
     initialises the table to zeros, which would send every token to expert 0)."""
