@@ -15,13 +15,31 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(900)
-def test_smoke_training_writes_a_servable_checkpoint_receipt_and_curve(tmp_path):
+def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_and_curve(tmp_path):
+    """The run is split as on the GPU machine: a first call stopped after its first step (`--stop-after 0`), then
+    `--resume` finishes the same schedule; a finished run refuses to be resumed."""
     out = tmp_path / "model"
-    proc = subprocess.run([sys.executable, "training/train_default_model.py", "--out", str(out), "--smoke"],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def train(*extra):
+        return subprocess.run([sys.executable, "training/train_default_model.py", "--out", str(out), "--smoke", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=900)
+
+    first = train("--stop-after", "0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "2 planned steps left (--resume" in first.stdout
+    partial = json.loads((out / "receipt.json").read_text())
+    assert (partial["steps"], partial["planned_steps"], len(partial["calls"])) == (1, 3, 1)
+
+    second = train("--resume", str(out))
+    assert second.returncode == 0, second.stderr[-3000:]
     receipt = json.loads((out / "receipt.json").read_text())
-    assert receipt["steps"] == 3 and receipt["tokens"] > 0 and receipt["answer_tokens"] > 0
+    assert receipt["steps"] == 3 and receipt["tokens"] > partial["tokens"] and receipt["answer_tokens"] > 0
+    assert [(c["first_step"], c["last_step"]) for c in receipt["calls"]] == [(0, 1), (1, 3)]
+    assert receipt["wall_s"] > partial["wall_s"] and [h["step"] for h in receipt["history"]] == [0, 2]
+    assert len(receipt["evals"]) == 2 and "--resume" in receipt["calls"][1]["command"]
+
+    again = train("--resume", str(out))
+    assert again.returncode != 0 and "nothing to resume" in again.stderr
     assert {"torch", "transformers", "python"} <= set(receipt["packages"]) and receipt["device"]
     losses = [h["loss"] for h in receipt["history"]]
     assert all(x == x and 0 < x < 20 for x in losses)  # finite, sane
