@@ -8,8 +8,10 @@ Rows:
 - greedy exact answers, speculation off: arith (per operation count), retrieval (per depth), copy (per length);
 - layerskip drafter (G=5, greedy) on arith: accept length, and output agreement with plain decoding;
 - temperature 1, spec on vs off, arith: accuracy difference and McNemar p (target: inside 2 points, p >= 0.01);
-- the lossy knob (greedy, --spec-accept-topk 3) against exact: flips, McNemar p, verdict (target: p < 0.01 and
-  not "non-inferior").
+- a lossy speculator (greedy; default --lossy-args: the untrained layer-1 exit as drafter, accepted whenever it is
+  in the target's top 4) against exact: flips, McNemar p, verdict (target: p < 0.01 and not "non-inferior"). The
+  trained layer-4 drafter nearly always proposes the target's own argmax, so top-k acceptance behind it changes
+  few tokens; a weaker drafter behind the same knob is what the check has to catch.
 Servers are booted fresh for each configuration on free ports and stopped afterwards.
 """
 
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated rows to skip: greedy,spec,t1,lossy")
     ap.add_argument("--serve-args", default="", help="added to every `evalpipe serve` (e.g. \"--device cuda\")")
     ap.add_argument("--run-args", default="", help="added to every `evalpipe run` (e.g. \"--concurrency 64\")")
+    ap.add_argument("--lossy-args", default="--drafter layerskip:1 --spec-accept-topk 4",
+                    help="the lossy server's flags, added to `--speculative block`")
     args = ap.parse_args()
     Server.extra = shlex.split(args.serve_args)
     RUN_EXTRA.extend(shlex.split(args.run_args))
@@ -127,12 +131,12 @@ def main() -> None:
                              f"McNemar p {g['mcnemar_p']:.3g}; CI [{g['bootstrap']['ci_low']:.2f}, "
                              f"{g['bootstrap']['ci_high']:.2f}] pt; {g['verdict']} at -2 pt", args.out / "compare-t1"))
     if "lossy" not in skip:
-        with Server("--model", args.model, "--speculative", "block", "--spec-accept-topk", "3",
+        with Server("--model", args.model, "--speculative", "block", *shlex.split(args.lossy_args),
                     log=args.out / "serve-lossy.log") as lossy:
             r = run("arith", lossy, args.out / "lossy", "lossy", *n)
             c = compare(greedy_off, r, args.out / "compare-lossy", "--intended", "*spec*")
             g = c["greedy"]
-            rows.append(("lossy top-3 acceptance vs exact (greedy arith)", f"{100 * g['diff']:+.2f} pt",
+            rows.append((f"lossy ({args.lossy_args}) vs exact (greedy arith)", f"{100 * g['diff']:+.2f} pt",
                          f"{g['a_only']} lost / {g['b_only']} gained; McNemar p {g['mcnemar_p']:.3g}; {g['verdict']}",
                          args.out / "compare-lossy"))
     print(f"\nDefault-model targets ({args.model}), {time.time() - t0:.0f} s")
