@@ -107,10 +107,14 @@ class EngineClient:
                 proc.kill()
                 proc.join(5)
         if self._dir is not None:
-            self._push.close(linger=0)
-            self._pull.close(linger=0)
-            self._sync_ctx.term()
-            self._async_ctx.term()
+            for name in ("_push", "_pull"):
+                sock = getattr(self, name, None)
+                if sock is not None:
+                    sock.close(linger=0)
+            for name in ("_sync_ctx", "_async_ctx"):
+                ctx = getattr(self, name, None)
+                if ctx is not None:
+                    ctx.term()
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
