@@ -81,11 +81,8 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
-    # One step prefills every prompt (as the runner rows do before their clock starts), so no request's decode
-    # window holds prefill chunks of later arrivals: the column measures decoding through the server, not prefill.
-    step_rows = sum(map(len, prompts)) + len(prompts)
     cmd = [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port), "--max-batch", str(len(prompts)),
-           "--threads", str(threads), "--max-tokens-per-step", str(step_rows),
+           "--threads", str(threads),
            "--max-seq-len", str(max(map(len, prompts)) + new_tokens + 16)] + (["--model", model] if model else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
