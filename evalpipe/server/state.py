@@ -24,7 +24,7 @@ from evalpipe import __version__
 from evalpipe.engine.build import build
 from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
 from evalpipe.redact import redact, redact_argv
-from evalpipe.server.engine_client import EngineClient
+from evalpipe.server.engine_client import EngineClient, EngineLoadError
 
 log = logging.getLogger("evalpipe.server")
 
@@ -136,7 +136,7 @@ class ServerState:
             ready = await self.engine.start()
             self.tokenizer = await tokenizer
         except Exception as exc:
-            self.load_error = str(exc) if type(exc).__name__ == "EngineLoadError" else f"{type(exc).__name__}: {exc}"
+            self.load_error = str(exc) if isinstance(exc, EngineLoadError) else f"{type(exc).__name__}: {exc}"
             if self._on_error:
                 self._on_error(f"model failed to load: {self.load_error}")
             return
