@@ -2,10 +2,16 @@
 
 Rows: transformers generate at batch 1 (cached greedy decode), the runner at batch 1, and the runner's aggregate
 throughput with 64 concurrent sequences (one batched forward of 64 decode rows per step). The "via HTTP" column
-serves the same prompts through `evalpipe serve` (streamed, exact per-event token counts; see `bench_http`). Decode only: prefill is
-done before the clock starts (for generate: time(prompt + N new) - time(prompt + 1 new)).
+serves the same prompts through `evalpipe serve` (HTTP process + engine process; streamed, exact per-event token
+counts; see `bench_http`), and "HTTP / runner" is its share of the runner's rate at the same batch (target at 64
+concurrent: >= 90%). Decode only: prefill is done before the clock starts (for generate: time(prompt + N new) -
+time(prompt + 1 new)).
 
-    python benchmarks/engine_cpu.py [--model PATH] [--new-tokens 64] [--prompt-len 64] [--threads 1]
+    python benchmarks/engine_cpu.py [--model PATH] [--new-tokens 64] [--prompt-len 64] [--threads 1] [--pin]
+
+`--pin` (two or more CPUs) gives the model one CPU in both measurements: the runner rows run on the last CPU, and
+so does the served engine process, while the HTTP process and the benchmark's client share the others. Unpinned,
+the engine, the HTTP process and the client compete for the same cores as the runner never had to.
 """
 
 from __future__ import annotations
@@ -52,13 +58,14 @@ def bench_runner(runner, prompts: list[list[int]], new_tokens: int, repeats: int
 
 
 def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, repeats: int,
-               threads: int) -> tuple[float, float]:
+               threads: int, pin: tuple[set[int], set[int]] | None = None) -> tuple[float, float]:
     """Decode tok/s through `evalpipe serve` (HTTP + SSE + scheduler + sampling), summed over concurrent requests.
 
     Streamed completions of token-id prompts, temperature 0, ignore_eos, continuous usage: each request's rate is
     (final completion tokens - tokens in its first event) / (t_last - t_first), which excludes its prefill (the
     bench protocol of serving.md E); the row is the sum of the concurrent requests' rates, median over rounds
-    after one warm-up round. Also returns the server process's peak RSS in MB (its /get_server_info).
+    after one warm-up round. Also returns the server's peak RSS in MB (its /get_server_info). `pin`: (CPUs of the
+    engine process, CPUs of the HTTP process and this client).
     """
     import asyncio
     import json
@@ -90,6 +97,11 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        if pin is not None:
+            engine_pid = httpx.get(base + "/get_server_info", timeout=60).json()["internal_states"]["engine_process"]["pid"]
+            os.sched_setaffinity(engine_pid, pin[0])
+            os.sched_setaffinity(proc.pid, pin[1])
+            os.sched_setaffinity(0, pin[1])
 
         async def one(client: httpx.AsyncClient, prompt: list[int]) -> float:
             body = {"prompt": prompt, "max_tokens": new_tokens + 1, "temperature": 0, "ignore_eos": True,
@@ -127,8 +139,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measurements per row (median reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (same for both engines)")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP column (evalpipe serve, streamed)")
+    ap.add_argument("--pin", action="store_true", help="the model on its own CPU in both measurements (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ({cpus[-1]}, set(cpus[:-1])) if args.pin and len(cpus) >= 2 else None
+    if pin is not None:
+        os.sched_setaffinity(0, pin[0])  # the runner rows on the engine's CPU
 
     from transformers import DeepseekV4ForCausalLM
 
@@ -149,9 +168,9 @@ def main() -> None:
     r64 = bench_runner(runner, many, args.new_tokens, args.repeats)
     http, peak_rss = {}, {}
     if not args.no_http:  # the same prompts through the whole server: HTTP, SSE, scheduler, sampling
-        http[1], peak_rss[1] = bench_http(args.model, [base], args.new_tokens, args.repeats, args.threads)
+        http[1], peak_rss[1] = bench_http(args.model, [base], args.new_tokens, args.repeats, args.threads, pin)
         http[args.concurrency], peak_rss[args.concurrency] = bench_http(args.model, many, args.new_tokens,
-                                                                        args.repeats, args.threads)
+                                                                        args.repeats, args.threads, pin)
 
     rows = [
         ("transformers generate", 1, hf_tps),
@@ -160,15 +179,19 @@ def main() -> None:
     ]
     print(f"\nmodel {runner.model_name} ({runner.describe()['parameters'] / 1e6:.2f}M params), float32, "
           f"cpu threads {args.threads}, prompt {args.prompt_len}, {args.new_tokens} decode steps, "
-          f"median of {args.repeats}")
-    print(f"{'engine':<24}{'batch':>6}{'decode tok/s':>14}{'vs transformers b1':>20}{'via HTTP tok/s':>16}")
+          f"median of {args.repeats}"
+          + (f", pinned: model on CPU {sorted(pin[0])}, HTTP + client on CPU {sorted(pin[1])}" if pin else ""))
+    print(f"{'engine':<24}{'batch':>6}{'decode tok/s':>14}{'vs transformers b1':>20}{'via HTTP tok/s':>16}"
+          f"{'HTTP / runner':>15}")
     for name, batch, tps in rows:
-        via = f"{http[batch]:>16.1f}" if name.startswith("evalpipe") and batch in http else f"{'-':>16}"
+        served = name.startswith("evalpipe") and batch in http
+        via = f"{http[batch]:>16.1f}{http[batch] / tps:>14.0%} " if served else f"{'-':>16}{'-':>15}"
         print(f"{name:<24}{batch:>6}{tps:>14.1f}{tps / hf_tps:>19.1f}x{via}")
     for batch, mb in peak_rss.items():
-        print(f"server peak RSS at {batch} concurrent: {mb:.0f} MB")
+        print(f"server peak RSS at {batch} concurrent: {mb:.0f} MB (HTTP process + engine process)")
     print(f"targets: runner b1 > transformers b1 ({r1 / hf_tps:.1f}x); "
-          f"runner b{args.concurrency} aggregate >= 8x ({r64 / hf_tps:.1f}x)")
+          f"runner b{args.concurrency} aggregate >= 8x ({r64 / hf_tps:.1f}x)"
+          + (f"; via HTTP b{args.concurrency} >= 90% of the runner ({http[args.concurrency] / r64:.0%})" if http else ""))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Server start-up: 503 (with an OpenAI body) while the model loads, a load failure reported, `--tokenizer`.
 
-The loading test runs a real uvicorn server on 127.0.0.1 in this process, with the real engine build held
-back by an event until the test has seen the "loading" answers.
+The loading test runs a real uvicorn server on 127.0.0.1 in this process (its engine in a spawned engine process),
+with the real engine build held back by a gate file until the test has seen the "loading" answers.
 """
 
 from __future__ import annotations
@@ -14,23 +14,19 @@ import time
 import httpx
 import uvicorn
 
-from evalpipe.engine.build import build
 from evalpipe.server.app import create_app
 from evalpipe.server.state import ServerSettings, ServerState
+from gated_build import GATE_ENV, build_after_gate
 from server_harness import free_port
 from test_server_tokenizer import hf_dir  # noqa: F401  (fixture: a small Hugging Face tokenizer directory)
 
 
-def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir):  # noqa: F811
-    gate = threading.Event()
-
-    def gated_build(settings):
-        gate.wait(60)
-        return build(settings)
-
+def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir, tmp_path, monkeypatch):  # noqa: F811
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(GATE_ENV, str(gate))
     port = free_port()
     settings = ServerSettings(port=port, tokenizer=str(hf_dir), max_batch=2, max_seq_len=128)
-    state = ServerState(settings, build=gated_build)
+    state = ServerState(settings, build=build_after_gate)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -47,7 +43,7 @@ def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir):  # noqa: F81
         assert loading.json()["error"]["code"] == "model_loading"
         assert httpx.get(base + "/get_server_info").json()["ready"] is False
 
-        gate.set()
+        gate.touch()
         assert state.ready.wait(120), state.load_error
         assert httpx.get(base + "/health_generate", timeout=60).status_code == 200
         info = httpx.get(base + "/get_server_info").json()
@@ -60,7 +56,7 @@ def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir):  # noqa: F81
         assert r.json()["choices"][0]["prompt_token_ids"] == expected
         assert expected == state.tokenizer.encode("user : hello world assistant : think")
     finally:
-        gate.set()
+        gate.touch()
         server.should_exit = True
         thread.join(30)
     assert not thread.is_alive()

@@ -123,7 +123,9 @@ def test_server_settings_build_the_rule_and_default_is_exact(target):
     info_before_load = ServerSettings(speculative="block", spec_accept_threshold_acc=0.5)
     from evalpipe.server.state import ServerState
 
-    info = ServerState(info_before_load).info()  # what /get_server_info says while the model is still loading
+    import asyncio
+
+    info = asyncio.run(ServerState(info_before_load).info())  # what /get_server_info says while the model is still loading
     assert info["speculative"]["accept"]["rule"] == "threshold" and info["speculative"]["accept"]["lossy"] is True
 
 

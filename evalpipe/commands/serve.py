@@ -1,8 +1,9 @@
 """`evalpipe serve`: a server behind an OpenAI-compatible API.
 
-Served in this process: the native engine. The port opens first and the model loads on a background thread (health
-routes answer 503 meanwhile); the ready line with the URL is printed once weights are loaded and the engine thread
-runs. Ctrl-C or SIGTERM stops uvicorn, then the engine, and the command exits 0. With `--engine sglang|vllm`,
+Served from this process: the native engine. The port opens first; the HTTP layer and the tokenizer run here and the
+scheduler and model in an engine process it starts (health routes answer 503 while that loads); the ready line with
+the URL is printed once weights are loaded. Ctrl-C or SIGTERM stops uvicorn, then the engine process, and the command
+exits 0; if the engine process dies the server stops and the command exits 1. With `--engine sglang|vllm`,
 `--dry-run` or any launcher flag the server starts through evalpipe/launchers instead. The flags are defined once,
 in launchers/flags.py, and obey the rules of launchers/rules.py.
 """
@@ -100,10 +101,9 @@ def serve_native(params: dict) -> None:
 
         if not torch.cuda.is_available():
             raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
-    if device == "cpu":
-        import torch
+    import torch
 
-        torch.set_num_threads(params["threads"])
+    torch.set_num_threads(1)  # this process runs no torch op; --threads is the engine process's (ServerSettings)
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = _bind(host, params["port"])
@@ -143,14 +143,14 @@ def serve_native(params: dict) -> None:
         signal.signal(signal.SIGTERM, previous_term)
         state.shutdown()
     if failure:
-        raise click.ClickException(f"model failed to load: {failure[0]}")
+        raise click.ClickException(failure[0])
     click.echo("evalpipe serve: stopped")
 
 
 def speculation_summary(state) -> str:
     """`speculation off`, or the mode with its block size, drafter, acceptance rule (LOSSY when it is) and simulated
     accept length as served."""
-    spec = state.engine.decoder.describe() if state.engine is not None else {}
+    spec = state.speculative
     if spec.get("mode", "off") == "off":
         return "speculation off"
     from evalpipe.engine.spec.decoder import accept_rule_from_settings

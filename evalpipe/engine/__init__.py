@@ -1,7 +1,8 @@
 """The native serving engine: a DeepSeek-V4 model, its CUDA-graph step, block speculation and the serving loop.
 
-The server (evalpipe/server) calls `build.build(settings)` for a runner and a decoder and runs them in an `Engine`.
-- engine.py: the loop (one background thread; each step is one forward); scheduler.py: admission, prefill chunks,
+The server (evalpipe/server) spawns process.py, which calls `build.build(settings)` for a runner and a decoder, runs
+them in an `Engine` and talks to the server with the messages of ipc.py.
+- engine.py: one step is one forward; process.py: the engine process's loop; scheduler.py: admission, prefill chunks,
   decode rows; sampling.py: the per-request distribution and draws; tokenizer.py: tokenizers and detokenizers;
   grammar.py: xgrammar constraints (tools, response formats) masking every sampled and verified row;
 - runner.py: ModelRunner, the model half (weights, slots, forward, truncate); cache.py: the paged state pools;

@@ -1,6 +1,6 @@
 """`build(settings)`: the one place the server's settings become a runner and a decoder.
 
-The server (server/state.py) calls it on its loader thread with its `ServerSettings` (read by attribute). The
+The engine process (engine/process.py) calls it with the server's `ServerSettings` (read by attribute). The
 runner is a ModelRunner whose fused-site settings are fixed at construction (`site_settings`), so a bare
 `ModelRunner(..., sites=site_settings(settings))` runs exactly the served path. On CUDA it is wrapped in a
 GraphRunner whose decode and (with speculation) (G+1)-row verify steps are captured at start-up for every batch

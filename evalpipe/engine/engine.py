@@ -1,4 +1,4 @@
-"""The engine loop: scheduler + runner + sampling, run on one background thread, fed by the HTTP server.
+"""The engine: scheduler + runner + sampling, stepped by the engine process's loop (engine/process.py).
 
 `Engine.step()` is one forward: the scheduler's prompt chunks plus the decode rows of every running sequence,
 then sampling, stop checks and one `SeqEvent` per advanced sequence. How decode rows are proposed and turned
@@ -6,9 +6,9 @@ into committed tokens is delegated to a `Decoder`; `PlainDecoder` feeds the last
 speculative decoder plugs in at the same place: `propose` returns the last token plus drafts (`width` rows),
 `accept` verifies them against the target rows, rolls the runner back, and returns the tokens it committed.
 A runner with a prefix cache (`attach_prefix`, `cache_prefix`, `flush_prefix_cache`) starts admitted sequences
-from their cached prefix and indexes prompt pages as they are prefilled; `flush_cache` runs on the engine thread
-between steps. Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before
-`propose`) and `release(slot)` (called when a sequence's runner slot is given back).
+from their cached prefix and indexes prompt pages as they are prefilled; `flush_cache` is called between steps.
+Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before `propose`)
+and `release(slot)` (called when a sequence's runner slot is given back).
 
 A sequence whose params carry a grammar gets a `Constraint` (engine/grammar.py) at submit. The engine masks its
 rows before anything samples from them: the first token after the prompt, and every row a decoder verifies (the
@@ -19,7 +19,6 @@ stop token, so such a sequence always stops there.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -49,6 +48,7 @@ class SeqEvent:
     matched_stop: int | str | None = None
     spec: dict | None = None  # speculation statistics (None while speculation is off)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens this sequence took from the prefix cache
 
 
 class Decoder(Protocol):
@@ -86,7 +86,8 @@ class PlainDecoder:
 
 
 class Engine:
-    """Owns the runner; all runner calls happen on the engine thread (or the caller of `step`)."""
+    """Owns the runner. Single-threaded: the engine process calls `submit`, `abort`, `flush_cache` and `step` in turn
+    (tests step it directly)."""
 
     def __init__(
         self,
@@ -116,16 +117,11 @@ class Engine:
             attach=self._attach_prefix if hasattr(runner, "attach_prefix") else None,
         )
         self.allocated_slots = 0
-        self.last_step_at = 0.0  # time.monotonic() of the last completed forward (liveness for /health_generate)
+        self.last_step_at = 0.0  # time.monotonic() of the last completed forward
         self.stats = {"requests": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0,
                       "cached_tokens": 0}
-        self._cond = threading.Condition()
         self._aborts: list[Sequence] = []
-        self._calls: list[tuple[Callable[[], Any], dict]] = []  # run on the engine thread before the next step
-        self._thread: threading.Thread | None = None
-        self._stopping = False
 
-    # -- called from any thread ------------------------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request; raises QueueFull (nothing queued) when the queue is full."""
         for seq in seqs:
@@ -133,61 +129,33 @@ class Engine:
             seq.state = {"detok": self.tokenizer.detokenizer(), "text": "", "sent": 0, "checked": 0}
             if seq.params.grammar is not None:
                 seq.state["grammar"] = self.grammars.constraint(seq.params.grammar, self.decoder.width)
-        with self._cond:
-            self.scheduler.add(seqs)
-            self.stats["requests"] += 1
-            self.stats["prompt_tokens"] += sum(len(s.prompt) for s in seqs)
-            self._cond.notify()
+        self.scheduler.add(seqs)
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += sum(len(s.prompt) for s in seqs)
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Cancel sequences (client gone); their runner slots are freed before the next forward."""
-        with self._cond:
-            for seq in seqs:
-                if seq.status is not Status.FINISHED and not seq.aborted:
-                    seq.aborted = True
-                    self._aborts.append(seq)
-            self._cond.notify()
+        for seq in seqs:
+            if seq.status is not Status.FINISHED and not seq.aborted:
+                seq.aborted = True
+                self._aborts.append(seq)
 
-    def flush_cache(self, timeout: float = 30.0) -> dict:
-        """Drop the runner's prefix cache, on the engine thread between two steps (pages are not thread-safe)."""
+    @property
+    def busy(self) -> bool:
+        """Whether a `step` has anything to do."""
+        return bool(self._aborts or self.scheduler.running or self.scheduler.waiting)
+
+    def flush_cache(self) -> dict:
+        """Drop the runner's prefix cache (between two steps; sequences in flight keep the pages they hold)."""
         flush = getattr(self.runner, "flush_prefix_cache", None)
         if flush is None:
             return {"enabled": False, "flushed_pages": 0}
-        return self._on_engine_thread(flush, timeout)
+        return flush()
 
-    def _on_engine_thread(self, fn: Callable[[], Any], timeout: float) -> Any:
-        if self._thread is None or not self._thread.is_alive():
-            return fn()
-        box: dict = {"done": threading.Event()}
-        with self._cond:
-            self._calls.append((fn, box))
-            self._cond.notify()
-        if not box["done"].wait(timeout):
-            raise TimeoutError(f"the engine thread did not run the call within {timeout:.0f}s")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
-    def _run_calls(self) -> None:
-        with self._cond:
-            calls, self._calls = self._calls, []
-        for fn, box in calls:
-            try:
-                box["result"] = fn()
-            except Exception as exc:  # reported to the caller, never fatal to the loop
-                box["error"] = exc
-            box["done"].set()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="evalpipe-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    def fail_all(self, reason: str, error: str | None = None) -> None:
+        """Finish every queued and running sequence (a failed step outside the forward, or shutdown)."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, reason, error=error)
 
     def grammar_blocker(self) -> str | None:
         """Why this engine cannot decode under a grammar, or None. An acceptance rule that commits drafts without
@@ -200,44 +168,22 @@ class Engine:
         return None
 
     def describe(self) -> dict:
-        with self._cond:
-            return {
-                "running": self.scheduler.num_running,
-                "waiting": self.scheduler.num_waiting,
-                "allocated_slots": self.allocated_slots,
-                "stats": dict(self.stats),
-            }
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "allocated_slots": self.allocated_slots,
+            "stats": dict(self.stats),
+        }
 
-    # -- the loop ----------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while (not self._stopping and not self._aborts and not self._calls and not self.scheduler.running
-                       and not self.scheduler.waiting):
-                    self._cond.wait()
-                if self._stopping:
-                    break
-            self._run_calls()
-            try:
-                self.step()
-            except Exception as exc:  # a bug outside the forward: fail what is in flight, keep the thread alive
-                log.error("engine loop error:\n%s", traceback.format_exc())
-                with self._cond:
-                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                        self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-        with self._cond:
-            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(seq, "abort")
-
+    # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """Run one forward over the planned rows; returns how many sequences took part (0: nothing to do)."""
-        with self._cond:
-            for seq in self._aborts:
-                if seq.status is not Status.FINISHED:
-                    self.stats["aborted"] += 1
-                    self._finish(seq, "abort", notify=False)
-            self._aborts.clear()
-            plan = self.scheduler.schedule()
+        for seq in self._aborts:
+            if seq.status is not Status.FINISHED:
+                self.stats["aborted"] += 1
+                self._finish(seq, "abort", notify=False)
+        self._aborts.clear()
+        plan = self.scheduler.schedule()
         if plan.empty:
             return 0
         prepare = getattr(self.decoder, "prepare", None)  # optional batch hook: draft all decode rows at once
@@ -257,16 +203,14 @@ class Engine:
             committed = self._commit_tokens(plan, rows, logits)
         except Exception as exc:  # keep serving: fail this step's sequences, not the server
             log.error("engine step failed:\n%s", traceback.format_exc())
-            with self._cond:
-                for seq in [c.seq for c in plan.prefills] + plan.decodes:
-                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            for seq in [c.seq for c in plan.prefills] + plan.decodes:
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
             return len(plan.prefills) + len(plan.decodes)
-        with self._cond:
-            self.stats["steps"] += 1
-            self.last_step_at = time.monotonic()
-            for seq, (tokens, logit_rows) in committed.items():
-                if not seq.aborted and seq.status is Status.RUNNING:
-                    self._emit(seq, tokens, logit_rows)
+        self.stats["steps"] += 1
+        self.last_step_at = time.monotonic()
+        for seq, (tokens, logit_rows) in committed.items():
+            if not seq.aborted and seq.status is Status.RUNNING:
+                self._emit(seq, tokens, logit_rows)
         return len(plan.prefills) + len(plan.decodes)
 
     def _attach_prefix(self, seq: Sequence) -> int:
@@ -310,7 +254,7 @@ class Engine:
             offset += w
         return out
 
-    # -- output processing (engine thread, under the lock) -----------------------------------------
+    # -- output processing -----------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor) -> None:
         params, st = seq.params, seq.state
         taken: list[int] = []
@@ -346,7 +290,7 @@ class Engine:
         self._send(seq, SeqEvent(
             index=seq.index, token_ids=taken, text=delta, logprobs=lps, completion_tokens=len(seq.output),
             finish_reason=reason, matched_stop=seq.matched_stop if reason else None,
-            spec=self.decoder.stats(seq),
+            spec=self.decoder.stats(seq), cached_tokens=seq.cached_tokens,
         ))
 
     def _find_stop(self, seq: Sequence) -> bool:
@@ -372,14 +316,14 @@ class Engine:
         if notify:
             self._send(seq, SeqEvent(
                 index=seq.index, token_ids=[], text="", logprobs=None, completion_tokens=len(seq.output),
-                finish_reason=reason, spec=self.decoder.stats(seq), error=error,
+                finish_reason=reason, spec=self.decoder.stats(seq), error=error, cached_tokens=seq.cached_tokens,
             ))
 
     def _send(self, seq: Sequence, event: SeqEvent) -> None:
         if seq.on_event is not None:
             try:
                 seq.on_event(event)
-            except Exception:  # a closed event loop must not kill the engine thread
+            except Exception:  # a failing listener must not kill the engine loop
                 log.warning("dropping event for sequence %s:\n%s", seq.id, traceback.format_exc())
 
     def _allocate_slot(self) -> int:

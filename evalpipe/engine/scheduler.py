@@ -45,7 +45,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     index: int = 0  # choice index within its request
-    on_event: Callable[[Any], None] | None = None  # called from the engine thread with each SeqEvent
+    on_event: Callable[[Any], None] | None = None  # called by the engine with each SeqEvent
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     slot: int | None = None  # runner sequence handle while RUNNING

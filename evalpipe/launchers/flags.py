@@ -116,7 +116,8 @@ NATIVE = [
            "Triton on CUDA where the kernels' guards pass (bf16), their PyTorch references elsewhere (CPU). "
            "Reported in /get_server_info (wo_quant, fused_sites)."),
     O("--threads", default=1, show_default=True, type=click.IntRange(1), metavar="N",
-      help="native: torch intra-op threads for --device cpu. One by default: the tiny model is op-overhead bound "
+      help="native: torch intra-op threads of the engine process for --device cpu (the HTTP process runs no torch "
+           "op). One by default: the tiny model is op-overhead bound "
            "(2 threads gave the same prefill speed here) and extra OpenMP threads fight the client and other "
            "processes on small machines (a request took 20-50x longer under contention)."),
     O("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]),

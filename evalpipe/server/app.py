@@ -17,10 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from evalpipe import __version__
-from evalpipe.engine.engine import SeqEvent
 from evalpipe.engine.sampling import SamplingParams
-from evalpipe.engine.scheduler import QueueFull, Sequence
 from evalpipe.server import generation
+from evalpipe.server.engine_client import ENGINE_DEAD, EngineCallError, EngineDead
 from evalpipe.server.errors import APIError, SafeJSONResponse, install_error_handlers
 from evalpipe.server.middleware import ContainErrors, RequireAPIKey
 from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,20 +47,29 @@ def create_app(state: ServerState) -> FastAPI:
     def require_ready() -> None:
         if state.load_error:
             raise APIError(503, f"model failed to load: {state.load_error}", type="server_error")
+        if state.engine_error:
+            raise APIError(503, f"the engine process died: {state.engine_error}", type="server_error",
+                           code="engine_dead")
         if not state.ready.is_set():
             raise APIError(503, "The model is still loading. Retry later.", code="model_loading",
                            headers={"Retry-After": "1"})
 
-    @app.get("/health")
-    async def health():
+    def not_serving() -> JSONResponse | None:
+        if state.engine_error:
+            return JSONResponse({"status": "engine process died"}, status_code=503)
         if not state.ready.is_set():
             return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
-        return {"status": "ok"}
+        return None
+
+    @app.get("/health")
+    async def health():
+        return not_serving() or {"status": "ok"}
 
     @app.get("/health_generate")
     async def health_generate():
-        if not state.ready.is_set():
-            return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
+        down = not_serving()
+        if down is not None:
+            return down
         ok = await _one_token(state)
         if not ok:
             return JSONResponse({"status": "generation failed or timed out"}, status_code=503)
@@ -70,7 +78,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         require_ready()
-        limit = getattr(state.runner, "max_seq_len", state.settings.max_seq_len)
+        limit = state.max_seq_len
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "evalpipe",
             "root": state.settings.model or state.model_id, "max_model_len": limit,
@@ -89,26 +97,28 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info():
-        return state.info()
+        return await state.info()
 
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info():
         require_ready()
-        return {"model_path": state.settings.model or getattr(state.runner, "model_path", None),
+        return {"model_path": state.settings.model or state.engine.info.static_info.get("model_path"),
                 "tokenizer_path": state.settings.tokenizer, "is_generation": True, "served_model_name": state.model_id}
 
     @app.get("/flush_cache")
     @app.post("/flush_cache")
     async def flush_cache():
-        # Runs on the engine thread between two steps; sequences in flight keep the pages they hold (so, unlike
+        # Runs in the engine process between two steps; sequences in flight keep the pages they hold (so, unlike
         # SGLang, a flush while busy needs no retry), and no later request can hit what was cached before.
         require_ready()
         try:
-            result = await asyncio.to_thread(state.engine.flush_cache)
+            result = await state.engine.call("flush_cache")
         except TimeoutError as exc:
             raise APIError(503, f"cache flush timed out: {exc}", type="server_error",
                            headers={"Retry-After": "1"}) from None
+        except EngineDead as exc:
+            raise APIError(503, f"the engine process died: {exc}", type="server_error", code="engine_dead") from None
         if not result.get("enabled"):
             return {"flushed": True, "flushed_pages": 0,
                     "message": "the prefix cache is off (--prefix-cache off); nothing to flush"}
@@ -123,36 +133,30 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _one_token(state: ServerState) -> bool:
-    """Generate one greedy token from the BOS token through the whole engine path.
+    """Generate one greedy token from the BOS token through the engine process.
 
-    As in SGLang, a forward that completes while the probe waits (other requests being served) also proves the
+    As in SGLang, a step that completes while the probe waits (other requests being served) also proves the
     engine alive: then the probe is withdrawn and the answer is 200 without waiting for its own turn.
     """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def on_event(ev: SeqEvent) -> None:
-        if ev.finish_reason is not None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ev))
-
-    bos = getattr(state.tokenizer, "bos_token_id", None)
-    bos = bos if bos is not None else getattr(state.runner.config, "bos_token_id", 0) or 0
-    seq = Sequence(prompt=[bos], params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                   on_event=on_event)
     engine = state.engine
-    try:
-        engine.submit([seq])
-    except QueueFull:
-        return False
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     t0 = time.monotonic()
+    try:
+        rid, queue = await engine.submit([[engine.info.bos_token_id]], [params], 1)
+    except (EngineCallError, EngineDead, TimeoutError):
+        return False
     try:
         while time.monotonic() - t0 < HEALTH_GENERATE_TIMEOUT_S:
             try:
-                ev = await asyncio.wait_for(asyncio.shield(done), 0.25)
-                return ev.error is None and len(seq.output) == 1
+                ev = await asyncio.wait_for(queue.get(), 0.25)
             except asyncio.TimeoutError:
                 if engine.last_step_at > t0:
                     return True
+                continue
+            if ev is ENGINE_DEAD:
+                return False
+            if ev.finish_reason is not None:
+                return ev.error is None and ev.completion_tokens == 1
         return False
     finally:
-        engine.abort([seq])
+        engine.abort(rid)

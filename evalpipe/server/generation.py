@@ -1,8 +1,9 @@
 """From a validated OpenAI request to engine sequences, and from engine events to OpenAI responses or SSE chunks.
 
 One request becomes `len(prompts) * n` sequences (choice index = prompt_index * n + i); a request with more
-sequences than the queue could ever hold is a 400, not a retryable 503. Events arrive from the engine thread
-through an asyncio queue. While a request runs, a watcher waits on the connection itself; when the client goes
+sequences than the queue could ever hold is a 400, not a retryable 503. The job is submitted to the engine process
+(server/engine_client.py) and its events arrive on an asyncio queue; an engine that dies meanwhile is a 503.
+While a request runs, a watcher waits on the connection itself; when the client goes
 away (streamed or not) its unfinished sequences are aborted at once, so the engine drops them and frees their
 runner slots before its next forward. A chat request's tools and response_format become a grammar on its
 sampling params (structured.plan; compiled off the event loop before queueing, so a bad schema is a 400), and a
@@ -21,11 +22,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from evalpipe import __version__
-from evalpipe.engine.engine import SeqEvent, make_sequences
-from evalpipe.engine.grammar import GrammarError
+from evalpipe.engine.engine import SeqEvent
 from evalpipe.engine.sampling import SamplingParams
-from evalpipe.engine.scheduler import QueueFull, Sequence
 from evalpipe.server import structured
+from evalpipe.server.engine_client import ENGINE_DEAD, EngineCallError, EngineDead
 from evalpipe.server.errors import APIError, SafeJSONResponse, bad_request, json_bytes
 from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
 from evalpipe.server.tool_calls import ToolCallSplitter
@@ -43,6 +43,7 @@ class Choice:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     spec: dict | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -64,8 +65,8 @@ class Job:
     grammar_param: str | None = None  # the request field a grammar came from (named by a compile error)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    seqs: list[Sequence] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
+    rid: int | None = None  # the engine's name for this request, once submitted
     queue: asyncio.Queue | None = None
     disconnected: bool = False
 
@@ -83,7 +84,8 @@ class Job:
         """Prompt tokens served from the prefix cache, counted once per prompt like prompt_tokens (the best of its
         n choices: a later choice may hit the pages an earlier one just computed)."""
         n = max(1, self.n)
-        return sum(max((s.cached_tokens for s in self.seqs[i:i + n]), default=0) for i in range(0, len(self.seqs), n))
+        return sum(max((c.cached_tokens for c in self.choices[i:i + n]), default=0)
+                   for i in range(0, len(self.choices), n))
 
 
 # -- request -> job -----------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def check_model(state, requested: str | None) -> None:
 
 
 def _sampling(state, req, max_tokens: int, logprobs: int | None, grammar=None) -> SamplingParams:
-    vocab = int(getattr(state.runner.config, "vocab_size", 1 << 31))
+    vocab = state.vocab_size
     stop_ids = tuple(req.stop_token_ids or ())
     bad = [t for t in stop_ids if not 0 <= t < vocab]
     if bad:
@@ -111,7 +113,7 @@ def _sampling(state, req, max_tokens: int, logprobs: int | None, grammar=None) -
 def _check_length(state, prompt: list[int], max_tokens: int | None, param: str) -> int:
     """The max_tokens to use: at most what the context leaves after the prompt (as SGLang's auto-truncate; the
     response then ends with finish_reason "length"). A prompt that leaves no room is a 400 context_length_exceeded."""
-    limit = int(getattr(state.runner, "max_seq_len", state.settings.max_seq_len))
+    limit = state.max_seq_len
     if len(prompt) >= limit:
         raise APIError(
             400,
@@ -125,7 +127,7 @@ def _check_length(state, prompt: list[int], max_tokens: int | None, param: str) 
 
 def _check_batch(state, n_sequences: int, param: str) -> None:
     """A request is queued whole or not at all: one with more sequences than the queue holds can never run."""
-    limit = state.engine.scheduler.max_queue
+    limit = state.engine.info.max_queue
     if n_sequences > limit:
         raise bad_request(f"this request needs {n_sequences} sequences (prompts x n) but the server queues at most "
                           f"{limit} (--max-queue); split it into smaller requests", param=param,
@@ -146,7 +148,7 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     _check_batch(state, req.n, "n")
     plan = structured.plan(req, state.tokenizer)
     if plan.grammar is not None:
-        blocker = state.engine.grammar_blocker()
+        blocker = state.engine.info.grammar_blocker
         if blocker:
             raise bad_request(f"constrained output (tools/response_format) is not available on this server: {blocker}",
                               param="response_format" if req.response_format else "tool_choice")
@@ -190,7 +192,7 @@ def _template_message(m) -> dict:
 def completion_job(state, req: CompletionRequest) -> Job:
     check_model(state, req.model)
     include_usage, continuous = _common(req)
-    vocab = int(getattr(state.runner.config, "vocab_size", 1 << 31))
+    vocab = state.vocab_size
     try:
         raw = req.prompts()
     except ValueError as exc:
@@ -214,32 +216,40 @@ def completion_job(state, req: CompletionRequest) -> Job:
 
 
 # -- running -----------------------------------------------------------------------------------------
+def engine_gone(exc: Exception) -> APIError:
+    return APIError(503, f"the engine process died: {exc}", type="server_error", code="engine_dead")
+
+
 async def compile_grammar(state, job: Job) -> None:
-    """Compile the job's grammar off the event loop (cached per spec); a schema xgrammar cannot take is a 400."""
+    """Compile the job's grammar in the engine process (off its step loop, cached per spec) before queueing; a
+    schema xgrammar cannot take is a 400."""
     spec = job.params[0].grammar if job.params else None
     if spec is None:
         return
     try:
-        await asyncio.to_thread(state.engine.grammars.compile, spec)
-    except GrammarError as exc:
+        await state.engine.call("compile", spec, timeout=None)
+    except EngineDead as exc:
+        raise engine_gone(exc) from None
+    except EngineCallError as exc:
+        if exc.kind != "grammar":
+            raise
         raise bad_request(f"the {job.grammar_param} schema cannot be used for constrained decoding: {exc}",
                           param=job.grammar_param, code="invalid_schema") from None
 
 
-def submit(state, job: Job) -> None:
-    loop = asyncio.get_running_loop()
-    job.queue = asyncio.Queue()
-
-    def on_event(event: SeqEvent, _queue=job.queue) -> None:
-        loop.call_soon_threadsafe(_queue.put_nowait, event)
-
-    for i, (prompt, params) in enumerate(zip(job.prompts, job.params)):
-        job.seqs += make_sequences(prompt, params, job.n, on_event, first_index=i * job.n)
+async def submit(state, job: Job) -> None:
     try:
-        state.engine.submit(job.seqs)
-    except QueueFull as exc:
-        raise APIError(503, f"The server is overloaded: {exc}. Retry later.", code="queue_full",
-                       headers={"Retry-After": RETRY_AFTER_S}) from None
+        job.rid, job.queue = await state.engine.submit(job.prompts, job.params, job.n)
+    except EngineDead as exc:
+        raise engine_gone(exc) from None
+    except EngineCallError as exc:
+        if exc.kind == "queue_full":
+            raise APIError(503, f"The server is overloaded: {exc}. Retry later.", code="queue_full",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        if exc.kind == "grammar":
+            raise bad_request(f"the {job.grammar_param} schema cannot be used for constrained decoding: {exc}",
+                              param=job.grammar_param, code="invalid_schema") from None
+        raise
 
 
 async def _watch_disconnect(state, job: Job, request: Request) -> None:
@@ -248,20 +258,22 @@ async def _watch_disconnect(state, job: Job, request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         await asyncio.sleep(0.05)  # not expected (the body is read); never spin if a server repeats a message
     job.disconnected = True
-    state.engine.abort(job.seqs)
+    state.engine.abort(job.rid)
     job.queue.put_nowait(DISCONNECTED)
 
 
 async def events(state, job: Job, request: Request | None) -> AsyncIterator[SeqEvent]:
     """The job's engine events until every choice has finished or the client left; aborts the rest when the caller
-    stops early."""
-    remaining = len(job.seqs)
+    stops early. Raises the 503 APIError when the engine process dies meanwhile."""
+    remaining = len(job.choices)
     watcher = asyncio.ensure_future(_watch_disconnect(state, job, request)) if request is not None else None
     try:
         while remaining:
             event = job.queue.get_nowait() if not job.queue.empty() else await job.queue.get()
             if event is DISCONNECTED:
                 return
+            if event is ENGINE_DEAD:
+                raise engine_gone(state.engine_error or "it exited")
             if event.finish_reason is not None:
                 remaining -= 1
             _apply(job, event)
@@ -269,13 +281,17 @@ async def events(state, job: Job, request: Request | None) -> AsyncIterator[SeqE
     finally:
         if watcher is not None:
             watcher.cancel()
-        state.engine.abort(job.seqs)  # no-op for finished sequences
+        if remaining:
+            state.engine.abort(job.rid)
+        else:
+            state.engine.release(job.rid)
 
 
 def _apply(job: Job, ev: SeqEvent) -> None:
     c = job.choices[ev.index]
     c.text += ev.text
     c.token_ids += ev.token_ids
+    c.cached_tokens = ev.cached_tokens
     if ev.logprobs:
         c.logprobs += ev.logprobs
     if ev.finish_reason is not None:
@@ -284,7 +300,7 @@ def _apply(job: Job, ev: SeqEvent) -> None:
 
 async def respond(state, job: Job, request: Request):
     await compile_grammar(state, job)
-    submit(state, job)
+    await submit(state, job)
     if job.stream:
         return StreamingResponse(_sse(state, job, request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -346,43 +362,55 @@ async def _sse(state, job: Job, request: Request) -> AsyncIterator[bytes]:
                 first["prompt_token_ids"] = c.prompt_ids
             started.add(i)
             yield chunk([first])
-    async for ev in events(state, job, request):
-        if ev.error:
-            err = APIError(500, f"generation failed: {ev.error}", type="server_error").body()
-            yield _data(err)
-            break
-        if not ev.token_ids and ev.finish_reason is None:
-            continue
-        c = job.choices[ev.index]
-        offset = len(c.text) - len(ev.text)
-        choice: dict[str, Any] = {"index": ev.index}
-        finish = _finish(ev.finish_reason)
-        if job.chat:
-            choice["delta"] = {"content": ev.text}
-            if ev.index in splitters:
-                splitter = splitters[ev.index]
-                content, calls = splitter.feed(c.token_ids, c.text, final=ev.finish_reason is not None)
-                choice["delta"] = ({"content": content} if content or not splitter.has_calls else {}) | (
-                    {"tool_calls": calls} if calls else {})
-                if splitter.calls() and finish == "stop":
-                    finish = "tool_calls"
-            choice["logprobs"] = _chat_logprobs(state, ev.logprobs or []) if job.want_logprobs else None
-        else:
-            choice["text"] = ev.text
-            choice["logprobs"] = _legacy_logprobs(state, ev.logprobs or [], offset) if job.want_logprobs else None
-        choice["finish_reason"] = finish
-        choice["matched_stop"] = ev.matched_stop
-        if ev.finish_reason is not None:
-            choice["spec"] = ev.spec
-        if job.return_token_ids:
-            choice["token_ids"] = ev.token_ids
-            if ev.index not in started:
-                choice["prompt_token_ids"] = c.prompt_ids
-        started.add(ev.index)
-        yield chunk([choice])
-    else:
-        if job.include_usage and not job.disconnected:
-            yield chunk([], job.usage())
+    stream = events(state, job, request)
+    complete = False
+    try:
+        while True:
+            try:
+                ev = await stream.__anext__()
+            except StopAsyncIteration:
+                complete = True
+                break
+            except APIError as exc:  # the engine process died: the error is the stream's last event
+                yield _data(exc.body())
+                break
+            if ev.error:
+                err = APIError(500, f"generation failed: {ev.error}", type="server_error").body()
+                yield _data(err)
+                break
+            if not ev.token_ids and ev.finish_reason is None:
+                continue
+            c = job.choices[ev.index]
+            offset = len(c.text) - len(ev.text)
+            choice: dict[str, Any] = {"index": ev.index}
+            finish = _finish(ev.finish_reason)
+            if job.chat:
+                choice["delta"] = {"content": ev.text}
+                if ev.index in splitters:
+                    splitter = splitters[ev.index]
+                    content, calls = splitter.feed(c.token_ids, c.text, final=ev.finish_reason is not None)
+                    choice["delta"] = ({"content": content} if content or not splitter.has_calls else {}) | (
+                        {"tool_calls": calls} if calls else {})
+                    if splitter.calls() and finish == "stop":
+                        finish = "tool_calls"
+                choice["logprobs"] = _chat_logprobs(state, ev.logprobs or []) if job.want_logprobs else None
+            else:
+                choice["text"] = ev.text
+                choice["logprobs"] = _legacy_logprobs(state, ev.logprobs or [], offset) if job.want_logprobs else None
+            choice["finish_reason"] = finish
+            choice["matched_stop"] = ev.matched_stop
+            if ev.finish_reason is not None:
+                choice["spec"] = ev.spec
+            if job.return_token_ids:
+                choice["token_ids"] = ev.token_ids
+                if ev.index not in started:
+                    choice["prompt_token_ids"] = c.prompt_ids
+            started.add(ev.index)
+            yield chunk([choice])
+    finally:
+        await stream.aclose()
+    if complete and job.include_usage and not job.disconnected:
+        yield chunk([], job.usage())
     if not job.disconnected:
         yield b"data: [DONE]\n\n"
 

@@ -1,17 +1,20 @@
-"""What the server holds: its settings, and the engine it loads on a background thread after binding.
+"""What the server holds: its settings, the tokenizer, and the client of the engine process it starts after binding.
 
 Loading after the port is open lets `/health` and `/health_generate` answer 503 while weights are created or
-read, which is how launchers (and SGLang) tell "starting" from "dead".
+read, which is how launchers (and SGLang) tell "starting" from "dead". The model lives in the engine process
+(engine/process.py); the server keeps what the engine reported when it became ready (`engine.info`) and asks it
+for the moving parts of /get_server_info.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
 import shlex
 import sys
 import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -19,10 +22,9 @@ import torch
 
 from evalpipe import __version__
 from evalpipe.engine.build import build
-from evalpipe.engine.cache import PoolExhausted
-from evalpipe.engine.engine import Engine
 from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
 from evalpipe.redact import redact, redact_argv
+from evalpipe.server.engine_client import EngineClient, EngineLoadError
 
 log = logging.getLogger("evalpipe.server")
 
@@ -39,6 +41,7 @@ class ServerSettings:
     max_tokens_per_step: int = 512
     max_queue: int = 1024
     max_seq_len: int = 4096
+    threads: int = 1  # torch intra-op threads of the engine process on the CPU (the HTTP process runs no torch op)
     api_key: str | None = None
     more_api_keys: tuple[str, ...] = ()  # further keys accepted beside api_key (`--api-key` given several times)
     docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key when one is set)
@@ -93,61 +96,75 @@ class ServerState:
         on_error: Callable[[str], None] | None = None,
     ):
         self.settings = settings
-        self._build = build  # settings -> (runner, decoder); decoder None: plain decoding
+        self._build = build  # settings -> (runner, decoder), run in the engine process (a picklable function)
         self._tokenizer_factory = tokenizer_factory
         self._on_ready = on_ready
-        self._on_error = on_error
+        self._on_error = on_error  # called with the sentence to show: the load failed, or the engine died
         self.ready = threading.Event()
         self.load_error: str | None = None
-        self.engine: Engine | None = None
-        self.runner: Any = None
+        self.engine_error: str | None = None  # the engine process died after loading
+        self.engine: EngineClient | None = None
         self.tokenizer: Any = None
         self.model_id: str = settings.model or DEFAULT_MODEL_NAME
         self.started_at = time.time()
         self.load_seconds: float | None = None
+        self._loading: asyncio.Task | None = None
+
+    # -- what the engine reported when it became ready ------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.info.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.info.max_seq_len if self.engine and self.engine.info else self.settings.max_seq_len
+
+    @property
+    def speculative(self) -> dict:
+        return dict(self.engine.info.static_info["speculative"]) if self.engine and self.engine.info else {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start_loading(self) -> None:
-        threading.Thread(target=self._load, name="evalpipe-loader", daemon=True).start()
+        """Start the engine process (from the event loop's thread: the process dies with the thread that made it)."""
+        self._loading = asyncio.get_running_loop().create_task(self._load())
 
-    def _load(self) -> None:
+    async def _load(self) -> None:
         t0 = time.perf_counter()
+        self.engine = EngineClient(self.settings, self._build, self._tokenizer_factory, on_dead=self._engine_died)
+        tokenizer = asyncio.ensure_future(asyncio.to_thread(self._tokenizer_factory, self.settings))
         try:
-            self.tokenizer = self._tokenizer_factory(self.settings)
-            self.runner, decoder = self._build(self.settings)
-            self.model_id = getattr(self.runner, "model_name", None) or self.model_id
-            vocab = getattr(self.runner.config, "vocab_size", None)
-            if vocab is not None and self.tokenizer.vocab_size > vocab:
-                raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
-            self.engine = Engine(
-                self.runner, self.tokenizer, max_batch=self.settings.max_batch,
-                max_tokens_per_step=self.settings.max_tokens_per_step, max_queue=self.settings.max_queue,
-                decoder=decoder, exhausted=(PoolExhausted,),
-            )
-            self.engine.start()
+            ready = await self.engine.start()
+            self.tokenizer = await tokenizer
         except Exception as exc:
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            log.debug("model loading failed:\n%s", traceback.format_exc())  # --log-level debug shows where
+            self.load_error = str(exc) if isinstance(exc, EngineLoadError) else f"{type(exc).__name__}: {exc}"
             if self._on_error:
-                self._on_error(self.load_error)
+                self._on_error(f"model failed to load: {self.load_error}")
             return
+        self.model_id = ready.model_id
         self.load_seconds = time.perf_counter() - t0
         self.ready.set()
         if self._on_ready:
             self._on_ready(self)
 
+    def _engine_died(self, reason: str) -> None:
+        self.engine_error = reason
+        if self._on_error:
+            self._on_error(f"the engine process died ({reason}); the server stops")
+
     def shutdown(self) -> None:
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
         if self.engine is not None:
-            self.engine.stop()
+            self.engine.close()
 
     # -- introspection -----------------------------------------------------------------------------
-    def info(self) -> dict:
+    async def info(self) -> dict:
         s = self.settings
         info: dict[str, Any] = {
             "model": self.model_id,
             "model_path": s.model,
             "version": __version__,
-            "ready": self.ready.is_set(),
+            "ready": self.ready.is_set() and self.engine_error is None,
             "load_error": self.load_error,
             "load_seconds": self.load_seconds,
             "dtype": s.dtype,
@@ -169,35 +186,52 @@ class ServerState:
         # Everything that moves while serving lives under internal_states (SGLang's name), so that run manifests
         # comparing /get_server_info at start and end see only configuration above it.
         internal: dict[str, Any] = {}
-        if self.runner is not None:
-            cfg = self.runner.config
-            info["config"] = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
-            described = _safe(self.runner.describe)
+        engine_rss = 0.0
+        if self.ready.is_set():
+            static = self.engine.info.static_info
+            info["config"] = static["config"]
+            described = static["runner"]
             info["runner"] = {k: v for k, v in described.items() if k not in RUNNER_VOLATILE_KEYS}
-            internal["runner"] = described
-            info["engine"]["max_seq_len"] = getattr(self.runner, "max_seq_len", s.max_seq_len)
+            info["engine"]["max_seq_len"] = self.max_seq_len
             cache = described.get("prefix_cache") if isinstance(described, dict) else None
             if isinstance(cache, dict):
                 info["prefix_cache"] = {k: cache[k] for k in ("enabled", "page_tokens") if k in cache}
-                internal["prefix_cache"] = cache
-            sites = getattr(self.runner, "fused_sites", None)
-            if sites is not None:
-                from evalpipe.engine.model.fused_sites import site_counts
-
-                info["fused_sites"] = sites
-                internal["fused_site_calls"] = site_counts()
+            if "fused_sites" in static:
+                info["fused_sites"] = static["fused_sites"]
+            spec = dict(static["speculative"])
+            spec.pop("totals", None)
+            info["speculative"] = spec
+            live = await self._engine_state()
+            if "error" in live:
+                internal["engine_error"] = live["error"]
+            else:
+                internal["runner"] = live["runner"]
+                if isinstance(live["runner"], dict) and isinstance(live["runner"].get("prefix_cache"), dict):
+                    internal["prefix_cache"] = live["runner"]["prefix_cache"]
+                if "fused_site_calls" in live:
+                    internal["fused_site_calls"] = live["fused_site_calls"]
+                if "totals" in live["speculative"]:
+                    internal["speculative_totals"] = live["speculative"]["totals"]
+                internal.update(live["engine"])
+                engine_rss = live["peak_rss_mb"]
+            internal["engine_process"] = {"pid": self.engine.pid, "alive": self.engine_error is None}
         if self.tokenizer is not None:
             info["tokenizer"] = self.tokenizer.describe()
-        if self.engine is not None:
-            spec = dict(self.engine.decoder.describe())
-            if "totals" in spec:
-                internal["speculative_totals"] = spec.pop("totals")
-            info["speculative"] = spec
-            internal.update(self.engine.describe())
-        internal["peak_rss_mb"] = _peak_rss_mb()
+        http_rss = _peak_rss_mb()
+        internal["peak_rss_mb"] = http_rss + engine_rss  # the server's footprint: HTTP process + engine process
+        internal["peak_rss_mb_by_process"] = {"http": http_rss, "engine": engine_rss}
         internal["uptime_s"] = time.time() - self.started_at
         info["internal_states"] = internal
         return redact(info, s.api_keys())  # no setting or echoed command line carries the key out
+
+    async def _engine_state(self) -> dict:
+        """The engine's live counters, or {"error": why} (a dead or unresponsive engine never breaks the info)."""
+        if self.engine_error is not None:
+            return {"error": self.engine_error}
+        try:
+            return await self.engine.call("describe", timeout=10.0)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _accept_setting(settings: ServerSettings) -> dict:
@@ -227,15 +261,5 @@ def _structured_output_backend() -> dict:
 
 
 def _peak_rss_mb() -> float:
-    """Peak resident memory of this server process (Linux reports ru_maxrss in KiB)."""
-    import resource
-
+    """Peak resident memory of this (HTTP) process (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _safe(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except Exception as exc:  # introspection must never break /get_server_info
-        return {"error": f"{type(exc).__name__}: {exc}"}
-

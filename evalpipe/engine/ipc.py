@@ -1,0 +1,75 @@
+"""The messages between the HTTP server process and the engine process (sent pickled over two ZeroMQ PUSH/PULL pipes).
+
+Server -> engine: `Submit` (one request's sequences, all or none), `Abort` (a request whose client left; applied
+before the next forward), `Call` (anything else that needs an answer: grammar compile, cache flush, describe),
+`Shutdown`. Engine -> server: `Ready` (or `LoadFailed`) once, then one `Step` per engine step carrying every event
+that step produced (all rows' new tokens in one message, never one message per token), and a `Reply` per `Submit`
+and `Call`. A request is identified by the server's `rid`; the engine's `SeqEvent.index` is the choice within it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+# -- server -> engine ----------------------------------------------------------------------------------
+@dataclass
+class Submit:
+    call_id: int  # answered by a Reply: ok, or error "queue_full"
+    rid: int
+    prompts: list[list[int]]
+    params: list[Any]  # one SamplingParams per prompt
+    n: int  # choices per prompt (choice index = prompt_index * n + i)
+
+
+@dataclass
+class Abort:
+    rids: list[int]
+
+
+@dataclass
+class Call:
+    call_id: int
+    method: str  # "compile" (args: a GrammarSpec), "flush_cache", "describe"
+    args: tuple = ()
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- engine -> server ----------------------------------------------------------------------------------
+@dataclass
+class Ready:
+    """What the server needs to validate requests and describe itself without asking the engine again."""
+
+    pid: int
+    model_id: str
+    max_seq_len: int
+    vocab_size: int
+    bos_token_id: int | None
+    max_queue: int
+    grammar_blocker: str | None  # why constrained output is refused on this engine, or None
+    static_info: dict  # the configuration parts of /get_server_info (config, runner, speculative, fused_sites)
+
+
+@dataclass
+class LoadFailed:
+    error: str  # "ExceptionType: message", shown to the user
+
+
+@dataclass
+class Step:
+    """One engine step: (rid, SeqEvent) for every sequence it advanced or finished, in order."""
+
+    events: list[tuple[int, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Reply:
+    call_id: int
+    result: Any = None
+    error: str | None = None  # None: success
+    error_kind: str | None = None  # "queue_full" | "grammar" | None (anything else)
