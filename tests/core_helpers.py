@@ -16,6 +16,19 @@ def evalpipe_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "evalpipe.cli", *map(str, args)]
 
 
+# A child inherits its parent's SIGINT disposition and mask, and Python keeps an inherited "ignore": were a test
+# worker ever to run with SIGINT ignored or blocked, a child it interrupts would never see the signal, and the test
+# would measure the worker, not evalpipe. This prelude gives the child Python's own handler, as under a terminal.
+_INTERRUPTIBLE = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); sys.argv[0] = 'evalpipe'; "
+                  "runpy.run_module('evalpipe.cli', run_name='__main__', alter_sys=True)")
+
+
+def interruptible_evalpipe_cmd(*args: str) -> list[str]:
+    """`evalpipe ARGS` for a test that sends the child SIGINT (Ctrl-C)."""
+    return [sys.executable, "-c", _INTERRUPTIBLE, *map(str, args)]
+
+
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`evalpipe ARGS` in a fresh interpreter (progress bar off, data dir pinned to the shared copy)."""
     env = dict(os.environ, EVALPIPE_DATA_DIR=str(DATA_DIR))

@@ -152,10 +152,12 @@ def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
     import subprocess
     import time
 
+    from tests.core_helpers import interruptible_evalpipe_cmd
+
     with start_peer(stream_groups=[1, 1, 1, 1], event_delay_s=0.1) as (base_url, stats):
-        proc = subprocess.Popen([sys.executable, "-m", "evalpipe.cli", "bench", "--base-url", base_url, "--input-len",
+        proc = subprocess.Popen(interruptible_evalpipe_cmd("bench", "--base-url", base_url, "--input-len",
                                  "4", "--output-len", "4", "--rounds", "100", "--warmup", "0", "--out",
-                                 str(tmp_path / "b")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 str(tmp_path / "b")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 60
         while stats()["requests"] < 3 and time.time() < deadline:
             time.sleep(0.1)

@@ -12,7 +12,7 @@ import pytest
 
 from evalpipe.lanes.grading import legacy_answer_value
 from evalpipe.harness.records import REQUIRED_KEYS
-from tests.core_helpers import DATA_DIR, evalpipe_cmd, load_run, only_run_dir, run_cli, run_lane
+from tests.core_helpers import DATA_DIR, evalpipe_cmd, interruptible_evalpipe_cmd, load_run, only_run_dir, run_cli, run_lane
 from tests.scripted_server import (
     DEFAULT_CONFIG,
     answer_table,
@@ -297,7 +297,7 @@ def test_sigint_keeps_records_then_resume_completes_without_duplicates(srv, tmp_
     n = 300
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        evalpipe_cmd("run", "gsm8k", "--base-url", url, "--out", out, "--num-examples", n, "--concurrency", 4,
+        interruptible_evalpipe_cmd("run", "gsm8k", "--base-url", url, "--out", out, "--num-examples", n, "--concurrency", 4,
                      "--max-retries", 0, "--no-progress"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -84,9 +84,11 @@ def test_ctrl_c_keeps_records_and_writes_partial_summary(tmp_path):
     import subprocess
     import time
 
+    from tests.core_helpers import interruptible_evalpipe_cmd
+
     with start_peer(variants=[V0, V1], completion_delay_s=0.2) as (base_url, stats):
-        proc = subprocess.Popen([sys.executable, "-m", "evalpipe.cli", "repeat", "--base-url", base_url, "--repeats",
-                                 "50", "--fixtures", "open_short", "--conditions", "serial", "--out", str(tmp_path)],
+        proc = subprocess.Popen(interruptible_evalpipe_cmd("repeat", "--base-url", base_url, "--repeats",
+                                 "50", "--fixtures", "open_short", "--conditions", "serial", "--out", str(tmp_path)),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 60
         while stats()["requests"] < 3 and time.time() < deadline:
