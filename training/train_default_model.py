@@ -243,7 +243,8 @@ def main(argv=None):
     if args.mix:
         data.set_mix(args.mix)
     prior = json.loads((args.resume / "receipt.json").read_text()) if args.resume else None
-    if prior and ("calls" not in prior or prior["steps"] >= (prior["planned_steps"] or 0)):
+    if prior and ("calls" not in prior or (prior["planned_steps"] is not None
+                                             and prior["steps"] >= prior["planned_steps"])):
         raise SystemExit(f"{args.resume}: nothing to resume (a finished run, or one written without --stop-after)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     random.seed(args.seed)
@@ -267,6 +268,7 @@ def main(argv=None):
     step = first_step = prior["steps"] if prior else 0
     history, evals = (prior["history"], prior["evals"]) if prior else ([], [])
     tokens, answer_tokens = (prior["tokens"], prior["answer_tokens"]) if prior else (0, 0)
+    start_tokens = tokens
     earlier_wall = prior["wall_s"] if prior else 0.0
     calls = prior["calls"] if prior else []
     calibrate_at = 30
@@ -327,7 +329,7 @@ def main(argv=None):
             break
     write_outputs(model, taps, args, topk, receipt_facts(), history, evals)
     left = f"; {total - step} planned steps left (--resume {args.out})" if total and step < total else ""
-    print(f"wrote {args.out} in {time.time() - t0:.0f} s ({(tokens - (prior or {}).get('tokens', 0)) / (time.time() - t0):.0f}"
+    print(f"wrote {args.out} in {time.time() - t0:.0f} s ({(tokens - start_tokens) / (time.time() - t0):.0f}"
           f" tokens/s){left}", flush=True)
 
 
