@@ -2,9 +2,13 @@
 side by side in one process: transformers' eager experts vs `grouped_mm`, at each batch size. Same model, same
 batches, same losses (the options change kernels, not the function).
 
-    python benchmarks/training_step.py [--batch-tokens 40960,131072] [--steps 6] [--width 512]
+    python benchmarks/training_step.py [--batch-tokens 40960,131072] [--steps 6] [--width 512] [--stream 40]
 
 Prints one row per (option, batch): ms per optimizer step, padded tokens/s, peak memory, the first step's loss.
+`--stream N` adds one row per option over N consecutive batches of the training script's own stream (its length
+buckets and every 8th batch long, as the loop sees them, data loading excluded) with the loop's full optimizer
+step, and the share of that wall time the GPU spends in kernels (torch.profiler over the last batches): well under
+100% means the step is bound by the host launching kernels, not by the GPU.
 """
 
 from __future__ import annotations
@@ -51,8 +55,7 @@ def time_option(experts: str, batch: dict, steps: int, device) -> dict:
             sync()
             t = time.perf_counter()
         stats = train.train_step(model, taps, batch, args, device, autocast)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.optimizer_step(model, taps, opt, args)
         first_loss = first_loss if first_loss is not None else float(stats["loss"])
     sync()
     per_step = (time.perf_counter() - t) / steps
@@ -60,11 +63,53 @@ def time_option(experts: str, batch: dict, steps: int, device) -> dict:
     return {"ms": per_step * 1e3, "tok_s": batch["input_ids"].numel() / per_step, "mem": mem, "loss": first_loss}
 
 
+def time_stream(experts: str, batches: list[dict], device, profiled: int = 6) -> dict:
+    """The loop's step over the stream's batches: mean ms per step, and kernel time / wall over the last ones."""
+    args = train.parse_args(["--out", "/dev/null", "--experts", experts])
+    model = train.build_model(args, device)
+    taps = objectives.Taps(model, [3, 4])
+    opt = train.optimizer(model, args)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
+        (lambda: torch.autocast("cpu", enabled=False))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step(batch):
+        train.train_step(model, taps, batch, args, device, autocast)
+        train.optimizer_step(model, taps, opt, args)
+
+    for batch in batches[:3]:  # warm-up: allocator, autotuning
+        step(batch)
+    timed = batches[3:]
+    sync()
+    t = time.perf_counter()
+    for batch in timed:
+        step(batch)
+    sync()
+    per_step = (time.perf_counter() - t) / len(timed)
+    tokens = sum(b["input_ids"].numel() for b in timed) / len(timed)
+    busy = None
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        tail = timed[-profiled:]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for batch in tail:
+                step(batch)
+            sync()
+            wall = time.perf_counter() - t
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        busy = kernel_us / 1e6 / wall
+    return {"ms": per_step * 1e3, "tok_s": tokens / per_step, "tokens": tokens, "busy": busy}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-tokens", default="40960,131072", help="comma-separated padded tokens per step")
     ap.add_argument("--width", type=int, default=512, help="padded sequence length of every row")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per row (after two untimed ones)")
+    ap.add_argument("--stream", type=int, default=0,
+                    help="also time this many batches of the training stream with the loop's full step (0: off)")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -79,6 +124,15 @@ def main() -> None:
             r = time_option(experts, batch, args.steps, device)
             print(f"{experts:<11} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
                   f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f}", flush=True)
+    if args.stream:
+        it = iter(data.BatchStream(seed=0, batch_tokens=40960, long_tokens=24576, long_every=8))
+        batches = [next(it) for _ in range(args.stream + 3)]
+        print(f"\ntraining stream, {args.stream} timed batches (the loop's buckets, every 8th long), full optimizer step")
+        print(f"{'experts':<11} {'mean tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'GPU busy':>9}")
+        for experts in OPTIONS:
+            r = time_stream(experts, batches, device)
+            busy = f"{r['busy']:.0%}" if r["busy"] is not None else "n/a"
+            print(f"{experts:<11} {r['tokens']:>12.0f} {r['ms']:>9.1f} {r['tok_s']:>10.0f} {busy:>9}", flush=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,14 @@ def train_step(model, taps, batch, args, device, autocast):
             "tokens": ids.numel(), "answer_tokens": int((labels != -100).sum())}
 
 
+def optimizer_step(model, taps, opt, args) -> None:
+    """Clip, step, clear the gradients, then move the MoE selection biases (DeepSeek-V3's balancing rule)."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    objectives.update_router_bias(taps, args.bias_rate)
+
+
 @torch.no_grad()
 def evaluate(model, taps, sets, device, autocast, block_size=5, batch_size=64, token_budget=32768) -> dict:
     """Teacher-forced exact match per group (all answer tokens argmax-correct = the greedy reply is exact), and per
@@ -303,10 +311,7 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total or 10 ** 9, args) * g["lr_mult"] * rewarm
         stats = train_step(model, taps, batch, args, device, autocast)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        objectives.update_router_bias(taps, args.bias_rate)
+        optimizer_step(model, taps, opt, args)
         tokens += stats.pop("tokens")
         answer_tokens += stats.pop("answer_tokens")
         if step % 10 == 0 or step == planned - 1:
