@@ -80,11 +80,14 @@ def time_stream(experts: str, batches: list[dict], device, profiled: int = 6) ->
     for batch in batches[:3]:  # warm-up: allocator, autotuning
         step(batch)
     timed = batches[3:]
+    by_shape: dict[tuple, list[float]] = {}
     sync()
     t = time.perf_counter()
     for batch in timed:
+        t_step = time.perf_counter()
         step(batch)
-    sync()
+        sync()  # per-step times by shape; the sync costs the overlap of one step's tail with the next's launches
+        by_shape.setdefault(tuple(batch["input_ids"].shape), []).append(time.perf_counter() - t_step)
     per_step = (time.perf_counter() - t) / len(timed)
     tokens = sum(b["input_ids"].numel() for b in timed) / len(timed)
     busy = None
@@ -100,7 +103,7 @@ def time_stream(experts: str, batches: list[dict], device, profiled: int = 6) ->
             wall = time.perf_counter() - t
         kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
         busy = kernel_us / 1e6 / wall
-    return {"ms": per_step * 1e3, "tok_s": tokens / per_step, "tokens": tokens, "busy": busy}
+    return {"ms": per_step * 1e3, "tok_s": tokens / per_step, "tokens": tokens, "busy": busy, "by_shape": by_shape}
 
 
 def main() -> None:
@@ -133,6 +136,8 @@ def main() -> None:
             r = time_stream(experts, batches, device)
             busy = f"{r['busy']:.0%}" if r["busy"] is not None else "n/a"
             print(f"{experts:<11} {r['tokens']:>12.0f} {r['ms']:>9.1f} {r['tok_s']:>10.0f} {busy:>9}", flush=True)
+            for (rows, width), times in sorted(r["by_shape"].items(), key=lambda kv: kv[0][1]):
+                print(f"  {rows:>4} x {width:<5} {len(times):>3} steps {1e3 * sum(times) / len(times):>8.1f} ms/step")
 
 
 if __name__ == "__main__":
