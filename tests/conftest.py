@@ -1,6 +1,7 @@
 """Fixtures shared by the engine test modules."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,53 @@ import torch
 # start must see what a script that pipes their output sees (unbounded tables).
 for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
+
+# The longest test files on the 2-core CI machine, longest first (seconds: sum of setup + call + teardown in a full
+# run under `-n 2`). pyproject's addopts hand whole files to the two workers in collection order
+# (`--dist loadfile --no-loadscope-reorder`); starting with the longest keeps a long file from starting last and
+# running alone while the other worker idles (by xdist's default order, by number of tests, test_vllm_ab.py and its
+# single 250 s test started last). Files not listed follow, in pytest's order. Refresh with `--durations`.
+LONGEST_FIRST = [
+    "test_vllm_ab.py",  # 250 s
+    "test_qualify.py",  # 139
+    "test_ab.py",  # 130
+    "kernels/test_kernels_moe.py",  # 121
+    "kernels/test_kernels_c2.py",  # 118
+    "test_vllm_peer.py",  # 117
+    "test_server_structured.py",  # 106
+    "test_spec_acceptance.py",  # 100
+    "test_core_run.py",  # 89
+    "test_secret_scan.py",  # 86
+    "test_spec_server.py",  # 80
+    "kernels/test_static_step_triton.py",  # 65
+    "kernels/test_kernels_mxfp8.py",  # 59
+    "test_engine_process.py",  # 57
+    "test_spec_lossless.py",  # 53
+    "test_prefix_cache.py",  # 45
+    "test_server_startup.py",  # 45
+    "test_server_api.py",  # 43
+    "test_engine_oracle.py",  # 41
+    "test_training_smoke.py",  # 40
+    "kernels/test_kernels_q_rope.py",  # 37
+    "test_engine_fused_sites.py",  # 36
+    "test_bench.py",  # 34
+    "test_repeat.py",  # 34
+    "test_server_hostile.py",  # 30
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (LONGEST_FIRST); a stable sort, so each file's tests stay together and in order."""
+    tests_dir = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def file_rank(item) -> int:
+        try:
+            return rank.get(item.path.relative_to(tests_dir).as_posix(), len(rank))
+        except ValueError:  # a test outside tests/
+            return len(rank)
+
+    items.sort(key=file_rank)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ what it writes is a checkpoint the engine serves with transformers' own logits."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,13 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
     `--resume` finishes the same schedule; a finished run refuses to be resumed."""
     out = tmp_path / "model"
 
+    # one torch thread: beside another busy process on the 2-core machine, two threads spin against it (measured:
+    # this test took 357 s with two threads and 76 s with one, beside one busy process)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
     def train(*extra):
         return subprocess.run([sys.executable, "training/train_default_model.py", "--out", str(out), "--smoke", *extra],
-                              cwd=REPO, capture_output=True, text=True, timeout=900)
+                              cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
 
     first = train("--stop-after", "0")
     assert first.returncode == 0, first.stderr[-3000:]

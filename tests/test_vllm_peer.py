@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from evalpipe.launchers.base import free_port
-from tests.vllm_peer import BOOT_TIMEOUT_S, DATA_DIR, ENGINE_ARGS, PASSTHROUGH, alive, evalpipe, make_model, require_vllm
+from tests.vllm_peer import (BOOT_TIMEOUT_S, DATA_DIR, ENGINE_ARGS, PASSTHROUGH, VLLM_ENV, alive, evalpipe, make_model,
+                              require_vllm)
 
 N_QUESTIONS = 10
 MAX_TOKENS = 32
@@ -67,7 +68,7 @@ def test_serve_starts_the_cpu_build_through_the_module_and_records_its_environme
     assert receipt["server_info_path"] == "/server_info?config_format=json"
     spec = receipt["server_info"]["vllm_config"]["speculative_config"]
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
-    assert receipt["env_set"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    assert receipt["env_set"] == VLLM_ENV
 
 
 def _run(base_url: str, out, arm: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -19,14 +19,17 @@ DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / 
 VLLM_PYTHON = os.environ.get("EVALPIPE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 
 # How vLLM's CPU build is started here: 1 GiB of KV cache (24 GB are shared), dev mode for /server_info and
-# /reset_prefix_cache, dummy weights (the tiny model has none), float32, and eager mode (torch.compile adds ~10 s
-# to every boot on this CPU and is not what these tests are about).
+# /reset_prefix_cache, dummy weights (the tiny model has none), float32, eager mode (torch.compile adds ~10 s
+# to every boot on this CPU and is not what these tests are about), and the model worker inside the engine-core
+# process (`uni` executor; on CPU vLLM allows it only with VLLM_ENABLE_V1_MULTIPROCESSING=0, which the API server
+# does not read): each process imports vLLM for ~18 s on this CPU, and the default spawns three.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE_ARGS = [
     "--engine", "vllm", "--engine-python", VLLM_PYTHON, "--dtype", "float32",
-    "--set-env", "VLLM_CPU_KVCACHE_SPACE=1", "--set-env", "VLLM_SERVER_DEV_MODE=1",
+    *(arg for name, value in VLLM_ENV.items() for arg in ("--set-env", f"{name}={value}")),
 ]
 PASSTHROUGH = ["--load-format", "dummy", "--gpu-memory-utilization", "0.3", "--enforce-eager",
-               "--enable-prompt-tokens-details"]
+               "--enable-prompt-tokens-details", "--distributed-executor-backend", "uni"]
 BOOT_TIMEOUT_S = 600
 
 

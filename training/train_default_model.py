@@ -247,7 +247,7 @@ def main(argv=None):
     if args.smoke:  # every code path once, on CPU-sized batches
         args.steps, args.batch_tokens, args.long_tokens, args.long_every = 3, 1024, 1536, 3
         args.eval_per_group, args.workers, args.warmup, args.eval_every = 2, 0, 1, 1e9
-        data.LONG_AFTER = (512, 640)
+        data.LONG_AFTER = (128, 256)  # a long batch in the smallest long bucket (1536), not the next (2560)
     if args.mix:
         data.set_mix(args.mix)
     prior = json.loads((args.resume / "receipt.json").read_text()) if args.resume else None
@@ -268,7 +268,7 @@ def main(argv=None):
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
                                          persistent_workers=bool(args.workers))
-    sets = data.eval_sets(per_group=args.eval_per_group, max_after=1000 if args.smoke else 4096)
+    sets = data.eval_sets(per_group=args.eval_per_group, max_after=256 if args.smoke else 4096)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters on {device}; exits {exit_layers}", flush=True)
 

@@ -87,6 +87,10 @@ def command(**params):
 
 def serve_native(params: dict) -> None:
     """The native engine in this process, until Ctrl-C or SIGTERM. Flags not given take ServerSettings' defaults."""
+    device, host, log_level = params["device"] or "cpu", params["host"], params["log_level"]
+    sock = _bind(host, params["port"])  # before the imports below (torch, transformers: seconds)
+    port = sock.getsockname()[1]
+
     import dataclasses
 
     import uvicorn
@@ -95,7 +99,6 @@ def serve_native(params: dict) -> None:
     from evalpipe.server.app import create_app
     from evalpipe.server.state import ServerSettings, ServerState
 
-    device, host, log_level = params["device"] or "cpu", params["host"], params["log_level"]
     if device == "cuda":
         import torch
 
@@ -106,8 +109,6 @@ def serve_native(params: dict) -> None:
     torch.set_num_threads(1)  # this process runs no torch op; --threads is the engine process's (ServerSettings)
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sock = _bind(host, params["port"])
-    port = sock.getsockname()[1]
     fields = {f.name for f in dataclasses.fields(ServerSettings)}
     given = {k: v for k, v in params.items() if k in fields - {"port", "argv", "api_key"} and v is not None}
     keys = tuple(params["api_key"]) or tuple(k for k in [os.environ.get("EVALPIPE_API_KEY")] if k)
