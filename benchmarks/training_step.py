@@ -39,14 +39,26 @@ def batch_of(tokens: int, width: int, seed: int) -> dict:
     return data.collate(examples, width=width)
 
 
-def time_option(experts: str, batch: dict, steps: int, device) -> dict:
+def trainer(experts: str, device):
+    """A fresh model and optimizer as the training script builds them, its step (the loop's train_step and
+    optimizer_step) and a device sync."""
     args = train.parse_args(["--out", "/dev/null", "--experts", experts])
     model = train.build_model(args, device)
     taps = objectives.Taps(model, [3, 4])
     opt = train.optimizer(model, args)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
         (lambda: torch.autocast("cpu", enabled=False))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step(batch):
+        stats = train.train_step(model, taps, batch, args, device, autocast)
+        train.optimizer_step(model, taps, opt, args)
+        return stats
+
+    return step, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
+
+
+def time_option(experts: str, batch: dict, steps: int, device) -> dict:
+    step, sync = trainer(experts, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     first_loss = None
@@ -54,8 +66,7 @@ def time_option(experts: str, batch: dict, steps: int, device) -> dict:
         if i == 2:
             sync()
             t = time.perf_counter()
-        stats = train.train_step(model, taps, batch, args, device, autocast)
-        train.optimizer_step(model, taps, opt, args)
+        stats = step(batch)
         first_loss = first_loss if first_loss is not None else float(stats["loss"])
     sync()
     per_step = (time.perf_counter() - t) / steps
@@ -65,18 +76,7 @@ def time_option(experts: str, batch: dict, steps: int, device) -> dict:
 
 def time_stream(experts: str, batches: list[dict], device, profiled: int = 6) -> dict:
     """The loop's step over the stream's batches: mean ms per step, and kernel time / wall over the last ones."""
-    args = train.parse_args(["--out", "/dev/null", "--experts", experts])
-    model = train.build_model(args, device)
-    taps = objectives.Taps(model, [3, 4])
-    opt = train.optimizer(model, args)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
-        (lambda: torch.autocast("cpu", enabled=False))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def step(batch):
-        train.train_step(model, taps, batch, args, device, autocast)
-        train.optimizer_step(model, taps, opt, args)
-
+    step, sync = trainer(experts, device)
     for batch in batches[:3]:  # warm-up: allocator, autotuning
         step(batch)
     timed = batches[3:]
