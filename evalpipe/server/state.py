@@ -21,7 +21,6 @@ from typing import Any, Callable
 import torch
 
 from evalpipe import __version__
-from evalpipe.engine.build import build
 from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
 from evalpipe.redact import redact, redact_argv
 from evalpipe.server.engine_client import EngineClient, EngineLoadError
@@ -85,12 +84,20 @@ def default_tokenizer_factory(settings: ServerSettings) -> Any:
     return load_tokenizer(path)
 
 
+def build_in_engine_process(settings: ServerSettings) -> tuple[Any, Any]:
+    """engine.build.build, imported where it runs: the HTTP process never builds a model, and the runner's imports
+    (transformers' modeling and loading code) cost it ~1.5 s of start-up."""
+    from evalpipe.engine.build import build
+
+    return build(settings)
+
+
 class ServerState:
     def __init__(
         self,
         settings: ServerSettings,
         *,
-        build: Callable[[ServerSettings], tuple[Any, Any]] = build,
+        build: Callable[[ServerSettings], tuple[Any, Any]] = build_in_engine_process,
         tokenizer_factory: Callable[[ServerSettings], Any] = default_tokenizer_factory,
         on_ready: Callable[["ServerState"], None] | None = None,
         on_error: Callable[[str], None] | None = None,
