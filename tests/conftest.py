@@ -12,7 +12,8 @@ for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
 
 # The longest test files on the 2-core CI machine, longest first (seconds: sum of setup + call + teardown in a full
-# run under `-n 2`, before the vLLM and smoke-training tests were made cheaper; the order matters, not the numbers). pyproject's addopts hand whole files to the two workers in collection order
+# run under `-n 2`, before the vLLM and smoke-training tests were made cheaper; the order matters, not the numbers).
+# pyproject's addopts hand whole files to the two workers in collection order
 # (`--dist loadfile --no-loadscope-reorder`); starting with the longest keeps a long file from starting last and
 # running alone while the other worker idles (by xdist's default order, by number of tests, test_vllm_ab.py and its
 # single 250 s test started last). Files not listed follow, in pytest's order. Refresh with `--durations`.

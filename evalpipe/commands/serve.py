@@ -96,6 +96,7 @@ def serve_native(params: dict) -> None:
     import uvicorn
 
     from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
+    from evalpipe.engine.process import exit_after_clean_stop
     from evalpipe.server.app import create_app
     from evalpipe.server.state import ServerSettings, ServerState
 
@@ -146,11 +147,7 @@ def serve_native(params: dict) -> None:
     if failure:
         raise click.ClickException(failure[0])
     click.echo("evalpipe serve: stopped")
-    # Everything is stopped and closed; the interpreter's teardown of torch's objects would add ~2 s to every stop.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_clean_stop()
 
 
 def speculation_summary(state) -> str:
