@@ -83,7 +83,7 @@ COPY_TEXT = "k3v9x0pq"
 def fixtures(long_context_chars: int = DEFAULT_LONG_CONTEXT_CHARS, open_max_tokens: int = 64) -> list[Fixture]:
     return [
         Fixture("arithmetic", "control", completion_prompt("What is 120 + 35?"),
-                max_tokens=48, expected="155", extract=_last_int),
+                max_tokens=96, expected="155", extract=_last_int),
         Fixture("exact_copy", "control", completion_prompt(f"Copy the text exactly: {COPY_TEXT}"),
                 max_tokens=16, expected=COPY_TEXT, extract=_copy_prefix(COPY_TEXT)),
         Fixture("regex_date", "format",
