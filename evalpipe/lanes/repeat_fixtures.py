@@ -1,8 +1,9 @@
 """The fixed fixtures of the repeatability protocol (`evalpipe repeat`), each sent N times at temperature 0.
 
 Two controls with checkable answers tell a broken server from a merely non-deterministic one. They are asked in the
-formats the default model was trained on (evalpipe.skills: `arith`'s one-operation drill and `copy`), so against
-that model a wrong control is a server fault, not a weak model (tests/test_repeat.py checks both are right); a
+formats of evalpipe.skills (`arith`'s one-operation drill and `copy`). The default model answers the arithmetic
+control, so against it a wrong one is a server fault, not a weak model (tests/test_repeat.py checks it); it does not
+copy, so there the copy control only shows whether repeats agree (a model that copies makes it a control too); a
 regex-shaped answer checks format; a short open prompt shows where greedy outputs fork (the classic
 "Tell me about Richard Feynman" probe); the same prompt behind a long padding exercises long-context
 prefill and, on servers with a prefix cache, cached-versus-fresh prefixes.
