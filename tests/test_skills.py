@@ -28,6 +28,65 @@ def _eval_steps(answer: str) -> int:
     return value
 
 
+def _check_columns(line: str) -> None:
+    """Redo one worked line's digit columns by hand: each column's value, the carry or borrow it passes on, and the
+    result they spell, which must be the line's `<<a op b=r>>` result."""
+    a, op, b, columns, r = re.fullmatch(r".*?(\d+) ([-+*/]) (\d+): (.*); \1 \2 \3 = <<\1\2\3=(\d+)>>\5.*", line).groups()
+    a, b, r = int(a), int(b), int(r)
+    cols = columns.split(", ")
+    if op == "/":
+        rem, quotient = 0, ""
+        for d, col in zip(str(a), cols, strict=True):
+            cur, q, left = (int(v) for v in re.fullmatch(rf"(\d+)/{b}=(\d) r(\d)", col).groups())
+            assert cur == rem * 10 + int(d) and q == cur // b and left == cur % b
+            rem, quotient = left, quotient + str(q)
+        assert rem == 0 and int(quotient) == r
+        return
+    digits, carry = [], 0
+    top, low = str(a)[::-1], str(b)[::-1]
+    for i, col in enumerate(cols):
+        x, e, c, v = (int(t) for t in re.fullmatch(rf"(\d+)\{op}(\d)\+?-?(\d)=(\d+)", col).groups())
+        d = int(top[i]) if i < len(top) else 0
+        assert c == carry
+        if op == "+":
+            assert (x, e) == (d, int(low[i]) if i < len(low) else 0) and v == x + e + c
+            carry = v // 10
+        elif op == "-":
+            assert x in (d, d + 10) and e == (int(low[i]) if i < len(low) else 0) and 0 <= v == x - e - c <= 9
+            carry = int(x >= 10)
+        else:
+            assert x == d and e == b and v == x * b + c
+            carry = v // 10
+        digits.append(str(v) if i == len(cols) - 1 else str(v % 10))
+    assert len(cols) == max(len(top), len(low) if op != "*" else 0)
+    assert int("".join(reversed(digits))) == r
+
+
+@pytest.mark.parametrize("op, a, b, columns, result", [
+    ("+", 253, 95, "3+5+0=8, 5+9+0=14, 2+0+1=3", 348),
+    ("+", 999, 1, "9+1+0=10, 9+0+1=10, 9+0+1=10", 1000),
+    ("+", 12, 345, "2+5+0=7, 1+4+0=5, 0+3+0=3", 357),
+    ("-", 253, 95, "13-5-0=8, 15-9-1=5, 2-0-1=1", 158),
+    ("-", 1000, 999, "10-9-0=1, 10-9-1=0, 10-9-1=0, 1-0-1=0", 1),
+    ("-", 5, 5, "5-5-0=0", 0),
+    ("*", 257, 3, "7*3+0=21, 5*3+2=17, 2*3+1=7", 771),
+    ("*", 808, 9, "8*9+0=72, 0*9+7=7, 8*9+0=72", 7272),
+    ("/", 158, 2, "1/2=0 r1, 15/2=7 r1, 18/2=9 r0", 79),
+    ("/", 12, 3, "1/3=0 r1, 12/3=4 r0", 4),
+])
+def test_worked_digits_are_the_columns_a_person_writes(op, a, b, columns, result):
+    assert arith.worked_digits(op, a, b) == columns
+    line = arith.worked_line(op, a, b)
+    assert line == f"{a} {op} {b}: {columns}; {a} {op} {b} = <<{a}{op}{b}={result}>>{result}"
+    _check_columns(line)
+
+
+def test_column_check_rejects_a_wrong_column():
+    line = arith.worked_line("+", 253, 95).replace("5+9+0=14", "5+9+0=13")
+    with pytest.raises(AssertionError):
+        _check_columns(line)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_arith_is_exact_gsm8k_format_and_operands_lie_beyond_the_window(seed):
     rng = random.Random(seed)
@@ -37,6 +96,8 @@ def test_arith_is_exact_gsm8k_format_and_operands_lie_beyond_the_window(seed):
         assert 2 <= n <= 4 and ex.group == f"{n}ops"
         assert ex.answer.splitlines()[-1] == f"#### {ex.meta['expected']}"
         assert _eval_steps(ex.answer) == ex.meta["expected"] == legacy_answer_value(ex.answer)
+        for line in ex.answer.splitlines()[:-1]:
+            _check_columns(line)
         operands = [int(x) for x in re.findall(r"<<\d+[-+*/](\d+)=", ex.answer)]
         assert len(operands) == n and all(1 <= x <= 999 for x in operands)
         for x in operands:
@@ -52,6 +113,7 @@ def test_drill_is_one_checked_operation():
     for _ in range(300):
         ex = arith.drill(rng)
         assert _eval_steps(ex.answer) == ex.meta["expected"] and ex.answer.endswith(f"#### {ex.meta['expected']}")
+        _check_columns(ex.answer.splitlines()[0])
 
 
 def test_retrieval_needle_is_found_only_by_its_key_and_fits_the_context():

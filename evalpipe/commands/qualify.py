@@ -55,8 +55,6 @@ def _gates(ctx, param, value):
 @click.option("--retrieval-depths", type=click.IntRange(3, 64), default=4, show_default=True,
               help="Needle depths, from just before the question to the front of a --max-context prompt.")
 @click.option("--needles-per-depth", type=click.IntRange(1, 64), default=2, show_default=True)
-@click.option("--retrieval-any-code", is_flag=True,
-              help="Draw needle codes unfiltered (by default they end in 3: see evalpipe/qualify/retrieval.py).")
 @click.option("--chunk-size", type=click.IntRange(2), default=None,
               help="Prefill chunk size for boundaries. Default: what /get_server_info reports.")
 @click.option("--page-size", type=click.IntRange(2), default=None,
@@ -77,7 +75,7 @@ def _gates(ctx, param, value):
               help="Per-request timeout in seconds.")
 @click.option("--no-progress", is_flag=True, help="No soak progress bar (it is drawn on a terminal only).")
 def command(base_url, model, api_keys, gates, out_dir, record_reference, reference, max_context, concurrency,
-            max_tokens, retrieval_depths, needles_per_depth, retrieval_any_code, chunk_size, page_size,
+            max_tokens, retrieval_depths, needles_per_depth, chunk_size, page_size,
             sliding_window, compress_ratios, soak_s, hang_s, soak_max_tokens, sample_every_s, timeout_s, no_progress):
     """Qualify a serving stack: run the gates against any OpenAI-compatible server and write qualify.json (every
     request, its checks and verdict), manifest.json and report.html; print one table of the gates.
@@ -112,7 +110,7 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
     cfg = QualifyConfig(
         base_url=base_url, out_dir=out_dir, gates=gates, model=model, api_keys=tuple(api_keys),
         max_context=max_context, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout_s,
-        retrieval_depths=retrieval_depths, needles_per_depth=needles_per_depth, any_code=retrieval_any_code,
+        retrieval_depths=retrieval_depths, needles_per_depth=needles_per_depth,
         chunk_size=chunk_size, page_size=page_size, sliding_window=sliding_window,
         compress_ratios=tuple(compress_ratios), soak_s=soak_s, hang_s=hang_s, soak_max_tokens=soak_max_tokens,
         sample_every_s=sample_every_s, record_reference=record_reference, reference=reference,

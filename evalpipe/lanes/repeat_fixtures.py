@@ -1,8 +1,9 @@
 """The fixed fixtures of the repeatability protocol (`evalpipe repeat`), each sent N times at temperature 0.
 
 Two controls with checkable answers tell a broken server from a merely non-deterministic one. They are asked in the
-formats the default model was trained on (evalpipe.skills: `arith`'s one-operation drill and `copy`), so against
-that model a wrong control is a server fault, not a weak model (tests/test_repeat.py checks both are right); a
+formats of evalpipe.skills (`arith`'s one-operation drill and `copy`). The default model answers the arithmetic
+control, so against it a wrong one is a server fault, not a weak model (tests/test_repeat.py checks it); it does not
+copy, so there the copy control only shows whether repeats agree (a model that copies makes it a control too); a
 regex-shaped answer checks format; a short open prompt shows where greedy outputs fork (the classic
 "Tell me about Richard Feynman" probe); the same prompt behind a long padding exercises long-context
 prefill and, on servers with a prefix cache, cached-versus-fresh prefixes.
@@ -83,7 +84,7 @@ COPY_TEXT = "k3v9x0pq"
 def fixtures(long_context_chars: int = DEFAULT_LONG_CONTEXT_CHARS, open_max_tokens: int = 64) -> list[Fixture]:
     return [
         Fixture("arithmetic", "control", completion_prompt("What is 120 + 35?"),
-                max_tokens=48, expected="155", extract=_last_int),
+                max_tokens=96, expected="155", extract=_last_int),
         Fixture("exact_copy", "control", completion_prompt(f"Copy the text exactly: {COPY_TEXT}"),
                 max_tokens=16, expected=COPY_TEXT, extract=_copy_prefix(COPY_TEXT)),
         Fixture("regex_date", "format",

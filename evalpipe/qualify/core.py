@@ -40,7 +40,6 @@ class QualifyConfig:
     timeout_s: float = 600.0
     retrieval_depths: int = 4
     needles_per_depth: int = 2
-    any_code: bool = False
     chunk_size: Optional[int] = None
     page_size: Optional[int] = None
     sliding_window: Optional[int] = None

@@ -6,9 +6,9 @@ the default byte-level model, less room for the reply); the needle sits at `--re
 before the question to the front of the prompt. A request passes when the reply, stripped, is exactly the code and
 the server stopped by itself (finish_reason "stop").
 
-By default the codes end in 3: the default model (evalpipe-skills-dsv4) copies the four leading digits of a code it
-found but writes its last digit poorly, favouring 3, so codes ending in 3 make the gate test finding the key (the
-leading digits exist only in the needle), not that model's last-digit weakness. `--retrieval-any-code` lifts this.
+The default model (evalpipe-skills-dsv4) fails this gate: it finds the needle at every depth (the first three digits
+of its reply are right in 87% of the retrieval lane's items) but does not copy the whole code. Its failures show as
+"exact answer" alone, with the transport and the stop right, which is how a weak model differs from a serving fault.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from evalpipe.qualify.core import Endpoint, GateResult, check, exchange, gather_limited
 from evalpipe.skills import retrieval as needles
 
-FRIENDLY_LAST_DIGIT = "3"
 REPLY_TOKENS = 16
 FRAME = 220  # bytes of the prompt besides the filler: the needle, the question and the template
 
@@ -30,17 +29,13 @@ def depths(max_context: int, n: int) -> list[int]:
     return [round(i * deepest / (n - 1)) for i in range(n)] if n > 1 else [0]
 
 
-def fixtures(max_context: int, n_depths: int, per_depth: int, any_code: bool) -> list:
+def fixtures(max_context: int, n_depths: int, per_depth: int) -> list:
     out = []
     budget = max_context - needles.REPLY_ROOM - FRAME
     for after in depths(max_context, n_depths):
         rng = random.Random(f"qualify|retrieval|{max_context}|{after}")
-        picked = 0
-        while picked < per_depth:
-            ex = needles.generate(rng, after=after, before=max(0, budget - after), context=max_context)
-            if any_code or ex.answer.endswith(FRIENDLY_LAST_DIGIT):
-                out.append((after, ex))
-                picked += 1
+        out += [(after, needles.generate(rng, after=after, before=max(0, budget - after), context=max_context))
+                for _ in range(per_depth)]
     return out
 
 
@@ -51,7 +46,7 @@ async def run(ep: Endpoint) -> GateResult:
     if cfg.max_context < 300:
         result.problem = f"--max-context {cfg.max_context} leaves no room for a needle in notes (at least 300)"
         return result
-    cases = fixtures(cfg.max_context, cfg.retrieval_depths, cfg.needles_per_depth, cfg.any_code)
+    cases = fixtures(cfg.max_context, cfg.retrieval_depths, cfg.needles_per_depth)
     bodies = [ep.body(prompt=ex.prompt, max_tokens=REPLY_TOKENS, temperature=0.0, return_token_ids=True)
               for _, ex in cases]
     outcomes = await gather_limited([ep.send(b, chat=False) for b in bodies], cfg.concurrency)
@@ -64,7 +59,6 @@ async def run(ep: Endpoint) -> GateResult:
         result.records.append(exchange(f"depth {ex.meta['depth']} {ex.meta['key']}", "retrieval", body, out, checks,
                                        depth=ex.meta["depth"], prompt_bytes=len(ex.prompt.encode()),
                                        expected=ex.answer))
-    result.notes = {"max_context": cfg.max_context, "depths": sorted({r["depth"] for r in result.records}),
-                    "codes": "any" if cfg.any_code else f"ending in {FRIENDLY_LAST_DIGIT}"}
+    result.notes = {"max_context": cfg.max_context, "depths": sorted({r["depth"] for r in result.records})}
     result.wall_s = time.perf_counter() - t0
     return result

@@ -1,7 +1,9 @@
 """Skill `arith`: GSM8K-style word problems of 2-4 operations with operands of up to 3 digits.
 
 The story names one operation per day; the worked answer takes the days in order, one line each in GSM8K's answer
-format (`a + b = <<a+b=c>>c`), then `#### N`. Distractor sentences are added until every operand of the story lies
+format (`a + b = <<a+b=c>>c`), then `#### N`. Each line first works the operation digit by digit (`worked_digits`),
+so every digit of a result depends on a few nearby digits: a model this small learns single-digit steps, not
+multi-digit carries in one token. Distractor sentences are added until every operand of the story lies
 more than WINDOW tokens (bytes) before the answer line that uses it, so the compressed attention layers, not the
 sliding window, must carry it. Every operand has at most 3 digits (a product or quotient only of a running value
 up to 999); running values stay in [0, 9999]; division is always exact.
@@ -50,6 +52,50 @@ def _apply(op: str, a: int, b: int) -> int:
     return {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
 
 
+def worked_digits(op: str, a: int, b: int) -> str:
+    """The operation as single-digit columns, read in the order a person writes them.
+
+    `+`, `-`, `*` go from the units up, with the carry (borrow) of the column before: `3+5+0=8, 5+9+0=14, 2+0+1=3`
+    for 253 + 95, `13-5-0=8, 15-9-1=5, 2-0-1=1` for 253 - 95 (a borrowing column shows its top digit plus 10),
+    `7*3+0=21, 5*3+2=17, 2*3+1=7` for 257 * 3; the result is the last column's value, then the other columns' units
+    digits from the last to the first. `/` is long division from the top digit: `1/2=0 r1, 15/2=7 r1, 18/2=9 r0`
+    for 158 / 2, the quotient digits in order. Leading zeros of a result are dropped.
+    """
+    top = [int(d) for d in reversed(str(a))]
+    if op == "/":
+        columns, rem = [], 0
+        for d in reversed(top):
+            cur = rem * 10 + d
+            columns.append(f"{cur}/{b}={cur // b} r{cur % b}")
+            rem = cur % b
+        return ", ".join(columns)
+    if op == "*":
+        columns, carry = [], 0
+        for d in top:
+            columns.append(f"{d}*{b}+{carry}={d * b + carry}")
+            carry = (d * b + carry) // 10
+        return ", ".join(columns)
+    low = [int(d) for d in reversed(str(b))]
+    width = max(len(top), len(low))
+    top, low = top + [0] * (width - len(top)), low + [0] * (width - len(low))
+    columns, carry = [], 0
+    for d, e in zip(top, low):
+        if op == "+":
+            columns.append(f"{d}+{e}+{carry}={d + e + carry}")
+            carry = (d + e + carry) // 10
+        else:
+            borrow = int(d < e + carry)
+            columns.append(f"{d + 10 * borrow}-{e}-{carry}={d + 10 * borrow - e - carry}")
+            carry = borrow
+    return ", ".join(columns)
+
+
+def worked_line(op: str, a: int, b: int) -> str:
+    """`a op b: <columns>; a op b = <<a op b=r>>r`, the worked form of one operation."""
+    r = _apply(op, a, b)
+    return f"{a} {op} {b}: {worked_digits(op, a, b)}; {a} {op} {b} = <<{a}{op}{b}={r}>>{r}"
+
+
 def generate(rng: random.Random, n_ops: int | None = None) -> Example:
     n_ops = n_ops or rng.randint(2, 4)
     name, pron = rng.choice(NAMES)
@@ -66,7 +112,7 @@ def generate(rng: random.Random, n_ops: int | None = None) -> Example:
 
     story = [f"On {day}, {_op_sentence(op, x, pron.lower(), item, rng)}" for day, (op, _, x, _) in zip(days, steps)]
     question = f"How many {item} does {name} have at the end?"
-    lines = [f"On {day}, {name} has {a} {op} {x} = <<{a}{op}{x}={r}>>{r} {item}."
+    lines = [f"On {day}, {name} has {worked_line(op, a, x)} {item}."
              for day, (op, a, x, r) in zip(days, steps)]
     answer = "\n".join(lines) + f"\n#### {value}"
 
@@ -83,13 +129,13 @@ def generate(rng: random.Random, n_ops: int | None = None) -> Example:
 
 
 def drill(rng: random.Random) -> Example:
-    """One bare operation in the answer format (`a + b = <<a+b=c>>c`, `#### c`): the arithmetic alone, taught
+    """One bare operation in the answer format (`worked_line`, then `#### c`): the arithmetic alone, taught
     inside the window (a training drill; the arith lane never asks it)."""
     value = rng.randint(10, 999)
     op, x = _next_op(value, rng)
     result = _apply(op, value, x)
     return Example("calc", f"calc|{value}{op}{x}", f"What is {value} {op} {x}?",
-                   f"{value} {op} {x} = <<{value}{op}{x}={result}>>{result}\n#### {result}", group="1ops",
+                   f"{worked_line(op, value, x)}\n#### {result}", group="1ops",
                    meta={"n_ops": 1, "ops": [OPS[op]], "expected": result})
 
 
