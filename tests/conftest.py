@@ -80,9 +80,8 @@ def cache_dir(tmp_path_factory):
 def tiny_runner(cache_dir):
     """Factory: `tiny_runner(**kwargs)` is a ModelRunner on the random tiny model whose seeded weights are cached
     in the module's private cache (built once per module, reused by every runner after the first)."""
+    from evalpipe.engine.model.names import TINY_MODEL_NAME
     from evalpipe.engine.runner import ModelRunner
-
-    from evalpipe.engine.model.config import TINY_MODEL_NAME
 
     def make(**kwargs):
         with pytest.MonkeyPatch.context() as mp:

@@ -152,8 +152,8 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner, cache_dir
     from types import SimpleNamespace
 
     from evalpipe.engine.build import build, capture_drafter
-    from evalpipe.engine.model.config import TINY_MODEL_NAME
-    from evalpipe.engine.sampling import SamplingParams
+    from evalpipe.engine.model.names import TINY_MODEL_NAME
+    from evalpipe.engine.sampling_params import SamplingParams
     from evalpipe.engine.scheduler import Sequence
     from evalpipe.engine.spec.decoder import decoder_from_settings
     from evalpipe.server.state import ServerSettings

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.model.config import TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.model.config import config_hash, tiny_config
+from evalpipe.engine.model.names import TINY_MODEL_NAME
 from evalpipe.engine.model.weights import init_tiny_weights, load_state_dict
 from evalpipe.engine.runner import ModelRunner, PoolExhausted
 from engine_state import state_snapshot

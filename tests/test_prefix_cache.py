@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from evalpipe.engine.engine import Engine
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.scheduler import Sequence, Status
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from evalpipe.engine.tokenizer import ByteTokenizer
-from server_harness import ServerProcess
+from server_harness import ServerProcess, torch_loaded
 
 MAX_SEQ_LEN = 256
 TOK = ByteTokenizer()
@@ -415,3 +415,10 @@ def test_prefix_cache_off_is_reported():
     info, flushed = asyncio.run(go())
     assert info["prefix_cache"] == {"enabled": False} and flushed["enabled"] is False
     assert info["internal_states"]["prefix_cache"] == {"enabled": False}  # the runner keeps no cache
+
+
+def test_the_http_process_never_imports_torch(server):
+    """After every request above, the HTTP process of `evalpipe serve` has not loaded torch (it would cost each start
+    seconds); the same check sees torch in the engine process of that server."""
+    assert torch_loaded(server.engine_pid())
+    assert not torch_loaded(server.proc.pid), "the HTTP process imported torch (find where: python -X importtime)"

@@ -14,7 +14,8 @@ import scipy.stats
 import torch
 
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import SamplingParams, sampling_probs
+from evalpipe.engine.sampling import sampling_probs
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
 from spec_helpers import start
