@@ -11,6 +11,12 @@ import torch
 for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
 
+# One torch intra-op thread in every test process: the tiny model's and the kernel references' ops are overhead
+# bound, so a second thread only adds barrier cost, and two workers' threads thrash on the 2-core machine
+# (tests/kernels/test_kernels_moe.py + test_kernels_c2.py under -n 2: 143-147 s with torch's default of 2 threads,
+# 110-121 s with one). The servers and subprocesses the tests start set their own (`serve --threads`, default 1).
+torch.set_num_threads(1)
+
 # The longest test files on the 2-core CI machine, longest first (seconds: sum of setup + call + teardown in a full
 # run under `-n 2`, before the vLLM and smoke-training tests were made cheaper; the order matters, not the numbers).
 # pyproject's addopts hand whole files to the two workers in collection order
@@ -58,16 +64,6 @@ def pytest_collection_modifyitems(config, items):
             return len(rank)
 
     items.sort(key=file_rank)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for the module: the tiny model's ops are overhead bound, so extra threads only add barrier
-    cost, and they thrash on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

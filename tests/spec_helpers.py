@@ -69,19 +69,3 @@ def compare_with_tie_rule(got: list[int], want: list[int], margins: list[float],
     msg = f"{label}: first difference at new token {first}, reference top-2 margin {margins[first]:.3g}"
     assert margins[first] < TIE_MARGIN, msg + f" (not a tie: bound {TIE_MARGIN})"
     return msg + " (numerical tie)"
-
-
-def single_thread():
-    """Context manager: one torch thread (the 2-core CI machine is shared; oversubscription costs 100x)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    return ctx()

@@ -19,9 +19,6 @@ SMALL = dict(max_seqs=6, max_seq_len=160)  # the runners of these tests
 LOGIT_TOL = 5e-5  # float32, same math, different op grouping (fixed entry count, fp32-accumulated MoE/mHC)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def prompt(n, seed):
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -143,7 +140,6 @@ def test_captured_graph_replays_equal_eager(tiny_runner):
         assert (a - b).abs().max().item() < 1e-3
         last = int(a[0].argmax())
     assert graph.steps[(1, 1)].replays == 10
-
 
 
 def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner, cache_dir, monkeypatch):

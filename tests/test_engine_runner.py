@@ -15,9 +15,6 @@ from engine_state import state_snapshot
 LOGIT_TOL = 2e-5  # same math, different batch shapes: float32 reassociation only
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def runner(tiny_runner):
     return tiny_runner(max_seqs=40, max_seq_len=512)

@@ -18,9 +18,6 @@ from evalpipe.engine.tokenizer import load_tokenizer
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def runner():
     return ModelRunner("evalpipe-tiny-dsv4", max_seqs=16, max_seq_len=256)

@@ -20,8 +20,6 @@ NEW_TOKENS = 24
 BLOCK = 5
 K = 3
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def target():

@@ -9,7 +9,6 @@ back to the context (target truncate + drafter rollback) and drafted again. Chi-
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import scipy.stats
 import torch
 
@@ -23,9 +22,6 @@ from spec_helpers import start
 BATCH = 16
 ROUNDS = 100  # 1600 samples
 P_THRESHOLD = 1e-3
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_first_emitted_token_follows_the_target_distribution(capsys):
