@@ -39,7 +39,7 @@ import torch
 from evalpipe.engine.engine import Engine
 from evalpipe.engine.model.config import TINY_CONFIG_PATH, load_config
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.scheduler import Sequence, Status
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.static.graphs import GraphRunner

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from evalpipe.engine.runner import ModelRunner  # noqa: E402
-from evalpipe.engine.sampling import SamplingParams  # noqa: E402
+from evalpipe.engine.sampling_params import SamplingParams  # noqa: E402
 from evalpipe.engine.spec.decoder import SpeculativeDecoder  # noqa: E402
 from evalpipe.engine.spec.drafters import build_drafter  # noqa: E402
 from evalpipe.engine.static.graphs import GraphRunner  # noqa: E402

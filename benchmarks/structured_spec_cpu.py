@@ -19,9 +19,9 @@ import time
 import torch
 
 from evalpipe.engine.engine import Engine, make_sequences
-from evalpipe.engine.grammar import GrammarSpec
+from evalpipe.engine.grammar_spec import GrammarSpec
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, default_drafter
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer

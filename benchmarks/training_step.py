@@ -1,6 +1,6 @@
-"""Step time of the default model's training (`training/train_default_model.py`) under each experts implementation,
-side by side in one process: transformers' eager experts vs `grouped_mm`, at each batch size. Same model, same
-batches, same losses (the options change kernels, not the function).
+"""Step time of the default model's training (`training/trainer.py`, run by `training/train_default_model.py`) under
+each experts implementation, side by side in one process: transformers' eager experts vs `grouped_mm`, at each
+batch size. Same model, same batches, same losses (the options change kernels, not the function).
 
     python benchmarks/training_step.py [--batch-tokens 40960,131072] [--steps 6] [--width 512] [--stream 40]
 
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training import data, objectives  # noqa: E402
-from training import train_default_model as train  # noqa: E402
+from training import data, objectives, trainer  # noqa: E402
+from training.train_default_model import parse_args  # noqa: E402
 
 OPTIONS = ["eager", "grouped_mm"]
 
@@ -42,16 +42,16 @@ def batch_of(tokens: int, width: int, seed: int) -> dict:
 def trainer(experts: str, device):
     """A fresh model and optimizer as the training script builds them, its step (the loop's train_step and
     optimizer_step) and a device sync."""
-    args = train.parse_args(["--out", "/dev/null", "--experts", experts])
-    model = train.build_model(args, device)
+    args = parse_args(["--out", "/dev/null", "--experts", experts])
+    model = trainer.build_model(args, device)
     taps = objectives.Taps(model, [3, 4])
-    opt = train.optimizer(model, args)
+    opt = trainer.optimizer(model, args)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
         (lambda: torch.autocast("cpu", enabled=False))
 
     def step(batch):
-        stats = train.train_step(model, taps, batch, args, device, autocast)
-        train.optimizer_step(model, taps, opt, args)
+        stats = trainer.train_step(model, taps, batch, args, device, autocast)
+        trainer.optimizer_step(model, taps, opt, args)
         return stats
 
     return step, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))

@@ -11,6 +11,12 @@ import torch
 for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
 
+# One torch intra-op thread in every test process: the tiny model's and the kernel references' ops are overhead
+# bound, so a second thread only adds barrier cost, and two workers' threads thrash on the 2-core machine
+# (tests/kernels/test_kernels_moe.py + test_kernels_c2.py under -n 2: 143-147 s with torch's default of 2 threads,
+# 110-121 s with one). The servers and subprocesses the tests start set their own (`serve --threads`, default 1).
+torch.set_num_threads(1)
+
 # The longest test files on the 2-core CI machine, longest first (seconds: sum of setup + call + teardown in a full
 # run under `-n 2`, before the vLLM and smoke-training tests were made cheaper; the order matters, not the numbers).
 # pyproject's addopts hand whole files to the two workers in collection order
@@ -61,16 +67,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for the module: the tiny model's ops are overhead bound, so extra threads only add barrier
-    cost, and they thrash on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """A private weight cache (EVALPIPE_CACHE_DIR-style) for the module's default-model runners."""
     return tmp_path_factory.mktemp("evalpipe-cache")
@@ -80,9 +76,8 @@ def cache_dir(tmp_path_factory):
 def tiny_runner(cache_dir):
     """Factory: `tiny_runner(**kwargs)` is a ModelRunner on the random tiny model whose seeded weights are cached
     in the module's private cache (built once per module, reused by every runner after the first)."""
+    from evalpipe.engine.model.names import TINY_MODEL_NAME
     from evalpipe.engine.runner import ModelRunner
-
-    from evalpipe.engine.model.config import TINY_MODEL_NAME
 
     def make(**kwargs):
         with pytest.MonkeyPatch.context() as mp:

@@ -21,6 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torch_loaded(pid: int) -> bool:
+    """Whether process `pid` has torch's native library mapped (`import torch` maps libtorch; nothing unmaps it)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
 class ServerProcess:
     """`evalpipe serve --model MODEL ARGS...`; the random tiny model unless `model` says otherwise (fast, and the
     API tests need no skill)."""
@@ -51,6 +57,12 @@ class ServerProcess:
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()
+
+    def engine_pid(self) -> int:
+        """The server's engine process (a child of this HTTP process), as its /get_server_info reports it."""
+        info = httpx.get(self.base + "/get_server_info", timeout=30).json()["internal_states"]["engine_process"]
+        assert info["alive"] is True and info["pid"] != self.proc.pid
+        return info["pid"]
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
         if self.proc.poll() is None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from evalpipe.engine.sampling import SamplingParams, sample, sampling_probs
+from evalpipe.engine.sampling import generator_for, sample, sampling_probs
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.scheduler import Sequence
 
 TIE_MARGIN = 1e-4  # the oracle test's tie rule: a difference is a tie only if the reference's top-2 margin is below
@@ -18,7 +19,7 @@ def start(runner, prompts, params=None, seeds=None) -> list[Sequence]:
     device = getattr(runner, "device", "cpu")
     for i, s in enumerate(seqs):
         s.slot = runner.allocate()
-        s.generator = params.generator(device)
+        s.generator = generator_for(params, device)
         if seeds is not None and s.generator is not None:
             s.generator.manual_seed(seeds[i])
     logits = runner.forward([s.slot for s in seqs], [s.prompt for s in seqs])
@@ -68,19 +69,3 @@ def compare_with_tie_rule(got: list[int], want: list[int], margins: list[float],
     msg = f"{label}: first difference at new token {first}, reference top-2 margin {margins[first]:.3g}"
     assert margins[first] < TIE_MARGIN, msg + f" (not a tie: bound {TIE_MARGIN})"
     return msg + " (numerical tie)"
-
-
-def single_thread():
-    """Context manager: one torch thread (the 2-core CI machine is shared; oversubscription costs 100x)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    return ctx()

@@ -117,7 +117,7 @@ def test_the_graph_sees_the_imports_it_must():
     graph = import_graph()
     assert any(t == "evalpipe.harness.client" for t, _ in graph["evalpipe.harness.lane_run"])
     assert any(t == "evalpipe.harness.records" for t, _ in graph["evalpipe.commands.audit"])  # inside the function
-    assert any(t == "evalpipe.engine.spec.drafters" for t, _ in graph["evalpipe.launchers.rules"])  # inside a method
+    assert any(t == "evalpipe.engine.spec.settings" for t, _ in graph["evalpipe.launchers.rules"])  # inside a method
     assert {layer(m) for m in graph} >= {"engine", "kernels", "server", "harness", "lanes", "compare", "ab", "commands"}
 
 

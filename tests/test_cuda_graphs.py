@@ -19,9 +19,6 @@ SMALL = dict(max_seqs=6, max_seq_len=160)  # the runners of these tests
 LOGIT_TOL = 5e-5  # float32, same math, different op grouping (fixed entry count, fp32-accumulated MoE/mHC)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def prompt(n, seed):
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -145,15 +142,14 @@ def test_captured_graph_replays_equal_eager(tiny_runner):
     assert graph.steps[(1, 1)].replays == 10
 
 
-
 def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner, cache_dir, monkeypatch):
     """`evalpipe serve` wiring: on the CPU the plain runner (max_batch slots); a GraphRunner hands drafters its
     wrapped ModelRunner (layerskip views copy a ModelRunner, not the wrapper) and still decodes speculatively."""
     from types import SimpleNamespace
 
     from evalpipe.engine.build import build, capture_drafter
-    from evalpipe.engine.model.config import TINY_MODEL_NAME
-    from evalpipe.engine.sampling import SamplingParams
+    from evalpipe.engine.model.names import TINY_MODEL_NAME
+    from evalpipe.engine.sampling_params import SamplingParams
     from evalpipe.engine.scheduler import Sequence
     from evalpipe.engine.spec.decoder import decoder_from_settings
     from evalpipe.server.state import ServerSettings

@@ -28,9 +28,6 @@ CONFIG = "csa-only"  # two CSA layers (ratio 4, index_topk 3: top-k actively sel
 NEW_TOKENS = 24
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("fused-sites"), CONFIG)

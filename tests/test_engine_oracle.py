@@ -59,9 +59,6 @@ def make_checkpoint(tmp_dir, name: str) -> str:
     return str(out)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsv4")

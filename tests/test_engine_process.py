@@ -16,14 +16,6 @@ import openai
 from server_harness import ServerProcess
 
 
-def engine_pid(server: ServerProcess) -> int:
-    info = httpx.get(server.base + "/get_server_info", timeout=30).json()["internal_states"]
-    assert info["engine_process"]["alive"] is True
-    pid = info["engine_process"]["pid"]
-    assert pid != server.proc.pid
-    return pid
-
-
 def gone(pid: int, timeout: float = 10.0) -> bool:
     """Whether the process has exited (a zombie counts as gone: it runs nothing) within `timeout`."""
     deadline = time.monotonic() + timeout
@@ -45,7 +37,7 @@ def running(server: ServerProcess) -> int:
 def test_a_dead_engine_is_a_503_in_flight_and_serve_exits_1():
     server = ServerProcess("--max-batch", "4", "--max-seq-len", "4096")
     try:
-        pid = engine_pid(server)
+        pid = server.engine_pid()
         client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=60)
         body = dict(model="evalpipe-tiny-dsv4", prompt="keep going", max_tokens=3000, temperature=0,
                     extra_body={"ignore_eos": True})
@@ -95,7 +87,7 @@ def test_a_dead_engine_is_a_503_in_flight_and_serve_exits_1():
 def test_sigterm_leaves_no_engine_process_and_threads_reach_the_engine():
     server = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--threads", "2")
     try:
-        pid = engine_pid(server)
+        pid = server.engine_pid()
         r = httpx.post(server.base + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 4})
         assert r.status_code == 200
         info = httpx.get(server.base + "/get_server_info", timeout=30).json()
@@ -109,7 +101,7 @@ def test_sigterm_leaves_no_engine_process_and_threads_reach_the_engine():
 
 def test_a_killed_server_takes_its_engine_with_it():
     server = ServerProcess("--max-batch", "2", "--max-seq-len", "256")
-    pid = engine_pid(server)
+    pid = server.engine_pid()
     server.proc.kill()
     server.proc.wait(30)
     assert gone(pid), "the engine process was orphaned"

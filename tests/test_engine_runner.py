@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.engine.model.config import TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.model.config import config_hash, tiny_config
+from evalpipe.engine.model.names import TINY_MODEL_NAME
 from evalpipe.engine.model.weights import init_tiny_weights, load_state_dict
 from evalpipe.engine.runner import ModelRunner, PoolExhausted
 from engine_state import state_snapshot
 
 LOGIT_TOL = 2e-5  # same math, different batch shapes: float32 reassociation only
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,15 @@ import random
 import pytest
 
 from evalpipe.engine.engine import Engine, make_sequences
-from evalpipe.engine.grammar import GrammarSpec, Grammars
+from evalpipe.engine.grammar import Grammars
+from evalpipe.engine.grammar_spec import GrammarSpec
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, default_drafter
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer
 from evalpipe.skills import chat
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_TOKENS = 96
 CALLS = [(t["function"]["name"], t["function"]["parameters"]) for t in chat.TOOLS]
@@ -115,7 +115,7 @@ def test_sampled_speculation_stays_inside_the_grammar(engines, prompts, tokenize
 
 def test_lossy_or_simulated_acceptance_refuses_grammars(runner, tokenizer):
     """A rule that can commit a draft without the exact test could commit a token the grammar forbids."""
-    from evalpipe.engine.spec.accept import AcceptRule
+    from evalpipe.engine.spec.settings import AcceptRule
 
     drafter = build_drafter("ngram", runner)
     exact = Engine(runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3))

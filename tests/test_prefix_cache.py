@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from evalpipe.engine.engine import Engine
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.scheduler import Sequence, Status
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
@@ -23,7 +23,6 @@ from evalpipe.engine.tokenizer import load_tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_helpers import compare_with_tie_rule  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW_TOKENS = 8
 CHUNK = 48  # prefill rows per step: page edges 64 and 128 fall inside chunks

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from evalpipe.engine.sampling import SamplingParams, sample, sampling_probs, token_logprobs
+from evalpipe.engine.sampling import generator_for, sample, sampling_probs, token_logprobs
+from evalpipe.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -14,7 +15,7 @@ def test_greedy_is_one_hot_of_argmax_and_needs_no_generator():
     params = SamplingParams(temperature=0.0)
     probs = sampling_probs(LOGITS, params)
     assert probs.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert params.generator() is None
+    assert generator_for(params) is None
     assert int(sample(probs, None)) == 0
 
 
@@ -60,17 +61,17 @@ def test_same_seed_same_tokens_different_seed_differs():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, seed=1234)
     probs = sampling_probs(logits, params)
-    a = [int(sample(probs[i], params.generator())) for i in range(64)]
-    b = [int(sample(probs[i], params.generator())) for i in range(64)]
+    a = [int(sample(probs[i], generator_for(params))) for i in range(64)]
+    b = [int(sample(probs[i], generator_for(params))) for i in range(64)]
     assert a == b
-    gen1, gen2 = params.generator(), SamplingParams(temperature=1.0, seed=99).generator()
+    gen1, gen2 = generator_for(params), generator_for(SamplingParams(temperature=1.0, seed=99))
     assert sample(probs, gen1).tolist() != sample(probs, gen2).tolist()
 
 
 def test_zero_probability_tokens_are_never_sampled():
     params = SamplingParams(top_k=2, seed=0)
     probs = sampling_probs(LOGITS, params)
-    gen = params.generator()
+    gen = generator_for(params)
     draws = {int(sample(probs, gen)) for _ in range(300)}
     assert draws == {0, 1}
 
@@ -78,7 +79,7 @@ def test_zero_probability_tokens_are_never_sampled():
 def test_empirical_frequencies_match_probs():
     params = SamplingParams(temperature=1.0, seed=7)
     probs = sampling_probs(LOGITS, params)
-    gen = params.generator()
+    gen = generator_for(params)
     n = 20000
     counts = torch.bincount(sample(probs.expand(n, -1), gen), minlength=len(LOGITS)).float() / n
     # 4 standard errors of a binomial proportion at the largest p (~0.56) over 20000 draws is ~0.014
@@ -101,7 +102,7 @@ def test_sample_token_matches_the_two_step_path():
     greedy = SamplingParams(temperature=0.0)
     assert sample_token(LOGITS, greedy, None) == int(sample(sampling_probs(LOGITS, greedy), None)) == 0
     params = SamplingParams(temperature=0.8, top_k=4, seed=11)
-    a = [sample_token(LOGITS, params, g) for g in [params.generator()] for _ in range(50)]
-    gen = params.generator()
+    a = [sample_token(LOGITS, params, g) for g in [generator_for(params)] for _ in range(50)]
+    gen = generator_for(params)
     b = [int(sample(sampling_probs(LOGITS, params), gen)) for _ in range(50)]
     assert a == b

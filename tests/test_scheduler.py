@@ -2,7 +2,7 @@
 
 import pytest
 
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status
 
 

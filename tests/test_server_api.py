@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from evalpipe.engine.tokenizer import ByteTokenizer
-from server_harness import ServerProcess
+from server_harness import ServerProcess, torch_loaded
 
 MAX_SEQ_LEN = 256
 TOK = ByteTokenizer()
@@ -395,23 +395,8 @@ def test_repeat_prefix_conditions_see_the_cache(server, model, tmp_path):
     assert len({tuple(r["output_token_ids"]) for r in recs if r["condition"].startswith("prefix_")}) == 1
 
 
-def test_prefix_cache_off_is_reported():
-    """`--prefix-cache off` builds a runner without a cache and says so (in process: the server's own loader, its
-    engine process spawned)."""
-    import asyncio
-
-    from evalpipe.server.state import ServerSettings, ServerState
-
-    async def go():
-        state = ServerState(ServerSettings(model="evalpipe-tiny-dsv4", max_batch=1, max_seq_len=128,
-                                           prefix_cache="off"))
-        await state._load()
-        try:
-            assert state.ready.is_set(), state.load_error
-            return await state.info(), await state.engine.call("flush_cache")
-        finally:
-            state.shutdown()
-
-    info, flushed = asyncio.run(go())
-    assert info["prefix_cache"] == {"enabled": False} and flushed["enabled"] is False
-    assert info["internal_states"]["prefix_cache"] == {"enabled": False}  # the runner keeps no cache
+def test_the_http_process_never_imports_torch(server):
+    """After every request above, the HTTP process of `evalpipe serve` has not loaded torch (it would cost each start
+    seconds); the same check sees torch in the engine process of that server."""
+    assert torch_loaded(server.engine_pid())
+    assert not torch_loaded(server.proc.pid), "the HTTP process imported torch (find where: python -X importtime)"

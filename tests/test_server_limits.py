@@ -1,4 +1,5 @@
-"""Server limits through real HTTP: API key (401), bounded queue (503 + Retry-After), clean SIGTERM exit."""
+"""Server limits through real HTTP: API key (401), bounded queue (503 + Retry-After), clean SIGTERM exit; the same
+server runs `--prefix-cache off` and says so."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--api-key", KEY, "--max-batch", "1", "--max-queue", "1", "--max-seq-len", "512")
+    srv = ServerProcess("--api-key", KEY, "--max-batch", "1", "--max-queue", "1", "--max-seq-len", "512",
+                        "--prefix-cache", "off")
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.output()
     assert "evalpipe serve: stopped" in srv.output()
@@ -70,3 +72,13 @@ def test_full_queue_answers_503_with_retry_after(server):
     assert queued["resp"].status_code == 200
     assert queued["resp"].json()["usage"]["completion_tokens"] >= 1
     assert info(server)["internal_states"]["allocated_slots"] == 0
+
+
+def test_prefix_cache_off_is_reported(server):
+    """`--prefix-cache off` builds a runner without a cache, and the info and /flush_cache say so."""
+    served = info(server)
+    assert served["prefix_cache"] == {"enabled": False} and served["server_args"]["prefix_cache"] == "off"
+    assert served["internal_states"]["prefix_cache"] == {"enabled": False}  # the runner keeps no cache
+    flushed = httpx.post(server.base + "/flush_cache", headers=AUTH, timeout=30)
+    assert flushed.status_code == 200 and flushed.json()["flushed_pages"] == 0
+    assert "the prefix cache is off" in flushed.json()["message"]

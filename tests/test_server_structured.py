@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from evalpipe.skills import chat
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, torch_loaded
 
 MODEL = "evalpipe-skills-dsv4"
 MARKER = 10  # <|tool_call|>
@@ -210,3 +210,10 @@ def test_completions_route_refuses_tools(server):
     r = httpx.post(server.base + "/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "tools": chat.TOOLS})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_the_http_process_never_imports_torch(server):
+    """After the structured, speculative and malformed requests above, the HTTP process has not loaded torch (grammar
+    specs, speculation settings and the engine's events are torch-free); its engine process has."""
+    assert torch_loaded(server.engine_pid())
+    assert not torch_loaded(server.proc.pid), "the HTTP process imported torch (find where: python -X importtime)"

@@ -92,7 +92,8 @@ def test_hf_tokenizer_gives_xgrammar_its_vocabulary(hf_dir):
     object cannot start with a word, so every word is masked at the first row."""
     import torch
 
-    from evalpipe.engine.grammar import Grammars, GrammarSpec
+    from evalpipe.engine.grammar import Grammars
+    from evalpipe.engine.grammar_spec import GrammarSpec
 
     tok = load_tokenizer(str(hf_dir))
     constraint = Grammars(tok, 16).constraint(GrammarSpec.json(None), 1)

@@ -17,9 +17,9 @@ import pytest
 import scipy.stats
 import torch
 
-from evalpipe.engine.sampling import SamplingParams, sampling_probs
+from evalpipe.engine.sampling import sampling_probs
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.accept import (
-    AcceptRule,
     SimulatedAcceptLengths,
     SpecStats,
     greedy_accept,
@@ -29,6 +29,7 @@ from evalpipe.engine.spec.accept import (
     threshold_accept,
     topk_accept,
 )
+from evalpipe.engine.spec.settings import AcceptRule
 
 V = 5           # vocabulary
 K = 3           # tokens per generated sequence whose joint law is tested

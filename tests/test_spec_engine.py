@@ -10,15 +10,12 @@ import pytest
 
 from evalpipe.engine.engine import Engine, make_sequences
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

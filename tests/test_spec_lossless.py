@@ -26,8 +26,6 @@ PROMPT_LENGTHS = (30, 5, 41, 64)
 # batch mixes (indices into PROMPTS): all together, alone, and partial mixes of different lengths
 MIXES = ((0, 1, 2, 3), (2,), (3, 0), (1, 3, 2), (0, 2))
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def target():

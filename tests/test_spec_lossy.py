@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import SamplingParams
-from evalpipe.engine.spec.accept import AcceptRule
+from evalpipe.engine.sampling_params import SamplingParams
+from evalpipe.engine.spec.settings import AcceptRule
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, decoder_from_settings
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.server.state import ServerSettings
@@ -19,8 +19,6 @@ from spec_helpers import compare_with_tie_rule, finish, plain_greedy, spec_gener
 NEW_TOKENS = 24
 BLOCK = 5
 K = 3
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

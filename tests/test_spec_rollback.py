@@ -21,9 +21,6 @@ from spec_helpers import finish, plain_greedy, start
 STATE_ATOL = 2e-5  # multi-row vs one-row float32 arithmetic (observed up to ~5e-6; printed)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def target():
     return ModelRunner("evalpipe-tiny-dsv4", max_seqs=8, max_seq_len=256)

@@ -9,12 +9,12 @@ back to the context (target truncate + drafter rollback) and drafted again. Chi-
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import scipy.stats
 import torch
 
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import SamplingParams, sampling_probs
+from evalpipe.engine.sampling import sampling_probs
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
 from spec_helpers import start
@@ -22,9 +22,6 @@ from spec_helpers import start
 BATCH = 16
 ROUNDS = 100  # 1600 samples
 P_THRESHOLD = 1e-3
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_first_emitted_token_follows_the_target_distribution(capsys):

@@ -18,7 +18,7 @@ from core_helpers import only_run_dir, run_cli, run_lane
 from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
 from evalpipe.engine.runner import ModelRunner
 from server_harness import ServerProcess
-from spec_helpers import compare_with_tie_rule, plain_greedy, single_thread
+from spec_helpers import compare_with_tie_rule, plain_greedy
 
 BLOCK = 4
 
@@ -91,8 +91,7 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
     prompt_ids = next(c.choices[0].model_dump()["prompt_token_ids"] for c in token_chunks
                       if c.choices[0].model_dump().get("prompt_token_ids"))
     streamed = [t for c in token_chunks for t in (c.choices[0].model_dump().get("token_ids") or [])]
-    with single_thread():
-        plain, margins = plain_greedy(ModelRunner("evalpipe-tiny-dsv4", max_seqs=2, max_seq_len=256), prompt_ids, len(streamed))
+    plain, margins = plain_greedy(ModelRunner("evalpipe-tiny-dsv4", max_seqs=2, max_seq_len=256), prompt_ids, len(streamed))
     compare_with_tie_rule(streamed, plain, margins, "HTTP speculative vs in-process plain greedy")
     again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to ten"}],
                                            max_tokens=20, temperature=0)

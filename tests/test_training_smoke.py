@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(900)
 def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_and_curve(tmp_path):
     """The run is split as on the GPU machine: a first call stopped after its first step (`--stop-after 0`), then
-    `--resume` finishes the same schedule; a finished run refuses to be resumed."""
+    `--resume` finishes the same schedule; a finished run, or a folder without a receipt, refuses to be resumed."""
     out = tmp_path / "model"
 
     # one torch thread: beside another busy process on the 2-core machine, two threads spin against it (measured:
@@ -45,6 +45,8 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
 
     again = train("--resume", str(out))
     assert again.returncode != 0 and "nothing to resume" in again.stderr
+    elsewhere = train("--resume", str(tmp_path))
+    assert elsewhere.returncode != 0 and "no receipt.json there" in elsewhere.stderr
     assert {"torch", "transformers", "python"} <= set(receipt["packages"]) and receipt["device"]
     losses = [h["loss"] for h in receipt["history"]]
     assert all(x == x and 0 < x < 20 for x in losses)  # finite, sane

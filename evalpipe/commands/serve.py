@@ -88,26 +88,17 @@ def command(**params):
 def serve_native(params: dict) -> None:
     """The native engine in this process, until Ctrl-C or SIGTERM. Flags not given take ServerSettings' defaults."""
     device, host, log_level = params["device"] or "cpu", params["host"], params["log_level"]
-    sock = _bind(host, params["port"])  # before the imports below (torch, transformers: seconds)
+    sock = _bind(host, params["port"])  # before the imports below (uvicorn, FastAPI; torch is the engine process's)
     port = sock.getsockname()[1]
 
     import dataclasses
 
     import uvicorn
 
-    from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
+    from evalpipe.engine.model.names import DEFAULT_MODEL_NAME
     from evalpipe.engine.process import exit_after_clean_stop
     from evalpipe.server.app import create_app
     from evalpipe.server.state import ServerSettings, ServerState
-
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
-    import torch
-
-    torch.set_num_threads(1)  # this process runs no torch op; --threads is the engine process's (ServerSettings)
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     fields = {f.name for f in dataclasses.fields(ServerSettings)}
@@ -156,7 +147,7 @@ def speculation_summary(state) -> str:
     spec = state.speculative
     if spec.get("mode", "off") == "off":
         return "speculation off"
-    from evalpipe.engine.spec.decoder import accept_rule_from_settings
+    from evalpipe.engine.spec.settings import accept_rule_from_settings
 
     parts = [f"speculation {spec['mode']}", f"G={spec.get('block_size', state.settings.block_size)}"]
     drafter = spec.get("drafter") or state.settings.drafter

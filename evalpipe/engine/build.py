@@ -43,6 +43,8 @@ def build_runner(settings: Any) -> Any:
     max_batch = settings.max_batch
     if settings.device != "cuda":
         return model_runner(max_batch)
+    if not torch.cuda.is_available():  # checked here: the HTTP process that parsed --device never imports torch
+        raise RuntimeError("CUDA is not available on this machine (--device cuda)")
     widths = (1,) + ((settings.block_size + 1,) if settings.speculative == "block" else ())
     buckets = tuple(sorted(set(b for b in DEFAULT_BUCKETS if b < max_batch) | {max_batch}))
     graph = GraphRunner(model_runner(max_batch + 1), widths=widths, buckets=buckets, fused=settings.fused == "on",

@@ -1,4 +1,4 @@
-"""The engine: scheduler + runner + sampling, stepped by the engine process's loop (engine/process.py).
+"""The engine: scheduler + runner + sampling, stepped by the engine process's loop (engine/loop.py).
 
 `Engine.step()` is one forward: the scheduler's prompt chunks plus the decode rows of every running sequence,
 then sampling, stop checks and one `SeqEvent` per advanced sequence. How decode rows are proposed and turned
@@ -21,34 +21,20 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Protocol
 
 import torch
 
 from evalpipe.engine.grammar import Grammars
-from evalpipe.engine.sampling import SamplingParams, sample_token, token_logprobs
+from evalpipe.engine.ipc import SeqEvent
+from evalpipe.engine.sampling import generator_for, sample_token, token_logprobs
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status
 
 log = logging.getLogger("evalpipe.engine")
 
-__all__ = ["Engine", "PlainDecoder", "Decoder", "SeqEvent", "QueueFull"]
-
-
-@dataclass
-class SeqEvent:
-    """What one step did to one sequence: the tokens it committed and the text they released."""
-
-    index: int  # choice index within the request
-    token_ids: list[int]
-    text: str  # new visible text (stop strings and partial UTF-8 held back)
-    logprobs: list[dict] | None  # per committed token: {"id", "logprob", "top": [(id, logprob), ...]}
-    completion_tokens: int  # cumulative generated tokens of this sequence
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    matched_stop: int | str | None = None
-    spec: dict | None = None  # speculation statistics (None while speculation is off)
-    error: str | None = None
-    cached_tokens: int = 0  # prompt tokens this sequence took from the prefix cache
+__all__ = ["Engine", "PlainDecoder", "Decoder", "QueueFull"]
 
 
 class Decoder(Protocol):
@@ -125,7 +111,7 @@ class Engine:
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request; raises QueueFull (nothing queued) when the queue is full."""
         for seq in seqs:
-            seq.generator = seq.params.generator(getattr(self.runner, "device", "cpu"))
+            seq.generator = generator_for(seq.params, getattr(self.runner, "device", "cpu"))
             seq.state = {"detok": self.tokenizer.detokenizer(), "text": "", "sent": 0, "checked": 0}
             if seq.params.grammar is not None:
                 seq.state["grammar"] = self.grammars.constraint(seq.params.grammar, self.decoder.width)

@@ -1,8 +1,9 @@
 """Grammar-constrained decoding with xgrammar: what a request may generate, as a token mask on every row it samples.
 
-A `GrammarSpec` names the constraint (a JSON schema, any JSON object, tool calls behind a marker token, or free text
-without some tokens); `Grammars` compiles specs once per tokenizer (cached, thread-safe, so the server compiles on a
-worker thread and a bad schema is a 400 before anything is queued) and gives each sequence a `Constraint`.
+A `GrammarSpec` (grammar_spec.py) names the constraint (a JSON schema, any JSON object, tool calls behind a marker
+token, or free text without some tokens); `Grammars` compiles specs once per tokenizer (cached, thread-safe, so the
+server compiles on a worker thread and a bad schema is a 400 before anything is queued) and gives each sequence a
+`Constraint`.
 
 The `Constraint` is the one place the matcher moves. For the rows of one step (the pending token, then any drafts
 of block speculation) `mask` fills row i after tentatively accepting drafts[:i] (row 0 is the committed state) and
@@ -20,10 +21,11 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from evalpipe.engine.grammar_spec import GrammarSpec
 
 JSON_SEPARATORS = (", ", ": ")
 CACHE_SIZE = 256  # compiled grammars kept (distinct schemas); a server fed endless new schemas stays bounded
@@ -34,35 +36,6 @@ _SPECIAL_PREFIX = b"\xff"
 
 class GrammarError(ValueError):
     """A spec that cannot be compiled (an unsupported or malformed JSON schema); the server answers 400."""
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request may generate. `payload` is canonical JSON text, so equal specs hash (and cache) alike.
-
-    kinds: "json" (payload: a JSON schema, or null for any JSON object), "tool_calls" (payload: {"marker": id,
-    "calls": [[name, parameters schema], ...], "parallel": bool}: one call, or one or more, each the marker token
-    then {"name": ..., "arguments": {...}}), "forbid" (payload: token ids free text may not contain)."""
-
-    kind: str
-    payload: str = "null"
-
-    @classmethod
-    def json(cls, schema: dict | None = None) -> "GrammarSpec":
-        return cls("json", _canonical(schema))
-
-    @classmethod
-    def tool_calls(cls, marker: int, calls: list[tuple[str, dict]], parallel: bool) -> "GrammarSpec":
-        return cls("tool_calls", _canonical({"marker": marker, "calls": [[n, p] for n, p in calls],
-                                             "parallel": parallel}))
-
-    @classmethod
-    def forbid(cls, token_ids: list[int]) -> "GrammarSpec":
-        return cls("forbid", _canonical(sorted(token_ids)))
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))  # key order kept: it is the order JSON is generated in
 
 
 def call_schema(name: str, parameters: dict) -> dict:

@@ -5,12 +5,15 @@ before the next forward), `Call` (anything else that needs an answer: grammar co
 `Shutdown`. Engine -> server: `Ready` (or `LoadFailed`) once, then one `Step` per engine step carrying every event
 that step produced (all rows' new tokens in one message, never one message per token), and a `Reply` per `Submit`
 and `Call`. A request is identified by the server's `rid`; the engine's `SeqEvent.index` is the choice within it.
+Everything here is plain data and torch-free: the HTTP process unpickles it without importing the model's code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from evalpipe.engine.sampling_params import SamplingParams
 
 
 # -- server -> engine ----------------------------------------------------------------------------------
@@ -19,7 +22,7 @@ class Submit:
     call_id: int  # answered by a Reply: ok, or error "queue_full"
     rid: int
     prompts: list[list[int]]
-    params: list[Any]  # one SamplingParams per prompt
+    params: list[SamplingParams]  # one per prompt
     n: int  # choices per prompt (choice index = prompt_index * n + i)
 
 
@@ -41,6 +44,22 @@ class Shutdown:
 
 
 # -- engine -> server ----------------------------------------------------------------------------------
+@dataclass
+class SeqEvent:
+    """What one step did to one sequence: the tokens it committed and the text they released."""
+
+    index: int  # choice index within the request
+    token_ids: list[int]
+    text: str  # new visible text (stop strings and partial UTF-8 held back)
+    logprobs: list[dict] | None  # per committed token: {"id", "logprob", "top": [(id, logprob), ...]}
+    completion_tokens: int  # cumulative generated tokens of this sequence
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    matched_stop: int | str | None = None
+    spec: dict | None = None  # speculation statistics (None while speculation is off)
+    error: str | None = None
+    cached_tokens: int = 0  # prompt tokens this sequence took from the prefix cache
+
+
 @dataclass
 class Ready:
     """What the server needs to validate requests and describe itself without asking the engine again."""
@@ -64,7 +83,7 @@ class LoadFailed:
 class Step:
     """One engine step: (rid, SeqEvent) for every sequence it advanced or finished, in order."""
 
-    events: list[tuple[int, Any]] = field(default_factory=list)
+    events: list[tuple[int, SeqEvent]] = field(default_factory=list)
 
 
 @dataclass

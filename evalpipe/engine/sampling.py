@@ -3,46 +3,26 @@
 `sampling_probs(logits, params)` turns raw logits (any number of rows of one request) into the distribution that
 is sampled from: temperature, then top-k, then top-p, then min-p; greedy (temperature 0) gives the one-hot of
 the argmax, so speculative rejection sampling degenerates to exact greedy acceptance. `sample(probs, generator)`
-draws one token per row with the request's own `torch.Generator`, so the same seed and inputs give the same
-tokens whatever else is in the batch.
+draws one token per row with the request's own `torch.Generator` (`generator_for(params)`), so the same seed and
+inputs give the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from evalpipe.engine.sampling_params import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """What one sequence (one choice) is sampled with; validated by the server before it gets here."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
-    grammar: Any = None  # a GrammarSpec (engine/grammar.py): every sampled row is masked to what it allows
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
-        """The request's random stream: seeded from `seed`, else from the OS; None under greedy (no randomness)."""
-        if self.greedy:
-            return None
-        gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed % (1 << 64) if self.seed is not None else secrets.randbits(63))
-        return gen
+def generator_for(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """The request's random stream: seeded from `seed`, else from the OS; None under greedy (no randomness)."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed % (1 << 64) if params.seed is not None else secrets.randbits(63))
+    return gen
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 
 # Prompt rows a step always offers when prompts are pending, even if decode rows use the whole budget,
 # so that a full decode batch cannot starve a newly admitted prompt.

@@ -44,7 +44,7 @@ def check_native(o) -> None:
         require(1.0 <= o.simulate_acc_len <= g + 1, f"--simulate-acc-len must be in [1, G+1] = [1, {g + 1}] for "
                                                     f"--block-size {g}, got {o.simulate_acc_len}")
     if o.drafter is not None:
-        from evalpipe.engine.spec.drafters import parse_drafter_spec
+        from evalpipe.engine.spec.settings import parse_drafter_spec
 
         try:
             kind, arg = parse_drafter_spec(o.drafter)
@@ -52,10 +52,10 @@ def check_native(o) -> None:
             raise LaunchConfigError(f"--drafter: {exc}") from None
         require(kind != "model" or Path(arg).exists(), f"--drafter: draft model {arg} does not exist")
     if o.model is not None and not Path(o.model).exists():
-        from evalpipe.engine.model.weights import BUILTIN_MODELS
+        from evalpipe.engine.model.names import BUILTIN_MODEL_NAMES
 
-        require(o.model in BUILTIN_MODELS,
-                f"--model {o.model} does not exist (built-in models: {', '.join(BUILTIN_MODELS)})")
+        require(o.model in BUILTIN_MODEL_NAMES,
+                f"--model {o.model} does not exist (built-in models: {', '.join(BUILTIN_MODEL_NAMES)})")
     require(o.tokenizer is None or Path(o.tokenizer).exists(), f"--tokenizer {o.tokenizer} does not exist")
 
 

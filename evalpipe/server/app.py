@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from evalpipe import __version__
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.server import generation
 from evalpipe.server.engine_client import ENGINE_DEAD, EngineCallError, EngineDead
 from evalpipe.server.errors import APIError, SafeJSONResponse, install_error_handlers

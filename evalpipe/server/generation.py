@@ -22,8 +22,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from evalpipe import __version__
-from evalpipe.engine.engine import SeqEvent
-from evalpipe.engine.sampling import SamplingParams
+from evalpipe.engine.ipc import SeqEvent
+from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.server import structured
 from evalpipe.server.engine_client import ENGINE_DEAD, EngineCallError, EngineDead
 from evalpipe.server.errors import APIError, SafeJSONResponse, bad_request, json_bytes

@@ -18,10 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from evalpipe import __version__
-from evalpipe.engine.model.config import DEFAULT_MODEL_NAME
+from evalpipe.engine.model.names import DEFAULT_MODEL_NAME
 from evalpipe.redact import redact, redact_argv
 from evalpipe.server.engine_client import EngineClient, EngineLoadError
 
@@ -51,8 +49,8 @@ class ServerSettings:
     block_size: int = 5
     drafter: str | None = None
     simulate_acc_len: float | None = None
-    # LOSSY acceptance (evalpipe/engine/spec/accept.py, AcceptRule), off unless set: a draft among the target's top K
-    # (K >= 2), or SGLang's probability thresholds below 1.0 (sampled requests). None: exact acceptance.
+    # LOSSY acceptance (evalpipe/engine/spec/settings.py, AcceptRule), off unless set: a draft among the target's top
+    # K (K >= 2), or SGLang's probability thresholds below 1.0 (sampled requests). None: exact acceptance.
     spec_accept_topk: int | None = None
     spec_accept_threshold_single: float | None = None
     spec_accept_threshold_acc: float | None = None
@@ -85,8 +83,8 @@ def default_tokenizer_factory(settings: ServerSettings) -> Any:
 
 
 def build_in_engine_process(settings: ServerSettings) -> tuple[Any, Any]:
-    """engine.build.build, imported where it runs: the HTTP process never builds a model, and the runner's imports
-    (transformers' modeling and loading code) cost it ~1.5 s of start-up."""
+    """engine.build.build, imported where it runs: the HTTP process never builds a model and never imports torch
+    (seconds of start-up; `test_the_http_process_never_imports_torch` in tests/test_server_api.py)."""
     from evalpipe.engine.build import build
 
     return build(settings)
@@ -187,7 +185,7 @@ class ServerState:
             "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
                             "simulate_acc_len": s.simulate_acc_len, **_accept_setting(s)},
             "structured_output": _structured_output_backend(),
-            "torch": torch.__version__,
+            "torch": _package_version("torch"),  # the engine process's (this process never imports it)
             "python": sys.version.split()[0],
         }
         # Everything that moves while serving lives under internal_states (SGLang's name), so that run manifests
@@ -245,7 +243,7 @@ def _accept_setting(settings: ServerSettings) -> dict:
     """The acceptance rule as `speculative.accept` reports it before the engine has loaded (block mode only)."""
     if settings.speculative != "block":
         return {}
-    from evalpipe.engine.spec.decoder import accept_rule_from_settings
+    from evalpipe.engine.spec.settings import accept_rule_from_settings
 
     try:
         return {"accept": accept_rule_from_settings(settings).describe()}
@@ -259,12 +257,17 @@ RUNNER_VOLATILE_KEYS = {"live_sequences", "pools", "free_pages", "free_slots", "
 
 def _structured_output_backend() -> dict:
     """The grammar library behind tools and response_format, and its version (a receipt names what masked)."""
+    return {"backend": "xgrammar", "version": _package_version("xgrammar")}
+
+
+def _package_version(name: str) -> str | None:
+    """An installed distribution's version (the engine process imports it from the same interpreter)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return {"backend": "xgrammar", "version": version("xgrammar")}
+        return version(name)
     except PackageNotFoundError:
-        return {"backend": "xgrammar", "version": None}
+        return None
 
 
 def _peak_rss_mb() -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evalpipe.engine.grammar import GrammarSpec
+from evalpipe.engine.grammar_spec import GrammarSpec
 from evalpipe.server.errors import bad_request
 from evalpipe.server.protocol import ChatCompletionRequest
 

@@ -195,7 +195,7 @@ def _fused_inputs(attn, q, kv, group, batch, pool, idx_q):
             group.slots.repeat_interleave(n), n, entries, entry_rows, attn.sinks, attn.head_dim**-0.5)
 
 
-def test_matches_engine_attend(tiny_runner, monkeypatch, one_thread):
+def test_matches_engine_attend(tiny_runner, monkeypatch):
     """A real tiny-model runner: prompts of 59 (ring of 55 wraps), 3 (window partly before position 0) and 30 tokens,
     then a decode forward (n=1) and a 6-row verify forward (rows cross the forward boundary). At every layer's
     `_attend` (sliding, CSA, HCA) the kernel and the reference equal the engine's output."""

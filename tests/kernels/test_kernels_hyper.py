@@ -15,8 +15,6 @@ from evalpipe.kernels import hyper as step_hyper
 
 HC, D, EPS = 4, 64, 1e-6
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):

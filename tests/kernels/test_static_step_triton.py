@@ -10,8 +10,6 @@ import torch
 from evalpipe.engine.static.graphs import GraphRunner
 from engine_state import state_snapshot
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _prompt(n, seed):
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -14,9 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from evalpipe.engine.model.primitives import rotate_half_matrix
 
-TINY_MODEL_NAME = "evalpipe-tiny-dsv4"  # random weights from seed 0: every lane runs, nothing is answered
 TINY_CONFIG_PATH = Path(__file__).with_name("tiny_config.json")
-DEFAULT_MODEL_NAME = "evalpipe-skills-dsv4"  # trained on evalpipe.skills (training/), shipped in the package
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from evalpipe.kernels.moe import score
+
+
+def activation(name: str):
+    """The experts' activation by its config name: SiLU (every DeepSeek-V4 config) is F.silu, which is what
+    transformers' ACT2FN["silu"] runs; any other name goes through ACT2FN, imported only then (it pulls in
+    transformers' hub-kernel and distributed loading code: 1-2 s of every engine start)."""
+    if name == "silu":
+        return F.silu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 class MoE:
@@ -15,7 +25,7 @@ class MoE:
         self.is_hash = is_hash
         self.top_k, self.scoring = config.num_experts_per_tok, config.scoring_func
         self.scaling, self.limit = config.routed_scaling_factor, config.swiglu_limit
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
         self.router = sd[prefix + "gate.weight"]
         self.tid2eid = sd.get(prefix + "gate.tid2eid") if is_hash else None
         bias = sd.get(prefix + "gate.e_score_correction_bias")

@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 
 from evalpipe.digest import file_sha256
-from evalpipe.engine.model.config import DEFAULT_MODEL_NAME, TINY_MODEL_NAME, config_hash, tiny_config
+from evalpipe.engine.model.config import config_hash, tiny_config
+from evalpipe.engine.model.names import BUILTIN_MODEL_NAMES, DEFAULT_MODEL_NAME, TINY_MODEL_NAME
 
 # Original-checkpoint leaf names -> module names (suffix of a per-layer key after "layers.N.").
 _LAYER_RENAMES = [
@@ -230,7 +231,8 @@ def packaged_checkpoint(name: str = DEFAULT_MODEL_NAME) -> Path:
     return folder
 
 
-BUILTIN_MODELS = {DEFAULT_MODEL_NAME: packaged_checkpoint, TINY_MODEL_NAME: default_checkpoint}
+_CHECKPOINTS = {DEFAULT_MODEL_NAME: packaged_checkpoint, TINY_MODEL_NAME: default_checkpoint}
+BUILTIN_MODELS = {name: _CHECKPOINTS[name] for name in BUILTIN_MODEL_NAMES}  # name -> its checkpoint folder
 
 
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:

@@ -12,8 +12,8 @@ how many drafts survive and which token follows them:
 - simulated (performance runs only): accept a prescribed number of drafts without checking them.
 
 The greedy and sampled rules are exact and are the default. Two LOSSY rules exist only so that an evaluation can
-prove it notices a speculator that changes the output (`AcceptRule`; never on unless asked for, reported wherever
-`spec` is):
+prove it notices a speculator that changes the output (`AcceptRule` in spec/settings.py; never on unless asked
+for, reported wherever `spec` is):
 
 - top-k (`--spec-accept-topk K`, K >= 2): a draft survives when fewer than K tokens score strictly higher than it
   at its row, i.e. it is among the target's K best (ties counted in its favour). Greedy rows rank the logits and the
@@ -155,67 +155,6 @@ def threshold_accept(
         return emitted, i
     emitted.append(_draw(p[len(drafts)], generator))
     return emitted, len(drafts)
-
-
-@dataclass(frozen=True)
-class AcceptRule:
-    """Which acceptance rule a server runs: "exact" (the default), or one of the LOSSY "topk" / "threshold" rules.
-
-    Thresholds of 1.0 are SGLang's lossless default and mean "exact"; top-k needs K >= 2 (K = 1 is exact greedy).
-    """
-
-    topk: int | None = None
-    threshold_single: float = 1.0
-    threshold_acc: float = 1.0
-
-    def __post_init__(self):
-        if self.topk is not None and self.topk < 2:
-            raise ValueError(f"top-k acceptance needs K >= 2: K = {self.topk} accepts only the target's argmax, "
-                             "which is the default exact greedy rule")
-        for name in ("threshold_single", "threshold_acc"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1] (1.0 = lossless), got {value}")
-        if self.topk is not None and (self.threshold_single < 1.0 or self.threshold_acc < 1.0):
-            raise ValueError("choose one lossy acceptance rule: top-k or the probability thresholds, not both")
-
-    @classmethod
-    def from_flags(cls, topk: int | None, threshold_single: float | None, threshold_acc: float | None) -> "AcceptRule":
-        """From the serve flags, where None means "not given" (thresholds then default to SGLang's 1.0)."""
-        return cls(topk=topk, threshold_single=1.0 if threshold_single is None else float(threshold_single),
-                   threshold_acc=1.0 if threshold_acc is None else float(threshold_acc))
-
-    @property
-    def name(self) -> str:
-        if self.topk is not None:
-            return "topk"
-        return "threshold" if self.threshold_single < 1.0 or self.threshold_acc < 1.0 else "exact"
-
-    @property
-    def lossy(self) -> bool:
-        return self.name != "exact"
-
-    def lossy_for(self, greedy: bool) -> bool:
-        """Does this rule decide a request's acceptance lossily? (thresholds leave greedy requests exact)"""
-        return self.name == "topk" or (self.name == "threshold" and not greedy)
-
-    def describe(self) -> dict:
-        """The rule as /get_server_info and every choice's `spec` report it."""
-        if self.name == "exact":
-            return {"rule": "exact", "lossy": False}
-        if self.name == "topk":
-            return {"rule": "topk", "k": self.topk, "lossy": True, "applies_to": "greedy and sampled requests"}
-        return {"rule": "threshold", "threshold_single": self.threshold_single, "threshold_acc": self.threshold_acc,
-                "lossy": True, "applies_to": "sampled requests (greedy requests are verified exactly, as in SGLang)"}
-
-    def label(self) -> str:
-        """One short phrase for the serve ready line."""
-        if self.name == "exact":
-            return "accept exact"
-        if self.name == "topk":
-            return f"accept topk k={self.topk} (LOSSY)"
-        return (f"accept threshold single={self.threshold_single:g} acc={self.threshold_acc:g} "
-                "(LOSSY on sampled requests)")
 
 
 class SimulatedAcceptLengths:

@@ -12,7 +12,7 @@ batch hooks the engine calls when present: `prepare(seqs)` drafts for all decodi
 `release(slot)` frees a finished sequence's draft state and adds its statistics to the server-wide totals.
 `verify_step(seqs)` runs prepare + target forward + accept directly on a runner (tests, benchmarks).
 
-The acceptance rule is exact unless the server was started with a lossy `AcceptRule` (spec/accept.py); the rule and
+The acceptance rule is exact unless the server was started with a lossy `AcceptRule` (spec/settings.py); the rule and
 whether it decided a request lossily ride on every `spec` object and on `describe()`.
 """
 
@@ -25,7 +25,6 @@ import torch
 
 from evalpipe.engine.sampling import sample, sampling_probs
 from evalpipe.engine.spec.accept import (
-    AcceptRule,
     ServerSpecTotals,
     SimulatedAcceptLengths,
     SpecStats,
@@ -36,6 +35,7 @@ from evalpipe.engine.spec.accept import (
     threshold_accept,
     topk_accept,
 )
+from evalpipe.engine.spec.settings import AcceptRule, accept_rule_from_settings
 
 
 @dataclass
@@ -197,11 +197,3 @@ def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | No
     return SpeculativeDecoder(runner, build_drafter(spec, getattr(runner, "eager_runner", runner)), block_size=int(getattr(settings, "block_size", 5)),
                               simulate_acc_len=getattr(settings, "simulate_acc_len", None),
                               accept_rule=accept_rule_from_settings(settings))
-
-
-def accept_rule_from_settings(settings: Any) -> AcceptRule:
-    """The acceptance rule of the server settings (`spec_accept_topk`, `spec_accept_threshold_single/acc`);
-    exact when none is set. Raises ValueError for a rule that cannot be built (AcceptRule says why)."""
-    return AcceptRule.from_flags(getattr(settings, "spec_accept_topk", None),
-                                 getattr(settings, "spec_accept_threshold_single", None),
-                                 getattr(settings, "spec_accept_threshold_acc", None))

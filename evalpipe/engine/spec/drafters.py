@@ -18,7 +18,7 @@ A drafter has a `name` and three methods, which the speculative decoder (spec/de
 - `rollback(seq, committed_before, accepted)`: after verify, keep the state of the first committed_before +
   accepted tokens (the bonus is not fed);
 - `release(slot)`: the sequence in target slot `slot` is gone, free its draft state.
-A new drafter kind is one class here and one case in `parse_drafter_spec` / `build_drafter`.
+A new drafter kind is one class here and one case in `parse_drafter_spec` (spec/settings.py) / `build_drafter`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from evalpipe.engine.sampling import sample, sampling_probs
+from evalpipe.engine.spec.settings import parse_drafter_spec
 
 
 def history(seq: Any) -> list[int]:
@@ -167,23 +168,6 @@ class NgramDrafter:
 
     def describe(self) -> dict:
         return {"drafter": self.name}
-
-
-DRAFTER_KINDS = ("layerskip:N", "model:PATH", "ngram", "self")
-
-
-def parse_drafter_spec(spec: str) -> tuple[str, str | int | None]:
-    """'layerskip:2' -> ('layerskip', 2); 'model:/p' -> ('model', '/p'); 'ngram'/'self' -> (kind, None)."""
-    kind, _, arg = spec.partition(":")
-    if kind in ("ngram", "self") and not arg:
-        return kind, None
-    if kind == "layerskip":
-        if not arg.isdigit() or int(arg) < 1:
-            raise ValueError(f"drafter {spec!r}: layerskip needs a positive layer count, e.g. layerskip:2")
-        return kind, int(arg)
-    if kind == "model" and arg:
-        return kind, arg
-    raise ValueError(f"unknown drafter {spec!r}; expected one of {', '.join(DRAFTER_KINDS)}")
 
 
 def build_drafter(spec: str, target: Any) -> Any:

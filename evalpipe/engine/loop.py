@@ -1,0 +1,207 @@
+"""The engine process's loop: the scheduler and the model, in a process of their own beside the HTTP server.
+
+engine/process.py `main` builds the engine here (`build_engine`), reports it (`ready_message`) and runs
+`EngineLoop`, which talks to the server over two ZeroMQ pipes with the messages of engine/ipc.py. The loop takes
+every message that has arrived, applies it (new requests, aborts, calls), runs one `Engine.step()` and sends that
+step's events as one `Step` message. An abort therefore reaches the engine before its next forward, and the HTTP
+event loop and the model no longer share a GIL. Grammars compile on a worker thread, so a slow schema does not
+stall the steps of other requests.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import resource
+import time
+import traceback
+from typing import Any, Callable
+
+import zmq
+
+from evalpipe.engine import ipc
+from evalpipe.engine.cache import PoolExhausted
+from evalpipe.engine.engine import Engine, make_sequences
+from evalpipe.engine.grammar import GrammarError
+from evalpipe.engine.model.names import DEFAULT_MODEL_NAME
+from evalpipe.engine.scheduler import QueueFull, Sequence
+
+log = logging.getLogger("evalpipe.engine")
+
+IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
+COMPILE_POLL_MS = 5  # while a grammar compiles on the worker thread
+
+
+def build_engine(settings: Any, build: Callable, tokenizer_factory: Callable) -> Engine:
+    if settings.device == "cpu":
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    tokenizer = tokenizer_factory(settings)
+    runner, decoder = build(settings)
+    vocab = getattr(runner.config, "vocab_size", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
+    return Engine(runner, tokenizer, max_batch=settings.max_batch, max_tokens_per_step=settings.max_tokens_per_step,
+                  max_queue=settings.max_queue, decoder=decoder, exhausted=(PoolExhausted,))
+
+
+def ready_message(settings: Any, engine: Engine) -> ipc.Ready:
+    runner, cfg = engine.runner, engine.runner.config
+    bos = getattr(engine.tokenizer, "bos_token_id", None)
+    bos = bos if bos is not None else getattr(cfg, "bos_token_id", 0) or 0
+    static = {
+        "config": cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg)),
+        "runner": _safe(runner.describe),
+        "speculative": dict(engine.decoder.describe()),
+        "model_path": getattr(runner, "model_path", None),
+    }
+    sites = getattr(runner, "fused_sites", None)
+    if sites is not None:
+        static["fused_sites"] = sites
+    return ipc.Ready(
+        pid=os.getpid(), model_id=getattr(runner, "model_name", None) or settings.model or DEFAULT_MODEL_NAME,
+        max_seq_len=int(getattr(runner, "max_seq_len", settings.max_seq_len)),
+        vocab_size=int(getattr(cfg, "vocab_size", 1 << 31)), bos_token_id=bos,
+        max_queue=engine.scheduler.max_queue, grammar_blocker=engine.grammar_blocker(), static_info=static)
+
+
+class EngineLoop:
+    """Messages in, one step, one `Step` message out; until `Shutdown` or the parent is gone."""
+
+    def __init__(self, engine: Engine, recv: zmq.Socket, send: zmq.Socket, parent: int):
+        self.engine = engine
+        self.recv = recv
+        self.send = send
+        self.parent = parent
+        self.requests: dict[int, list[Sequence]] = {}  # rid -> its sequences, until all have finished
+        self.remaining: dict[int, int] = {}
+        self.events: list[tuple[int, Any]] = []  # the current step's (rid, SeqEvent)
+        self.compiling: dict[concurrent.futures.Future, int] = {}  # compile future -> call id
+        self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evalpipe-grammar")
+        self.poller = zmq.Poller()
+        self.poller.register(recv, zmq.POLLIN)
+
+    def run(self) -> None:
+        try:
+            while True:
+                if not self.engine.busy:
+                    timeout = COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS
+                    if not self.poller.poll(timeout):
+                        self._reply_compiled()
+                        if os.getppid() != self.parent:
+                            log.warning("the server process is gone; the engine exits")
+                            return
+                        continue
+                if not self._take_messages():
+                    return
+                self._reply_compiled()
+                if self.engine.busy:
+                    self._step()
+        finally:
+            self.compiler.shutdown(wait=False, cancel_futures=True)
+            self.engine.fail_all("abort")
+
+    def _step(self) -> None:
+        try:
+            advanced = self.engine.step()
+        except Exception as exc:  # a bug outside the forward: fail what is in flight, keep the engine alive
+            log.error("engine loop error:\n%s", traceback.format_exc())
+            self.engine.fail_all("error", error=f"{type(exc).__name__}: {exc}")
+            advanced = 1
+        if advanced or self.events:
+            events, self.events = self.events, []
+            self.send.send_pyobj(ipc.Step(events))
+
+    # -- messages ----------------------------------------------------------------------------------
+    def _take_messages(self) -> bool:
+        """Apply every message waiting; False on Shutdown."""
+        while True:
+            try:
+                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if isinstance(msg, ipc.Submit):
+                self._submit(msg)
+            elif isinstance(msg, ipc.Abort):
+                for rid in msg.rids:
+                    seqs = self.requests.pop(rid, None)
+                    self.remaining.pop(rid, None)
+                    if seqs:
+                        self.engine.abort(seqs)
+            elif isinstance(msg, ipc.Call):
+                self._call(msg)
+            elif isinstance(msg, ipc.Shutdown):
+                return False
+
+    def _submit(self, msg: ipc.Submit) -> None:
+        def on_event(ev, rid=msg.rid) -> None:
+            self.events.append((rid, ev))
+            if ev.finish_reason is not None and rid in self.remaining:
+                self.remaining[rid] -= 1
+                if not self.remaining[rid]:
+                    del self.remaining[rid], self.requests[rid]
+
+        seqs: list[Sequence] = []
+        for i, (prompt, params) in enumerate(zip(msg.prompts, msg.params)):
+            seqs += make_sequences(prompt, params, msg.n, on_event, first_index=i * msg.n)
+        try:
+            self.engine.submit(seqs)
+        except QueueFull as exc:
+            self.send.send_pyobj(ipc.Reply(msg.call_id, error=str(exc), error_kind="queue_full"))
+            return
+        except GrammarError as exc:
+            self.send.send_pyobj(ipc.Reply(msg.call_id, error=str(exc), error_kind="grammar"))
+            return
+        self.requests[msg.rid] = seqs
+        self.remaining[msg.rid] = len(seqs)
+        self.send.send_pyobj(ipc.Reply(msg.call_id, result=True))
+
+    def _call(self, msg: ipc.Call) -> None:
+        if msg.method == "compile":
+            self.compiling[self.compiler.submit(self.engine.grammars.compile, *msg.args)] = msg.call_id
+            return
+        try:
+            if msg.method == "flush_cache":
+                result = self.engine.flush_cache()
+            elif msg.method == "describe":
+                result = self._describe()
+            else:
+                raise ValueError(f"unknown engine call {msg.method!r}")
+        except Exception as exc:  # reported to the caller, never fatal to the loop
+            self.send.send_pyobj(ipc.Reply(msg.call_id, error=f"{type(exc).__name__}: {exc}"))
+            return
+        self.send.send_pyobj(ipc.Reply(msg.call_id, result=result))
+
+    def _reply_compiled(self) -> None:
+        for future in [f for f in self.compiling if f.done()]:
+            call_id = self.compiling.pop(future)
+            exc = future.exception()
+            if exc is None:
+                self.send.send_pyobj(ipc.Reply(call_id, result=True))
+            else:
+                kind = "grammar" if isinstance(exc, GrammarError) else None
+                self.send.send_pyobj(ipc.Reply(call_id, error=str(exc) if kind else f"{type(exc).__name__}: {exc}",
+                                               error_kind=kind))
+
+    def _describe(self) -> dict:
+        """The moving parts of /get_server_info, as of the last step."""
+        runner = self.engine.runner
+        out: dict[str, Any] = {"engine": self.engine.describe(), "runner": _safe(runner.describe),
+                               "speculative": dict(self.engine.decoder.describe()),
+                               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                               "last_step_age_s": (time.monotonic() - self.engine.last_step_at
+                                                   if self.engine.last_step_at else None)}
+        if getattr(runner, "fused_sites", None) is not None:
+            from evalpipe.engine.model.fused_sites import site_counts
+
+            out["fused_site_calls"] = site_counts()
+        return out
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # introspection must never break the engine
+        return {"error": f"{type(exc).__name__}: {exc}"}

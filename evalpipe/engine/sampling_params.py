@@ -1,0 +1,29 @@
+"""What one sequence is sampled with: plain data, torch-free, so the HTTP process builds it and sends it to the
+engine process (engine/ipc.py `Submit`) without importing torch; engine/sampling.py turns it into probabilities and
+draws."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one sequence (one choice) is sampled with; validated by the server before it gets here."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
+    grammar: Any = None  # a GrammarSpec (engine/grammar_spec.py): every sampled row is masked to what it allows
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
