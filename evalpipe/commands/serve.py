@@ -90,6 +90,11 @@ def serve_native(params: dict) -> None:
     device, host, log_level = params["device"] or "cpu", params["host"], params["log_level"]
     sock = _bind(host, params["port"])  # before the imports below (uvicorn, FastAPI; torch is the engine process's)
     port = sock.getsockname()[1]
+    if device == "cuda":  # bad input exits 2 before the engine starts; only --device cuda costs this process torch
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
 
     import dataclasses
 

@@ -2,8 +2,9 @@
 (interleaved: ids 0, 1, 2 have 2, 3, 4 operations).
 
 Prompt `Question: {story}\nAnswer:` to /v1/completions (zero-shot: the default model was trained on this format),
-greedy, max_tokens 512 (the longest worked answer is under 470 bytes). Graded like GSM8K legacy: the last integer of the reply (the `#### N` line) against the
-exact result; truncated replies and replies without digits count wrong. Reported overall and per operation count.
+greedy, max_tokens 512 (the longest worked answer is under 470 bytes). Graded like GSM8K legacy: the last integer
+of the reply (the `#### N` line) against the exact result; truncated replies and replies without digits count wrong.
+Reported overall and per operation count.
 """
 
 from evalpipe.lanes.skill_lane import skill_lane
