@@ -106,3 +106,38 @@ def test_sample_token_matches_the_two_step_path():
     gen = generator_for(params)
     b = [int(sample(sampling_probs(LOGITS, params), gen)) for _ in range(50)]
     assert a == b
+
+
+def test_step_argmax_reads_every_row_once_and_matches_sample_token():
+    """The engine's one host read per step gives each row's greedy token exactly as `sample_token` does, ties to
+    the lowest id, NaN-free and -inf rows included; later calls reuse the same read."""
+    from evalpipe.engine.sampling import StepArgmax, sample_token
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))  # fresh inputs every run
+    logits = torch.randn(7, 50, generator=gen)
+    logits[2, [3, 9, 40]] = 9.0  # a three-way tie: the lowest id wins
+    logits[4] = float("-inf")
+    logits[4, 17] = -1e30
+    logits[5, :] = 0.0  # all tied
+    greedy = SamplingParams(temperature=0.0)
+    step = StepArgmax(logits)
+    assert step.rows(2, 3) == [3] and step.rows(5, 6) == [0] and step.rows(4, 5) == [17]
+    first = step._ids
+    assert step.rows(0, 7) == [sample_token(row, greedy, None) for row in logits]
+    assert step._ids is first  # one transfer for the whole step
+    assert step.rows(7, 7) == []
+
+
+def test_seq_event_then_concatenates_a_lagging_reader_s_events():
+    """Two queued events of one sequence merge into the one chunk a lagging HTTP reader sends: tokens, text and
+    logprobs concatenated in order, the rest (finish, counts, spec) from the later event."""
+    from evalpipe.engine.ipc import SeqEvent
+
+    a = SeqEvent(index=1, token_ids=[5, 6], text="ab", logprobs=None, completion_tokens=2, cached_tokens=64)
+    b = SeqEvent(index=1, token_ids=[7], text="c", logprobs=[{"id": 7, "logprob": -0.1, "top": []}],
+                 completion_tokens=3, finish_reason="length", spec={"accept_length": 2.0}, cached_tokens=64)
+    m = a.then(b)
+    assert (m.token_ids, m.text, m.completion_tokens, m.finish_reason) == ([5, 6, 7], "abc", 3, "length")
+    assert m.logprobs == b.logprobs and m.spec == b.spec and m.index == 1 and m.cached_tokens == 64
+    assert a.then(SeqEvent(index=1, token_ids=[], text="", logprobs=None, completion_tokens=2)).logprobs is None
+    assert (a.token_ids, a.text) == ([5, 6], "ab")  # the inputs are left as they were

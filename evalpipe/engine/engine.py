@@ -28,7 +28,7 @@ import torch
 
 from evalpipe.engine.grammar import Grammars
 from evalpipe.engine.ipc import SeqEvent
-from evalpipe.engine.sampling import generator_for, sample_token, token_logprobs
+from evalpipe.engine.sampling import StepArgmax, generator_for, sample_token, token_logprobs
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status
 
@@ -45,7 +45,9 @@ class Decoder(Protocol):
 
     def propose(self, seq: Sequence) -> list[int]: ...
 
-    def accept(self, seq: Sequence, logits: torch.Tensor) -> list[int]: ...
+    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+        """Commit tokens from this sequence's rows; `argmax` (greedy sequences without a grammar) is the rows'
+        argmax, already on the host."""
 
     def stats(self, seq: Sequence) -> dict | None: ...
 
@@ -61,7 +63,9 @@ class PlainDecoder:
     def propose(self, seq: Sequence) -> list[int]:
         return [seq.last_token]
 
-    def accept(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+        if argmax is not None:
+            return [argmax[-1]]
         return [sample_token(logits[-1], seq.params, seq.generator)]
 
     def stats(self, seq: Sequence) -> dict | None:
@@ -217,12 +221,16 @@ class Engine:
         out: dict[Sequence, tuple[list[int], torch.Tensor]] = {}
         offset = 0
         width = [len(r) if self.decoder.all_logits else 1 for r in rows]
+        argmax = StepArgmax(logits)  # greedy rows without a grammar: one host read for the whole step
         for chunk, w in zip(plan.prefills, width):
             if chunk.last:
                 row = logits[offset + w - 1: offset + w]
                 constraint = chunk.seq.state.get("grammar")
-                sampled = constraint.mask(row) if constraint is not None else row
-                token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator)
+                if constraint is None and chunk.seq.params.greedy:
+                    token = argmax.rows(offset + w - 1, offset + w)[0]
+                else:
+                    sampled = constraint.mask(row) if constraint is not None else row
+                    token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator)
                 if constraint is not None:
                     constraint.commit([token])
                 out[chunk.seq] = ([token], row)
@@ -232,7 +240,8 @@ class Engine:
             seq_rows = logits[offset: offset + w]
             constraint = seq.state.get("grammar")
             if constraint is None:
-                tokens = self.decoder.accept(seq, seq_rows)
+                tokens = self.decoder.accept(seq, seq_rows,
+                                             argmax.rows(offset, offset + w) if seq.params.greedy else None)
             else:  # row i scores the token after fed[:i + 1]; fed[1:] are the drafts (none in plain decoding)
                 tokens = self.decoder.accept(seq, constraint.mask(seq_rows, fed[1:]))
                 constraint.commit(tokens)

@@ -59,6 +59,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return (probs / noise).argmax(-1)
 
 
+class StepArgmax:
+    """The argmax of every row of one step's logits, read to the host in one transfer when a row is first asked for:
+    a step of B greedy sequences synchronises with the device once instead of B times (at batch 64 on the H200 the
+    per-sequence reads took half of a decode step). Ties go to the lowest id, as in `sample_token`."""
+
+    def __init__(self, logits: torch.Tensor):
+        self._logits = logits
+        self._ids: list[int] | None = None
+
+    def rows(self, start: int, stop: int) -> list[int]:
+        if self._ids is None:
+            self._ids = self._logits.argmax(-1).tolist()
+        return self._ids[start:stop]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one row of logits: `sample(sampling_probs(...))`, with greedy short-cut to the argmax."""
     if params.greedy:

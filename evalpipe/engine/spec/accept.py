@@ -43,14 +43,17 @@ from typing import Callable
 import torch
 
 
-def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor | list[int]) -> tuple[list[int], int]:
+def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor | list[int],
+                  target: list[int] | None = None) -> tuple[list[int], int]:
     """Greedy acceptance of one request's block.
 
     target_logits: [G+1, V], row i scores the token after draft i (row 0: after the last committed token).
     drafts: G token ids. Returns (emitted tokens = accepted drafts + bonus, number of accepted drafts).
     Ties in the argmax resolve to the lowest token id (torch.argmax), exactly as in plain greedy decoding.
+    target: the rows' argmax when the caller already read it to the host (the engine reads a whole step at once).
     """
-    target = torch.argmax(target_logits, dim=-1).tolist()
+    if target is None:
+        target = torch.argmax(target_logits, dim=-1).tolist()
     drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
     n = 0
     while n < len(drafts) and drafts[n] == target[n]:

@@ -92,8 +92,9 @@ class SpeculativeDecoder:
             spec = seq.state["spec"]
         return [seq.last_token] + spec.drafts
 
-    def accept(self, seq: Any, logits: torch.Tensor) -> list[int]:
-        """Accept against this sequence's verify rows ([g+1, V]), roll back, return the committed tokens."""
+    def accept(self, seq: Any, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+        """Accept against this sequence's verify rows ([g+1, V]), roll back, return the committed tokens. `argmax`:
+        the rows' argmax already on the host (greedy requests), which the exact greedy rule uses."""
         spec: _SeqSpec = seq.state["spec"]
         drafts, params = spec.drafts, seq.params
         if logits.shape[0] != len(drafts) + 1:
@@ -105,7 +106,8 @@ class SpeculativeDecoder:
             )
         elif params.greedy:
             rule = self.accept_rule
-            tokens, n = topk_accept(logits, drafts, rule.topk) if rule.name == "topk" else greedy_accept(logits, drafts)
+            tokens, n = (topk_accept(logits, drafts, rule.topk) if rule.name == "topk"
+                         else greedy_accept(logits, drafts, argmax))
         else:
             tokens, n = self._sampled_accept(sampling_probs(logits, params), spec, seq.generator)
         self.target.truncate(seq.slot, spec.base_len + 1 + n)
