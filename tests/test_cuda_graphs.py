@@ -85,6 +85,45 @@ def test_static_steps_equal_plain_runner(tiny_runner, fused):
             assert (snap_p[k] - snap_g[k]).abs().max().item() < 1e-4, k
 
 
+@pytest.mark.parametrize("all_logits", [False, True])
+def test_mixed_forward_sends_decode_rows_through_the_static_step(tiny_runner, all_logits):
+    """A busy server's step feeds decode rows beside prompt chunks: the decode rows go through the static step, the
+    chunks through the wrapped runner, and the logits come back in the caller's order, equal to the plain runner's;
+    every request's state ends as the plain runner leaves it."""
+    plain, base = tiny_runner(**SMALL), tiny_runner(**SMALL)
+    graph = GraphRunner(base, widths=(1,), buckets=(1, 2, 4), fused=True)
+    calls: list[int] = []
+    inner = base.forward
+    base.forward = lambda seqs, toks, **kw: calls.append(len(seqs)) or inner(seqs, toks, **kw)
+    pairs = [(plain.allocate(), graph.allocate()) for _ in range(4)]
+    last = []
+    for i, (sp, sg) in enumerate(pairs[:3]):  # three requests decoding
+        toks = prompt(30 + 9 * i, i)
+        last.append(int(plain.forward([sp], [toks])[0].argmax()))
+        graph.forward([sg], [toks])
+    new_prompt = prompt(45, 9)
+    for step in range(4):  # the fourth request's prompt arrives in chunks while the others decode
+        chunk = new_prompt[step * 15:(step + 1) * 15] if step < 3 else [int(a[0].argmax())]
+        # order as the engine sends it, prompt chunk first, and once interleaved (a chunk between decode rows)
+        order = [3, 0, 1, 2] if step % 2 == 0 else [0, 3, 1, 2]
+        rows = {0: [last[0]], 1: [last[1]], 2: [last[2]], 3: chunk}
+        calls.clear()
+        a = plain.forward([pairs[i][0] for i in order], [rows[i] for i in order], all_logits=all_logits)
+        b = graph.forward([pairs[i][1] for i in order], [rows[i] for i in order], all_logits=all_logits)
+        assert b.shape == a.shape
+        assert (a - b).abs().max().item() < LOGIT_TOL
+        # the prompt chunk went to the wrapped runner alone (the last step is all decode rows: no eager call)
+        assert calls == ([1] if step < 3 else [])
+        a = a if not all_logits else a[[sum(len(rows[j]) for j in order[:k + 1]) - 1 for k in range(4)]]
+        last = [int(a[order.index(i)].argmax()) for i in range(3)]
+    assert (4, 1) in graph.steps and (2, 1) not in graph.steps  # 3 decode rows: bucket 4; then all 4 together
+    for sp, sg in pairs:
+        assert plain.tokens(sp) == graph.tokens(sg)
+        snap_p, snap_g = state_snapshot(plain, sp), state_snapshot(graph, sg)
+        for k in snap_p:
+            assert (snap_p[k] - snap_g[k]).abs().max().item() < 1e-4, k
+
+
 def test_padding_never_writes_live_state(tiny_runner):
     """A padded bucket's extra requests address only the pad slot: a live request that sits out a step keeps
     every pool cell, and the trash page is the only page the pad slot touches."""

@@ -2,7 +2,10 @@
 
 A forward in which every sequence feeds the same number of rows n, with n one of `widths` (1 = decode, G+1 =
 verify), and at most the largest bucket of sequences, runs the static step (engine/static/model.py) of bucket B (the
-smallest bucket that fits); any other forward (prefill chunks, mixed widths) goes to the wrapped runner unchanged.
+smallest bucket that fits). A mixed forward (a busy server's step: decode rows beside prompt chunks) is split: the
+sequences that feed a graph width go through the static step, the rest (prompt chunks) through the wrapped runner,
+and the logits come back in the caller's order; sequences are independent, so the split changes no result. Any
+other forward goes to the wrapped runner unchanged.
 On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph` (after two warm-up runs that
 compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
 step runs eagerly (the "dry path"), which is what the CPU tests check against the plain runner.
@@ -187,14 +190,46 @@ class GraphRunner:
         return (bool(seqs) and len(seqs) == len(tokens) and len(seqs) <= self.buckets[-1]
                 and len({len(t) for t in tokens}) == 1 and len(tokens[0]) in self.widths)
 
+    def graph_part(self, tokens: list[list[int]]) -> list[int]:
+        """Indices of the requests of a mixed forward that the static step takes: those feeding the graph width
+        most of them feed (at most the largest bucket); the others go through the wrapped runner."""
+        by_width: dict[int, list[int]] = {}
+        for i, t in enumerate(tokens):
+            if len(t) in self.widths:
+                by_width.setdefault(len(t), []).append(i)
+        if not by_width:
+            return []
+        return max(by_width.values(), key=len)[: self.buckets[-1]]
+
     @torch.inference_mode()
     def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False,
                 **kwargs) -> torch.Tensor:
-        if kwargs or not self.graphable(seqs, tokens) or self.pad_slot in seqs:
+        if kwargs or self.pad_slot in seqs:
             return self.runner.forward(seqs, tokens, all_logits=all_logits, **kwargs)
-        r = self.runner
         if len(set(seqs)) != len(seqs):
             raise ValueError("a sequence may appear only once per forward")
+        if self.graphable(seqs, tokens):
+            return self._static_forward(seqs, tokens, all_logits)
+        part = self.graph_part(tokens)
+        if not part or len(part) == len(seqs):
+            return self.runner.forward(seqs, tokens, all_logits=all_logits)
+        return self._split_forward(seqs, tokens, all_logits, set(part))
+
+    def _split_forward(self, seqs: list[int], tokens: list[list[int]], all_logits: bool,
+                       part: set[int]) -> torch.Tensor:
+        rest = [i for i in range(len(seqs)) if i not in part]
+        fast = sorted(part)
+        eager = self.runner.forward([seqs[i] for i in rest], [tokens[i] for i in rest], all_logits=all_logits)
+        static = self._static_forward([seqs[i] for i in fast], [tokens[i] for i in fast], all_logits)
+        rows = [len(t) if all_logits else 1 for t in tokens]
+        pieces: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
+        for block, order in ((eager, rest), (static, fast)):
+            for piece, i in zip(block.split([rows[i] for i in order]), order):
+                pieces[i] = piece
+        return torch.cat(pieces)
+
+    def _static_forward(self, seqs: list[int], tokens: list[list[int]], all_logits: bool) -> torch.Tensor:
+        r = self.runner
         n, vocab = len(tokens[0]), r.config.vocab_size
         starts = []
         for seq, toks in zip(seqs, tokens):
