@@ -88,8 +88,10 @@ COMMON = [
            "target-only rule; greedy requests stay exact)."),
 ]
 NATIVE = [
-    O("--max-tokens-per-step", default=512, show_default=True, type=click.IntRange(1),
-      help="native: rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size)."),
+    O("--max-tokens-per-step", default=None, type=click.IntRange(1),
+      help="native: rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size). Default: 512 "
+           "on the CPU, 8192 with --device cuda (SGLang's chunked-prefill size on large GPUs: on the H200 a "
+           "3500-token prompt prefills 4.7x faster in one chunk than in 512-row chunks)."),
     O("--max-queue", default=1024, show_default=True, type=click.IntRange(0),
       help="native: most sequences waiting for a slot; beyond it requests get 503 with Retry-After."),
     O("--max-seq-len", default=4096, show_default=True, type=click.IntRange(2),

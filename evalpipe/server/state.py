@@ -26,6 +26,12 @@ from evalpipe.server.engine_client import EngineClient, EngineLoadError
 log = logging.getLogger("evalpipe.server")
 
 
+# Rows per forward when --max-tokens-per-step is not given: the prefill chunk. On the CPU a chunk's cost grows
+# with its rows, so 512 keeps decode steps short beside it; on a GPU a chunk is launch-bound until thousands of rows
+# (H200, v4-top2 eager prefill: 5,600 tok/s at 512, 26,600 at one 3500-row chunk; benchmarks/gpu_real_job.py).
+DEFAULT_TOKENS_PER_STEP = {"cpu": 512, "cuda": 8192}
+
+
 @dataclass
 class ServerSettings:
     model: str | None = None
@@ -35,7 +41,7 @@ class ServerSettings:
     dtype: str = "float32"
     device: str = "cpu"
     max_batch: int = 64
-    max_tokens_per_step: int = 512
+    max_tokens_per_step: int | None = None  # None: DEFAULT_TOKENS_PER_STEP of the device
     max_queue: int = 1024
     max_seq_len: int = 4096
     threads: int = 1  # torch intra-op threads of the engine process on the CPU (the HTTP process runs no torch op)
@@ -63,6 +69,10 @@ class ServerSettings:
     wo_quant: str = "none"
     # prefix cache (evalpipe/engine/prefix_cache.py): "on" | "off"
     prefix_cache: str = "on"
+
+    def __post_init__(self):
+        if self.max_tokens_per_step is None:
+            self.max_tokens_per_step = DEFAULT_TOKENS_PER_STEP["cuda" if self.device == "cuda" else "cpu"]
 
     def public(self) -> dict:
         """The settings as /get_server_info shows them: secrets redacted (evalpipe.redact's rule)."""
