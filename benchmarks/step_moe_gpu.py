@@ -35,6 +35,7 @@ def parse():
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--replays", type=int, default=60)
     ap.add_argument("--layers", type=int, default=4, help="MoE objects per timed graph (distinct weights)")
+    ap.add_argument("--ts", default="1,6,32,64", help="token counts (rows per step) to check and time on CUDA")
     return ap.parse_args()
 
 
@@ -55,15 +56,23 @@ FAILED, report, check, rel_diff = CHECKS.failed, CHECKS.report, CHECKS.check, CH
 DEV = torch.device(ARGS.device)
 CUDA = DEV.type == "cuda"
 if CUDA:
-    D, I, DT, TS, LAYERS = 4096, 2048, torch.bfloat16, (1, 6, 32), ARGS.layers
+    D, I, DT, LAYERS = 4096, 2048, torch.bfloat16, ARGS.layers
+    TS = tuple(int(t) for t in ARGS.ts.split(","))
     SHAPES = ((8, 2), (16, 6))
-    # candidates besides the module's own choice (None): variants of the kernel shape it picks at that T
+    # candidates besides the module's own choice (None): variants of the kernel shape it picks at that T; block_t 64
+    # puts a 64-row batch (the largest graph bucket) in one token block, so each expert's weights are read once
     GU_CFGS = {"gemv": [dict(mode="gemv", block_n=16, block_k=256), dict(mode="gemv", block_n=16, block_k=1024)],
                "mm": [dict(mode="mm", block_n=32, block_k=256, num_stages=3),
-                      dict(mode="mm", block_n=64, block_k=128, num_warps=8)]}
+                      dict(mode="mm", block_n=64, block_k=128, num_warps=8),
+                      dict(mode="mm", block_t=64, block_n=32, block_k=128),
+                      dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
+                      dict(mode="mm", block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)]}
     DN_CFGS = {"gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
                "mm": [dict(mode="mm", block_n=16, block_k=128), dict(mode="mm", block_n=16, block_k=512,
-                                                                      num_stages=2)]}
+                                                                      num_stages=2),
+                      dict(mode="mm", block_t=64, block_n=16, block_k=256),
+                      dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
+                      dict(mode="mm", block_t=64, block_m=64, block_n=32, block_k=64, num_warps=8)]}
 else:
     D, I, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
     SHAPES = ((8, 2), (16, 6))
@@ -159,6 +168,16 @@ def timed(fn, replays: int) -> float:
     return gpu_bench.replay_us(gpu_bench.capture(fn), replays)
 
 
+def timed_or_inf(fn, name: str) -> float:
+    """`timed`, or inf (printed) when a candidate config does not compile or launch: one bad candidate must not
+    end the sweep."""
+    try:
+        return timed(fn, ARGS.replays)
+    except Exception as exc:  # noqa: BLE001 - reported, the candidate is dropped
+        print(f"  config {name} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return float("inf")
+
+
 def count_kernels(fn, show: str | None = None) -> int | None:
     if not CUDA:
         return None
@@ -204,11 +223,11 @@ def main() -> int:
             ws = [step_moe.route(m, F.linear(x, m.router), ids)[1] for m in moes]
             gu_cfgs = [None] + GU_CFGS[step_moe._mode("auto", "gate_up", T)]
             dn_cfgs = [None] + DN_CFGS[step_moe._mode("auto", "down", T)]
-            gu_t = {label(c): timed(lambda c=c: [step_moe.gate_up(m, x, i, backend="triton", **(c or {}))
-                                                 for m, i in zip(moes, idxs)], ARGS.replays) / LAYERS
+            gu_t = {label(c): timed_or_inf(lambda c=c: [step_moe.gate_up(m, x, i, backend="triton", **(c or {}))
+                                                        for m, i in zip(moes, idxs)], label(c)) / LAYERS
                     for c in gu_cfgs}
-            dn_t = {label(c): timed(lambda c=c: [step_moe.down(m, h, i, w, backend="triton", **(c or {}))
-                                                 for m, h, i, w in zip(moes, hs, idxs, ws)], ARGS.replays) / LAYERS
+            dn_t = {label(c): timed_or_inf(lambda c=c: [step_moe.down(m, h, i, w, backend="triton", **(c or {}))
+                                                        for m, h, i, w in zip(moes, hs, idxs, ws)], label(c)) / LAYERS
                     for c in dn_cfgs}
             gu_best = min(gu_cfgs, key=lambda c: gu_t[label(c)])
             dn_best = min(dn_cfgs, key=lambda c: dn_t[label(c)])
