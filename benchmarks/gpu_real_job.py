@@ -28,6 +28,7 @@ import json
 import os
 import pstats
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -244,11 +245,21 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
 # ---- http stage ----------------------------------------------------------------------------------------------
 
 def evalpipe(*args: str, log: Path, timeout: float) -> tuple[int, float]:
+    """Run `evalpipe ARGS` to completion (or `timeout`: SIGINT, as a user's Ctrl-C, and exit code 130 or 124 if it
+    does not stop); returns (exit code, wall seconds)."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "evalpipe.cli", *args], stdout=f, stderr=subprocess.STDOUT,
-                              timeout=timeout)
-    return proc.returncode, time.perf_counter() - t0
+        proc = subprocess.Popen([sys.executable, "-m", "evalpipe.cli", *args], stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                rc = proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = 124
+    return rc, time.perf_counter() - t0
 
 
 def gsm8k_arm(srv, out: Path, label: str, args) -> dict:
@@ -293,7 +304,7 @@ def find(d, key):
     return None
 
 
-def http_stage(model_dir: Path, out: Path, args) -> dict:
+def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) -> dict:
     from server_harness import ServerProcess
 
     extra = shlex.split(args.serve_args)
@@ -308,10 +319,12 @@ def http_stage(model_dir: Path, out: Path, args) -> dict:
                 for c in (1, 16, 64):
                     r = bench_arm(srv, out, c, args)
                     res["bench"].append(r)
+                    save_partial(res)
                     print(f"  bench C{c}: {r}", flush=True)
             r = gsm8k_arm(srv, out, f"cache-{cache}", args)
             r["boot_s"] = round(boot, 1)
             res["gsm8k"].append(r)
+            save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"} for g in res["gsm8k"]]})
             print(f"  gsm8k cache {cache}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
         finally:
             srv.stop()
@@ -357,15 +370,22 @@ def main() -> int:
           f"v4-top2 checkpoint {report['parameters'] / 1e9:.3f} B parameters written in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     stages = args.stages.split(",")
+
+    def save() -> None:  # after every stage: what a stage measured survives a later one's failure or time-out
+        (out / "gpu_real_job.json").write_text(json.dumps(report, indent=2, default=str))
+
+    save()
     if "engine" in stages:
         report["engine"] = engine_stage(model_dir, [int(c) for c in args.chunks.split(",")], 2 if args.smoke else 16)
+        save()
     if "http" in stages:
         try:
-            report["http"] = http_stage(model_dir, work, args)
+            report["http"] = http_stage(model_dir, work, args, save_partial=lambda http: (
+                report.__setitem__("http", http), save()))
         finally:
             with tarfile.open(out / "gpu_real_job_files.tgz", "w:gz") as tar:
                 tar.add(work, arcname="gpu_real_job_files")
-    (out / "gpu_real_job.json").write_text(json.dumps(report, indent=2, default=str))
+        save()
     print_table(report)
     return 0
 
