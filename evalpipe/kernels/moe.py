@@ -438,9 +438,26 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
     return mode if mode != "auto" else ("mm" if tokens >= MM_MIN_TOKENS[kernel] else "gemv")
 
 
+# Expert-major tl.dot launch shapes for the larger graph buckets, from the H200 sweep of benchmarks/step_moe_gpu.py
+# (hidden 4096, I 2048, bf16; gpu_results/2026-12-02/step_moe.log): one token block of up to 64 rows reads each
+# picked expert once instead of twice, and 64-row dot tiles keep it bandwidth-bound. E 8 top-2, T=64: gate_up 139.9 ->
+# 71.6 us, down 175.4 -> 107.0 us; T=32: gate_up 82.6 -> 62.0 us (down unchanged: kept). E 16 top-6 alike. Below
+# these row counts (T=1..6: decode and verify at small batch) the shapes measured in the first sweep stay.
+MM_LARGE = {"gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
+            "down": (64, dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8))}
+
+
+def _mm_shape(kernel: str, tokens: int, given: dict) -> dict:
+    """The tl.dot launch keywords at `tokens` rows: MM_LARGE's from its row count on, overridden by what the
+    caller set (the sweep's candidates)."""
+    start, shape = MM_LARGE[kernel]
+    base = dict(shape) if tokens >= start else {}
+    return {**base, **{k: v for k, v in given.items() if v is not None}}
+
+
 def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", mode: str = "auto",
-            block_n: int | None = None, block_k: int | None = None, block_t: int = 32, block_m: int = 16,
-            num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+            block_n: int | None = None, block_k: int | None = None, block_t: int | None = None,
+            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert). mode "gemv": one program per
     (pick, channel block), weights streamed as coalesced rows (few picks); "mm": expert-major tl.dot over
     compacted picks per token block of `block_t` tokens (many picks); "auto" picks by T (MM_MIN_TOKENS)."""
@@ -460,22 +477,25 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", m
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
         jit(_gate_up_kernel)[(R * triton.cdiv(p.I, bn),)](
             x, idx, p.gate_up, sg, su, h, R, p.E, p.limit,
-            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or 4, **extra)
         return h
-    bt = min(block_t, max(1, triton.next_power_of_2(T)))
-    bn = max(16, block_n or 32)
-    bk = max(16, min(block_k or 128, triton.next_power_of_2(p.D)))
+    cfg = _mm_shape("gate_up", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k,
+                                        num_warps=num_warps))
+    bt = min(cfg.get("block_t", 32), max(1, triton.next_power_of_2(T)))
+    bn = max(16, cfg.get("block_n", 32))
+    bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.D)))
     grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
     jit(_gate_up_mm_kernel)[grid](
         x, idx, p.gate_up, sg, su, h, T, p.E, p.limit,
-        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
-        BLOCK_N=bn, BLOCK_K=bk, IEEE=p.gate_up.dtype == torch.float32, num_warps=num_warps, **extra)
+        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1),
+        BLOCK_M=max(16, cfg.get("block_m", 16)), BLOCK_N=bn, BLOCK_K=bk, IEEE=p.gate_up.dtype == torch.float32,
+        num_warps=cfg.get("num_warps", 4), **extra)
     return h
 
 
 def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=None, backend: str = "auto",
-         mode: str = "auto", block_n: int | None = None, block_k: int | None = None, block_t: int = 32,
-         block_m: int = 16, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+         mode: str = "auto", block_n: int | None = None, block_k: int | None = None, block_t: int | None = None,
+         block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes as in
     `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
     p = prepare(moe)
@@ -492,17 +512,20 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
         jit(_down_kernel)[(T * triton.cdiv(p.D, bn),)](
             h, idx, w, p.down, p.shared[2], y, T, p.E,
-            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps, **extra)
+            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or 4, **extra)
         return y
-    bt = max(16, min(block_t, triton.next_power_of_2(T)))
-    bn = max(16, block_n or 16)
-    # each program walks every expert serially, so fewer, longer k steps should pay (H200, E 8 T=32: bn 32/bk 64
-    # 113 us, bn 16/bk 128 81 us; bk 256 is the untimed default, step_moe_gpu.py times 128/256/512)
-    bk = max(16, min(block_k or 256, triton.next_power_of_2(p.I)))
+    cfg = _mm_shape("down", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k,
+                                     num_warps=num_warps))
+    bt = max(16, min(cfg.get("block_t", 32), triton.next_power_of_2(T)))
+    bn = max(16, cfg.get("block_n", 16))
+    # each program walks every expert serially, so fewer, longer k steps pay below MM_LARGE (H200, E 8 T=32: bn 32/bk
+    # 64 113 us, bn 16/bk 128 81 us, bk 256 67.6 us)
+    bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
     jit(_down_mm_kernel)[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
         h, idx, w, p.down, p.shared[2], y, T, p.E,
-        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1), BLOCK_M=max(16, block_m),
-        BLOCK_N=bn, BLOCK_K=bk, IEEE=p.down.dtype == torch.float32, num_warps=num_warps, **extra)
+        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1),
+        BLOCK_M=max(16, cfg.get("block_m", 16)), BLOCK_N=bn, BLOCK_K=bk, IEEE=p.down.dtype == torch.float32,
+        num_warps=cfg.get("num_warps", 4), **extra)
     return y
 
 

@@ -90,12 +90,13 @@ def picks(T, gen):
     return torch.cat([routed, torch.full((T, 1), E)], 1).to(torch.int32)
 
 
-@pytest.mark.parametrize("T", [5, 20])
+@pytest.mark.parametrize("T", [5, 20, 70])
 def test_gate_up_and_down_kernels_match_references(T):
     """Both kernel shapes (GEMV per pick; expert-major tl.dot over compacted picks) with clamping active on both
     sides of the SwiGLU, heuristic blocks and blocks that split D and I into several steps, leave masked channel
     tails, split tokens into several token blocks (a partial last one) and picks of one expert into several
-    BLOCK_M chunks (T 20: the shared expert has 20 picks)."""
+    BLOCK_M chunks (T 20: the shared expert has 20 picks; T 70: the large-batch shapes of MM_LARGE, 64-row token
+    blocks and 64-row dot tiles, with a partial second block)."""
     gen = torch.Generator().manual_seed(11 + T)
     moe = make_moe(seed=6)
     x = 12 * torch.randn(T, D, generator=gen)
