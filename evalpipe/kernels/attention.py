@@ -321,6 +321,13 @@ def _guard(q, kv, window_ring, entries, sinks) -> bool:
             and window_ring.stride(1) == 1 and (entries is None or entries.stride(1) == 1))
 
 
+def fused_attention_applies(backend: str, q, kv, window_ring, entries, sinks) -> bool:
+    """Whether `fused_attention` would launch the kernel for these tensors under `backend` (callers that keep a
+    chain of their own for the other case ask first)."""
+    tensors = [q, kv, window_ring, sinks] + ([entries] if entries is not None else [])
+    return use_triton(backend, tensors, _guard(q, kv, window_ring, entries, sinks))
+
+
 def fused_attention(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale, *,
                     backend="auto"):
     """[T, H, D] attention output of T = B * n query rows over their sliding window (ring + this forward's kv rows)

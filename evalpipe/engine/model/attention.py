@@ -13,6 +13,7 @@ from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.compressor import Compressor, Indexer
 from evalpipe.engine.model.config import CSA, SLIDING, RopeTable, compress_ratio
 from evalpipe.engine.model.primitives import apply_rope, rms_norm, unweighted_rms_norm
+from evalpipe.kernels.attention import fused_attention, fused_attention_applies, hca_entry_rows
 
 
 class Attention:
@@ -115,7 +116,16 @@ class Attention:
 
     def _attend(self, q, kv, group, batch: ForwardBatch, pool: LayerPool, idx_q) -> torch.Tensor:
         """[G, n, H, D] attention output of one group: window keys from the ring + this forward's rows, then
-        compressed entries; one softmax over both with the per-head sink as an extra (dropped) column."""
+        compressed entries; one softmax over both with the per-head sink as an extra (dropped) column.
+
+        Built with sites (the server) and where the attention kernel applies (CUDA; `--fused` does not reach the
+        eager path), a prompt chunk goes through the same kernel as the CUDA-graph step: each query row gathers its
+        keys by address, so neither the [G, n, k, D] entry gather nor the unfolded window is materialised (on the
+        H200 the eager chain's strided attention GEMMs and gathers were ~40 of the 93 ms of a 3500-row chunk)."""
+        settings = self.site_settings
+        if settings is not None and fused_attention_applies(settings.backend, q, kv, pool.window,
+                                                            self._entries(pool), self.sinks):
+            return self._attend_kernel(q, kv, group, batch, pool, idx_q, settings.backend)
         scale = self.head_dim**-0.5
         qg = q[group.rows]  # [G, n, H, D]
         cells, key_ok = window_keys_index(group, batch.pools.window_ring, self.window)
@@ -152,3 +162,32 @@ class Attention:
         if comp is not None:
             out = out + torch.matmul(probs[..., self.window: -1], comp)
         return out
+
+    def _entries(self, pool: LayerPool) -> torch.Tensor | None:
+        return pool.compressor.entries if self.compressor is not None else None
+
+    def _attend_kernel(self, q, kv, group, batch: ForwardBatch, pool: LayerPool, idx_q, backend: str) -> torch.Tensor:
+        """`_attend` through `kernels.attention.fused_attention` on the group's flattened rows: entry rows of every
+        visible entry (HCA) or of the indexer's top-k through the fused CSA sites (CSA), as the static step."""
+        G, n = group.size, group.n
+        rows = group.rows.reshape(-1)
+        pos = group.pos.reshape(-1)
+        entries = entry_rows = None
+        if self.compressor is not None:
+            entries = pool.compressor.entries
+            pool_rows = entry_index(group, batch.pools, self.ratio)[0]  # [G, E]
+            if self.indexer is None:
+                key = ("hca_rows", self.ratio)  # shared by the group's HCA layers of this ratio
+                if key not in group.memo:
+                    group.memo[key] = hca_entry_rows(pool_rows, pos, n, self.ratio)
+                entry_rows = group.memo[key]
+            else:
+                scores, visible, k = self.indexer.scores(*idx_q, group, batch.pools, pool.indexer)  # [G, n, E]
+                E = scores.shape[-1]
+                entry_rows = (fused_sites.csa_rows(self, scores.masked_fill(~visible, float("-inf")).reshape(G * n, E),
+                                                   group, batch, k) if k else pool_rows.new_empty(G * n, 0))
+        fused_sites.count("eager_attention_kernel")
+        out = fused_attention(q[rows], kv[rows], pool.window, batch.pools.window_ring, self.window, pos,
+                              group.slots.repeat_interleave(n), n, entries, entry_rows, self.sinks,
+                              self.head_dim**-0.5, backend=backend)
+        return out.view(G, n, self.heads, self.head_dim)

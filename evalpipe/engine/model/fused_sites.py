@@ -67,6 +67,11 @@ def site_counts() -> dict[str, int]:
     return dict(_CALLS)
 
 
+def count(site: str) -> None:
+    """One host-side call of `site` (see `site_counts`)."""
+    _CALLS[site] += 1
+
+
 def quantized_wo_b(attn, settings: SiteSettings | None) -> torch.Tensor | None:
     """The layer's MXFP8-rounded o_b under `settings` (None without --wo-quant mxfp8 or where the WO-A shape
     check fails)."""

@@ -1,0 +1,43 @@
+"""The eager runner's attention through the attention kernel (Triton's CPU interpreter): what a prompt chunk runs on
+a GPU when the model is built with sites (the server). Float32 on the tiny model (window 24, CSA ratio 4 with top-8
+selection, HCA ratio 2): the logits of every row equal the eager chain's (`backend="reference"`) for a first chunk,
+a second chunk that reads the first one's ring and entries, two requests of different lengths in one forward (two
+groups) and decode rows, and the route was taken (the sites' call counter)."""
+
+from __future__ import annotations
+
+import torch
+
+from evalpipe.engine.model import fused_sites
+from evalpipe.engine.model.fused_sites import SiteSettings
+
+TOL = 1e-4  # float32, IEEE dots in the kernel: op grouping only
+
+
+def _prompt(n, seed):
+    return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prompt_chunks_through_the_attention_kernel_equal_the_eager_chain(tiny_runner):
+    chain = tiny_runner(max_seqs=3, max_seq_len=160, sites=SiteSettings(backend="reference"))
+    kernel = tiny_runner(max_seqs=3, max_seq_len=160, sites=SiteSettings(backend="triton"))
+    layers = len(kernel.model.layers)
+    a_seqs = [chain.allocate() for _ in range(2)]
+    b_seqs = [kernel.allocate() for _ in range(2)]
+    seed = int(torch.randint(0, 1 << 20, ()))  # fresh prompts every run
+    first, second, other = _prompt(37, seed), _prompt(45, seed + 1), _prompt(29, seed + 2)
+    steps = [
+        ([0], [first]),  # one group: crosses the window and both ratios, no history
+        ([0, 1], [second, other]),  # two groups (45 and 29 rows): request 0 reads its ring and entries
+        ([0, 1], [[7], [9]]),  # decode rows
+    ]
+    for idx, rows in steps:
+        before = fused_sites.site_counts().get("eager_attention_kernel", 0)
+        want = chain.forward([a_seqs[i] for i in idx], rows, all_logits=True)
+        got = kernel.forward([b_seqs[i] for i in idx], rows, all_logits=True)
+        calls = fused_sites.site_counts().get("eager_attention_kernel", 0) - before
+        groups = len({len(r) for r in rows})
+        assert calls == layers * groups, (calls, layers, groups)  # every layer, every group, in the kernel
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert (got - want).abs().max().item() < TOL * max(1.0, want.abs().max().item())
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
