@@ -3,6 +3,8 @@ SwiGLU experts with clamped pre-activations, plus the always-on shared expert.""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,12 @@ def activation(name: str):
     from transformers.activations import ACT2FN
 
     return ACT2FN[name]
+
+
+@functools.cache
+def grouped_gemm_device(device: torch.device) -> bool:
+    """Whether torch's grouped GEMM serves this device: CUDA from compute capability 9.0 (Hopper) on."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 class MoE:
@@ -54,14 +62,27 @@ class MoE:
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         router_logits, shared_gate, shared_up = F.linear(x, self.w_in).split(self.in_splits, dim=-1)
         idx, w = self.route(x, input_ids, router_logits)
+        routed = self.routed(x, idx, w, grouped=x.dtype == torch.bfloat16 and grouped_gemm_device(x.device))
+        return routed + F.linear(self._swiglu(shared_gate, shared_up), self.shared[2])
+
+    def routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, grouped: bool) -> torch.Tensor:
+        """The routed experts' weighted sum for picks idx/w [T, K]. The picks are sorted by expert; then either one
+        GEMM pair per expert (`grouped=False`: the CPU path, which needs the per-expert counts on the host) or both
+        GEMMs for all experts at once through torch's grouped GEMM on device offsets (`grouped=True`, bf16 on
+        CUDA: no host synchronisation, so a prompt chunk's launches keep running ahead of the GPU)."""
         routed = torch.zeros_like(x)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // self.top_k
         weight_of = w.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if grouped:
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            gate, up = torch._grouped_mm(x[token_of], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y = torch._grouped_mm(self._swiglu(gate, up), self.down.transpose(1, 2), offs=offs) * weight_of[:, None]
+            return routed.index_add_(0, token_of, y.to(x.dtype))
         start = 0
-        for e, c in enumerate(counts):
+        for e, c in enumerate(counts.tolist()):
             if c == 0:
                 continue
             tok = token_of[start:start + c]
@@ -69,4 +90,4 @@ class MoE:
             y = F.linear(self._swiglu(gate, up), self.down[e]) * weight_of[start:start + c, None]
             routed.index_add_(0, tok, y.to(x.dtype))
             start += c
-        return routed + F.linear(self._swiglu(shared_gate, shared_up), self.shared[2])
+        return routed
