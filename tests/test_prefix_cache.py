@@ -144,16 +144,23 @@ def test_reference_matches_transformers(tiny_runner, prompts, reference):
     assert len(report) == len(prompts)
 
 
-def test_static_step_pages_are_cached_and_reused(tiny_runner, tokenizer):
-    """Decode and verify rows on the static step (the CUDA-graph path's CPU dry run) write no tails themselves;
-    the pages they complete get them from the rings. A follow-up prompt = prompt + completion (a chat's next
-    turn) hits pages filled by decode rows and decodes the same tokens as with the cache off."""
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_static_step_pages_are_cached_and_reused(tiny_runner, tokenizer, device):
+    """Decode and verify rows on the static step (the CUDA-graph path; on the CPU its dry run) write no tails
+    themselves; the pages they complete get them from the rings. A follow-up prompt = prompt + completion (a chat's
+    next turn) hits pages filled by decode rows and decodes the same tokens as with the cache off. On CUDA: float32,
+    captured graphs, the fused kernels and the server's sites (prompt chunks through the attention kernel)."""
+    from evalpipe.engine.model.fused_sites import SiteSettings
+
     gen = torch.Generator().manual_seed(3)
     first = torch.randint(2, 500, (60,), generator=gen).tolist()
     out = {}
+    cuda = device == "cuda"
     for cache in (False, True):
-        runner = GraphRunner(tiny_runner(max_seqs=3, max_seq_len=512, prefix_cache=cache, page_tokens=8),
-                             widths=(1, 4), buckets=(1, 2), fused=False, use_graphs=False)
+        base = tiny_runner(max_seqs=3, max_seq_len=512, prefix_cache=cache, page_tokens=8, device=device,
+                           sites=SiteSettings() if cuda else None)
+        runner = GraphRunner(base, widths=(1, 4), buckets=(1, 2), fused=cuda, use_graphs=cuda)
         engine = Engine(runner, tokenizer, max_batch=2, max_tokens_per_step=CHUNK, decoder=spec_decoder(runner))
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         a = Sequence(prompt=first, params=params)
