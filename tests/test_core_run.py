@@ -248,6 +248,20 @@ def test_overrides_are_sent_and_recorded(srv, tmp_path):
     assert records[0]["spec"]["accept_length"] == 2.5 and summary["spec_accept_length_mean"] == 2.5
 
 
+def test_repeats_send_distinct_seeds(srv, tmp_path):
+    """`--repeats 3 --temperature 1` on a seeded lane: repeat r of every item sends seed + r (one seed for all three
+    would make them copies of one sample), and a run without repeats keeps the lane's seed."""
+    url = srv(mode="correct")
+    r = run_lane("arith", url, tmp_path, "--num-examples", 2, "--repeats", 3, "--temperature", 1, "--seed", 40)
+    assert r.returncode == 0, r.stderr
+    records, summary, _ = load_run(only_run_dir(tmp_path, "arith"))
+    seeds = {(rec["question_id"], rec["repeat_index"]): rec["request"]["seed"] for rec in records}
+    assert len(seeds) == 6 and all(seed == 40 + rep for (_, rep), seed in seeds.items())
+    r = run_lane("arith", url, tmp_path / "one", "--num-examples", 2)
+    records, _, _ = load_run(only_run_dir(tmp_path / "one", "arith"))
+    assert [rec["request"]["seed"] for rec in records] == [0, 0]
+
+
 def test_lossy_acceptance_is_scored_and_shown_and_audit_guards_it(srv, tmp_path):
     """A server with SGLang thresholds below 1.0 is scored (unlike simulation); the summary names the setting and
     counts the responses whose spec says lossy; audit accepts a summary from before these keys only where the

@@ -112,8 +112,11 @@ class Outcome:
 # ----------------------------------------------------------------------------------------- request bodies
 
 
-def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int]) -> dict:
-    """The exact JSON body for one request. `None`-valued params are not sent (e.g. the x16 lane's seed)."""
+def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int],
+               repeat: int = 0) -> dict:
+    """The exact JSON body for one request. `None`-valued params are not sent (e.g. the x16 lane's seed). Repeat r
+    of an item sends seed + r: one seed for every repeat would make sampled repeats copies of one sample where the
+    server honours seeds (the engine does the same for the n choices of one request); repeat 0 keeps the seed."""
     body: dict = {"model": model}
     if lane.api == "completions":
         body["prompt"] = item.prompt
@@ -121,7 +124,7 @@ def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool
         body["messages"] = item.prompt
     for k, v in params.items():
         if v is not None:
-            body[k] = v
+            body[k] = v + repeat if k == "seed" and isinstance(v, int) else v
     if token_ids:
         body["return_token_ids"] = True
     if logprobs is not None:
@@ -332,7 +335,7 @@ class LaneRun:
                 return
             self.seq += 1
             seq = self.seq
-            body = build_body(self.lane, self.model, item, self.params, self.cfg.token_ids, self.cfg.logprobs)
+            body = build_body(self.lane, self.model, item, self.params, self.cfg.token_ids, self.cfg.logprobs, rep)
             attempts: list = []
             try:
                 reply = await http.send(client, path, body, chat=self.lane.api == "chat",
