@@ -43,6 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
+import gpu_bench  # noqa: E402
 from gpu_serving import bench_config, copy_bandwidth, count_kernels, random_state  # noqa: E402
 
 from evalpipe.engine.engine import Engine  # noqa: E402
@@ -93,17 +94,10 @@ def server_runner(model_dir: Path, max_batch: int = 64):
 
 
 def replay_us(step, reps: int = 20) -> float:
+    """Device time of one replay of a captured step (nan on the CPU dry run, where nothing is captured)."""
     if step is None or step.graph is None:
         return float("nan")
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step.graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return gpu_bench.replay_us(step.graph, reps)
 
 
 def decode_batch(runner, tokenizer, batch: int, prompt_len: int = 128, new_tokens: int = 64) -> dict:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+import gpu_bench  # noqa: E402 (benchmarks/: the script's own folder is on sys.path)
 from evalpipe.engine.engine import Engine
 from evalpipe.engine.model.config import TINY_CONFIG_PATH, load_config
 from evalpipe.engine.runner import ModelRunner
@@ -386,15 +387,7 @@ def main() -> int:
         step.fill_padding()
         eager = count_kernels(lambda: step._run(), top=60)
         if dev == "cuda":  # device time of one replay, and of the eager (un-captured) step
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step.graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            eager["replay_us"] = round(statistics.median(times), 1)
+            eager["replay_us"] = round(gpu_bench.replay_us(step.graph, 5), 1)
         eager["engine_step_wall_us"] = round(statistics.median(t_steps) * 1e6, 1) if t_steps else None
         for row in eager.get("top", [])[:15]:
             print(f"      {row[1]:5d} x {row[2]:10.1f} us  {row[0]}", flush=True)
