@@ -408,6 +408,13 @@ def test_repeated_lane_statistics(tmp_path):
     var = sum(np.var(REP_A[q], ddof=1) / 3 + np.var(REP_B[q], ddof=1) / 3 for q in REP_A)
     assert r["se_fixed_question"] == pytest.approx(math.sqrt(var) / 3)
     assert r["se_clustered"] == pytest.approx(np.std(d, ddof=1) / math.sqrt(3))
+    iv = r["interval"]  # normal 95% interval on the clustered SE; margin 1 pt (the default)
+    assert iv["ci_low"] == pytest.approx(d.mean() - 1.959964 * r["se_clustered"], abs=1e-5)
+    assert iv["ci_high"] == pytest.approx(d.mean() + 1.959964 * r["se_clustered"], abs=1e-5)
+    assert iv["verdict"] == ("non-inferior" if iv["ci_low"] > -0.01 else "inferior" if iv["ci_high"] < -0.01
+                             else "inconclusive")
+    assert iv["verdict"] == "inconclusive"  # 3 questions: a wide interval
+    assert f"non-inferiority at -1.0 pt: {iv['verdict']}" in res.output
     exact = exact_permutation_p(REP_A, REP_B)
     assert r["permutation_test"]["p_value"] == pytest.approx(exact, abs=0.02)
     assert [q["rate_b"] for q in r["per_question"]] == [pb[q] for q in REP_A]
@@ -509,3 +516,19 @@ def test_refuses_a_run_or_bench_compared_with_itself(tmp_path):
                                           "--resamples", "200"])
     assert res.exit_code == 0, res.output
     assert any("same run" in r for r in json.loads((tmp_path / "o" / "compare.json").read_text())["forced_over"])
+
+
+def test_repeated_interval_decides_non_inferiority():
+    """The clustered interval's verdict on many questions: B two points worse on every question is inferior at a
+    one-point margin; the same rates on both arms are non-inferior; an all-wrong pair is not informative."""
+    from evalpipe.compare.stats import compare_repeated
+
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))  # fresh outcomes every run
+    a = {f"q{i}": rng.integers(0, 2, 50).astype(float) for i in range(400)}
+    same = compare_repeated(a, {q: v.copy() for q, v in a.items()}, n_permutations=200, margin_pts=1.0)
+    assert same["interval"]["verdict"] == "non-inferior" and same["diff"] == 0.0
+    worse = {q: np.where(np.arange(50) < 5, 0.0, v) for q, v in a.items()}  # 5 of 50 forced wrong per question
+    r = compare_repeated(a, worse, n_permutations=200, margin_pts=1.0)
+    assert r["diff"] < -0.01 and r["interval"]["ci_high"] < -0.01 and r["interval"]["verdict"] == "inferior"
+    none = compare_repeated({"q": np.zeros(4)}, {"q": np.zeros(4)}, n_permutations=10, margin_pts=1.0)
+    assert none["informative"] is False and none["interval"]["verdict"] == "not-evaluable"

@@ -312,7 +312,7 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         ids = sorted(set(oa) & set(ob), key=_id_sort_key)
         result["repeated_stats"] = stats.compare_repeated(
             {q: np.array(oa[q]) for q in ids}, {q: np.array(ob[q]) for q in ids},
-            n_permutations=n_resamples, seed=seed)
+            n_permutations=n_resamples, seed=seed, margin_pts=margin_pts)
         result["agreement"] = {"note": "not computed: repeats at temperature > 0 share no randomness across arms"}
         result["flips"] = []
     else:

@@ -125,11 +125,13 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
             + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else ""))
     r = result.get("repeated_stats")
     if r:
-        pt = r["permutation_test"]
+        pt, iv = r["permutation_test"], r["interval"]
         lines.append(
             f"repeated: {r['n_questions']} questions, mean rate A {pct(r['mean_rate_a'])} B {pct(r['mean_rate_b'])}, "
             f"diff {pts(r['diff'])}; SE fixed-question {spts(r['se_fixed_question'])}, clustered "
-            f"{spts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}"
+            f"{spts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}; "
+            f"{int(100 * iv['confidence'])}% CI of B - A (clustered) [{pts(iv['ci_low'])}, {pts(iv['ci_high'])}]; "
+            f"non-inferiority at -{iv['margin_pts']} pt: [bold]{iv['verdict']}[/]"
             + (f"; [bold red]no information[/]: {escape(r['note'])}" if r.get("note") else ""))
     ag = result.get("agreement") or {}
     if "n_pairs" in ag:
@@ -424,6 +426,9 @@ def render_html(result: dict) -> str:
             ["mean per-question rate A / B", f"{pct(r['mean_rate_a'])} / {pct(r['mean_rate_b'])}"],
             ["difference B - A", pts(r["diff"])], ["SE, fixed questions", spts(r["se_fixed_question"])],
             ["SE, question-clustered", spts(r["se_clustered"])],
+            [f"{int(100 * r['interval']['confidence'])}% CI of B - A (normal, clustered SE)",
+             f"[{pts(r['interval']['ci_low'])}, {pts(r['interval']['ci_high'])}]"],
+            [f"non-inferiority (margin {r['interval']['margin_pts']} pt)", r["interval"]["verdict"]],
             ["within-question permutation p", f"{num(pt['p_value'], 4)} ({pt['n_permutations']} permutations, seed {pt['seed']})"],
         ], "repeated"))
         parts.append("<h3>Per question</h3><p class='muted'>Fisher's exact test per question with Holm adjustment "

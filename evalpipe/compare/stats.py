@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.stats import binomtest, fisher_exact
+from scipy.stats import binomtest, fisher_exact, norm
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
@@ -239,14 +239,29 @@ def holm(pvalues: list[float | None]) -> list[float | None]:
     return out
 
 
+def clustered_interval(diff: float | None, se: float, margin_pts: float,
+                       confidence: float = DEFAULT_CONFIDENCE) -> dict:
+    """Normal interval of a mean per-question difference from its question-clustered SE, and the non-inferiority
+    verdict it gives (the greedy lanes' rule, `non_inferiority`, on this interval)."""
+    if diff is None or not math.isfinite(se):
+        return {"ci_low": None, "ci_high": None, "confidence": confidence, "margin_pts": margin_pts,
+                "verdict": non_inferiority(None, None, margin_pts), "method": "normal, question-clustered SE"}
+    z = float(norm.ppf(0.5 + confidence / 2))
+    lo, hi = diff - z * se, diff + z * se
+    return {"ci_low": lo, "ci_high": hi, "confidence": confidence, "margin_pts": margin_pts,
+            "verdict": non_inferiority(lo, hi, margin_pts), "method": "normal, question-clustered SE"}
+
+
 def compare_repeated(
     outcomes_a: dict[str, np.ndarray],
     outcomes_b: dict[str, np.ndarray],
     *,
     n_permutations: int = DEFAULT_RESAMPLES,
     seed: int = DEFAULT_SEED,
+    margin_pts: float = 1.0,
 ) -> dict:
-    """Per-question success rates, their mean difference, both SEs and the within-question permutation test."""
+    """Per-question success rates, their mean difference, both SEs, the clustered interval with its
+    non-inferiority verdict at `margin_pts`, and the within-question permutation test."""
     ids = [q for q in outcomes_a if q in outcomes_b]
     oa = [np.asarray(outcomes_a[q], dtype=np.float64) for q in ids]
     ob = [np.asarray(outcomes_b[q], dtype=np.float64) for q in ids]
@@ -282,6 +297,7 @@ def compare_repeated(
         "diff": float(np.nanmean(d)) if ids else None,
         "se_fixed_question": fixed_question_se(oa, ob),
         "se_clustered": clustered_se(d),
+        "interval": clustered_interval(float(np.nanmean(d)) if ids else None, clustered_se(d), margin_pts),
         "permutation_test": within_question_permutation_test(oa, ob, n_permutations=n_permutations, seed=seed),
         "per_question": per_question,
     }
