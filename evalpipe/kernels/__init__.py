@@ -24,8 +24,10 @@ from evalpipe.kernels.mxfp8 import (
     wo_a_mxfp8_reference,
 )
 from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
+from evalpipe.kernels._backend import use_triton  # the one selector; callers with a chain of their own ask it too
 
 __all__ = [
+    "use_triton",
     "indexer_postprocess", "indexer_postprocess_reference",
     "candidate_block_mask", "candidate_block_mask_reference",
     "q_rope_store", "q_rope_store_reference",

@@ -1,8 +1,9 @@
-"""The eager runner's attention through the attention kernel (Triton's CPU interpreter): what a prompt chunk runs on
-a GPU when the model is built with sites (the server). Float32 on the tiny model (window 24, CSA ratio 4 with top-8
-selection, HCA ratio 2): the logits of every row equal the eager chain's (`backend="reference"`) for a first chunk,
-a second chunk that reads the first one's ring and entries, two requests of different lengths in one forward (two
-groups) and decode rows, and the route was taken (the sites' call counter)."""
+"""The eager runner's forward through the kernels (Triton's CPU interpreter): what a prompt chunk runs on a GPU when
+the model is built with sites (the server) -- the attention kernel of the graph step and mHC as `kernels.hyper`.
+Float32 on the tiny model (window 24, CSA ratio 4 with top-8 selection, HCA ratio 2): the logits of every row equal
+the eager chain's (`backend="reference"`) for a first chunk, a second chunk that reads the first one's ring and
+entries, two requests of different lengths in one forward (two groups) and decode rows, and the route was taken
+(the sites' call counter)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,14 @@ def test_prompt_chunks_through_the_attention_kernel_equal_the_eager_chain(tiny_r
         ([0, 1], [[7], [9]]),  # decode rows
     ]
     for idx, rows in steps:
-        before = fused_sites.site_counts().get("eager_attention_kernel", 0)
+        before = fused_sites.site_counts()
         want = chain.forward([a_seqs[i] for i in idx], rows, all_logits=True)
         got = kernel.forward([b_seqs[i] for i in idx], rows, all_logits=True)
-        calls = fused_sites.site_counts().get("eager_attention_kernel", 0) - before
+        after = fused_sites.site_counts()
+        calls = {k: after.get(k, 0) - before.get(k, 0) for k in ("eager_attention_kernel", "eager_mhc_kernels")}
         groups = len({len(r) for r in rows})
-        assert calls == layers * groups, (calls, layers, groups)  # every layer, every group, in the kernel
+        # every layer and group in the attention kernel; the forward's mHC through kernels.hyper (once per forward)
+        assert calls == {"eager_attention_kernel": layers * groups, "eager_mhc_kernels": 1}, (calls, groups)
         assert got.shape == want.shape and torch.isfinite(got).all()
         assert (got - want).abs().max().item() < TOL * max(1.0, want.abs().max().item())
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()

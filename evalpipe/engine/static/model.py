@@ -22,7 +22,7 @@ from evalpipe.engine.forward_batch import entry_index
 from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.primitives import apply_rope
 from evalpipe.engine.static.batch import StaticBatch
-from evalpipe.kernels import c2_verify, hyper, indexer, norm, q_rope_store
+from evalpipe.kernels import c2_verify, indexer, norm, q_rope_store
 from evalpipe.kernels.attention import fused_attention, hca_entry_rows
 from evalpipe.kernels.compress import compress
 from evalpipe.kernels.moe import moe_forward
@@ -54,20 +54,11 @@ class StaticModel:
         """Embedding -> [mHC, attention, mHC, MoE] x L -> hyper head -> norm -> lm_head. Each block boundary is two
         kernels (`kernels.hyper`: the merge that ends a block also computes the next hyper-connection's mixing
         partials; the next block starts by reducing them, Sinkhorn, collapse and its input RMSNorm)."""
-        m, b = self.model, self.backend
-        eps = m.config.rms_norm_eps
-        x = F.embedding(batch.input_ids, m.embed)
-        streams = x.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()
-        parts = hyper.hc_mix(streams, m.layers[0].attn_hc, backend=b)
-        for i, (layer, pool) in enumerate(zip(m.layers, pools.layers)):
-            post, comb, h = hyper.hc_pre_norm(streams, parts, layer.attn_hc, layer.attn_norm, eps, backend=b)
-            a = self.attention(layer.attn, h, batch, pool)
-            streams, parts = hyper.hc_merge_mix(streams, a, post, comb, layer.ffn_hc, backend=b)
-            post, comb, h = hyper.hc_pre_norm(streams, parts, layer.ffn_hc, layer.mlp_norm, eps, backend=b)
-            y = self.moe(layer.mlp, h, batch.input_ids)
-            nxt = m.layers[i + 1].attn_hc if i + 1 < len(m.layers) else m.head
-            streams, parts = hyper.hc_merge_mix(streams, y, post, comb, nxt, backend=b)
-        h = hyper.hc_head_norm(streams, parts, m.head, m.norm, eps, backend=b)
+        m = self.model
+        h = m.hidden_through_kernels(
+            F.embedding(batch.input_ids, m.embed),
+            lambda i, layer, x: self.attention(layer.attn, x, batch, pools.layers[i]),
+            lambda layer, x: self.moe(layer.mlp, x, batch.input_ids), self.backend)
         return F.linear(h, m.lm_head).float()
 
     def _rotate(self, x: torch.Tensor, table, batch: StaticBatch, inverse: bool = False) -> torch.Tensor:
