@@ -43,8 +43,9 @@ def _parse_seed(ctx, param, value):
 @click.option("--seed", callback=_parse_seed, default=None, help="Override the lane's seed; 'none' sends no seed.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Override the lane's top_p.")
 @click.option("--num-examples", type=click.IntRange(1), default=None, help="Score only the first N scored items.")
-@click.option("--repeats", type=click.IntRange(1), default=None, help="Responses per item (default: the lane's). Repeat r sends the lane's seed + r (recorded in each record's "
-                   "request), so sampled repeats are distinct draws, each reproducible.")
+@click.option("--repeats", type=click.IntRange(1), default=None,
+              help="Responses per item (default: the lane's). Repeat r sends the lane's seed + r (recorded in each "
+                   "record's request), so sampled repeats are distinct draws, each reproducible.")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`.")
 @click.option("--allow-data-drift", is_flag=True, help="Run even when the data or prompt hashes differ from "

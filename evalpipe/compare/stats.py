@@ -278,6 +278,7 @@ def compare_repeated(
     for row, adj in zip(per_question, holm([r["fisher_p"] for r in per_question])):
         row["fisher_p_holm"] = adj
         row["flag"] = adj is not None and adj < 0.05
+    diff, se = (float(np.nanmean(d)) if ids else None), clustered_se(d)
     total = sum(o.size for o in oa) + sum(o.size for o in ob)
     right = sum(float(o.sum()) for o in oa) + sum(float(o.sum()) for o in ob)
     note = None
@@ -294,10 +295,10 @@ def compare_repeated(
         "n_responses_b": int(sum(o.size for o in ob)),
         "mean_rate_a": float(np.nanmean(pa)) if ids else None,
         "mean_rate_b": float(np.nanmean(pb)) if ids else None,
-        "diff": float(np.nanmean(d)) if ids else None,
+        "diff": diff,
         "se_fixed_question": fixed_question_se(oa, ob),
-        "se_clustered": clustered_se(d),
-        "interval": clustered_interval(float(np.nanmean(d)) if ids else None, clustered_se(d), margin_pts),
+        "se_clustered": se,
+        "interval": clustered_interval(diff, se, margin_pts),
         "permutation_test": within_question_permutation_test(oa, ob, n_permutations=n_permutations, seed=seed),
         "per_question": per_question,
     }

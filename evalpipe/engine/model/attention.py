@@ -172,9 +172,8 @@ class Attention:
         G, n = group.size, group.n
         rows = group.rows.reshape(-1)
         pos = group.pos.reshape(-1)
-        entries = entry_rows = None
-        if self.compressor is not None:
-            entries = pool.compressor.entries
+        entries, entry_rows = self._entries(pool), None
+        if entries is not None:
             pool_rows = entry_index(group, batch.pools, self.ratio)[0]  # [G, E]
             if self.indexer is None:
                 key = ("hca_rows", self.ratio)  # shared by the group's HCA layers of this ratio
