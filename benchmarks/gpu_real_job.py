@@ -8,12 +8,13 @@ The checkpoint is `benchmarks/gpu_serving.py`'s v4-top2 (2.11 B parameters, rand
 
 Stages:
 - `engine`, in process, on the runner the server builds (`build_runner`: CUDA graphs for every batch bucket up to
-  --max-batch): for batch 1, 16 and 64, the steady decode step's wall time beside its graph replay's device time
-  (what is left is host work), the batch-64 step's kernels (torch.profiler) and host functions (cProfile); then
+  --max-batch): for batch 1, 16 and 64, with the overlap schedule off and on, the steady decode step's wall time
+  beside its graph replay's device time (what is left is exposed host work), the batch-64 step's kernels (torch.profiler) and host functions (cProfile); then
   the prefill rate at several chunk sizes (`--max-tokens-per-step`) with each chunk's kernel profile.
 - `http`, through real processes: `evalpipe serve --device cuda --dtype bfloat16 --max-batch 64` with the prefix
   cache on, `evalpipe bench` at concurrency 1, 16 and 64 (input 128, output 256), `evalpipe run gsm8k
-  --concurrency 64 --max-tokens 256`; then a fresh server with `--prefix-cache off` and the same gsm8k run.
+  --concurrency 64 --max-tokens 256`; then a fresh server with `--prefix-cache off` and the same gsm8k run; then
+  one with `--overlap-schedule off` and the bench at concurrency 1 and 64.
 
 Every number is printed as a table at the end and written to `OUT/gpu_real_job.json`; the logs, run folders and
 bench.json files go into `OUT/gpu_real_job_files.tgz` (one archive: the device machine returns few files).
@@ -100,9 +101,12 @@ def replay_us(step, reps: int = 20) -> float:
     return gpu_bench.replay_us(step.graph, reps)
 
 
-def decode_batch(runner, tokenizer, batch: int, prompt_len: int = 128, new_tokens: int = 64) -> dict:
-    """`batch` greedy sequences prefilled first, then steady decode steps timed one by one (wall, host clock)."""
-    engine = Engine(runner, tokenizer, max_batch=64, max_tokens_per_step=8192)
+def decode_batch(runner, tokenizer, batch: int, prompt_len: int = 128, new_tokens: int = 64, overlap: bool = True,
+                 profile: bool = False) -> dict:
+    """`batch` greedy sequences prefilled first, then steady decode steps timed one by one (wall, host clock).
+    With the overlap schedule a step queues the next forward and then settles the previous one, so its wall time is
+    the larger of device and host time."""
+    engine = Engine(runner, tokenizer, max_batch=64, max_tokens_per_step=8192, overlap=overlap)
     gen = torch.Generator().manual_seed(batch)
     seqs = [Sequence(prompt=torch.randint(16, 272, (prompt_len,), generator=gen).tolist(),
                      params=SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
@@ -117,9 +121,9 @@ def decode_batch(runner, tokenizer, batch: int, prompt_len: int = 128, new_token
         engine.step()
         walls.append(time.perf_counter() - t0)
     step = runner.step_for(batch, 1) if hasattr(runner, "step_for") else None
-    kernels = count_kernels(engine.step, top=12) if batch == 64 else None
+    kernels = count_kernels(engine.step, top=12) if profile else None
     host = None
-    if batch == 64:
+    if profile:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(8):
@@ -132,7 +136,8 @@ def decode_batch(runner, tokenizer, batch: int, prompt_len: int = 128, new_token
         engine.step()
     wall = statistics.median(walls) * 1e6
     dev = replay_us(step)
-    return {"batch": batch, "bucket": step.B if step else None, "step_wall_us": round(wall, 1), "replay_us": round(dev, 1),
+    return {"batch": batch, "overlap": engine.overlap, "bucket": step.B if step else None,
+            "step_wall_us": round(wall, 1), "replay_us": round(dev, 1),
             "host_us": round(wall - dev, 1), "tok_s": round(batch / wall * 1e6, 1),
             "tok_s_if_device_only": round(batch / dev * 1e6, 1), "kernels": kernels, "host_profile": host}
 
@@ -203,12 +208,12 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
     print(f"engine: runner built with graphs for buckets {getattr(runner, 'buckets', None)} in {build_s:.1f}s",
           flush=True)
     out = {"build_s": build_s, "decode": [], "prefill": []}
-    for batch in (1, 16, 64):
-        r = decode_batch(runner, tokenizer, batch)
+    for batch, overlap in [(b, o) for b in (1, 16, 64) for o in (False, True)]:
+        r = decode_batch(runner, tokenizer, batch, overlap=overlap, profile=batch == 64 and overlap)
         out["decode"].append(r)
-        print(f"  decode batch {batch:3d}: step {r['step_wall_us']:8.1f} us wall, replay {r['replay_us']:8.1f} us "
-              f"device, host {r['host_us']:8.1f} us -> {r['tok_s']:9.1f} tok/s (device only "
-              f"{r['tok_s_if_device_only']:9.1f})", flush=True)
+        print(f"  decode batch {batch:3d}, overlap {'on ' if r['overlap'] else 'off'}: step {r['step_wall_us']:8.1f} "
+              f"us wall, replay {r['replay_us']:8.1f} us device, host {r['host_us']:8.1f} us -> {r['tok_s']:9.1f} "
+              f"tok/s (device only {r['tok_s_if_device_only']:9.1f})", flush=True)
         if r["kernels"]:
             print(f"    batch-64 step kernels: {({k: v for k, v in r['kernels'].items() if k != 'top'})}")
             for name, count, us in r["kernels"].get("top", []):
@@ -272,17 +277,18 @@ def gsm8k_arm(srv, out: Path, label: str, args) -> dict:
             "outputs": {r["question_id"]: r.get("output_token_ids") for r in recs}}
 
 
-def bench_arm(srv, out: Path, concurrency: int, args) -> dict:
-    folder = out / "runs" / f"bench-c{concurrency}"
+def bench_arm(srv, out: Path, concurrency: int, overlap: str, args) -> dict:
+    label = f"bench-c{concurrency}-overlap-{overlap}"
+    folder = out / "runs" / label
     rc, wall = evalpipe("bench", "--base-url", srv.base + "/v1", "--concurrency", str(concurrency), "--input-len",
                         "128", "--output-len", "256", "--rounds", str(args.bench_rounds), "--warmup", "1",
-                        "--out", str(folder), log=out / f"bench-c{concurrency}.log", timeout=300)
+                        "--out", str(folder), log=out / f"{label}.log", timeout=300)
     files = list(folder.rglob("bench.json"))
     if rc != 0 or not files:
-        return {"concurrency": concurrency, "rc": rc, "wall_s": wall}
+        return {"concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": wall}
     b = json.loads(files[0].read_text())
     summ = b.get("summary", b)
-    return {"concurrency": concurrency, "rc": rc, "wall_s": round(wall, 1),
+    return {"concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": round(wall, 1),
             "aggregate_tok_s": find(summ, "aggregate_tokens_per_s"),
             "per_request_decode_tok_s": find(summ, "decode_tokens_per_s")}
 
@@ -303,26 +309,31 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
 
     extra = shlex.split(args.serve_args)
     res = {"serve_args": serve_base() + extra, "bench": [], "gsm8k": []}
-    for cache in ("on", "off"):
+    # (prefix cache, overlap schedule, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off
+    arms = [("on", "on", (1, 16, 64), True), ("off", "on", (), True), ("on", "off", (1, 64), False)]
+    for cache, overlap, concurrencies, gsm8k in arms:
         t0 = time.perf_counter()
-        srv = ServerProcess(*serve_base(), "--prefix-cache", cache, *extra, model=str(model_dir))
+        srv = ServerProcess(*serve_base(), "--prefix-cache", cache, "--overlap-schedule", overlap, *extra,
+                            model=str(model_dir))
         boot = time.perf_counter() - t0
-        print(f"http: server (--prefix-cache {cache}) ready in {boot:.1f}s", flush=True)
+        print(f"http: server (--prefix-cache {cache} --overlap-schedule {overlap}) ready in {boot:.1f}s", flush=True)
         try:
-            if cache == "on":
-                for c in (1, 16, 64):
-                    r = bench_arm(srv, out, c, args)
-                    res["bench"].append(r)
-                    save_partial(res)
-                    print(f"  bench C{c}: {r}", flush=True)
-            r = gsm8k_arm(srv, out, f"cache-{cache}", args)
-            r["boot_s"] = round(boot, 1)
-            res["gsm8k"].append(r)
-            save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"} for g in res["gsm8k"]]})
-            print(f"  gsm8k cache {cache}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
+            for c in concurrencies:
+                r = bench_arm(srv, out, c, overlap, args)
+                res["bench"].append(r)
+                save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"}
+                                               for g in res["gsm8k"]]})
+                brief = {k: v for k, v in r.items() if k != "per_request_decode_tok_s"}
+                print(f"  bench C{c}, overlap {overlap}: {brief}", flush=True)
+            if gsm8k:
+                r = gsm8k_arm(srv, out, f"cache-{cache}", args)
+                r["boot_s"] = round(boot, 1)
+                res["gsm8k"].append(r)
+                save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"} for g in res["gsm8k"]]})
+                print(f"  gsm8k cache {cache}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
         finally:
             srv.stop()
-            (out / f"serve-cache-{cache}.log").write_text(srv.output())
+            (out / f"serve-cache-{cache}-overlap-{overlap}.log").write_text(srv.output())
     if len(res["gsm8k"]) == 2:
         on, off = res["gsm8k"]
         same = sum(1 for q, ids in on["outputs"].items() if off["outputs"].get(q) == ids)
@@ -387,13 +398,17 @@ def main() -> int:
 def print_table(report: dict) -> None:
     print("\n| quantity | value |\n|---|---|")
     for r in report.get("engine", {}).get("decode", []):
-        print(f"| engine decode batch {r['batch']} (in process) | {r['tok_s']:.0f} tok/s; step {r['step_wall_us']:.0f} us "
-              f"= replay {r['replay_us']:.0f} + host {r['host_us']:.0f} |")
+        print(f"| engine decode batch {r['batch']}, overlap {'on' if r['overlap'] else 'off'} (in process) | "
+              f"{r['tok_s']:.0f} tok/s; step {r['step_wall_us']:.0f} us = replay {r['replay_us']:.0f} + exposed host "
+              f"{r['host_us']:.0f} |")
     for r in report.get("engine", {}).get("prefill", []):
         print(f"| engine prefill, chunk {r['chunk']} (in process) | {r['tok_s']:.0f} tok/s |")
     http = report.get("http", {})
     for r in http.get("bench", []):
-        print(f"| bench C{r['concurrency']} (HTTP) | aggregate {r.get('aggregate_tok_s')} |")
+        agg = r.get("aggregate_tok_s") or {}
+        per = r.get("per_request_decode_tok_s") or {}
+        print(f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']} | aggregate {agg.get('median')} tok/s "
+              f"(rounds {agg.get('values')}); per request {per.get('median')} |")
     for r in http.get("gsm8k", []):
         print(f"| gsm8k x{r['records']} C64, prefix cache {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
               f"{r['prompt_tokens']} prompt tokens, errors {r['errors']} |")

@@ -10,6 +10,13 @@ from their cached prefix and indexes prompt pages as they are prefilled; `flush_
 Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before `propose`)
 and `release(slot)` (called when a sequence's runner slot is given back).
 
+Overlap schedule (runners with `decode_async`, i.e. the CUDA-graph runner): a step in which every sequence decodes
+one greedy row, without grammar or logprobs, is queued without waiting for its tokens. The next such step feeds
+those tokens on the device and is queued first; only then are the previous step's tokens read, emitted and checked
+for stops, so the host's bookkeeping runs while the device computes (SGLang's overlap scheduler). A sequence that
+stops is one step late to know it: its extra row is discarded. Anything else (a new request, an abort, a
+sequence that could reach its length limit) settles the step in flight first, so such steps see exact state.
+
 A sequence whose params carry a grammar gets a `Constraint` (engine/grammar.py) at submit. The engine masks its
 rows before anything samples from them: the first token after the prompt, and every row a decoder verifies (the
 decoder stays grammar-blind), then commits the tokens the decoder returned to the matcher. The grammar's end is the
@@ -89,6 +96,7 @@ class Engine:
         max_queue: int = 1024,
         decoder: Decoder | None = None,
         exhausted: tuple[type[BaseException], ...] = (),
+        overlap: bool = True,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -111,6 +119,8 @@ class Engine:
         self.stats = {"requests": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0,
                       "cached_tokens": 0}
         self._aborts: list[Sequence] = []
+        self.overlap = bool(overlap) and hasattr(runner, "decode_async")
+        self._inflight: tuple[list[Sequence], Any] | None = None  # overlap: a queued step (its sequences, tokens)
 
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request; raises QueueFull (nothing queued) when the queue is full."""
@@ -133,7 +143,7 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Whether a `step` has anything to do."""
-        return bool(self._aborts or self.scheduler.running or self.scheduler.waiting)
+        return bool(self._aborts or self.scheduler.running or self.scheduler.waiting or self._inflight)
 
     def flush_cache(self) -> dict:
         """Drop the runner's prefix cache (between two steps; sequences in flight keep the pages they hold)."""
@@ -144,6 +154,7 @@ class Engine:
 
     def fail_all(self, reason: str, error: str | None = None) -> None:
         """Finish every queued and running sequence (a failed step outside the forward, or shutdown)."""
+        self._inflight = None
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, reason, error=error)
 
@@ -159,6 +170,7 @@ class Engine:
 
     def describe(self) -> dict:
         return {
+            "overlap": self.overlap,
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
             "allocated_slots": self.allocated_slots,
@@ -168,6 +180,8 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """Run one forward over the planned rows; returns how many sequences took part (0: nothing to do)."""
+        if self._inflight is not None and not self._can_chain():
+            self._settle()
         for seq in self._aborts:
             if seq.status is not Status.FINISHED:
                 self.stats["aborted"] += 1
@@ -176,6 +190,13 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return 0
+        if self._async_ok(plan):
+            return self._step_async(plan.decodes)
+        if self._inflight is not None:  # not reached when _can_chain held (a pure decode plan); exact state anyway
+            self._settle()
+            plan.decodes = [seq for seq in plan.decodes if seq.status is Status.RUNNING]
+            if plan.empty:
+                return 0
         prepare = getattr(self.decoder, "prepare", None)  # optional batch hook: draft all decode rows at once
         slots: list[int] = []
         rows: list[list[int]] = []
@@ -202,6 +223,57 @@ class Engine:
             if not seq.aborted and seq.status is Status.RUNNING:
                 self._emit(seq, tokens, logit_rows)
         return len(plan.prefills) + len(plan.decodes)
+
+    # -- overlap schedule --------------------------------------------------------------------------
+    def _async_ok(self, plan) -> bool:
+        """Whether this step may be queued without reading its tokens now (see the module docstring)."""
+        return (self.overlap and not plan.prefills and type(self.decoder) is PlainDecoder
+                and self.runner.can_decode_async(len(plan.decodes))
+                and all(_greedy_plain(seq.params) for seq in plan.decodes))
+
+    def _can_chain(self) -> bool:
+        """Whether the next step may be queued behind the one in flight, fed its tokens on the device: nothing to
+        admit or abort, and no running sequence can stop by length with the token in flight (a stop token or stop
+        string found late only wastes a row)."""
+        seqs = set(self._inflight[0])
+        if self._aborts or self.scheduler.waiting or not self.scheduler.running:
+            return False
+        max_len = self._max_len()
+        for seq in self.scheduler.running:
+            done = len(seq.output) + 1  # with the token in flight
+            if seq not in seqs or done >= seq.params.max_tokens or len(seq.prompt) + done >= max_len:
+                return False
+        return True
+
+    def _step_async(self, decodes: list[Sequence]) -> int:
+        previous = self._inflight
+        fed = set(previous[0]) if previous is not None else set()
+        tokens = [None if seq in fed else seq.last_token for seq in decodes]
+        try:
+            pending = self.runner.decode_async([seq.slot for seq in decodes], tokens)
+        except Exception as exc:  # keep serving: fail this step's sequences, not the server
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            self._inflight = None
+            for seq in decodes:
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return len(decodes)
+        self._inflight = (list(decodes), pending)
+        self.stats["steps"] += 1
+        if previous is not None:
+            self._settle(previous)
+        return len(decodes)
+
+    def _settle(self, inflight: tuple[list[Sequence], Any] | None = None) -> None:
+        """Read a queued step's tokens (default: the one in flight) and emit them; a sequence finished since it was
+        queued (stopped one step earlier, aborted) drops its row."""
+        if inflight is None:
+            inflight, self._inflight = self._inflight, None
+        seqs, pending = inflight
+        tokens = self.runner.settle(pending)
+        self.last_step_at = time.monotonic()
+        for seq, token in zip(seqs, tokens):
+            if not seq.aborted and seq.status is Status.RUNNING:
+                self._emit(seq, [token], None)
 
     def _attach_prefix(self, seq: Sequence) -> int:
         cached = self.runner.attach_prefix(seq.slot, seq.prompt)
@@ -250,7 +322,7 @@ class Engine:
         return out
 
     # -- output processing -----------------------------------------
-    def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None) -> None:
         params, st = seq.params, seq.state
         taken: list[int] = []
         reason: str | None = None
@@ -335,6 +407,11 @@ class Engine:
 
     def _max_len(self) -> int:
         return int(getattr(self.runner, "max_seq_len", 1 << 62))
+
+
+def _greedy_plain(params: SamplingParams) -> bool:
+    """A sequence whose next token is the argmax and nothing but the token: what an overlapped step can serve."""
+    return params.greedy and params.grammar is None and params.logprobs is None
 
 
 def _eos_id(runner: Any, tokenizer: Any) -> int | None:

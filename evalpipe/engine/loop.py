@@ -44,7 +44,8 @@ def build_engine(settings: Any, build: Callable, tokenizer_factory: Callable) ->
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
     return Engine(runner, tokenizer, max_batch=settings.max_batch, max_tokens_per_step=settings.max_tokens_per_step,
-                  max_queue=settings.max_queue, decoder=decoder, exhausted=(PoolExhausted,))
+                  max_queue=settings.max_queue, decoder=decoder, exhausted=(PoolExhausted,),
+                  overlap=getattr(settings, "overlap_schedule", "on") == "on")
 
 
 def ready_message(settings: Any, engine: Engine) -> ipc.Ready:

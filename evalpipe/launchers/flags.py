@@ -111,6 +111,11 @@ NATIVE = [
            "and indexer keys shared by reference count, sliding-window and compressor rows restored at the page "
            "edge; LRU eviction when pages run short). Exact: greedy outputs equal those with it off. Hits show in "
            "usage.prompt_tokens_details.cached_tokens; POST /flush_cache drops it."),
+    O("--overlap-schedule", default="on", show_default=True, type=click.Choice(["on", "off"]),
+      help="native, with --device cuda: queue each greedy decode step before the previous step's tokens reach the "
+           "host (fed on the device), so stop checks, detokenizing and streaming run while the GPU computes "
+           "(SGLang's overlap scheduler). Exact: the same tokens as off; a stop is seen one step late and its extra "
+           "row discarded. Steps with prompt chunks, sampling, grammars, logprobs or speculation run as before."),
     O("--wo-quant", default="none", show_default=True, type=click.Choice(["none", "mxfp8"]),
       help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
            "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "

@@ -69,6 +69,8 @@ class ServerSettings:
     wo_quant: str = "none"
     # prefix cache (evalpipe/engine/prefix_cache.py): "on" | "off"
     prefix_cache: str = "on"
+    # overlap schedule (evalpipe/engine/engine.py): queue greedy decode steps one ahead on the CUDA-graph runner
+    overlap_schedule: str = "on"
 
     def __post_init__(self):
         if self.max_tokens_per_step is None:

@@ -93,7 +93,8 @@ class _Step:
             self.logits = self._run()
         self.graph = graph
 
-    def __call__(self, host_meta: torch.Tensor) -> torch.Tensor:
+    def __call__(self, host_meta: torch.Tensor, before_replay=None) -> torch.Tensor:
+        """Copy the inputs in, run `before_replay(self)` (device-side input edits, queued after the copy), replay."""
         if self.meta.is_cuda:  # through a pinned staging buffer: an async DMA instead of a pageable staged copy
             if self.staging is None:
                 self.staging = torch.empty(self.meta.shape, dtype=self.meta.dtype, pin_memory=True)
@@ -105,12 +106,22 @@ class _Step:
             self.copied.record()
         else:
             self.meta.copy_(host_meta)
+        if before_replay is not None:
+            before_replay(self)
         if self.graph is not None:
             self.graph.replay()
             self.replays += 1
             return self.logits
         self.logits = self._run()
         return self.logits
+
+
+class PendingTokens:
+    """The greedy tokens of one `GraphRunner.decode_async` step: chosen on the device, read by `settle`. The read
+    waits on an event recorded right after the step, not on the stream, so the next step may already be running."""
+
+    def __init__(self, seqs: list[int], starts: list[int], host: torch.Tensor, event: Any):
+        self.seqs, self.starts, self.host, self.event = seqs, starts, host, event
 
 
 class GraphRunner:
@@ -137,6 +148,12 @@ class GraphRunner:
         self.static_model = StaticModel(runner.model, fused=self.fused, kernel_backend=kernel_backend)
         self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps: dict[tuple[int, int], _Step] = {}
+        # decode_async: each slot's last greedy choice (on the device), where that choice goes in the slot's tokens,
+        # and the placeholders (-1) a step fed from the device before its token reached the host
+        self._chosen = torch.zeros(runner.max_seqs, dtype=torch.long, device=runner.device)
+        self._chosen_at: dict[int, int] = {}
+        self._placeholders: dict[int, int] = {}
+        self.async_stats = {"steps": 0, "rows_fed_on_device": 0}
 
     @property
     def eager_runner(self) -> Any:
@@ -151,6 +168,10 @@ class GraphRunner:
         return self.runner.allocate()
 
     def free(self, seq: int) -> None:
+        hole = self._placeholders.pop(seq, None)
+        if hole is not None:  # a row fed from the device whose token never reached the host: not final, drop it
+            self.runner.truncate(seq, hole)
+        self._chosen_at.pop(seq, None)
         self.runner.free(seq)
 
     def seq_len(self, seq: int) -> int:
@@ -214,6 +235,78 @@ class GraphRunner:
         if not part or len(part) == len(seqs):
             return self.runner.forward(seqs, tokens, all_logits=all_logits)
         return self._split_forward(seqs, tokens, all_logits, set(part))
+
+    def can_decode_async(self, batch: int) -> bool:
+        """Whether `batch` one-row greedy sequences fit a captured decode step (what `decode_async` runs)."""
+        return 1 in self.widths and 0 < batch <= self.buckets[-1]
+
+    @torch.inference_mode()
+    def decode_async(self, seqs: list[int], tokens: list[int | None]) -> PendingTokens:
+        """One greedy decode row per sequence, queued without waiting for the device (the engine's overlap
+        schedule). A token None feeds the token the previous `decode_async` chose for that sequence, on the device:
+        step N+1 is queued before step N's tokens reach the host. Until `settle(step N)` the runner holds -1 in its
+        place. Returns the step's pending tokens."""
+        r = self.runner
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("a sequence may appear only once per forward")
+        if not self.can_decode_async(len(seqs)) or len(seqs) != len(tokens):
+            raise ValueError(f"decode_async takes 1..{self.buckets[-1]} sequences with one token each")
+        vocab = r.config.vocab_size
+        starts = []
+        for seq, tok in zip(seqs, tokens):
+            r._check(seq)
+            start = len(r._tokens[seq])
+            if tok is None and self._chosen_at.get(seq) != start:
+                raise ValueError(f"sequence {seq}: no token chosen by the previous decode_async to feed")
+            if tok is not None and not 0 <= tok < vocab:
+                raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
+            if start + 1 > r.max_seq_len:
+                raise ValueError(f"sequence {seq}: length {start + 1} exceeds max_seq_len {r.max_seq_len}")
+            starts.append(start)
+        r.pools.reserve({seq: s + 1 for seq, s in zip(seqs, starts)})
+        step = self.step_for(len(seqs), 1)
+        B = step.B
+        host = pack_step_inputs([[-1 if t is None else t] for t in tokens], starts, seqs, B, self.pad_slot,
+                                r.pools.page_table)
+        fed_from_device = sum(t is None for t in tokens)
+        self.async_stats["steps"] += 1
+        self.async_stats["rows_fed_on_device"] += fed_from_device
+        logits = step(host, before_replay=self._feed_chosen if fed_from_device else None)
+        chosen = logits.view(B, -1).argmax(-1)  # ties to the lowest id, as StepArgmax
+        self._chosen.index_copy_(0, step.meta[2 * B:3 * B], chosen)  # slots; the pad slot's entry is never read
+        n = len(seqs)
+        if chosen.is_cuda:
+            host_ids = torch.empty(n, dtype=torch.long, pin_memory=True)
+            host_ids.copy_(chosen[:n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host_ids, event = chosen[:n].clone(), None
+        for seq, tok, start in zip(seqs, tokens, starts):
+            r._tokens[seq].append(-1 if tok is None else int(tok))
+            if tok is None:
+                self._placeholders[seq] = start
+            r.pools.tails_from_rings(seq, start, start + 1)
+            self._chosen_at[seq] = start + 1
+        return PendingTokens(list(seqs), starts, host_ids, event)
+
+    def settle(self, pending: PendingTokens) -> list[int]:
+        """The tokens of a `decode_async` step on the host (waits for that step only); fills the placeholders that
+        later steps fed from them."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        ids = pending.host.tolist()
+        for seq, start, tok in zip(pending.seqs, pending.starts, ids):
+            if self._placeholders.get(seq) == start + 1:
+                self.runner._tokens[seq][start + 1] = tok
+                del self._placeholders[seq]
+        return ids
+
+    def _feed_chosen(self, step: _Step) -> None:
+        """Rows whose token is -1 take their slot's last chosen token, on the device."""
+        B = step.B
+        ids, slots = step.meta[:B], step.meta[2 * B:3 * B]
+        ids.copy_(torch.where(ids < 0, self._chosen[slots], ids))
 
     def _split_forward(self, seqs: list[int], tokens: list[list[int]], all_logits: bool,
                        part: set[int]) -> torch.Tensor:
