@@ -52,11 +52,14 @@ def use_triton(backend: str, tensors: list[torch.Tensor], guard_ok: bool = True)
 _JIT: dict[tuple[bool, Callable], Any] = {}
 
 
-def jit(fn: Callable) -> Any:
-    """`triton.jit(fn)`, built on first use and cached per interpreter mode."""
+def jit(fn: Callable, varying: tuple[str, ...] = ()) -> Any:
+    """`triton.jit(fn)`, built on first use and cached per interpreter mode. `varying` names integer arguments that
+    change from call to call in eager forwards (row and entry counts, offsets): Triton would otherwise compile a
+    variant per value class (1, multiple of 16, other) of each, so new prompt lengths kept compiling kernels
+    mid-run on a fresh machine. Strides and sizes fixed for a model stay specialised."""
     key = (interpret_mode(), fn)
     if key not in _JIT:
         import triton
 
-        _JIT[key] = triton.jit(fn)
+        _JIT[key] = triton.jit(fn, do_not_specialize=list(varying)) if varying else triton.jit(fn)
     return _JIT[key]

@@ -236,6 +236,10 @@ if tl is not None:
 
 # ---- launch ---------------------------------------------------------------------------------------------------
 
+# integer arguments that change with every prompt chunk (rows per sequence, entry count, key chunks, where kv
+# sits in the pool): not specialised (see kernels._backend.jit); alignment is passed explicitly as ALIGNED
+ATTENTION_VARYING = ("kv_off", "ent_off", "n", "K", "chunks_per_split", "total_chunks", "stride_rt")
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -299,7 +303,7 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
         pl = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
     else:
         po = pm = pl = out
-    jit(_step_attention_kernel)[(T, S, cfg["head_blocks"])](
+    jit(_step_attention_kernel, ATTENTION_VARYING)[(T, S, cfg["head_blocks"])](
         q, window_ring, kv_off, ent_off, rows, pos, slot, sinks,
         out, po, pm, pl,
         H, n, ring_size, window, K, float(scale), cfg["per_split"], cfg["total"],

@@ -99,7 +99,7 @@ def compress(comp, proj: torch.Tensor, batch, cpool, *, backend: str = "auto") -
         return
     valid = batch.row_valid.view(torch.uint8) if batch.row_valid.dtype == torch.bool else batch.row_valid
     cos, sin = comp.rope.cos, comp.rope.sin
-    jit(_compress_kernel)[(T,)](
+    jit(_compress_kernel, ("n",))[(T,)](
         proj, proj.stride(0), batch.pos, batch.slot, valid, cpool.ring, cpool.ring.stride(0), cpool.ring_size,
         comp.position_bias.contiguous(), comp.norm_w, float(comp.eps), cos, sin, cos.stride(0),
         cpool.entries, cpool.entries.stride(0), table, table.stride(0), batch.pools.page_tokens,

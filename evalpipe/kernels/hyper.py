@@ -278,7 +278,7 @@ def _launch_mix(streams, block_out, post, comb, fn, M: int, new) -> torch.Tensor
     if T:
         rows = _rows_per_program(T)
         merge = block_out is not None
-        jit(_merge_mix_kernel)[(_cdiv(T, rows), nb)](
+        jit(_merge_mix_kernel, ("T",))[(_cdiv(T, rows), nb)](
             streams, block_out if merge else streams, post if merge else fn, comb if merge else fn,
             new if merge else streams, fn, parts, T, D, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows,
             BLOCK=block, num_warps=MIX_WARPS)

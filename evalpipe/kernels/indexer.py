@@ -107,7 +107,7 @@ def indexer_scores(q, weight_logits, entries, rows, pos, n: int, ratio: int, sof
     q = q.contiguous()
     out = torch.empty(T, E, device=q.device, dtype=torch.float32)
     block_e = 64 if H * DI <= 4096 else 32
-    jit(_indexer_scores_kernel)[(T, triton.cdiv(E, block_e))](
+    jit(_indexer_scores_kernel, ("E", "n"))[(T, triton.cdiv(E, block_e))](
         q, weight_logits, weight_logits.stride(0), entries, entries.stride(0), rows, rows.stride(0), pos, out,
         E, n, ratio, float(softmax_scale), float(head_scale),
         H=H, DI=DI, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4)
@@ -140,7 +140,7 @@ def csa_select(scores: torch.Tensor, rows: torch.Tensor, n: int, k: int, *, back
     out = torch.empty(T, k, device=scores.device, dtype=rows.dtype)
     if T and k:
         block_i = 64
-        jit(_csa_select_kernel)[(T, triton.cdiv(E, block_i))](
+        jit(_csa_select_kernel, ("E", "n"))[(T, triton.cdiv(E, block_i))](
             scores.contiguous(), rows, rows.stride(0), out, E, n, k, NEG_INF_KEY=_NEG_INF_KEY, BLOCK_I=block_i,
             BLOCK_J=128, num_warps=4)
     return out

@@ -475,7 +475,7 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", m
     if _mode(mode, "gate_up", T) == "gemv":
         bn = block_n or _pick_block_n(R, p.I)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
-        jit(_gate_up_kernel)[(R * triton.cdiv(p.I, bn),)](
+        jit(_gate_up_kernel, ("R",))[(R * triton.cdiv(p.I, bn),)](
             x, idx, p.gate_up, sg, su, h, R, p.E, p.limit,
             D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or 4, **extra)
         return h
@@ -485,7 +485,7 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", m
     bn = max(16, cfg.get("block_n", 32))
     bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.D)))
     grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
-    jit(_gate_up_mm_kernel)[grid](
+    jit(_gate_up_mm_kernel, ("T",))[grid](
         x, idx, p.gate_up, sg, su, h, T, p.E, p.limit,
         D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1),
         BLOCK_M=max(16, cfg.get("block_m", 16)), BLOCK_N=bn, BLOCK_K=bk, IEEE=p.gate_up.dtype == torch.float32,
@@ -510,7 +510,7 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
     if _mode(mode, "down", T) == "gemv":
         bn = block_n or _pick_block_n(T, p.D)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
-        jit(_down_kernel)[(T * triton.cdiv(p.D, bn),)](
+        jit(_down_kernel, ("T",))[(T * triton.cdiv(p.D, bn),)](
             h, idx, w, p.down, p.shared[2], y, T, p.E,
             D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or 4, **extra)
         return y
@@ -521,7 +521,7 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
     # each program walks every expert serially, so fewer, longer k steps pay below MM_LARGE (H200, E 8 T=32: bn 32/bk
     # 64 113 us, bn 16/bk 128 81 us, bk 256 67.6 us)
     bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
-    jit(_down_mm_kernel)[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
+    jit(_down_mm_kernel, ("T",))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
         h, idx, w, p.down, p.shared[2], y, T, p.E,
         D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1),
         BLOCK_M=max(16, cfg.get("block_m", 16)), BLOCK_N=bn, BLOCK_K=bk, IEEE=p.down.dtype == torch.float32,
