@@ -311,6 +311,8 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
     res = {"serve_args": serve_base() + extra, "bench": [], "gsm8k": []}
     # (prefix cache, overlap schedule, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off
     arms = [("on", "on", (1, 16, 64), True), ("off", "on", (), True), ("on", "off", (1, 64), False)]
+    if args.gsm8k_examples == 0:  # the bench arms only
+        arms = [(c, o, con, False) for c, o, con, _ in arms if con]
     for cache, overlap, concurrencies, gsm8k in arms:
         t0 = time.perf_counter()
         srv = ServerProcess(*serve_base(), "--prefix-cache", cache, "--overlap-schedule", overlap, *extra,
@@ -333,7 +335,11 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
                 print(f"  gsm8k cache {cache}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
         finally:
             srv.stop()
-            (out / f"serve-cache-{cache}-overlap-{overlap}.log").write_text(srv.output())
+            log = srv.output()
+            (out / f"serve-cache-{cache}-overlap-{overlap}.log").write_text(log)
+            for line in log.splitlines():  # with --serve-args "--log-level info": the engine's own rates
+                if "generated tok/s" in line:
+                    print("   ", line.split("evalpipe.engine: ")[-1], flush=True)
     if len(res["gsm8k"]) == 2:
         on, off = res["gsm8k"]
         same = sum(1 for q, ids in on["outputs"].items() if off["outputs"].get(q) == ids)
@@ -349,7 +355,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-real-job"))
     ap.add_argument("--data-dir", default=os.environ.get("EVALPIPE_DATA_DIR", str(REPO.parent / "shared" / "data")))
     ap.add_argument("--stages", default="engine,http")
-    ap.add_argument("--gsm8k-examples", type=int, default=1314)
+    ap.add_argument("--gsm8k-examples", type=int, default=1314, help="0: no GSM8K runs (the bench arms only)")
     ap.add_argument("--bench-rounds", type=int, default=3)
     ap.add_argument("--chunks", default="512,2048,8192", help="prefill chunk sizes of the engine stage")
     ap.add_argument("--serve-args", default="", help="more `evalpipe serve` flags for both http arms")

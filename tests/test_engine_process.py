@@ -105,3 +105,27 @@ def test_a_killed_server_takes_its_engine_with_it():
     server.proc.kill()
     server.proc.wait(30)
     assert gone(pid), "the engine process was orphaned"
+
+
+def test_log_level_info_logs_the_engines_throughput():
+    """`--log-level info`: once the engine runs out of work it logs the window's steps and rates (SGLang's
+    decode-batch line), with the time of `Engine.step` beside the whole loop's; the default level stays quiet."""
+    quiet = ServerProcess("--max-batch", "2", "--max-seq-len", "256")
+    server = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--log-level", "info")
+    try:
+        for srv in (quiet, server):
+            r = httpx.post(srv.base + "/v1/completions", timeout=60,
+                           json={"prompt": "hi", "max_tokens": 12, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+        deadline = time.monotonic() + 10
+        while "generated tok/s" not in server.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        server.stop(signal.SIGTERM)
+        quiet.stop(signal.SIGTERM)
+    # the request's window: its prompt's step + 11 decode steps (the first token comes from the prompt's step)
+    lines = [line for line in server.output().splitlines() if "generated tok/s" in line and ": 12 steps," in line]
+    assert len(lines) == 1, server.output()
+    assert "0 running, 0 waiting" in lines[0] and "ms per loop of which Engine.step" in lines[0], lines[0]
+    assert " 0 generated tok/s" not in lines[0] and " 0 prefilled tok/s" not in lines[0], lines[0]
+    assert "generated tok/s" not in quiet.output()

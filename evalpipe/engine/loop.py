@@ -31,6 +31,7 @@ log = logging.getLogger("evalpipe.engine")
 
 IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 COMPILE_POLL_MS = 5  # while a grammar compiles on the worker thread
+STATS_INTERVAL_S = 10.0  # a busy engine logs its throughput this often (INFO: `evalpipe serve --log-level info`)
 
 
 def build_engine(settings: Any, build: Callable, tokenizer_factory: Callable) -> Engine:
@@ -83,11 +84,13 @@ class EngineLoop:
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evalpipe-grammar")
         self.poller = zmq.Poller()
         self.poller.register(recv, zmq.POLLIN)
+        self.window = StepWindow(engine)
 
     def run(self) -> None:
         try:
             while True:
                 if not self.engine.busy:
+                    self.window.idle()
                     timeout = COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS
                     if not self.poller.poll(timeout):
                         self._reply_compiled()
@@ -105,15 +108,19 @@ class EngineLoop:
             self.engine.fail_all("abort")
 
     def _step(self) -> None:
+        self.window.begin()
+        started = time.perf_counter()
         try:
             advanced = self.engine.step()
         except Exception as exc:  # a bug outside the forward: fail what is in flight, keep the engine alive
             log.error("engine loop error:\n%s", traceback.format_exc())
             self.engine.fail_all("error", error=f"{type(exc).__name__}: {exc}")
             advanced = 1
+        self.window.stepped(time.perf_counter() - started)
         if advanced or self.events:
             events, self.events = self.events, []
             self.send.send_pyobj(ipc.Step(events))
+        self.window.maybe_log()
 
     # -- messages ----------------------------------------------------------------------------------
     def _take_messages(self) -> bool:
@@ -199,6 +206,53 @@ class EngineLoop:
 
             out["fused_site_calls"] = site_counts()
         return out
+
+
+class StepWindow:
+    """Throughput of the last STATS_INTERVAL_S of steps, logged at INFO (as SGLang's decode-batch line): a slow
+    server shows whether the time goes to `Engine.step` (the model and the engine's bookkeeping) or to the loop
+    around it (messages in, events out to the HTTP process)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.start: float | None = None  # None: idle, the window opens at the next step
+
+    def _reset(self, now: float | None) -> None:
+        self.start, self.steps, self.step_s = now, 0, 0.0
+        self.generated = self.engine.stats["generated_tokens"]
+        self.prefilled = self.engine.stats["prefilled_tokens"]
+
+    def begin(self) -> None:
+        """Before a step: open the window if the engine was idle (its counters as they are before this step)."""
+        if self.start is None:
+            self._reset(time.monotonic())
+
+    def stepped(self, seconds: float) -> None:
+        self.steps += 1
+        self.step_s += seconds
+
+    def idle(self) -> None:
+        """The engine ran out of work: log the partial window, and do not count the idle time."""
+        if self.start is not None:
+            self.maybe_log(force=True)
+            self.start = None
+
+    def maybe_log(self, force: bool = False) -> None:
+        if self.start is None:
+            return
+        now = time.monotonic()
+        wall = now - self.start
+        if wall < STATS_INTERVAL_S and not force:
+            return
+        if self.steps and wall > 0 and log.isEnabledFor(logging.INFO):
+            stats = self.engine.stats
+            log.info("engine: %d running, %d waiting; last %.1f s: %d steps, %.0f generated tok/s, %.0f prefilled "
+                     "tok/s, %.2f ms per loop of which Engine.step %.2f ms",
+                     self.engine.scheduler.num_running, self.engine.scheduler.num_waiting, wall, self.steps,
+                     (stats["generated_tokens"] - self.generated) / wall,
+                     (stats["prefilled_tokens"] - self.prefilled) / wall,
+                     wall / self.steps * 1e3, self.step_s / self.steps * 1e3)
+        self._reset(now)
 
 
 def _safe(fn: Callable[[], Any]) -> Any:
