@@ -116,8 +116,8 @@ class Engine:
         )
         self.allocated_slots = 0
         self.last_step_at = 0.0  # time.monotonic() of the last completed forward
-        self.stats = {"requests": 0, "steps": 0, "prompt_tokens": 0, "prefilled_tokens": 0, "generated_tokens": 0,
-                      "aborted": 0, "cached_tokens": 0}
+        self.stats = {"requests": 0, "steps": 0, "prefill_steps": 0, "prompt_tokens": 0, "prefilled_tokens": 0,
+                      "generated_tokens": 0, "aborted": 0, "cached_tokens": 0}
         self._aborts: list[Sequence] = []
         self.overlap = bool(overlap) and hasattr(runner, "decode_async")
         self._inflight: tuple[list[Sequence], Any] | None = None  # overlap: a queued step (its sequences, tokens)
@@ -218,7 +218,9 @@ class Engine:
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
             return len(plan.prefills) + len(plan.decodes)
         self.stats["steps"] += 1
-        self.stats["prefilled_tokens"] += sum(len(chunk.tokens) for chunk in plan.prefills)
+        if plan.prefills:
+            self.stats["prefill_steps"] += 1
+            self.stats["prefilled_tokens"] += sum(len(chunk.tokens) for chunk in plan.prefills)
         self.last_step_at = time.monotonic()
         for seq, (tokens, logit_rows) in committed.items():
             if not seq.aborted and seq.status is Status.RUNNING:
