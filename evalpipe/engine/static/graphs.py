@@ -10,6 +10,9 @@ On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph`
 compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
 step runs eagerly (the "dry path"), which is what the CPU tests check against the plain runner.
 
+`decode_async` / `settle` serve the engine's overlap schedule: a one-row greedy step queued without a host read,
+whose input tokens may be the previous such step's argmax, copied on the device (`_feed_chosen`).
+
 GraphRunner offers the runner interface the engine, the speculative decoder, drafters and the server call:
 forward, truncate, allocate, free, seq_len, tokens, describe, the prefix-cache calls, and config, device, dtype, max_seqs (one slot less:
 the padding slot), max_seq_len, model_name, fused_sites. Anything else is the wrapped `runner`'s (`eager_runner`).
