@@ -9,8 +9,11 @@ The checkpoint is `benchmarks/gpu_serving.py`'s v4-top2 (2.11 B parameters, rand
 Stages:
 - `engine`, in process, on the runner the server builds (`build_runner`: CUDA graphs for every batch bucket up to
   --max-batch): for batch 1, 16 and 64, with the overlap schedule off and on, the steady decode step's wall time
-  beside its graph replay's device time (what is left is exposed host work), the batch-64 step's kernels (torch.profiler) and host functions (cProfile); then
+  beside its graph replay's device time (what is left is exposed host work), the batch-64 step's kernels
+  (torch.profiler) and host functions (cProfile); then
   the prefill rate at several chunk sizes (`--max-tokens-per-step`) with each chunk's kernel profile.
+- `targets`: batch 1 against the weight-read limit and against transformers `generate` on the same checkpoint
+  (issue 8's targets), and `benchmarks/kernels_gpu.py --ops c2,candidate` (the two kernel targets).
 - `http`, through real processes: `evalpipe serve --device cuda --dtype bfloat16 --max-batch 64` with the prefix
   cache on, `evalpipe bench` at concurrency 1, 16 and 64 (input 128, output 256), `evalpipe run gsm8k
   --concurrency 64 --max-tokens 256`; then a fresh server with `--prefix-cache off` and the same gsm8k run; then
@@ -45,7 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 import gpu_bench  # noqa: E402
-from gpu_serving import bench_config, copy_bandwidth, count_kernels, random_state  # noqa: E402
+from gpu_serving import (bench_config, copy_bandwidth, count_kernels, hf_generate_arm,  # noqa: E402
+                         random_state, weight_bytes)
 
 from evalpipe.engine.engine import Engine  # noqa: E402
 from evalpipe.engine.model.config import load_config  # noqa: E402
@@ -207,7 +211,8 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
     runner, build_s = server_runner(model_dir)
     print(f"engine: runner built with graphs for buckets {getattr(runner, 'buckets', None)} in {build_s:.1f}s",
           flush=True)
-    out = {"build_s": build_s, "decode": [], "prefill": []}
+    out = {"build_s": build_s, "decode": [], "prefill": [],
+           "weight_bytes": weight_bytes(getattr(runner, "eager_runner", runner))}
     for batch, overlap in [(b, o) for b in (1, 16, 64) for o in (False, True)]:
         r = decode_batch(runner, tokenizer, batch, overlap=overlap, profile=batch == 64 and overlap)
         out["decode"].append(r)
@@ -238,6 +243,42 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
     del runner
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+# ---- targets stage -------------------------------------------------------------------------------------------
+
+def targets_stage(model_dir: Path, report: dict, args) -> dict:
+    """The issue's other targets, in the same run: batch 1 against the weight-read limit and against transformers
+    `generate` on the same checkpoint and prompt length (issue 8's 60% and 50x; needs the engine stage's batch-1
+    rate), and the two kernel targets (`benchmarks/kernels_gpu.py --ops c2,candidate`, its table kept whole)."""
+    out: dict = {}
+    engine = report.get("engine") or {}
+    b1 = [r for r in engine.get("decode", []) if r["batch"] == 1 and r["overlap"] == (DEVICE == "cuda")]
+    if b1 and "weight_bytes" in engine:
+        limit = report["copy_bandwidth_Bps"] / engine["weight_bytes"]["active_bytes"]  # forwards/s
+        out["weight_read"] = {"limit_tok_s": round(limit, 1), "batch1_tok_s": b1[0]["tok_s"],
+                              "share": round(b1[0]["tok_s"] / limit, 4)}
+        print(f"targets: batch 1 {b1[0]['tok_s']:.0f} tok/s = {b1[0]['tok_s'] / limit:.1%} of the weight-read limit "
+              f"({limit:.0f} forwards/s)", flush=True)
+        prompt = torch.randint(16, 272, (128,), generator=torch.Generator().manual_seed(1)).tolist()
+        hf = hf_generate_arm(str(model_dir), prompt, DEVICE, getattr(torch, DTYPE), 8 if args.smoke else 24, 2)
+        med = statistics.median(hf["rounds"])
+        out["transformers"] = {"rounds": hf["rounds"], "median_tok_s": med, "ratio": round(b1[0]["tok_s"] / med, 1)}
+        print(f"targets: transformers generate {med:.1f} tok/s -> engine batch 1 is {b1[0]['tok_s'] / med:.1f}x",
+              flush=True)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        cmd = [sys.executable, str(REPO / "benchmarks" / "kernels_gpu.py"), "--ops", "c2,candidate"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.kernels_timeout)
+            text, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            text, rc = f"{exc.stdout or ''}\n(timed out after {args.kernels_timeout}s)", 124
+        out["kernels"] = {"rc": rc, "table": [line for line in text.splitlines() if line.startswith("|")]}
+        print(f"targets: kernels_gpu.py rc {rc}", flush=True)
+        print("\n".join("  " + line for line in out["kernels"]["table"]), flush=True)
     return out
 
 
@@ -354,7 +395,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-real-job"))
     ap.add_argument("--data-dir", default=os.environ.get("EVALPIPE_DATA_DIR", str(REPO.parent / "shared" / "data")))
-    ap.add_argument("--stages", default="engine,http")
+    ap.add_argument("--stages", default="engine,targets,http",
+                    help="engine (in process), targets (weight-read share, transformers, kernel targets), http")
+    ap.add_argument("--kernels-timeout", type=float, default=150, help="seconds for kernels_gpu.py in targets")
     ap.add_argument("--gsm8k-examples", type=int, default=1314, help="0: no GSM8K runs (the bench arms only)")
     ap.add_argument("--bench-rounds", type=int, default=3)
     ap.add_argument("--chunks", default="512,2048,8192", help="prefill chunk sizes of the engine stage")
@@ -389,6 +432,9 @@ def main() -> int:
     if "engine" in stages:
         report["engine"] = engine_stage(model_dir, [int(c) for c in args.chunks.split(",")], 2 if args.smoke else 16)
         save()
+    if "targets" in stages:
+        report["targets"] = targets_stage(model_dir, report, args)
+        save()
     if "http" in stages:
         try:
             report["http"] = http_stage(model_dir, work, args, save_partial=lambda http: (
@@ -409,6 +455,19 @@ def print_table(report: dict) -> None:
               f"{r['host_us']:.0f} |")
     for r in report.get("engine", {}).get("prefill", []):
         print(f"| engine prefill, chunk {r['chunk']} (in process) | {r['tok_s']:.0f} tok/s |")
+    targets = report.get("targets", {})
+    if "weight_read" in targets:
+        w = targets["weight_read"]
+        print(f"| batch 1 vs the weight-read limit | {w['share']:.1%} ({w['batch1_tok_s']:.0f} of "
+              f"{w['limit_tok_s']:.0f}) |")
+    if "transformers" in targets:
+        t = targets["transformers"]
+        print(f"| batch 1 vs transformers generate | {t['ratio']}x ({t['median_tok_s']:.1f} tok/s) |")
+    for line in targets.get("kernels", {}).get("table", []):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells and cells[0] in ("c2_verify", "candidate_block_mask"):
+            print(f"| kernel {cells[0]} {cells[1]} | {cells[2]} us fused vs {cells[3]} unfused: {cells[4]}, "
+                  f"{cells[7]} |")
     http = report.get("http", {})
     for r in http.get("bench", []):
         agg = r.get("aggregate_tok_s") or {}
