@@ -171,3 +171,23 @@ def test_decode_async_refuses_a_token_nobody_chose(tiny_runner):
     assert graph.tokens(seq)[-2:] == [5, first[0]]
     graph.free(seq)  # step 2's choice never reached the host: dropped, nothing indexed from a placeholder
     assert graph.settle(nxt) and graph.runner.describe()["live_sequences"] == 1  # the pad slot
+
+
+def test_a_sequence_ending_by_length_does_not_break_the_chain(tiny_runner, tokenizer):
+    """Two sequences decode together; when the shorter one's last token (max_tokens) is in flight, it sits the next
+    step out and the longer one's rows stay fed on the device: every token after each sequence's first two is fed
+    from the device, and the tokens are those of the overlap off."""
+    out = {}
+    for overlap in (False, True):
+        engine = make_engine(tiny_runner, tokenizer, overlap=overlap)
+        seqs = [Sequence(prompt=prompt(30 + i, 40 + i), params=SamplingParams(temperature=0.0, max_tokens=n,
+                                                                                ignore_eos=True))
+                for i, n in enumerate((10, 30))]
+        engine.submit(seqs)
+        while engine.busy:
+            engine.step()
+        out[overlap] = [s.output for s in seqs]
+        if overlap:
+            # the first token comes from the prompt's step, the second from a host-fed step; the rest are chained
+            assert engine.runner.async_stats["rows_fed_on_device"] == (10 - 2) + (30 - 2)
+    assert out[True] == out[False] and [len(o) for o in out[True]] == [10, 30]

@@ -181,7 +181,10 @@ class StatePools:
         x, offset = x[offset >= P - tail_rows], offset[offset >= P - tail_rows]
         page = torch.tensor(pages, dtype=torch.long)[x // P]
         cells = seq * ring_size + x % ring_size
-        return cells.to(self.device), (page * tail_rows + offset - (P - tail_rows)).to(self.device)
+        index = torch.stack([cells, page * tail_rows + offset - (P - tail_rows)])
+        if self.device.type == "cuda":  # pinned: queued behind the step in flight instead of waiting for it
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return index[0], index[1]
 
     def restore_rings(self, seq: int, boundary: int) -> None:
         """Rebuild the rings of `seq` at length `boundary` (a page edge) from the tails of its first pages."""

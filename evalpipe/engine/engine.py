@@ -14,8 +14,9 @@ Overlap schedule (runners with `decode_async`, i.e. the CUDA-graph runner): a st
 one greedy row, without grammar or logprobs, is queued without waiting for its tokens. The next such step feeds
 those tokens on the device and is queued first; only then are the previous step's tokens read, emitted and checked
 for stops, so the host's bookkeeping runs while the device computes (SGLang's overlap scheduler). A sequence that
-stops is one step late to know it: its extra row is discarded. Anything else (a new request, an abort, a
-sequence that could reach its length limit) settles the step in flight first, so such steps see exact state.
+stops on a stop token or string is one step late to know it: its extra row is discarded. One whose last token by
+length is in flight sits the next step out. A new request or an abort settles the step in flight first, so such
+steps see exact state.
 
 A sequence whose params carry a grammar gets a `Constraint` (engine/grammar.py) at submit. The engine masks its
 rows before anything samples from them: the first token after the prompt, and every row a decoder verifies (the
@@ -236,21 +237,24 @@ class Engine:
 
     def _can_chain(self) -> bool:
         """Whether the next step may be queued behind the one in flight, fed its tokens on the device: nothing to
-        admit or abort, and no running sequence can stop by length with the token in flight (a stop token or stop
-        string found late only wastes a row)."""
+        admit or abort, every running sequence in the step in flight, and one of them still going after it (a
+        sequence whose last token by length is in flight sits the next step out; a stop token or stop string found
+        late only wastes a row)."""
         seqs = set(self._inflight[0])
-        if self._aborts or self.scheduler.waiting or not self.scheduler.running:
+        if self._aborts or self.scheduler.waiting:
             return False
-        max_len = self._max_len()
-        for seq in self.scheduler.running:
-            done = len(seq.output) + 1  # with the token in flight
-            if seq not in seqs or done >= seq.params.max_tokens or len(seq.prompt) + done >= max_len:
-                return False
-        return True
+        running = self.scheduler.running
+        return all(seq in seqs for seq in running) and not all(self._ends_in_flight(seq) for seq in running)
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether the token in flight for `seq` is its last by max_tokens or the length limit."""
+        done = len(seq.output) + 1
+        return done >= seq.params.max_tokens or len(seq.prompt) + done >= self._max_len()
 
     def _step_async(self, decodes: list[Sequence]) -> int:
         previous = self._inflight
         fed = set(previous[0]) if previous is not None else set()
+        decodes = [seq for seq in decodes if not (seq in fed and self._ends_in_flight(seq))]
         tokens = [None if seq in fed else seq.last_token for seq in decodes]
         try:
             pending = self.runner.decode_async([seq.slot for seq in decodes], tokens)
