@@ -2,7 +2,7 @@
 cache on vs off), decode and prefill rates, and where a step's time goes, all on the v4-top2 checkpoint.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_real_job.py --out $OUT --data-dir DIR \
-        [--stages engine,http] [--gsm8k-examples 1314] [--serve-args "..."]
+        [--stages engine,targets,http] [--gsm8k-examples 1314] [--serve-args "..."]
 
 The checkpoint is `benchmarks/gpu_serving.py`'s v4-top2 (2.11 B parameters, random bf16 weights), written once.
 
@@ -62,7 +62,9 @@ DTYPE = "bfloat16"
 
 
 def serve_base() -> list[str]:
-    return ["--device", DEVICE, "--dtype", DTYPE, "--max-batch", "64"]
+    """The served configuration; `--log-level info` adds the engine's own rates to each server's log (every 10 s of
+    work: steps, steps with prompt chunks and their rows, time per loop beside Engine.step's)."""
+    return ["--device", DEVICE, "--dtype", DTYPE, "--max-batch", "64", "--log-level", "info"]
 
 
 def sync() -> None:
@@ -378,7 +380,7 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
             srv.stop()
             log = srv.output()
             (out / f"serve-cache-{cache}-overlap-{overlap}.log").write_text(log)
-            for line in log.splitlines():  # with --serve-args "--log-level info": the engine's own rates
+            for line in log.splitlines():  # the engine's own rates (serve_base: --log-level info)
                 if "generated tok/s" in line:
                     print("   ", line.split("evalpipe.engine: ")[-1], flush=True)
     if len(res["gsm8k"]) == 2:
