@@ -17,7 +17,8 @@ Stages:
 - `http`, through real processes: `evalpipe serve --device cuda --dtype bfloat16 --max-batch 64` with the prefix
   cache on, `evalpipe bench` at concurrency 1, 16 and 64 (input 128, output 256), `evalpipe run gsm8k
   --concurrency 64 --max-tokens 256`; then a fresh server with `--prefix-cache off` and the same gsm8k run; then
-  one with `--overlap-schedule off` and the bench at concurrency 1 and 64.
+  one with `--overlap-schedule off` and the bench at concurrency 1 and 64; then the cache-on gsm8k run with
+  `--prefill-delay-factor 1` (`--delay-factor`).
 
 Every number is printed as a table at the end and written to `OUT/gpu_real_job.json`; the logs, run folders and
 bench.json files go into `OUT/gpu_real_job_files.tgz` (one archive: the device machine returns few files).
@@ -352,16 +353,22 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
 
     extra = shlex.split(args.serve_args)
     res = {"serve_args": serve_base() + extra, "bench": [], "gsm8k": []}
-    # (prefix cache, overlap schedule, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off
-    arms = [("on", "on", (1, 16, 64), True), ("off", "on", (), True), ("on", "off", (1, 64), False)]
+    # (label, serve flags, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off, and the
+    # defaults with --prefill-delay-factor (gsm8k only)
+    arms = [("cache-on", ["--prefix-cache", "on"], (1, 16, 64), True),
+            ("cache-off", ["--prefix-cache", "off"], (), True),
+            ("overlap-off", ["--overlap-schedule", "off"], (1, 64), False),
+            (f"cache-on-delay{args.delay_factor:g}", ["--prefill-delay-factor", f"{args.delay_factor:g}"], (), True)]
     if args.gsm8k_examples == 0:  # the bench arms only
-        arms = [(c, o, con, False) for c, o, con, _ in arms if con]
-    for cache, overlap, concurrencies, gsm8k in arms:
+        arms = [(label, flags, con, False) for label, flags, con, _ in arms if con]
+    elif args.delay_factor == 0:
+        arms = arms[:3]
+    for label, flags, concurrencies, gsm8k in arms:
+        overlap = "off" if "overlap-off" == label else "on"
         t0 = time.perf_counter()
-        srv = ServerProcess(*serve_base(), "--prefix-cache", cache, "--overlap-schedule", overlap, *extra,
-                            model=str(model_dir))
+        srv = ServerProcess(*serve_base(), *flags, *extra, model=str(model_dir))
         boot = time.perf_counter() - t0
-        print(f"http: server (--prefix-cache {cache} --overlap-schedule {overlap}) ready in {boot:.1f}s", flush=True)
+        print(f"http: server {label} ({shlex.join(flags)}) ready in {boot:.1f}s", flush=True)
         try:
             for c in concurrencies:
                 r = bench_arm(srv, out, c, overlap, args)
@@ -371,23 +378,26 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
                 brief = {k: v for k, v in r.items() if k != "per_request_decode_tok_s"}
                 print(f"  bench C{c}, overlap {overlap}: {brief}", flush=True)
             if gsm8k:
-                r = gsm8k_arm(srv, out, f"cache-{cache}", args)
+                r = gsm8k_arm(srv, out, label, args)
                 r["boot_s"] = round(boot, 1)
                 res["gsm8k"].append(r)
                 save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"} for g in res["gsm8k"]]})
-                print(f"  gsm8k cache {cache}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
+                print(f"  gsm8k {label}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
         finally:
             srv.stop()
             log = srv.output()
-            (out / f"serve-cache-{cache}-overlap-{overlap}.log").write_text(log)
+            (out / f"serve-{label}.log").write_text(log)
             for line in log.splitlines():  # the engine's own rates (serve_base: --log-level info)
                 if "generated tok/s" in line:
                     print("   ", line.split("evalpipe.engine: ")[-1], flush=True)
-    if len(res["gsm8k"]) == 2:
-        on, off = res["gsm8k"]
-        same = sum(1 for q, ids in on["outputs"].items() if off["outputs"].get(q) == ids)
-        res["identical_outputs"] = [same, len(on["outputs"])]
-        res["speedup"] = round(off["wall_s"] / on["wall_s"], 2)
+    arms_by_label = {g["arm"]: g for g in res["gsm8k"]}
+    off = arms_by_label.get("cache-off")
+    for label, on in arms_by_label.items():
+        if label != "cache-off" and off is not None:
+            same = sum(1 for q, ids in on["outputs"].items() if off["outputs"].get(q) == ids)
+            key = "" if label == "cache-on" else f"_{label}"
+            res["identical_outputs" + key] = [same, len(on["outputs"])]
+            res["speedup" + key] = round(off["wall_s"] / on["wall_s"], 2)
     for r in res["gsm8k"]:
         r.pop("outputs")
     return res
@@ -405,6 +415,8 @@ def main() -> int:
     ap.add_argument("--chunks", default="512,2048,8192", help="prefill chunk sizes of the engine stage")
     ap.add_argument("--serve-args", default="", help="more `evalpipe serve` flags for both http arms")
     ap.add_argument("--run-timeout", type=float, default=900)
+    ap.add_argument("--delay-factor", type=float, default=1.0,
+                    help="--prefill-delay-factor of the extra gsm8k arm (0: no such arm)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32: a dry run of the script")
     args = ap.parse_args()
     global DEVICE, DTYPE
@@ -477,10 +489,12 @@ def print_table(report: dict) -> None:
         print(f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']} | aggregate {agg.get('median')} tok/s "
               f"(rounds {agg.get('values')}); per request {per.get('median')} |")
     for r in http.get("gsm8k", []):
-        print(f"| gsm8k x{r['records']} C64, prefix cache {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
+        print(f"| gsm8k x{r['records']} C64, {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
               f"{r['prompt_tokens']} prompt tokens, errors {r['errors']} |")
-    if "speedup" in http:
-        print(f"| gsm8k speed-up, cache on vs off | {http['speedup']}x; identical outputs {http['identical_outputs']} |")
+    for key in [k for k in http if k.startswith("speedup")]:
+        arm = key[len("speedup_"):] or "cache-on"
+        same = http["identical_outputs" + key[len("speedup"):]]
+        print(f"| gsm8k speed-up, {arm} vs cache-off | {http[key]}x; identical outputs {same} |")
 
 
 if __name__ == "__main__":

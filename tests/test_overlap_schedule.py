@@ -191,3 +191,59 @@ def test_a_sequence_ending_by_length_does_not_break_the_chain(tiny_runner, token
             # the first token comes from the prompt's step, the second from a host-fed step; the rest are chained
             assert engine.runner.async_stats["rows_fed_on_device"] == (10 - 2) + (30 - 2)
     assert out[True] == out[False] and [len(o) for o in out[True]] == [10, 30]
+
+
+class Ticks:
+    """A clock that moves one unit per reading: the engine's prefill timing becomes a count of its readings."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def admitted_at(engine: Engine, late: Sequence, submit_at: int) -> int:
+    """Step the engine until `late` (submitted before step `submit_at`) is admitted; the step index it was in."""
+    k = 0
+    while late.status is Status.WAITING:
+        if k == submit_at:
+            engine.submit([late])
+        engine.step()
+        k += 1
+        assert k < 200
+    while engine.busy:
+        engine.step()
+    return k - 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_delay_gathers_prompts_and_changes_no_token(tiny_runner, tokenizer, overlap):
+    """With a delay factor, a prompt that arrives while another sequence decodes waits (the decoding steps go on,
+    chained under the overlap) until F x the last prompt step's time has passed; a full chunk of waiting prompts or
+    an idle engine admits at once. Tokens are those of factor 0."""
+    greedy = dict(temperature=0.0, max_tokens=30, ignore_eos=True)
+    out, steps = {}, {}
+    for factor in (0.0, 20.0):
+        base = tiny_runner(max_seqs=6, max_seq_len=MAX_SEQ_LEN)
+        runner = GraphRunner(base, widths=(1,), buckets=(1, 2, 4), fused=True)
+        engine = Engine(runner, tokenizer, max_batch=4, max_tokens_per_step=64, overlap=overlap,
+                        prefill_delay_factor=factor, clock=Ticks())
+        first = Sequence(prompt=prompt(40, 61), params=SamplingParams(**greedy))
+        late = Sequence(prompt=prompt(20, 62), params=SamplingParams(**greedy))
+        engine.submit([first])
+        steps[factor] = admitted_at(engine, late, submit_at=3)
+        out[factor] = (first.output, late.output)
+        # a full chunk (64 rows) of waiting prompts is admitted at once, however long the delay
+        big = Sequence(prompt=prompt(70, 63), params=SamplingParams(**greedy))
+        again = Sequence(prompt=prompt(40, 64), params=SamplingParams(**greedy))
+        engine.submit([again])
+        assert admitted_at(engine, big, submit_at=3) == 3
+        # nothing decoding: admitted at once
+        idle = Sequence(prompt=prompt(20, 65), params=SamplingParams(**greedy))
+        assert admitted_at(engine, idle, submit_at=0) == 0
+    assert out[20.0] == out[0.0]
+    assert steps[0.0] == 3 and steps[20.0] > 6  # the first prompt step took 1 tick: 20 ticks of decode steps first
+    with pytest.raises(ValueError):
+        Engine(runner, tokenizer, prefill_delay_factor=-1)

@@ -168,3 +168,20 @@ def test_engine_tokens_do_not_depend_on_chunking_or_batch_mix():
     assert chunked_steps > whole_steps
     assert all(len(v) == 6 for v in whole.values())
     assert chunked == whole
+
+
+def test_schedule_without_admission_leaves_the_queue_but_feeds_admitted_prompts():
+    """`admit=False` (the engine's prefill delay): decode rows and the next chunk of an admitted prompt are planned,
+    nothing is taken from the waiting queue; the next admitting step takes it."""
+    pool = SlotPool(4)
+    s = make(pool, max_tokens_per_step=16)
+    a, b, c = seq(4), seq(40), seq(6)
+    s.add([a, b])
+    s.schedule()  # a whole, b's first 12 rows
+    a.output.append(7)
+    s.add([c])
+    plan = s.schedule(admit=False)
+    assert plan.decodes == [a] and [p.seq for p in plan.prefills] == [b] and len(plan.prefills[0].tokens) == 16
+    assert list(s.waiting) == [c] and c.status is Status.WAITING
+    plan = s.schedule(admit=True)
+    assert [p.seq for p in plan.prefills] == [b, c] and c.status is Status.RUNNING

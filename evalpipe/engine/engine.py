@@ -98,6 +98,8 @@ class Engine:
         decoder: Decoder | None = None,
         exhausted: tuple[type[BaseException], ...] = (),
         overlap: bool = True,
+        prefill_delay_factor: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -121,6 +123,11 @@ class Engine:
                       "generated_tokens": 0, "aborted": 0, "cached_tokens": 0}
         self._aborts: list[Sequence] = []
         self.overlap = bool(overlap) and hasattr(runner, "decode_async")
+        if prefill_delay_factor < 0:
+            raise ValueError("prefill_delay_factor must be >= 0")
+        self.prefill_delay_factor = float(prefill_delay_factor)
+        self._clock = clock
+        self._last_prefill = (0.0, 0.0)  # (end, seconds) of the last step that fed prompt chunks
         self._inflight: tuple[list[Sequence], Any] | None = None  # overlap: a queued step (its sequences, tokens)
 
     def submit(self, seqs: list[Sequence]) -> None:
@@ -181,14 +188,15 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """Run one forward over the planned rows; returns how many sequences took part (0: nothing to do)."""
-        if self._inflight is not None and not self._can_chain():
+        admit = self._admit_now()
+        if self._inflight is not None and not self._can_chain(admit):
             self._settle()
         for seq in self._aborts:
             if seq.status is not Status.FINISHED:
                 self.stats["aborted"] += 1
                 self._finish(seq, "abort", notify=False)
         self._aborts.clear()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(admit=admit)
         if plan.empty:
             return 0
         if self._async_ok(plan):
@@ -210,6 +218,7 @@ class Engine:
             for seq in plan.decodes:
                 slots.append(seq.slot)
                 rows.append(self.decoder.propose(seq))
+            started = self._clock()
             logits = self.runner.forward(slots, rows, all_logits=self.decoder.all_logits)
             self._cache_prompts(plan)
             committed = self._commit_tokens(plan, rows, logits)
@@ -222,6 +231,8 @@ class Engine:
         if plan.prefills:
             self.stats["prefill_steps"] += 1
             self.stats["prefilled_tokens"] += sum(len(chunk.tokens) for chunk in plan.prefills)
+            now = self._clock()
+            self._last_prefill = (now, now - started)
         self.last_step_at = time.monotonic()
         for seq, (tokens, logit_rows) in committed.items():
             if not seq.aborted and seq.status is Status.RUNNING:
@@ -235,13 +246,28 @@ class Engine:
                 and self.runner.can_decode_async(len(plan.decodes))
                 and all(_greedy_plain(seq.params) for seq in plan.decodes))
 
-    def _can_chain(self) -> bool:
+    def _admit_now(self) -> bool:
+        """Whether this step may admit waiting prompts. With a prefill delay factor F > 0, while sequences decode,
+        new prompts wait until F x (the last prompt step's time) has passed since it ended, unless a full chunk of
+        them is waiting: fewer, larger prompt chunks, each of which stalls every decoding row (vLLM's scheduler
+        delay factor). Without a free batch place nothing can be admitted."""
+        sched = self.scheduler
+        if not sched.waiting or len(sched.running) >= sched.max_batch:
+            return False
+        if self.prefill_delay_factor == 0 or all(seq.prefilling for seq in sched.running):
+            return True
+        if sum(len(seq.prompt) for seq in sched.waiting) >= sched.max_tokens_per_step:
+            return True
+        end, took = self._last_prefill
+        return self._clock() - end >= self.prefill_delay_factor * took
+
+    def _can_chain(self, admit: bool) -> bool:
         """Whether the next step may be queued behind the one in flight, fed its tokens on the device: nothing to
-        admit or abort, every running sequence in the step in flight, and one of them still going after it (a
-        sequence whose last token by length is in flight sits the next step out; a stop token or stop string found
-        late only wastes a row)."""
+        admit (`admit`) or abort, every running sequence in the step in flight, and one of them still going after it
+        (a sequence whose last token by length is in flight sits the next step out; a stop token or stop string
+        found late only wastes a row)."""
         seqs = set(self._inflight[0])
-        if self._aborts or self.scheduler.waiting:
+        if self._aborts or admit:
             return False
         running = self.scheduler.running
         return all(seq in seqs for seq in running) and not all(self._ends_in_flight(seq) for seq in running)

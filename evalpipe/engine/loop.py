@@ -46,7 +46,8 @@ def build_engine(settings: Any, build: Callable, tokenizer_factory: Callable) ->
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
     return Engine(runner, tokenizer, max_batch=settings.max_batch, max_tokens_per_step=settings.max_tokens_per_step,
                   max_queue=settings.max_queue, decoder=decoder, exhausted=(PoolExhausted,),
-                  overlap=getattr(settings, "overlap_schedule", "on") == "on")
+                  overlap=getattr(settings, "overlap_schedule", "on") == "on",
+                  prefill_delay_factor=getattr(settings, "prefill_delay_factor", 0.0))
 
 
 def ready_message(settings: Any, engine: Engine) -> ipc.Ready:

@@ -137,21 +137,23 @@ class Scheduler:
         self.finish(seq, "abort")
 
     # -- planning ----------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, admit: bool = True) -> StepPlan:
+        """The next step's rows; `admit=False` leaves the waiting queue alone this step (the engine's prefill delay):
+        admitted prompts still get their next chunks."""
         plan = StepPlan()
         budget = self.max_tokens_per_step
         for seq in self.running:
             if not seq.prefilling:
                 plan.decodes.append(seq)
                 budget -= self.decode_width
-        pending = any(s.prefilling for s in self.running) or bool(self.waiting)
+        pending = any(s.prefilling for s in self.running) or (admit and bool(self.waiting))
         prefill_budget = max(budget, min(MIN_PREFILL_ROWS, self.max_tokens_per_step)) if pending else 0
         for seq in self.running:
             if prefill_budget <= 0:
                 break
             if seq.prefilling:
                 prefill_budget -= self._plan_chunk(plan, seq, prefill_budget)
-        while prefill_budget > 0 and self.waiting and len(self.running) < self.max_batch:
+        while admit and prefill_budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             try:
                 slot = self._allocate()

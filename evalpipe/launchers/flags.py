@@ -116,6 +116,12 @@ NATIVE = [
            "host (fed on the device), so stop checks, detokenizing and streaming run while the GPU computes "
            "(SGLang's overlap scheduler). Exact: the same tokens as off; a stop is seen one step late and its extra "
            "row discarded. Steps with prompt chunks, sampling, grammars, logprobs or speculation run as before."),
+    O("--prefill-delay-factor", default=0.0, show_default=True, type=click.FloatRange(0), metavar="F",
+      help="native: while sequences decode, admit new prompts only once F x (the last prompt step's time) has passed "
+           "since it ended, or when a full --max-tokens-per-step chunk of them is waiting (vLLM's "
+           "--scheduler-delay-factor). Fewer, larger prompt chunks: each prompt step stalls every decoding "
+           "sequence, and on a GPU a small chunk costs nearly as much as a large one. Trades time to first token "
+           "for throughput; 0 admits at every step."),
     O("--wo-quant", default="none", show_default=True, type=click.Choice(["none", "mxfp8"]),
       help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
            "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "

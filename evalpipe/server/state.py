@@ -71,6 +71,8 @@ class ServerSettings:
     prefix_cache: str = "on"
     # overlap schedule (evalpipe/engine/engine.py): queue greedy decode steps one ahead on the CUDA-graph runner
     overlap_schedule: str = "on"
+    # prefill delay (evalpipe/engine/engine.py, Engine._admit_now): new prompts wait F x the last prompt step's time
+    prefill_delay_factor: float = 0.0
 
     def __post_init__(self):
         if self.max_tokens_per_step is None:
