@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py --detail        # also time each op alone
     PYTHONPATH=. python benchmarks/step_hyper_gpu.py --sweep         # also time launch-shape variants
+    PYTHONPATH=. python benchmarks/step_hyper_gpu.py --sweep --tokens 64,3500   # at a decode batch and a prompt chunk
 
 At hc 4, D 4096, bf16 streams, T in {1, 6, 32}: a 2-layer chain (4 blocks whose outputs are fixed random tensors,
 then the head) run the previous StaticModel way (baseline_ops.hc_pre + rms_norm + hc_merge per block, HyperHead +
@@ -34,6 +35,9 @@ def parse():
     ap.add_argument("--sweep", action="store_true", help="also time mix_block / rows / warps variants")
     ap.add_argument("--detail", action="store_true", help="also time each op alone")
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--tokens", default=None,
+                    help="comma-separated T values (default 1,6,32 on CUDA; e.g. 64,3500 for a full decode batch and "
+                         "a five-shot prompt chunk)")
     return ap.parse_args()
 
 
@@ -197,7 +201,7 @@ def main() -> int:
         return 1
     device = torch.device(ARGS.device)
     hc, D, dtype = (4, 4096, torch.bfloat16) if cuda else (4, 64, torch.float32)
-    Ts = (1, 6, 32) if cuda else (1, 6)
+    Ts = tuple(int(t) for t in ARGS.tokens.split(",")) if ARGS.tokens else ((1, 6, 32) if cuda else (1, 6))
     gen = torch.Generator().manual_seed(0)
     rows = []
     for T in Ts:
@@ -259,7 +263,7 @@ def sweep(T: int, new) -> None:
     print(f"  sweep T={T}: block rows mix_warps -> us")
     try:
         for block in (32, 64, 128):
-            for r in (1, 4):
+            for r in (1, 4, 16):
                 for mw in (4, 8):
                     step_hyper.mix_block = lambda D, _T, b=block: min(b, step_hyper._pow2(D))
                     step_hyper._rows_per_program = lambda _T, r=r: r
