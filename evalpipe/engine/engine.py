@@ -281,6 +281,9 @@ class Engine:
         previous = self._inflight
         fed = set(previous[0]) if previous is not None else set()
         decodes = [seq for seq in decodes if not (seq in fed and self._ends_in_flight(seq))]
+        if not decodes:  # every sequence's last token is in flight (_can_chain settles first; kept safe anyway)
+            self._settle()
+            return 0
         tokens = [None if seq in fed else seq.last_token for seq in decodes]
         try:
             pending = self.runner.decode_async([seq.slot for seq in decodes], tokens)
