@@ -173,13 +173,16 @@ def test_decode_async_refuses_a_token_nobody_chose(tiny_runner):
     assert graph.settle(nxt) and graph.runner.describe()["live_sequences"] == 1  # the pad slot
 
 
-def test_a_sequence_ending_by_length_does_not_break_the_chain(tiny_runner, tokenizer):
+@DEVICES
+def test_a_sequence_ending_by_length_does_not_break_the_chain(tiny_runner, tokenizer, device):
     """Two sequences decode together; when the shorter one's last token (max_tokens) is in flight, it sits the next
     step out and the longer one's rows stay fed on the device: every token after each sequence's first two is fed
-    from the device, and the tokens are those of the overlap off."""
+    from the device, and the tokens are those of the overlap off. With the prefix cache and 8-token pages, decode
+    rows cross page edges every few steps (tails copied from the rings; on CUDA their indexes go through pinned
+    memory behind the step in flight)."""
     out = {}
     for overlap in (False, True):
-        engine = make_engine(tiny_runner, tokenizer, overlap=overlap)
+        engine = make_engine(tiny_runner, tokenizer, overlap=overlap, device=device, prefix_cache=True, page_tokens=8)
         seqs = [Sequence(prompt=prompt(30 + i, 40 + i), params=SamplingParams(temperature=0.0, max_tokens=n,
                                                                                 ignore_eos=True))
                 for i, n in enumerate((10, 30))]
