@@ -243,11 +243,10 @@ def clustered_interval(diff: float | None, se: float, margin_pts: float,
                        confidence: float = DEFAULT_CONFIDENCE) -> dict:
     """Normal interval of a mean per-question difference from its question-clustered SE, and the non-inferiority
     verdict it gives (the greedy lanes' rule, `non_inferiority`, on this interval)."""
-    if diff is None or not math.isfinite(se):
-        return {"ci_low": None, "ci_high": None, "confidence": confidence, "margin_pts": margin_pts,
-                "verdict": non_inferiority(None, None, margin_pts), "method": "normal, question-clustered SE"}
-    z = float(norm.ppf(0.5 + confidence / 2))
-    lo, hi = diff - z * se, diff + z * se
+    lo = hi = None
+    if diff is not None and math.isfinite(se):
+        z = float(norm.ppf(0.5 + confidence / 2))
+        lo, hi = diff - z * se, diff + z * se
     return {"ci_low": lo, "ci_high": hi, "confidence": confidence, "margin_pts": margin_pts,
             "verdict": non_inferiority(lo, hi, margin_pts), "method": "normal, question-clustered SE"}
 

@@ -16,6 +16,15 @@ from evalpipe.engine.model.primitives import apply_rope, rms_norm, unweighted_rm
 from evalpipe.kernels.attention import fused_attention, fused_attention_applies, hca_entry_rows
 
 
+def visible_hca_rows(group, pool_rows: torch.Tensor, pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Pool rows of every causally visible entry of an HCA layer for the group's flattened rows at `pos`, computed
+    once per group and ratio and shared by its HCA layers (the static step's batch fills the same memo key)."""
+    key = ("hca_rows", ratio)
+    if key not in group.memo:
+        group.memo[key] = hca_entry_rows(pool_rows, pos, group.n, ratio)
+    return group.memo[key]
+
+
 class Attention:
     def __init__(self, sd: dict, prefix: str, config, layer_type: str, ropes: dict[str, RopeTable],
                  sites: fused_sites.SiteSettings | None = None):
@@ -176,10 +185,7 @@ class Attention:
         if entries is not None:
             pool_rows = entry_index(group, batch.pools, self.ratio)[0]  # [G, E]
             if self.indexer is None:
-                key = ("hca_rows", self.ratio)  # shared by the group's HCA layers of this ratio
-                if key not in group.memo:
-                    group.memo[key] = hca_entry_rows(pool_rows, pos, n, self.ratio)
-                entry_rows = group.memo[key]
+                entry_rows = visible_hca_rows(group, pool_rows, pos, self.ratio)
             else:
                 scores, visible, k = self.indexer.scores(*idx_q, group, batch.pools, pool.indexer)  # [G, n, E]
                 E = scores.shape[-1]

@@ -98,10 +98,10 @@ def wo_project(attn, out: torch.Tensor) -> torch.Tensor:
     if x.dtype != attn.o_a.dtype:
         x = x.to(attn.o_a.dtype)
     a = wo_a_mxfp8(x, attn.o_a, backend=settings.backend)
-    _CALLS["wo_a_mxfp8"] += 1
+    count("wo_a_mxfp8")
     out_dtype = torch.bfloat16 if attn.wo_b_mxfp8.dtype == torch.bfloat16 else torch.float32
     y = mxfp8_linear(a, attn.wo_b_mxfp8, out_dtype=out_dtype, backend=settings.backend)
-    _CALLS["mxfp8_linear"] += 1
+    count("mxfp8_linear")
     return y.to(out.dtype)
 
 
@@ -131,7 +131,7 @@ def csa_rows(attn, scores: torch.Tensor, group, batch, k: int) -> torch.Tensor:
     block = settings.candidate_block_size
     budget = settings.candidate_blocks or math.ceil(E / block)
     masked, keep = candidate_block_mask(scores, lens, budget, block, backend=settings.backend)
-    _CALLS["candidate_block_mask"] += 1
+    count("candidate_block_mask")
     # only entries of kept blocks stay candidates; the default budget keeps every block with a visible entry, so
     # this is the plain causal selection (finite scores); a set budget narrows it
     masked = masked.masked_fill(~keep, float("-inf"))
@@ -142,5 +142,5 @@ def csa_rows(attn, scores: torch.Tensor, group, batch, k: int) -> torch.Tensor:
     table = table.unsqueeze(1).expand(G, n, table.shape[1]).reshape(G * n, -1)
     rows, _ = indexer_postprocess(masked, picked.reshape(G * n, k), table, pools.page_tokens // attn.ratio,
                                   backend=settings.backend)
-    _CALLS["indexer_postprocess"] += 1
+    count("indexer_postprocess")
     return rows

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 
 from evalpipe.engine.forward_batch import entry_index
 from evalpipe.engine.model import fused_sites
+from evalpipe.engine.model.attention import visible_hca_rows
 from evalpipe.engine.model.primitives import apply_rope
 from evalpipe.engine.static.batch import StaticBatch
 from evalpipe.kernels import c2_verify, indexer, norm, q_rope_store
-from evalpipe.kernels.attention import fused_attention, hca_entry_rows
+from evalpipe.kernels.attention import fused_attention
 from evalpipe.kernels.compress import compress
 from evalpipe.kernels.moe import moe_forward
 
@@ -98,10 +99,7 @@ class StaticModel:
             entries = pool.compressor.entries
             rows = entry_index(group, batch.pools, attn.ratio)[0]  # [B, E] pool rows of entries 0..E-1
             if attn.indexer is None:  # HCA: every causally visible entry (per step and ratio, shared by layers)
-                key = ("hca_rows", attn.ratio)
-                if key not in group.memo:
-                    group.memo[key] = hca_entry_rows(rows, batch.pos, group.n, attn.ratio)
-                entry_rows = group.memo[key]
+                entry_rows = visible_hca_rows(group, rows, batch.pos, attn.ratio)
             else:  # CSA: the indexer's top-k
                 idx = attn.indexer
                 self.compress(idx.compressor, projected[3], batch, pool.indexer)
