@@ -127,6 +127,8 @@ def test_overlap_gives_the_same_outputs_and_events(tiny_runner, tokenizer, devic
     on, off = engines[True].runner.async_stats, engines[False].runner.async_stats
     assert off == {"steps": 0, "rows_fed_on_device": 0}
     assert on["steps"] > 30 and on["rows_fed_on_device"] > 30
+    # the engine counts the steps it queued ahead (its log line's "overlapped"), the runner the ones it ran
+    assert engines[True].stats["overlapped_steps"] == on["steps"] and engines[False].stats["overlapped_steps"] == 0
     for overlap, engine in engines.items():  # a row dropped after a stop or an abort is not counted as generated
         assert engine.stats["generated_tokens"] == sum(len(r[0]) for r in results[overlap])
 

@@ -119,8 +119,8 @@ class Engine:
         )
         self.allocated_slots = 0
         self.last_step_at = 0.0  # time.monotonic() of the last completed forward
-        self.stats = {"requests": 0, "steps": 0, "prefill_steps": 0, "prompt_tokens": 0, "prefilled_tokens": 0,
-                      "generated_tokens": 0, "aborted": 0, "cached_tokens": 0}
+        self.stats = {"requests": 0, "steps": 0, "overlapped_steps": 0, "prefill_steps": 0, "prompt_tokens": 0,
+                      "prefilled_tokens": 0, "generated_tokens": 0, "aborted": 0, "cached_tokens": 0}
         self._aborts: list[Sequence] = []
         self.overlap = bool(overlap) and hasattr(runner, "decode_async")
         if prefill_delay_factor < 0:
@@ -295,6 +295,7 @@ class Engine:
             return len(decodes)
         self._inflight = (list(decodes), pending)
         self.stats["steps"] += 1
+        self.stats["overlapped_steps"] += 1
         if previous is not None:
             self._settle(previous)
         return len(decodes)

@@ -223,6 +223,7 @@ class StepWindow:
         self.generated = self.engine.stats["generated_tokens"]
         self.prefilled = self.engine.stats["prefilled_tokens"]
         self.prefill_steps = self.engine.stats["prefill_steps"]
+        self.overlapped = self.engine.stats["overlapped_steps"]
 
     def begin(self) -> None:
         """Before a step: open the window if the engine was idle (its counters as they are before this step)."""
@@ -250,9 +251,10 @@ class StepWindow:
             stats = self.engine.stats
             chunked = stats["prefill_steps"] - self.prefill_steps
             prefilled = stats["prefilled_tokens"] - self.prefilled
-            log.info("engine: %d running, %d waiting; last %.1f s: %d steps (%d with prompt chunks, %.0f prompt rows "
-                     "each), %.0f generated tok/s, %.0f prefilled tok/s, %.2f ms per loop of which Engine.step %.2f ms",
-                     self.engine.scheduler.num_running, self.engine.scheduler.num_waiting, wall, self.steps, chunked,
+            log.info("engine: %d running, %d waiting; last %.1f s: %d steps (%d overlapped, %d with prompt chunks, "
+                     "%.0f prompt rows each), %.0f generated tok/s, %.0f prefilled tok/s, %.2f ms per loop of which "
+                     "Engine.step %.2f ms", self.engine.scheduler.num_running, self.engine.scheduler.num_waiting, wall,
+                     self.steps, stats["overlapped_steps"] - self.overlapped, chunked,
                      prefilled / chunked if chunked else 0.0, (stats["generated_tokens"] - self.generated) / wall,
                      prefilled / wall, wall / self.steps * 1e3, self.step_s / self.steps * 1e3)
         self._reset(now)
