@@ -34,7 +34,9 @@ def json_bytes(obj) -> bytes:
     A lone surrogate (from a request string, e.g. `"\\ud800"`) cannot be UTF-8 encoded; backslashreplace writes it
     as the JSON escape it came in as (it only ever occurs inside a JSON string, where `\\udXXX` is valid)."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return text.translate(_LINE_BREAKS).encode("utf-8", "backslashreplace")
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:  # rare; translate costs a dict lookup per character
+        text = text.translate(_LINE_BREAKS)
+    return text.encode("utf-8", "backslashreplace")
 
 
 class SafeJSONResponse(JSONResponse):
