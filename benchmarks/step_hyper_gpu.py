@@ -257,13 +257,25 @@ def detail(T, streams, outs, blocks, head, norm, eps) -> None:
 
 def sweep(T: int, new) -> None:
     """Time the new chain under other launch shapes (results do not change with rows, warps or the split; the
-    block size changes the partials' blocking only)."""
+    block size changes the partials' blocking only). From DOT_MIN_ROWS rows the merge/mix is the GEMM-tile kernel,
+    whose own tile (rows, columns, warps) is swept instead."""
+    if T >= step_hyper.DOT_MIN_ROWS:
+        keep_dot = (step_hyper.DOT_ROWS, step_hyper.DOT_SUB, step_hyper.DOT_WARPS)
+        print(f"  sweep T={T}: GEMM tile rows columns warps -> us")
+        try:
+            for rows in (16, 32, 64):
+                for sub in (32, 64, 128):
+                    for warps in (4, 8):
+                        step_hyper.DOT_ROWS, step_hyper.DOT_SUB, step_hyper.DOT_WARPS = rows, sub, warps
+                        print(f"    {rows:>3} {sub:>4} {warps:>2} -> {graph_time(new, 20):.1f}", flush=True)
+        finally:
+            step_hyper.DOT_ROWS, step_hyper.DOT_SUB, step_hyper.DOT_WARPS = keep_dot
     keep = (step_hyper.mix_block, step_hyper._rows_per_program, step_hyper.MIX_WARPS, step_hyper.NORM_WARPS,
             step_hyper.NORM_SPLIT)
     print(f"  sweep T={T}: block rows mix_warps -> us")
     try:
-        for block in (32, 64, 128):
-            for r in (1, 4, 16):
+        for block in (32, 64, 128) + ((256,) if T >= 256 else ()):
+            for r in (1, 4, 16) + ((64,) if T >= 256 else ()):
                 for mw in (4, 8):
                     step_hyper.mix_block = lambda D, _T, b=block: min(b, step_hyper._pow2(D))
                     step_hyper._rows_per_program = lambda _T, r=r: r

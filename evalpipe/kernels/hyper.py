@@ -6,7 +6,8 @@ block also computes what the next block's hyper-connection needs from the new st
 products of its slice of the flattened streams with the next `fn` plus its partial sum of squares (`hc_merge_mix`,
 many programs) -- so the next block starts with one small kernel that reduces those partials in a fixed order, runs
 pre/post/comb + Sinkhorn, collapses the streams and applies the block's input RMSNorm (`hc_pre_norm`;
-`hc_head_norm` for the model head). No atomics: bitwise deterministic.
+`hc_head_norm` for the model head). No atomics: bitwise deterministic. From DOT_MIN_ROWS rows (prompt chunks) the
+merge/mix computes the same partial blocks as GEMM tiles (`tl.dot`, fp32) instead of one reduction per row.
 
 `StaticModel.forward` (engine/static/model.py) is the caller: `hc_mix` on the embedded streams, then per layer
 `hc_pre_norm` -> attention -> `hc_merge_mix` (partials for the layer's ffn_hc) -> `hc_pre_norm` -> MoE ->
@@ -57,6 +58,10 @@ def mix_block(D: int, T: int) -> int:
     """Columns of each stream that one merge/mix program owns: the partials have cdiv(D, mix_block(D, T))
     blocks. Narrow blocks spread few rows over many SMs; with many rows, wide blocks read fn fewer times."""
     return min(128 if T >= 16 else 32, _pow2(D))
+
+
+DOT_MIN_ROWS = 128  # from this many rows (prompt chunks, wide verify steps) the merge/mix runs as a GEMM tile
+DOT_ROWS, DOT_SUB, DOT_WARPS = 32, 64, 4  # rows and columns of one GEMM tile, warps of its program
 
 
 def _rows_per_program(T: int) -> int:
@@ -125,6 +130,51 @@ if tl is not None:
             prow = part_ptr + (t64 * nb + b) * (M + 1)
             tl.store(prow + ms, part, mask=ms < tl.where(ok, M, 0))
             tl.store(prow + M, ss, mask=ok)
+
+    def _merge_mix_dot_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, T, D,
+                              M: tl.constexpr, M_DOT: tl.constexpr, MERGE: tl.constexpr, HC: tl.constexpr,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+        # the same partials as _merge_mix_kernel for ROWS rows at once: per stream h and SUB columns, the rows'
+        # slice [ROWS, SUB] times fn's [SUB, M_DOT] on tl.dot (fp32, ieee), accumulated in registers, instead of
+        # a cross-thread reduction per row (which left the per-row kernel at ~10x its byte time on prompt chunks)
+        g = tl.program_id(0)
+        b = tl.program_id(1)
+        nb = tl.num_programs(1)
+        K = HC * D
+        ts = g * ROWS + tl.arange(0, ROWS)
+        tm = ts < T
+        t64 = ts.to(tl.int64)
+        ms = tl.arange(0, M_DOT)
+        part = tl.zeros([ROWS, M_DOT], dtype=tl.float32)
+        ss = tl.zeros([ROWS], dtype=tl.float32)
+        for sub in tl.static_range(BLOCK // SUB):
+            ks = b * BLOCK + sub * SUB + tl.arange(0, SUB)
+            km = ks < D
+            m2 = tm[:, None] & km[None, :]
+            if MERGE:
+                y = tl.load(block_ptr + t64[:, None] * D + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+            for h in tl.static_range(HC):
+                if MERGE:  # HyperConnection.merge accumulated in fp32, one rounding
+                    mixed = tl.zeros([ROWS, SUB], dtype=tl.float32)
+                    for j in tl.static_range(HC):
+                        sj = tl.load(streams_ptr + t64[:, None] * K + j * D + ks[None, :], mask=m2,
+                                     other=0.0).to(tl.float32)
+                        c = tl.load(comb_ptr + t64 * HC * HC + j * HC + h, mask=tm, other=0.0)
+                        mixed += c[:, None] * sj
+                    post = tl.load(post_ptr + t64 * HC + h, mask=tm, other=0.0)
+                    out = (post[:, None] * y + mixed).to(new_ptr.dtype.element_ty)
+                    tl.store(new_ptr + t64[:, None] * K + h * D + ks[None, :], out, mask=m2)
+                    s = out.to(tl.float32)  # the next block sees the stored (rounded) streams
+                else:
+                    s = tl.load(streams_ptr + t64[:, None] * K + h * D + ks[None, :], mask=m2,
+                                other=0.0).to(tl.float32)
+                f = tl.load(fn_ptr + ms[None, :].to(tl.int64) * K + h * D + ks[:, None],
+                            mask=km[:, None] & (ms[None, :] < M), other=0.0)  # [SUB, M_DOT]
+                part += tl.dot(s, f, input_precision="ieee")
+                ss += tl.sum(s * s, axis=1)
+        prow = part_ptr + (t64 * nb + b) * (M + 1)
+        tl.store(prow[:, None] + ms[None, :], part, mask=tm[:, None] & (ms[None, :] < M))
+        tl.store(prow + M, ss, mask=tm)
 
     def _pre_norm_kernel(streams_ptr, part_ptr, base_ptr, scale_ptr, normw_ptr, post_ptr, comb_ptr, out_ptr,
                          D, NB, norm_eps, eps, rms_eps,
@@ -275,13 +325,17 @@ def _launch_mix(streams, block_out, post, comb, fn, M: int, new) -> torch.Tensor
     block = mix_block(D, T)
     nb = _cdiv(D, block)
     parts = _empty(T, nb, M + 1, device=streams.device, dtype=torch.float32)
-    if T:
+    merge = block_out is not None
+    args = (streams, block_out if merge else streams, post if merge else fn, comb if merge else fn,
+            new if merge else streams, fn, parts, T, D)
+    if T >= DOT_MIN_ROWS and block % DOT_SUB == 0:
+        jit(_merge_mix_dot_kernel, ("T",))[(_cdiv(T, DOT_ROWS), nb)](
+            *args, M=M, M_DOT=max(16, _pow2(M)), MERGE=merge, HC=hc, ROWS=DOT_ROWS, BLOCK=block, SUB=DOT_SUB,
+            num_warps=DOT_WARPS)
+    elif T:
         rows = _rows_per_program(T)
-        merge = block_out is not None
         jit(_merge_mix_kernel, ("T",))[(_cdiv(T, rows), nb)](
-            streams, block_out if merge else streams, post if merge else fn, comb if merge else fn,
-            new if merge else streams, fn, parts, T, D, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows,
-            BLOCK=block, num_warps=MIX_WARPS)
+            *args, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows, BLOCK=block, num_warps=MIX_WARPS)
     return parts
 
 

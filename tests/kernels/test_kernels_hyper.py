@@ -62,7 +62,8 @@ def streams_with_extremes(gen, T):
     return s
 
 
-@pytest.mark.parametrize("T", [1, 6])
+# 130 rows: past DOT_MIN_ROWS, the GEMM-tile merge/mix kernel, its last tile of 32 rows mostly padding
+@pytest.mark.parametrize("T", [1, 6, 130])
 def test_mix_and_pre_norm_match_reference_and_engine(T):
     gen = torch.Generator().manual_seed(10 + T)
     cfg = config()
@@ -91,7 +92,7 @@ def test_mix_and_pre_norm_match_reference_and_engine(T):
     assert got[2].abs().max() < 10
 
 
-@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("T", [1, 6, 130])
 def test_merge_mix_matches_reference_and_engine(T):
     gen = torch.Generator().manual_seed(20 + T)
     cfg = config()
@@ -143,6 +144,29 @@ def test_deterministic_and_row_grouping_free(monkeypatch):
     grouped = run()
     for a, b, c in zip(first, second, grouped):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_gemm_tile_path_taken_and_deterministic(monkeypatch):
+    """From DOT_MIN_ROWS rows the merge/mix runs on the GEMM-tile kernel: it is the one launched, two runs are
+    bitwise equal, and its partials match the per-row kernel's (same blocks, another summation order)."""
+    gen = torch.Generator().manual_seed(6)
+    cfg = config()
+    conn, nxt = make_conn(gen, cfg), make_conn(gen, cfg)
+    T = step_hyper.DOT_MIN_ROWS + 5
+    s, y = torch.randn(T, HC, D, generator=gen), torch.randn(T, D, generator=gen)
+    post, comb, _ = conn(s)
+    launched = []
+    real_jit = step_hyper.jit
+    monkeypatch.setattr(step_hyper, "jit", lambda fn, *a: launched.append(fn.__name__) or real_jit(fn, *a))
+    first = step_hyper.hc_merge_mix(s, y, post, comb, nxt, backend="triton")
+    second = step_hyper.hc_merge_mix(s, y, post, comb, nxt, backend="triton")
+    assert launched == ["_merge_mix_dot_kernel"] * 2
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    monkeypatch.setattr(step_hyper, "DOT_MIN_ROWS", 1 << 30)  # the per-row kernel on the same inputs
+    per_row = step_hyper.hc_merge_mix(s, y, post, comb, nxt, backend="triton")
+    assert launched[-1] == "_merge_mix_kernel"
+    close(first[0], per_row[0], 1e-6, "streams")
+    rows_close(first[1], per_row[1], 1e-5, "partials")
 
 
 def test_partials_must_fit():
