@@ -481,7 +481,7 @@ def print_table(report: dict) -> None:
         t = targets["transformers"]
         print(f"| batch 1 vs transformers generate | {t['ratio']}x ({t['median_tok_s']:.1f} tok/s) |")
     for line in targets.get("kernels", {}).get("table", []):
-        cells = [c.strip() for c in line.strip("|").split("|")]
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]  # a shape may hold "kv|gate"
         if cells and cells[0] in ("c2", "candidate"):  # kernels_gpu.py's op names
             print(f"| kernel {cells[0]} {cells[1]} | {cells[2]} us fused vs {cells[3]} unfused: {cells[4]}, "
                   f"{cells[7]} |")
@@ -489,8 +489,9 @@ def print_table(report: dict) -> None:
     for r in http.get("bench", []):
         agg = r.get("aggregate_tok_s") or {}
         per = r.get("per_request_decode_tok_s") or {}
-        print(f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']} | aggregate {agg.get('median')} tok/s "
-              f"(rounds {agg.get('values')}); per request {per.get('median')} |")
+        rounds = ", ".join(f"{v:.0f}" for v in agg.get("values") or [])
+        print(f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']} | aggregate {agg.get('median') or 0:.0f} "
+              f"tok/s (rounds {rounds}); per request {per.get('median') or 0:.0f} |")
     for r in http.get("gsm8k", []):
         print(f"| gsm8k x{r['records']} C64, {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
               f"{r['prompt_tokens']} prompt tokens, errors {r['errors']} |")
