@@ -64,7 +64,7 @@ DTYPE = "bfloat16"
 
 def serve_base() -> list[str]:
     """The served configuration; `--log-level info` adds the engine's own rates to each server's log (every 10 s of
-    work: steps, steps with prompt chunks and their rows, time per loop beside Engine.step's)."""
+    work: steps, of them overlapped, steps with prompt chunks and their rows, time per loop beside Engine.step's)."""
     return ["--device", DEVICE, "--dtype", DTYPE, "--max-batch", "64", "--log-level", "info"]
 
 
