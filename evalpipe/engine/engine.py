@@ -99,6 +99,7 @@ class Engine:
         exhausted: tuple[type[BaseException], ...] = (),
         overlap: bool = True,
         prefill_delay_factor: float = 0.0,
+        stream_interval: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
@@ -126,6 +127,9 @@ class Engine:
         if prefill_delay_factor < 0:
             raise ValueError("prefill_delay_factor must be >= 0")
         self.prefill_delay_factor = float(prefill_delay_factor)
+        if int(stream_interval) < 1:
+            raise ValueError("stream_interval must be >= 1")
+        self.stream_interval = int(stream_interval)
         self._clock = clock
         self._last_prefill = (0.0, 0.0)  # (end, seconds) of the last step that fed prompt chunks
         self._inflight: tuple[list[Sequence], Any] | None = None  # overlap: a queued step (its sequences, tokens)
@@ -424,11 +428,22 @@ class Engine:
             ))
 
     def _send(self, seq: Sequence, event: SeqEvent) -> None:
-        if seq.on_event is not None:
-            try:
-                seq.on_event(event)
-            except Exception:  # a failing listener must not kill the engine loop
-                log.warning("dropping event for sequence %s:\n%s", seq.id, traceback.format_exc())
+        """Hand `event` to the sequence's listener. With a stream interval N > 1, events after the one with the
+        first token are held and merged until they carry N tokens or end the sequence (SGLang's --stream-interval):
+        N times fewer events for the server process and its clients to stream, the same tokens and text."""
+        if seq.on_event is None:
+            return
+        held = seq.state.pop("held", None)
+        if held is not None:
+            event = held.then(event)
+        if (self.stream_interval > 1 and event.finish_reason is None and event.error is None
+                and len(event.token_ids) < self.stream_interval and len(seq.output) > len(event.token_ids)):
+            seq.state["held"] = event
+            return
+        try:
+            seq.on_event(event)
+        except Exception:  # a failing listener must not kill the engine loop
+            log.warning("dropping event for sequence %s:\n%s", seq.id, traceback.format_exc())
 
     def _allocate_slot(self) -> int:
         slot = self.runner.allocate()

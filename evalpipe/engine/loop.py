@@ -47,7 +47,8 @@ def build_engine(settings: Any, build: Callable, tokenizer_factory: Callable) ->
     return Engine(runner, tokenizer, max_batch=settings.max_batch, max_tokens_per_step=settings.max_tokens_per_step,
                   max_queue=settings.max_queue, decoder=decoder, exhausted=(PoolExhausted,),
                   overlap=getattr(settings, "overlap_schedule", "on") == "on",
-                  prefill_delay_factor=getattr(settings, "prefill_delay_factor", 0.0))
+                  prefill_delay_factor=getattr(settings, "prefill_delay_factor", 0.0),
+                  stream_interval=getattr(settings, "stream_interval", 1))
 
 
 def ready_message(settings: Any, engine: Engine) -> ipc.Ready:

@@ -122,6 +122,11 @@ NATIVE = [
            "--scheduler-delay-factor). Fewer, larger prompt chunks: each prompt step stalls every decoding "
            "sequence, and on a GPU a small chunk costs nearly as much as a large one. Trades time to first token "
            "for throughput; 0 admits at every step."),
+    O("--stream-interval", default=1, show_default=True, type=click.IntRange(1), metavar="N",
+      help="native: after a sequence's first token, send its tokens in events of N (the last one may be shorter; "
+           "SGLang's --stream-interval). A stream then has about N times fewer chunks for the server and the "
+           "client to handle, at N steps between chunks; tokens, text and usage are the same. Non-streamed "
+           "responses are unchanged."),
     O("--wo-quant", default="none", show_default=True, type=click.Choice(["none", "mxfp8"]),
       help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
            "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "

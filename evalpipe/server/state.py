@@ -73,6 +73,8 @@ class ServerSettings:
     overlap_schedule: str = "on"
     # prefill delay (evalpipe/engine/engine.py, Engine._admit_now): new prompts wait F x the last prompt step's time
     prefill_delay_factor: float = 0.0
+    # stream interval (evalpipe/engine/engine.py, Engine._send): streamed events carry N tokens (the first excepted)
+    stream_interval: int = 1
 
     def __post_init__(self):
         if self.max_tokens_per_step is None:
