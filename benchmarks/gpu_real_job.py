@@ -17,7 +17,8 @@ Stages:
 - `http`, through real processes: `evalpipe serve --device cuda --dtype bfloat16 --max-batch 64` with the prefix
   cache on, `evalpipe bench` at concurrency 1, 16 and 64 (input 128, output 256), `evalpipe run gsm8k
   --concurrency 64 --max-tokens 256`; then a fresh server with `--prefix-cache off` and the same gsm8k run; then
-  one with `--overlap-schedule off` and the bench at concurrency 1 and 64; then the cache-on gsm8k run with
+  one with `--overlap-schedule off` and the bench at concurrency 1 and 64; then one with `--stream-interval 4`
+  and the bench at 64 (events of 4 tokens: the HTTP side's share of the gap); then the cache-on gsm8k run with
   `--prefill-delay-factor 1` (`--delay-factor`).
 
 Every number is printed as a table at the end and written to `OUT/gpu_real_job.json`; the logs, run folders and
@@ -324,18 +325,18 @@ def gsm8k_arm(srv, out: Path, label: str, args) -> dict:
             "outputs": {r["question_id"]: r.get("output_token_ids") for r in recs}}
 
 
-def bench_arm(srv, out: Path, concurrency: int, overlap: str, args) -> dict:
-    label = f"bench-c{concurrency}-overlap-{overlap}"
+def bench_arm(srv, out: Path, concurrency: int, overlap: str, args, arm: str) -> dict:
+    label = f"bench-c{concurrency}-overlap-{overlap}" + ("" if arm in ("cache-on", "overlap-off") else f"-{arm}")
     folder = out / "runs" / label
     rc, wall = evalpipe("bench", "--base-url", srv.base + "/v1", "--concurrency", str(concurrency), "--input-len",
                         "128", "--output-len", "256", "--rounds", str(args.bench_rounds), "--warmup", "1",
                         "--out", str(folder), log=out / f"{label}.log", timeout=300)
     files = list(folder.rglob("bench.json"))
     if rc != 0 or not files:
-        return {"concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": wall}
+        return {"arm": arm, "concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": wall}
     b = json.loads(files[0].read_text())
     summ = b.get("summary", b)
-    return {"concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": round(wall, 1),
+    return {"arm": arm, "concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": round(wall, 1),
             "aggregate_tok_s": find(summ, "aggregate_tokens_per_s"),
             "per_request_decode_tok_s": find(summ, "decode_tokens_per_s")}
 
@@ -356,16 +357,17 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
 
     extra = shlex.split(args.serve_args)
     res = {"serve_args": serve_base() + extra, "bench": [], "gsm8k": []}
-    # (label, serve flags, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off, and the
-    # defaults with --prefill-delay-factor (gsm8k only)
+    # (label, serve flags, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off, events of
+    # 4 tokens (bench C64 only), and the defaults with --prefill-delay-factor (gsm8k only)
     arms = [("cache-on", ["--prefix-cache", "on"], (1, 16, 64), True),
             ("cache-off", ["--prefix-cache", "off"], (), True),
             ("overlap-off", ["--overlap-schedule", "off"], (1, 64), False),
+            ("stream-interval4", ["--stream-interval", "4"], (64,), False),
             (f"cache-on-delay{args.delay_factor:g}", ["--prefill-delay-factor", f"{args.delay_factor:g}"], (), True)]
     if args.gsm8k_examples == 0:  # the bench arms only
         arms = [(label, flags, con, False) for label, flags, con, _ in arms if con]
     elif args.delay_factor == 0:
-        arms = arms[:3]
+        arms = arms[:4]
     for label, flags, concurrencies, gsm8k in arms:
         overlap = "off" if "overlap-off" == label else "on"
         t0 = time.perf_counter()
@@ -374,7 +376,7 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
         print(f"http: server {label} ({shlex.join(flags)}) ready in {boot:.1f}s", flush=True)
         try:
             for c in concurrencies:
-                r = bench_arm(srv, out, c, overlap, args)
+                r = bench_arm(srv, out, c, overlap, args, label)
                 res["bench"].append(r)
                 save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"}
                                                for g in res["gsm8k"]]})
@@ -490,7 +492,8 @@ def print_table(report: dict) -> None:
         agg = r.get("aggregate_tok_s") or {}
         per = r.get("per_request_decode_tok_s") or {}
         rounds = ", ".join(f"{v:.0f}" for v in agg.get("values") or [])
-        print(f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']} | aggregate {agg.get('median') or 0:.0f} "
+        arm = "" if r.get("arm", "cache-on") in ("cache-on", "overlap-off") else f", {r['arm']}"
+        print(f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']}{arm} | aggregate {agg.get('median') or 0:.0f} "
               f"tok/s (rounds {rounds}); per request {per.get('median') or 0:.0f} |")
     for r in http.get("gsm8k", []):
         print(f"| gsm8k x{r['records']} C64, {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
