@@ -221,10 +221,7 @@ class StepWindow:
 
     def _reset(self, now: float | None) -> None:
         self.start, self.steps, self.step_s = now, 0, 0.0
-        self.generated = self.engine.stats["generated_tokens"]
-        self.prefilled = self.engine.stats["prefilled_tokens"]
-        self.prefill_steps = self.engine.stats["prefill_steps"]
-        self.overlapped = self.engine.stats["overlapped_steps"]
+        self.base = dict(self.engine.stats)  # the engine's counters when the window opened
 
     def begin(self) -> None:
         """Before a step: open the window if the engine was idle (its counters as they are before this step)."""
@@ -249,14 +246,13 @@ class StepWindow:
         if wall < STATS_INTERVAL_S and not force:
             return
         if self.steps and wall > 0 and log.isEnabledFor(logging.INFO):
-            stats = self.engine.stats
-            chunked = stats["prefill_steps"] - self.prefill_steps
-            prefilled = stats["prefilled_tokens"] - self.prefilled
+            grew = {k: v - self.base.get(k, 0) for k, v in self.engine.stats.items()}
+            chunked, prefilled = grew["prefill_steps"], grew["prefilled_tokens"]
             log.info("engine: %d running, %d waiting; last %.1f s: %d steps (%d overlapped, %d with prompt chunks, "
                      "%.0f prompt rows each), %.0f generated tok/s, %.0f prefilled tok/s, %.2f ms per loop of which "
                      "Engine.step %.2f ms", self.engine.scheduler.num_running, self.engine.scheduler.num_waiting, wall,
-                     self.steps, stats["overlapped_steps"] - self.overlapped, chunked,
-                     prefilled / chunked if chunked else 0.0, (stats["generated_tokens"] - self.generated) / wall,
+                     self.steps, grew["overlapped_steps"], chunked,
+                     prefilled / chunked if chunked else 0.0, grew["generated_tokens"] / wall,
                      prefilled / wall, wall / self.steps * 1e3, self.step_s / self.steps * 1e3)
         self._reset(now)
 
