@@ -270,10 +270,9 @@ class Engine:
         admit (`admit`) or abort, every running sequence in the step in flight, and one of them still going after it
         (a sequence whose last token by length is in flight sits the next step out; a stop token or stop string
         found late only wastes a row)."""
-        seqs = set(self._inflight[0])
         if self._aborts or admit:
             return False
-        running = self.scheduler.running
+        seqs, running = set(self._inflight[0]), self.scheduler.running
         return all(seq in seqs for seq in running) and not all(self._ends_in_flight(seq) for seq in running)
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
