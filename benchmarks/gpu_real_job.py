@@ -357,6 +357,10 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
 
     extra = shlex.split(args.serve_args)
     res = {"serve_args": serve_base() + extra, "bench": [], "gsm8k": []}
+
+    def saved() -> None:  # what is measured so far, without the per-question outputs (kept for the comparison)
+        save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"} for g in res["gsm8k"]]})
+
     # (label, serve flags, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off, events of
     # 4 tokens (bench C64 only), and the defaults with --prefill-delay-factor (gsm8k only)
     arms = [("cache-on", ["--prefix-cache", "on"], (1, 16, 64), True),
@@ -378,15 +382,14 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
             for c in concurrencies:
                 r = bench_arm(srv, out, c, overlap, args, label)
                 res["bench"].append(r)
-                save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"}
-                                               for g in res["gsm8k"]]})
+                saved()
                 brief = {k: v for k, v in r.items() if k != "per_request_decode_tok_s"}
                 print(f"  bench C{c}, overlap {overlap}: {brief}", flush=True)
             if gsm8k:
                 r = gsm8k_arm(srv, out, label, args)
                 r["boot_s"] = round(boot, 1)
                 res["gsm8k"].append(r)
-                save_partial({**res, "gsm8k": [{k: v for k, v in g.items() if k != "outputs"} for g in res["gsm8k"]]})
+                saved()
                 print(f"  gsm8k {label}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
         finally:
             srv.stop()
