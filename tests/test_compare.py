@@ -408,9 +408,10 @@ def test_repeated_lane_statistics(tmp_path):
     var = sum(np.var(REP_A[q], ddof=1) / 3 + np.var(REP_B[q], ddof=1) / 3 for q in REP_A)
     assert r["se_fixed_question"] == pytest.approx(math.sqrt(var) / 3)
     assert r["se_clustered"] == pytest.approx(np.std(d, ddof=1) / math.sqrt(3))
-    iv = r["interval"]  # normal 95% interval on the clustered SE; margin 1 pt (the default)
-    assert iv["ci_low"] == pytest.approx(d.mean() - 1.959964 * r["se_clustered"], abs=1e-5)
-    assert iv["ci_high"] == pytest.approx(d.mean() + 1.959964 * r["se_clustered"], abs=1e-5)
+    iv = r["interval"]  # t interval, Q - 1 = 2 df (t table: 4.302653), on the clustered SE; margin 1 pt (the default)
+    assert iv["df"] == 2
+    assert iv["ci_low"] == pytest.approx(d.mean() - 4.302653 * r["se_clustered"], abs=1e-5)
+    assert iv["ci_high"] == pytest.approx(d.mean() + 4.302653 * r["se_clustered"], abs=1e-5)
     assert iv["verdict"] == ("non-inferior" if iv["ci_low"] > -0.01 else "inferior" if iv["ci_high"] < -0.01
                              else "inconclusive")
     assert iv["verdict"] == "inconclusive"  # 3 questions: a wide interval
