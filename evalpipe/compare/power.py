@@ -1,15 +1,16 @@
 """The smallest detectable difference (MDE) of a comparison, and the sample size a margin needs.
 
-One normal-approximation rule, read both ways: a design whose standard error of B - A is `se` detects a drop of
-(z_{1-alpha/2} + z_{power}) * se with probability `power` by a two-sided level-alpha test, and, when the arms are
-truly equal, its (1 - alpha) interval excludes -margin with that probability once the margin reaches the same
-value. So MDE(n) = margin exactly when n = n_needed(margin).
+The MDE of a design is the smallest margin its (1 - alpha) interval excludes with probability `power` when the
+arms are truly equal; the questions a margin needs are the fewest whose MDE reaches it. Under a normal
+approximation both read (z_{1-alpha/2} + z_{power}) * se, which is also the drop a two-sided level-alpha test
+detects with that power (Connor 1987, Biometrics 43:207-211: se = sqrt(psi / n) for paired 0/1 outcomes at
+discordance psi, its conservative form without the -d^2 term).
 
-- Greedy lanes (paired 0/1 outcomes): se = sqrt(psi / n) with psi the discordance rate, the conservative form of
-  Connor (1987, Biometrics 43:207-211), which drops the -d^2 term. No interval for B - A is narrower than Tango's
-  at zero flips, +-z^2 / (n + z^2), so that is a floor: a margin M needs n > z^2 (1 - M) / M even with no flips
-  (381 questions for 1 point). With no discordant pair observed, plan with the exact one-sided 95% upper bound
-  on psi (`intervals.upper_bound_rate`), never with 0.
+- Greedy lanes: exact over the binomial distribution of flip tables (flips ~ Binomial(n, psi), gained | flips ~
+  Binomial(flips, 1/2)), each judged by the verdict's own rule, Tango's interval; the normal form under-states
+  what few expected flips need. With zero flips Tango's bounds are +-z^2 / (n + z^2), so a margin M needs
+  n > z^2 (1 - M) / M even then (381 questions for 1 point). With no discordant pair observed, plan with the exact
+  one-sided 95% upper bound on psi (`intervals.upper_bound_rate`), never with 0.
 - Repeated lanes (Q questions x k responses, clustered by question): se = sqrt((between + within / k) / Q), where
   `within` is the per-response outcome variance of both arms summed and `between` the variance of the true
   per-question differences; t quantiles with Q - 1 degrees of freedom.
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import math
 
-from scipy.stats import norm, t
+import numpy as np
+from scipy.stats import binom, norm, t
 
-from evalpipe.compare.intervals import upper_bound_rate, z_quantile
+from evalpipe.compare.intervals import tango_interval, upper_bound_rate, z_quantile
 
 ALPHA = 0.05
 POWER = 0.80
@@ -50,33 +52,72 @@ def planning_discordance(discordant: int, n: int, confidence: float = 0.95) -> d
             "basis": f"exact one-sided {confidence:.0%} upper bound (no discordant pair observed)"}
 
 
-def zero_flip_floor(n: int, alpha: float = ALPHA) -> float:
-    """Half-width of Tango's interval at zero flips, z^2 / (n + z^2): no paired interval is narrower."""
-    z2 = z_quantile(1 - alpha) ** 2
-    return z2 / (n + z2)
-
-
-def greedy_mde(n: int, psi: float | None, alpha: float = ALPHA, power: float = POWER) -> float | None:
-    """Smallest drop (a proportion) that n pairs with discordance `psi` detect at `power`."""
-    if n <= 0 or psi is None:
-        return None
-    return max(z_sum(alpha, power) * math.sqrt(psi / n), zero_flip_floor(n, alpha))
-
-
 def n_for_no_flips(margin: float, alpha: float = ALPHA) -> int | None:
-    """Fewest pairs whose zero-flip interval excludes -margin (margin a proportion)."""
+    """Fewest pairs whose zero-flip Tango interval, +-z^2 / (n + z^2), excludes -margin (margin a proportion)."""
     if not 0 < margin < 1:
         return None
     z2 = z_quantile(1 - alpha) ** 2
     return math.floor(z2 * (1 - margin) / margin) + 1
 
 
-def greedy_n_needed(margin: float, psi: float | None, alpha: float = ALPHA, power: float = POWER) -> int | None:
-    """Pairs needed for a non-inferior verdict at `margin` with probability `power` when the arms are equal."""
+def equal_arm_lower_bounds(n: int, psi: float, alpha: float = ALPHA) -> tuple[np.ndarray, np.ndarray]:
+    """Every plausible flip table of n pairs when the arms are equal at discordance psi, as (Tango lower bound,
+    probability): flips m ~ Binomial(n, psi), gained | m ~ Binomial(m, 1/2). Tails below 1e-9 are left out."""
+    tail = 1e-9
+    if psi <= 0:
+        m = np.array([0])
+    else:
+        m = np.arange(int(binom.ppf(tail, n, psi)), int(binom.isf(tail, n, psi)) + 1)
+    pm = binom.pmf(m, n, psi) if psi > 0 else np.ones(1)
+    gained, lost, prob = [], [], []
+    for mi, pi in zip(m, pm):
+        g = np.arange(int(binom.ppf(tail, mi, 0.5)), int(binom.isf(tail, mi, 0.5)) + 1) if mi else np.zeros(1, int)
+        gained.append(g)
+        lost.append(mi - g)
+        prob.append(pi * (binom.pmf(g, mi, 0.5) if mi else np.ones(1)))
+    gained, lost, prob = np.concatenate(gained), np.concatenate(lost), np.concatenate(prob)
+    lower, _ = tango_interval(gained, lost, n, 1 - alpha)
+    return lower, prob / prob.sum()
+
+
+def greedy_power(n: int, psi: float, margin: float, alpha: float = ALPHA) -> float:
+    """Probability that n equal-arm pairs at discordance psi give 'non-inferior' at `margin` (Tango's interval)."""
+    lower, prob = equal_arm_lower_bounds(n, psi, alpha)
+    return float(prob[lower > -margin].sum())
+
+
+def greedy_mde(n: int, psi: float | None, alpha: float = ALPHA, power: float = POWER) -> float | None:
+    """Smallest margin (a proportion) that n pairs at discordance psi establish with probability `power` when the
+    arms are equal: the `power` quantile of minus Tango's lower bound over the flip tables. By the interval's
+    symmetry it is about the drop that a level-alpha test of B = A detects with that power."""
+    if n <= 0 or psi is None:
+        return None
+    lower, prob = equal_arm_lower_bounds(n, psi, alpha)
+    order = np.argsort(-lower)
+    cum = np.cumsum(prob[order])
+    return float(-lower[order][min(int(np.searchsorted(cum, power)), cum.size - 1)])
+
+
+def greedy_n_needed(margin: float, psi: float | None, alpha: float = ALPHA, power: float = POWER,
+                    limit: int = 10_000_000) -> int | None:
+    """Fewest pairs whose power (greedy_power) reaches `power` at `margin` and discordance psi: started at the
+    normal approximation z_sum^2 psi / margin^2, widened until it holds, then bisected. None beyond `limit`."""
     floor = n_for_no_flips(margin, alpha)
     if floor is None or psi is None:
         return None
-    return max(math.ceil(z_sum(alpha, power) ** 2 * psi / margin ** 2), floor)
+    hi = max(math.ceil(z_sum(alpha, power) ** 2 * psi / margin ** 2), floor)
+    lo = floor - 1
+    while greedy_power(hi, psi, margin, alpha) < power:
+        lo, hi = hi, math.ceil(hi * 1.25)
+        if hi > limit:
+            return None
+    while hi - lo > max(1, hi // 500):  # to 0.2%: power is a sawtooth in n, finer steps chase its teeth
+        mid = (lo + hi) // 2
+        if greedy_power(mid, psi, margin, alpha) >= power:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 # ----------------------------------------------------------------------------- repeated (clustered)

@@ -185,6 +185,32 @@ def mde_sentence(g: dict) -> str:
             f"{needed} questions at that discordance, {g['n_needed_if_no_flips']} if none flips")
 
 
+def verdict_summary(g: dict) -> str:
+    """One clause for a one-line summary (evalpipe ab): identity, interval, verdict, and when the margin is out of
+    reach, how many questions it would take."""
+    iv, plan, ident = g["interval"], g["planning_discordance"], g.get("output_identity") or {}
+    parts = []
+    if ident.get("all_identical"):
+        parts.append(f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs (differing-output rate "
+                     f"<= {pct(ident['discordance_upper_bound'])}, exact one-sided {int(100 * ident['confidence'])}%)")
+    margin = f"-{g['margin_pts']:g} pt"
+    parts.append(f"Tango {int(100 * iv['confidence'])}% CI of B - A [{pts(iv['low'])}, {pts(iv['high'])}]: "
+                 f"{g['verdict']} at {margin}")
+    if g.get("mde_pts") is None:
+        return "; ".join(parts)
+    mde = f"smallest detectable drop {g['mde_pts']:.2f} pt"
+    needed = g.get("n_needed_for_margin")
+    if g["verdict"] == "non-inferior" or needed is None or needed <= g["n"]:
+        parts[-1] += f" ({mde})"
+    elif plan["basis"] == "observed":
+        parts.append(f"{g['n']} questions cannot support {margin} ({mde}): that needs {needed} questions at the "
+                     f"observed {pct(plan['rate'])} discordance")
+    else:
+        parts.append(f"{g['n']} questions cannot support {margin} ({mde}): that needs {g['n_needed_if_no_flips']} "
+                     f"questions if none flips, {needed} at the {pct(plan['rate'])} discordance bound")
+    return "; ".join(parts)
+
+
 def repeated_line(r: dict) -> str:
     pt, iv, pw = r["permutation_test"], r["interval"], r.get("power") or {}
     mde = "n/a" if pw.get("mde_pts") is None else f"{pw['mde_pts']:.2f} pt"
