@@ -53,7 +53,7 @@ def kept_values(bench: dict, metric: str) -> list[float]:
 
 def samples_overlap(va: list[float], vb: list[float]) -> bool:
     """True when the ranges of the two arms' values intersect."""
-    return bool(va and vb) and min(va) <= max(vb) and min(vb) <= max(va)
+    return bool(va and vb) and bool(min(va) <= max(vb) and min(vb) <= max(va))
 
 
 def change_verdict(ratio_ci: dict, values_a: list[float], values_b: list[float]) -> dict:

@@ -8,7 +8,7 @@ discordance psi, its conservative form without the -d^2 term).
 
 - Greedy lanes: exact over the binomial distribution of flip tables (flips ~ Binomial(n, psi), gained | flips ~
   Binomial(flips, 1/2)), each judged by the verdict's own rule, Tango's interval; the normal form under-states
-  what few expected flips need. With zero flips Tango's bounds are +-z^2 / (n + z^2), so a margin M needs
+  what few expected flips need, and is used only beyond MANY_FLIPS expected flips. With zero flips Tango's bounds are +-z^2 / (n + z^2), so a margin M needs
   n > z^2 (1 - M) / M even then (381 questions for 1 point). With no discordant pair observed, plan with the exact
   one-sided 95% upper bound on psi (`intervals.upper_bound_rate`), never with 0.
 - Repeated lanes (Q questions x k responses, clustered by question): se = sqrt((between + within / k) / Q), where
@@ -60,6 +60,9 @@ def n_for_no_flips(margin: float, alpha: float = ALPHA) -> int | None:
     return math.floor(z2 * (1 - margin) / margin) + 1
 
 
+MANY_FLIPS = 1000  # expected flips beyond which the normal form is used: it is then within ~1% and the tables many
+
+
 def equal_arm_lower_bounds(n: int, psi: float, alpha: float = ALPHA) -> tuple[np.ndarray, np.ndarray]:
     """Every plausible flip table of n pairs when the arms are equal at discordance psi, as (Tango lower bound,
     probability): flips m ~ Binomial(n, psi), gained | m ~ Binomial(m, 1/2). Tails below 1e-9 are left out."""
@@ -81,7 +84,10 @@ def equal_arm_lower_bounds(n: int, psi: float, alpha: float = ALPHA) -> tuple[np
 
 
 def greedy_power(n: int, psi: float, margin: float, alpha: float = ALPHA) -> float:
-    """Probability that n equal-arm pairs at discordance psi give 'non-inferior' at `margin` (Tango's interval)."""
+    """Probability that n equal-arm pairs at discordance psi give 'non-inferior' at `margin` (Tango's interval);
+    the normal form Phi(margin / sqrt(psi / n) - z) beyond MANY_FLIPS expected flips."""
+    if n * psi > MANY_FLIPS:
+        return float(norm.cdf(margin / math.sqrt(psi / n) - z_quantile(1 - alpha)))
     lower, prob = equal_arm_lower_bounds(n, psi, alpha)
     return float(prob[lower > -margin].sum())
 
@@ -92,6 +98,8 @@ def greedy_mde(n: int, psi: float | None, alpha: float = ALPHA, power: float = P
     symmetry it is about the drop that a level-alpha test of B = A detects with that power."""
     if n <= 0 or psi is None:
         return None
+    if n * psi > MANY_FLIPS:
+        return z_sum(alpha, power) * math.sqrt(psi / n)
     lower, prob = equal_arm_lower_bounds(n, psi, alpha)
     order = np.argsort(-lower)
     cum = np.cumsum(prob[order])
