@@ -455,6 +455,22 @@ def test_bench_ratio_of_medians(tmp_path):
     assert m["ci_high"] == pytest.approx(hand_percentile(ratios, 0.975))
     assert "data:image/png;base64," in (tmp_path / "o" / "report.html").read_text()
     assert "measured value(s) in an arm" not in res.output
+    # separated samples: the throughput verdict and its MDE (power.ratio_mde_pct on the log values' spread)
+    assert m["verdict"] == "higher" and m["samples_overlap"] is False
+    se = math.sqrt(math.pi / 2) * math.sqrt(np.var(np.log(va), ddof=1) / 5 + np.var(np.log(vb), ddof=1) / 5)
+    assert m["mde_pct"] == pytest.approx(100 * (math.exp((1.959964 + 0.841621) * se) - 1), rel=1e-5)
+    assert "[bold]higher[/]" not in res.output and "higher; smallest detectable change" in res.output
+    assert f"{m['mde_pct']:.1f}%" in res.output and "overlap" not in res.output
+    # overlapping samples: no measurable change, and the call for a fixed-input, warmed, repeated comparison
+    near = [99.0, 103.0, 97.0, 102.0, 101.0]
+    res = CliRunner().invoke(compare_cmd, [str(a), str(write_bench(tmp_path / "B4", near)),
+                                          "--out", str(tmp_path / "o4"), "--no-html"])
+    m = json.loads((tmp_path / "o4" / "compare.json").read_text())["metrics"]["decode_tokens_per_s"]
+    assert m["verdict"] == "no measurable change" and m["samples_overlap"] is True
+    assert "no measurable change" in res.output
+    assert "samples of A and B overlap: attributing a gain needs a fixed-input, warmed, repeated comparison" in res.output
+    gated = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o5"), "--fail-on", "inferior"])
+    assert gated.exit_code == 2 and "not bench folders" in gated.output
     few = CliRunner().invoke(compare_cmd, [str(write_bench(tmp_path / "A2", va[:2])), str(write_bench(tmp_path / "B2", vb[:3])),
                                           "--out", str(tmp_path / "o3"), "--no-html"])
     assert few.exit_code == 0 and "only 2 measured value(s) in an arm" in few.output, few.output
