@@ -418,6 +418,8 @@ def test_repeated_lane_statistics(tmp_path):
                              else "inconclusive")
     assert iv["verdict"] == "inconclusive"  # 3 questions: a wide interval
     assert f"non-inferiority at -1.0 pt: {iv['verdict']}" in res.output
+    assert f"smallest detectable drop {r['power']['mde_pts']:.2f} pt" in res.output
+    assert f"-1 pt needs {r['power']['questions_needed_for_margin']} questions at these repeats" in res.output
     exact = exact_permutation_p(REP_A, REP_B)
     assert r["permutation_test"]["p_value"] == pytest.approx(exact, abs=0.02)
     assert [q["rate_b"] for q in r["per_question"]] == [pb[q] for q in REP_A]
@@ -551,3 +553,12 @@ def test_repeated_interval_decides_non_inferiority():
     assert r["diff"] < -0.01 and r["interval"]["ci_high"] < -0.01 and r["interval"]["verdict"] == "inferior"
     none = compare_repeated({"q": np.zeros(4)}, {"q": np.zeros(4)}, n_permutations=10, margin_pts=1.0)
     assert none["informative"] is False and none["interval"]["verdict"] == "not-evaluable"
+    assert r["interval"]["df"] == 399 and r["power"]["repeats_per_question"] == 50
+    assert 0 < r["power"]["mde_pts"] and r["power"]["variance_basis"] == "observed"
+    # all right in both arms is informative, but sd(d_i) = 0 must not shrink the interval to a point: two questions
+    # cannot support -1 pt, 400 can (the SE comes from the exact bound on the minority outcome)
+    for q, verdict in ((2, "inconclusive"), (400, "non-inferior")):
+        right = {f"q{i}": np.ones(16) for i in range(q)}
+        r = compare_repeated(right, {k: v.copy() for k, v in right.items()}, n_permutations=10, margin_pts=1.0)
+        assert r["informative"] and r["interval"]["ci_low"] < 0 < r["interval"]["ci_high"]
+        assert r["interval"]["verdict"] == verdict and "bound" in r["power"]["variance_basis"]

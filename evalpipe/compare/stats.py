@@ -334,7 +334,15 @@ def compare_repeated(
     if total and right == 0:
         note = ("every response of both arms is wrong: the test carries no information about a difference "
                 "(use a model that gets some right)")
-    interval = clustered_interval(diff, se, len(ids), margin_pts)
+    pw = repeated_power(oa, ob, d, margin_pts)
+    if se == 0 and pw.get("within_variance"):
+        # every question's difference is the same (e.g. all right in both arms): sd(d_i) = 0 would make the interval
+        # a point at any Q, so the SE comes from the planning variance (the exact bound on the minority outcome)
+        interval = clustered_interval(diff, power.repeated_se(len(ids), pw["repeats_per_question"],
+                                                              pw["within_variance"], 0.0), len(ids), margin_pts)
+        interval["method"] += " (no variation observed: SE from the exact 95% bound on the minority outcome)"
+    else:
+        interval = clustered_interval(diff, se, len(ids), margin_pts)
     if note:
         interval["verdict"] = "not-evaluable"
     return {
@@ -349,7 +357,7 @@ def compare_repeated(
         "se_fixed_question": fixed_question_se(oa, ob),
         "se_clustered": se,
         "interval": interval,
-        "power": repeated_power(oa, ob, d, margin_pts),
+        "power": pw,
         "permutation_test": within_question_permutation_test(oa, ob, n_permutations=n_permutations, seed=seed),
         "per_question": per_question,
     }
