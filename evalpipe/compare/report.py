@@ -196,6 +196,8 @@ def verdict_summary(g: dict) -> str:
     margin = f"-{g['margin_pts']:g} pt"
     parts.append(f"Tango {int(100 * iv['confidence'])}% CI of B - A [{pts(iv['low'])}, {pts(iv['high'])}]: "
                  f"{g['verdict']} at {margin}")
+    if g.get("verdict_note"):
+        return "; ".join(parts + [f"no information: {g['verdict_note']}"])
     if g.get("mde_pts") is None:
         return "; ".join(parts)
     mde = f"smallest detectable drop {g['mde_pts']:.2f} pt"
