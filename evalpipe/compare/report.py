@@ -164,8 +164,8 @@ def greedy_lines(g: dict) -> list[str]:
     iv, bs, plan = g["interval"], g["bootstrap"], g["planning_discordance"]
     lines.append(
         f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
-        f"exact McNemar p = {g['mcnemar_p']:.4g}; {int(100 * iv['confidence'])}% CI of B - A "
-        f"[{pts(iv['low'])}, {pts(iv['high'])}] ({iv['method']}); "
+        f"exact McNemar p = {g['mcnemar_p']:.4g}; {int(100 * iv['confidence'])}% CI of B - A by {iv['method']} "
+        f"[{pts(iv['low'])}, {pts(iv['high'])}]; "
         f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]"
         + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else ""))
     lines.append(f"greedy power: {mde_sentence(g)}; paired bootstrap {int(100 * bs['confidence'])}% CI "
