@@ -143,7 +143,10 @@ def repeated_mde(questions: int, repeats: int, within: float, between: float,
 
 def repeated_questions_needed(margin: float, repeats: int, within: float, between: float,
                               alpha: float = ALPHA, power: float = POWER, limit: int = 10_000_000) -> int | None:
-    """Fewest questions (at `repeats` per question) whose MDE is at most `margin`; None beyond `limit`."""
+    """Fewest questions (at `repeats` per question) whose MDE is at most `margin`; None beyond `limit` (or for a
+    margin <= 0)."""
+    if margin <= 0:
+        return None
     per_question = between + within / repeats
     q = max(2, math.ceil(z_sum(alpha, power) ** 2 * per_question / margin ** 2))  # the normal answer, a lower bound
     while q <= limit:
@@ -157,7 +160,7 @@ def repeated_repeats_needed(margin: float, questions: int, within: float, betwee
                             alpha: float = ALPHA, power: float = POWER) -> int | None:
     """Fewest repeats per question (at `questions`) whose MDE is at most `margin`; None when even infinitely many
     repeats would not do, because the between-question variance alone exceeds what the margin allows."""
-    if questions < 2:
+    if questions < 2 or margin <= 0:
         return None
     room = questions * (margin / t_sum(questions - 1, alpha, power)) ** 2 - between
     if room <= 0:

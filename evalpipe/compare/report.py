@@ -180,6 +180,7 @@ def mde_sentence(g: dict) -> str:
     if g.get("mde_pts") is None:
         return "smallest detectable drop n/a (no pairs)"
     needed = g.get("n_needed_for_margin")
+    needed = "n/a" if needed is None else needed
     return (f"smallest detectable drop {g['mde_pts']:.2f} pt (80% power, alpha 0.05, {g['n']} questions, "
             f"discordance {pct(plan['rate'])}: {plan['basis']}); -{g['margin_pts']:g} pt needs "
             f"{needed} questions at that discordance, {g['n_needed_if_no_flips']} if none flips")
