@@ -303,3 +303,18 @@ def test_bench_verdict_no_measurable_change_when_samples_overlap_and_mde_in_perc
     v = change_verdict(bootstrap_ratio_of_medians(a, faster, n_resamples=2000), a, faster)
     assert v["verdict"] == "higher" and v["samples_overlap"] is False
     assert change_verdict(bootstrap_ratio_of_medians([], [], n_resamples=100), [], [])["verdict"] == "not-evaluable"
+
+
+def test_plan_lane_designs_are_the_lanes_as_configured():
+    """plan's table (gsm8k 1,314; arith 1,200; aime26-x16 30 x 16) is what loading each lane gives."""
+    import os
+    from pathlib import Path
+
+    from evalpipe.compare.planning import LANE_DESIGNS
+    from evalpipe.lanes import get_lane
+
+    data_dir = Path(os.environ.get("EVALPIPE_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+    for name, questions, repeats, kind in LANE_DESIGNS:
+        lane = get_lane(name)
+        assert len(lane.load(data_dir, False).items) == questions and lane.repeats == repeats, name
+        assert (kind == "repeated") == (repeats > 1)
