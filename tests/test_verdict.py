@@ -318,3 +318,53 @@ def test_plan_lane_designs_are_the_lanes_as_configured():
         lane = get_lane(name)
         assert len(lane.load(data_dir, False).items) == questions and lane.repeats == repeats, name
         assert (kind == "repeated") == (repeats > 1)
+
+
+def test_plan_from_one_pilot_folder(tmp_path):
+    """One repeated pilot gives accuracy and intra-question correlation (1 - mean s2_i / (p (1 - p))); one greedy
+    pilot gives the discordance of independent arms at its accuracy, 2 p (1 - p)."""
+    from tests.test_compare import repeated_records
+
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    outcomes = {f"q{i}": [int(x) for x in rng.random(8) < p] for i, p in enumerate(rng.beta(1, 1, 20))}
+    recs = repeated_records("A", outcomes)
+    for r in recs:
+        r["lane"] = "gsm8k"  # the snapshot helper describes gsm8k; only agreement matters
+    folder = write_run(tmp_path / "rep", "A", recs)
+    res = CliRunner().invoke(plan_cmd, ["--margin", "5", "--pilot", str(folder), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)["repeated"]
+    p = np.mean([x for v in outcomes.values() for x in v])
+    icc = 1 - np.mean([np.var(v, ddof=1) for v in outcomes.values()]) / (p * (1 - p))
+    assert rep["accuracy"] == pytest.approx(p) and rep["icc"] == pytest.approx(min(max(icc, 0), 1))
+    assert rep["within_variance"] == pytest.approx(2 * p * (1 - p) * (1 - rep["icc"]))
+    right = rng.random(50) < 0.8
+    greedy = write_run(tmp_path / "g", "A", [record("A", q, 0, right[q]) for q in range(50)])
+    res = CliRunner().invoke(plan_cmd, ["--margin", "5", "--pilot", str(greedy), "--json"])
+    acc = right.mean()
+    assert json.loads(res.output)["greedy"]["discordance"] == pytest.approx(2 * acc * (1 - acc))
+
+
+def test_plan_from_two_repeated_pilots_uses_compares_variances(tmp_path):
+    from evalpipe.compare.stats import compare_repeated
+    from tests.test_compare import repeated_records
+
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    probs = rng.beta(1, 1, 12)
+    runs = {}
+    for arm in ("A", "B"):
+        runs[arm] = {f"q{i}": [int(x) for x in rng.random(6) < p] for i, p in enumerate(probs)}
+        recs = repeated_records(arm, runs[arm])
+        for r in recs:
+            r["lane"] = "gsm8k"
+        write_run(tmp_path / arm, arm, recs)
+    res = CliRunner().invoke(plan_cmd, ["--margin", "5", "--pilot", str(tmp_path / "A"), "--pilot", str(tmp_path / "B"),
+                                        "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)["repeated"]
+    direct = compare_repeated({q: np.array(v, float) for q, v in runs["A"].items()},
+                              {q: np.array(v, float) for q, v in runs["B"].items()}, n_permutations=10)["power"]
+    assert rep["within_variance"] == pytest.approx(direct["within_variance"])
+    assert rep["between_variance"] == pytest.approx(direct["between_variance"])
+    assert rep["questions_needed"] == power.repeated_questions_needed(0.05, 16, direct["within_variance"],
+                                                                      direct["between_variance"])

@@ -27,7 +27,7 @@ def _rate(ctx, param, value):
 @click.option("--icc", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="Repeated lanes: intra-question correlation of correctness [default 0, the most variance; "
                    "a repeated --pilot estimates it].")
-@click.option("--accuracy", type=click.FloatRange(0, 1), default=None,
+@click.option("--accuracy", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
               help="Repeated lanes: mean accuracy per response [default 0.5, the most variance; a --pilot gives it].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of text.")
 def command(margin_pts, discordance, pilots, repeats, icc, accuracy, as_json):
@@ -56,9 +56,9 @@ def command(margin_pts, discordance, pilots, repeats, icc, accuracy, as_json):
     if discordance is not None:
         assume.discordance, assume.discordance_source = discordance, "given"
     if accuracy is not None:
-        assume.accuracy, assume.repeated_source = accuracy, "given"
+        assume.accuracy, assume.repeated_source, assume.measured_within = accuracy, "given", None
     if icc is not None:
-        assume.icc, assume.repeated_source = icc, "given"
+        assume.icc, assume.repeated_source, assume.measured_within = icc, "given", None
     result = plan(margin_pts, assume, repeats)
     if as_json:
         click.echo(json.dumps(result, indent=2))

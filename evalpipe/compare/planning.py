@@ -13,6 +13,7 @@ import numpy as np
 
 from evalpipe.compare import power, stats
 from evalpipe.compare.analysis import analyse
+from evalpipe.compare.intervals import upper_bound_rate
 from evalpipe.compare.runfolder import RunFolder, load_run
 from evalpipe.harness.metrics import is_correct
 
@@ -26,13 +27,16 @@ class Assumptions:
 
     discordance: float | None = None  # greedy lanes: share of questions whose correctness differs between arms
     discordance_source: str = "not given"
-    accuracy: float = 0.5  # repeated lanes: mean per-response accuracy
+    accuracy: float = 0.5  # repeated lanes: mean per-response accuracy, in (0, 1)
     icc: float = 0.0  # repeated lanes: intra-question correlation of correctness
     between: float = 0.0  # repeated lanes: variance of the true per-question differences B - A
     repeated_source: str = "assumed"
+    measured_within: float | None = None  # two repeated pilots: compare's own estimate, used as it is
 
     @property
     def within(self) -> float:
+        if self.measured_within is not None:
+            return self.measured_within
         return power.within_from_icc(self.accuracy, self.icc)
 
 
@@ -49,7 +53,11 @@ def from_one_pilot(run: RunFolder, base: Assumptions) -> Assumptions:
     outcomes = outcomes_by_question(run)
     if not outcomes:
         return base
-    p = float(np.mean(np.concatenate(list(outcomes.values()))))
+    flat = np.concatenate(list(outcomes.values()))
+    p = float(np.mean(flat))
+    if p in (0.0, 1.0):  # never plan with zero variance: the exact 95% bound on the outcome never seen
+        u = upper_bound_rate(0, flat.size)
+        p = u if p == 0.0 else 1 - u
     if run.repeated:
         s2 = [float(np.var(o, ddof=1)) for o in outcomes.values() if o.size >= 2]
         icc = 1 - float(np.mean(s2)) / (p * (1 - p)) if s2 and 0 < p < 1 else base.icc
@@ -74,7 +82,8 @@ def from_two_pilots(a: RunFolder, b: RunFolder, base: Assumptions) -> Assumption
         return base
     icc = 1 - pw["within_variance"] / (2 * p * (1 - p)) if 0 < p < 1 else base.icc
     return Assumptions(base.discordance, base.discordance_source, p, min(max(icc, 0.0), 1.0), pw["between_variance"],
-                       f"pilots {a.path} and {b.path}: within- and between-question variance")
+                       f"pilots {a.path} and {b.path}: within- and between-question variance ({pw['variance_basis']})",
+                       measured_within=pw["within_variance"])
 
 
 def assumptions_from(pilots: list[str], base: Assumptions) -> Assumptions:
