@@ -19,8 +19,9 @@ from evalpipe.compare.gate import FAIL_ON_HELP, GATE_FAILED_EXIT, parse_fail_on
 @click.argument("run_a", type=click.Path(exists=True, file_okay=False))
 @click.argument("run_b", type=click.Path(exists=True, file_okay=False))
 @click.option("--margin", "margin_pts", type=float, default=1.0, show_default=True,
-              help="Non-inferiority margin in accuracy points: B is non-inferior when the CI lower bound of B - A "
-                   "is above -MARGIN. Pre-register it.")
+              help="Non-inferiority margin in accuracy points: B is non-inferior when the 95% CI lower bound of "
+                   "B - A (Tango's score interval; repeated lanes: a t interval) is above -MARGIN. Pre-register it; "
+                   "`evalpipe plan` says how many questions it needs.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for compare.json and report.html [default: beside the inputs, "
                    "<their common folder>/compare/<A>__vs__<B>].")
@@ -31,7 +32,7 @@ from evalpipe.compare.gate import FAIL_ON_HELP, GATE_FAILED_EXIT, parse_fail_on
               help="Glob over dotted manifest keys (or their last part) naming the intended difference, e.g. "
                    "'server.*spec*'. Repeatable. Differences not matched are flagged as not intended.")
 @click.option("--seed", type=int, default=stats.DEFAULT_SEED, show_default=True,
-              help="RNG seed of the bootstrap and permutation test (recorded).")
+              help="RNG seed of the bootstrap (a secondary figure) and the permutation test (recorded).")
 @click.option("--resamples", type=click.IntRange(min=100), default=stats.DEFAULT_RESAMPLES, show_default=True,
               help="Bootstrap resamples and permutations.")
 @click.option("--no-html", is_flag=True, help="Skip report.html (compare.json and the table are still written).")
