@@ -128,8 +128,8 @@ def main() -> None:
                 g = c["greedy"]
                 rows.append(("T=1 arith, spec on - off", f"{100 * g['diff']:+.2f} pt",
                              f"{100 * g['n_correct_a'] / g['n']:.1f}% vs {100 * g['n_correct_b'] / g['n']:.1f}%; "
-                             f"McNemar p {g['mcnemar_p']:.3g}; CI [{g['bootstrap']['ci_low']:.2f}, "
-                             f"{g['bootstrap']['ci_high']:.2f}] pt; {g['verdict']} at -2 pt", args.out / "compare-t1"))
+                             f"McNemar p {g['mcnemar_p']:.3g}; Tango CI [{100 * g['interval']['low']:.2f}, "
+                             f"{100 * g['interval']['high']:.2f}] pt; {g['verdict']} at -2 pt", args.out / "compare-t1"))
     if "lossy" not in skip:
         with Server("--model", args.model, "--speculative", "block", *shlex.split(args.lossy_args),
                     log=args.out / "serve-lossy.log") as lossy:

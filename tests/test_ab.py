@@ -137,7 +137,9 @@ AB_QUESTIONS = int(os.environ.get("EVALPIPE_AB_TEST_QUESTIONS", "12"))
 
 
 def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
-    """Native engine, tiny model, speculation off vs block, arith, max_tokens 32, order ABBA."""
+    """Native engine, tiny model, speculation off vs block, arith, max_tokens 32, order ABBA. A dozen questions with
+    no flips cannot support -1 pt (and the tiny model may get all of them wrong: no information), so
+    `--fail-on inconclusive,not-evaluable` ends the finished A/B with the gate's exit code 4."""
     if _native_speculation_available():
         a, b = "--speculative off", "--speculative block --block-size 5"
     else:  # speculation not wired into `evalpipe serve`: two identical arms (boot-to-boot variation only)
@@ -146,10 +148,12 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
     n = AB_QUESTIONS
     result = evalpipe("ab", "--lanes", "arith", "--common", "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
                       "--a", a, "--b", b, "--order", "ABBA", "--num-examples", str(n), "--max-tokens", "32",
-                      "--out", str(out), "--ready-timeout", "300", timeout=1800)
-    assert result.returncode == 0, result.stderr[-4000:]
+                      "--out", str(out), "--ready-timeout", "300", "--fail-on", "inconclusive,not-evaluable", timeout=1800)
+    assert result.returncode == 4, result.stderr[-4000:]
+    assert "gate: arith A1 vs B1 is " in result.stderr
     index = json.loads((out / "ab.json").read_text())
     assert index["status"] == "done", index.get("error")
+    assert index["fail_on"] == ["inconclusive", "not-evaluable"]
     assert [arm["label"] for arm in index["arms"]] == ["A1", "B1", "B2", "A2"]
     pids = []
     for arm in index["arms"]:
@@ -182,6 +186,20 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
     report = (out / "report.html").read_text()
     for pair in pairs.values():
         assert pair["report"] in report
+        # the table row itself carries the verdict and the smallest detectable drop (not only the embedded report)
+        all_wrong = pair["greedy"]["both_wrong"] == n
+        verdict = "not-evaluable" if all_wrong else "inconclusive"
+        assert pair["verdict"] == verdict and pair["mde_pts"] > 1.0
+        low, high = pair["greedy"]["interval"]["low"], pair["greedy"]["interval"]["high"]
+        assert f"{verdict}</span> at -1 pt (95% CI [{100 * low:+.2f}, {100 * high:+.2f}] pts)" in report
+        assert f"{pair['mde_pts']:.2f} pts" in report
+        line = next(x for x in result.stdout.splitlines() if x.startswith(f"arith {pair['a']} vs {pair['b']}"))
+        if all_wrong:
+            assert f"no information: both arms answered all {n} questions wrong" in line
+        else:
+            assert f"{n} questions cannot support -1 pt" in line
+        if not all_wrong and pair["greedy"]["a_only"] + pair["greedy"]["b_only"] == 0:
+            assert f"needs {pair['greedy']['n_needed_if_no_flips']} questions if none flips" in line
 
 
 def test_readme_dspark_ab_preflight_against_stand_in_servers(tmp_path):

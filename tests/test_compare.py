@@ -168,8 +168,10 @@ def test_paired_bootstrap_matches_plain_loop(greedy_pair):
     lo, hi = hand_bootstrap(d, seed=0, n_resamples=10_000)
     assert bs["ci_low"] == pytest.approx(lo, abs=1e-12)
     assert bs["ci_high"] == pytest.approx(hi, abs=1e-12)
-    # margin 5 pt: the lower bound decides
-    expected = "non-inferior" if lo > -0.05 else ("inferior" if hi < -0.05 else "inconclusive")
+    # margin 5 pt: Tango's interval decides (the bootstrap is a secondary figure)
+    iv = g["interval"]
+    assert iv["method"].startswith("Tango")
+    expected = "non-inferior" if iv["low"] > -0.05 else ("inferior" if iv["high"] < -0.05 else "inconclusive")
     assert g["verdict"] == expected
 
 
@@ -408,13 +410,16 @@ def test_repeated_lane_statistics(tmp_path):
     var = sum(np.var(REP_A[q], ddof=1) / 3 + np.var(REP_B[q], ddof=1) / 3 for q in REP_A)
     assert r["se_fixed_question"] == pytest.approx(math.sqrt(var) / 3)
     assert r["se_clustered"] == pytest.approx(np.std(d, ddof=1) / math.sqrt(3))
-    iv = r["interval"]  # normal 95% interval on the clustered SE; margin 1 pt (the default)
-    assert iv["ci_low"] == pytest.approx(d.mean() - 1.959964 * r["se_clustered"], abs=1e-5)
-    assert iv["ci_high"] == pytest.approx(d.mean() + 1.959964 * r["se_clustered"], abs=1e-5)
+    iv = r["interval"]  # t interval, Q - 1 = 2 df (t table: 4.302653), on the clustered SE; margin 1 pt (the default)
+    assert iv["df"] == 2
+    assert iv["ci_low"] == pytest.approx(d.mean() - 4.302653 * r["se_clustered"], abs=1e-5)
+    assert iv["ci_high"] == pytest.approx(d.mean() + 4.302653 * r["se_clustered"], abs=1e-5)
     assert iv["verdict"] == ("non-inferior" if iv["ci_low"] > -0.01 else "inferior" if iv["ci_high"] < -0.01
                              else "inconclusive")
     assert iv["verdict"] == "inconclusive"  # 3 questions: a wide interval
     assert f"non-inferiority at -1.0 pt: {iv['verdict']}" in res.output
+    assert f"smallest detectable drop {r['power']['mde_pts']:.2f} pt" in res.output
+    assert f"-1 pt needs {r['power']['questions_needed_for_margin']} questions at these repeats" in res.output
     exact = exact_permutation_p(REP_A, REP_B)
     assert r["permutation_test"]["p_value"] == pytest.approx(exact, abs=0.02)
     assert [q["rate_b"] for q in r["per_question"]] == [pb[q] for q in REP_A]
@@ -452,6 +457,22 @@ def test_bench_ratio_of_medians(tmp_path):
     assert m["ci_high"] == pytest.approx(hand_percentile(ratios, 0.975))
     assert "data:image/png;base64," in (tmp_path / "o" / "report.html").read_text()
     assert "measured value(s) in an arm" not in res.output
+    # separated samples: the throughput verdict and its MDE (power.ratio_mde_pct on the log values' spread)
+    assert m["verdict"] == "higher" and m["samples_overlap"] is False
+    se = math.sqrt(math.pi / 2) * math.sqrt(np.var(np.log(va), ddof=1) / 5 + np.var(np.log(vb), ddof=1) / 5)
+    assert m["mde_pct"] == pytest.approx(100 * (math.exp((1.959964 + 0.841621) * se) - 1), rel=1e-5)
+    assert "[bold]higher[/]" not in res.output and "higher; smallest detectable change" in res.output
+    assert f"{m['mde_pct']:.1f}%" in res.output and "overlap" not in res.output
+    # overlapping samples: no measurable change, and the call for a fixed-input, warmed, repeated comparison
+    near = [99.0, 103.0, 97.0, 102.0, 101.0]
+    res = CliRunner().invoke(compare_cmd, [str(a), str(write_bench(tmp_path / "B4", near)),
+                                          "--out", str(tmp_path / "o4"), "--no-html"])
+    m = json.loads((tmp_path / "o4" / "compare.json").read_text())["metrics"]["decode_tokens_per_s"]
+    assert m["verdict"] == "no measurable change" and m["samples_overlap"] is True
+    assert "no measurable change" in res.output
+    assert "samples of A and B overlap: attributing a gain needs a fixed-input, warmed, repeated comparison" in res.output
+    gated = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o5"), "--fail-on", "inferior"])
+    assert gated.exit_code == 2 and "not bench folders" in gated.output
     few = CliRunner().invoke(compare_cmd, [str(write_bench(tmp_path / "A2", va[:2])), str(write_bench(tmp_path / "B2", vb[:3])),
                                           "--out", str(tmp_path / "o3"), "--no-html"])
     assert few.exit_code == 0 and "only 2 measured value(s) in an arm" in few.output, few.output
@@ -532,3 +553,12 @@ def test_repeated_interval_decides_non_inferiority():
     assert r["diff"] < -0.01 and r["interval"]["ci_high"] < -0.01 and r["interval"]["verdict"] == "inferior"
     none = compare_repeated({"q": np.zeros(4)}, {"q": np.zeros(4)}, n_permutations=10, margin_pts=1.0)
     assert none["informative"] is False and none["interval"]["verdict"] == "not-evaluable"
+    assert r["interval"]["df"] == 399 and r["power"]["repeats_per_question"] == 50
+    assert 0 < r["power"]["mde_pts"] and r["power"]["variance_basis"] == "observed"
+    # all right in both arms is informative, but sd(d_i) = 0 must not shrink the interval to a point: two questions
+    # cannot support -1 pt, 400 can (the SE comes from the exact bound on the minority outcome)
+    for q, verdict in ((2, "inconclusive"), (400, "non-inferior")):
+        right = {f"q{i}": np.ones(16) for i in range(q)}
+        r = compare_repeated(right, {k: v.copy() for k, v in right.items()}, n_permutations=10, margin_pts=1.0)
+        assert r["informative"] and r["interval"]["ci_low"] < 0 < r["interval"]["ci_high"]
+        assert r["interval"]["verdict"] == verdict and "bound" in r["power"]["variance_basis"]

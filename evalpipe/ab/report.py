@@ -38,6 +38,25 @@ def _accept(comparison: dict, side: str) -> str:
     return "off" if mean is None else f"{mean:.2f}" + (" (run-level)" if basis != "per-record" else "")
 
 
+VERDICT_CLASS = {"non-inferior": "ok", "inferior": "bad", "inconclusive": "bad"}
+
+
+def _verdict_cell(comparison: dict) -> str:
+    """'inconclusive at -1 pt (95% CI [-6.02, +6.02] pts)' coloured by verdict; '-' for a comparison without one."""
+    verdict = comparison.get("verdict")
+    if verdict is None:
+        return "-"
+    interval = (comparison.get("greedy") or {}).get("interval") or {}
+    low, high = interval.get("low"), interval.get("high")
+    if interval.get("method") is None:
+        interval = (comparison.get("repeated") or {}).get("interval") or {}
+        low, high = interval.get("ci_low"), interval.get("ci_high")
+    ci = "" if low is None or high is None else f" (95% CI [{100 * low:+.2f}, {100 * high:+.2f}] pts)"
+    margin = comparison.get("margin_pts")
+    at = "" if margin is None else f" at -{margin:g} pt"
+    return f"<span class='{VERDICT_CLASS.get(verdict, '')}'>{_e(verdict)}</span>{_e(at + ci)}"
+
+
 def render(index: dict) -> str:
     status = index.get("status")
     cls = "ok" if status == "done" else "bad"
@@ -82,13 +101,15 @@ def render(index: dict) -> str:
             ties = c.get("ties") or {}
             greedy = c.get("greedy") or {}
             if c.get("error"):
-                rows.append([_e(c["lane"]), _e(c["kind"]), _e(f"{c['a']} vs {c['b']}"), f"<span class='bad'>{_e(c['error'])}</span>"] + [""] * 7)
+                rows.append([_e(c["lane"]), _e(c["kind"]), _e(f"{c['a']} vs {c['b']}"), f"<span class='bad'>{_e(c['error'])}</span>"] + [""] * 9)
                 continue
             agree_cls = "ok" if ties.get("agreement_with_ties") == 1.0 else "bad"
             rows.append([
                 _e(c["lane"]), _e(c["kind"]), _e(f"{c['a']} vs {c['b']}"),
                 f"{_pct(c.get('accuracy_a'))} / {_pct(c.get('accuracy_b'))}",
                 _e(None if c.get("accuracy_diff") is None else f"{100 * c['accuracy_diff']:+.2f} pts"),
+                _verdict_cell(c),
+                _e("-" if c.get("mde_pts") is None else f"{c['mde_pts']:.2f} pts"),
                 _e(greedy.get("mcnemar_p")),
                 f"<span class='{agree_cls}'>{_pct(ties.get('agreement'))}</span>",
                 _e(f"{ties.get('n_ties', '-')} / {ties.get('n_real_differences', '-')} / {ties.get('n_undecided', '-')}"),
@@ -97,7 +118,8 @@ def render(index: dict) -> str:
                 f"<a href='{_e(c.get('report'))}'>report</a>" if c.get("report") else "-",
             ])
         parts.append(_table(
-            ["lane", "kind", "pair", "accuracy", "B - A", "McNemar p", "identical outputs",
+            ["lane", "kind", "pair", "accuracy", "B - A", "verdict", "smallest detectable drop", "McNemar p",
+             "identical outputs",
              "ties / real / undecided", "agreement incl. ties", "accept length", "pair report"],
             rows,
         ))

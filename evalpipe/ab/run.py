@@ -19,7 +19,8 @@ import click
 from evalpipe.ab.plan import TIE_THRESHOLD, arm_labels, comparison_pairs
 from evalpipe.ab.report import write_report
 from evalpipe.compare.analysis import arm_accept_length
-from evalpipe.compare.report import print_terminal
+from evalpipe.compare.gate import GATE_FAILED_EXIT, verdict_of
+from evalpipe.compare.report import print_terminal, verdict_summary
 from evalpipe.compare.runfolder import RunFolderError, load_run
 from evalpipe.compare.workflow import NotComparable, compare_runs
 from evalpipe.console import make_console
@@ -35,11 +36,16 @@ from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences, 
 from evalpipe.redact import redact
 
 INDEX_FILE = "ab.json"
+GREEDY_SUMMARY_BLOCKS = ("interval", "planning_discordance", "output_identity")  # the verdict's own figures
 REPORT_FILE = "report.html"
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _pts(x) -> str:
+    return "n/a" if x is None else f"{x:.2f} pt"
 
 
 def _now() -> str:
@@ -63,6 +69,7 @@ class ABRun:
     logprobs: int | None = 2
     tie_threshold: float = TIE_THRESHOLD
     margin: float = 1.0
+    fail_on: frozenset = frozenset()
     data_dir: Path | None = None
     command_line: list[str] = field(default_factory=list)
 
@@ -91,6 +98,7 @@ class ABRun:
             "warnings": [],
             "error": None,
             "lossy_acceptance": {side: self.options[side].lossy_acceptance for side in ("A", "B")},
+            "fail_on": sorted(self.fail_on),
         }
         for side in ("A", "B"):
             if self.options[side].lossy_acceptance:
@@ -140,7 +148,17 @@ class ABRun:
         self.save()
         self.print_summary()
         click.echo(f"report: {self.out / REPORT_FILE}")
-        return 1 if failed else 0
+        if failed:
+            return 1
+        return self.gate()
+
+    def gate(self) -> int:
+        """GATE_FAILED_EXIT when an A vs B comparison's verdict is one of --fail-on (boot pairs are not gated)."""
+        hits = [c for c in self.index["comparisons"] if c["kind"] == "ab" and c.get("verdict") in self.fail_on]
+        for c in hits:
+            click.echo(f"gate: {c['lane']} {c['a']} vs {c['b']} is {c['verdict']}, in --fail-on "
+                       f"{','.join(sorted(self.fail_on))}: exit {GATE_FAILED_EXIT}", err=True)
+        return GATE_FAILED_EXIT if hits else 0
 
     def print_summary(self) -> None:
         """Per comparison: both accuracies, flips with McNemar's p, the verdict, identical outputs, ties and accept
@@ -156,8 +174,10 @@ class ABRun:
             spec = c.get("spec") or {}
             greedy = c.get("greedy") or {}
             accept = [arm_accept_length(spec.get(k))[0] for k in ("a", "b")]
-            flips = (f"flips {greedy['a_only']} lost / {greedy['b_only']} gained (McNemar p {greedy['mcnemar_p']:.3g}), "
-                     f"{greedy['verdict']} at -{greedy['margin_pts']:g} pt; " if "verdict" in greedy else "")
+            flips = (f"flips {greedy['a_only']} lost / {greedy['b_only']} gained (McNemar p {greedy['mcnemar_p']:.3g}); "
+                     f"{verdict_summary(greedy)}; " if "interval" in greedy else "")
+            if c.get("repeated"):
+                flips = f"{c['verdict']} at -{c['margin_pts']:g} pt (smallest detectable drop {_pts(c['mde_pts'])}); "
             click.echo(
                 f"{c['lane']} {c['a']} vs {c['b']} ({c['kind']}): accuracy {pct(c.get('accuracy_a'))} vs "
                 f"{pct(c.get('accuracy_b'))}; {flips}identical outputs {pct(ties.get('agreement'))}, ties "
@@ -282,7 +302,11 @@ class ABRun:
             "accuracy_a": result.get("accuracy", {}).get("a"),
             "accuracy_b": result.get("accuracy", {}).get("b"),
             "accuracy_diff": result.get("accuracy", {}).get("diff"),
-            "greedy": {k: v for k, v in (result.get("greedy") or {}).items() if not isinstance(v, (list, dict))},
+            "greedy": {k: v for k, v in (result.get("greedy") or {}).items()
+                       if not isinstance(v, (list, dict)) or k in GREEDY_SUMMARY_BLOCKS},
+            **verdict_of(result),
+            "repeated": {k: (result.get("repeated_stats") or {}).get(k) for k in ("interval", "power")}
+            if result.get("repeated_stats") else None,
             "agreement": result.get("agreement"),
             "spec": result.get("spec"),
         }

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from evalpipe.ab.plan import TIE_THRESHOLD, declared_flags, merge_args
+from evalpipe.compare.gate import FAIL_ON_HELP, parse_fail_on
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -66,6 +67,8 @@ def _parse_arm(side: str, common: list[str], own: list[str]):
               help="Tie rule: a differing greedy output counts as a numerical tie when the logprob gap between the "
                    "two chosen tokens at the first differing position is below this.")
 @click.option("--margin", type=float, default=1.0, show_default=True, help="Non-inferiority margin in points (passed to compare).")
+@click.option("--fail-on", "fail_on", default=None, metavar="VERDICTS",
+              help=FAIL_ON_HELP + " Only the A vs B pairs are gated, not the boot-to-boot ones.")
 @click.option("--allow-diff", multiple=True, metavar="GLOB",
               help="Server-setting keys allowed to differ beyond the declared flags (e.g. 'cuda_graph_max_bs'); repeatable.")
 @click.option("--ready-timeout", type=float, default=900.0, show_default=True, help="Seconds each boot may take to become ready.")
@@ -74,7 +77,7 @@ def _parse_arm(side: str, common: list[str], own: list[str]):
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Data folder for the lanes (else EVALPIPE_DATA_DIR).")
 def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, max_tokens, concurrency, logprobs,
-            no_logprobs, tie_threshold, margin, allow_diff, ready_timeout, preflight, data_dir):
+            no_logprobs, tie_threshold, margin, fail_on, allow_diff, ready_timeout, preflight, data_dir):
     """Boot arm A and arm B fresh (in --order), run the lanes on each, compare, write one report.
 
     \b
@@ -85,9 +88,14 @@ def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, ma
     The run stops, with the differences listed, when a boot's receipt (engine version, GPUs, served model,
     environment, the server's own settings report) differs from its partner's in anything the declared flags
     (those that differ between --a and --b) do not explain.
+
+    \b
+    Exit codes: 0 done (whatever the verdicts, unless --fail-on); 1 a boot, lane or comparison failed or a
+    receipt was refused; 2 usage error; 4 an A vs B verdict is one of --fail-on; 130 interrupted.
     """
     from evalpipe.lanes import LANE_MODULES
 
+    gate = parse_fail_on(fail_on)
     lane_names = [name.strip() for name in lanes.split(",") if name.strip()]
     unknown = [name for name in lane_names if name not in LANE_MODULES]
     if not lane_names or unknown:
@@ -114,7 +122,7 @@ def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, ma
         args={"A": a_args, "B": b_args, "common": common_args}, order=order, declared=declared,
         allow=list(allow_diff), ready_timeout=ready_timeout, num_examples=num_examples, max_tokens=max_tokens,
         concurrency=concurrency, logprobs=None if no_logprobs else logprobs, tie_threshold=tie_threshold,
-        margin=margin, data_dir=data_dir, command_line=redact_argv(["evalpipe", *sys.argv[1:]]),
+        margin=margin, fail_on=gate, data_dir=data_dir, command_line=redact_argv(["evalpipe", *sys.argv[1:]]),
     )
     code = run.execute(preflight=preflight)
     click.echo(f"A/B folder: {out}")

@@ -7,17 +7,21 @@ the same way (or are partial) unless --force, which compare.json records.
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from evalpipe.compare import stats
+from evalpipe.compare.gate import FAIL_ON_HELP, GATE_FAILED_EXIT, parse_fail_on
 
 
 @click.command(name="compare")
 @click.argument("run_a", type=click.Path(exists=True, file_okay=False))
 @click.argument("run_b", type=click.Path(exists=True, file_okay=False))
 @click.option("--margin", "margin_pts", type=float, default=1.0, show_default=True,
-              help="Non-inferiority margin in accuracy points: B is non-inferior when the CI lower bound of B - A "
-                   "is above -MARGIN. Pre-register it.")
+              help="Non-inferiority margin in accuracy points: B is non-inferior when the 95% CI lower bound of "
+                   "B - A (Tango's score interval; repeated lanes: a t interval) is above -MARGIN. Pre-register it; "
+                   "`evalpipe plan` says how many questions it needs.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for compare.json and report.html [default: beside the inputs, "
                    "<their common folder>/compare/<A>__vs__<B>].")
@@ -28,23 +32,35 @@ from evalpipe.compare import stats
               help="Glob over dotted manifest keys (or their last part) naming the intended difference, e.g. "
                    "'server.*spec*'. Repeatable. Differences not matched are flagged as not intended.")
 @click.option("--seed", type=int, default=stats.DEFAULT_SEED, show_default=True,
-              help="RNG seed of the bootstrap and permutation test (recorded).")
+              help="RNG seed of the bootstrap (a secondary figure) and the permutation test (recorded).")
 @click.option("--resamples", type=click.IntRange(min=100), default=stats.DEFAULT_RESAMPLES, show_default=True,
               help="Bootstrap resamples and permutations.")
 @click.option("--no-html", is_flag=True, help="Skip report.html (compare.json and the table are still written).")
-def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples, no_html):
+@click.option("--fail-on", "fail_on", default=None, metavar="VERDICTS", help=FAIL_ON_HELP)
+def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples, no_html, fail_on):
     """Compare RUN_A (reference) and RUN_B (candidate), two run folders of the same lane or two bench folders.
 
-    Run folders: accuracy with denominators; for greedy lanes exact McNemar, a paired bootstrap interval
-    and a non-inferiority verdict with the full flip list; for repeated lanes per-question rates, fixed-question
-    and clustered standard errors and a within-question permutation test; output agreement; truncation,
-    error and invalid rates; accept lengths; latency and tokens/s; manifest differences.
-    Bench folders (bench.json): ratio of medians B / A with a bootstrap interval.
+    Run folders: accuracy with denominators; for greedy lanes exact McNemar, Tango's score interval and the
+    non-inferiority verdict it gives (a paired bootstrap beside it), the smallest detectable drop and the questions
+    the margin needs, with the full flip list; for repeated lanes per-question rates, fixed-question and clustered
+    standard errors, a t interval (Q - 1 df) with its verdict and MDE, and a within-question permutation test;
+    output agreement; truncation, error and invalid rates; accept lengths; latency and tokens/s; manifest
+    differences. Bench folders (bench.json): ratio of medians B / A with a bootstrap interval, a verdict (higher,
+    lower, no measurable change) and the smallest detectable change in percent.
+
+    \b
+    Exit codes: 0 compared (whatever the verdict, unless --fail-on); 1 unreadable folder or refused pair;
+    2 usage error; 4 the verdict is one of --fail-on.
     """
     from evalpipe.compare import report
+    from evalpipe.compare.bench_compare import is_bench_folder
+    from evalpipe.compare.gate import verdict_of
     from evalpipe.compare.runfolder import RunFolderError
     from evalpipe.compare.workflow import MixedFolders, NotComparable, compare_runs
 
+    gate = parse_fail_on(fail_on)
+    if gate and (is_bench_folder(run_a) or is_bench_folder(run_b)):
+        raise click.UsageError("--fail-on gates the accuracy verdict of two run folders, not bench folders")
     try:
         done = compare_runs(run_a, run_b, out=out_dir, margin_pts=margin_pts, force=force, intended=intended,
                             seed=seed, n_resamples=resamples, html=not no_html)
@@ -56,3 +72,9 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     click.echo(f"wrote {done.json_path}")
     if done.html_path is not None:
         click.echo(f"wrote {done.html_path}")
+    if gate:
+        verdict = verdict_of(done.result)["verdict"]
+        if verdict in gate:
+            click.echo(f"gate: verdict {verdict} is in --fail-on {','.join(sorted(gate))}: exit {GATE_FAILED_EXIT}",
+                       err=True)
+            sys.exit(GATE_FAILED_EXIT)

@@ -13,6 +13,7 @@ import numpy as np
 
 from evalpipe import volatile
 from evalpipe.compare import stats
+from evalpipe.compare.intervals import upper_bound_rate
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
 from evalpipe.harness import metrics, spec_metrics
 from evalpipe.harness.agreement import compare_outputs, summarize_agreement
@@ -241,6 +242,19 @@ def _category(key: str) -> str:
     return "other"
 
 
+IDENTITY_BASIS = {"token_ids": "token", "logprob_tokens": "logprob-token", "text": "text"}
+
+
+def output_identity(agreement: dict, confidence: float = stats.DEFAULT_CONFIDENCE) -> dict:
+    """Identical outputs in all n pairs as evidence: no pair can then differ in correctness, and the exact one-sided
+    bound on the rate of differing outputs bounds the loss of accuracy too."""
+    n, same = agreement.get("n_pairs") or 0, agreement.get("n_identical") or 0
+    bases = [b for b, count in (agreement.get("basis_counts") or {}).items() if count]
+    return {"all_identical": bool(n) and same == n, "n_pairs": n,
+            "basis": "/".join(IDENTITY_BASIS.get(b, b) for b in sorted(bases)) or None,
+            "discordance_upper_bound": upper_bound_rate(n - same, n, confidence), "confidence": confidence}
+
+
 def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[dict]:
     """Every question answered right in exactly one arm, with what each arm said."""
     flips = []
@@ -326,6 +340,7 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
             result["rates"][name]["mcnemar_p"] = stats.mcnemar_exact(int(np.sum(fb & ~fa)), int(np.sum(fa & ~fb)))
         per_pair = {k: compare_outputs(*pairs[k]) for k in common}
         result["agreement"] = summarize_agreement(list(per_pair.items()))
+        result["greedy"]["output_identity"] = output_identity(result["agreement"])
         result["flips"] = flip_list(pairs, per_pair)
         result["per_question"] = [
             {"question_id": k[1], "correct_a": bool(x), "correct_b": bool(y),

@@ -1,11 +1,15 @@
-"""Compare two bench folders: ratio of medians (B / A) with a bootstrap interval, per measured quantity."""
+"""Compare two bench folders: ratio of medians (B / A) with a bootstrap interval, per measured quantity, and a
+throughput verdict with the smallest change the two benches could have detected."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from evalpipe.compare import stats
+import numpy as np
+
+from evalpipe.compare import power, stats
 from evalpipe.compare.runfolder import RunFolderError
 from evalpipe.harness.records import BENCH_FILE
 
@@ -47,12 +51,36 @@ def kept_values(bench: dict, metric: str) -> list[float]:
             if not r.get("warmup") and not r.get("error") and isinstance(r.get(metric), (int, float))]
 
 
+def samples_overlap(va: list[float], vb: list[float]) -> bool:
+    """True when the ranges of the two arms' values intersect."""
+    return bool(va and vb) and bool(min(va) <= max(vb) and min(vb) <= max(va))
+
+
+def change_verdict(ratio_ci: dict, values_a: list[float], values_b: list[float]) -> dict:
+    """'higher' / 'lower' when the ratio's interval excludes 1, else 'no measurable change', with the MDE in percent
+    (power.ratio_mde_pct on the log values' spread) and whether the two arms' samples overlap."""
+    lo, hi = ratio_ci.get("ci_low"), ratio_ci.get("ci_high")
+    if lo is None or hi is None:
+        verdict = "not-evaluable"
+    elif lo > 1:
+        verdict = "higher"
+    elif hi < 1:
+        verdict = "lower"
+    else:
+        verdict = "no measurable change"
+    logs = [np.log([v for v in vals if v > 0]) for vals in (values_a, values_b)]
+    sds = [float(np.std(x, ddof=1)) if x.size >= 2 else math.nan for x in logs]
+    mde = power.ratio_mde_pct(sds[0], logs[0].size, sds[1], logs[1].size) if all(map(math.isfinite, sds)) else None
+    return {"verdict": verdict, "mde_pct": mde, "samples_overlap": samples_overlap(values_a, values_b)}
+
+
 def compare_benches(a: dict, b: dict, *, seed: int, n_resamples: int, forced: list[str]) -> dict:
     metrics = {}
     for m in METRICS:
         va, vb = kept_values(a, m), kept_values(b, m)
         res = stats.bootstrap_ratio_of_medians(va, vb, n_resamples=n_resamples, seed=seed)
         res["values_a"], res["values_b"] = va, vb
+        res.update(change_verdict(res, va, vb))
         metrics[m] = res
     acc = {k: (d.get("results") or {}).get("accept_length_median") for k, d in (("a", a), ("b", b))}
     return {

@@ -116,23 +116,10 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
                          f"{escape(lossy_detail(sp))}; its accuracy measures that rule")
     g = result.get("greedy")
     if g:
-        bs = g["bootstrap"]
-        lines.append(
-            f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
-            f"exact McNemar p = {g['mcnemar_p']:.4g}; paired bootstrap {int(100 * bs['confidence'])}% CI of B - A "
-            f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}] ({bs['n_resamples']} resamples, seed {bs['seed']}); "
-            f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]"
-            + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else ""))
+        lines.extend(greedy_lines(g))
     r = result.get("repeated_stats")
     if r:
-        pt, iv = r["permutation_test"], r["interval"]
-        lines.append(
-            f"repeated: {r['n_questions']} questions, mean rate A {pct(r['mean_rate_a'])} B {pct(r['mean_rate_b'])}, "
-            f"diff {pts(r['diff'])}; SE fixed-question {spts(r['se_fixed_question'])}, clustered "
-            f"{spts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}; "
-            f"{int(100 * iv['confidence'])}% CI of B - A (clustered) [{pts(iv['ci_low'])}, {pts(iv['ci_high'])}]; "
-            f"non-inferiority at -{iv['margin_pts']} pt: [bold]{iv['verdict']}[/]"
-            + (f"; [bold red]no information[/]: {escape(r['note'])}" if r.get("note") else ""))
+        lines.append(repeated_line(r))
     ag = result.get("agreement") or {}
     if "n_pairs" in ag:
         lines.append(
@@ -142,6 +129,9 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
         if ag.get("n_identical_tokens_but_text_differs"):
             lines.append(f"[bold red]warning[/]: {ag['n_identical_tokens_but_text_differs']} pair(s) have identical "
                          "token ids but different text (server detokenization or record fault)")
+    overlap = speed_overlap_line(result)
+    if overlap:
+        lines.append(overlap)
     md = result.get("manifest_diff") or {}
     ignored = len(md.get("volatile_keys_ignored") or [])
     if md.get("differences"):
@@ -159,6 +149,98 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
     if details and ignored:
         lines.append(escape(f"  volatile, ignored: {', '.join(md['volatile_keys_ignored'])}"))
     return lines
+
+
+def greedy_lines(g: dict) -> list[str]:
+    """Output identity first (when every pair is identical), then the verdict with its interval, MDE and the
+    questions the margin needs; the bootstrap last, as a secondary figure."""
+    lines = []
+    ident = g.get("output_identity") or {}
+    if ident.get("all_identical"):
+        lines.append(
+            f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs: the rate of differing outputs is at "
+            f"most {pct(ident['discordance_upper_bound'])} (exact one-sided {int(100 * ident['confidence'])}% bound), "
+            f"so B - A is at least {pts(-ident['discordance_upper_bound'])}")
+    iv, bs, plan = g["interval"], g["bootstrap"], g["planning_discordance"]
+    lines.append(
+        f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
+        f"exact McNemar p = {g['mcnemar_p']:.4g}; {int(100 * iv['confidence'])}% CI of B - A by {iv['method']} "
+        f"[{pts(iv['low'])}, {pts(iv['high'])}]; "
+        f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]"
+        + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else ""))
+    lines.append(f"greedy power: {mde_sentence(g)}; paired bootstrap {int(100 * bs['confidence'])}% CI "
+                 f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}] ({bs['n_resamples']} resamples, seed {bs['seed']}; "
+                 "secondary: it collapses to a point when nothing flips)")
+    return lines
+
+
+def mde_sentence(g: dict) -> str:
+    """'smallest detectable drop 7.98 pt (...); -1 pt needs 3823 questions (...)' for a greedy comparison."""
+    plan = g["planning_discordance"]
+    if g.get("mde_pts") is None:
+        return "smallest detectable drop n/a (no pairs)"
+    needed = g.get("n_needed_for_margin")
+    needed = "n/a" if needed is None else needed
+    return (f"smallest detectable drop {g['mde_pts']:.2f} pt (80% power, alpha 0.05, {g['n']} questions, "
+            f"discordance {pct(plan['rate'])}: {plan['basis']}); -{g['margin_pts']:g} pt needs "
+            f"{needed} questions at that discordance, {g['n_needed_if_no_flips']} if none flips")
+
+
+def verdict_summary(g: dict) -> str:
+    """One clause for a one-line summary (evalpipe ab): identity, interval, verdict, and when the margin is out of
+    reach, how many questions it would take."""
+    iv, plan, ident = g["interval"], g["planning_discordance"], g.get("output_identity") or {}
+    parts = []
+    if ident.get("all_identical"):
+        parts.append(f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs (differing-output rate "
+                     f"<= {pct(ident['discordance_upper_bound'])}, exact one-sided {int(100 * ident['confidence'])}%)")
+    margin = f"-{g['margin_pts']:g} pt"
+    parts.append(f"Tango {int(100 * iv['confidence'])}% CI of B - A [{pts(iv['low'])}, {pts(iv['high'])}]: "
+                 f"{g['verdict']} at {margin}")
+    if g.get("verdict_note"):
+        return "; ".join(parts + [f"no information: {g['verdict_note']}"])
+    if g.get("mde_pts") is None:
+        return "; ".join(parts)
+    mde = f"smallest detectable drop {g['mde_pts']:.2f} pt"
+    needed = g.get("n_needed_for_margin")
+    if g["verdict"] == "non-inferior" or needed is None or needed <= g["n"]:
+        parts[-1] += f" ({mde})"
+    elif plan["basis"] == "observed":
+        parts.append(f"{g['n']} questions cannot support {margin} ({mde}): that needs {needed} questions at the "
+                     f"observed {pct(plan['rate'])} discordance")
+    else:
+        parts.append(f"{g['n']} questions cannot support {margin} ({mde}): that needs {g['n_needed_if_no_flips']} "
+                     f"questions if none flips, {needed} at the {pct(plan['rate'])} discordance bound")
+    return "; ".join(parts)
+
+
+def repeated_line(r: dict) -> str:
+    pt, iv, pw = r["permutation_test"], r["interval"], r.get("power") or {}
+    mde = "n/a" if pw.get("mde_pts") is None else f"{pw['mde_pts']:.2f} pt"
+    need_q = pw.get("questions_needed_for_margin")
+    need_k = pw.get("repeats_needed_for_margin")
+    return (
+        f"repeated: {r['n_questions']} questions, mean rate A {pct(r['mean_rate_a'])} B {pct(r['mean_rate_b'])}, "
+        f"diff {pts(r['diff'])}; SE fixed-question {spts(r['se_fixed_question'])}, clustered "
+        f"{spts(r['se_clustered'])}; within-question permutation p = {num(pt['p_value'], 4)}; "
+        f"{int(100 * iv['confidence'])}% CI of B - A ({iv['method']}) [{pts(iv['ci_low'])}, {pts(iv['ci_high'])}]; "
+        f"non-inferiority at -{iv['margin_pts']} pt: [bold]{iv['verdict']}[/]; smallest detectable drop {mde} "
+        f"(80% power, alpha 0.05, {pw.get('repeats_per_question', 'n/a')} repeats per question); "
+        f"-{iv['margin_pts']:g} pt needs {need_q if need_q is not None else 'n/a'} questions at these repeats, or "
+        + (f"{need_k} repeats per question at these questions" if need_k is not None
+           else "more questions (no number of repeats suffices at these questions)")
+        + (f"; [bold red]no information[/]: {escape(r['note'])}" if r.get("note") else ""))
+
+
+def speed_overlap_line(result: dict) -> str | None:
+    """A run comparison's tokens/s are lane responses of varying length: when the arms' samples overlap, say that
+    attributing a gain needs a bench."""
+    sd = result.get("speed") or {}
+    va, vb = (sd.get("a") or {}).get("tokens_per_s") or [], (sd.get("b") or {}).get("tokens_per_s") or []
+    if not (va and vb) or min(va) > max(vb) or min(vb) > max(va):
+        return None
+    return ("speed: the tokens/s samples of A and B overlap; attributing a gain needs a fixed-input, warmed, repeated "
+            "comparison (evalpipe bench on each arm, then evalpipe compare on the two bench folders)")
 
 
 def acceptance(sp: dict) -> str:
@@ -184,17 +266,45 @@ def _short(v: Any, n: int = 80) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
+BENCH_COLUMNS = ("metric", "median A", "median B", "B / A", "95% CI", "verdict", "MDE", "n A", "n B")
+THROUGHPUT = "decode_tokens_per_s"
+
+
+def bench_rows(result: dict) -> list[list]:
+    return [[name, num(m.get("median_a")), num(m.get("median_b")), num(m.get("ratio")),
+             f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]", m.get("verdict", "n/a"),
+             "n/a" if m.get("mde_pct") is None else f"{m['mde_pct']:.1f}%", m.get("n_a"), m.get("n_b")]
+            for name, m in result["metrics"].items()]
+
+
+def bench_headline(result: dict) -> list[str]:
+    """The throughput verdict with its MDE, and the overlap warning when the two arms' samples intersect."""
+    m = result["metrics"].get(THROUGHPUT)
+    if not m:
+        return []
+    mde = "n/a (fewer than 2 values in an arm)" if m.get("mde_pct") is None else f"{m['mde_pct']:.1f}%"
+    lines = [f"throughput ({THROUGHPUT}): B / A = {num(m.get('ratio'))}, {int(100 * m.get('confidence', 0.95))}% CI "
+             f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]: [bold]{m.get('verdict')}[/]; smallest detectable "
+             f"change {mde} (80% power, alpha 0.05)"]
+    if m.get("samples_overlap"):
+        lines.append("the throughput samples of A and B overlap: attributing a gain needs a fixed-input, warmed, "
+                     "repeated comparison (same --seed inputs, warm-up rounds dropped, --rounds 5 or more per arm, "
+                     "arms interleaved)")
+    return lines
+
+
 FEW_BENCH_VALUES = 5  # below it, resampling 2-4 values mostly reshuffles the same few medians
 
 
 def _print_bench(result: dict, console: Console) -> None:
     t = Table(title="evalpipe compare — bench (ratio of medians B / A)")
-    for col in ("metric", "median A", "median B", "B / A", "95% CI", "n A", "n B"):
+    for col in BENCH_COLUMNS:
         t.add_column(col, no_wrap=col in ("metric", "95% CI"))
-    for name, m in result["metrics"].items():
-        t.add_row(name, num(m.get("median_a")), num(m.get("median_b")), num(m.get("ratio")),
-                  f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]", str(m.get("n_a")), str(m.get("n_b")))
+    for row in bench_rows(result):
+        t.add_row(*map(str, row))
     console.print(t)
+    for line in bench_headline(result):
+        console.print(line)
     few = min((min(m.get("n_a") or 0, m.get("n_b") or 0) for m in result["metrics"].values()), default=0)
     if few < FEW_BENCH_VALUES:
         console.print(f"note: only {few} measured value(s) in an arm: a bootstrap interval over so few values is far "
@@ -408,14 +518,17 @@ def render_html(result: dict) -> str:
     parts.append("<h2>Per arm</h2>" + _table(["", "A", "B", "B - A", "exact McNemar p"], rows, "arms"))
     g = result.get("greedy")
     if g:
-        bs = g["bootstrap"]
+        bs, iv = g["bootstrap"], g["interval"]
         parts.append("<h2>Greedy paired statistics</h2>" + _table(["quantity", "value"], [
             ["questions paired", g["n"]], ["both right / both wrong", f"{g['both_right']} / {g['both_wrong']}"],
             ["B right, A wrong (gained)", g["b_only"]], ["A right, B wrong (lost)", g["a_only"]],
             ["difference B - A", pts(g["diff"])], ["exact McNemar p (two-sided)", num(g["mcnemar_p"], 4)],
-            [f"paired bootstrap {int(100 * bs['confidence'])}% CI", f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}]"],
-            ["bootstrap resamples / seed", f"{bs['n_resamples']} / {bs['seed']}"],
-            [f"non-inferiority (margin {g['margin_pts']} pt)", g["verdict"]]]
+            [f"{int(100 * iv['confidence'])}% CI of B - A ({iv['method']})", f"[{pts(iv['low'])}, {pts(iv['high'])}]"],
+            [f"non-inferiority (margin {g['margin_pts']} pt)", g["verdict"]],
+            ["smallest detectable drop, questions needed", mde_sentence(g)],
+            [f"paired bootstrap {int(100 * bs['confidence'])}% CI (secondary)",
+             f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}]"],
+            ["bootstrap resamples / seed", f"{bs['n_resamples']} / {bs['seed']}"]]
             + ([["information", _Raw(f"<span class='bad'>none: {html.escape(g['verdict_note'])}</span>")]]
                if g.get("verdict_note") else []), "greedy"))
     r = result.get("repeated_stats")
@@ -426,9 +539,13 @@ def render_html(result: dict) -> str:
             ["mean per-question rate A / B", f"{pct(r['mean_rate_a'])} / {pct(r['mean_rate_b'])}"],
             ["difference B - A", pts(r["diff"])], ["SE, fixed questions", spts(r["se_fixed_question"])],
             ["SE, question-clustered", spts(r["se_clustered"])],
-            [f"{int(100 * r['interval']['confidence'])}% CI of B - A (normal, clustered SE)",
+            [f"{int(100 * r['interval']['confidence'])}% CI of B - A ({r['interval']['method']})",
              f"[{pts(r['interval']['ci_low'])}, {pts(r['interval']['ci_high'])}]"],
             [f"non-inferiority (margin {r['interval']['margin_pts']} pt)", r["interval"]["verdict"]],
+            ["smallest detectable drop (80% power, alpha 0.05)",
+             "n/a" if (r.get("power") or {}).get("mde_pts") is None else f"{r['power']['mde_pts']:.2f} pt"],
+            ["questions needed for the margin (at these repeats)", (r.get("power") or {}).get("questions_needed_for_margin")],
+            ["repeats per question needed (at these questions)", (r.get("power") or {}).get("repeats_needed_for_margin")],
             ["within-question permutation p", f"{num(pt['p_value'], 4)} ({pt['n_permutations']} permutations, seed {pt['seed']})"],
         ], "repeated"))
         parts.append("<h3>Per question</h3><p class='muted'>Fisher's exact test per question with Holm adjustment "
@@ -481,13 +598,12 @@ def render_html(result: dict) -> str:
 
 
 def _render_bench_html(result: dict) -> str:
-    rows = [[name, num(m.get("median_a")), num(m.get("median_b")), num(m.get("ratio")),
-             f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]", m.get("n_a"), m.get("n_b")]
-            for name, m in result["metrics"].items()]
     parts = ["<h1>evalpipe compare — bench</h1>",
              _table(["arm", "folder"], [["A", result["arms"]["a"]["path"]], ["B", result["arms"]["b"]["path"]]]),
+             "<h2>Headline</h2><ul>" + "".join(f"<li>{_Raw(_rich_to_html(line))}</li>"
+                                              for line in bench_headline(result)) + "</ul>",
              "<h2>Ratio of medians (B / A), unpaired bootstrap interval</h2>",
-             _table(["metric", "median A", "median B", "B / A", "95% CI", "n A", "n B"], rows, "bench"),
+             _table(list(BENCH_COLUMNS), bench_rows(result), "bench"),
              _img(plot_bench(result), "per-request values", "plot plot-bench")]
     if result.get("forced"):
         parts.insert(1, "<p class='bad'>FORCED comparison despite: " + html.escape("; ".join(result["forced_over"])) + "</p>")

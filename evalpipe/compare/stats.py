@@ -1,10 +1,11 @@
 """Paired statistics for two arms answering the same questions (eval-protocol section 4).
 
-Greedy lanes pair responses question by question: exact McNemar on the discordant pairs, a paired
-bootstrap over questions for the interval, and a non-inferiority verdict read off its lower bound.
+Greedy lanes pair responses question by question: exact McNemar on the discordant pairs, Tango's score
+interval (intervals.py; valid at zero flips) for the verdict, a paired bootstrap over questions as a secondary
+figure, and the smallest detectable drop with the questions the margin needs (power.py).
 Repeated lanes pair by question only (repeat r shares no randomness across arms), so they get
-per-question rates, a fixed-question and a question-clustered standard error, and a permutation
-test that shuffles arm labels within each question.
+per-question rates, a fixed-question and a question-clustered standard error, a t interval with Q - 1 degrees of
+freedom for the verdict, and a permutation test that shuffles arm labels within each question.
 
 Differences are always B - A: RUN_A is the reference (e.g. speculation off), RUN_B the candidate.
 """
@@ -15,7 +16,9 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.stats import binomtest, fisher_exact, norm
+from scipy.stats import binomtest, fisher_exact, t
+
+from evalpipe.compare import intervals, power
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
@@ -107,11 +110,15 @@ class GreedyComparison:
     a_only: int  # A right, B wrong ("lost")
     diff: float
     mcnemar_p: float
-    bootstrap: dict
+    interval: dict  # the verdict's: intervals.paired_difference_interval
+    bootstrap: dict  # secondary figure: collapses to [0, 0] with no flips
     margin_pts: float
     verdict: str
-    # False when every question landed in one cell (both arms all wrong, or all right): then nothing could have
-    # flipped, the interval is the point [0, 0], and the verdict says nothing about a difference in accuracy
+    planning_discordance: dict  # power.planning_discordance
+    mde_pts: float | None
+    n_needed_for_margin: int | None
+    n_needed_if_no_flips: int | None
+    # False when both arms got every question wrong: nothing could be lost, so the verdict says nothing
     informative: bool = True
     verdict_note: str | None = None
 
@@ -119,14 +126,14 @@ class GreedyComparison:
         return asdict(self)
 
 
-def uninformative_reason(n: int, both_right: int, both_wrong: int) -> str | None:
-    """Why a paired verdict carries no information about a difference, or None when it does."""
+def uninformative_reason(n: int, both_wrong: int) -> str | None:
+    """Why a paired verdict carries no information about a difference, or None when it does.
+
+    Both arms wrong everywhere: B cannot lose what A never had. Both right everywhere is informative: n right
+    answers in B bound its loss rate (the interval says by how much)."""
     if n and both_wrong == n:
         return (f"both arms answered all {n} questions wrong: nothing could be lost, so this verdict carries no "
                 "information (use a model that gets some right)")
-    if n and both_right == n:
-        return (f"both arms answered all {n} questions right: nothing could be gained or lost among them, so this "
-                "verdict carries no information about a difference (use harder questions or more of them)")
     return None
 
 
@@ -143,8 +150,12 @@ def compare_greedy(
     b = np.asarray(correct_b, dtype=bool)
     b_only = int(np.sum(b & ~a))
     a_only = int(np.sum(a & ~b))
+    n = int(a.size)
     boot = paired_bootstrap_diff(a, b, n_resamples=n_resamples, seed=seed, confidence=confidence)
-    note = uninformative_reason(int(a.size), int(np.sum(a & b)), int(np.sum(~a & ~b)))
+    interval = intervals.paired_difference_interval(b_only, a_only, n, confidence)
+    note = uninformative_reason(n, int(np.sum(~a & ~b)))
+    plan = power.planning_discordance(b_only + a_only, n)
+    mde = power.greedy_mde(n, plan["rate"])
     return GreedyComparison(
         n=int(a.size),
         n_correct_a=int(a.sum()),
@@ -155,9 +166,14 @@ def compare_greedy(
         a_only=a_only,
         diff=float(b.mean() - a.mean()) if a.size else 0.0,
         mcnemar_p=mcnemar_exact(b_only, a_only),
+        interval=interval,
         bootstrap=boot,
         margin_pts=float(margin_pts),
-        verdict=non_inferiority(boot["ci_low"], boot["ci_high"], margin_pts),
+        verdict=non_inferiority(interval["low"], interval["high"], margin_pts) if note is None else "not-evaluable",
+        planning_discordance=plan,
+        mde_pts=None if mde is None else 100 * mde,
+        n_needed_for_margin=power.greedy_n_needed(margin_pts / 100, plan["rate"]),
+        n_needed_if_no_flips=power.n_for_no_flips(margin_pts / 100),
         informative=note is None,
         verdict_note=note,
     )
@@ -239,16 +255,50 @@ def holm(pvalues: list[float | None]) -> list[float | None]:
     return out
 
 
-def clustered_interval(diff: float | None, se: float, margin_pts: float,
+def clustered_interval(diff: float | None, se: float, n_questions: int, margin_pts: float,
                        confidence: float = DEFAULT_CONFIDENCE) -> dict:
-    """Normal interval of a mean per-question difference from its question-clustered SE, and the non-inferiority
-    verdict it gives (the greedy lanes' rule, `non_inferiority`, on this interval)."""
+    """t interval (Q - 1 degrees of freedom) of a mean per-question difference from its question-clustered SE, and
+    the non-inferiority verdict it gives (the greedy lanes' rule, `non_inferiority`, on this interval). With 30
+    questions a normal quantile under-covers (Bowyer et al. 2025); the t quantile is the small-sample correction."""
     lo = hi = None
-    if diff is not None and math.isfinite(se):
-        z = float(norm.ppf(0.5 + confidence / 2))
-        lo, hi = diff - z * se, diff + z * se
+    if diff is not None and math.isfinite(se) and n_questions >= 2:
+        q = float(t.ppf(0.5 + confidence / 2, n_questions - 1))
+        lo, hi = diff - q * se, diff + q * se
     return {"ci_low": lo, "ci_high": hi, "confidence": confidence, "margin_pts": margin_pts,
-            "verdict": non_inferiority(lo, hi, margin_pts), "method": "normal, question-clustered SE"}
+            "df": n_questions - 1, "verdict": non_inferiority(lo, hi, margin_pts),
+            "method": f"t with {n_questions - 1} df, question-clustered SE"}
+
+
+def repeated_power(outcomes_a: list[np.ndarray], outcomes_b: list[np.ndarray], per_question_diff: np.ndarray,
+                   margin_pts: float) -> dict:
+    """MDE of a repeated comparison and the questions (or repeats) its margin needs (power.py's clustered model).
+
+    within = mean over questions of s2_a + s2_b (per-response variances, ddof=1); between = max(0, var(d_i) -
+    within / k). With no within-question variation observed, plan with the exact 95% upper bound u of the
+    minority outcome's share over all responses: within = 2 u (1 - u), never 0."""
+    q = len(outcomes_a)
+    sizes = [o.size for o in outcomes_a + outcomes_b if o.size]
+    if q < 2 or not sizes:
+        return {"mde_pts": None, "questions_needed_for_margin": None, "repeats_needed_for_margin": None}
+    k = max(1, round(float(np.mean(sizes))))
+    var = [float(np.var(o, ddof=1)) if o.size >= 2 else 0.0 for o in outcomes_a + outcomes_b]
+    within = 2 * float(np.mean(var))
+    basis = "observed"
+    if within == 0:
+        total = int(sum(sizes))
+        right = int(sum(float(o.sum()) for o in outcomes_a + outcomes_b))
+        u = intervals.upper_bound_rate(min(right, total - right), total)
+        within = 2 * u * (1 - u)
+        basis = "exact one-sided 95% bound on the minority outcome (no within-question variation observed)"
+    between = max(0.0, float(np.var(per_question_diff, ddof=1)) - within / k)
+    mde = power.repeated_mde(q, k, within, between)
+    margin = margin_pts / 100
+    return {
+        "repeats_per_question": k, "within_variance": within, "between_variance": between, "variance_basis": basis,
+        "mde_pts": None if mde is None else 100 * mde,
+        "questions_needed_for_margin": power.repeated_questions_needed(margin, k, within, between),
+        "repeats_needed_for_margin": power.repeated_repeats_needed(margin, q, within, between),
+    }
 
 
 def compare_repeated(
@@ -284,8 +334,17 @@ def compare_repeated(
     if total and right == 0:
         note = ("every response of both arms is wrong: the test carries no information about a difference "
                 "(use a model that gets some right)")
-    elif total and right == total:
-        note = "every response of both arms is right: the test carries no information about a difference"
+    pw = repeated_power(oa, ob, d, margin_pts)
+    if se == 0 and pw.get("within_variance"):
+        # every question's difference is the same (e.g. all right in both arms): sd(d_i) = 0 would make the interval
+        # a point at any Q, so the SE comes from the planning variance (the exact bound on the minority outcome)
+        interval = clustered_interval(diff, power.repeated_se(len(ids), pw["repeats_per_question"],
+                                                              pw["within_variance"], 0.0), len(ids), margin_pts)
+        interval["method"] += " (no variation observed: SE from the exact 95% bound on the minority outcome)"
+    else:
+        interval = clustered_interval(diff, se, len(ids), margin_pts)
+    if note:
+        interval["verdict"] = "not-evaluable"
     return {
         "informative": note is None,
         "note": note,
@@ -297,7 +356,8 @@ def compare_repeated(
         "diff": diff,
         "se_fixed_question": fixed_question_se(oa, ob),
         "se_clustered": se,
-        "interval": clustered_interval(diff, se, margin_pts),
+        "interval": interval,
+        "power": pw,
         "permutation_test": within_question_permutation_test(oa, ob, n_permutations=n_permutations, seed=seed),
         "per_question": per_question,
     }
