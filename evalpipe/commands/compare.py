@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from evalpipe.commands.errors import BadInput
 from evalpipe.compare import stats
 
 
@@ -40,6 +41,12 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     and clustered standard errors and a within-question permutation test; output agreement; truncation,
     error and invalid rates; accept lengths; latency and tokens/s; manifest differences.
     Bench folders (bench.json): ratio of medians B / A with a bootstrap interval.
+
+    \b
+    Exit codes:
+      0  compared (whatever the verdict)
+      1  refused: the runs did not ask the same questions the same way, or one is partial (--force overrides)
+      2  usage error, or a folder that is not a run folder or holds a malformed file (named with its line)
     """
     from evalpipe.compare import report
     from evalpipe.compare.runfolder import RunFolderError
@@ -50,7 +57,9 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
                             seed=seed, n_resamples=resamples, html=not no_html)
     except MixedFolders as exc:
         raise click.UsageError(str(exc)) from None
-    except (RunFolderError, NotComparable) as exc:
+    except RunFolderError as exc:
+        raise BadInput(str(exc)) from None
+    except NotComparable as exc:
         raise click.ClickException(str(exc)) from None
     report.print_terminal(done.result)
     click.echo(f"wrote {done.json_path}")
