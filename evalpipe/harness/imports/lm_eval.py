@@ -110,6 +110,8 @@ def _record(n: int, s: dict, path: Path, metric: str, lm_fallback: str) -> dict:
     args = s["arguments"]
     first = args.get("gen_args_0") or {}
     prompt = first.get("arg_0")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a chat request: lm-eval logs the messages as one JSON string in a list (and hashes it)
     source = {"file": path.name, "line": n, "filter": s["filter"], "metrics": {m: s.get(m) for m in s["metrics"]},
               "doc": s["doc"], "target": s["target"], "doc_hash": s.get("doc_hash"),
               "prompt_hash": s.get("prompt_hash"), "target_hash": s.get("target_hash")}

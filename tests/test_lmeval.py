@@ -1,0 +1,120 @@
+"""lm-evaluation-harness 0.4.13, for real, against `evalpipe serve` with the default model: its generate_until score
+on evalpipe's arith items equals evalpipe's own run, text for text; two of its runs (speculation off and block) are
+imported with `evalpipe import lm-eval`, audited and compared; its chat route works too. The task YAML is
+lm_eval_tasks/evalpipe_arith_gen.yaml. Needs `make lmeval-env` (skips without it; fails under CI)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.core_helpers import load_run, only_run_dir, run_cli, run_lane
+from tests.lmeval_env import require_lmeval, run_lmeval
+from tests.server_harness import ServerProcess
+
+LIMIT = 30
+MODEL = "evalpipe-skills-dsv4"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    require_lmeval()
+    off = ServerProcess(model=MODEL)
+    try:
+        block = ServerProcess("--speculative", "block", model=MODEL)
+    except BaseException:
+        off.stop()
+        raise
+    yield {"off": off.base + "/v1", "block": block.base + "/v1"}
+    off.stop()
+    block.stop()
+
+
+@pytest.fixture(scope="module")
+def lmeval_runs(servers, tmp_path_factory):
+    """lm-eval's output folders of the arith task, one per server."""
+    root = tmp_path_factory.mktemp("lmeval")
+    return {arm: run_lmeval(url, root / arm, limit=LIMIT) for arm, url in servers.items()}
+
+
+def samples_of(out):
+    (path,) = out.rglob("samples_evalpipe_arith_gen_*.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def results_of(out):
+    (path,) = out.rglob("results_*.json")
+    return json.loads(path.read_text())
+
+
+def test_lmeval_generate_score_and_texts_equal_evalpipe_run(servers, lmeval_runs, tmp_path):
+    r = run_lane("arith", servers["off"], tmp_path, "--num-examples", str(LIMIT))
+    assert r.returncode == 0, r.stderr
+    records, summary, _ = load_run(only_run_dir(tmp_path, "arith"))
+    ours = {rec["question_id"]: rec for rec in records}
+    theirs = samples_of(lmeval_runs["off"])
+    assert sorted(s["doc_id"] for s in theirs) == sorted(ours) == list(range(LIMIT))
+    for s in theirs:
+        rec = ours[s["doc_id"]]
+        assert s["arguments"]["gen_args_0"]["arg_0"] == rec["request"]["prompt"]
+        assert s["resps"][0][0] == rec["response_text"], s["doc_id"]
+        assert bool(s["exact_match"]) == rec["correct"], s["doc_id"]
+    score = results_of(lmeval_runs["off"])["results"]["evalpipe_arith_gen"]["exact_match,last-integer"]
+    assert score == summary["accuracy"] == summary["n_correct"] / LIMIT
+    assert 0 < summary["n_correct"] < LIMIT  # both outcomes occur, so the equality says something
+
+
+def test_two_lmeval_runs_imported_audited_and_compared(lmeval_runs, tmp_path):
+    runs = {}
+    for arm, out in lmeval_runs.items():
+        runs[arm] = tmp_path / arm
+        r = run_cli("import", "lm-eval", out, "--out", runs[arm], "--arm", arm)
+        assert r.returncode == 0, r.stderr
+        assert "imported 30 records of lm-eval/evalpipe_arith_gen" in r.stdout
+        audit = run_cli("audit", runs[arm], "--no-progress")
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+        assert "OK   grades" in audit.stdout and "not recorded by lm-eval: finish_reason" in audit.stdout
+        records, summary, manifest = load_run(runs[arm])
+        assert manifest["imported"]["tool"] == "lm-eval" and manifest["imported"]["version"] == "0.4.13"
+        assert manifest["imported"]["model_args"]["model"] == MODEL and "usage" in manifest["imported"]["not_recorded"]
+        samples = {s["doc_id"]: s for s in samples_of(lmeval_runs[arm])}
+        for rec in records:
+            s = samples[rec["question_id"]]
+            assert (rec["response_text"], rec["extracted_answer"], rec["correct"]) == \
+                (s["resps"][0][0], s["filtered_resps"][0], bool(s["exact_match"]))
+            assert rec["finish_reason"] is None and rec["usage"] is None
+        assert summary["accuracy"] == manifest["imported"]["source_score"]
+    cmp = run_cli("compare", runs["off"], runs["block"], "--out", tmp_path / "cmp", "--no-html")
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert result["paired_keys"] == LIMIT and result["lane"] == "lm-eval/evalpipe_arith_gen"
+    # block speculation is lossless under greedy decoding: every text identical, no flips
+    assert result["agreement"]["n_identical"] == LIMIT and result["flips"] == []
+    assert result["manifest_diff"]["n_unintended"] == 0
+
+    # another task configuration is refused, as for native runs: exit 1, the differing key named
+    changed = tmp_path / "changed"
+    shutil.copytree(runs["block"], changed)
+    manifest = json.loads((changed / "manifest.json").read_text())
+    for snap in ("start", "end"):
+        manifest[snap]["lane"]["spec"]["config"]["generation_kwargs"]["max_gen_toks"] = 256
+    (changed / "manifest.json").write_text(json.dumps(manifest))
+    refused = run_cli("compare", runs["off"], changed, "--out", tmp_path / "cmp2", "--no-html")
+    assert refused.returncode == 1 and "max_gen_toks" in refused.stderr, refused.stderr
+
+
+def test_lmeval_chat_completions_generate(servers, tmp_path):
+    out = run_lmeval(servers["off"], tmp_path / "chat", model="local-chat-completions", limit=10,
+                     extra=("--apply_chat_template",))
+    samples = samples_of(out)
+    assert len(samples) == 10 and all(s["resps"][0][0].strip() for s in samples)
+    r = run_cli("import", "lm-eval", out, "--out", tmp_path / "run", "--arm", "chat")
+    assert r.returncode == 0, r.stderr
+    audit = run_cli("audit", tmp_path / "run", "--no-progress")
+    assert audit.returncode == 0, audit.stdout
+    records, summary, _ = load_run(tmp_path / "run")
+    # the messages lm-eval sent, as it logged and hashed them
+    assert all(json.loads(rec["request"]["prompt"])[0]["role"] == "user" for rec in records)
+    assert summary["n_correct"] == sum(bool(s["exact_match"]) for s in samples)
