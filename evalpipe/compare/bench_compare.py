@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from evalpipe.compare import stats
 from evalpipe.compare.runfolder import RunFolderError
-from evalpipe.harness.records import BENCH_FILE
+from evalpipe.harness.records import BENCH_FILE, MalformedFile, read_json_object
 
 # Settings that must match for two benches to measure the same thing.
 PROTOCOL_KEYS = ("input_len", "output_len", "concurrency", "input_ids_sha256", "temperature", "ignore_eos")
@@ -21,10 +20,10 @@ def is_bench_folder(path: str | Path) -> bool:
 def load_bench(path: str | Path) -> dict:
     p = Path(path) / BENCH_FILE
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RunFolderError(f"{p}: unreadable bench.json ({exc})") from exc
-    if not isinstance(data, dict) or "requests" not in data:
+        data = read_json_object(p)
+    except MalformedFile as exc:
+        raise RunFolderError(str(exc)) from None
+    if "requests" not in data:
         raise RunFolderError(f"{p}: not a bench.json written by `evalpipe bench`")
     data["_path"] = str(Path(path))
     return data

@@ -195,17 +195,18 @@ def read_records(path: Path) -> ReadResult:
             continue
         try:
             obj = json.loads(raw.decode("utf-8"))
-            if not isinstance(obj, dict):
-                raise ValueError(f"a JSON {type(obj).__name__}, not an object")
-        except ValueError as exc:  # UnicodeDecodeError is one too
-            if i == len(lines) - 1:
-                torn = True  # no trailing newline: the writer died mid-line (maybe inside a UTF-8 sequence)
-            else:
-                bad.append(i + 1)
-                why[i + 1] = (f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
-                              if isinstance(exc, UnicodeDecodeError) else f"not valid JSON ({exc})")
-            continue
-        records.append(obj)
+            problem = None if isinstance(obj, dict) else f"a JSON {type(obj).__name__}, not an object"
+        except UnicodeDecodeError as exc:
+            problem = f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+        except ValueError as exc:
+            problem = f"not valid JSON ({exc})"
+        if problem is None:
+            records.append(obj)
+        elif i == len(lines) - 1:
+            torn = True  # no trailing newline: the writer died mid-line (maybe inside a UTF-8 sequence)
+        else:
+            bad.append(i + 1)
+            why[i + 1] = problem
     return ReadResult(records, torn, bad, why)
 
 
