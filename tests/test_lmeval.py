@@ -118,3 +118,36 @@ def test_lmeval_chat_completions_generate(servers, tmp_path):
     # the messages lm-eval sent, as it logged and hashed them
     assert all(json.loads(rec["request"]["prompt"])[0]["role"] == "user" for rec in records)
     assert summary["n_correct"] == sum(bool(s["exact_match"]) for s in samples)
+
+
+def test_damaged_lmeval_output_is_named_with_its_line(lmeval_runs, tmp_path):
+    def copy(name):
+        dest = tmp_path / name
+        shutil.copytree(lmeval_runs["off"], dest)
+        return dest, next(dest.rglob("samples_*.jsonl")), next(dest.rglob("results_*.json"))
+
+    def refused(source, *needles, args=()):
+        r = run_cli("import", "lm-eval", source, "--out", tmp_path / "out", *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        for needle in needles:
+            assert needle in r.stderr, r.stderr
+        assert not (tmp_path / "out").exists()
+
+    src, samples, results = copy("bytes")
+    lines = samples.read_bytes().split(b"\n")
+    lines[6] = lines[6][:20] + b"\xe9" + lines[6][20:]
+    samples.write_bytes(b"\n".join(lines))
+    refused(src, f"{samples}:7: not UTF-8 (byte 0xe9 at column 21)")
+    src, samples, results = copy("json")
+    results.write_text(results.read_text()[:200])
+    refused(src, f"{results}:", "not valid JSON")
+    src, samples, results = copy("nosamples")
+    samples.unlink()
+    refused(src, "no samples_<task>_", "--log_samples")
+    src, samples, results = copy("task")
+    refused(src, "no samples of task 'nope'", args=("--task", "nope"))
+    refused(src, "no metric 'acc' (it has: exact_match)", args=("--metric", "acc"))
+    two = tmp_path / "two"
+    shutil.copytree(lmeval_runs["off"], two / "x")
+    shutil.copytree(lmeval_runs["block"], two / "y")
+    refused(two, "holds 2 lm-eval runs", "import one results_*.json file")
