@@ -6,12 +6,14 @@ lm_eval_tasks/evalpipe_arith_gen.yaml. Needs `make lmeval-env` (skips without it
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 
 import pytest
 
 from tests.core_helpers import load_run, only_run_dir, run_cli, run_lane
-from tests.lmeval_env import require_lmeval, run_lmeval
+from tests.lmeval_env import REPO, TASKS, require_lmeval, run_lmeval
 from tests.server_harness import ServerProcess
 
 LIMIT = 30
@@ -39,8 +41,8 @@ def lmeval_runs(servers, tmp_path_factory):
     return {arm: run_lmeval(url, root / arm, limit=LIMIT) for arm, url in servers.items()}
 
 
-def samples_of(out):
-    (path,) = out.rglob("samples_evalpipe_arith_gen_*.jsonl")
+def samples_of(out, task="evalpipe_arith_gen"):
+    (path,) = out.rglob(f"samples_{task}_*.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -151,3 +153,56 @@ def test_damaged_lmeval_output_is_named_with_its_line(lmeval_runs, tmp_path):
     shutil.copytree(lmeval_runs["off"], two / "x")
     shutil.copytree(lmeval_runs["block"], two / "y")
     refused(two, "holds 2 lm-eval runs", "import one results_*.json file")
+
+
+MC_TASK = """task: evalpipe_mc_probe
+custom_dataset: !function evalpipe_lanes.arith_dataset
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{prompt}}"
+doc_to_choice: "{{[group, expected_answer, 'none']}}"
+doc_to_target: 1
+metric_list:
+  - metric: acc
+metadata:
+  version: 1.0
+"""
+
+
+def test_a_multiple_choice_run_is_imported_and_its_acc_re_derived(tmp_path):
+    """A loglikelihood task's log (lm-eval's own `dummy` model scores the choices at random, no server needed): each
+    document's response is its best-scoring choice, audit re-derives acc from the logged loglikelihoods."""
+    lm_eval = require_lmeval()
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mc.yaml").write_text(MC_TASK)
+    shutil.copy(TASKS / "evalpipe_lanes.py", tasks)
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env.update(PYTHONPATH=str(REPO), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run([lm_eval, "--model", "dummy", "--include_path", str(tasks), "--tasks", "evalpipe_mc_probe",
+                           "--limit", "24", "--output_path", str(tmp_path / "out"), "--log_samples"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = run_cli("import", "lm-eval", tmp_path / "out", "--out", tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    records, summary, _ = load_run(tmp_path / "run")
+    samples = {s["doc_id"]: s for s in samples_of(tmp_path / "out", "evalpipe_mc_probe")}
+    for rec in records:
+        s = samples[rec["question_id"]]
+        lls = [float(x[0]) for x in s["filtered_resps"]]
+        assert rec["logprobs"]["choice_loglikelihoods"] == lls
+        assert rec["extracted_answer"] == lls.index(max(lls)) and rec["correct"] == bool(s["acc"])
+        assert rec["response_text"] == s["arguments"][f"gen_args_{rec['extracted_answer']}"]["arg_1"]
+    assert 0 < summary["n_correct"] < 24  # random scores: both outcomes occur
+    assert run_cli("audit", tmp_path / "run", "--no-progress").returncode == 0
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(tmp_path / "run", flipped)
+    lines = (flipped / "responses.jsonl").read_text().splitlines()
+    rec = json.loads(lines[3])
+    rec["correct"] = not rec["correct"]
+    lines[3] = json.dumps(rec)
+    (flipped / "responses.jsonl").write_text("\n".join(lines) + "\n")
+    audit = run_cli("audit", flipped, "--no-progress")
+    assert audit.returncode == 1 and "FAIL grades" in audit.stdout
+    assert f"{rec['question_id']}: the source says correct={rec['correct']}" in audit.stdout

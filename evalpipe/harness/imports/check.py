@@ -85,6 +85,15 @@ def audit_imported(run_dir: Path, man: dict, summ: Optional[dict], checks: dict,
             if bool(correct) != bool(r["correct"]):
                 c["grades"].problems.append(f"{r['question_id']}/{r['repeat_index']}: the source says correct="
                                             f"{r['correct']}, evalpipe's {grader} grader says {correct} ({status})")
+    elif info.get("tool") == lm_eval_import.TOOL and info.get("metric") == "acc":
+        for r in records:  # multiple choice: right when the best-scoring choice is the target's index
+            best = lm_eval_import.best_choice(r.get("logprobs"))
+            target = str(r.get("expected_answer"))
+            if best is None or not target.isdigit():
+                c["grades"].problems.append(f"{r['question_id']}: no choice loglikelihoods or no target index to re-derive acc")
+            elif (best == int(target)) != bool(r["correct"]) or best != r.get("extracted_answer"):
+                c["grades"].problems.append(f"{r['question_id']}: the source says correct={r['correct']}, the best of "
+                                            f"the recorded loglikelihoods is choice {best}, the target {target}")
     else:
         c["grades"].notes.append("the source's grader is not one evalpipe has; grades are the source's")
 

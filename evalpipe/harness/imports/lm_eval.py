@@ -28,6 +28,7 @@ TOOL = "lm-eval"
 NOT_RECORDED = ["finish_reason", "usage", "latency_s", "spec", "output_token_ids", "reasoning_text", "matched_stop",
                 "request body (the prompt and generation kwargs are kept)", "server facts"]
 SAMPLE_KEYS = ("doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics")
+_NUMBER = re.compile(r"\s*[(\[]?\s*(-?(?:inf|[0-9.]+(?:e[-+]?[0-9]+)?))")
 _RESULTS = re.compile(r"results_(.+)\.json$")
 _SAMPLES = re.compile(r"samples_(.+)_(\d{4}-\d\d-\d\dT[0-9.\-]+)\.jsonl$")
 
@@ -129,7 +130,7 @@ def _record(n: int, s: dict, path: Path, metric: str, lm_fallback: str) -> dict:
     else:  # loglikelihood: one (context, continuation) per choice; the answer is the best-scoring choice
         choices = [args[k].get("arg_1") for k in sorted(args, key=lambda k: int(k.rsplit("_", 1)[-1]))]
         lls = [_loglikelihood(x) for x in s["filtered_resps"]]
-        best = max(range(len(lls)), key=lambda i: lls[i]) if lls and None not in lls else None
+        best = best_choice({"choice_loglikelihoods": lls})
         rec.update(request={"prompt": prompt, "choices": choices},
                    response_text=choices[best] if best is not None else "", extracted_answer=best,
                    logprobs={"choice_loglikelihoods": lls},
@@ -137,18 +138,26 @@ def _record(n: int, s: dict, path: Path, metric: str, lm_fallback: str) -> dict:
     return rec
 
 
+def best_choice(logprobs: Any) -> Optional[int]:
+    """Index of the highest choice loglikelihood (the first of equals, as lm-eval's argmax), None without them."""
+    lls = (logprobs or {}).get("choice_loglikelihoods") if isinstance(logprobs, dict) else None
+    if not lls or any(not isinstance(x, (int, float)) for x in lls):
+        return None
+    return max(range(len(lls)), key=lambda i: (lls[i], -i))
+
+
 def _loglikelihood(resp: Any) -> Optional[float]:
-    """lm-eval keeps a choice's response as [loglikelihood, is_greedy] (or its string form after sanitising)."""
+    """A choice's loglikelihood from its logged response: [loglikelihood, is_greedy], which lm-eval's sanitising
+    may have turned into strings (["-0.26", "False"], or "(-0.26, False)")."""
+    if isinstance(resp, (list, tuple)) and resp:
+        resp = resp[0]
     if isinstance(resp, str):
-        try:
-            resp = json.loads(resp.replace("(", "[").replace(")", "]").replace("True", "true").replace("False", "false"))
-        except ValueError:
-            return None
-    if isinstance(resp, (list, tuple)) and resp and isinstance(resp[0], (int, float)):
-        return float(resp[0])
-    if isinstance(resp, (int, float)):
-        return float(resp)
-    return None
+        match = _NUMBER.match(resp)
+        resp = match.group(1) if match else None
+    try:
+        return float(resp) if resp is not None and not isinstance(resp, bool) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def load(source: Path, *, task: Optional[str] = None, filter_name: Optional[str] = None,
