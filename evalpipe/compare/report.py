@@ -145,9 +145,11 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
     md = result.get("manifest_diff") or {}
     ignored = len(md.get("volatile_keys_ignored") or [])
     folded = f"; {ignored} volatile key(s) ignored (listed in compare.json)" if ignored else ""
-    if md.get("intended_implied"):
+    if md.get("intended_implied") and not md.get("n_unintended"):
         lines.append(escape(f"manifest: {md['intended_implied']}{folded}"))
     elif md.get("differences"):
+        if md.get("intended_implied"):
+            lines.append(escape(f"manifest: {md['intended_implied']}"))
         unintended = f"[bold]{md['n_unintended']} not marked intended[/]" if md["n_unintended"] else "none unmarked"
         lines.append(f"manifest: {len(md['differences'])} difference(s), {md['n_intended']} marked intended, "
                      f"{unintended}" + escape(folded) + (":" if details else " (see Manifest differences)"))

@@ -29,6 +29,7 @@ MANIFEST_FILE = "manifest.json"
 SUPERSEDED_FILE = "superseded.jsonl"  # records that no longer count: error records retried by --resume, duplicates
 REPEAT_FILE = "repeat.json"  # `evalpipe repeat`'s result beside its records
 BENCH_FILE = "bench.json"  # `evalpipe bench` writes only this
+AB_FILE = "ab.json"  # `evalpipe ab`'s index of its arms, their run folders and the flags that differ between them
 
 # Keys every record carries (the issue's list plus the project additions), in writing order.
 REQUIRED_KEYS: tuple[str, ...] = (
