@@ -27,7 +27,9 @@ from evalpipe.compare import stats
                    "the overridden reasons are recorded in compare.json and shown in the report.")
 @click.option("--intended", "intended", multiple=True, metavar="PATTERN",
               help="Glob over dotted manifest keys (or their last part) naming the intended difference, e.g. "
-                   "'server.*spec*'. Repeatable. Differences not matched are flagged as not intended.")
+                   "'server.*spec*'. Repeatable. Differences not matched are flagged as not intended. Without it: the "
+                   "flags declared by the `evalpipe ab` plan both folders come from, else the speculation settings "
+                   "when the arms differ only there (said in one line).")
 @click.option("--seed", type=int, default=stats.DEFAULT_SEED, show_default=True,
               help="RNG seed of the bootstrap and permutation test (recorded).")
 @click.option("--resamples", type=click.IntRange(min=100), default=stats.DEFAULT_RESAMPLES, show_default=True,
