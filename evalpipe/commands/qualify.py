@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from evalpipe.harness.client import DEFAULT_BASE_URL
 from evalpipe.qualify import EXIT_BAD_INPUT, GATES
 
 DEFAULT_GATES = tuple(g for g in GATES if g != "reference")  # reference joins when a reference file is named
@@ -27,7 +28,8 @@ def _gates(ctx, param, value):
 
 
 @click.command(name="qualify", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--base-url", required=True, help="OpenAI-compatible endpoint including /v1, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--base-url", default=DEFAULT_BASE_URL, show_default=True,
+              help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).")
 @click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models.")
 @click.option("--api-key", "api_keys", multiple=True, envvar="EVALPIPE_API_KEY",
               help="A key the server accepts; repeat it for every key the server is configured with (the auth gate "
