@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

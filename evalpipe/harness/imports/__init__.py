@@ -30,10 +30,6 @@ from evalpipe.harness.records import (
 from evalpipe.harness.summary import compute_summary
 from evalpipe.lanes import canonical_json, id_list_sha256, prompt_sha256, prompt_stream_sha256, sha256_hex
 
-# every record field an importer may lack, in REQUIRED_KEYS order; a source that lacks one gets null there
-OPTIONAL_FIELDS = ("request", "reasoning_text", "finish_reason", "matched_stop", "truncated", "usage", "latency_s",
-                   "spec", "output_token_ids", "logprobs")
-
 
 class ImportSourceError(MalformedFile):
     """The source folder is missing a file, holds a file of another kind, or a malformed one (message: FILE:LINE)."""

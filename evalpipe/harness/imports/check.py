@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from evalpipe.digest import file_sha256
 from evalpipe.harness.imports import question_ids, stream_of

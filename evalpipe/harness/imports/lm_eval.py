@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from evalpipe.harness.imports import (Imported, ImportSourceError, config_sha256, files_sha256, id_order, read_jsonl,
                                       record_prompt_sha256)
-from evalpipe.harness.records import read_json_object, MalformedFile
+from evalpipe.harness.records import MalformedFile, read_json_object
 from evalpipe.lanes import canonical_json, sha256_hex
 
 TOOL = "lm-eval"

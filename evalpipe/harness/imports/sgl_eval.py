@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from evalpipe.harness.imports import Imported, ImportSourceError, config_sha256, files_sha256, read_jsonl, \
-    record_prompt_sha256
+from evalpipe.harness.imports import (Imported, ImportSourceError, config_sha256, files_sha256, read_jsonl,
+                                      record_prompt_sha256)
 from evalpipe.harness.records import MalformedFile, read_json_object
 from evalpipe.lanes import canonical_json, sha256_hex
 
