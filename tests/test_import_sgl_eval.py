@@ -73,6 +73,8 @@ def test_import_keeps_what_sgl_eval_recorded_and_audit_regrades_it(sources, tmp_
     audit = run_cli("audit", run, "--no-progress")
     assert audit.returncode == 0, audit.stdout
     assert "OK   grades" in audit.stdout and "not recorded by sgl-eval" in audit.stdout
+    resume = run_cli("run", "--resume", run, "--no-progress")
+    assert resume.returncode == 2 and "was made by `evalpipe import` from sgl-eval" in resume.stderr
 
     # a flipped grade, with the file's pin updated to hide the edit, is caught by re-grading
     flipped = tmp_path / "flipped"

@@ -111,6 +111,9 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
             raise click.UsageError(f"{resume_dir} is not a run folder (no {MANIFEST_FILE})")
         try:
             old = read_json_object(mpath)
+            if isinstance(old.get("imported"), dict):
+                raise BadInput(f"{resume_dir} was made by `evalpipe import` from {old['imported'].get('tool')}: run "
+                               "that tool again and import its output; evalpipe cannot resume it")
             eff = old["start"]["lane"]["effective"]
             recorded_data = old["start"]["dataset"]["path"]
         except MalformedFile as exc:
