@@ -95,6 +95,7 @@ def test_two_lmeval_runs_imported_audited_and_compared(lmeval_runs, tmp_path):
     # block speculation is lossless under greedy decoding: every text identical, no flips
     assert result["agreement"]["n_identical"] == LIMIT and result["flips"] == []
     assert result["manifest_diff"]["n_unintended"] == 0
+    assert result["spec"]["a"]["not_recorded"] and "not recorded by the source" in cmp.stdout
 
     # another task configuration is refused, as for native runs: exit 1, the differing key named
     changed = tmp_path / "changed"

@@ -353,6 +353,8 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         server = lossy_acceptance((snapshot(run.manifest).get("server") or {}).get("server_info"))
         result["spec"][side]["server_lossy_acceptance"] = server
         result["spec"][side]["lossy"] = bool(server) or result["spec"][side]["n_records_lossy"] > 0
+        imported = run.manifest.get("imported")  # `evalpipe import`: the source may have kept no speculation facts
+        result["spec"][side]["not_recorded"] = isinstance(imported, dict) and "spec" in (imported.get("not_recorded") or [])
     result["speed"] = {"a": speed_stats(recs_a), "b": speed_stats(recs_b)}
     result["manifest_diff"] = manifest_differences(a.manifest, b.manifest, intended)
     return _clean(result)

@@ -163,8 +163,11 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
 
 
 def acceptance(sp: dict) -> str:
-    """One arm's acceptance rule for the spec section: 'exact', 'off', or the LOSSY rule and how many it decided."""
+    """One arm's acceptance rule for the spec section: 'exact', 'off', the LOSSY rule and how many it decided, or
+    'not recorded by the source' for an imported run whose harness kept no speculation facts."""
     rules = sp.get("accept_rules") or []
+    if sp.get("not_recorded"):
+        return "not recorded by the source"
     if not sp.get("lossy"):
         return ", ".join(rules) if rules else ("off" if not sp.get("n_records_with_spec") else "not reported")
     return "LOSSY " + lossy_detail(sp)
