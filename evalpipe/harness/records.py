@@ -170,6 +170,7 @@ class ReadResult:
     torn_tail: bool  # the last line was cut mid-write (killed process); it is not in `records`
     bad_lines: list[int]  # 1-based line numbers that are not valid JSON objects (other than a torn tail)
     why: dict = field(default_factory=dict)  # bad line number -> what is wrong with it
+    line_numbers: list = field(default_factory=list)  # 1-based line of each record in `records`
 
     def first_bad(self, path: Path) -> str:
         """`FILE:LINE: reason` of the first bad line, and how many more there are (for an error message)."""
@@ -187,6 +188,7 @@ def read_records(path: Path) -> ReadResult:
     records: list[dict] = []
     bad: list[int] = []
     why: dict[int, str] = {}
+    numbers: list[int] = []
     torn = False
     if not path.exists():
         return ReadResult([], False, [])
@@ -203,12 +205,13 @@ def read_records(path: Path) -> ReadResult:
             problem = f"not valid JSON ({exc})"
         if problem is None:
             records.append(obj)
+            numbers.append(i + 1)
         elif i == len(lines) - 1:
             torn = True  # no trailing newline: the writer died mid-line (maybe inside a UTF-8 sequence)
         else:
             bad.append(i + 1)
             why[i + 1] = problem
-    return ReadResult(records, torn, bad, why)
+    return ReadResult(records, torn, bad, why, numbers)
 
 
 class MalformedFile(Exception):

@@ -11,9 +11,8 @@ every record, never guessed.
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,6 +24,7 @@ from evalpipe.harness.records import (
     SUMMARY_FILE,
     MalformedFile,
     RecordWriter,
+    read_records,
     write_json,
 )
 from evalpipe.harness.summary import compute_summary
@@ -51,29 +51,22 @@ class Imported:
     not_recorded: list[str]
     grader: Optional[str] = None  # evalpipe's name of the source's grader when it is one evalpipe has (audit re-grades)
     created_at: Optional[float] = None
-    extra: dict = field(default_factory=dict)
+    dataset_sha256: Optional[str] = None  # identity of the documents asked (each importer's `dataset_sha256`)
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; ImportSourceError names the first bad line."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ImportSourceError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    out = []
-    for i, line in enumerate(raw.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ImportSourceError(f"{path}:{i}: not UTF-8 (byte 0x{line[exc.start]:02x} at column {exc.start + 1})") from None
-        except ValueError as exc:
-            raise ImportSourceError(f"{path}:{i}: not valid JSON ({exc})") from None
-        if not isinstance(obj, dict):
-            raise ImportSourceError(f"{path}:{i}: a JSON {type(obj).__name__}, not an object")
-        out.append((i, obj))
-    return out
+    """(line number, object) for every non-blank line; ImportSourceError names the first bad line (a source file is
+    finished when it is imported, so a cut-off last line is bad too)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ImportSourceError(f"{path}: no such file")
+    read = read_records(path)
+    if read.bad_lines:
+        raise ImportSourceError(read.first_bad(path))
+    if read.torn_tail:
+        last = path.read_bytes().count(b"\n") + 1
+        raise ImportSourceError(f"{path}:{last}: the last line is cut off (no newline after an incomplete object)")
+    return list(zip(read.line_numbers, read.records))
 
 
 def record_prompt_sha256(prompt: Any) -> Optional[str]:
@@ -122,7 +115,7 @@ def snapshot(imp: Imported) -> dict:
     return {
         "captured_at": imp.created_at,
         "imported": True,
-        "dataset": {"sha256": imp.extra.get("dataset_sha256"),
+        "dataset": {"sha256": imp.dataset_sha256,
                     "selected_id_list_sha256": id_list_sha256(qids), "selected_n_items": len(qids)},
         "prompts": {"prompt_stream_sha256_selected": stream_of(imp.records)},
         "lane": {"spec": imp.task_config, "overrides": {},

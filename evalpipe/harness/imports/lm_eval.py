@@ -201,7 +201,7 @@ def load(source: Path, *, task: Optional[str] = None, filter_name: Optional[str]
                 "source_task_hash": (results.get("task_hashes") or {}).get(task),
                 "n_samples": (results.get("n-samples") or {}).get(task), "limit": (results.get("config") or {}).get("limit")},
         not_recorded=list(NOT_RECORDED),
-        extra={"dataset_sha256": dataset_sha256(records)},
+        dataset_sha256=dataset_sha256(records),
     )
 
 

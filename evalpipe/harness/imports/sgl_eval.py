@@ -109,7 +109,7 @@ def load(source: Path) -> Imported:
                 "source_aggregate": meta.get("aggregate"), "partial": bool(meta.get("partial")),
                 "planned_examples": meta.get("planned_examples")},
         not_recorded=list(NOT_RECORDED),
-        extra={"dataset_sha256": dataset_sha256(records)},
+        dataset_sha256=dataset_sha256(records),
     )
 
 
