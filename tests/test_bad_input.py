@@ -148,3 +148,11 @@ def test_records_keep_a_bad_line_out_but_read_the_rest(tmp_path):
     assert [r["a"] for r in got.records] == [1, 2] and got.bad_lines == [2] and got.torn_tail
     assert got.first_bad(path) == f"{path}:2: not UTF-8 (byte 0xc3 at column 1)"
     json.loads(json.dumps(got.why))  # plain strings only
+
+
+def test_a_malformed_bench_json_is_named(tmp_path):
+    for name, data in (("a", b'{"requests": [],\n "x": \xff}'), ("b", b'{"requests": []}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.json").write_bytes(data)
+    assert_bad_input(run_cli("compare", tmp_path / "a", tmp_path / "b", "--no-html", "--out", tmp_path / "cmp"),
+                     f"{tmp_path / 'a' / 'bench.json'}:2: not UTF-8 (byte 0xff)")
