@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from evalpipe.digest import file_sha256
 from tests.core_helpers import load_run, only_run_dir, run_cli, run_lane
 from tests.lmeval_env import REPO, TASKS, require_lmeval, run_lmeval
 from tests.server_harness import ServerProcess
@@ -96,6 +97,23 @@ def test_two_lmeval_runs_imported_audited_and_compared(lmeval_runs, tmp_path):
     assert result["agreement"]["n_identical"] == LIMIT and result["flips"] == []
     assert result["manifest_diff"]["n_unintended"] == 0
     assert result["spec"]["a"]["not_recorded"] and "not recorded by the source" in cmp.stdout
+
+    # an edited document or prompt no longer matches lm-eval's own hashes (the responses pin updated to hide it)
+    edited = tmp_path / "edited"
+    shutil.copytree(runs["off"], edited)
+    lines = (edited / "responses.jsonl").read_text().splitlines()
+    rec = json.loads(lines[2])
+    rec["source"]["doc"]["expected_answer"] = "0"
+    rec["request"]["prompt"] += " "
+    lines[2] = json.dumps(rec)
+    (edited / "responses.jsonl").write_text("\n".join(lines) + "\n")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["responses_sha256"] = file_sha256(edited / "responses.jsonl")
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    audit = run_cli("audit", edited, "--no-progress")
+    assert audit.returncode == 1 and "FAIL prompts" in audit.stdout, audit.stdout
+    for what in ("lm-eval's doc_hash", "lm-eval's prompt_hash", "prompt_sha256 is not the sha256"):
+        assert f"{rec['question_id']}/0: {what}" in audit.stdout, audit.stdout
 
     # another task configuration is refused, as for native runs: exit 1, the differing key named
     changed = tmp_path / "changed"
