@@ -131,7 +131,8 @@ def test_lmeval_chat_completions_generate(servers, tmp_path):
                      extra=("--apply_chat_template",))
     samples = samples_of(out)
     assert len(samples) == 10 and all(s["resps"][0][0].strip() for s in samples)
-    r = run_cli("import", "lm-eval", out, "--out", tmp_path / "run", "--arm", "chat")
+    (results_file,) = out.rglob("results_*.json")  # the results file itself names the run as well as its folder
+    r = run_cli("import", "lm-eval", results_file, "--out", tmp_path / "run", "--arm", "chat")
     assert r.returncode == 0, r.stderr
     audit = run_cli("audit", tmp_path / "run", "--no-progress")
     assert audit.returncode == 0, audit.stdout

@@ -29,7 +29,8 @@ NOT_RECORDED = ["finish_reason", "usage", "latency_s", "spec", "output_token_ids
                 "request body (the prompt and generation kwargs are kept)", "server facts"]
 SAMPLE_KEYS = ("doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics")
 _NUMBER = re.compile(r"\s*[(\[]?\s*(-?(?:inf|[0-9.]+(?:e[-+]?[0-9]+)?))")
-_RESULTS = re.compile(r"results_(.+)\.json$")
+# lm-eval names its results `results_<date>.json`, or `<stem>_<date>.json` when --output_path is `<stem>.json`
+_RESULTS = re.compile(r"^.+_(\d{4}-\d\d-\d\dT[0-9.\-]+)\.json$")
 _SAMPLES = re.compile(r"samples_(.+)_(\d{4}-\d\d-\d\dT[0-9.\-]+)\.jsonl$")
 
 
@@ -184,7 +185,7 @@ def load(source: Path, *, task: Optional[str] = None, filter_name: Optional[str]
     first_gen = next((r["request"].get("generation_kwargs") for r in records if "generation_kwargs" in r["request"]), None)
     return Imported(
         tool=TOOL, version=results.get("lm_eval_version"), lane=f"{TOOL}/{task}",
-        run_id=f"{TOOL}-{task}-{results_path.name[len('results_'):-len('.json')]}",
+        run_id=f"{TOOL}-{task}-{_RESULTS.match(results_path.name).group(1)}",
         model=results.get("model_name") or (model_args.get("model") if isinstance(model_args, dict) else None),
         base_url=base_url, records=records,
         task_config={"task": task, "config": task_protocol(config, model_args), "filter": filter_name, "metric": metric,
