@@ -120,3 +120,22 @@ def test_damaged_or_incomplete_sgl_eval_folders_are_named(sources, tmp_path):
     done = imported(sources["a"], tmp_path / "ok", "a")
     again = run_cli("import", "sgl-eval", sources["a"], "--out", done)
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
+
+
+def test_a_missing_repeat_makes_the_import_partial(sources, tmp_path):
+    """An example that lacks one of its repeats (an interrupted sgl-eval run) is imported as a partial run: audit's
+    completeness check and compare's refusal say so."""
+    cut = tmp_path / "cut"
+    shutil.copytree(sources["b"], cut)
+    rs1 = cut / "output-rs1.jsonl"
+    lines = rs1.read_text().splitlines()
+    dropped = json.loads(lines[-1])["id"]
+    rs1.write_text("\n".join(lines[:-1]) + "\n")
+    run = imported(cut, tmp_path / "run", "cut")
+    _, summary, _ = load_run(run)
+    assert summary["partial"] is True and summary["n_missing"] == 1 and summary["n_planned"] == N * REPEATS
+    audit = run_cli("audit", run, "--no-progress")
+    assert audit.returncode == 1 and "FAIL complete" in audit.stdout and repr(dropped) in audit.stdout
+    full = imported(sources["a"], tmp_path / "a", "a")
+    refused = run_cli("compare", full, run, "--out", tmp_path / "cmp", "--no-html")
+    assert refused.returncode == 1 and "is partial" in refused.stderr, refused.stderr

@@ -140,7 +140,8 @@ def write_run_folder(imp: Imported, out: Path, arm: Optional[str] = None) -> dic
     summary = compute_summary(lane_name=imp.lane, grader=imp.grader or "imported", repeats=imp.repeats,
                               planned_question_ids=question_ids(records), records=records,
                               meta={"arm": arm, "run_id": imp.run_id, "model": imp.model, "endpoint": imp.base_url,
-                                    "partial": False})
+                                    # a source that says it stopped early is partial, as is a missing repeat
+                                    **({"partial": True} if imp.source.get("partial") else {})})
     write_json(out / SUMMARY_FILE, summary)
     snap = snapshot(imp)
     manifest = {
