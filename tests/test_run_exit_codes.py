@@ -101,11 +101,23 @@ def test_server_killed_mid_run_exits_4_and_resumes_on_a_new_address(tmp_path):
     assert len(retried) == manifest["resumes"][-1]["superseded_error_records"] == summary_errors(stderr) > 0
 
 
-def test_new_run_needs_base_url(tmp_path):
-    r = run_cli("run", "gsm8k", "--out", tmp_path)
-    assert r.returncode == 2 and "--base-url is required" in r.stderr
+def test_new_run_defaults_to_the_address_serve_listens_on(tmp_path):
+    from evalpipe.harness.client import DEFAULT_BASE_URL
+
+    serve_help = " ".join(subprocess.run([sys.executable, "-m", "evalpipe.cli", "serve", "--help"],
+                                         capture_output=True, text=True).stdout.split())
+    port = DEFAULT_BASE_URL.rsplit(":", 1)[1].split("/")[0]
+    assert DEFAULT_BASE_URL == f"http://127.0.0.1:{port}/v1"
+    assert f"[default: {port};" in serve_help and "binds. [default: 127.0.0.1]" in serve_help
+    r = run_cli("run", "arith", "--out", tmp_path, "--num-examples", 1, "--max-retries", 0, "--no-progress")
+    # whether or not a server listens there on this machine, the run went to that address
+    said = r.stdout + r.stderr + "".join(p.read_text() for p in tmp_path.rglob("manifest.json"))
+    assert DEFAULT_BASE_URL in said or f"127.0.0.1:{port}" in said, said
     help_text = subprocess.run([sys.executable, "-m", "evalpipe.cli", "run", "--help"], capture_output=True,
                                text=True).stdout
+    assert DEFAULT_BASE_URL in help_text
+    for lane in ("gsm8k 64", "aime26 1", "aime26-x16 64", "arith 64", "retrieval", "copy"):
+        assert lane in " ".join(help_text.split()), help_text  # every lane's concurrency default
     for line in ("0    every planned item has a non-error record", "4    finished, but some items ended as error",
                  "130  interrupted by Ctrl-C"):
         assert line in help_text, help_text

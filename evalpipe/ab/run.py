@@ -22,20 +22,21 @@ from evalpipe.compare.analysis import arm_accept_length
 from evalpipe.compare.gate import GATE_FAILED_EXIT, verdict_of
 from evalpipe.compare.report import print_terminal, verdict_summary
 from evalpipe.compare.runfolder import RunFolderError, load_run
-from evalpipe.compare.workflow import NotComparable, compare_runs
+from evalpipe.compare.workflow import NotComparable, compare_runs, declared_patterns
 from evalpipe.console import make_console
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.agreement import compare_outputs
 from evalpipe.harness.client import Server
 from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
+from evalpipe.harness.records import AB_FILE
 from evalpipe.lanes import get_lane
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
 from evalpipe.launchers.base import free_port
 from evalpipe.launchers.launch import boot, finish
-from evalpipe.launchers.receipts import SPECULATION_WORDS, receipt_differences, write_receipt
+from evalpipe.launchers.receipts import receipt_differences, write_receipt
 from evalpipe.redact import redact
 
-INDEX_FILE = "ab.json"
+INDEX_FILE = AB_FILE
 GREEDY_SUMMARY_BLOCKS = ("interval", "planning_discordance", "output_identity")  # the verdict's own figures
 REPORT_FILE = "report.html"
 
@@ -281,12 +282,7 @@ class ABRun:
         self.warn_on_idle_speculation()
 
     def intended_patterns(self, kind: str) -> list[str]:
-        if kind == "boot":
-            return []
-        patterns = [f"*{name}*" for name in self.declared]
-        if any(any(w in name for w in SPECULATION_WORDS) for name in self.declared):
-            patterns += [f"*{w}*" for w in SPECULATION_WORDS]
-        return patterns
+        return [] if kind == "boot" else declared_patterns(self.declared)
 
     def compare_pair(self, run_x: str, run_y: str, out: Path, kind: str) -> dict:
         """`compare_runs` on one pair; its table goes to compare.txt (the A/B prints one summary at the end)."""

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from evalpipe.commands.errors import BadInput
+
 
 @click.command(name="audit")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
@@ -21,13 +23,29 @@ def command(run_dir, data_dir, grader_timeout, grader_workers, no_progress):
 
     Checks: records (schema), prompts (rebuilt and hashed), grades (re-graded from raw text), complete (every
     planned item exactly once), summary (recomputed), manifest (start == end, pins). A partial run fails
-    `complete`. A change of evalpipe's own source during the run is a warning only.
+    `complete`. A change of evalpipe's own source during the run is a warning only. A run folder made by
+    `evalpipe import` is checked for what its source recorded (see `evalpipe import --help`).
+
+    \b
+    Exit codes:
+      0  every check passed
+      1  a check failed (printed)
+      2  usage error, or not a run folder, or a file that cannot be read (named with its line)
     """
     from evalpipe.harness.audit import MAX_SHOWN, audit_run
-    from evalpipe.harness.records import MANIFEST_FILE
+    from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, MalformedFile, read_json_object, read_records
 
     if not (run_dir / MANIFEST_FILE).exists():
-        raise click.UsageError(f"{run_dir} is not a run folder (no {MANIFEST_FILE})")
+        raise BadInput(f"{run_dir} is not a run folder (no {MANIFEST_FILE})")
+    try:
+        for name in (MANIFEST_FILE, SUMMARY_FILE):
+            if (run_dir / name).exists():
+                read_json_object(run_dir / name)
+    except MalformedFile as exc:
+        raise BadInput(str(exc)) from None
+    read = read_records(run_dir / RESPONSES_FILE)
+    if read.bad_lines:
+        raise BadInput(read.first_bad(run_dir / RESPONSES_FILE))
     report = audit_run(run_dir, data_dir=data_dir, grader_timeout_s=grader_timeout, grader_workers=grader_workers,
                        progress=not no_progress)
     for c in report.checks:

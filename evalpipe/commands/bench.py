@@ -8,9 +8,12 @@ from pathlib import Path
 
 import click
 
+from evalpipe.harness.client import DEFAULT_BASE_URL
+
 
 @click.command(name="bench")
-@click.option("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--base-url", default=DEFAULT_BASE_URL, show_default=True,
+              help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).")
 @click.option("--model", default=None, help="Model id [default: the first id the server lists].")
 @click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", help="Bearer key (env EVALPIPE_API_KEY).")
 @click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True,

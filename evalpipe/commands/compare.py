@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from evalpipe.commands.errors import BadInput
 from evalpipe.compare import stats
 from evalpipe.compare.gate import FAIL_ON_HELP, GATE_FAILED_EXIT, parse_fail_on
 
@@ -30,7 +31,9 @@ from evalpipe.compare.gate import FAIL_ON_HELP, GATE_FAILED_EXIT, parse_fail_on
                    "the overridden reasons are recorded in compare.json and shown in the report.")
 @click.option("--intended", "intended", multiple=True, metavar="PATTERN",
               help="Glob over dotted manifest keys (or their last part) naming the intended difference, e.g. "
-                   "'server.*spec*'. Repeatable. Differences not matched are flagged as not intended.")
+                   "'server.*spec*'. Repeatable. Differences not matched are flagged as not intended. Without it: the "
+                   "flags declared by the `evalpipe ab` plan both folders come from, else the speculation settings "
+                   "when the arms differ only there (said in one line).")
 @click.option("--seed", type=int, default=stats.DEFAULT_SEED, show_default=True,
               help="RNG seed of the bootstrap (a secondary figure) and the permutation test (recorded).")
 @click.option("--resamples", type=click.IntRange(min=100), default=stats.DEFAULT_RESAMPLES, show_default=True,
@@ -48,9 +51,13 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     differences. Bench folders (bench.json): ratio of medians B / A with a bootstrap interval, a verdict (higher,
     lower, no measurable change) and the smallest detectable change in percent.
 
+
     \b
-    Exit codes: 0 compared (whatever the verdict, unless --fail-on); 1 unreadable folder or refused pair;
-    2 usage error; 4 the verdict is one of --fail-on.
+    Exit codes:
+      0  compared (whatever the verdict, unless --fail-on)
+      1  refused: the runs did not ask the same questions the same way, or one is partial (--force overrides)
+      2  usage error, or a folder that is not a run folder or holds a malformed file (named with its line)
+      4  the verdict is one of --fail-on
     """
     from evalpipe.compare import report
     from evalpipe.compare.bench_compare import is_bench_folder
@@ -66,7 +73,9 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
                             seed=seed, n_resamples=resamples, html=not no_html)
     except MixedFolders as exc:
         raise click.UsageError(str(exc)) from None
-    except (RunFolderError, NotComparable) as exc:
+    except RunFolderError as exc:
+        raise BadInput(str(exc)) from None
+    except NotComparable as exc:
         raise click.ClickException(str(exc)) from None
     report.print_terminal(done.result)
     click.echo(f"wrote {done.json_path}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from evalpipe.harness.client import DEFAULT_BASE_URL
 from evalpipe.qualify import EXIT_BAD_INPUT, GATES
 
 DEFAULT_GATES = tuple(g for g in GATES if g != "reference")  # reference joins when a reference file is named
@@ -27,7 +28,8 @@ def _gates(ctx, param, value):
 
 
 @click.command(name="qualify", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--base-url", required=True, help="OpenAI-compatible endpoint including /v1, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--base-url", default=DEFAULT_BASE_URL, show_default=True,
+              help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).")
 @click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models.")
 @click.option("--api-key", "api_keys", multiple=True, envvar="EVALPIPE_API_KEY",
               help="A key the server accepts; repeat it for every key the server is configured with (the auth gate "
@@ -54,7 +56,8 @@ def _gates(ctx, param, value):
               help="Greedy continuation length compared by boundaries and mixed.")
 @click.option("--retrieval-depths", type=click.IntRange(3, 64), default=4, show_default=True,
               help="Needle depths, from just before the question to the front of a --max-context prompt.")
-@click.option("--needles-per-depth", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--needles-per-depth", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Retrieval prompts (each with its own needle and filler) at every needle depth.")
 @click.option("--chunk-size", type=click.IntRange(2), default=None,
               help="Prefill chunk size for boundaries. Default: what /get_server_info reports.")
 @click.option("--page-size", type=click.IntRange(2), default=None,
@@ -82,7 +85,8 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
 
     \b
     Gates:
-      auth        every --api-key accepted, missing and wrong keys refused, on every route
+      auth        every --api-key accepted, missing and wrong keys refused, on every route (skipped, with the
+                  reason, when no --api-key is given)
       reference   --record-reference / --reference: 20 greedy fixtures against an earlier boot
       retrieval   exact needle answers with a normal stop at several depths up to --max-context
       boundaries  prompts at +-1 of chunk, page, window and compression sizes equal their solo runs
@@ -92,7 +96,7 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
 
     \b
     Exit codes:
-      0    every selected gate passed
+      0    every selected gate passed (or was skipped, as auth without --api-key)
       2    bad input: a flag, an unreadable --reference, an unknown --model, a refused key, a used --out
       3    cannot connect: the endpoint is unreachable or not OpenAI-compatible
       4    the gates ran and at least one failed (or the server's settings changed during the run)

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import click
 
+from evalpipe.harness.client import DEFAULT_BASE_URL
+
 CONDITION_HELP = "serial, burst, logprobs, prefix_fresh, prefix_reused"
 
 
 @click.command(name="repeat")
-@click.option("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1.")
+@click.option("--base-url", default=DEFAULT_BASE_URL, show_default=True,
+              help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).")
 @click.option("--repeats", type=click.IntRange(min=2), default=8, show_default=True,
               help="Identical requests per fixture and condition (N).")
 @click.option("--model", default=None, help="Model id [default: the first id the server lists].")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from evalpipe.commands.errors import BadInput
+from evalpipe.harness.client import DEFAULT_BASE_URL
 from evalpipe.lanes import LANE_MODULES, get_lane
 
 def _parse_seed(ctx, param, value):
@@ -23,14 +24,15 @@ def _parse_seed(ctx, param, value):
 
 @click.command(name="run")
 @click.argument("lane", required=False, type=click.Choice(list(LANE_MODULES)))
-@click.option("--base-url", default=None, help="OpenAI-compatible endpoint including /v1, e.g. "
-              "http://127.0.0.1:30000/v1. Required for a new run; with --resume the run's own endpoint is used unless "
-              "this overrides it.")
+@click.option("--base-url", default=None, help=f"OpenAI-compatible endpoint including /v1. Default: "
+              f"{DEFAULT_BASE_URL}, where `evalpipe serve` listens by default; with --resume the run's own endpoint "
+              "(this flag overrides it).")
 @click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models. "
               "A name the server does not list is an error before any request.")
 @click.option("--api-key", envvar="EVALPIPE_API_KEY", default=None, help="Bearer key (env EVALPIPE_API_KEY). Never recorded.")
 @click.option("--concurrency", "lane_concurrency", type=click.IntRange(1, 4096), default=None,
-              help="Requests in flight. Default: the lane's (gsm8k 64, aime26 1, aime26-x16 64). Recorded.")
+              help="Requests in flight. Default: the lane's (" + ", ".join(f"{name} {get_lane(name).concurrency}"
+                                                               for name in LANE_MODULES) + "). Recorded.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results"),
               show_default=True, help="Parent folder; the run goes to <out>/<lane>/<run_id>/.")
 @click.option("--arm", default="default", show_default=True,
@@ -47,12 +49,14 @@ def _parse_seed(ctx, param, value):
               help="Responses per item (default: the lane's). Repeat r sends the lane's seed + r (recorded in each "
                    "record's request), so sampled repeats are distinct draws, each reproducible.")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`.")
+              help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`; "
+                   "with --resume the folder the run used (its manifest's dataset path).")
 @click.option("--allow-data-drift", is_flag=True, help="Run even when the data or prompt hashes differ from "
               "evalpipe/lanes/pins/<lane>.json (recorded in manifest and summary).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="Continue RUN_DIR: items with a non-error record are skipped, error records are retried "
-              "(the old ones move to superseded.jsonl), the rest is appended. Lane flags come from its manifest.")
+              "(the old ones move to superseded.jsonl), the rest is appended. Everything else (lane, protocol, model, "
+              "endpoint, data folder) comes from its manifest unless a flag overrides it.")
 @click.option("--no-token-ids", is_flag=True, help="Do not ask for output token ids (return_token_ids: true); "
               "use with servers that reject unknown fields.")
 @click.option("--logprobs", type=click.IntRange(0, 20), default=None, help="Request logprobs (top N) and record them.")
@@ -84,7 +88,8 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
       4    finished, but some items ended as error records; the count and the --resume command are printed
       130  interrupted by Ctrl-C (143: SIGTERM); landed records kept, partial summary, resume command printed
     """
-    from evalpipe.harness.records import MANIFEST_FILE
+    from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, MalformedFile, read_json_object, read_records
+    from evalpipe.lanes.data import recorded_data_dir
     from evalpipe.redact import redact_argv
     from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
 
@@ -105,10 +110,21 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         if not mpath.exists():
             raise click.UsageError(f"{resume_dir} is not a run folder (no {MANIFEST_FILE})")
         try:
-            old = json.loads(mpath.read_text())
+            old = read_json_object(mpath)
+            if isinstance(old.get("imported"), dict):
+                raise BadInput(f"{resume_dir} was made by `evalpipe import` from {old['imported'].get('tool')}: run "
+                               "that tool again and import its output; evalpipe cannot resume it")
             eff = old["start"]["lane"]["effective"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise click.ClickException(f"{mpath} is unreadable ({exc}); cannot resume") from None
+            recorded_data = old["start"]["dataset"]["path"]
+        except MalformedFile as exc:
+            raise BadInput(f"{exc}; cannot resume") from None
+        except (KeyError, TypeError) as exc:
+            raise BadInput(f"{mpath}: no start snapshot ({type(exc).__name__}: {exc}); cannot resume") from None
+        read = read_records(resume_dir / RESPONSES_FILE)
+        if read.bad_lines:
+            raise BadInput(f"{read.first_bad(resume_dir / RESPONSES_FILE)}; fix or remove the line, then resume")
+        if data_dir is None:
+            data_dir = recorded_data_dir(recorded_data)
         if lane is not None and lane != old["lane"]:
             raise click.UsageError(f"{resume_dir} is a {old['lane']!r} run, not {lane!r}")
         lane = old["lane"]
@@ -133,7 +149,7 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     elif lane is None:
         raise click.UsageError("give a LANE (see `evalpipe lanes`) or --resume RUN_DIR")
     elif base_url is None:
-        raise click.UsageError("--base-url is required (the OpenAI-compatible endpoint, e.g. http://127.0.0.1:30000/v1)")
+        base_url = DEFAULT_BASE_URL
 
     cfg = RunConfig(
         lane=get_lane(lane), base_url=base_url, model=model, api_key=api_key, arm=arm, out_dir=out_dir,

@@ -210,13 +210,30 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
             continue
         mark = any(fnmatch.fnmatchcase(key, pat) or fnmatch.fnmatchcase(leaf, pat) for pat in intended)
         rows.append({"key": key, "category": _category(key), "a": va, "b": vb, "intended": mark})
+    implied = None
+    if not intended and rows and all(speculation_setting(r["key"]) for r in rows):
+        for r in rows:
+            r["intended"] = True
+        implied = (f"the arms differ only in speculation settings ({len(rows)} key(s)): taken as the intended "
+                   "difference (give --intended to mark it yourself)")
     return {
         "intended_patterns": list(intended),
+        "intended_implied": implied,
         "differences": rows,
         "n_intended": sum(r["intended"] for r in rows),
         "n_unintended": sum(not r["intended"] for r in rows),
         "volatile_keys_ignored": volatile,
     }
+
+
+def speculation_setting(key: str) -> bool:
+    """A server setting of speculation: its name has a speculation word (volatile.SPECULATION_WORDS), or the engine
+    derives it from a speculative config (volatile.SPECULATION_DERIVED)."""
+    prefix = "server.server_info."
+    if not key.startswith("server."):
+        return False
+    return (any(word in key.lower() for word in volatile.SPECULATION_WORDS)
+            or (key.startswith(prefix) and volatile.derived_from_speculation(key[len(prefix):])))
 
 
 def manifest_view(manifest: dict, strip_volatile: bool = True) -> dict:
@@ -351,6 +368,8 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         server = lossy_acceptance((snapshot(run.manifest).get("server") or {}).get("server_info"))
         result["spec"][side]["server_lossy_acceptance"] = server
         result["spec"][side]["lossy"] = bool(server) or result["spec"][side]["n_records_lossy"] > 0
+        imported = run.manifest.get("imported")  # `evalpipe import`: the source may have kept no speculation facts
+        result["spec"][side]["not_recorded"] = isinstance(imported, dict) and "spec" in (imported.get("not_recorded") or [])
     result["speed"] = {"a": speed_stats(recs_a), "b": speed_stats(recs_b)}
     result["manifest_diff"] = manifest_differences(a.manifest, b.manifest, intended)
     return _clean(result)

@@ -3,7 +3,6 @@ throughput verdict with the smallest change the two benches could have detected.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from evalpipe.compare import power, stats
 from evalpipe.compare.runfolder import RunFolderError
-from evalpipe.harness.records import BENCH_FILE
+from evalpipe.harness.records import BENCH_FILE, MalformedFile, read_json_object
 
 # Settings that must match for two benches to measure the same thing.
 PROTOCOL_KEYS = ("input_len", "output_len", "concurrency", "input_ids_sha256", "temperature", "ignore_eos")
@@ -25,10 +24,10 @@ def is_bench_folder(path: str | Path) -> bool:
 def load_bench(path: str | Path) -> dict:
     p = Path(path) / BENCH_FILE
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RunFolderError(f"{p}: unreadable bench.json ({exc})") from exc
-    if not isinstance(data, dict) or "requests" not in data:
+        data = read_json_object(p)
+    except MalformedFile as exc:
+        raise RunFolderError(str(exc)) from None
+    if "requests" not in data:
         raise RunFolderError(f"{p}: not a bench.json written by `evalpipe bench`")
     data["_path"] = str(Path(path))
     return data

@@ -134,20 +134,21 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
         lines.append(overlap)
     md = result.get("manifest_diff") or {}
     ignored = len(md.get("volatile_keys_ignored") or [])
-    if md.get("differences"):
+    folded = f"; {ignored} volatile key(s) ignored (listed in compare.json)" if ignored else ""
+    if md.get("intended_implied") and not md.get("n_unintended"):
+        lines.append(escape(f"manifest: {md['intended_implied']}{folded}"))
+    elif md.get("differences"):
+        if md.get("intended_implied"):
+            lines.append(escape(f"manifest: {md['intended_implied']}"))
         unintended = f"[bold]{md['n_unintended']} not marked intended[/]" if md["n_unintended"] else "none unmarked"
         lines.append(f"manifest: {len(md['differences'])} difference(s), {md['n_intended']} marked intended, "
-                     f"{unintended}" + (":" if details else " (see Manifest differences)")
-                     + (f"; {ignored} volatile key(s) ignored" if not details and ignored else ""))
+                     f"{unintended}" + escape(folded) + (":" if details else " (see Manifest differences)"))
         if details:
             for d in md["differences"]:
                 tag = "intended" if d["intended"] else "UNINTENDED?"
                 lines.append(escape(f"  [{d['category']}] {d['key']}: {_short(d['a'])} -> {_short(d['b'])}  ({tag})"))
     else:
-        lines.append("manifest: no differences outside volatile keys"
-                     + (f" ({ignored} volatile key(s) ignored)" if ignored else ""))
-    if details and ignored:
-        lines.append(escape(f"  volatile, ignored: {', '.join(md['volatile_keys_ignored'])}"))
+        lines.append(escape(f"manifest: no differences outside volatile keys{folded}"))
     return lines
 
 
@@ -244,8 +245,11 @@ def speed_overlap_line(result: dict) -> str | None:
 
 
 def acceptance(sp: dict) -> str:
-    """One arm's acceptance rule for the spec section: 'exact', 'off', or the LOSSY rule and how many it decided."""
+    """One arm's acceptance rule for the spec section: 'exact', 'off', the LOSSY rule and how many it decided, or
+    'not recorded by the source' for an imported run whose harness kept no speculation facts."""
     rules = sp.get("accept_rules") or []
+    if sp.get("not_recorded"):
+        return "not recorded by the source"
     if not sp.get("lossy"):
         return ", ".join(rules) if rules else ("off" if not sp.get("n_records_with_spec") else "not reported")
     return "LOSSY " + lossy_detail(sp)
@@ -580,7 +584,9 @@ def render_html(result: dict) -> str:
     md = result["manifest_diff"]
     parts.append("<h2>Manifest differences</h2>")
     parts.append(f"<p>Intended patterns: {_e(', '.join(md['intended_patterns']) or 'none given (use --intended)')}. "
-                 f"{md['n_intended']} difference(s) marked intended, {md['n_unintended']} not marked intended.</p>")
+                 f"{md['n_intended']} difference(s) marked intended, {md['n_unintended']} not marked intended."
+                 + (f" {_e(md['intended_implied'][0].upper() + md['intended_implied'][1:])}." if md.get("intended_implied") else "")
+                 + "</p>")
     if md["differences"]:
         parts.append(_table(["category", "key", "A", "B", "status"], [
             [d["category"], d["key"], d["a"], d["b"],

@@ -7,12 +7,12 @@ the user forces it, and the forced reasons are written into compare.json.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, counted_records, read_records
+from evalpipe.harness.records import (MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, MalformedFile, counted_records,
+                                      read_json_object, read_records)
 from evalpipe.harness.server_facts import find_key
 
 # Manifest keys searched (depth first) for each identity; the first one found wins.
@@ -33,7 +33,7 @@ class RunFolder:
     records: list[dict]
     summary: dict
     manifest: dict
-    bad_lines: int = 0
+    bad_lines: int = 0  # 1 when the last line of responses.jsonl is cut off (a killed writer), else 0
     duplicates: int = 0
     by_key: dict[tuple, dict] = field(default_factory=dict)  # record_key -> the record that counts (records.py)
 
@@ -66,7 +66,7 @@ class RunFolder:
         if isinstance(planned, int) and len(self.by_key) < planned:
             reasons.append(f"{len(self.by_key)} of {planned} planned items have a record")
         if self.bad_lines:
-            reasons.append(f"{self.bad_lines} unreadable line(s) in {RESPONSES_FILE}")
+            reasons.append(f"the last line of {RESPONSES_FILE} is cut off")
         if self.summary.get("manifest_changed") or self.manifest.get("consistent") is False:
             reasons.append("manifest changed between start and end of the run")
         return reasons
@@ -123,29 +123,31 @@ def lane_protocol(manifest: dict, summary: dict) -> Any:
 
 
 def load_run(path: str | Path) -> RunFolder:
+    """The run folder at `path`; RunFolderError (naming the file and line) when it is not one or cannot be read."""
     folder = Path(path)
     responses = folder / RESPONSES_FILE
     if not folder.is_dir():
         raise RunFolderError(f"{folder}: not a directory")
-    if not responses.is_file():
-        raise RunFolderError(f"{folder}: no {RESPONSES_FILE} (is this a run folder?)")
+    missing = [name for name in (MANIFEST_FILE, RESPONSES_FILE) if not (folder / name).is_file()]
+    if missing:
+        raise RunFolderError(f"{folder} is not a run folder (no {' and no '.join(missing)})")
     read = read_records(responses)
+    if read.bad_lines:  # a torn last line is a partial run (refused, --force compares it); a bad line mid-file is damage
+        raise RunFolderError(read.first_bad(responses))
     records = read.records
-    bad = len(read.bad_lines) + int(read.torn_tail)
     counted = counted_records(records)
     return RunFolder(path=folder, records=records, summary=_read_json(folder / SUMMARY_FILE),
-                     manifest=_read_json(folder / MANIFEST_FILE), bad_lines=bad, duplicates=counted.n_duplicates,
-                     by_key=counted.by_key)
+                     manifest=_read_json(folder / MANIFEST_FILE), bad_lines=int(read.torn_tail),
+                     duplicates=counted.n_duplicates, by_key=counted.by_key)
 
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise RunFolderError(f"{path}: not valid JSON ({exc})") from exc
-    return data if isinstance(data, dict) else {}
+        return read_json_object(path)
+    except MalformedFile as exc:
+        raise RunFolderError(str(exc)) from None
 
 
 def comparability_problems(a: RunFolder, b: RunFolder) -> list[str]:

@@ -17,6 +17,8 @@ from evalpipe.compare import report, stats
 from evalpipe.compare.analysis import analyse
 from evalpipe.compare.bench_compare import bench_problems, compare_benches, is_bench_folder, load_bench
 from evalpipe.compare.runfolder import RunFolderError, comparability_problems, load_run
+from evalpipe.harness.records import AB_FILE, MalformedFile, read_json_object
+from evalpipe.volatile import SPECULATION_WORDS
 
 
 class MixedFolders(RunFolderError):
@@ -52,6 +54,34 @@ def default_out(a: str | Path, b: str | Path) -> Path:
     return parent / "compare" / f"{tag(pa)}__vs__{tag(pb)}"
 
 
+def declared_patterns(declared: Iterable[str]) -> list[str]:
+    """`--intended` globs for the flags that differ between two arms of an `evalpipe ab` plan: each flag's name, and
+    every speculation setting when one of them is a speculation flag (the server derives more from it)."""
+    declared = list(declared)
+    patterns = [f"*{name}*" for name in declared]
+    if any(any(word in name for word in SPECULATION_WORDS) for name in declared):
+        patterns += [f"*{word}*" for word in SPECULATION_WORDS]
+    return patterns
+
+
+def ab_plan(run_a: str | Path, run_b: str | Path) -> Optional[tuple[Path, dict]]:
+    """(ab.json, its contents) of the `evalpipe ab` plan whose arms made both run folders, else None."""
+    a, b = Path(run_a).resolve(), Path(run_b).resolve()
+    folder = Path(os.path.commonpath([a, b]))
+    for candidate in [folder, *folder.parents][:6]:
+        index_path = candidate / AB_FILE
+        if not index_path.is_file():
+            continue
+        try:
+            index = read_json_object(index_path)
+        except MalformedFile:
+            return None
+        runs = {(candidate / run).resolve() for arm in index.get("arms") or [] if isinstance(arm, dict)
+                for run in (arm.get("runs") or {}).values() if isinstance(run, str)}
+        return (index_path, index) if {a, b} <= runs else None
+    return None
+
+
 def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Path] = None, margin_pts: float = 1.0,
                  force: bool = False, intended: Iterable[str] = (), seed: int = stats.DEFAULT_SEED,
                  n_resamples: int = stats.DEFAULT_RESAMPLES, html: bool = True) -> Comparison:
@@ -71,11 +101,19 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Pa
         problems = comparability_problems(a, b)
     if problems and not force:
         raise NotComparable(problems)
+    plan = None if bench_a or intended else ab_plan(run_a, run_b)
+    if plan is not None:  # two arms of one A/B: the flags it declared are the intended difference
+        intended = declared_patterns(plan[1].get("declared_flags") or [])
     if bench_a:
         result = compare_benches(a, b, seed=seed, n_resamples=n_resamples, forced=problems)
     else:
         result = analyse(a, b, margin_pts=margin_pts, seed=seed, n_resamples=n_resamples, intended=intended,
                          forced=problems)
+        if plan is not None:
+            flags = ", ".join(plan[1].get("declared_flags") or []) or "none"
+            result["manifest_diff"]["intended_implied"] = (
+                f"both folders come from one `evalpipe ab` plan ({plan[0]}): its declared flags ({flags}) mark the "
+                "intended difference")
     folder = Path(out) if out else default_out(run_a, run_b)
     folder.mkdir(parents=True, exist_ok=True)
     result["command"] = {"run_a": str(run_a), "run_b": str(run_b), "margin_pts": margin_pts, "force": force,

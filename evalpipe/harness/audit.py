@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +22,10 @@ from typing import Any, Optional
 
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
-from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, compute_summary
+from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, close_values, compute_summary
 from evalpipe.lanes import get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
 from evalpipe.digest import file_sha256
-from evalpipe.lanes.data import DataError
+from evalpipe.lanes.data import DataError, recorded_data_dir
 from evalpipe.lanes.grading import GraderPool, grade_text
 
 MAX_SHOWN = 20
@@ -55,16 +54,6 @@ class AuditReport:
         return all(c.ok for c in self.checks)
 
 
-def _close(a: Any, b: Any) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        if a is None or b is None:
-            return a is b
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return set(a) == set(b) and all(_close(a[k], b[k]) for k in a)
-    return a == b
-
-
 def _load_json(path: Path, check: Check) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
@@ -86,6 +75,12 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
     summ = _load_json(run_dir / SUMMARY_FILE, c_sum)
     if man is None:
         return AuditReport(run_dir, checks, warnings)
+    if isinstance(man.get("imported"), dict):  # made by `evalpipe import`: checked for what its source recorded
+        from evalpipe.harness.imports.check import audit_imported
+
+        again = audit_imported(run_dir, man, summ, {c.name: c for c in checks}, warnings, _regrade, grader_workers,
+                               progress)
+        return AuditReport(run_dir, checks, warnings, again)
     try:
         lane = get_lane(man["lane"])
         start = man.get("resume_start") or man["start"]
@@ -120,10 +115,9 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
     records = [r for r in records if not missing_keys(r)]
 
     # ---- prompts
-    recorded_path = Path(start["dataset"]["path"])
     try:
-        if data_dir is None and lane.name == "gsm8k" and recorded_path.exists():
-            data_dir = recorded_path.parent.parent
+        if data_dir is None:
+            data_dir = recorded_data_dir(start["dataset"]["path"])
         data = lane.load(data_dir, allow_data_drift=True)
     except DataError as exc:
         c_prompt.problems.append(f"cannot rebuild prompts: {exc}")
@@ -193,7 +187,7 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
                 and not (k in KEYS_ADDED_LATER and k not in summ and not again.get(k))]
         keys += [k for k in again if k.startswith(("pass@", "majority@")) or k == "no_answer"]
         for k in keys:
-            if not _close(summ.get(k), again.get(k)):
+            if not close_values(summ.get(k), again.get(k)):
                 if k == "accuracy" and summ.get("refused"):
                     continue
                 c_sum.problems.append(f"{k}: summary.json says {summ.get(k)!r}, records give {again.get(k)!r}")
@@ -238,7 +232,7 @@ def _spec_metrics_problems(block: Any) -> list[str]:
 
     again = run_level(block.get("before"), block.get("after")) or {}
     return [f"spec_metrics.{k}: summary.json says {block.get(k)!r}, its /metrics snapshots give {again.get(k)!r}"
-            for k in sorted(set(again) - {"before", "after", "covers"}) if not _close(block.get(k), again.get(k))]
+            for k in sorted(set(again) - {"before", "after", "covers"}) if not close_values(block.get(k), again.get(k))]
 
 
 def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, progress: bool = False) -> list[tuple]:

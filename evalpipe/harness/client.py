@@ -24,6 +24,7 @@ from httpx_sse import EventSource
 
 from evalpipe.redact import redact, scrub_values
 
+DEFAULT_BASE_URL = "http://127.0.0.1:30000/v1"  # where `evalpipe serve` listens unless told otherwise
 # vLLM's /server_info (dev mode) is one text string unless asked for JSON; others ignore the query
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info?config_format=json")
 # Routes that drop a server's prefix cache: SGLang's and ours, then vLLM's (only with VLLM_SERVER_DEV_MODE=1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,6 +29,7 @@ MANIFEST_FILE = "manifest.json"
 SUPERSEDED_FILE = "superseded.jsonl"  # records that no longer count: error records retried by --resume, duplicates
 REPEAT_FILE = "repeat.json"  # `evalpipe repeat`'s result beside its records
 BENCH_FILE = "bench.json"  # `evalpipe bench` writes only this
+AB_FILE = "ab.json"  # `evalpipe ab`'s index of its arms, their run folders and the flags that differ between them
 
 # Keys every record carries (the issue's list plus the project additions), in writing order.
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -168,33 +169,72 @@ class ReadResult:
     records: list[dict]
     torn_tail: bool  # the last line was cut mid-write (killed process); it is not in `records`
     bad_lines: list[int]  # 1-based line numbers that are not valid JSON objects (other than a torn tail)
+    why: dict = field(default_factory=dict)  # bad line number -> what is wrong with it
+    line_numbers: list = field(default_factory=list)  # 1-based line of each record in `records`
+
+    def first_bad(self, path: Path) -> str:
+        """`FILE:LINE: reason` of the first bad line, and how many more there are (for an error message)."""
+        line = self.bad_lines[0]
+        more = len(self.bad_lines) - 1
+        return f"{path}:{line}: {self.why.get(line, 'not a JSON object')}" + (f" (and {more} more bad line(s))" if more else "")
 
 
 def read_records(path: Path) -> ReadResult:
-    """Read `responses.jsonl`, keeping every valid line; a torn final line is reported, not raised."""
+    """Read `responses.jsonl`, keeping every valid line; a torn final line is reported, not raised.
+
+    Lines are decoded one by one, so bytes that are not UTF-8 make that line bad (reported with its number), not the
+    whole file unreadable."""
     path = Path(path)
     records: list[dict] = []
     bad: list[int] = []
+    why: dict[int, str] = {}
+    numbers: list[int] = []
     torn = False
     if not path.exists():
         return ReadResult([], False, [])
-    with open(path, "r", encoding="utf-8") as fh:
-        lines = fh.read().split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
+    lines = path.read_bytes().split(b"\n")
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
         try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            if i == len(lines) - 1:
-                torn = True  # no trailing newline: the writer died mid-line
-            else:
-                bad.append(i + 1)
-            continue
-        records.append(obj)
-    return ReadResult(records, torn, bad)
+            obj = json.loads(raw.decode("utf-8"))
+            problem = None if isinstance(obj, dict) else f"a JSON {type(obj).__name__}, not an object"
+        except UnicodeDecodeError as exc:
+            problem = f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+        except ValueError as exc:
+            problem = f"not valid JSON ({exc})"
+        if problem is None:
+            records.append(obj)
+            numbers.append(i + 1)
+        elif i == len(lines) - 1:
+            torn = True  # no trailing newline: the writer died mid-line (maybe inside a UTF-8 sequence)
+        else:
+            bad.append(i + 1)
+            why[i + 1] = problem
+    return ReadResult(records, torn, bad, why, numbers)
+
+
+class MalformedFile(Exception):
+    """A file that is not what it should be; the message is `FILE:LINE: what is wrong` (no traceback needed)."""
+
+
+def read_json_object(path: Path) -> dict:
+    """One JSON object from `path`; MalformedFile names the file and the line of the first problem."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise MalformedFile(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise MalformedFile(f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x})") from None
+    except json.JSONDecodeError as exc:
+        raise MalformedFile(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise MalformedFile(f"{path}:1: a JSON {type(obj).__name__}, not an object")
+    return obj
 
 
 def missing_keys(record: dict) -> list[str]:

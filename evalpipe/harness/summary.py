@@ -9,6 +9,7 @@ definition: a sample without a predicted answer, error records and missing respo
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Optional
 
@@ -169,6 +170,17 @@ def compute_summary(
             summary[key] = meta[key]
     summary.setdefault("partial", summary["n_missing"] > 0)
     return summary
+
+
+def close_values(a: Any, b: Any) -> bool:
+    """Equal, floats to 1e-9 relative (a summary written and recomputed may round differently), dicts key by key."""
+    if isinstance(a, float) or isinstance(b, float):
+        if a is None or b is None:
+            return a is b
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set(a) == set(b) and all(close_values(a[k], b[k]) for k in a)
+    return a == b
 
 
 # keys audit recomputes from records and compares (run-level facts such as wall time are not re-derivable)

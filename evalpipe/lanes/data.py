@@ -21,15 +21,25 @@ class DataError(Exception):
 
 
 def data_dir_candidates(data_dir: Optional[Path]) -> list[Path]:
-    """--data-dir, then $EVALPIPE_DATA_DIR, then the checkout's sibling `../shared/data`."""
+    """--data-dir, then $EVALPIPE_DATA_DIR, then the checkout's sibling `../shared/data`; absolute, so that the path a
+    manifest records still names the file when the run is resumed or audited from another directory."""
     out = []
     if data_dir is not None:
-        out.append(Path(data_dir))
+        out.append(Path(data_dir).absolute())
         return out  # an explicit flag is never silently replaced by another location
     if os.environ.get("EVALPIPE_DATA_DIR"):
-        out.append(Path(os.environ["EVALPIPE_DATA_DIR"]))
+        out.append(Path(os.environ["EVALPIPE_DATA_DIR"]).absolute())
     out.append(REPO_ROOT.parent / "shared" / "data")
     return out
+
+
+def recorded_data_dir(dataset_path: str) -> Optional[Path]:
+    """The data folder a run used, from the dataset path its manifest records (`DIR/gsm8k/test.jsonl`); None for a
+    generated lane or a file that is not there any more (the usual search then applies)."""
+    path = Path(dataset_path)
+    if path.is_absolute() and path.is_file() and path.parent.name == "gsm8k":
+        return path.parent.parent
+    return None
 
 
 def find_gsm8k_test(data_dir: Optional[Path]) -> Path:

@@ -54,3 +54,13 @@ def math_metrics():
     from sgl_eval._vendored.nemo_skills.math_metrics import MathMetrics
 
     return MathMetrics()
+
+
+def eval_category(name: str) -> Optional[str]:
+    """sgl-eval's category of a benchmark (`math`, `multichoice`, ...), None for a name it does not register."""
+    from sgl_eval.registry import get
+
+    try:
+        return get(name).category
+    except KeyError:
+        return None

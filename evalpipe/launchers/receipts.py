@@ -179,7 +179,7 @@ def write_receipt(path: str | os.PathLike, receipt: dict) -> Path:
 # ----- comparing two receipts ------------------------------------------------------------------------
 
 # A declared speculation flag explains every speculation-shaped setting the server derives from it.
-SPECULATION_WORDS = ("spec", "draft", "block_size", "accept", "simulat", "dspark", "eagle", "nextn", "decode_width", "verify")
+SPECULATION_WORDS = volatile.SPECULATION_WORDS
 
 
 def flatten(value, prefix: str = "") -> dict[str, object]:

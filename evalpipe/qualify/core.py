@@ -82,6 +82,7 @@ class GateResult:
     wall_s: float = 0.0
     problem: Optional[str] = None  # a gate-level failure: nothing could be tested, or a setting is missing
     notes: dict = field(default_factory=dict)
+    skipped: Optional[str] = None  # why the gate does not apply to this server (not a failure)
 
     @property
     def passed(self) -> int:
@@ -93,13 +94,15 @@ class GateResult:
 
     @property
     def verdict(self) -> str:
+        if self.skipped:
+            return "skipped"
         return "pass" if self.problem is None and self.records and not self.failed else "fail"
 
     @property
     def reason(self) -> str:
         """Why the gate failed, in one line: its problem, else the first failed check."""
-        if self.problem:
-            return self.problem
+        if self.skipped or self.problem:
+            return self.skipped or self.problem
         for r in self.records:
             for c in r["checks"]:
                 if not c["ok"]:

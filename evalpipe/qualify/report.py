@@ -19,7 +19,7 @@ def print_table(result: dict) -> None:
                          ("failed", "right"), ("time", "right"), ("reason", "left")):
         t.add_column(col, justify=justify)
     for g in result["gates"]:
-        colour = "green" if g["verdict"] == "pass" else "red"
+        colour = {"pass": "green", "skipped": "yellow"}.get(g["verdict"], "red")
         t.add_row(g["gate"], f"[{colour}]{g['verdict']}[/]", str(g["requests"]), str(g["passed"]), str(g["failed"]),
                   f"{g['wall_s']:.1f}s", escape(g["reason"][:120]))
     console = make_console()
@@ -49,7 +49,7 @@ def render_html(result: dict) -> str:
         rows = [[r["id"], r["verdict"], "; ".join(f"{'ok' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}"
                                                   for c in r["checks"])] for r in shown]
         sections.append(
-            f"<details{' open' if g['verdict'] != 'pass' else ''}><summary><b>{_e(g['gate'])}</b>: {_e(g['verdict'])}"
+            f"<details{' open' if g['verdict'] == 'fail' else ''}><summary><b>{_e(g['gate'])}</b>: {_e(g['verdict'])}"
             f" ({g['passed']}/{g['requests']} passed)</summary><p class='muted'>notes: {_e(g['notes'])[:3000]}</p>"
             f"<p>{'failed requests' if failed else 'first requests'} (all of them are in qualify.json):</p>"
             + _rows(["request", "verdict", "checks"], rows) + "</details>")

@@ -147,7 +147,7 @@ def execute(cfg: QualifyConfig, say=lambda line: print(f"evalpipe qualify: {line
     protocol, warnings = manifest_mod.differences(manifest["start"], end)
     manifest.update(end=end, finished_at=time.time(), consistent=not protocol, differences=protocol,
                     code_changes_during_run=warnings)
-    failed = [r.name for r in results if r.verdict != "pass"]
+    failed = [r.name for r in results if r.verdict not in ("pass", "skipped")]
     code = EXIT_INTERRUPTED if interrupted else (EXIT_GATE_FAILED if failed or protocol else EXIT_PASS)
     result = {
         "schema": SCHEMA, "verdict": "pass" if code == EXIT_PASS else ("interrupted" if interrupted else "fail"),
