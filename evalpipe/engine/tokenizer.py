@@ -27,6 +27,8 @@ BYTE_OFFSET = len(SPECIAL_TOKENS)
 BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
 # Specials that are part of the visible text (the reasoning markers); every other special is skipped on decode.
 VISIBLE_SPECIALS = {"<think>", "</think>"}
+# A key of the tokenizer_config.json that engine/tokenizer_files.py writes: that folder holds this byte layout.
+BYTE_LAYOUT_MARKER = "evalpipe_byte_layout"
 
 # The byte tokenizer's chat template (same Jinja mechanism as Hugging Face's `apply_chat_template`).
 # `tools` are listed in a system turn, one JSON object per line; an assistant tool call is `<|tool_call|>` followed by
@@ -65,7 +67,8 @@ class ByteTokenizer:
         self._special_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
         self._special_re = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
         env = jinja2.Environment(undefined=jinja2.ChainableUndefined)
-        env.filters["tojson"] = json.dumps  # Hugging Face's tojson: plain JSON, no HTML escaping
+        # Hugging Face's tojson: plain JSON, no HTML escaping, non-ASCII kept (ensure_ascii=False)
+        env.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)
         self._template = env.from_string(BYTE_CHAT_TEMPLATE)
 
     def encode(self, text: str) -> list[int]:
@@ -201,12 +204,22 @@ class HFDetokenizer:
 
 
 def load_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """The byte tokenizer when `path` is None, else the Hugging Face tokenizer stored at `path`."""
-    if path is None:
+    """The byte tokenizer when `path` is None or holds the byte layout's Hugging Face files (so a shipped model's
+    folder serves exactly as its name does), else the Hugging Face tokenizer stored at `path`."""
+    if path is None or is_byte_layout(path):
         return ByteTokenizer()
     if not Path(path).exists():
         raise FileNotFoundError(f"tokenizer path {path} does not exist")
     return HFTokenizer(path)
+
+
+def is_byte_layout(path: str | Path) -> bool:
+    """Whether `path` is a folder whose tokenizer_config.json was written for the byte layout."""
+    config = Path(path) / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text(encoding="utf-8")).get(BYTE_LAYOUT_MARKER))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def has_hf_tokenizer(path: str | Path) -> bool:
