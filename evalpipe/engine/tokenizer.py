@@ -53,6 +53,21 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
+def byte_tokenizer_config() -> dict:
+    """The byte layout's tokenizer_config.json (engine/tokenizer_files.py writes it): the class transformers loads,
+    the named specials and the chat template; also the server's /tokenizer_info for the byte tokenizer."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": "<|pad|>",
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "chat_template": BYTE_CHAT_TEMPLATE,
+        BYTE_LAYOUT_MARKER: True,  # `serve` reads such a folder with the byte tokenizer itself (load_tokenizer)
+    }
+
+
 class ByteTokenizer:
     """Offline byte-level tokenizer: every string round-trips, no files needed."""
 
@@ -116,6 +131,9 @@ class ByteTokenizer:
     def describe(self) -> dict:
         return {"kind": "byte", "name": self.name, "vocab_size": self.vocab_size, "chat_template": BYTE_CHAT_TEMPLATE}
 
+    def config(self) -> dict:
+        return byte_tokenizer_config()
+
 
 class ByteDetokenizer:
     """Streams text from byte tokens; an incomplete UTF-8 character is held back until its last byte arrives."""
@@ -176,6 +194,27 @@ class HFTokenizer:
 
     def describe(self) -> dict:
         return {"kind": "huggingface", "name": self.name, "vocab_size": self.vocab_size}
+
+    def config(self) -> dict:
+        """What its tokenizer_config.json said (vLLM's /tokenizer_info): file paths left out, tokens as strings."""
+        def plain(value: Any) -> Any:
+            if hasattr(value, "content"):  # an AddedToken
+                return value.content
+            if isinstance(value, dict):
+                return {str(k): plain(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+        out = {k: plain(v) for k, v in (getattr(self._tok, "init_kwargs", None) or {}).items()
+               if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+        out["tokenizer_class"] = type(self._tok).__name__
+        template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, str):
+            out["chat_template"] = template
+        for name in ("bos_token", "eos_token", "pad_token"):
+            out.setdefault(name, plain(getattr(self._tok, name, None)))
+        return out
 
 
 class HFDetokenizer:

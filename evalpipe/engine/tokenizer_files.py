@@ -15,8 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from evalpipe.engine.tokenizer import (BYTE_CHAT_TEMPLATE, BYTE_LAYOUT_MARKER, BYTE_OFFSET, SPECIAL_TOKENS,
-                                       VISIBLE_SPECIALS)
+from evalpipe.engine.tokenizer import BYTE_OFFSET, SPECIAL_TOKENS, VISIBLE_SPECIALS, byte_tokenizer_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -32,21 +31,6 @@ def byte_level_alphabet() -> list[str]:
             names[b] = chr(256 + extra)
             extra += 1
     return [names[b] for b in range(256)]
-
-
-def tokenizer_config() -> dict:
-    """tokenizer_config.json: the class transformers loads, the named specials, and the chat template. Also what
-    the server's /tokenizer_info answers for the byte tokenizer (lm-eval's remote tokenizer reads it)."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[0],
-        "eos_token": SPECIAL_TOKENS[1],
-        "pad_token": "<|pad|>",
-        "clean_up_tokenization_spaces": False,
-        "model_input_names": ["input_ids", "attention_mask"],
-        "chat_template": BYTE_CHAT_TEMPLATE,
-        BYTE_LAYOUT_MARKER: True,  # `serve` reads this folder with the byte tokenizer itself (load_tokenizer)
-    }
 
 
 def build_tokenizer():
@@ -72,7 +56,7 @@ def write_tokenizer_files(folder: str | Path) -> list[Path]:
     replaced whole (written beside, then renamed), so a reader never sees half of one."""
     folder = Path(folder)
     texts = [json.dumps(json.loads(build_tokenizer().to_str()), indent=2, ensure_ascii=False, sort_keys=True),
-             json.dumps(tokenizer_config(), indent=2, ensure_ascii=False)]
+             json.dumps(byte_tokenizer_config(), indent=2, ensure_ascii=False)]
     paths = []
     for name, text in zip(TOKENIZER_FILES, texts):
         path = folder / name

@@ -47,6 +47,17 @@ def lone_surrogate_path(value: Any) -> str | None:
     return None
 
 
+def refuse_surrogates(data: Any) -> Any:
+    """A body validator: the body unchanged, or a validation error naming where a lone surrogate sits."""
+    where = lone_surrogate_path(data)
+    if where is not None:
+        # the message names the place, never repeats the string (it cannot be encoded)
+        raise PydanticCustomError(
+            "lone_surrogate", "{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which "
+            "is not valid Unicode text", {"where": where, "param": re.split(r"[.\[]", where)[0]})
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -90,13 +101,7 @@ class _Sampling(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        where = lone_surrogate_path(data)
-        if where is not None:
-            # the message names the place, never repeats the string (it cannot be encoded)
-            raise PydanticCustomError(
-                "lone_surrogate", "{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which "
-                "is not valid Unicode text", {"where": where, "param": re.split(r"[.\[]", where)[0]})
-        return data
+        return refuse_surrogates(data)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -355,3 +360,41 @@ def check_unsupported(req: _Sampling) -> tuple[str, str] | None:
         if req.best_of is not None and req.best_of != req.n:
             return "best_of", "best_of is not supported by this engine (only best_of == n)"
     return None
+
+
+class TokenizeRequest(BaseModel):
+    """/tokenize, vLLM's two forms and SGLang's: `prompt` (a string, or SGLang's list of strings) or `messages` (a
+    chat, rendered by the model's template). `add_special_tokens` defaults as in vLLM: true for a prompt (its BOS),
+    false for messages (the template writes its own)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: Union[str, list[str], None] = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return refuse_surrogates(data)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt (text) and messages (a chat)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """/detokenize: vLLM's `tokens` (one list; answer `prompt`) or SGLang's list of lists (answer `text`, a list)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: Union[list[int], list[list[int]]]
+    skip_special_tokens: bool = True
