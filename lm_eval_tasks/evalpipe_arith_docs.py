@@ -1,4 +1,5 @@
-"""evalpipe's arith lane as an lm-eval multiple-choice task: each held-out item's worked answer among distractors.
+"""evalpipe's arith lane as lm-eval documents: a multiple-choice task (each held-out item's worked answer among
+distractors, evalpipe_arith_mc.yaml) and a chat task (the story as the user's message, evalpipe_arith_chat.yaml).
 
 Document i is the arith lane's question i (same prompt `Question: ...\\nAnswer:`, so lm-eval's doc_id is evalpipe's
 question id). Its four choices are worked answers in the trained format: the right one; the right working with a
@@ -21,13 +22,18 @@ _REPO = Path(__file__).resolve().parents[1]
 CHOICES = 4
 
 
-def mc_documents() -> list[dict]:
+def arith_examples() -> list:
+    """The arith lane's held-out examples in question-id order (evalpipe.skills Example: body, prompt, answer)."""
     if str(_REPO) not in sys.path:
         sys.path.insert(0, str(_REPO))
     from evalpipe.lanes import get_lane
     from evalpipe.lanes.skill_lane import lane_examples
 
-    examples = [ex for _, ex in lane_examples(get_lane("arith"))]
+    return [ex for _, ex in lane_examples(get_lane("arith"))]
+
+
+def mc_documents() -> list[dict]:
+    examples = arith_examples()
     docs = []
     for i, ex in enumerate(examples):
         rng = random.Random(f"evalpipe_arith_mc|{i}")
@@ -45,8 +51,21 @@ def mc_documents() -> list[dict]:
     return docs
 
 
+def chat_documents() -> list[dict]:
+    """The story alone (the chat skill's user message; the template adds the roles), and the expected total."""
+    return [{"question_id": i, "body": ex.body, "expected_answer": str(ex.meta["expected"])}
+            for i, ex in enumerate(arith_examples())]
+
+
 def mc_dataset(**_metadata):
-    """lm-eval `custom_dataset` hook: the documents as the `test` split."""
+    """lm-eval `custom_dataset` hook: the multiple-choice documents as the `test` split."""
     import datasets
 
     return {"test": datasets.Dataset.from_list(mc_documents())}
+
+
+def chat_dataset(**_metadata):
+    """lm-eval `custom_dataset` hook: the chat documents as the `test` split."""
+    import datasets
+
+    return {"test": datasets.Dataset.from_list(chat_documents())}
