@@ -54,7 +54,8 @@ def lm_eval(out: Path, task: str, model: str, model_args: str, limit: int, *extr
     """Run lm_eval on one task with --log_samples; (its results for the task, its samples)."""
     cmd = [str(require_lmeval()), "--include_path", str(TASKS), "--tasks", task, "--model", model,
            "--model_args", model_args, "--limit", str(limit), "--log_samples", "--output_path", str(out), *extra]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # lm-eval's own Python
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"][task]
