@@ -121,7 +121,7 @@ def test_streamed_echo_and_chat_scoring_fields_are_refused(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, **{"max_tokens": 2, **kwargs})
         assert err.value.body["param"] == param
-    for field in ("echo", "prompt_logprobs"):
+    for field in ("echo", "prompt_logprobs", "add_special_tokens"):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_body={field: 1 if field == "prompt_logprobs" else True})
@@ -210,7 +210,8 @@ NON_NEUTRAL = {"use_beam_search": True, "length_penalty": 0.5, "early_stopping":
                "spaces_between_special_tokens": False, "truncation_side": "right", "return_tokens_as_token_ids": True,
                "prompt_embeds": "AAAA", "stop_regex": ["a+"], "logits_processors": ["x"],
                "custom_logit_processor": "x", "continue_final_message": True, "chat_template": "{{ 1 }}",
-               "return_hidden_states": True, "lora_path": "adapter"}
+               "return_hidden_states": True, "lora_path": "adapter", "documents": [{"text": "x"}],
+               "vllm_xargs": {"k": 1}}
 
 
 def test_every_unimplemented_field_is_refused_by_name_and_neutral_values_pass(client):

@@ -292,9 +292,12 @@ UNHONOURED_FIELDS: dict[str, tuple[tuple, str]] = {
     "chat_template": ((None,), "a request-level chat template is not accepted; the model's own is used"),
     "return_hidden_states": ((False, None), "hidden states are not returned"),
     "lora_path": ((None,), "LoRA adapters are not supported"),
+    "documents": ((None, []), "documents for the chat template are not supported"),
+    "vllm_xargs": ((None, {}), "custom sampling arguments are not supported"),
 }
 # fields that only /v1/completions honours: on chat they are refused when non-neutral
-COMPLETION_ONLY_FIELDS: dict[str, tuple] = {"echo": (False, None), "prompt_logprobs": (None,), "suffix": (None, "")}
+COMPLETION_ONLY_FIELDS: dict[str, tuple] = {"echo": (False, None), "prompt_logprobs": (None,), "suffix": (None, ""),
+                                            "add_special_tokens": (False, None)}
 
 
 def check_structured_output(req: _Sampling) -> tuple[str, str] | None:
