@@ -245,6 +245,13 @@ def test_tokenize_detokenize_and_tokenizer_info(server, client):
     chat = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()
     served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert chat["tokens"] == TOK.apply_chat_template(messages) and served.usage.prompt_tokens == chat["count"]
+    tools = [{"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}]
+    turns = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "count", "arguments": "{}"}}]},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"}]
+    with_tools = httpx.post(server.base + "/tokenize", json={"messages": turns, "tools": tools}).json()
+    served = client.chat.completions.create(model=MODEL, messages=turns, tools=tools, max_tokens=1)
+    assert with_tools["count"] == served.usage.prompt_tokens  # the same template input as a chat request
     info = httpx.get(server.base + "/tokenizer_info").json()
     assert (info["bos_token"], info["eos_token"]) == ("<|bos|>", "<|eos|>") and "<|assistant|>" in info["chat_template"]
     for path, body in (("/tokenize", {"prompt": "x", "messages": messages}), ("/tokenize", {}),

@@ -185,7 +185,7 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
             raise bad_request(f"constrained output (tools/response_format) is not available on this server: {blocker}",
                               param="response_format" if req.response_format else "tool_choice")
     try:
-        messages = [_template_message(m) for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     kwargs = dict(req.chat_template_kwargs or {})
@@ -211,7 +211,7 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     )
 
 
-def _template_message(m) -> dict:
+def template_message(m) -> dict:
     """One message as the chat template reads it (an assistant's tool calls and a tool turn's call id included)."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:

@@ -9,16 +9,20 @@ SGLang's list of prompts each is a list. /detokenize gives vLLM's `prompt` and S
 from __future__ import annotations
 
 from evalpipe.server.errors import bad_request
+from evalpipe.server.generation import template_message
 from evalpipe.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
 def tokenize(state, req: TokenizeRequest) -> dict:
     tok = state.tokenizer
     if req.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            messages = [template_message(m) for m in req.messages]
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+            kwargs["tools"] = [t.model_dump(by_alias=True, exclude_unset=True) for t in req.tools]  # as chat sends them
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
         except Exception as exc:
