@@ -86,6 +86,13 @@ def test_echo_scores_every_prompt_token_as_the_model_does(client, reference, ari
             assert abs(max(top.values()) - want[j].max().item()) < ATOL, seed
         generated = lp.token_logprobs[len(ids)]
         assert generated is not None and generated <= max(lp.top_logprobs[len(ids)].values()) + ATOL
+    strings = client.completions.create(model=MODEL, prompt=[text, "Hi"], max_tokens=1, logprobs=1, temperature=0,
+                                        extra_body={"echo": True})  # a batch of strings: each scored as alone
+    assert [c.text[: len(p)] for c, p in zip(strings.choices, [text, "Hi"])] == [text, "Hi"]
+    alone = r.choices[0].logprobs.token_logprobs
+    assert strings.choices[0].logprobs.tokens == r.choices[0].logprobs.tokens
+    assert torch.allclose(torch.tensor(strings.choices[0].logprobs.token_logprobs[1:]), torch.tensor(alone[1:]),
+                          atol=ATOL)
     again = client.completions.create(model=MODEL, prompt=token_prompts, max_tokens=1, logprobs=2, temperature=0,
                                       extra_body={"echo": True})  # its pages are cached now: scored all the same
     assert [c.logprobs.token_logprobs for c in again.choices] == [c.logprobs.token_logprobs for c in batch.choices]
