@@ -119,6 +119,11 @@ def test_prompt_logprobs_in_vllms_shape_and_max_tokens_zero(server, reference, a
         ranked = sorted((v["rank"], k) for k, v in entry.items() if k != str(token) or v["rank"] <= 3)
         assert [rank for rank, _ in ranked][:3] == [1, 2, 3]
         assert int(ranked[0][1]) == int(want[j].argmax())
+    plain = httpx.post(server.base + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}).json()["choices"][0]
+    assert plain["logprobs"] is None and len(plain["text"]) <= 2 * 4  # no echo: the completion alone
+    assert [list(e) if e else None for e in plain["prompt_logprobs"]] == \
+        [None] + [[str(t)] for t in ids[1:]]  # k = 0: the prompt token alone
 
 
 def test_streamed_echo_and_chat_scoring_fields_are_refused(client):
