@@ -208,7 +208,10 @@ def default_checkpoint() -> Path:
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(config, init_tiny_weights(config, seed=0), out)
-    ensure_tokenizer_files(out)  # Hugging Face tools read the folder offline (engine/tokenizer_files.py)
+    try:
+        ensure_tokenizer_files(out)  # Hugging Face tools read the folder offline (engine/tokenizer_files.py)
+    except OSError:  # a read-only cache still serves: the engine's own tokenizer needs no files
+        pass
     return out
 
 
