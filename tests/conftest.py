@@ -32,6 +32,7 @@ LONGEST_FIRST = [
     "test_vllm_peer.py",  # 117
     "test_server_structured.py",  # 106
     "test_spec_acceptance.py",  # 100
+    "test_lmeval_loglikelihood.py",  # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
     "test_core_run.py",  # 89
     "test_secret_scan.py",  # 86
     "test_spec_server.py",  # 80
@@ -49,6 +50,7 @@ LONGEST_FIRST = [
     "test_bench.py",  # 34
     "test_repeat.py",  # 34
     "test_server_hostile.py",  # 30
+    "test_server_scoring.py",  # 30 alone
 ]
 
 

@@ -75,11 +75,20 @@ SAMPLING_FIELDS = {
     "return_token_ids": BOOL_BAD,
     "user": STR_BAD,
     "model": STR_BAD,
+    "min_tokens": INT_BAD + [-1, 3],  # 3: more than max_tokens (2)
+    "min_new_tokens": ["1", 1.5, True, -1, 3],
+    "include_stop_str_in_output": BOOL_BAD,
+    "no_stop_trim": BOOL_BAD,
+    "truncate_prompt_tokens": ["1", 1.5, True, -2, 0, 10 ** 6],
+    "use_beam_search": [True],
+    "skip_special_tokens": [False],
 }
 COMPLETION_FIELDS = {
     "prompt": [1, True, {}, [], [[]], [1.5], ["a", 1], [-1], [VOCAB], [2 ** 40], [[1], "a"], None, [[[1]]]],
     "logprobs": ["1", 1.5, True, [], -1, 21],
-    "echo": ["x", 1, True],
+    "echo": ["x", 1],
+    "prompt_logprobs": ["1", 1.5, True, -1, 21],
+    "add_special_tokens": BOOL_BAD,
     "suffix": [1, [], "tail"],
     "best_of": ["1", 1.5, 3],
 }

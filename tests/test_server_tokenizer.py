@@ -99,3 +99,15 @@ def test_hf_tokenizer_gives_xgrammar_its_vocabulary(hf_dir):
     constraint = Grammars(tok, 16).constraint(GrammarSpec.json(None), 1)
     masked = constraint.mask(torch.zeros(1, 16))
     assert torch.isinf(masked[0, tok.encode("hello")[0]]) and torch.isinf(masked[0, tok.encode("world")[0]])
+
+
+def test_hf_tokenizer_config_is_what_tokenizer_info_serves(hf_dir):
+    """/tokenizer_info for a Hugging Face tokenizer: its tokenizer_config.json as JSON (vLLM's shape), with the
+    named specials and the chat template lm-eval's remote tokenizer reads."""
+    import json
+
+    config = load_tokenizer(str(hf_dir)).config()
+    assert json.loads(json.dumps(config)) == config  # plain JSON: no AddedToken objects
+    assert (config["bos_token"], config["eos_token"]) == ("<s>", "</s>")
+    assert "assistant :" in config["chat_template"] and config["tokenizer_class"]
+    assert not {"vocab_file", "tokenizer_file", "name_or_path"} & set(config)

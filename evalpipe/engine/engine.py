@@ -223,9 +223,11 @@ class Engine:
                 slots.append(seq.slot)
                 rows.append(self.decoder.propose(seq))
             started = self._clock()
-            logits = self.runner.forward(slots, rows, all_logits=self.decoder.all_logits)
+            all_logits = self.decoder.all_logits or any(c.seq.params.prompt_logprobs is not None
+                                                        for c in plan.prefills)
+            logits = self.runner.forward(slots, rows, all_logits=all_logits)
             self._cache_prompts(plan)
-            committed = self._commit_tokens(plan, rows, logits)
+            committed = self._commit_tokens(plan, rows, logits, all_logits)
         except Exception as exc:  # keep serving: fail this step's sequences, not the server
             log.error("engine step failed:\n%s", traceback.format_exc())
             for seq in [c.seq for c in plan.prefills] + plan.decodes:
@@ -316,6 +318,8 @@ class Engine:
                 self._emit(seq, [token], None)
 
     def _attach_prefix(self, seq: Sequence) -> int:
+        if seq.params.prompt_logprobs is not None:  # every prompt row must be computed to be scored
+            return 0
         cached = self.runner.attach_prefix(seq.slot, seq.prompt)
         self.stats["cached_tokens"] += cached
         return cached
@@ -328,20 +332,24 @@ class Engine:
                 if chunk.seq.slot is not None:
                     cache(chunk.seq.slot, chunk.seq.num_prefilled)
 
-    def _commit_tokens(self, plan, rows, logits) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
+    def _commit_tokens(self, plan, rows, logits, all_logits: bool) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
         """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""
         out: dict[Sequence, tuple[list[int], torch.Tensor]] = {}
         offset = 0
-        width = [len(r) if self.decoder.all_logits else 1 for r in rows]
+        width = [len(r) if all_logits else 1 for r in rows]
         argmax = StepArgmax(logits)  # greedy rows without a grammar: one host read for the whole step
         for chunk, w in zip(plan.prefills, width):
+            if chunk.seq.params.prompt_logprobs is not None:
+                self._score_prompt_chunk(chunk, logits[offset: offset + w])
             if chunk.last:
                 row = logits[offset + w - 1: offset + w]
                 constraint = chunk.seq.state.get("grammar")
-                if constraint is None and chunk.seq.params.greedy:
+                banned = chunk.seq.params.bans_stops(0)
+                if constraint is None and chunk.seq.params.greedy and not banned:
                     token = argmax.rows(offset + w - 1, offset + w)[0]
                 else:
                     sampled = constraint.mask(row) if constraint is not None else row
+                    sampled = self._ban_stops(chunk.seq, sampled) if banned else sampled
                     token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator)
                 if constraint is not None:
                     constraint.commit([token])
@@ -351,15 +359,48 @@ class Engine:
         for seq, w, fed in zip(plan.decodes, width[len(plan.prefills):], decode_rows):
             seq_rows = logits[offset: offset + w]
             constraint = seq.state.get("grammar")
-            if constraint is None:
+            banned = seq.params.bans_stops(len(seq.output))
+            if constraint is None and not banned:
                 tokens = self.decoder.accept(seq, seq_rows,
                                              argmax.rows(offset, offset + w) if seq.params.greedy else None)
             else:  # row i scores the token after fed[:i + 1]; fed[1:] are the drafts (none in plain decoding)
-                tokens = self.decoder.accept(seq, constraint.mask(seq_rows, fed[1:]))
-                constraint.commit(tokens)
+                masked = constraint.mask(seq_rows, fed[1:]) if constraint is not None else seq_rows
+                tokens = self.decoder.accept(seq, self._ban_stops(seq, masked) if banned else masked)
+                if constraint is not None:
+                    constraint.commit(tokens)
             out[seq] = (tokens, seq_rows[: len(tokens)])
             offset += w
         return out
+
+    def _ban_stops(self, seq: Sequence, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (row i scores output token len(output) + i) with EOS and the stop token ids at -inf in every row
+        that min_tokens still holds open; a copy, so the logprobs reported stay the model's own."""
+        params, done = seq.params, len(seq.output)
+        banned = [t for t in (*params.stop_token_ids, self.eos_token_id) if t is not None and 0 <= t < rows.shape[-1]]
+        held = sum(1 for i in range(rows.shape[0]) if params.bans_stops(done + i))
+        if not banned or not held:
+            return rows
+        rows = rows.clone()
+        rows[:held, banned] = float("-inf")
+        return rows
+
+    def _score_prompt_chunk(self, chunk, rows: torch.Tensor) -> None:
+        """Each prompt token's logprob (and the top k) from the rows of this prompt chunk: row j of a chunk starting
+        at prompt position s scores prompt[s + j + 1]; the prompt's last row scores the first generated token and is
+        left to the output path. The first prompt token has no logprob (None)."""
+        seq = chunk.seq
+        start = seq.num_prefilled - len(chunk.tokens)
+        targets = seq.prompt[start + 1: start + 1 + len(chunk.tokens)]
+        scored = seq.state.setdefault("prompt_logprobs", [None] if start == 0 else [])
+        if not targets:
+            return
+        rows = rows[: len(targets)]
+        ids = torch.tensor(targets, device=rows.device)
+        pairs = token_logprobs(rows, ids, seq.params.prompt_logprobs)
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        ranks = (logp > logp.gather(-1, ids.view(-1, 1))).sum(-1).add(1).tolist()  # vLLM's rank: 1 = the argmax
+        scored.extend({"id": t, "logprob": lp, "rank": r, "top": top}
+                      for t, (lp, top), r in zip(targets, pairs, ranks))
 
     # -- output processing -----------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None) -> None:
@@ -368,14 +409,19 @@ class Engine:
         reason: str | None = None
         stop_hit = False
         for tok in tokens:
+            held_open = params.bans_stops(len(seq.output))  # min_tokens: no stop of any kind yet
             seq.output.append(tok)
             taken.append(tok)
             stops_at_eos = not params.ignore_eos or params.grammar is not None  # a grammar ends at the stop token
-            if tok in params.stop_token_ids or (tok == self.eos_token_id and stops_at_eos):
+            if not held_open and (tok in params.stop_token_ids or (tok == self.eos_token_id and stops_at_eos)):
                 reason, seq.matched_stop = "stop", tok
+                if params.include_stop_str_in_output:
+                    st["text"] += st["detok"].push([tok])
                 break
             st["text"] += st["detok"].push([tok])
-            if params.stop and self._find_stop(seq):
+            if held_open:
+                st["stop_from"] = len(st["text"])  # stop strings match only in text after the first min_tokens
+            elif params.stop and self._find_stop(seq):
                 reason, stop_hit = "stop", True
                 break
             if len(seq.output) >= params.max_tokens or len(seq.prompt) + len(seq.output) >= self._max_len():
@@ -398,6 +444,7 @@ class Engine:
             index=seq.index, token_ids=taken, text=delta, logprobs=lps, completion_tokens=len(seq.output),
             finish_reason=reason, matched_stop=seq.matched_stop if reason else None,
             spec=self.decoder.stats(seq), cached_tokens=seq.cached_tokens,
+            prompt_logprobs=st.pop("prompt_logprobs", None),
         ))
 
     def _find_stop(self, seq: Sequence) -> bool:
@@ -405,7 +452,7 @@ class Engine:
         st = seq.state
         text = st["text"]
         longest = max(len(s) for s in seq.params.stop)
-        start = max(0, st["checked"] - longest + 1)
+        start = max(st.get("stop_from", 0), st["checked"] - longest + 1)
         best = None
         for s in seq.params.stop:
             i = text.find(s, start)
@@ -414,7 +461,7 @@ class Engine:
         st["checked"] = len(text)
         if best is None:
             return False
-        st["text"] = text[: best[0]]
+        st["text"] = text[: best[0] + (len(best[1]) if seq.params.include_stop_str_in_output else 0)]
         seq.matched_stop = best[1]
         return True
 
@@ -462,7 +509,7 @@ class Engine:
 
 def _greedy_plain(params: SamplingParams) -> bool:
     """A sequence whose next token is the argmax and nothing but the token: what an overlapped step can serve."""
-    return params.greedy and params.grammar is None and params.logprobs is None
+    return params.greedy and params.grammar is None and params.logprobs is None and params.min_tokens == 0
 
 
 def _eos_id(runner: Any, tokenizer: Any) -> int | None:

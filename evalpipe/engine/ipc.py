@@ -58,6 +58,9 @@ class SeqEvent:
     spec: dict | None = None  # speculation statistics (None while speculation is off)
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens this sequence took from the prefix cache
+    # on the sequence's first event when its params ask for prompt_logprobs: per prompt token, None (the first) or
+    # {"id", "logprob", "rank", "top": [(id, logprob), ...]}
+    prompt_logprobs: list[dict | None] | None = None
 
     def then(self, later: "SeqEvent") -> "SeqEvent":
         """This event followed by `later` of the same sequence, as one event (a reader that fell behind sends
@@ -67,7 +70,8 @@ class SeqEvent:
         return SeqEvent(index=later.index, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
                         logprobs=logprobs, completion_tokens=later.completion_tokens,
                         finish_reason=later.finish_reason, matched_stop=later.matched_stop, spec=later.spec,
-                        error=later.error, cached_tokens=later.cached_tokens)
+                        error=later.error, cached_tokens=later.cached_tokens,
+                        prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass

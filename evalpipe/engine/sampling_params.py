@@ -23,7 +23,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
     grammar: Any = None  # a GrammarSpec (engine/grammar_spec.py): every sampled row is masked to what it allows
+    # EOS and stop_token_ids are masked out, and stop strings unchecked, until this many tokens are out (vLLM's rule)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # keep a matched stop string (or stop token's text) in the text
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (the first: None) + top k
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def bans_stops(self, generated: int) -> bool:
+        """Whether the token after `generated` output tokens may not be EOS or a stop token (min_tokens)."""
+        return generated < self.min_tokens

@@ -27,6 +27,8 @@ BYTE_OFFSET = len(SPECIAL_TOKENS)
 BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
 # Specials that are part of the visible text (the reasoning markers); every other special is skipped on decode.
 VISIBLE_SPECIALS = {"<think>", "</think>"}
+# A key of the tokenizer_config.json that engine/tokenizer_files.py writes: that folder holds this byte layout.
+BYTE_LAYOUT_MARKER = "evalpipe_byte_layout"
 
 # The byte tokenizer's chat template (same Jinja mechanism as Hugging Face's `apply_chat_template`).
 # `tools` are listed in a system turn, one JSON object per line; an assistant tool call is `<|tool_call|>` followed by
@@ -51,6 +53,21 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
+def byte_tokenizer_config() -> dict:
+    """The byte layout's tokenizer_config.json (engine/tokenizer_files.py writes it): the class transformers loads,
+    the named specials and the chat template; also the server's /tokenizer_info for the byte tokenizer."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": "<|pad|>",
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "chat_template": BYTE_CHAT_TEMPLATE,
+        BYTE_LAYOUT_MARKER: True,  # `serve` reads such a folder with the byte tokenizer itself (load_tokenizer)
+    }
+
+
 class ByteTokenizer:
     """Offline byte-level tokenizer: every string round-trips, no files needed."""
 
@@ -65,7 +82,8 @@ class ByteTokenizer:
         self._special_ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
         self._special_re = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
         env = jinja2.Environment(undefined=jinja2.ChainableUndefined)
-        env.filters["tojson"] = json.dumps  # Hugging Face's tojson: plain JSON, no HTML escaping
+        # Hugging Face's tojson: plain JSON, no HTML escaping, non-ASCII kept (ensure_ascii=False)
+        env.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)
         self._template = env.from_string(BYTE_CHAT_TEMPLATE)
 
     def encode(self, text: str) -> list[int]:
@@ -112,6 +130,9 @@ class ByteTokenizer:
 
     def describe(self) -> dict:
         return {"kind": "byte", "name": self.name, "vocab_size": self.vocab_size, "chat_template": BYTE_CHAT_TEMPLATE}
+
+    def config(self) -> dict:
+        return byte_tokenizer_config()
 
 
 class ByteDetokenizer:
@@ -174,6 +195,27 @@ class HFTokenizer:
     def describe(self) -> dict:
         return {"kind": "huggingface", "name": self.name, "vocab_size": self.vocab_size}
 
+    def config(self) -> dict:
+        """What its tokenizer_config.json said (vLLM's /tokenizer_info): file paths left out, tokens as strings."""
+        def plain(value: Any) -> Any:
+            if hasattr(value, "content"):  # an AddedToken
+                return value.content
+            if isinstance(value, dict):
+                return {str(k): plain(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+        out = {k: plain(v) for k, v in (getattr(self._tok, "init_kwargs", None) or {}).items()
+               if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+        out["tokenizer_class"] = type(self._tok).__name__
+        template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, str):
+            out["chat_template"] = template
+        for name in ("bos_token", "eos_token", "pad_token"):
+            out.setdefault(name, plain(getattr(self._tok, name, None)))
+        return out
+
 
 class HFDetokenizer:
     """Prefix/read-offset incremental decoding (as vLLM does): text ending in U+FFFD waits for more tokens."""
@@ -201,12 +243,22 @@ class HFDetokenizer:
 
 
 def load_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """The byte tokenizer when `path` is None, else the Hugging Face tokenizer stored at `path`."""
-    if path is None:
+    """The byte tokenizer when `path` is None or holds the byte layout's Hugging Face files (so a shipped model's
+    folder serves exactly as its name does), else the Hugging Face tokenizer stored at `path`."""
+    if path is None or is_byte_layout(path):
         return ByteTokenizer()
     if not Path(path).exists():
         raise FileNotFoundError(f"tokenizer path {path} does not exist")
     return HFTokenizer(path)
+
+
+def is_byte_layout(path: str | Path) -> bool:
+    """Whether `path` is a folder whose tokenizer_config.json was written for the byte layout."""
+    config = Path(path) / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text(encoding="utf-8")).get(BYTE_LAYOUT_MARKER))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def has_hf_tokenizer(path: str | Path) -> bool:

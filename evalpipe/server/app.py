@@ -1,6 +1,7 @@
 """The FastAPI application: OpenAI routes, health and info routes, API-key check, error bodies.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /health_generate,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
+GET /tokenizer_info (server/tokenization.py), GET /health, GET /health_generate,
 GET /get_server_info (alias /server_info), GET /get_model_info (SGLang's fields), GET|POST /flush_cache,
 GET /version. With API keys configured (any one of them is accepted), every route except /health and /health_generate needs
 `Authorization: Bearer <key>`, checked before the body is read (`middleware.RequireAPIKey`). The interactive
@@ -22,7 +23,8 @@ from evalpipe.server import generation
 from evalpipe.server.engine_client import ENGINE_DEAD, EngineCallError, EngineDead
 from evalpipe.server.errors import APIError, SafeJSONResponse, install_error_handlers
 from evalpipe.server.middleware import ContainErrors, RequireAPIKey
-from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest
+from evalpipe.server import tokenization
+from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from evalpipe.server.state import ServerState
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -93,6 +95,23 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         require_ready()
         return await generation.respond(state, generation.chat_job(state, req), request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        require_ready()
+        generation.check_model(state, req.model)
+        return tokenization.tokenize(state, req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        require_ready()
+        generation.check_model(state, req.model)
+        return tokenization.detokenize(state, req)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        require_ready()
+        return tokenization.tokenizer_info(state)
 
     @app.get("/get_server_info")
     @app.get("/server_info")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -44,6 +44,7 @@ class Choice:
     matched_stop: int | str | None = None
     spec: dict | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[dict | None] | None = None  # per prompt token (engine/ipc.py SeqEvent), when scored
 
 
 @dataclass
@@ -63,6 +64,10 @@ class Job:
     tool_marker: int | None = None  # parse tool calls behind this token (chat requests with tools)
     parallel_tool_calls: bool = True
     grammar_param: str | None = None  # the request field a grammar came from (named by a compile error)
+    echo: bool = False  # completions: the prompt (text, tokens, logprobs) leads each choice
+    prompt_texts: list[str] = field(default_factory=list)  # per prompt, what echo shows
+    generate: bool = True  # False: max_tokens 0 with echo; the one token the engine makes is dropped
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field on each choice: its top k
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
@@ -97,7 +102,8 @@ def check_model(state, requested: str | None) -> None:
                    param="model", code="model_not_found")
 
 
-def _sampling(state, req, max_tokens: int, logprobs: int | None, grammar=None) -> SamplingParams:
+def _sampling(state, req, max_tokens: int, logprobs: int | None, grammar=None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
     vocab = state.vocab_size
     stop_ids = tuple(req.stop_token_ids or ())
     bad = [t for t in stop_ids if not 0 <= t < vocab]
@@ -106,8 +112,34 @@ def _sampling(state, req, max_tokens: int, logprobs: int | None, grammar=None) -
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
         min_p=req.min_p, seed=req.seed, stop=tuple(req.stop_list()), stop_token_ids=stop_ids,
-        ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar,
+        ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar, min_tokens=req.min_output_tokens(),
+        include_stop_str_in_output=req.keep_stop_text(), prompt_logprobs=prompt_logprobs,
     )
+
+
+def _check_min_tokens(req, requested_max: int | None, grammar) -> None:
+    """min_tokens must fit under max_tokens (vLLM's rule), and cannot hold a grammar open past its end."""
+    least = req.min_output_tokens()
+    if not least:
+        return
+    param = "min_new_tokens" if req.min_new_tokens and not req.min_tokens else "min_tokens"
+    if requested_max is not None and least > requested_max:
+        raise bad_request(f"{param} ({least}) must not exceed max_tokens ({requested_max})", param=param)
+    if grammar is not None:
+        raise bad_request(f"{param} cannot be combined with tools or response_format (a constrained answer ends "
+                          "where its grammar does)", param=param)
+
+
+def _truncate(state, ids: list[int], keep: int | None) -> list[int]:
+    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as leave room for one token)."""
+    if keep is None:
+        return ids
+    limit = state.max_seq_len
+    if keep > limit:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) exceeds the model's context of {limit} tokens",
+                          param="truncate_prompt_tokens")
+    keep = limit - 1 if keep == -1 else keep
+    return ids[-keep:]
 
 
 def _check_length(state, prompt: list[int], max_tokens: int | None, param: str) -> int:
@@ -153,7 +185,7 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
             raise bad_request(f"constrained output (tools/response_format) is not available on this server: {blocker}",
                               param="response_format" if req.response_format else "tool_choice")
     try:
-        messages = [_template_message(m) for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     kwargs = dict(req.chat_template_kwargs or {})
@@ -165,6 +197,8 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
         prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     except Exception as exc:
         raise bad_request(f"chat template failed: {exc}", param="messages") from None
+    prompt = _truncate(state, prompt, req.truncate_prompt_tokens)
+    _check_min_tokens(req, req.max_completion_tokens or req.max_tokens, plan.grammar)
     max_tokens = _check_length(state, prompt, req.max_completion_tokens or req.max_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Job(
@@ -177,7 +211,7 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     )
 
 
-def _template_message(m) -> dict:
+def template_message(m) -> dict:
     """One message as the chat template reads it (an assistant's tool calls and a tool turn's call id included)."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:
@@ -199,19 +233,29 @@ def completion_job(state, req: CompletionRequest) -> Job:
         raise bad_request(str(exc), param="prompt") from None
     _check_batch(state, len(raw) * req.n, "prompt" if len(raw) > 1 else "n")
     prompts: list[list[int]] = []
+    texts: list[str] = []
+    encode = state.tokenizer.encode_prompt if req.add_special_tokens else state.tokenizer.encode
     for p in raw:
-        ids = state.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
+        # a text prompt gets the tokenizer's BOS (add_special_tokens); token ids are taken verbatim, as in vLLM
+        ids = encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("prompt must contain at least one token", param="prompt")
         if any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        prompts.append(ids)
+        truncated = _truncate(state, ids, req.truncate_prompt_tokens)
+        prompts.append(truncated)
+        texts.append(p if isinstance(p, str) and truncated is ids else state.tokenizer.decode(truncated))
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = [_sampling(state, req, _check_length(state, p, max_tokens, "prompt"), req.logprobs) for p in prompts]
+    _check_min_tokens(req, max_tokens, None)
+    generate = max_tokens > 0
+    scored = req.scored_prompt_top()
+    params = [_sampling(state, req, _check_length(state, p, max(max_tokens, 1), "prompt"), req.logprobs,
+                        prompt_logprobs=scored) for p in prompts]
     return Job(
         chat=False, model=state.model_id, prompts=prompts, params=params, n=req.n, stream=req.stream,
         include_usage=include_usage, continuous_usage=continuous, return_token_ids=req.return_token_ids,
-        want_logprobs=req.logprobs is not None,
+        want_logprobs=req.logprobs is not None, echo=req.echo, prompt_texts=texts, generate=generate,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -306,6 +350,10 @@ async def events(state, job: Job, request: Request | None) -> AsyncIterator[SeqE
 
 def _apply(job: Job, ev: SeqEvent) -> None:
     c = job.choices[ev.index]
+    if ev.prompt_logprobs is not None:
+        c.prompt_logprobs = ev.prompt_logprobs
+    if not job.generate:  # max_tokens 0: the engine's one token is not part of the answer
+        ev = replace(ev, token_ids=[], text="", logprobs=None)
     c.text += ev.text
     c.token_ids += ev.token_ids
     c.cached_tokens = ev.cached_tokens
@@ -345,10 +393,21 @@ def _full_response(state, job: Job) -> dict:
                     choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
                     finish = "tool_calls" if finish == "stop" else finish
             choice["logprobs"] = _chat_logprobs(state, c.logprobs) if job.want_logprobs else None
+        elif job.echo:
+            prompt_index = i // max(job.n, 1)
+            choice["text"] = job.prompt_texts[prompt_index] + c.text
+            top = job.params[prompt_index].logprobs or 0
+            choice["logprobs"] = _legacy_logprobs(state, _prompt_entries(c, top) + c.logprobs, 0) \
+                if job.want_logprobs else None
         else:
             choice["text"] = c.text
             choice["logprobs"] = _legacy_logprobs(state, c.logprobs, 0) if job.want_logprobs else None
-        choice.update(finish_reason=finish, matched_stop=c.matched_stop, spec=c.spec)
+        if job.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(state, c.prompt_logprobs or [], job.prompt_logprobs)
+        matched = c.matched_stop
+        if not job.generate:  # nothing generated: the prompt was only scored
+            finish, matched = "length", None
+        choice.update(finish_reason=finish, matched_stop=matched, spec=c.spec)
         if job.return_token_ids:
             choice["prompt_token_ids"] = c.prompt_ids
             choice["token_ids"] = c.token_ids
@@ -463,15 +522,40 @@ def _chat_logprobs(state, entries: list[dict]) -> dict:
 
 
 def _legacy_logprobs(state, entries: list[dict], offset: int) -> dict:
+    """OpenAI's legacy completions shape; an entry {"id": t, "logprob": None} (an echoed prompt's first token) has
+    a null logprob and null top_logprobs, as in OpenAI's and vLLM's echo."""
     text = state.tokenizer.token_text
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
         tokens.append(text(e["id"]))
         lps.append(e["logprob"])
-        tops.append({text(t): lp for t, lp in e["top"]})
+        tops.append(None if e["logprob"] is None else {text(t): lp for t, lp in e["top"]})
         offsets.append(offset)
         offset += len(state.tokenizer.decode([e["id"]]))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_entries(c: Choice, top_k: int) -> list[dict]:
+    """The echoed prompt's logprob entries with their top `top_k`: the first token's logprob is None."""
+    scored = c.prompt_logprobs or [None] * len(c.prompt_ids)
+    return [{"id": t, "logprob": None, "top": []} if e is None else {**e, "top": e["top"][:top_k]}
+            for t, e in zip(c.prompt_ids, scored)]
+
+
+def _vllm_prompt_logprobs(state, scored: list[dict | None], top_k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}
+    holding the prompt token and the top k (ranked 1..k)."""
+    text = state.tokenizer.token_text
+    out: list[dict | None] = []
+    for e in scored:
+        if e is None:
+            out.append(None)
+            continue
+        entry = {str(e["id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": text(e["id"])}}
+        for rank, (t, lp) in enumerate(e["top"][:top_k], start=1):
+            entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": text(t)})
+        out.append(entry)
+    return out
 
 
 def fingerprint(state) -> str:

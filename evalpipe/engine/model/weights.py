@@ -200,12 +200,18 @@ def save_checkpoint(config, state: dict[str, torch.Tensor], out_dir: str | Path)
 
 def default_checkpoint() -> Path:
     """Path of the random tiny checkpoint, created on first use under the cache dir (hash of the config in the
-    path, so editing tiny_config.json never reuses stale weights)."""
+    path, so editing tiny_config.json never reuses stale weights), with the byte tokenizer's Hugging Face files."""
+    from evalpipe.engine.tokenizer_files import ensure_tokenizer_files
+
     config = tiny_config()
     out = cache_root() / f"{TINY_MODEL_NAME}-{config_hash(config)}-seed0"
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(config, init_tiny_weights(config, seed=0), out)
+    try:
+        ensure_tokenizer_files(out)  # Hugging Face tools read the folder offline (engine/tokenizer_files.py)
+    except OSError:  # a read-only cache still serves: the engine's own tokenizer needs no files
+        pass
     return out
 
 
