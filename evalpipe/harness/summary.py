@@ -164,7 +164,7 @@ def compute_summary(
     summary["spec_lossy"] = summary["n_records_lossy"] > 0
     for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
                 "manifest_changed", "manifest_changes", "resumed", "server_lossy_acceptance",
-                "spec_metrics"):
+                "server_debug_faults", "spec_metrics"):
         if key in meta:
             summary[key] = meta[key]
     summary.setdefault("partial", summary["n_missing"] > 0)
