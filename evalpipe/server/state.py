@@ -200,6 +200,8 @@ class ServerState:
             },
             "wo_quant": s.wo_quant,
             "debug_faults": sorted(set(s.debug_faults)),
+            # reported logprobs: log-softmax of the raw logits, before temperature/top-k/top-p (vLLM's name)
+            "logprobs_mode": "raw_logprobs",
             "prefix_cache": {"enabled": s.prefix_cache == "on"},
             "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
                             "simulate_acc_len": s.simulate_acc_len, **_accept_setting(s)},
