@@ -37,8 +37,8 @@ def faults_of(settings: Any) -> tuple[str, ...]:
 
 
 def split_k_chunks(rows: int) -> int:
-    """Chunks of the hidden dimension for a forward with `rows` logit rows: 4 below 16 rows, 2 below 64, else 1."""
-    return 4 if rows < 16 else 2 if rows < 64 else 1
+    """Chunks of the hidden dimension for a forward with `rows` logit rows: 4 below 8 rows, 2 below 64, else 1."""
+    return 4 if rows < 8 else 2 if rows < 64 else 1
 
 
 def batch_variant_linear(h, weight):
