@@ -32,7 +32,14 @@ from evalpipe.compare import stats
 @click.option("--resamples", type=click.IntRange(min=100), default=stats.DEFAULT_RESAMPLES, show_default=True,
               help="Bootstrap resamples and permutations.")
 @click.option("--no-html", is_flag=True, help="Skip report.html (compare.json and the table are still written).")
-def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples, no_html):
+@click.option("--accept-baseline", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="An acceptance baseline (`evalpipe run ... --save-accept-baseline FILE`): RUN_B's acceptance at "
+              "each draft position, and its token-weighted mean accept length, must be at least the baseline's x "
+              "(1 - --accept-rtol); otherwise compare reports the regression and exits 4.")
+@click.option("--accept-rtol", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
+              help="Relative tolerance of --accept-baseline (vLLM's acceptance-length test uses 0.05).")
+def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples, no_html, accept_baseline,
+            accept_rtol):
     """Compare RUN_A (reference) and RUN_B (candidate), two run folders of the same lane or two bench folders.
 
     Run folders: accuracy with denominators; for greedy lanes exact McNemar, a paired bootstrap interval
@@ -40,14 +47,26 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     and clustered standard errors and a within-question permutation test; output agreement; truncation,
     error and invalid rates; accept lengths; latency and tokens/s; manifest differences.
     Bench folders (bench.json): ratio of medians B / A with a bootstrap interval.
+
+    Exit codes: 0 compared; 1 an unreadable folder or a pair refused as not comparable; 2 usage error (a bad
+    --accept-baseline file included); 4 compared, and RUN_B's acceptance regressed below --accept-baseline.
     """
     from evalpipe.compare import report
     from evalpipe.compare.runfolder import RunFolderError
     from evalpipe.compare.workflow import MixedFolders, NotComparable, compare_runs
 
+    from evalpipe.harness.acceptance import read_baseline
+
+    baseline = None
+    if accept_baseline is not None:
+        try:
+            baseline = read_baseline(accept_baseline)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     try:
         done = compare_runs(run_a, run_b, out=out_dir, margin_pts=margin_pts, force=force, intended=intended,
-                            seed=seed, n_resamples=resamples, html=not no_html)
+                            seed=seed, n_resamples=resamples, html=not no_html, accept_baseline=baseline,
+                            accept_rtol=accept_rtol)
     except MixedFolders as exc:
         raise click.UsageError(str(exc)) from None
     except (RunFolderError, NotComparable) as exc:
@@ -56,3 +75,11 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     click.echo(f"wrote {done.json_path}")
     if done.html_path is not None:
         click.echo(f"wrote {done.html_path}")
+    check = done.result.get("accept_baseline")
+    if check is not None:
+        rates = ", ".join(f"{r['position']}: {r['measured'] if r['measured'] is None else round(r['measured'], 3)}"
+                          f" vs {r['baseline']:.3f}" for r in check["positions"])
+        click.echo(f"acceptance vs baseline (rtol {accept_rtol:g}), per position: {rates}")
+        if check["regressed"]:
+            click.echo(f"evalpipe compare: ACCEPTANCE REGRESSION: {check['reason']}", err=True)
+            raise SystemExit(4)

@@ -17,6 +17,7 @@ from evalpipe.compare import report, stats
 from evalpipe.compare.analysis import analyse
 from evalpipe.compare.bench_compare import bench_problems, compare_benches, is_bench_folder, load_bench
 from evalpipe.compare.runfolder import RunFolderError, comparability_problems, load_run
+from evalpipe.harness import acceptance
 
 
 class MixedFolders(RunFolderError):
@@ -54,11 +55,13 @@ def default_out(a: str | Path, b: str | Path) -> Path:
 
 def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Path] = None, margin_pts: float = 1.0,
                  force: bool = False, intended: Iterable[str] = (), seed: int = stats.DEFAULT_SEED,
-                 n_resamples: int = stats.DEFAULT_RESAMPLES, html: bool = True) -> Comparison:
+                 n_resamples: int = stats.DEFAULT_RESAMPLES, html: bool = True,
+                 accept_baseline: Optional[dict] = None, accept_rtol: float = 0.05) -> Comparison:
     """Compare RUN_A (reference) with RUN_B (candidate), every difference B - A; write compare.json (+ report.html).
 
     Raises RunFolderError (unreadable folder; MixedFolders for a bench folder beside a run folder) and
-    NotComparable (unless `force`)."""
+    NotComparable (unless `force`). With `accept_baseline` (harness/acceptance.py), B's per-position acceptance is
+    checked against it at relative tolerance `accept_rtol`."""
     intended = list(intended)
     bench_a, bench_b = is_bench_folder(run_a), is_bench_folder(run_b)
     if bench_a != bench_b:
@@ -76,6 +79,11 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Pa
     else:
         result = analyse(a, b, margin_pts=margin_pts, seed=seed, n_resamples=n_resamples, intended=intended,
                          forced=problems)
+        result["acceptance"] = {"a": acceptance.profile(a.records, (a.summary or {}).get("spec_metrics")),
+                                "b": acceptance.profile(b.records, (b.summary or {}).get("spec_metrics"))}
+        if accept_baseline is not None:
+            result["accept_baseline"] = acceptance.check_baseline(result["acceptance"]["b"], accept_baseline,
+                                                                  accept_rtol)
     folder = Path(out) if out else default_out(run_a, run_b)
     folder.mkdir(parents=True, exist_ok=True)
     result["command"] = {"run_a": str(run_a), "run_b": str(run_b), "margin_pts": margin_pts, "force": force,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from evalpipe.harness import metrics
+from evalpipe.harness import acceptance, metrics
 from evalpipe.harness.records import SCHEMA_VERSION, counted_records
 from evalpipe.lanes import sgl_eval_adapter
 
@@ -159,6 +159,8 @@ def compute_summary(
     # per-record statistics from the responses; run-level ones from the server's /metrics go in `spec_metrics`
     summary["n_records_with_spec"] = sum(map(metrics.has_spec, recs))
     summary["spec_accept_length_mean"] = metrics.mean_accept_length(recs)
+    # per position, request- and token-weighted, by context length (harness/acceptance.py)
+    summary["acceptance"] = acceptance.profile(recs, meta.get("spec_metrics"))
     # a lossy acceptance rule (evalpipe serve --spec-accept-*) decided these responses: their accuracy measures it
     summary["n_records_lossy"] = sum(map(metrics.is_lossy, recs))
     summary["spec_lossy"] = summary["n_records_lossy"] > 0
