@@ -7,6 +7,8 @@ Detectors, each a real command against a real `evalpipe serve --model evalpipe-s
   (flags when any output differs: greedy speculation must be exact);
 - batch shape: `evalpipe repeat --conditions batch_1,batch_8` on open_short (flags when the outputs alone and in a
   batch of 8 differ);
+- acceptance baseline: `evalpipe compare --accept-baseline` of the greedy arith run against the baseline the clean
+  spec-on server saved (`evalpipe run --save-accept-baseline`), for the servers with its drafter (flags on exit 4);
 - accuracy at T = 1 (greedy-sampling only): `evalpipe compare` of arith at T = 1 against the clean spec-off run, whose
   non-inferiority verdict is the point: accuracy calls the broken sampler fine.
 
@@ -57,8 +59,8 @@ def arith(server: ServerProcess, out: Path, arm: str, *extra: str) -> Path:
 
 def compare(a: Path, b: Path, out: Path, *extra: str) -> dict:
     proc = run_cli("compare", a, b, "--no-html", "--out", out, *extra, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads((out / "compare.json").read_text())
+    assert proc.returncode in ((0, 4) if "--accept-baseline" in extra else (0,)), proc.stderr
+    return {**json.loads((out / "compare.json").read_text()), "exit_code": proc.returncode}
 
 
 def batch_shape(server: ServerProcess, out: Path) -> dict:
@@ -83,7 +85,8 @@ def matrix(tmp_path_factory) -> dict:
         server = ServerProcess(*args, model=MODEL)
         try:
             row = {"sampling": sampling_gate(server, work / "qualify", tokens)}
-            greedy = arith(server, work / "greedy", "greedy", "--num-examples", str(GREEDY_QUESTIONS))
+            saves = ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
+            greedy = arith(server, work / "greedy", "greedy", "--num-examples", str(GREEDY_QUESTIONS), *saves)
             row["batch_shape"] = batch_shape(server, work / "repeat")
             t1 = second = None
             if name == "clean, spec off":
@@ -101,6 +104,12 @@ def matrix(tmp_path_factory) -> dict:
                                                 f"{agreement['agreement']['n_pairs']} identical, "
                                                 f"{len(agreement['flips'])} flips",
                                    "manifest_keys": [d["key"] for d in agreement["manifest_diff"]["differences"]]}
+        if "--speculative" in args and "--drafter" not in args and name != "clean, spec block":
+            check = compare(baseline["greedy"], greedy, work / "compare-accept", "--accept-baseline",
+                            root / "accept-baseline.json")
+            rates = " ".join(f"{r['measured']:.2f}/{r['baseline']:.2f}" for r in check["accept_baseline"]["positions"])
+            row["accept_baseline"] = {"flagged": check["exit_code"] == 4,
+                                      "statistic": f"position 1..5 measured/baseline {rates}"}
         if t1 is not None and name != "clean, spec off":
             verdict = compare(baseline["t1"], t1, work / "compare-t1", "--margin", str(T1_MARGIN_PTS))["greedy"]
             row["t1_accuracy"] = {"verdict": verdict["verdict"], "diff_pts": 100 * verdict["diff"],
@@ -113,11 +122,13 @@ def matrix(tmp_path_factory) -> dict:
 
 
 def print_matrix(rows: dict) -> None:
-    print("\n| server | sampling gate | greedy agreement vs clean spec off | batch shape (alone vs 8) |")
-    print("|---|---|---|---|")
+    print("\n| server | sampling gate | greedy agreement vs clean spec off | batch shape (alone vs 8) | "
+          "acceptance baseline (clean layerskip:4, rtol 0.05) |")
+    print("|---|---|---|---|---|")
     for name, row in rows.items():
-        cells = [("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"]
-                 for d in ("sampling", "greedy_agreement", "batch_shape")]
+        cells = [(("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"]) if d in row else
+                 ("the baseline" if name == "clean, spec block" else "n/a")
+                 for d in ("sampling", "greedy_agreement", "batch_shape", "accept_baseline")]
         print(f"| {name} | " + " | ".join(cells) + " |")
     for name, row in rows.items():
         if "t1_accuracy" in row:
@@ -134,6 +145,7 @@ def test_greedy_sampling_fails_only_the_sampling_gate_while_t1_accuracy_says_non
     row = matrix["greedy-sampling"]
     assert row["sampling"]["flagged"] and row["sampling"]["collapse_p"] < 1e-6, row
     assert not row["greedy_agreement"]["flagged"] and not row["batch_shape"]["flagged"], row  # greedy is exact
+    assert not row["accept_baseline"]["flagged"], row
     assert row["t1_accuracy"]["verdict"] == "non-inferior", row  # the point: accuracy calls it fine
     assert "server.server_info.debug_faults" in row["greedy_agreement"]["manifest_keys"]
 
