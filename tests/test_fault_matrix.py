@@ -54,7 +54,10 @@ def sampling_gate(server: ServerProcess, out: Path, tokens: int) -> dict:
 def arith(server: ServerProcess, out: Path, arm: str, *extra: str) -> Path:
     proc = run_lane("arith", server.base + "/v1", out, "--arm", arm, *extra, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    return only_run_dir(out, "arith")
+    run_dir = only_run_dir(out, "arith")
+    faults = json.loads((run_dir / "summary.json").read_text())["server_debug_faults"]
+    assert ("BROKEN ON PURPOSE" in proc.stderr) == bool(faults)  # run warns loudly, and only then
+    return run_dir
 
 
 def compare(a: Path, b: Path, out: Path, *extra: str) -> dict:
@@ -116,6 +119,7 @@ def matrix(tmp_path_factory) -> dict:
                                   "statistic": f"{100 * verdict['n_correct_a'] / verdict['n']:.0f}% -> "
                                                f"{100 * verdict['n_correct_b'] / verdict['n']:.0f}%, "
                                                f"{verdict['verdict']} at -{T1_MARGIN_PTS:g} pt"}
+        row["faults_in_summary"] = json.loads((greedy / "summary.json").read_text())["server_debug_faults"]
         rows[name] = row
     print_matrix(rows)
     return rows
@@ -139,6 +143,31 @@ def print_matrix(rows: dict) -> None:
 def test_clean_engine_passes_every_detector(matrix, name):
     row = matrix[name]
     assert not any(row[d]["flagged"] for d in ("sampling", "greedy_agreement", "batch_shape")), row
+    assert row["faults_in_summary"] == []
+
+
+def test_every_fault_is_recorded_in_the_run_summary(matrix):
+    for name, (args, _) in CONFIGS.items():
+        planted = [args[i + 1] for i, a in enumerate(args) if a == "--debug-fault"]
+        assert matrix[name]["faults_in_summary"] == planted, name
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--debug-fault", "greedy-sampling"], "needs --speculative block"),
+    (["--debug-fault", "batch-variant", "--device", "cuda"], "--device cpu only"),
+    (["--debug-fault", "no-such-fault"], "Invalid value for '--debug-fault'"),
+])
+def test_debug_fault_flag_rules_are_usage_errors(args, message):
+    proc = run_cli("serve", "--port", "0", *args, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_launched_native_server_gets_its_faults_passed_on():
+    proc = run_cli("serve", "--dry-run", "--json", "--speculative", "block", "--debug-fault", "stale-kv-after-reject",
+                   "--debug-fault", "batch-variant", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)["argv"]
+    assert argv[-4:] == ["--debug-fault", "stale-kv-after-reject", "--debug-fault", "batch-variant"]
 
 
 def test_greedy_sampling_fails_only_the_sampling_gate_while_t1_accuracy_says_non_inferior(matrix):
@@ -159,6 +188,8 @@ def test_residual_from_target_is_caught_by_the_sampling_gate_only(matrix):
 def test_stale_kv_after_reject_is_caught_by_greedy_agreement(matrix):
     row = matrix["stale-kv-after-reject"]
     assert row["greedy_agreement"]["flagged"], row  # spec-on greedy outputs differ from spec-off ones
+    assert row["accept_baseline"]["flagged"], row  # and the stale context drafts worse
+    assert not row["sampling"]["flagged"], row  # its logprobs are those of the context it samples from
 
 
 def test_batch_variant_is_caught_by_the_batch_shape_condition(matrix):
