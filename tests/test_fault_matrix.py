@@ -196,3 +196,20 @@ def test_batch_variant_is_caught_by_the_batch_shape_condition(matrix):
     row = matrix["batch-variant"]
     assert row["batch_shape"]["flagged"], row
     assert not row["sampling"]["flagged"], row  # its logprobs come from the same logits it samples from
+
+
+def test_batch_variant_linear_changes_with_the_row_count_only_through_its_reduction():
+    import torch
+
+    from evalpipe.engine.faults import batch_variant_linear, split_k_chunks
+
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(70, 64, generator=gen), torch.randn(300, 64, generator=gen)
+    exact = torch.nn.functional.linear(h, w)
+    assert [split_k_chunks(r) for r in (1, 7, 8, 63, 64, 384)] == [4, 4, 2, 2, 1, 1]
+    assert torch.equal(batch_variant_linear(h[:64], w), exact[:64])  # 64 rows: one chunk, the exact matmul
+    for rows in (1, 8):
+        got = batch_variant_linear(h[:rows], w)
+        assert not torch.equal(got, exact[:rows])
+        assert torch.allclose(got, exact[:rows], atol=0.1)  # bfloat16 rounding of the partial sums, no more
+    assert not torch.equal(batch_variant_linear(h[:1], w)[0], batch_variant_linear(h[:8], w)[0])

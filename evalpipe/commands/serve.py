@@ -121,8 +121,11 @@ def serve_native(params: dict) -> None:
         click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {settings.dtype} on {device}, "
                    f"{speculation_summary(state)}, loaded in {state.load_seconds:.1f}s)")
         if settings.debug_faults:
-            click.echo(f"evalpipe serve: DEBUG FAULTS PLANTED {', '.join(settings.debug_faults)}: this server is "
-                       "broken on purpose (evaluation of evaluations only)")
+            from evalpipe.engine.faults import DEBUG_FAULTS
+
+            planted = "; ".join(f"{name} ({DEBUG_FAULTS[name]})" for name in settings.debug_faults)
+            click.echo(f"evalpipe serve: DEBUG FAULTS PLANTED: {planted}. This server is broken on purpose "
+                       "(evaluation of evaluations only)")
         sys.stdout.flush()
 
     def on_error(message: str) -> None:
