@@ -92,6 +92,11 @@ def test_pit_edge_cases():
     s = PitSample()
     s.add_position("b", math.log(0.9), {"a": math.log(0.6), "b": math.log(0.6)}, v=1.0)
     assert s.u == [1.0] and s.logprob_mismatches == 1
+    # a sampled token a server adds beyond the top k (vLLM does) goes back to the tail, and is counted
+    s = PitSample()
+    s.add_response(["z"], [math.log(0.01)], [{"a": math.log(0.5), "b": math.log(0.25), "z": math.log(0.01)}],
+                   np.random.default_rng(0), k=2)
+    assert s.in_tail == 1 and s.extra_entries_dropped == 1 and 0.75 <= s.u[0] <= 1.0
     # no variance (p_max = 1 everywhere): z = 0, p = 1; nothing sampled: no p-values
     assert hit_test(3, [1.0, 1.0, 1.0]) == (3.0, 0.0, 1.0)
     assert pit_tests(PitSample(), bins=20)["chi2_p"] is None

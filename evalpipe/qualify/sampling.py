@@ -58,12 +58,18 @@ class PitSample:
     logprob_mismatches: int = 0  # the sampled token's logprob differs from its top-K entry (> 1e-4)
     repeat_p: list = field(default_factory=list)  # p of the context-repeat candidate, where it is in the top K
     repeat_hits: int = 0
+    extra_entries_dropped: int = 0  # positions whose top logprobs had more than K entries (the sampled token added)
 
-    def add_response(self, tokens: list, logprobs: list | None, tops: list, v_rng) -> None:
-        """Every position of one response: its sampled token texts, their logprobs and top-K dicts."""
+    def add_response(self, tokens: list, logprobs: list | None, tops: list, v_rng, k: int | None = None) -> None:
+        """Every position of one response: its sampled token texts, their logprobs and top-K dicts. With `k`, only
+        the k most likely entries count: vLLM adds the sampled token to its top-k when it is not among them, and
+        an entry present only because it was sampled would break the transform (it is put back in the tail)."""
         for j, (tok, top) in enumerate(zip(tokens, tops)):
             if not top:
                 continue
+            if k is not None and len(top) > k:
+                top = dict(sorted(top.items(), key=lambda kv: (-kv[1], str(kv[0])))[:k])
+                self.extra_entries_dropped += 1
             self.add_position(tok, logprobs[j] if logprobs else None, top, float(v_rng.random()))
             candidate = lookup_candidate(tokens[:j])
             if candidate is not None and candidate in top:
@@ -186,7 +192,7 @@ async def run(ep: Endpoint) -> GateResult:
                                     f"{len(out.tokens or [])} tokens with top logprobs" if have else
                                     "the response carries no per-token top logprobs"))
             if have:
-                sample.add_response(out.tokens, out.logprobs, out.top_logprobs, v_rng)
+                sample.add_response(out.tokens, out.logprobs, out.top_logprobs, v_rng, k=TOP_K)
             result.records.append(exchange(f"sampling-{wave}-{i}", "completion", body, out, checks))
         if len(sample.u) == tested_before:  # nothing testable came back: stop instead of looping
             break
@@ -197,7 +203,8 @@ async def run(ep: Endpoint) -> GateResult:
     result.notes = {
         **tests, "alpha_per_test": ALPHA, "gated_on": [key for _, key in GATED],
         "informative_tokens": round(sample.informative, 2), "tokens_in_tail_bin": sample.in_tail,
-        "logprob_mismatches": sample.logprob_mismatches, "top_k": TOP_K, "token_budget": budget, "seed": seed,
+        "logprob_mismatches": sample.logprob_mismatches, "positions_with_extra_entries": sample.extra_entries_dropped,
+        "top_k": TOP_K, "token_budget": budget, "seed": seed,
         "pit_histogram": histogram if sample.u else [],
         "request": {"temperature": 1.0, "top_p": 1.0, "logprobs": TOP_K, "max_tokens": MAX_TOKENS},
         "server_logprobs_mode": logprobs_mode(ep.info),
