@@ -146,4 +146,3 @@ def test_repeat_runs_the_prefix_conditions_through_reset_prefix_cache(vllm_serve
     long_context = repeat["groups"]["open_long_context"]
     assert long_context["prefix_fresh"]["cached_tokens"] == [0, 0, 0]  # the cache really was dropped each time
     assert all(n > 0 for n in long_context["prefix_reused"]["cached_tokens"])
-
