@@ -146,3 +146,17 @@ def test_repeat_runs_the_prefix_conditions_through_reset_prefix_cache(vllm_serve
     long_context = repeat["groups"]["open_long_context"]
     assert long_context["prefix_fresh"]["cached_tokens"] == [0, 0, 0]  # the cache really was dropped each time
     assert all(n > 0 for n in long_context["prefix_reused"]["cached_tokens"])
+
+
+def test_sampling_gate_passes_against_vllm_with_ngram_speculation(vllm_server, tmp_path):
+    """vLLM's rejection sampler with ngram drafts, at T = 1: its tokens follow the logprobs it reports. The dummy
+    weights give a near-uniform distribution whose byte tokens share texts, so the gate keys logprobs by token id."""
+    base_url, _, _ = vllm_server
+    result = evalpipe("qualify", "--base-url", base_url, "--gates", "sampling", "--sampling-tokens", "2000",
+                      "--out", str(tmp_path / "q"), "--no-progress")
+    gate = json.loads((tmp_path / "q" / "qualify.json").read_text())["gates"][0]
+    notes = gate["notes"]
+    assert result.returncode == 0 and gate["verdict"] == "pass", (gate["reason"], result.stderr[-2000:])
+    assert notes["token_identity"] == "token ids (return_tokens_as_token_ids)"
+    assert notes["tokens"] >= 2000 and notes["informative_tokens"] >= 100
+    assert min(notes["chi2_p"], notes["collapse_p"], notes["repeat_p"]) >= 0.001

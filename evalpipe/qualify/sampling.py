@@ -58,6 +58,7 @@ class PitSample:
     logprob_mismatches: int = 0  # the sampled token's logprob differs from its top-K entry (> 1e-4)
     repeat_p: list = field(default_factory=list)  # p of the context-repeat candidate, where it is in the top K
     repeat_hits: int = 0
+    short_tops: int = 0  # positions with fewer than K entries
     extra_entries_dropped: int = 0  # positions whose top logprobs had more than K entries (the sampled token added)
 
     def add_response(self, tokens: list, logprobs: list | None, tops: list, v_rng, k: int | None = None) -> None:
@@ -67,6 +68,7 @@ class PitSample:
         for j, (tok, top) in enumerate(zip(tokens, tops)):
             if not top:
                 continue
+            self.short_tops += k is not None and len(top) < k  # texts that collided, or a short vocabulary
             if k is not None and len(top) > k:
                 top = dict(sorted(top.items(), key=lambda kv: (-kv[1], str(kv[0])))[:k])
                 self.extra_entries_dropped += 1
@@ -163,6 +165,15 @@ def prompts(seed: int, n: int) -> list[str]:
     return ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(6, 24))) for _ in range(n)]
 
 
+def token_id_keys(models) -> dict:
+    """Extra request fields that make the logprob keys token ids instead of token texts, where the server has them
+    (vLLM's `return_tokens_as_token_ids`): texts collide (byte pieces that decode to '' or U+FFFD), and a sampled
+    token matched to another token of the same text breaks the transform. Other servers: none (keys are texts)."""
+    data = models.get("data") if isinstance(models, dict) else None
+    vllm = any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data or [])
+    return {"return_tokens_as_token_ids": True} if vllm else {}
+
+
 def logprobs_mode(info) -> str:
     """What the server says its logprobs are (vLLM's `logprobs_mode`, the native server's), else 'not reported'."""
     value = find_key(info, ("logprobs_mode",))
@@ -176,12 +187,13 @@ async def run(ep: Endpoint) -> GateResult:
     result = GateResult("sampling")
     v_rng = np.random.default_rng(seed)
     sample = PitSample()
+    id_keys = token_id_keys(ep.facts.get("models"))
     wave = 0
     while len(sample.u) < budget:
         n_req = max(1, min(cfg.concurrency * 4, math.ceil((budget - len(sample.u)) / MAX_TOKENS)))
         texts = prompts(seed * 1_000_003 + wave, n_req)
         bodies = [ep.body(prompt=p, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, logprobs=TOP_K,
-                          seed=seed * 1_000_003 + wave * 10_000 + i) for i, p in enumerate(texts)]
+                          seed=seed * 1_000_003 + wave * 10_000 + i, **id_keys) for i, p in enumerate(texts)]
         outcomes = await gather_limited([ep.send(b, chat=False) for b in bodies], cfg.concurrency)
         tested_before = len(sample.u)
         for i, (body, out) in enumerate(zip(bodies, outcomes)):
@@ -208,6 +220,8 @@ async def run(ep: Endpoint) -> GateResult:
         "pit_histogram": histogram if sample.u else [],
         "request": {"temperature": 1.0, "top_p": 1.0, "logprobs": TOP_K, "max_tokens": MAX_TOKENS},
         "server_logprobs_mode": logprobs_mode(ep.info),
+        "token_identity": "token ids (return_tokens_as_token_ids)" if id_keys else "token texts",
+        "positions_with_fewer_entries": sample.short_tops,
     }
     if not result.records:
         result.problem = "no requests were sent"
