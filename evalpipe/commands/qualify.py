@@ -75,8 +75,8 @@ def _gates(ctx, param, value):
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=600.0, show_default=True,
               help="Per-request timeout in seconds.")
 @click.option("--sampling-tokens", type=click.IntRange(1), default=12000, show_default=True,
-              help="Sampled tokens the sampling gate tests (about a minute on the CPU default server; more tokens, "
-              "more power against a subtly wrong sampler).")
+              help="Sampled tokens the sampling gate tests (30-40 s on the CPU default server; more tokens, more "
+              "power against a subtly wrong sampler).")
 @click.option("--sampling-seed", type=int, default=0, show_default=True,
               help="Seed of the sampling gate's prompts, its PIT randomisation and the requests' `seed` fields.")
 @click.option("--no-progress", is_flag=True, help="No soak progress bar (it is drawn on a terminal only).")
@@ -97,7 +97,8 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
       structured  tool calls (auto, required, named), tool results, json_schema; streamed and not; serial and C
       soak        C streams for --soak-duration s: no failures, no hangs; output-cap hits, memory sampled
       sampling    T=1 samples with top-20 logprobs: the randomised PIT of every sampled token is uniform
-                  (chi-square) and argmax hits match sum(p_max) (z), each at alpha 0.001; needs logprobs
+                  (chi-square), argmax and context-repeat hits match their probabilities (two z-tests), each
+                  at alpha 0.001; needs logprobs
 
     \b
     Exit codes:
