@@ -24,6 +24,7 @@ torch.set_num_threads(1)
 # running alone while the other worker idles (by xdist's default order, by number of tests, test_vllm_ab.py and its
 # single 250 s test started last). Files not listed follow, in pytest's order. Refresh with `--durations`.
 LONGEST_FIRST = [
+    "test_fault_matrix.py",  # 6 servers, every detector (173-230 s measured alone)
     "test_vllm_ab.py",  # 250 s
     "test_qualify.py",  # 139
     "test_ab.py",  # 130

@@ -2,7 +2,8 @@
 (a GSM8K slice), `audit` (passes), `compare` (does not refuse), `bench` and `repeat` against that one server.
 
 The server serves a tiny Llama config with dummy weights and ngram speculation (3 draft tokens), so the run-level
-speculative counters from /metrics are exercised too. One boot (~1 min on 2 cores) is shared by the module.
+speculative counters from /metrics are exercised too. One boot (~1 min on 2 cores) is shared by the module; the
+sampling gate also runs against a second boot without speculation.
 The A/B with four fresh boots is tests/test_vllm_ab.py.
 """
 
@@ -24,18 +25,17 @@ N_QUESTIONS = 10
 MAX_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """(base_url with /v1, receipt path) of one vLLM started through `evalpipe serve --engine vllm`."""
+def serve_vllm(root, *speculation: str):
+    """(base_url with /v1, receipt path, vLLM's python) of one vLLM started through `evalpipe serve --engine vllm`
+    with `speculation` flags; stopped (and its receipt checked) when the generator is closed."""
     python = require_vllm()
-    root = tmp_path_factory.mktemp("vllm")
     model = make_model(root / "tiny-llama")
     port = free_port()
     receipt = root / "receipt.json"
     stderr = open(root / "serve.err", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "evalpipe.cli", "serve", *ENGINE_ARGS, "--model", str(model), "--port", str(port),
-         "--speculative", "ngram", "--spec-steps", "3", "--receipt", str(receipt),
+         *speculation, "--receipt", str(receipt),
          "--ready-timeout", str(BOOT_TIMEOUT_S), "--", *PASSTHROUGH],
         stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=root,
     )
@@ -55,6 +55,12 @@ def vllm_server(tmp_path_factory):
             stderr.close()
     data = json.loads(receipt.read_text())
     assert proc.returncode == 130 and data["stopped_at"] and not alive(data["pid"])
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """One vLLM with ngram speculation (3 draft tokens), shared by the module."""
+    yield from serve_vllm(tmp_path_factory.mktemp("vllm"), "--speculative", "ngram", "--spec-steps", "3")
 
 
 def test_serve_starts_the_cpu_build_through_the_module_and_records_its_environment(vllm_server):
@@ -146,3 +152,27 @@ def test_repeat_runs_the_prefix_conditions_through_reset_prefix_cache(vllm_serve
     long_context = repeat["groups"]["open_long_context"]
     assert long_context["prefix_fresh"]["cached_tokens"] == [0, 0, 0]  # the cache really was dropped each time
     assert all(n > 0 for n in long_context["prefix_reused"]["cached_tokens"])
+
+
+@pytest.fixture(params=["ngram", "off"])
+def any_vllm(request, tmp_path_factory):
+    """The module's ngram server, or a vLLM without speculation for this test alone."""
+    if request.param == "ngram":
+        yield request.getfixturevalue("vllm_server")
+    else:
+        yield from serve_vllm(tmp_path_factory.mktemp("vllm-plain"))
+
+
+def test_sampling_gate_passes_against_vllm_with_and_without_ngram_speculation(any_vllm, tmp_path):
+    """vLLM's sampler, and its rejection sampler with ngram drafts, at T = 1: its tokens follow the logprobs it
+    reports. The dummy weights give a near-uniform distribution whose byte tokens share texts, so the gate keys
+    logprobs by token id."""
+    base_url, _, _ = any_vllm
+    result = evalpipe("qualify", "--base-url", base_url, "--gates", "sampling", "--sampling-tokens", "2000",
+                      "--out", str(tmp_path / "q"), "--no-progress")
+    gate = json.loads((tmp_path / "q" / "qualify.json").read_text())["gates"][0]
+    notes = gate["notes"]
+    assert result.returncode == 0 and gate["verdict"] == "pass", (gate["reason"], result.stderr[-2000:])
+    assert notes["token_identity"] == "token ids (return_tokens_as_token_ids)"
+    assert notes["tokens"] >= 2000 and notes["informative_tokens"] >= 100
+    assert min(notes["chi2_p"], notes["collapse_p"], notes["repeat_p"]) >= 0.001

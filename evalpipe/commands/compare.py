@@ -40,7 +40,14 @@ from evalpipe.compare.gate import FAIL_ON_HELP, GATE_FAILED_EXIT, parse_fail_on
               help="Bootstrap resamples and permutations.")
 @click.option("--no-html", is_flag=True, help="Skip report.html (compare.json and the table are still written).")
 @click.option("--fail-on", "fail_on", default=None, metavar="VERDICTS", help=FAIL_ON_HELP)
-def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples, no_html, fail_on):
+@click.option("--accept-baseline", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="An acceptance baseline (`evalpipe run ... --save-accept-baseline FILE`): RUN_B's acceptance at "
+              "each draft position, and its token-weighted mean accept length, must be at least the baseline's x "
+              "(1 - --accept-rtol); otherwise compare reports the regression and exits 4.")
+@click.option("--accept-rtol", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
+              help="Relative tolerance of --accept-baseline (vLLM's acceptance-length test uses 0.05).")
+def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples, no_html, fail_on,
+            accept_baseline, accept_rtol):
     """Compare RUN_A (reference) and RUN_B (candidate), two run folders of the same lane or two bench folders.
 
     Run folders: accuracy with denominators; for greedy lanes exact McNemar, Tango's score interval and the
@@ -51,26 +58,34 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     differences. Bench folders (bench.json): ratio of medians B / A with a bootstrap interval, a verdict (higher,
     lower, no measurable change) and the smallest detectable change in percent.
 
-
     \b
     Exit codes:
       0  compared (whatever the verdict, unless --fail-on)
       1  refused: the runs did not ask the same questions the same way, or one is partial (--force overrides)
-      2  usage error, or a folder that is not a run folder or holds a malformed file (named with its line)
-      4  the verdict is one of --fail-on
+      2  usage error (a bad --accept-baseline file included), or a folder that is not a run folder or holds a
+         malformed file (named with its line)
+      4  the verdict is one of --fail-on, or RUN_B's acceptance regressed below --accept-baseline
     """
     from evalpipe.compare import report
     from evalpipe.compare.bench_compare import is_bench_folder
     from evalpipe.compare.gate import verdict_of
     from evalpipe.compare.runfolder import RunFolderError
     from evalpipe.compare.workflow import MixedFolders, NotComparable, compare_runs
+    from evalpipe.harness.acceptance import read_baseline
 
     gate = parse_fail_on(fail_on)
     if gate and (is_bench_folder(run_a) or is_bench_folder(run_b)):
         raise click.UsageError("--fail-on gates the accuracy verdict of two run folders, not bench folders")
+    baseline = None
+    if accept_baseline is not None:
+        try:
+            baseline = read_baseline(accept_baseline)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     try:
         done = compare_runs(run_a, run_b, out=out_dir, margin_pts=margin_pts, force=force, intended=intended,
-                            seed=seed, n_resamples=resamples, html=not no_html)
+                            seed=seed, n_resamples=resamples, html=not no_html, accept_baseline=baseline,
+                            accept_rtol=accept_rtol)
     except MixedFolders as exc:
         raise click.UsageError(str(exc)) from None
     except RunFolderError as exc:
@@ -81,6 +96,14 @@ def command(run_a, run_b, margin_pts, out_dir, force, intended, seed, resamples,
     click.echo(f"wrote {done.json_path}")
     if done.html_path is not None:
         click.echo(f"wrote {done.html_path}")
+    check = done.result.get("accept_baseline")
+    if check is not None:
+        rates = ", ".join(f"{r['position']}: {r['measured'] if r['measured'] is None else round(r['measured'], 3)}"
+                          f" vs {r['baseline']:.3f}" for r in check["positions"])
+        click.echo(f"acceptance vs baseline (rtol {accept_rtol:g}), per position: {rates}")
+        if check["regressed"]:
+            click.echo(f"evalpipe compare: ACCEPTANCE REGRESSION: {check['reason']}", err=True)
+            sys.exit(GATE_FAILED_EXIT)
     if gate:
         verdict = verdict_of(done.result)["verdict"]
         if verdict in gate:

@@ -11,7 +11,8 @@ import click
 from evalpipe.harness.client import DEFAULT_BASE_URL
 from evalpipe.qualify import EXIT_BAD_INPUT, GATES
 
-DEFAULT_GATES = tuple(g for g in GATES if g != "reference")  # reference joins when a reference file is named
+# reference joins when a reference file is named; sampling (a minute of sampled tokens) only when asked for
+DEFAULT_GATES = tuple(g for g in GATES if g not in ("reference", "sampling"))
 
 
 def _gates(ctx, param, value):
@@ -36,7 +37,7 @@ def _gates(ctx, param, value):
               "checks each on every route; generation uses the first). Env EVALPIPE_API_KEY. Never recorded.")
 @click.option("--gates", callback=_gates, default=None, metavar="G1,G2",
               help=f"Gates to run, comma-separated, or 'all': {', '.join(GATES)}. Default: every gate but "
-              "reference, plus reference when --record-reference or --reference is given.")
+              "reference and sampling, plus reference when --record-reference or --reference is given.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for qualify.json, manifest.json and report.html (created; one that already holds a "
               "qualify.json is refused). Default: results/qualify/<UTC time>.")
@@ -76,10 +77,16 @@ def _gates(ctx, param, value):
               help="Seconds between MemAvailable / server RSS samples during the soak.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=600.0, show_default=True,
               help="Per-request timeout in seconds.")
+@click.option("--sampling-tokens", type=click.IntRange(1), default=12000, show_default=True,
+              help="Sampled tokens the sampling gate tests (30-40 s on the CPU default server; more tokens, more "
+              "power against a subtly wrong sampler).")
+@click.option("--sampling-seed", type=int, default=0, show_default=True,
+              help="Seed of the sampling gate's prompts, its PIT randomisation and the requests' `seed` fields.")
 @click.option("--no-progress", is_flag=True, help="No soak progress bar (it is drawn on a terminal only).")
 def command(base_url, model, api_keys, gates, out_dir, record_reference, reference, max_context, concurrency,
             max_tokens, retrieval_depths, needles_per_depth, chunk_size, page_size,
-            sliding_window, compress_ratios, soak_s, hang_s, soak_max_tokens, sample_every_s, timeout_s, no_progress):
+            sliding_window, compress_ratios, soak_s, hang_s, soak_max_tokens, sample_every_s, timeout_s,
+            sampling_tokens, sampling_seed, no_progress):
     """Qualify a serving stack: run the gates against any OpenAI-compatible server and write qualify.json (every
     request, its checks and verdict), manifest.json and report.html; print one table of the gates.
 
@@ -93,6 +100,9 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
       mixed       a long prompt arriving during C short decodes: every output equals its solo run
       structured  tool calls (auto, required, named), tool results, json_schema; streamed and not; serial and C
       soak        C streams for --soak-duration s: no failures, no hangs; output-cap hits, memory sampled
+      sampling    T=1 samples with top-20 logprobs: the randomised PIT of every sampled token is uniform
+                  (chi-square), argmax and context-repeat hits match their probabilities (two z-tests), each
+                  at alpha 0.001; needs logprobs
 
     \b
     Exit codes:
@@ -117,7 +127,8 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
         retrieval_depths=retrieval_depths, needles_per_depth=needles_per_depth,
         chunk_size=chunk_size, page_size=page_size, sliding_window=sliding_window,
         compress_ratios=tuple(compress_ratios), soak_s=soak_s, hang_s=hang_s, soak_max_tokens=soak_max_tokens,
-        sample_every_s=sample_every_s, record_reference=record_reference, reference=reference,
+        sample_every_s=sample_every_s, sampling_tokens=sampling_tokens, sampling_seed=sampling_seed,
+        record_reference=record_reference, reference=reference,
         command_line=redact_argv(sys.argv, list(api_keys)), progress=not no_progress,
     )
     try:

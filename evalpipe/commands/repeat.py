@@ -9,7 +9,8 @@ import click
 
 from evalpipe.harness.client import DEFAULT_BASE_URL
 
-CONDITION_HELP = "serial, burst, logprobs, prefix_fresh, prefix_reused"
+CONDITION_HELP = ("serial, burst, logprobs, prefix_fresh, prefix_reused; batch_shape (= batch_1,batch_8,batch_64: "
+                  "alone and among 7 or 63 other prompts, with logprobs; not in the default)")
 
 
 @click.command(name="repeat")
@@ -51,7 +52,8 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     from evalpipe.console import make_console
     from evalpipe.harness.client import EndpointError
     from evalpipe.harness.records import REPEAT_FILE, RESPONSES_FILE
-    from evalpipe.harness.repeat import CONDITIONS, RepeatConfig, RepeatError, RepeatRun, planned_requests
+    from evalpipe.harness.repeat import (BATCH_SHAPE, BATCH_SIZES, CONDITIONS, RepeatConfig, RepeatError, RepeatRun,
+                                         planned_requests)
     from evalpipe.lanes.repeat_fixtures import fixtures
 
     all_fx = fixtures(long_context_chars=long_context_chars, open_max_tokens=open_max_tokens)
@@ -64,9 +66,11 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     conds = tuple(CONDITIONS)
     if conditions:
         conds = tuple(x.strip() for x in conditions.split(",") if x.strip())
-        bad = sorted(set(conds) - set(CONDITIONS))
-        if bad:
-            raise click.UsageError(f"unknown condition(s) {bad}; known: {list(CONDITIONS)}")
+        conds = tuple(dict.fromkeys(s for c in conds for s in (BATCH_SIZES if c == BATCH_SHAPE else (c,))))
+        known = [*CONDITIONS, BATCH_SHAPE, *BATCH_SIZES]
+        bad = sorted(set(conds) - set(known))
+        if bad or not conds:
+            raise click.UsageError(f"unknown condition(s) {bad or '(none given)'}; known: {known}")
     cfg = RepeatConfig(base_url=base_url.rstrip("/"), fixtures=all_fx, repeats=repeats, conditions=conds, model=model,
                        api_key=api_key, token_ids=not no_token_ids, timeout_s=timeout_s, arm=arm,
                        out_dir=Path(out_dir))

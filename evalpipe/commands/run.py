@@ -71,9 +71,12 @@ def _parse_seed(ctx, param, value):
 @click.option("--fsync", is_flag=True, help="fsync responses.jsonl after every record (survives power loss; slower). "
               "Without it every record is still flushed, which survives a killed process.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--save-accept-baseline", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the run's per-position acceptance and mean accept lengths (summary.json's "
+              "`acceptance`) to FILE, for `evalpipe compare --accept-baseline FILE`. Needs speculation statistics.")
 def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, timeout_s, max_tokens, temperature,
             seed, top_p, num_examples, repeats, data_dir, allow_data_drift, resume_dir, no_token_ids, logprobs,
-            max_retries, retry_backoff, grader_timeout, grader_workers, fsync, no_progress):
+            max_retries, retry_backoff, grader_timeout, grader_workers, fsync, no_progress, save_accept_baseline):
     """Run LANE against an OpenAI-compatible endpoint and write responses.jsonl, summary.json, manifest.json.
 
     Every planned item lands exactly once: a final failure is an error record, never a dropped item.
@@ -168,6 +171,16 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     if num_examples is not None and resume_dir is None and 0 < outcome.summary.get("n_planned", 0) < num_examples * n_reps:
         click.echo(f"note: --num-examples {num_examples} is more than lane {cfg.lane.name} has; it ran all "
                    f"{outcome.summary['n_planned'] // n_reps} scored items", err=True)
+    if save_accept_baseline is not None:
+        from evalpipe.harness.acceptance import write_baseline
+
+        manifest = json.loads((outcome.run_dir / MANIFEST_FILE).read_text())
+        info = ((manifest.get("start") or {}).get("server") or {}).get("server_info")
+        try:
+            write_baseline(save_accept_baseline, outcome.summary.get("acceptance"), info)
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(f"cannot save the acceptance baseline: {exc}") from None
+        click.echo(f"wrote acceptance baseline {save_accept_baseline}")
     if outcome.exit_code:
         click.echo(f"evalpipe run: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)

@@ -20,7 +20,7 @@ import click
 
 from evalpipe.launchers import flags
 from evalpipe.launchers.errors import LaunchConfigError
-from evalpipe.launchers.rules import NATIVE_ACCEPT_RULES, check_acceptance, check_native
+from evalpipe.launchers.rules import NATIVE_ACCEPT_RULES, check_acceptance, check_debug_faults, check_native
 
 HELP = """Serve a model on http://HOST:PORT/v1 until Ctrl-C: the native engine (the built-in evalpipe-skills-dsv4 by
 default) in this process, or SGLang / vLLM / the native engine through a launcher.
@@ -80,6 +80,7 @@ def command(**params):
     try:
         check_acceptance(options, "native", NATIVE_ACCEPT_RULES)
         check_native(options)
+        check_debug_faults(params["debug_faults"], options)
     except LaunchConfigError as exc:
         raise click.UsageError(str(exc)) from None
     serve_native(params)
@@ -108,6 +109,7 @@ def serve_native(params: dict) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     fields = {f.name for f in dataclasses.fields(ServerSettings)}
     given = {k: v for k, v in params.items() if k in fields - {"port", "argv", "api_key"} and v is not None}
+    given["debug_faults"] = tuple(sorted(set(params["debug_faults"])))
     keys = tuple(params["api_key"]) or tuple(k for k in [os.environ.get("EVALPIPE_API_KEY")] if k)
     settings = ServerSettings(**given, port=port, argv=["evalpipe", *sys.argv[1:]],
                               api_key=keys[0] if keys else None, more_api_keys=keys[1:])
@@ -118,6 +120,12 @@ def serve_native(params: dict) -> None:
         url = f"http://{_display_host(host)}:{port}/v1"
         click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {settings.dtype} on {device}, "
                    f"{speculation_summary(state)}, loaded in {state.load_seconds:.1f}s)")
+        if settings.debug_faults:
+            from evalpipe.engine.faults import DEBUG_FAULTS
+
+            planted = "; ".join(f"{name} ({DEBUG_FAULTS[name]})" for name in settings.debug_faults)
+            click.echo(f"evalpipe serve: DEBUG FAULTS PLANTED: {planted}. This server is broken on purpose "
+                       "(evaluation of evaluations only)")
         sys.stdout.flush()
 
     def on_error(message: str) -> None:

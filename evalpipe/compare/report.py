@@ -490,6 +490,39 @@ def _agreement_value(key: str, value: Any) -> Any:
     return value
 
 
+def acceptance_html(result: dict) -> str:
+    """Acceptance per draft position, both mean accept lengths and the context buckets (harness/acceptance.py), and
+    the --accept-baseline check; empty when neither arm has speculative statistics."""
+    arms = result.get("acceptance") or {}
+    if not any(arms.values()):
+        return ""
+    rows = []
+    for arm in ("a", "b"):
+        p = arms.get(arm)
+        if not p:
+            rows.append([arm.upper(), "no speculative statistics", "", "", ""])
+            continue
+        rows.append([arm.upper(), p.get("source"), num(p.get("request_weighted_accept_length")),
+                     num(p.get("token_weighted_accept_length")), " ".join(num(x) for x in p["per_position"])])
+        for bucket, sub in (p.get("by_context_tokens") or {}).items():
+            rows.append([f"{arm.upper()}, prompt tokens {bucket}", f"{sub['responses']} responses",
+                         num(sub["request_weighted_accept_length"]), num(sub["token_weighted_accept_length"]),
+                         " ".join(num(x) for x in sub["per_position"])])
+    html = ("<h2>Acceptance</h2><p>Per position j: share of verify steps that accepted at least j drafts. "
+            "Request-weighted: mean over responses of tokens per verify step; token-weighted: all tokens over all "
+            "verify steps (long completions weigh more).</p>"
+            + _table(["arm", "source", "accept length (request-weighted)", "accept length (token-weighted)",
+                      "acceptance by position 1..G"], rows, "acceptance"))
+    check = result.get("accept_baseline")
+    if check:
+        html += (f"<p id='accept-baseline'>B against the acceptance baseline (rtol {check['rtol']:g}): "
+                 f"<b>{'REGRESSED: ' + _e(check['reason']) if check['regressed'] else 'within tolerance'}</b></p>"
+                 + _table(["position", "baseline", "measured", "relative change", "regressed"],
+                          [[r["position"], num(r["baseline"]), num(r["measured"]), num(r["relative_change"]),
+                            r["regressed"]] for r in check["positions"]]))
+    return html
+
+
 def render_html(result: dict) -> str:
     if result["kind"] == "bench":
         return _render_bench_html(result)
@@ -562,6 +595,7 @@ def render_html(result: dict) -> str:
     parts.append(_img(plot_per_question(result), "per-question accuracy A vs B", "plot plot-per-question"))
     parts.append(_img(plot_accept_lengths(result), "accept-length histograms", "plot plot-accept-length"))
     parts.append(_img(plot_latency(result), "latency distributions", "plot plot-latency"))
+    parts.append(acceptance_html(result))
     ag = result.get("agreement") or {}
     parts.append("<h2>Output agreement</h2>")
     if "n_pairs" in ag:

@@ -19,6 +19,7 @@ from evalpipe.compare.bench_compare import bench_problems, compare_benches, is_b
 from evalpipe.compare.runfolder import RunFolderError, comparability_problems, load_run
 from evalpipe.harness.records import AB_FILE, MalformedFile, read_json_object
 from evalpipe.volatile import SPECULATION_WORDS
+from evalpipe.harness import acceptance
 
 
 class MixedFolders(RunFolderError):
@@ -84,11 +85,13 @@ def ab_plan(run_a: str | Path, run_b: str | Path) -> Optional[tuple[Path, dict]]
 
 def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Path] = None, margin_pts: float = 1.0,
                  force: bool = False, intended: Iterable[str] = (), seed: int = stats.DEFAULT_SEED,
-                 n_resamples: int = stats.DEFAULT_RESAMPLES, html: bool = True) -> Comparison:
+                 n_resamples: int = stats.DEFAULT_RESAMPLES, html: bool = True,
+                 accept_baseline: Optional[dict] = None, accept_rtol: float = 0.05) -> Comparison:
     """Compare RUN_A (reference) with RUN_B (candidate), every difference B - A; write compare.json (+ report.html).
 
     Raises RunFolderError (unreadable folder; MixedFolders for a bench folder beside a run folder) and
-    NotComparable (unless `force`)."""
+    NotComparable (unless `force`). With `accept_baseline` (harness/acceptance.py), B's per-position acceptance is
+    checked against it at relative tolerance `accept_rtol`."""
     intended = list(intended)
     bench_a, bench_b = is_bench_folder(run_a), is_bench_folder(run_b)
     if bench_a != bench_b:
@@ -114,6 +117,11 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Pa
             result["manifest_diff"]["intended_implied"] = (
                 f"both folders come from one `evalpipe ab` plan ({plan[0]}): its declared flags ({flags}) mark the "
                 "intended difference")
+        result["acceptance"] = {"a": acceptance.profile(a.records, (a.summary or {}).get("spec_metrics")),
+                                "b": acceptance.profile(b.records, (b.summary or {}).get("spec_metrics"))}
+        if accept_baseline is not None:
+            result["accept_baseline"] = acceptance.check_baseline(result["acceptance"]["b"], accept_baseline,
+                                                                  accept_rtol)
     folder = Path(out) if out else default_out(run_a, run_b)
     folder.mkdir(parents=True, exist_ok=True)
     result["command"] = {"run_a": str(run_a), "run_b": str(run_b), "margin_pts": margin_pts, "force": force,

@@ -3,7 +3,8 @@
 The server (evalpipe/server) spawns process.py, which calls `build.build(settings)` for a runner and a decoder, runs
 them in an `Engine` (loop.py) and talks to the server with the messages of ipc.py.
 - The HTTP process imports only the torch-free modules: process.py (the spawn target), ipc.py (the messages and
-  `SeqEvent`), sampling_params.py, grammar_spec.py, tokenizer.py, model/names.py, spec/settings.py.
+  `SeqEvent`), sampling_params.py, grammar_spec.py, tokenizer.py, model/names.py, spec/settings.py, faults.py
+  (the planted faults of `--debug-fault`).
 - engine.py: one step is one forward; loop.py: the engine process's loop; scheduler.py: admission, prefill chunks,
   decode rows; sampling.py: the per-request distribution and draws; tokenizer.py: tokenizers and detokenizers;
   grammar.py: xgrammar constraints (tools, response formats) masking every sampled and verified row;

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from evalpipe.engine.engine import PlainDecoder
+from evalpipe.engine.faults import batch_variant_linear, faults_of
 from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.spec.decoder import decoder_from_settings
@@ -27,9 +29,14 @@ def site_settings(settings: Any) -> SiteSettings:
 
 
 def build(settings: Any) -> tuple[Any, Any]:
-    """(runner, decoder) for the server settings; decoder None is plain decoding."""
+    """(runner, decoder) for the server settings; decoder None is plain decoding. A planted `batch-variant` fault
+    (engine/faults.py) replaces the eager model's LM-head matmul."""
     runner = build_runner(settings)
+    if "batch-variant" in faults_of(settings):
+        runner.model.head_linear = batch_variant_linear
     decoder = decoder_from_settings(settings, runner)
+    if decoder is None and faults_of(settings):
+        decoder = PlainDecoder(faults_of(settings))
     capture_drafter(decoder, runner)
     return runner, decoder
 

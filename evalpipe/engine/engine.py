@@ -68,6 +68,9 @@ class PlainDecoder:
     width = 1
     all_logits = False
 
+    def __init__(self, debug_faults: tuple[str, ...] = ()):
+        self.debug_faults = tuple(debug_faults)  # planted bugs that act outside speculation (engine/faults.py)
+
     def propose(self, seq: Sequence) -> list[int]:
         return [seq.last_token]
 
@@ -77,10 +80,11 @@ class PlainDecoder:
         return [sample_token(logits[-1], seq.params, seq.generator)]
 
     def stats(self, seq: Sequence) -> dict | None:
-        return None
+        return {"debug_faults": list(self.debug_faults)} if self.debug_faults else None
 
     def describe(self) -> dict:
-        return {"mode": "off", "simulate_acc_len": None}
+        return {"mode": "off", "simulate_acc_len": None,
+                **({"debug_faults": list(self.debug_faults)} if self.debug_faults else {})}
 
 
 class Engine:

@@ -44,7 +44,7 @@ from evalpipe.harness.records import (
     rewrite_records,
     write_json,
 )
-from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
+from evalpipe.harness.server_facts import debug_faults, lossy_acceptance, simulation_reason
 from evalpipe.harness.summary import compute_summary
 from evalpipe.lanes import (
     Item,
@@ -201,6 +201,11 @@ class LaneRun:
         if self.server_lossy:
             print(f"evalpipe run: warning: the server's speculative acceptance is LOSSY {self.server_lossy}; "
                   "the responses it decides measure that rule, not the model (scored on purpose)", file=sys.stderr)
+        self.server_faults = debug_faults(info)
+        if self.server_faults:
+            print(f"evalpipe run: WARNING: THE SERVER IS BROKEN ON PURPOSE: planted debug faults "
+                  f"{', '.join(self.server_faults)} (evalpipe serve --debug-fault); these scores measure the "
+                  "faults, not the model", file=sys.stderr)
         self.server_facts = {"models": models_json, "server_info_path": info_path, "server_info": info}
         # speculative counters from /metrics (vLLM reports speculation nowhere else): run-level, before and after
         self.metrics_before = spec_metrics.snapshot(server)
@@ -472,6 +477,7 @@ class LaneRun:
             "data_drift": self.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
             "resumed": self.resumed is not None,
             "server_lossy_acceptance": self.server_lossy,
+            "server_debug_faults": self.server_faults,
             "spec_metrics": metrics,
         }
         summary = compute_summary(

@@ -9,11 +9,18 @@ Conditions: serial; burst (all N concurrently); logprobs (serial, with top-2 log
 (cache dropped before each request) and prefix_reused (after a priming request) where the server can drop its
 prefix cache (/flush_cache, or vLLM's /reset_prefix_cache in dev mode) and reports cached tokens. Every response is
 recorded in the run-record JSONL form.
+
+Batch-shape invariance (asked for with `batch_shape`, or one by one): batch_1 sends the fixture alone, batch_8 and
+batch_64 send each of its N requests together with 7 or 63 other prompts of the same length limit (recorded as
+`<condition>_filler`), all with top-2 logprobs. Besides each condition's own group, the `batch_shape` group pools
+the three: its distinct outputs count the outputs that changed with the batch shape, and its first divergence and
+logprob gap say where and how close the tokens were.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 from collections import Counter
@@ -37,6 +44,8 @@ from evalpipe.lanes.repeat_fixtures import Fixture, fixtures_sha256
 from evalpipe.redact import redact_text
 
 CONDITIONS = ("serial", "burst", "logprobs", "prefix_fresh", "prefix_reused")
+BATCH_SIZES = {"batch_1": 1, "batch_8": 8, "batch_64": 64}  # opt-in: `batch_shape` asks for all three
+BATCH_SHAPE = "batch_shape"
 LANE = "repeat"
 TOP_LOGPROBS = 2
 MAX_RETRIES, RETRY_BACKOFF_S = 2, 0.5  # harness/client.py's policy; a repeat's requests are short
@@ -122,7 +131,7 @@ class RepeatRun:
         self.conditions: list[str] = []
         self.cache_reset_path: Optional[str] = None
         self.server = Server(cfg.base_url, cfg.api_key)
-        self.client = openai_client(cfg.base_url, cfg.api_key, cfg.timeout_s, connections=cfg.repeats)
+        self.client = openai_client(cfg.base_url, cfg.api_key, cfg.timeout_s, connections=max(cfg.repeats, *(BATCH_SIZES.get(c, 1) for c in cfg.conditions)))
 
     def flush(self) -> bool:
         """Drop the server's prefix cache through the route it offers (probed once, then that one only)."""
@@ -162,6 +171,14 @@ class RepeatRun:
 
     async def condition(self, fixture: Fixture, condition: str) -> list[dict]:
         n = self.cfg.repeats
+        if condition in BATCH_SIZES:
+            out = []
+            for i in range(n):
+                fillers = [self.one(filler, f"{condition}_filler", i, logprobs=True)
+                           for filler in self.fillers(fixture, BATCH_SIZES[condition] - 1)]
+                done = await asyncio.gather(self.one(fixture, condition, i, logprobs=True), *fillers)
+                out.append(done[0])
+            return out
         if condition == "burst":
             return list(await asyncio.gather(*(self.one(fixture, condition, i, logprobs=False) for i in range(n))))
         out = []
@@ -172,6 +189,14 @@ class RepeatRun:
                 self.flush()
             out.append(await self.one(fixture, condition, i, logprobs=condition == "logprobs"))
         return out
+
+    def fillers(self, fixture: Fixture, count: int) -> list[Fixture]:
+        """`count` other prompts for the fixture's batch: the other fixtures' prompts, numbered so that none is
+        identical to another, with the fixture's own max_tokens (so they stay in flight while it decodes)."""
+        others = [f.prompt for f in self.cfg.fixtures if f.id != fixture.id] or [fixture.prompt]
+        return [dataclasses.replace(fixture, id=f"{fixture.id}-filler-{j}", kind="open", expected=None,
+                                    extract=None, prompt=f"({j + 1}) {others[j % len(others)]}")
+                for j in range(count)]
 
     async def run(self) -> dict:
         cfg = self.cfg
@@ -226,6 +251,12 @@ class RepeatRun:
                 recs = [r for r in self.records if r.get("fixture") == fx.id and r.get("condition") == c]
                 if recs:
                     groups.setdefault(fx.id, {})[c] = summarize_group(fx, recs)
+            shapes = [c for c in self.conditions if c in BATCH_SIZES]
+            pooled = [r for r in self.records if r.get("fixture") == fx.id and r.get("condition") in shapes]
+            if len(shapes) > 1 and pooled:
+                groups.setdefault(fx.id, {})[BATCH_SHAPE] = {
+                    **summarize_group(fx, pooled), "conditions": shapes,
+                    "distinct_by_condition": {c: groups[fx.id][c]["distinct"] for c in shapes if c in groups[fx.id]}}
         result = {
             "schema_version": SCHEMA_VERSION,
             "kind": "repeat",
@@ -256,6 +287,7 @@ class RepeatError(Exception):
 
 def planned_requests(cfg: RepeatConfig) -> int:
     """Upper bound for the progress bar: probes + N per fixture and condition + one priming per fixture."""
-    per_fx = cfg.repeats * len(cfg.conditions) + ("prefix_reused" in cfg.conditions)
+    per_fx = (cfg.repeats * sum(BATCH_SIZES.get(c, 1) for c in cfg.conditions)
+              + ("prefix_reused" in cfg.conditions))
     probes = 2 if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions) else 0
     return probes + per_fx * len(cfg.fixtures)

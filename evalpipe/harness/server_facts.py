@@ -49,6 +49,12 @@ def lossy_acceptance(server_info: Any) -> Optional[dict]:
     return None
 
 
+def debug_faults(server_info: Any) -> list[str]:
+    """The faults planted in the server on purpose (`evalpipe serve --debug-fault`), empty when none."""
+    faults = server_info.get("debug_faults") if isinstance(server_info, dict) else None
+    return [str(f) for f in faults] if isinstance(faults, list) else []
+
+
 def spec_from_response(body: dict, choice: dict) -> Optional[dict]:
     """The speculative statistics block: `choice.spec`, else response-level `sglext`, else `meta_info` spec_* keys."""
     spec = choice.get("spec")

@@ -13,7 +13,7 @@ import math
 import statistics
 from typing import Any, Optional
 
-from evalpipe.harness import metrics
+from evalpipe.harness import acceptance, metrics
 from evalpipe.harness.records import SCHEMA_VERSION, counted_records
 from evalpipe.lanes import sgl_eval_adapter
 
@@ -160,12 +160,14 @@ def compute_summary(
     # per-record statistics from the responses; run-level ones from the server's /metrics go in `spec_metrics`
     summary["n_records_with_spec"] = sum(map(metrics.has_spec, recs))
     summary["spec_accept_length_mean"] = metrics.mean_accept_length(recs)
+    # per position, request- and token-weighted, by context length (harness/acceptance.py)
+    summary["acceptance"] = acceptance.profile(recs, meta.get("spec_metrics"))
     # a lossy acceptance rule (evalpipe serve --spec-accept-*) decided these responses: their accuracy measures it
     summary["n_records_lossy"] = sum(map(metrics.is_lossy, recs))
     summary["spec_lossy"] = summary["n_records_lossy"] > 0
     for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
                 "manifest_changed", "manifest_changes", "resumed", "server_lossy_acceptance",
-                "spec_metrics"):
+                "server_debug_faults", "spec_metrics"):
         if key in meta:
             summary[key] = meta[key]
     summary.setdefault("partial", summary["n_missing"] > 0)

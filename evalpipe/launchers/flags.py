@@ -17,6 +17,7 @@ import shlex
 import click
 from click.core import ParameterSource
 
+from evalpipe.engine.faults import DEBUG_FAULTS
 from evalpipe.launchers import ENGINES
 from evalpipe.launchers.base import LaunchOptions
 from evalpipe.launchers.env import parse_assignments
@@ -138,6 +139,14 @@ NATIVE = [
            "op). One by default: the tiny model is op-overhead bound "
            "(2 threads gave the same prefill speed here) and extra OpenMP threads fight the client and other "
            "processes on small machines (a request took 20-50x longer under contention)."),
+    O("--debug-fault", "debug_faults", multiple=True, type=click.Choice(list(DEBUG_FAULTS)), metavar="NAME",
+      help="native, EVALUATION OF EVALUATIONS ONLY (never on by default; repeatable): plant a known "
+           "speculative-decoding bug to show which check notices it. greedy-sampling (verify takes the argmax for "
+           "sampled requests), residual-from-target (on rejection resample from p, not max(0, p - q)), "
+           "stale-kv-after-reject (rejected drafts stay in the target's cache): these three need --speculative "
+           "block. batch-variant (the LM head's reduction is split by the batch's row count, bfloat16 partial "
+           "sums: tokens change with concurrency; --device cpu only). Reported as debug_faults in "
+           "/get_server_info, every choice's `spec`, the ready line and the receipt; `evalpipe run` warns."),
     O("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]),
       help="native: server log verbosity. info adds the engine's rates every 10 s of work (steps, steps with "
            "prompt chunks and their rows, generated and prefilled tok/s, time per loop beside Engine.step's)."),
@@ -217,7 +226,10 @@ def native_argv(params: dict, given_names: set[str]) -> list[str]:
     for p in NATIVE_PARAMS:
         if p.name in given_names:
             flag = p.opts[0]
-            argv += [flag] if p.is_flag else [flag, str(params[p.name])]
+            if p.multiple:
+                argv += [a for value in params[p.name] for a in (flag, str(value))]
+            else:
+                argv += [flag] if p.is_flag else [flag, str(params[p.name])]
     return argv
 
 

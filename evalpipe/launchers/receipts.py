@@ -112,6 +112,7 @@ def build_receipt(launcher: Launcher, report: dict | None = None) -> dict:
         "engine_packages": packages,
         "server_info_path": report.get("server_info_path"),
         "server_info": report.get("server_info"),
+        "debug_faults": _debug_faults(report.get("server_info")),
         "models": report.get("models"),
         "gpus": gpu_list(),
         "evalpipe_source": _source(),  # the native engine's own code; for sglang/vllm, the launcher's
@@ -143,6 +144,12 @@ def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
     if requested is not None and info is not None and not reported:
         problems.append(f"lossy acceptance {requested} was requested but the server does not report it")
     return problems
+
+
+def _debug_faults(info) -> list | None:
+    """The planted faults the server reports (`evalpipe serve --debug-fault`), None when it reports none."""
+    faults = info.get("debug_faults") if isinstance(info, dict) else None
+    return list(faults) if isinstance(faults, list) and faults else None
 
 
 def _number(value) -> float | None:

@@ -86,3 +86,15 @@ def check_acceptance(o, engine: str, rules: tuple[str, ...]) -> None:
             "--simulate-acc-len checks no draft, so an acceptance rule has nothing to decide")
     require(o.spec_accept_topk is None or all(v == 1.0 for _, v in thresholds),
             "choose one lossy acceptance rule: --spec-accept-topk or the thresholds, not both")
+
+
+def check_debug_faults(faults, o) -> None:
+    """--debug-fault (engine/faults.py): the speculation faults need --speculative block; batch-variant acts on the
+    eager model only (--device cpu)."""
+    from evalpipe.engine.faults import NEEDS_SPECULATION
+
+    for name in faults:
+        require(name not in NEEDS_SPECULATION or o.speculative == "block",
+                f"--debug-fault {name} acts in the verify step: it needs --speculative block")
+        require(name != "batch-variant" or o.device in (None, "cpu"),
+                "--debug-fault batch-variant acts on the eager model: --device cpu only")

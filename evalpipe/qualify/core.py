@@ -48,6 +48,8 @@ class QualifyConfig:
     hang_s: float = 60.0
     soak_max_tokens: int = 64
     sample_every_s: float = 2.0
+    sampling_tokens: int = 12000  # sampled tokens the sampling gate tests
+    sampling_seed: int = 0  # its prompts, its PIT randomisation and the requests' seeds
     record_reference: Optional[Path] = None
     reference: Optional[Path] = None
     progress: bool = True

@@ -21,7 +21,7 @@ def print_table(result: dict) -> None:
     for g in result["gates"]:
         colour = {"pass": "green", "skipped": "yellow"}.get(g["verdict"], "red")
         t.add_row(g["gate"], f"[{colour}]{g['verdict']}[/]", str(g["requests"]), str(g["passed"]), str(g["failed"]),
-                  f"{g['wall_s']:.1f}s", escape(g["reason"][:120]))
+                  f"{g['wall_s']:.1f}s", escape((g["reason"] or g["notes"].get("summary", ""))[:120]))
     console = make_console()
     console.print(t)
     console.print(f"verdict: {result['verdict']} (exit {result['exit_code']}); folder {result['out_dir']}")
@@ -37,6 +37,22 @@ def _rows(headers: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def pit_histogram(notes: dict) -> str:
+    """The sampling gate's PIT histogram as bars (flat at the dashed line for a correct sampler), else nothing."""
+    counts = notes.get("pit_histogram") if isinstance(notes, dict) else None
+    if not counts:
+        return ""
+    top, flat = max(counts), sum(counts) / len(counts)
+    bars = "".join(f"<div title='u in [{i / len(counts):.2f}, {(i + 1) / len(counts):.2f}): {c}' style='display:"
+                   f"inline-block;vertical-align:bottom;width:14px;margin-right:1px;background:#58a;height:"
+                   f"{100 * c / top:.0f}px'></div>" for i, c in enumerate(counts))
+    return (f"<p><b>sampling</b>: PIT histogram of {sum(counts)} sampled tokens, {len(counts)} bins from u = 0 "
+            f"(argmax first) to 1 (unreported tail last); a correct sampler is flat at {flat:.0f} per bin "
+            f"(dashed)</p><div style='position:relative;height:100px;border-bottom:1px solid #999'>{bars}"
+            f"<div style='position:absolute;left:0;width:{15 * len(counts)}px;bottom:{100 * flat / top:.0f}px;"
+            "border-top:1px dashed #b00'></div></div>")
+
+
 def render_html(result: dict) -> str:
     gates = result["gates"]
     summary = _rows(["gate", "verdict", "requests", "passed", "failed", "time (s)", "reason"],
@@ -49,7 +65,7 @@ def render_html(result: dict) -> str:
         rows = [[r["id"], r["verdict"], "; ".join(f"{'ok' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}"
                                                   for c in r["checks"])] for r in shown]
         sections.append(
-            f"<details{' open' if g['verdict'] == 'fail' else ''}><summary><b>{_e(g['gate'])}</b>: {_e(g['verdict'])}"
+            f"{pit_histogram(g['notes'])}<details{' open' if g['verdict'] not in ('pass', 'skipped') else ''}><summary><b>{_e(g['gate'])}</b>: {_e(g['verdict'])}"
             f" ({g['passed']}/{g['requests']} passed)</summary><p class='muted'>notes: {_e(g['notes'])[:3000]}</p>"
             f"<p>{'failed requests' if failed else 'first requests'} (all of them are in qualify.json):</p>"
             + _rows(["request", "verdict", "checks"], rows) + "</details>")

@@ -19,7 +19,8 @@ from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness.client import EndpointError, Server
 from evalpipe.harness.records import MANIFEST_FILE, write_json
 from evalpipe.qualify import (EXIT_BAD_INPUT, EXIT_CANNOT_CONNECT, EXIT_GATE_FAILED, EXIT_INTERRUPTED, EXIT_PASS,
-                              GATES, auth, consistency, reference, report, retrieval, soak, structured)
+                              GATES, auth, consistency, reference, report, retrieval, sampling, soak,
+                              structured)
 from evalpipe.qualify.core import Endpoint, GateResult, QualifyConfig
 from evalpipe.redact import redact_text, scrub_values
 
@@ -115,6 +116,8 @@ async def _gate(name: str, ep: Endpoint, ref: Optional[dict]) -> GateResult:
         return await consistency.run_mixed(ep)
     if name == "structured":
         return await structured.run(ep)
+    if name == "sampling":
+        return await sampling.run(ep)
     return await soak.run(ep)
 
 

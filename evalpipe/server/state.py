@@ -75,6 +75,8 @@ class ServerSettings:
     prefill_delay_factor: float = 0.0
     # stream interval (evalpipe/engine/engine.py, Engine._send): streamed events carry N tokens (the first excepted)
     stream_interval: int = 1
+    # planted faults (evalpipe/engine/faults.py, --debug-fault): evaluation of evaluations only, none by default
+    debug_faults: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.max_tokens_per_step is None:
@@ -197,6 +199,9 @@ class ServerState:
                 "max_queue": s.max_queue, "max_seq_len": s.max_seq_len,
             },
             "wo_quant": s.wo_quant,
+            "debug_faults": sorted(set(s.debug_faults)),
+            # reported logprobs: log-softmax of the raw logits, before temperature/top-k/top-p (vLLM's name)
+            "logprobs_mode": "raw_logprobs",
             "prefix_cache": {"enabled": s.prefix_cache == "on"},
             "speculative": {"mode": s.speculative, "block_size": s.block_size, "drafter": s.drafter,
                             "simulate_acc_len": s.simulate_acc_len, **_accept_setting(s)},

@@ -72,6 +72,7 @@ class DeepseekV4Model:
         self.layers = [DecoderLayer(sd, i, config, ropes, sites) for i in range(config.num_hidden_layers)]
         self.num_parameters = sum(t.numel() for t in state.values())
         self.sites = sites
+        self.head_linear = F.linear  # the LM head's matmul; engine/faults.py swaps it for the batch-variant fault
 
     def forward(self, batch: ForwardBatch, pools: StatePools, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run all layers over the batch rows (updating the pools); float32 logits of `logit_rows`."""
@@ -81,12 +82,12 @@ class DeepseekV4Model:
             h = self.hidden_through_kernels(
                 x, lambda i, layer, hx: layer.attn(hx, batch, pools.layers[i]),
                 lambda layer, hx: layer.mlp(hx, batch.input_ids), self.sites.backend)
-            return F.linear(h[logit_rows], self.lm_head).float()
+            return self.head_linear(h[logit_rows], self.lm_head).float()
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer, pool in zip(self.layers, pools.layers):
             streams = layer(streams, batch, pool)
         h = rms_norm(self.head(streams[logit_rows]), self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.head_linear(h, self.lm_head).float()
 
     def hidden_through_kernels(self, x: torch.Tensor, attend: Callable, ffn: Callable, backend: str) -> torch.Tensor:
         """Embedded rows x [T, D] -> [mHC, attend(i, layer, normed input), mHC, ffn(layer, normed input)] x L ->

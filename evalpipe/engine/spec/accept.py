@@ -71,12 +71,14 @@ def rejection_accept(
     drafts: torch.Tensor | list[int],
     generator: torch.Generator | None = None,
     keep: list[bool] | None = None,
+    residual_from_target: bool = False,
 ) -> tuple[list[int], int]:
     """Speculative rejection sampling of one request's block.
 
     target_probs: [G+1, V] target distributions (after temperature/top-p/top-k), row i after draft i.
     draft_probs: [G, V] the distributions each draft was sampled from (same transform), row i for draft i+1.
     keep: per draft, True to accept it without the test (the lossy top-k rule); None for the exact sampler.
+    residual_from_target: the planted `residual-from-target` fault (engine/faults.py): resample from p on rejection.
     Returns (emitted tokens, number of accepted drafts); at least one token is always emitted.
     """
     drafts = [int(d) for d in (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts)]
@@ -93,7 +95,7 @@ def rejection_accept(
         if (keep is not None and keep[i]) or (q_d > 0.0 and uniforms[i] * q_d < p_d):
             emitted.append(d)
             continue
-        residual = torch.clamp(p[i] - q[i], min=0.0)
+        residual = p[i] if residual_from_target else torch.clamp(p[i] - q[i], min=0.0)
         total = float(residual.sum())
         # residual is all zero only when p == q on the support, where rejection has probability 0; p is the
         # correct fallback for the float round-off case.

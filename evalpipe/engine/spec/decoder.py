@@ -13,7 +13,8 @@ batch hooks the engine calls when present: `prepare(seqs)` drafts for all decodi
 `verify_step(seqs)` runs prepare + target forward + accept directly on a runner (tests, benchmarks).
 
 The acceptance rule is exact unless the server was started with a lossy `AcceptRule` (spec/settings.py); the rule and
-whether it decided a request lossily ride on every `spec` object and on `describe()`.
+whether it decided a request lossily ride on every `spec` object and on `describe()`, as do planted faults
+(`debug_faults`, engine/faults.py) when a server runs any.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from evalpipe.engine.faults import faults_of
 from evalpipe.engine.sampling import sample, sampling_probs
 from evalpipe.engine.spec.accept import (
     ServerSpecTotals,
@@ -53,7 +55,7 @@ class SpeculativeDecoder:
     all_logits = True
 
     def __init__(self, target: Any, drafter: Any, *, block_size: int = 5, simulate_acc_len: float | None = None,
-                 accept_rule: AcceptRule | None = None):
+                 accept_rule: AcceptRule | None = None, debug_faults: tuple[str, ...] = ()):
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
         self.accept_rule = accept_rule or AcceptRule()
@@ -67,6 +69,7 @@ class SpeculativeDecoder:
         self.width = block_size + 1
         self.simulate_acc_len = simulate_acc_len
         self.totals = ServerSpecTotals()
+        self.debug_faults = tuple(debug_faults)  # planted bugs (engine/faults.py), evaluation of evaluations only
         self._live: dict[int, Any] = {}  # target slot -> sequence, for release()
 
     # -- engine hooks ------------------------------------------------------------------------------
@@ -104,13 +107,14 @@ class SpeculativeDecoder:
                 drafts, spec.sim.next_length(),
                 lambda row: int(sample(sampling_probs(logits[row], params), seq.generator)),
             )
-        elif params.greedy:
+        elif params.greedy or "greedy-sampling" in self.debug_faults:
             rule = self.accept_rule
             tokens, n = (topk_accept(logits, drafts, rule.topk) if rule.name == "topk"
                          else greedy_accept(logits, drafts, argmax))
         else:
             tokens, n = self._sampled_accept(sampling_probs(logits, params), spec, seq.generator)
-        self.target.truncate(seq.slot, spec.base_len + 1 + n)
+        if "stale-kv-after-reject" not in self.debug_faults:
+            self.target.truncate(seq.slot, spec.base_len + 1 + n)
         self.drafter.rollback(seq, spec.base_len + 1, n)
         spec.stats.record(n)
         spec.drafts, spec.q = [], None
@@ -122,15 +126,17 @@ class SpeculativeDecoder:
             return threshold_accept(p, drafts, rule.threshold_single, rule.threshold_acc, generator)
         keep = in_top_k(p[: len(drafts)], drafts, rule.topk, require_positive=True) if rule.name == "topk" else None
         q = spec.q if spec.q is not None else p[:0]
-        return rejection_accept(p, q, drafts, generator, keep=keep)
+        return rejection_accept(p, q, drafts, generator, keep=keep,
+                                residual_from_target="residual-from-target" in self.debug_faults)
 
     def stats(self, seq: Any) -> dict | None:
         spec = seq.state.get("spec")
         stats = spec.stats if spec is not None else SpecStats(self.block_size)
         # simulate_acc_len and the acceptance rule ride on every response so that no consumer can mistake a simulated
         # or lossy run for an exact one; `lossy` says whether the rule decided THIS request lossily
-        return {**stats.to_dict(completion_tokens=len(seq.output)), "simulate_acc_len": self.simulate_acc_len,
-                "accept": self.accept_rule.describe(), "lossy": self.accept_rule.lossy_for(seq.params.greedy)}
+        out = {**stats.to_dict(completion_tokens=len(seq.output)), "simulate_acc_len": self.simulate_acc_len,
+               "accept": self.accept_rule.describe(), "lossy": self.accept_rule.lossy_for(seq.params.greedy)}
+        return {**out, "debug_faults": list(self.debug_faults)} if self.debug_faults else out
 
     def release(self, slot: int) -> None:
         seq = self._live.pop(slot, None)
@@ -147,6 +153,7 @@ class SpeculativeDecoder:
             "simulate_acc_len": self.simulate_acc_len,
             "accept": self.accept_rule.describe(),
             "totals": self.totals.to_dict(),
+            **({"debug_faults": list(self.debug_faults)} if self.debug_faults else {}),
         }
 
     # -- direct use on a runner --------------------------------------------------------------------
@@ -198,4 +205,4 @@ def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | No
     spec = getattr(settings, "drafter", None) or default_drafter(runner)
     return SpeculativeDecoder(runner, build_drafter(spec, getattr(runner, "eager_runner", runner)), block_size=int(getattr(settings, "block_size", 5)),
                               simulate_acc_len=getattr(settings, "simulate_acc_len", None),
-                              accept_rule=accept_rule_from_settings(settings))
+                              accept_rule=accept_rule_from_settings(settings), debug_faults=faults_of(settings))

@@ -1,0 +1,55 @@
+"""Planted faults (`evalpipe serve --debug-fault NAME`): known speculative-decoding bugs, each a few lines in the
+engine, so that an evaluation can show which of its detectors notices which bug. Never on unless asked for; a server
+running one reports it in /get_server_info (`debug_faults`), on every choice's `spec` and in its ready line.
+
+Torch-free at import: the HTTP process and the flag rules read the names. Where each one acts:
+- `greedy-sampling` (spec/decoder.py): the verify step takes the target argmax for sampled requests (a verifier that
+  ignores temperature, as in SGLang PR #31214);
+- `residual-from-target` (spec/accept.py): on a rejection, the replacement token is drawn from the target p instead
+  of the normalised residual max(0, p - q), which biases the output toward the drafter;
+- `stale-kv-after-reject` (spec/decoder.py): the target's cache is not rolled back after a rejection, so the rejected
+  drafts stay in the sequence's context;
+- `batch-variant` (model/deepseek_v4.py, through `head_linear`): the LM head's matmul is split over the hidden
+  dimension into a number of chunks that depends on the forward's logit rows, each partial sum rounded to bfloat16
+  (as a GEMM that picks split-K for small batches), so tokens change with the batch shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEBUG_FAULTS = {
+    "greedy-sampling": "verify takes the target argmax for sampled requests",
+    "residual-from-target": "on rejection, resample from the target p instead of the residual max(0, p - q)",
+    "stale-kv-after-reject": "the target cache keeps the rejected drafts' rows",
+    "batch-variant": "LM-head reduction split by batch rows, bfloat16 partial sums",
+}
+NEEDS_SPECULATION = ("greedy-sampling", "residual-from-target", "stale-kv-after-reject")
+
+
+def faults_of(settings: Any) -> tuple[str, ...]:
+    """The server settings' planted faults, sorted and without repeats (an unknown name raises ValueError)."""
+    names = tuple(sorted(set(getattr(settings, "debug_faults", None) or ())))
+    unknown = [n for n in names if n not in DEBUG_FAULTS]
+    if unknown:
+        raise ValueError(f"unknown debug fault(s) {unknown}; known: {', '.join(DEBUG_FAULTS)}")
+    return names
+
+
+def split_k_chunks(rows: int) -> int:
+    """Chunks of the hidden dimension for a forward with `rows` logit rows: 4 below 8 rows, 2 below 64, else 1."""
+    return 4 if rows < 8 else 2 if rows < 64 else 1
+
+
+def batch_variant_linear(h, weight):
+    """h @ weight.T with the hidden dimension split into `split_k_chunks(rows)` chunks; with more than one chunk
+    every partial product is rounded to bfloat16 before the float32 sum (one chunk: the exact F.linear)."""
+    import torch
+    import torch.nn.functional as F
+
+    chunks = split_k_chunks(h.shape[0])
+    if chunks == 1:
+        return F.linear(h, weight)
+    parts = [F.linear(hc, wc).to(torch.bfloat16).float()
+             for hc, wc in zip(h.chunk(chunks, dim=-1), weight.chunk(chunks, dim=-1))]
+    return torch.stack(parts).sum(0)
