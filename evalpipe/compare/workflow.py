@@ -17,9 +17,9 @@ from evalpipe.compare import report, stats
 from evalpipe.compare.analysis import analyse
 from evalpipe.compare.bench_compare import bench_problems, compare_benches, is_bench_folder, load_bench
 from evalpipe.compare.runfolder import RunFolderError, comparability_problems, load_run
+from evalpipe.harness import acceptance
 from evalpipe.harness.records import AB_FILE, MalformedFile, read_json_object
 from evalpipe.volatile import SPECULATION_WORDS
-from evalpipe.harness import acceptance
 
 
 class MixedFolders(RunFolderError):
