@@ -174,7 +174,7 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     if save_accept_baseline is not None:
         from evalpipe.harness.acceptance import write_baseline
 
-        manifest = json.loads((outcome.run_dir / MANIFEST_FILE).read_text())
+        manifest = read_json_object(outcome.run_dir / MANIFEST_FILE)
         info = ((manifest.get("start") or {}).get("server") or {}).get("server_info")
         try:
             write_baseline(save_accept_baseline, outcome.summary.get("acceptance"), info)

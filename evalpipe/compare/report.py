@@ -162,7 +162,7 @@ def greedy_lines(g: dict) -> list[str]:
             f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs: the rate of differing outputs is at "
             f"most {pct(ident['discordance_upper_bound'])} (exact one-sided {int(100 * ident['confidence'])}% bound), "
             f"so B - A is at least {pts(-ident['discordance_upper_bound'])}")
-    iv, bs, plan = g["interval"], g["bootstrap"], g["planning_discordance"]
+    iv, bs = g["interval"], g["bootstrap"]
     lines.append(
         f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
         f"exact McNemar p = {g['mcnemar_p']:.4g}; {int(100 * iv['confidence'])}% CI of B - A by {iv['method']} "
