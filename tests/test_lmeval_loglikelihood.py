@@ -2,8 +2,7 @@
 task through `local-completions` with the server's remote tokenizer, and a generate task through
 `local-chat-completions`. The task YAMLs are the repository's (lm_eval_tasks/).
 
-lm-eval lives in its own environment (`make lmeval-env` installs it into .venv-lmeval; EVALPIPE_LMEVAL points
-elsewhere). Where it is missing the tests skip and say why; under CI (CI=true) a missing lm-eval fails them instead.
+lm-eval lives in its own environment (tests/lmeval_env.py: where it is, and the skip or CI failure without it).
 """
 
 from __future__ import annotations
@@ -21,25 +20,14 @@ import torch
 
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.tokenizer import ByteTokenizer
+from tests.lmeval_env import TASKS, require_lmeval
 from server_harness import ServerProcess
 
-REPO = Path(__file__).resolve().parents[1]
-LMEVAL = Path(os.environ.get("EVALPIPE_LMEVAL") or REPO / ".venv-lmeval" / "bin" / "lm_eval")
-TASKS = REPO / "lm_eval_tasks"
 MODEL = "evalpipe-skills-dsv4"
 TOK = ByteTokenizer()
 MC_ITEMS = 10
 CHECKED_DOCS = 3  # documents whose every choice is recomputed in this process (each forward costs a prefill)
 CHAT_ITEMS = 3
-
-
-def require_lmeval() -> Path:
-    if LMEVAL.exists():
-        return LMEVAL
-    reason = f"no lm-eval at {LMEVAL} (`make lmeval-env` installs lm-eval[api] into .venv-lmeval)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run the real lm-eval tests: {reason}")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +40,7 @@ def server():
 
 def lm_eval(out: Path, task: str, model: str, model_args: str, limit: int, *extra: str) -> tuple[dict, list[dict]]:
     """Run lm_eval on one task with --log_samples; (its results for the task, its samples)."""
-    cmd = [str(require_lmeval()), "--include_path", str(TASKS), "--tasks", task, "--model", model,
+    cmd = [require_lmeval(), "--include_path", str(TASKS), "--tasks", task, "--model", model,
            "--model_args", model_args, "--limit", str(limit), "--log_samples", "--output_path", str(out), *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # lm-eval's own Python
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
