@@ -7,28 +7,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
 import torch
 
 from evalpipe.engine.engine import Engine
-from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
-from evalpipe.engine.tokenizer import load_tokenizer
-from test_spec_engine import run
+from test_spec_engine import run, runner, tokenizer  # noqa: F401 (the runner and tokenizer fixtures)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
-
-
-@pytest.fixture(scope="module")
-def runner():
-    return ModelRunner("evalpipe-tiny-dsv4", max_seqs=16, max_seq_len=256)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 def engines(runner, tokenizer, max_tokens_per_step=512):

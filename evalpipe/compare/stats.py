@@ -157,7 +157,7 @@ def compare_greedy(
     plan = power.planning_discordance(b_only + a_only, n)
     mde = power.greedy_mde(n, plan["rate"])
     return GreedyComparison(
-        n=int(a.size),
+        n=n,
         n_correct_a=int(a.sum()),
         n_correct_b=int(b.sum()),
         both_right=int(np.sum(a & b)),
