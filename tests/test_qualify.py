@@ -169,3 +169,13 @@ def test_auth_gate_is_skipped_with_its_reason_when_no_key_is_given(tmp_path):
     assert by["auth"]["verdict"] == "skipped" and by["auth"]["requests"] == 0
     assert "no --api-key given" in by["auth"]["reason"] and "skipped" in output
     assert by["retrieval"]["verdict"] == "pass" and result["failed_gates"] == []
+
+
+def test_the_sampling_gate_s_token_file_carries_no_key(native, tmp_path):
+    code, result, output = qualify(native.base + "/v1", tmp_path / "s", *KEY_ARGS, "--gates", "sampling",
+                                   "--sampling-tokens", "200")
+    assert code in (0, 4) and gates(result)["sampling"]["notes"]["tokens"] >= 200, output
+    lines = (tmp_path / "s" / "sampling_tokens.jsonl").read_text().splitlines()
+    assert len(lines) == gates(result)["sampling"]["requests"]
+    written = "".join(p.read_text() for p in (tmp_path / "s").iterdir())
+    assert "qualify-key-" not in written

@@ -147,3 +147,45 @@ def test_gate_passes_on_the_default_server_with_speculation_off_and_on(clean_ser
     assert "PIT histogram" in (tmp_path / "q" / "report.html").read_text()
 
 
+
+
+def recompute_from_files(folder: Path) -> dict:
+    """The gate's three p-values from `qualify.json`'s settings and the tokens file alone, written out again here
+    with numpy and scipy (the lookup candidate is the one tested against the native drafter above)."""
+    notes = json.loads((folder / "qualify.json").read_text())["gates"][0]["notes"]
+    u, hits, p_max, rep_hits, rep_p = [], 0, [], 0, []
+    for line in (folder / notes["tokens_file"]).read_text().splitlines():
+        resp = json.loads(line)
+        for j, (tok, top, v) in enumerate(zip(resp["tokens"], resp["top_logprobs"], resp["v"])):
+            if top is None:
+                continue
+            order = sorted(top, key=lambda t: (-top[t], t))
+            probs = np.exp([top[t] for t in order])
+            rank = order.index(tok) if tok in top else None
+            before = probs[:rank].sum() if rank is not None else min(1.0, probs.sum())
+            own = probs[rank] if rank is not None else 1.0 - min(1.0, probs.sum())
+            u.append(min(1.0, before + v * own))
+            hits += rank == 0
+            p_max.append(probs[0])
+            cand = lookup_candidate(resp["tokens"][:j])
+            if cand in top:
+                rep_p.append(math.exp(top[cand]))
+                rep_hits += tok == cand
+
+    def z_p(k, ps):
+        ps = np.asarray(ps)
+        return 2 * stats.norm.sf(abs((k - ps.sum()) / math.sqrt((ps * (1 - ps)).sum())))
+
+    counts = np.histogram(u, bins=notes["bins"], range=(0, 1))[0]
+    return {"tokens": len(u), "chi2_p": stats.chisquare(counts).pvalue, "collapse_p": z_p(hits, p_max),
+            "repeat_p": z_p(rep_hits, rep_p), "notes": notes}
+
+
+def test_p_values_are_recomputed_from_the_folder_alone(clean_server, tmp_path):
+    qualify_sampling(clean_server, tmp_path / "q", 600, 9)
+    again = recompute_from_files(tmp_path / "q")
+    notes = again.pop("notes")
+    assert again["tokens"] == notes["tokens"] >= 600
+    for key in ("chi2_p", "collapse_p", "repeat_p"):
+        assert again[key] == pytest.approx(notes[key], rel=1e-9, abs=1e-300), key
+    assert sum(notes["pit_histogram"]) == notes["tokens"]

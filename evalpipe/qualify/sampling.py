@@ -23,20 +23,25 @@ MIN_INFORMATIVE informative tokens sum(1 - p_max) were tested: low-entropy token
 Kolmogorov-Smirnov on u is reported beside them, not gated on.
 
 Prompts: random strings of letters and digits (the continuations of such prompts are uncertain), seeded.
+Beside qualify.json, TOKENS_FILE holds per response what the statistics used (sampled tokens, their logprobs, the
+top K kept and the U(0, 1) draws), so that every p-value can be recomputed from the folder alone.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from scipy import stats
 
 from evalpipe.harness.server_facts import find_key
 from evalpipe.qualify.core import Endpoint, GateResult, check, exchange, gather_limited
+from evalpipe.redact import scrub_values
 
 ALPHA = 0.001  # per test; three tests: at most 0.003 false alarms per run on a correct server
 LOOKUP_NGRAM = 3  # longest suffix the context-repeat candidate matches (the native ngram drafter's)
@@ -44,6 +49,7 @@ MIN_INFORMATIVE = 100.0  # sum(1 - p_max) below this cannot test a sampler
 TOP_K = 20  # logprobs per position asked for: the OpenAI API's, vLLM's default and the native server's maximum
 MAX_TOKENS = 64  # per request
 HIST_BINS = 20  # bars of the PIT histogram in qualify.json and the report
+TOKENS_FILE = "sampling_tokens.jsonl"  # per response: tokens, logprobs, top-K kept, U(0, 1) draws (recomputable)
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
 
 
@@ -61,22 +67,32 @@ class PitSample:
     short_tops: int = 0  # positions with fewer than K entries
     extra_entries_dropped: int = 0  # positions whose top logprobs had more than K entries (the sampled token added)
 
-    def add_response(self, tokens: list, logprobs: list | None, tops: list, v_rng, k: int | None = None) -> None:
+    def add_response(self, tokens: list, logprobs: list | None, tops: list, v_rng, k: int | None = None) -> dict:
         """Every position of one response: its sampled token texts, their logprobs and top-K dicts. With `k`, only
         the k most likely entries count: vLLM adds the sampled token to its top-k when it is not among them, and
-        an entry present only because it was sampled would break the transform (it is put back in the tail)."""
+        an entry present only because it was sampled would break the transform (it is put back in the tail).
+        Returns what the statistics used, per position (`TOKENS_FILE`'s line): the tokens, their logprobs, the
+        top-K dicts kept and the U(0, 1) draws, with None for a position without top logprobs (not tested)."""
+        used: dict = {"tokens": list(tokens), "logprobs": list(logprobs) if logprobs else None,
+                      "top_logprobs": [], "v": []}
         for j, (tok, top) in enumerate(zip(tokens, tops)):
             if not top:
+                used["top_logprobs"].append(None)
+                used["v"].append(None)
                 continue
             self.short_tops += k is not None and len(top) < k  # texts that collided, or a short vocabulary
             if k is not None and len(top) > k:
                 top = dict(sorted(top.items(), key=lambda kv: (-kv[1], str(kv[0])))[:k])
                 self.extra_entries_dropped += 1
-            self.add_position(tok, logprobs[j] if logprobs else None, top, float(v_rng.random()))
+            v = float(v_rng.random())
+            used["top_logprobs"].append(top)
+            used["v"].append(v)
+            self.add_position(tok, logprobs[j] if logprobs else None, top, v)
             candidate = lookup_candidate(tokens[:j])
             if candidate is not None and candidate in top:
                 self.repeat_p.append(math.exp(top[candidate]))
                 self.repeat_hits += tok == candidate
+        return used
 
     def add_position(self, chosen: str, chosen_logprob: float | None, top: dict, v: float) -> None:
         """One sampled token: `top` {token text: logprob} as the server reported it, `v` a U(0, 1) draw."""
@@ -188,27 +204,31 @@ async def run(ep: Endpoint) -> GateResult:
     v_rng = np.random.default_rng(seed)
     sample = PitSample()
     id_keys = token_id_keys(ep.facts.get("models"))
-    wave = 0
-    while len(sample.u) < budget:
-        n_req = max(1, min(cfg.concurrency * 4, math.ceil((budget - len(sample.u)) / MAX_TOKENS)))
-        texts = prompts(seed * 1_000_003 + wave, n_req)
-        bodies = [ep.body(prompt=p, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, logprobs=TOP_K,
-                          seed=seed * 1_000_003 + wave * 10_000 + i, **id_keys) for i, p in enumerate(texts)]
-        outcomes = await gather_limited([ep.send(b, chat=False) for b in bodies], cfg.concurrency)
-        tested_before = len(sample.u)
-        for i, (body, out) in enumerate(zip(bodies, outcomes)):
-            checks = [out.transport_check()]
-            have = out.ok and out.tokens is not None and out.top_logprobs is not None
-            if out.ok:
-                checks.append(check("logprobs", have and len(out.tokens) == len(out.top_logprobs) > 0,
-                                    f"{len(out.tokens or [])} tokens with top logprobs" if have else
-                                    "the response carries no per-token top logprobs"))
-            if have:
-                sample.add_response(out.tokens, out.logprobs, out.top_logprobs, v_rng, k=TOP_K)
-            result.records.append(exchange(f"sampling-{wave}-{i}", "completion", body, out, checks))
-        if len(sample.u) == tested_before:  # nothing testable came back: stop instead of looping
-            break
-        wave += 1
+    with open(Path(cfg.out_dir) / TOKENS_FILE, "w", encoding="utf-8") as tokens_file:
+        wave = 0
+        while len(sample.u) < budget:
+            n_req = max(1, min(cfg.concurrency * 4, math.ceil((budget - len(sample.u)) / MAX_TOKENS)))
+            texts = prompts(seed * 1_000_003 + wave, n_req)
+            bodies = [ep.body(prompt=p, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, logprobs=TOP_K,
+                              seed=seed * 1_000_003 + wave * 10_000 + i, **id_keys) for i, p in enumerate(texts)]
+            outcomes = await gather_limited([ep.send(b, chat=False) for b in bodies], cfg.concurrency)
+            tested_before = len(sample.u)
+            for i, (body, out) in enumerate(zip(bodies, outcomes)):
+                rid = f"sampling-{wave}-{i}"
+                checks = [out.transport_check()]
+                have = out.ok and out.tokens is not None and out.top_logprobs is not None
+                if out.ok:
+                    checks.append(check("logprobs", have and len(out.tokens) == len(out.top_logprobs) > 0,
+                                        f"{len(out.tokens or [])} tokens with top logprobs" if have else
+                                        "the response carries no per-token top logprobs"))
+                if have:
+                    used = sample.add_response(out.tokens, out.logprobs, out.top_logprobs, v_rng, k=TOP_K)
+                    line = scrub_values({"id": rid, **used}, cfg.api_keys)
+                    tokens_file.write(json.dumps(line, ensure_ascii=False) + "\n")
+                result.records.append(exchange(rid, "completion", body, out, checks))
+            if len(sample.u) == tested_before:  # nothing testable came back: stop instead of looping
+                break
+            wave += 1
     bins = HIST_BINS if len(sample.u) >= 5 * HIST_BINS else max(2, len(sample.u) // 5)
     tests = pit_tests(sample, bins)
     histogram = np.histogram(np.asarray(sample.u or [0.0]), bins=HIST_BINS, range=(0.0, 1.0))[0].tolist()
@@ -221,7 +241,7 @@ async def run(ep: Endpoint) -> GateResult:
         "request": {"temperature": 1.0, "top_p": 1.0, "logprobs": TOP_K, "max_tokens": MAX_TOKENS},
         "server_logprobs_mode": logprobs_mode(ep.info),
         "token_identity": "token ids (return_tokens_as_token_ids)" if id_keys else "token texts",
-        "positions_with_fewer_entries": sample.short_tops,
+        "positions_with_fewer_entries": sample.short_tops, "tokens_file": TOKENS_FILE,
     }
     if not result.records:
         result.problem = "no requests were sent"
