@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from evalpipe.harness.acceptance import check_baseline, profile, read_baseline
-from tests.core_helpers import only_run_dir, run_cli, run_lane
+from tests.core_helpers import load_run, only_run_dir, run_cli, run_lane
 from tests.server_harness import ServerProcess
 
 
@@ -101,3 +101,31 @@ def test_baseline_accepts_a_fresh_boot_and_flags_a_weaker_drafter(tmp_path):
     a, b = result["acceptance"]["a"], result["acceptance"]["b"]
     assert b["token_weighted_accept_length"] < a["token_weighted_accept_length"]
     assert a["request_weighted_accept_length"] is not None and a["by_context_tokens"]
+
+
+def test_context_buckets_on_a_real_run_with_prompts_of_several_lengths(tmp_path):
+    """`evalpipe run retrieval` (its needles sit at ~200, ~500 and ~2000-3000 prompt tokens, interleaved) on the
+    default model with block speculation: the summary's buckets hold the responses of their prompt lengths, and
+    each bucket's rates and accept lengths are a direct count over its own records."""
+    server = ServerProcess("--speculative", "block", model="evalpipe-skills-dsv4")
+    try:
+        proc = run_lane("retrieval", server.base + "/v1", tmp_path / "r", "--num-examples", "4", timeout=300)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, proc.stderr
+    records, summary, _ = load_run(only_run_dir(tmp_path / "r", "retrieval"))
+    buckets = summary["acceptance"]["by_context_tokens"]
+    prompt_tokens = sorted(r["usage"]["prompt_tokens"] for r in records)
+    assert prompt_tokens[0] < 256 <= prompt_tokens[1] < 1024 <= prompt_tokens[2]  # three lengths, three buckets
+    assert {k: v["responses"] for k, v in buckets.items()} == {"0-256": 1, "256-1024": 1, "1024-4096": 2}
+    for name, lower, upper in (("0-256", 0, 256), ("256-1024", 256, 1024), ("1024-4096", 1024, 4096)):
+        mine = [r for r in records if lower <= r["usage"]["prompt_tokens"] < upper]
+        hists = [r["spec"]["accept_histogram"] for r in mine]
+        steps = sum(map(sum, hists))
+        assert buckets[name]["verify_steps"] == steps == sum(r["spec"]["verify_steps"] for r in mine)
+        for j, rate in enumerate(buckets[name]["per_position"], start=1):
+            assert rate == pytest.approx(sum(h for hist in hists for h in hist[j:]) / steps)
+        assert buckets[name]["token_weighted_accept_length"] == pytest.approx(
+            sum(r["usage"]["completion_tokens"] for r in mine) / steps)
+        assert buckets[name]["request_weighted_accept_length"] == pytest.approx(
+            sum(r["spec"]["accept_length"] for r in mine) / len(mine))

@@ -189,3 +189,48 @@ def test_p_values_are_recomputed_from_the_folder_alone(clean_server, tmp_path):
     for key in ("chi2_p", "collapse_p", "repeat_p"):
         assert again[key] == pytest.approx(notes[key], rel=1e-9, abs=1e-300), key
     assert sum(notes["pit_histogram"]) == notes["tokens"]
+
+
+def test_the_engine_sampler_hits_the_reported_argmax_at_the_rate_the_logprobs_say():
+    """The greedy-collapse count on the engine's own sampler (`sample(sampling_probs(...))`, T = 1, top_p 1) against
+    the distribution the server reports (`token_logprobs`), over 100,000 fresh draws: rows of random logits at the
+    default model's vocabulary, a fifth of them with the top two logits tied exactly (ties are where a float32 vs
+    bfloat16 or an argmax-order mismatch would show). A sampler or report off by 0.01 in p_max gives |z| > 20."""
+    import torch
+
+    from evalpipe.engine.sampling import generator_for, sample, sampling_probs, token_logprobs
+    from evalpipe.engine.sampling_params import SamplingParams
+
+    seed = int(np.random.default_rng().integers(1 << 31))
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=1.0, top_p=1.0, seed=seed)
+    sampler = generator_for(params)
+    hits, p_max = 0, []
+    for _ in range(2):
+        logits = torch.randn(50_000, 272, generator=gen) * torch.rand(50_000, 1, generator=gen) * 6
+        tied = torch.rand(50_000, generator=gen) < 0.2
+        top2 = logits.topk(2, dim=-1)
+        logits[tied, top2.indices[tied, 1]] = top2.values[tied, 0]
+        tokens = sample(sampling_probs(logits, params), sampler)
+        reported = token_logprobs(logits, tokens, top_k=1)
+        first = torch.tensor([top[0][0] for _, top in reported])  # the reported argmax (lowest id among ties)
+        hits += int((tokens == first).sum())
+        p_max += [math.exp(top[0][1]) for _, top in reported]
+    _, z, p = hit_test(hits, p_max)
+    assert abs(z) < 4.5, (seed, z)
+    assert abs(np.mean(p_max) - 0.5) < 0.45  # a mix of sharp and flat rows, not a degenerate test
+
+
+def test_the_collapse_statistic_is_standard_normal_under_the_null():
+    """2,000 simulated gate runs of 12,000 tokens whose p_max spread like a language model's (Beta(0.8, 0.6)):
+    z's mean is 0 within 4 standard errors, its sd 1 within 5%, and the two-sided p-values are uniform (scipy's KS)."""
+    rng = np.random.default_rng()
+    zs, ps = [], []
+    for _ in range(2000):
+        p_max = rng.beta(0.8, 0.6, 12_000)
+        hits = int((rng.random(12_000) < p_max).sum())
+        _, z, p = hit_test(hits, p_max)
+        zs.append(z)
+        ps.append(p)
+    assert abs(np.mean(zs)) < 4 / math.sqrt(2000) and abs(np.std(zs) - 1) < 0.05
+    assert stats.kstest(ps, "uniform").pvalue > 0.001
