@@ -25,7 +25,8 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
   fail_first   the first N requests of every question get HTTP 500 before the mode applies (default 0).
   models       ids listed by /v1/models (default ["scripted-model"]).
   server_info  JSON returned by /get_server_info (default {"scripted": true}); null -> 404.
-  spec         object put on every choice as `spec` (e.g. {"accept_length": 2.5, "simulated": false}).
+  spec         object put on every choice (every mode) as `spec` (e.g. {"accept_length": 2.5, "simulated": false}).
+  meta_info    object put on every choice as `meta_info` (SGLang's per-response shape, e.g. its spec_* keys).
   token_ids    when true (default) and the request has return_token_ids, the choice carries `token_ids`.
   api_keys     when non-empty, every route but /health* and /scripted/* needs `Authorization: Bearer <one of them>`.
   faults       list of deliberate faults (for `evalpipe qualify`'s gates):
@@ -70,6 +71,7 @@ DEFAULT_CONFIG: dict = {
     "models": ["scripted-model"],
     "server_info": {"scripted": True},
     "spec": None,
+    "meta_info": None,
     "token_ids": True,
     "api_keys": [],
     "faults": [],
@@ -244,7 +246,7 @@ class ScriptedApp:
         if cfg["mode"] == "skills":
             self.n_requests += 1
             choice, n_prompt = skills_choice(body, chat, cfg["faults"])
-            return await self._answer(send, body, chat, choice, n_prompt)
+            return await self._answer(send, body, chat, with_spec(choice, cfg), n_prompt)
         q = question_of(body)
         self.n_requests += 1
         n_q = self.per_question[q] = self.per_question.get(q, 0) + 1
@@ -290,8 +292,7 @@ class ScriptedApp:
             choice["logprobs"] = None
         if finish == "stop":
             choice["matched_stop"] = "Question" if not chat else None
-        if cfg["spec"] is not None:
-            choice["spec"] = cfg["spec"]
+        with_spec(choice, cfg)
         n_out = max(1, len(text) // 4)
         if cfg["token_ids"] and body.get("return_token_ids"):
             choice["token_ids"] = list(range(100, 100 + n_out))
@@ -377,6 +378,14 @@ class ScriptedApp:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def with_spec(choice: dict, cfg: dict) -> dict:
+    """The choice with the configured `spec` and `meta_info` objects, where set."""
+    for key in ("spec", "meta_info"):
+        if cfg[key] is not None:
+            choice[key] = cfg[key]
+    return choice
 
 
 # ------------------------------------------------------------------------------------------- mode "skills"

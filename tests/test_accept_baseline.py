@@ -129,3 +129,32 @@ def test_context_buckets_on_a_real_run_with_prompts_of_several_lengths(tmp_path)
             sum(r["usage"]["completion_tokens"] for r in mine) / steps)
         assert buckets[name]["request_weighted_accept_length"] == pytest.approx(
             sum(r["spec"]["accept_length"] for r in mine) / len(mine))
+
+
+# SGLang's per-response speculative fields, as its tokenizer manager fills `meta_info` (`fill_spec_decoding_meta`
+# in sgl-project/sglang, python/sglang/srt/managers): spec_verify_ct, spec_accept_length (completion tokens /
+# verify steps, bonus included), spec_accept_rate, spec_num_correct_drafts and spec_num_proposed_drafts, and
+# spec_correct_drafts_histogram (steps that accepted exactly i drafts), still sent under its older name
+# spec_accept_histogram as a backward-compatible alias that SGLang marks for removal.
+@pytest.mark.parametrize("histogram_key", ["spec_correct_drafts_histogram", "spec_accept_histogram"])
+def test_sglang_meta_info_is_a_per_response_source(tmp_path, histogram_key):
+    from tests.scripted_server import scripted_server
+
+    rng = random.Random()
+    hist = [rng.randint(0, 9) for _ in range(4)]  # G = 3 (a topk-1 EAGLE chain of 3 steps)
+    steps = sum(hist)
+    meta = {"spec_verify_ct": steps, "spec_accept_length": rng.uniform(1.0, 4.0), "spec_accept_rate": 0.5,
+            "spec_num_correct_drafts": sum(i * h for i, h in enumerate(hist)), "spec_num_proposed_drafts": 3 * steps,
+            histogram_key: hist}
+    with scripted_server(mode="skills", meta_info=meta) as base_url:
+        proc = run_lane("retrieval", base_url, tmp_path / "r", "--num-examples", "4", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    records, summary, _ = load_run(only_run_dir(tmp_path / "r", "retrieval"))
+    got = summary["acceptance"]
+    assert got["source"] == "responses" and got["responses"] == 4 and got["verify_steps"] == 4 * steps
+    for j, rate in enumerate(got["per_position"], start=1):
+        assert rate == pytest.approx(sum(hist[j:]) / steps)
+    assert got["request_weighted_accept_length"] == pytest.approx(meta["spec_accept_length"])
+    assert got["token_weighted_accept_length"] == pytest.approx(
+        sum(r["usage"]["completion_tokens"] for r in records) / (4 * steps))
+    assert set(got["by_context_tokens"]) == {"0-256", "256-1024", "1024-4096"}

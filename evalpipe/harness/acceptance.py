@@ -24,7 +24,8 @@ from typing import Any, Optional
 from evalpipe.harness import metrics
 
 CONTEXT_BUCKETS = (0, 256, 1024, 4096, 16384, 32768)  # lower edges, prompt tokens
-HISTOGRAM_KEYS = ("accept_histogram", "spec_accept_histogram")
+# native; SGLang's meta_info: spec_correct_drafts_histogram, and spec_accept_histogram, the alias it still sends
+HISTOGRAM_KEYS = ("accept_histogram", "spec_correct_drafts_histogram", "spec_accept_histogram")
 BASELINE_SCHEMA = "evalpipe-accept-baseline/1"
 
 
