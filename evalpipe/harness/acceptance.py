@@ -1,8 +1,8 @@
 """Acceptance measured the ways the field argues about it (vLLM #42508/#42690), and a per-position baseline check in
 the style of vLLM's tests/v1/spec_decode/test_acceptance_length.py (relative tolerance 0.05).
 
-From the records' `spec` blocks (native and any server that reports an `accept_histogram`: steps that accepted
-exactly i drafts, i = 0..G):
+From the records' `spec` blocks (native `accept_histogram`; SGLang's `meta_info` `spec_correct_drafts_histogram`
+or its older name `spec_accept_histogram`: steps that accepted exactly i drafts, i = 0..G):
 - per-position acceptance: position j (1..G) is the share of verify steps that accepted at least j drafts (monotone
   non-increasing in j for block drafts);
 - the request-weighted mean accept length: the mean over responses of each response's accept length (tokens per
