@@ -77,9 +77,10 @@ def test_serve_starts_the_cpu_build_through_the_module_and_records_its_environme
     assert receipt["env_set"] == VLLM_ENV
 
 
-def _run(base_url: str, out, arm: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _run(base_url: str, out, arm: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     result = evalpipe("run", "gsm8k", "--base-url", base_url, "--num-examples", str(N_QUESTIONS), "--max-tokens",
-                      str(MAX_TOKENS), "--arm", arm, "--out", str(out), "--data-dir", str(DATA_DIR), "--no-progress")
+                      str(MAX_TOKENS), "--arm", arm, "--out", str(out), "--data-dir", str(DATA_DIR), "--no-progress",
+                      *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (out / "gsm8k").glob(f"{arm}-*")
     return result, {"dir": run_dir, "summary": json.loads((run_dir / "summary.json").read_text()),
@@ -93,8 +94,10 @@ def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
     assert first["permission"][0]["id"] != second["permission"][0]["id"]
 
     runs = []
+    baseline = tmp_path / "accept-baseline.json"
     for arm in ("spec_a", "spec_b"):
-        result, run = _run(base_url, tmp_path, arm)
+        result, run = _run(base_url, tmp_path, arm, *(["--save-accept-baseline", str(baseline)] if arm == "spec_a"
+                                                      else []))
         summary = run["summary"]
         assert "manifest changed" not in result.stdout
         assert summary["manifest_changed"] is False and run["manifest"]["consistent"] is True
@@ -105,6 +108,12 @@ def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
         assert len(metrics["accepted_per_position"]) == 3 and metrics["mean_accept_length"] > 1.0
         assert metrics["mean_accept_length"] == pytest.approx(1 + metrics["accepted_tokens"] / metrics["drafts"])
         assert summary["n_records_with_spec"] == 0  # vLLM puts nothing on a response
+        # acceptance per position from the run's /metrics counters: accepted at position j / drafts
+        acceptance = summary["acceptance"]
+        assert acceptance["source"] == "metrics (run-level)" and acceptance["by_context_tokens"] == {}
+        assert acceptance["per_position"] == pytest.approx([n / metrics["drafts"]
+                                                            for n in metrics["accepted_per_position"]])
+        assert all(a >= b for a, b in zip(acceptance["per_position"], acceptance["per_position"][1:]))
         audit = evalpipe("audit", str(run["dir"]), "--no-progress")
         assert audit.returncode == 0 and "audit passed" in audit.stdout, audit.stdout
         runs.append(run)
@@ -119,6 +128,14 @@ def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
         block = compared["spec"][arm]
         assert block["server_metrics"]["level"] == "run" and block["accept_length_run_level"] > 1.0
     assert "accept length (run-level, /metrics)" in result.stdout
+    # the baseline saved from spec_a's /metrics rates accepts spec_b: the same greedy outputs drafted the same way
+    saved = json.loads(baseline.read_text())
+    assert saved["source"] == "metrics (run-level)" and len(saved["per_position"]) == 3
+    result = evalpipe("compare", str(runs[0]["dir"]), str(runs[1]["dir"]), "--out", str(tmp_path / "compare-accept"),
+                      "--no-html", "--accept-baseline", str(baseline))
+    check = json.loads((tmp_path / "compare-accept" / "compare.json").read_text())["accept_baseline"]
+    assert result.returncode == 0 and not check["regressed"], check
+    assert [r["measured"] for r in check["positions"]] == runs[1]["summary"]["acceptance"]["per_position"]
 
 
 def test_bench_draws_ids_from_the_servers_tokenizer_and_resets_its_prefix_cache(vllm_server, tmp_path):
