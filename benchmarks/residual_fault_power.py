@@ -14,6 +14,8 @@ one tail bin), so per position the fault moves:
 - the greedy-collapse and context-repeat counts: each position adds f(t) - p(t) to the expected hits (t the argmax,
   or the prompt-lookup candidate where it is in the top 20), against a null variance sum p(t)(1 - p(t)), so
   z ~ Normal(sqrt(n) mu / s0, s1 / s0) (mu, s0^2, s1^2: per-token means of the drift, p(1 - p) and f(1 - f)).
+A bound for any statistic, API-only or not: the likelihood-ratio test that knows q needs n = (z_alpha + z_power)^2 / I
+tokens, I the mean chi-square divergence sum (f - p)^2 / p per token (the information in a small shift).
 Tokens for p < alpha at 50% and 90% power follow (scipy's ncx2 and norm). The formula is then checked by
 simulation: tokens drawn from f at positions resampled from the measured ones, put through the gate's own
 `PitSample.add_position` and `pit_tests`, and the simulated mean chi-square and z compared with the predicted ones.
@@ -39,7 +41,8 @@ from evalpipe.engine.sampling import sampling_probs
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.tokenizer import load_tokenizer
-from evalpipe.qualify.sampling import HIST_BINS, MAX_TOKENS, TOP_K, PitSample, lookup_candidate, pit_tests, prompts
+from evalpipe.qualify.sampling import (HIST_BINS, MAX_TOKENS, TOP_K, PitSample, hit_test, lookup_candidate, pit_tests,
+                                      prompts)
 from evalpipe.server.state import ServerSettings
 
 
@@ -69,7 +72,7 @@ def measure(model: str, drafter: str, n_responses: int, max_tokens: int, seed: i
     texts = prompts(seed * 1_000_003, n_responses)
     out: list[list[dict]] = []
     for start in range(0, n_responses, batch):
-        seqs, done = [], []
+        seqs = []
         for i, text in enumerate(texts[start:start + batch]):
             params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed * 7919 + start + i)
             seq = make_sequences(tokenizer.encode_prompt(text), params, 1, lambda ev: None)[0]
@@ -81,7 +84,6 @@ def measure(model: str, drafter: str, n_responses: int, max_tokens: int, seed: i
             rows = [{"token": seq.output[0], "p": None, "q": None}] + record.pop(seq.id, [])
             assert [r["token"] for r in rows[:len(seq.output)]] == seq.output
             out.append(rows[:len(seq.output)])
-        done.append(len(seqs))
     return out
 
 
@@ -117,7 +119,8 @@ def position_effects(responses: list[list[dict]], texts: list[str], bins: int = 
             rows.append({
                 "pi": np.diff(cdf_f), "a_p": p[top[0]], "a_f": f[top[0]], "drafted": q is not None,
                 "c_p": p[cand_id] if cand_id is not None else None, "c_f": f[cand_id] if cand_id is not None else None,
-                "top": top, "f": f, "p": p, "cand": cand_id,
+                "top": top, "f": f, "p": p, "cand": cand_id, "hit": pos["token"] == top[0],
+                "chi2_div": float(((f - p) ** 2 / np.maximum(p, 1e-300)).sum()),
             })
             history.append(texts[pos["token"]])
     return {"rows": rows, "counted": sum(len(r) for r in responses), "bins": bins}
@@ -162,7 +165,10 @@ def predict(eff: dict, alphas=(0.01, 0.001)) -> dict:
     collapse = hit_effect([(r["a_p"], r["a_f"]) for r in rows], measured_share)
     cand = [(r["c_p"], r["c_f"]) for r in rows if r["c_p"] is not None]
     repeat = hit_effect(cand, measured_share * len(cand) / len(rows)) if cand else None
-    out = {"positions": counted, "drafted_share": sum(r["drafted"] for r in rows) / counted,
+    # the likelihood-ratio test that knows q (no API-only statistic can beat it): n ~ (z_a + z_power)^2 / I, I the
+    # mean chi-square divergence of f from p per token (the Fisher information of a small shift)
+    info = measured_share * float(np.mean([r["chi2_div"] for r in rows]))
+    out = {"positions": counted, "drafted_share": sum(r["drafted"] for r in rows) / counted, "oracle_info": info,
            "chi2_lambda_per_token": lam, "collapse": collapse, "repeat": repeat, "tokens": {}}
     for alpha in alphas:
         for power in (0.5, 0.9):
@@ -171,6 +177,7 @@ def predict(eff: dict, alphas=(0.01, 0.001)) -> dict:
                 "chi2": tokens_for_chi2(lam, bins - 1, alpha, power),
                 "collapse": tokens_for_z(collapse, alpha, power),
                 "repeat": tokens_for_z(repeat, alpha, power) if repeat else math.inf,
+                "oracle LR": (stats.norm.isf(alpha) + stats.norm.ppf(power)) ** 2 / info if info > 0 else math.inf,
             }
     return out
 
@@ -230,9 +237,13 @@ def main() -> None:
           f"{pred['collapse']['mu']:+.3g} +- {pred['collapse']['mu_se']:.2g} (s0 {pred['collapse']['s0']:.3g}); "
           "repeat drift " + (f"{pred['repeat']['mu']:+.3g} +- {pred['repeat']['mu_se']:.2g} "
                              f"(s0 {pred['repeat']['s0']:.3g})" if pred["repeat"] else "n/a"))
-    print("tokens for p < alpha | chi-square | collapse | repeat")
+    print("tokens for p < alpha | chi-square | collapse | repeat | likelihood ratio knowing q (a bound)")
     for key, row in pred["tokens"].items():
         print(f"{key} | " + " | ".join(f"{v:,.0f}" for v in row.values()))
+    # the measured tokens themselves came from the exact sampler: their argmax hits against sum(p_max) (the gate's
+    # collapse statistic on the engine's own draws, in process)
+    _, z_exact, p_exact = hit_test(sum(r["hit"] for r in eff["rows"]), [r["a_p"] for r in eff["rows"]])
+    print(f"exact sampler, measured tokens: collapse z {z_exact:+.2f} (p {p_exact:.2g})")
     rng = np.random.default_rng(args.seed)
     sim = simulate(eff, texts, args.sim_tokens, args.sim_replicas, rng)
     n = args.sim_tokens
@@ -245,7 +256,8 @@ def main() -> None:
           f"{sim['repeat_z_mean']:+.3f} +- {sim['repeat_z_sem']:.3f} (formula {expected['repeat_z']:+.3f})")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"drafter": args.drafter, "prediction": pred, "simulation": sim, "formula": expected}, fh,
+            json.dump({"drafter": args.drafter, "prediction": pred, "simulation": sim, "formula": expected,
+                       "exact_sampler_collapse_z": z_exact}, fh,
                       indent=1, default=float)
 
 

@@ -5,8 +5,8 @@ Detectors, each a real command against a real `evalpipe serve --model evalpipe-s
 - sampling: `evalpipe qualify --gates sampling` (T = 1; flags on exit 4);
 - greedy agreement: `evalpipe run arith` at T = 0 on the server, `evalpipe compare` against the clean spec-off run
   (flags when any output differs: greedy speculation must be exact);
-- batch shape: `evalpipe repeat --conditions batch_1,batch_8` on open_short (flags when the outputs alone and in a
-  batch of 8 differ);
+- batch shape: `evalpipe repeat --conditions batch_shape` on open_short, N = 2 (each request alone, then inside
+  batches at concurrency 8 and 64 filled with other prompts; flags when the outputs differ across the shapes);
 - acceptance baseline: `evalpipe compare --accept-baseline` of the greedy arith run against the baseline the clean
   spec-on server saved (`evalpipe run --save-accept-baseline`), for the servers with its drafter (flags on exit 4);
 - accuracy at T = 1 (greedy-sampling only): `evalpipe compare` of arith at T = 1 against the clean spec-off run, whose
@@ -28,13 +28,14 @@ from tests.server_harness import ServerProcess
 
 MODEL = "evalpipe-skills-dsv4"
 BLOCK = ["--speculative", "block"]
-CONFIGS = {  # name -> (serve arguments, sampling-gate token budget)
+CONFIGS = {  # name -> (serve arguments, sampling-gate token budget; None: not run, the spec-off row covers it)
     "clean, spec off": ([], 1500),
     "clean, spec block": (BLOCK, 1500),
     "greedy-sampling": (BLOCK + ["--debug-fault", "greedy-sampling"], 400),
     "residual-from-target (ngram)": (BLOCK + ["--drafter", "ngram", "--debug-fault", "residual-from-target"], 2000),
     "stale-kv-after-reject": (BLOCK + ["--debug-fault", "stale-kv-after-reject"], 1500),
     "batch-variant": (["--debug-fault", "batch-variant"], 1500),
+    "batch-variant, spec block": (BLOCK + ["--debug-fault", "batch-variant"], None),
 }
 GREEDY_QUESTIONS = 8
 T1_QUESTIONS = 40
@@ -68,12 +69,15 @@ def compare(a: Path, b: Path, out: Path, *extra: str) -> dict:
 
 def batch_shape(server: ServerProcess, out: Path) -> dict:
     proc = run_cli("repeat", "--base-url", server.base + "/v1", "--repeats", "2", "--fixtures", "open_short",
-                   "--conditions", "batch_1,batch_8", "--max-tokens", "48", "--out", out, timeout=300)
+                   "--conditions", "batch_shape", "--max-tokens", "40", "--out", out, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(next((out / "repeat").glob("*/repeat.json")).read_text())
-    group = result["groups"]["open_short"]["batch_shape"]
-    return {"flagged": group["distinct"] > 1, "distinct": group["distinct"],
-            "statistic": f"{group['distinct']} distinct of {group['n']}"
+    groups = result["groups"]["open_short"]
+    group = groups["batch_shape"]
+    modes = [groups[c]["mode_text"] for c in ("batch_1", "batch_8", "batch_64")]
+    labels = "/".join("ABC"[modes.index(m)] for m in modes)  # same letter: the same modal output
+    return {"flagged": group["distinct"] > 1, "distinct": group["distinct"], "n": group["n"],
+            "statistic": f"{group['distinct']} distinct of {group['n']} (outputs alone/8/64: {labels})"
                          + (f", diverge at {group['first_divergence_from_mode']} (gap "
                             f"{group['logprob_gap_at_first_divergence']:.3g})" if group["distinct"] > 1 else "")}
 
@@ -87,7 +91,7 @@ def matrix(tmp_path_factory) -> dict:
         work = root / name.split(" ")[0].replace(",", "") / ("on" if "--speculative" in args else "off")
         server = ServerProcess(*args, model=MODEL)
         try:
-            row = {"sampling": sampling_gate(server, work / "qualify", tokens)}
+            row = {"sampling": sampling_gate(server, work / "qualify", tokens)} if tokens else {}
             saves = ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
             greedy = arith(server, work / "greedy", "greedy", "--num-examples", str(GREEDY_QUESTIONS), *saves)
             row["batch_shape"] = batch_shape(server, work / "repeat")
@@ -126,12 +130,12 @@ def matrix(tmp_path_factory) -> dict:
 
 
 def print_matrix(rows: dict) -> None:
-    print("\n| server | sampling gate | greedy agreement vs clean spec off | batch shape (alone vs 8) | "
+    print("\n| server | sampling gate | greedy agreement vs clean spec off | batch shape (alone, 8, 64) | "
           "acceptance baseline (clean layerskip:4, rtol 0.05) |")
     print("|---|---|---|---|---|")
     for name, row in rows.items():
         cells = [(("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"]) if d in row else
-                 ("the baseline" if name == "clean, spec block" else "n/a")
+                 ("the baseline" if name == "clean, spec block" else "not run" if d == "sampling" else "n/a")
                  for d in ("sampling", "greedy_agreement", "batch_shape", "accept_baseline")]
         print(f"| {name} | " + " | ".join(cells) + " |")
     for name, row in rows.items():
@@ -192,10 +196,12 @@ def test_stale_kv_after_reject_is_caught_by_greedy_agreement(matrix):
     assert not row["sampling"]["flagged"], row  # its logprobs are those of the context it samples from
 
 
-def test_batch_variant_is_caught_by_the_batch_shape_condition(matrix):
-    row = matrix["batch-variant"]
-    assert row["batch_shape"]["flagged"], row
-    assert not row["sampling"]["flagged"], row  # its logprobs come from the same logits it samples from
+@pytest.mark.parametrize("name", ["batch-variant", "batch-variant, spec block"])
+def test_batch_variant_is_caught_by_the_batch_shape_condition_with_speculation_off_and_on(matrix, name):
+    row = matrix[name]
+    assert row["batch_shape"]["flagged"] and row["batch_shape"]["n"] == 6, row  # alone, at 8 and at 64, N = 2
+    if "sampling" in row:  # run with speculation off
+        assert not row["sampling"]["flagged"], row  # its logprobs come from the same logits it samples from
 
 
 def test_batch_variant_linear_changes_with_the_row_count_only_through_its_reduction():

@@ -102,7 +102,8 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
       soak        C streams for --soak-duration s: no failures, no hangs; output-cap hits, memory sampled
       sampling    T=1 samples with top-20 logprobs: the randomised PIT of every sampled token is uniform
                   (chi-square), argmax and context-repeat hits match their probabilities (two z-tests), each
-                  at alpha 0.001; needs logprobs
+                  at alpha 0.001; needs logprobs. sampling_tokens.jsonl beside qualify.json holds per response
+                  the tokens, logprobs, top-20 and PIT draws, from which every p-value can be recomputed
 
     \b
     Exit codes:
