@@ -234,3 +234,23 @@ def test_the_collapse_statistic_is_standard_normal_under_the_null():
         ps.append(p)
     assert abs(np.mean(zs)) < 4 / math.sqrt(2000) and abs(np.std(zs) - 1) < 0.05
     assert stats.kstest(ps, "uniform").pvalue > 0.001
+
+
+def test_the_residual_fault_power_benchmark_runs_in_smoke_mode(tmp_path):
+    """benchmarks/residual_fault_power.py --smoke (README's tokens-to-detect figures): in process on the default
+    model with the ngram drafter, every drafted position's f moves the draft token up, so the repeat drift is
+    positive and every statistic's token count is a positive number."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "power.json"
+    proc = subprocess.run([sys.executable, "benchmarks/residual_fault_power.py", "--smoke", "--drafter", "ngram",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    pred = data["prediction"]
+    assert pred["positions"] > 20 and pred["drafted_share"] > 0.5
+    assert pred["repeat"]["mu"] > 0 and pred["oracle_info"] > 0
+    assert all(0 < n < float("inf") for row in pred["tokens"].values() for key, n in row.items() if key != "chi2")
+    assert data["simulation"]["replicas"] == 3 and data["simulation"]["tokens"] == 500
