@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import baseline_ops
+from tests.support import baseline_ops
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.static.graphs import GraphRunner, bucket_for, pack_step_inputs
 from engine_state import state_snapshot
