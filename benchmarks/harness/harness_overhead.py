@@ -2,7 +2,7 @@
 
 Runs all 1314 scored GSM8K items through `evalpipe run gsm8k` (concurrency 64) and the same 1314 questions
 through `sgl-eval run gsm8k --from-dataset ... --num-threads 64`, each as a fresh process, against one
-scripted OpenAI-compatible server that answers instantly (tests/scripted_server.py). The server's own cost is
+scripted OpenAI-compatible server that answers instantly (tests/support/scripted_server.py). The server's own cost is
 the same for both, so the difference is harness overhead. Prints one table: wall time per tool (whole process
 and generation loop), requests/s, accuracy, and the ratio.
 
