@@ -8,9 +8,7 @@ sizes, the self drafter accepts every draft, seeded sampling runs and repeats. P
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -108,7 +106,7 @@ def main() -> None:
     failures += not same
     print(f"sampled (T=0.8, top_p 0.95, top_k 40) on {device}: seeded runs repeat: {same}")
     print(f"graph steps captured: {target.describe()['cuda_graphs']}")
-    print(f"\n| drafter | G | accepted-drafts histogram | seconds |\n|---|---:|---|---:|")
+    print("\n| drafter | G | accepted-drafts histogram | seconds |\n|---|---:|---|---:|")
     for drafter_name, block, hist, secs in rows:
         print(f"| {drafter_name} | {block} | {hist} | {secs:.2f} |")
     print("RESULT:", "all checks passed" if not failures else f"{failures} failure(s)")

@@ -479,9 +479,17 @@ def _mx_same_bytes(a, b) -> bool:
 
 def section_mxfp8(bench: Bench) -> None:
     from evalpipe.kernels.mxfp8 import (
-        Mxfp8Tensor, mxfp8_linear, mxfp8_linear_reference, mxfp8_quantize, mxfp8_quantize_reference,
-        mxfp8_reduce_quantize, mxfp8_reduce_quantize_reference, reduce_partials_bf16, wo_a_mxfp8,
-        wo_a_partials, wo_a_partials_reference,
+        Mxfp8Tensor,
+        mxfp8_linear,
+        mxfp8_linear_reference,
+        mxfp8_quantize,
+        mxfp8_quantize_reference,
+        mxfp8_reduce_quantize,
+        mxfp8_reduce_quantize_reference,
+        reduce_partials_bf16,
+        wo_a_mxfp8,
+        wo_a_partials,
+        wo_a_partials_reference,
     )
 
     dev = bench.device

@@ -77,7 +77,6 @@ if ARGS.device == "cpu":
 import torch  # noqa: E402
 
 from benchmarks import gpu_bench  # noqa: E402
-
 from evalpipe.engine.cache import StatePools  # noqa: E402
 from evalpipe.engine.forward_batch import ForwardBatch, entry_index  # noqa: E402
 from evalpipe.engine.model.attention import Attention  # noqa: E402

@@ -50,11 +50,10 @@ if ARGS.device == "cpu":
 
 import torch  # noqa: E402
 
-from tests.support import baseline_ops  # noqa: E402
-
 from evalpipe.engine.model.hyper import HyperConnection, HyperHead  # noqa: E402
 from evalpipe.kernels import hyper as step_hyper  # noqa: E402
 from evalpipe.kernels.norm import rms_norm  # noqa: E402
+from tests.support import baseline_ops  # noqa: E402
 
 FAILED: list[str] = []
 

@@ -47,10 +47,9 @@ if ARGS.device == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
-
-from benchmarks import gpu_bench  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import gpu_bench  # noqa: E402
 from evalpipe.engine.model.moe import MoE  # noqa: E402
 from evalpipe.kernels import moe as step_moe  # noqa: E402
 

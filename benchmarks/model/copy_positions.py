@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import sys
 from pathlib import Path
 
 import torch

@@ -47,9 +47,14 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks import gpu_bench
-from benchmarks.serving.gpu_serving import (bench_config, copy_bandwidth, count_kernels, hf_generate_arm, random_state,
-                                             weight_bytes)
-
+from benchmarks.serving.gpu_serving import (
+    bench_config,
+    copy_bandwidth,
+    count_kernels,
+    hf_generate_arm,
+    random_state,
+    weight_bytes,
+)
 from evalpipe.engine.engine import Engine
 from evalpipe.engine.model.config import load_config
 from evalpipe.engine.sampling_params import SamplingParams
@@ -60,6 +65,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 DEVICE = "cuda"  # --smoke: cpu, the tiny config, float32 (a dry run of the script's logic)
 DTYPE = "bfloat16"
+BENCH_LENS = ("128", "256")  # evalpipe bench --input-len, --output-len (--smoke: 32, 16)
 
 
 def serve_base() -> list[str]:
@@ -328,7 +334,7 @@ def bench_arm(srv, out: Path, concurrency: int, overlap: str, args, arm: str) ->
     label = f"bench-c{concurrency}-overlap-{overlap}" + ("" if arm in ("cache-on", "overlap-off") else f"-{arm}")
     folder = out / "runs" / label
     rc, wall = evalpipe("bench", "--base-url", srv.base + "/v1", "--concurrency", str(concurrency), "--input-len",
-                        "128", "--output-len", "256", "--rounds", str(args.bench_rounds), "--warmup", "1",
+                        BENCH_LENS[0], "--output-len", BENCH_LENS[1], "--rounds", str(args.bench_rounds), "--warmup", "1",
                         "--out", str(folder), log=out / f"{label}.log", timeout=300)
     files = list(folder.rglob("bench.json"))
     if rc != 0 or not files:
@@ -424,11 +430,12 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=900)
     ap.add_argument("--delay-factor", type=float, default=1.0,
                     help="--prefill-delay-factor of the extra gsm8k arm (0: no such arm)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32: a dry run of the script")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32, 2 GSM8K questions, bench 32 in / 16 out, 1 round: a dry run of the script")
     args = ap.parse_args()
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, BENCH_LENS
     if args.smoke:
-        DEVICE, DTYPE = "cpu", "float32"
+        DEVICE, DTYPE, BENCH_LENS = "cpu", "float32", ("32", "16")
+        args.gsm8k_examples, args.bench_rounds, args.delay_factor, args.chunks = 2, 1, 0.0, "512"
     elif not torch.cuda.is_available():
         print("gpu_real_job: no CUDA device (--smoke runs a CPU dry run)", file=sys.stderr)
         return 2

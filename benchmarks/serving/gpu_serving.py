@@ -46,7 +46,6 @@ from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.static.graphs import GraphRunner
 from evalpipe.engine.tokenizer import load_tokenizer
 
-
 # ---- model -------------------------------------------------------------------------------------------------------
 
 CONFIGS = ("v4-top2", "v4-top6")

@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.server_harness import ServerProcess
 from tests.support.core_helpers import DATA_DIR, evalpipe_cmd
+from tests.support.server_harness import ServerProcess
 
 KEY = f"sk-scan-{uuid.uuid4().hex}"
 AUTH = {"Authorization": f"Bearer {KEY}"}

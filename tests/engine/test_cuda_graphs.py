@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import baseline_ops
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.static.graphs import GraphRunner, bucket_for, pack_step_inputs
+from tests.support import baseline_ops
 from tests.support.engine_state import state_snapshot
 
 SMALL = dict(max_seqs=6, max_seq_len=160)  # the runners of these tests

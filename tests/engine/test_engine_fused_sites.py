@@ -12,15 +12,15 @@ import httpx
 import openai
 import pytest
 import torch
+from test_engine_oracle import TIE_MARGIN, engine_greedy, make_checkpoint, oracle_greedy
 
 from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
-from tests.support.spec_helpers import compare_with_tie_rule, finish, spec_generate
-from test_engine_oracle import TIE_MARGIN, engine_greedy, make_checkpoint, oracle_greedy
 from tests.server.test_spec_server import start_server
+from tests.support.spec_helpers import compare_with_tie_rule, finish, spec_generate
 
 transformers = pytest.importorskip("transformers")
 

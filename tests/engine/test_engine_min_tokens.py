@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from test_spec_engine import run, runner, tokenizer  # noqa: F401 (the runner and tokenizer fixtures)
 
 from evalpipe.engine.engine import Engine
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
-from test_spec_engine import run, runner, tokenizer  # noqa: F401 (the runner and tokenizer fixtures)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 

@@ -21,7 +21,6 @@ from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer
 from evalpipe.skills import chat
 
-
 MAX_TOKENS = 96
 CALLS = [(t["function"]["name"], t["function"]["parameters"]) for t in chat.TOOLS]
 

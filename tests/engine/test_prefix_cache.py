@@ -6,9 +6,6 @@ and under eviction pressure with a pool smaller than the working set."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,9 +16,7 @@ from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.static.graphs import GraphRunner
 from evalpipe.engine.tokenizer import load_tokenizer
-
 from tests.support.spec_helpers import compare_with_tie_rule  # noqa: E402
-
 
 NEW_TOKENS = 8
 CHUNK = 48  # prefill rows per step: page edges 64 and 128 fall inside chunks

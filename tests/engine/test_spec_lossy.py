@@ -10,9 +10,9 @@ import torch
 
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
-from evalpipe.engine.spec.settings import AcceptRule
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, decoder_from_settings
 from evalpipe.engine.spec.drafters import build_drafter
+from evalpipe.engine.spec.settings import AcceptRule
 from evalpipe.server.state import ServerSettings
 from tests.support.spec_helpers import compare_with_tie_rule, finish, plain_greedy, spec_generate, start
 
@@ -119,9 +119,9 @@ def test_server_settings_build_the_rule_and_default_is_exact(target):
         decoder_from_settings(ServerSettings(speculative="block", drafter="layerskip:2", spec_accept_topk=2,
                                              simulate_acc_len=3.0), target)
     info_before_load = ServerSettings(speculative="block", spec_accept_threshold_acc=0.5)
-    from evalpipe.server.state import ServerState
-
     import asyncio
+
+    from evalpipe.server.state import ServerState
 
     info = asyncio.run(ServerState(info_before_load).info())  # what /get_server_info says while the model is still loading
     assert info["speculative"]["accept"]["rule"] == "threshold" and info["speculative"]["accept"]["lossy"] is True

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-
-from evalpipe.harness.bench import inputs_sha256, make_inputs  # noqa: E402
 from evalpipe.commands.bench import command as bench_cmd  # noqa: E402
 from evalpipe.commands.run import command as run_cmd  # noqa: E402
+from evalpipe.harness.bench import inputs_sha256, make_inputs  # noqa: E402
 from tests.support.bench_peer import start_peer  # noqa: E402
 
 GROUPS = [3, 1, 2, 4, 1, 5]  # tokens per streamed event: a chunk counter would see 6, not 16
@@ -67,8 +65,9 @@ def test_bench_refuses_a_stream_without_token_counts(tmp_path):
         res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "4", "--output-len", "4",
                                              "--rounds", "1", "--warmup", "0", "--out", str(tmp_path / "b")])
         assert res.exit_code == 0, res.output  # token_ids present: fine
-        from evalpipe.harness.bench import BenchConfig, BenchError, run_bench
         import asyncio
+
+        from evalpipe.harness.bench import BenchConfig, BenchError, run_bench
 
         cfg = BenchConfig(base_url=base_url, input_len=4, output_len=4, rounds=1, warmup=0,
                           extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}})

@@ -10,9 +10,17 @@ import time
 
 import pytest
 
-from evalpipe.lanes.grading import legacy_answer_value
 from evalpipe.harness.records import REQUIRED_KEYS
-from tests.support.core_helpers import DATA_DIR, evalpipe_cmd, interruptible_evalpipe_cmd, load_run, only_run_dir, run_cli, run_lane
+from evalpipe.lanes.grading import legacy_answer_value
+from tests.support.core_helpers import (
+    DATA_DIR,
+    evalpipe_cmd,
+    interruptible_evalpipe_cmd,
+    load_run,
+    only_run_dir,
+    run_cli,
+    run_lane,
+)
 from tests.support.scripted_server import (
     DEFAULT_CONFIG,
     answer_table,

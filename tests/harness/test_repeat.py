@@ -4,12 +4,10 @@ distinct completions, modal share, divergence from the mode and the logprob gap 
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 from click.testing import CliRunner
-
 
 from evalpipe.commands.repeat import command as repeat_cmd  # noqa: E402
 from evalpipe.harness.records import REQUIRED_KEYS  # noqa: E402

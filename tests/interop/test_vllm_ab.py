@@ -7,7 +7,16 @@ from __future__ import annotations
 import json
 import shlex
 
-from tests.support.vllm_peer import BOOT_TIMEOUT_S, DATA_DIR, ENGINE_ARGS, PASSTHROUGH, alive, evalpipe, make_model, require_vllm
+from tests.support.vllm_peer import (
+    BOOT_TIMEOUT_S,
+    DATA_DIR,
+    ENGINE_ARGS,
+    PASSTHROUGH,
+    alive,
+    evalpipe,
+    make_model,
+    require_vllm,
+)
 
 N_QUESTIONS = 10
 MAX_TOKENS = 32

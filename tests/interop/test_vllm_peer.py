@@ -18,8 +18,17 @@ import httpx
 import pytest
 
 from evalpipe.launchers.base import free_port
-from tests.support.vllm_peer import (BOOT_TIMEOUT_S, DATA_DIR, ENGINE_ARGS, PASSTHROUGH, VLLM_ENV, alive, evalpipe, make_model,
-                              require_vllm)
+from tests.support.vllm_peer import (
+    BOOT_TIMEOUT_S,
+    DATA_DIR,
+    ENGINE_ARGS,
+    PASSTHROUGH,
+    VLLM_ENV,
+    alive,
+    evalpipe,
+    make_model,
+    require_vllm,
+)
 
 N_QUESTIONS = 10
 MAX_TOKENS = 32

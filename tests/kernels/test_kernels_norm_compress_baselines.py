@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import baseline_ops
 from evalpipe.kernels import norm
 from evalpipe.kernels.compress import compress
+from tests.support import baseline_ops
 
 
 @pytest.mark.parametrize("T", [1, 6])

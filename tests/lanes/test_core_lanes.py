@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from evalpipe.lanes.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
-from evalpipe.lanes import computed_pins, get_lane, load_pins
 from evalpipe.harness.summary import compute_summary
+from evalpipe.lanes import computed_pins, get_lane, load_pins
+from evalpipe.lanes.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
 from tests.support.core_helpers import DATA_DIR, run_cli
 
 GSM8K_SHA = "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from evalpipe.lanes import load_pins, sgl_eval_adapter
 from evalpipe.digest import file_sha256
+from evalpipe.lanes import load_pins, sgl_eval_adapter
 from evalpipe.lanes.data import read_jsonl
 
 

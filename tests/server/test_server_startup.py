@@ -16,9 +16,9 @@ import uvicorn
 
 from evalpipe.server.app import create_app
 from evalpipe.server.state import ServerSettings, ServerState
+from tests.engine.test_server_tokenizer import hf_dir  # noqa: F401  (fixture: a small Hugging Face tokenizer directory)
 from tests.support.gated_build import GATE_ENV, build_after_gate
 from tests.support.server_harness import free_port
-from tests.engine.test_server_tokenizer import hf_dir  # noqa: F401  (fixture: a small Hugging Face tokenizer directory)
 
 
 def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir, tmp_path, monkeypatch):  # noqa: F811

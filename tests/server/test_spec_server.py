@@ -6,17 +6,16 @@ run` scores it while its summary and `evalpipe compare` show the lossy rule."""
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 
 import httpx
 import openai
 import pytest
 
-from tests.support.core_helpers import only_run_dir, run_cli, run_lane
-from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
 from evalpipe.engine.runner import ModelRunner
+from evalpipe.harness.server_facts import lossy_acceptance, simulation_reason
+from tests.support.core_helpers import only_run_dir, run_cli, run_lane
 from tests.support.server_harness import ServerProcess
 from tests.support.spec_helpers import compare_with_tie_rule, plain_greedy
 

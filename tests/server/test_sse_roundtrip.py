@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from evalpipe.harness.bench import stream_request
-from tests.support.server_harness import ServerProcess
 from tests.support.core_helpers import run_cli
+from tests.support.server_harness import ServerProcess
 
 LS, NEL = "\u2028", "\u0085"
 N_TOKENS = 24

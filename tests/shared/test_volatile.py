@@ -12,8 +12,8 @@ import copy
 from pathlib import Path
 
 from evalpipe import volatile
-from evalpipe.harness import manifest
 from evalpipe.compare.analysis import manifest_differences
+from evalpipe.harness import manifest
 from evalpipe.launchers.receipts import receipt_differences
 
 README = Path(__file__).resolve().parents[2] / "README.md"

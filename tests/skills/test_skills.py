@@ -9,11 +9,11 @@ import re
 import pytest
 
 from evalpipe.engine.tokenizer import ByteTokenizer
-from evalpipe.lanes.grading import legacy_answer_value
 from evalpipe.lanes import get_lane
+from evalpipe.lanes.grading import legacy_answer_value
+from evalpipe.lanes.skill_lane import lane_examples
 from evalpipe.skills import WINDOW, arith, chat, copy_text, draw, retrieval, split_of
 from evalpipe.skills.arith import _min_operand_distance
-from evalpipe.lanes.skill_lane import lane_examples
 from training import data
 
 
