@@ -2,6 +2,7 @@
 
     python -m benchmarks.kernels.kernels_gpu                      # all five ops
     python -m benchmarks.kernels.kernels_gpu --ops indexer,q_rope # a subset
+    python -m benchmarks.kernels.kernels_gpu --smoke               # no GPU: four ops at tiny shapes (interpreter)
 
 For each op, in this one run: compile the Triton kernels for real; run the correctness checks of
 docs/kernels.md at production shapes against the PyTorch references (exact equality); capture the fused op in a
@@ -59,6 +60,7 @@ class Bench:
     rows: list[TimingRow] = field(default_factory=list)
     section_errors: list[tuple[str, str]] = field(default_factory=list)
     current_op: str = ""
+    cuda: bool = True  # False (--smoke on the CPU): calls timed with the wall clock, nothing captured
 
     # -- correctness ------------------------------------------------------------------------------------------
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
@@ -104,6 +106,14 @@ class Bench:
     # -- timing -----------------------------------------------------------------------------------------------
     def graph_time_us(self, fn: Callable[[], object]) -> float:
         """Median over `replays` of one graph replay holding `inner` back-to-back calls, per call, in us."""
+        if not self.cuda:
+            per_call_s = []
+            for _ in range(self.replays):
+                t = time.perf_counter()
+                for _ in range(self.inner):
+                    fn()
+                per_call_s.append((time.perf_counter() - t) / self.inner)
+            return statistics.median(per_call_s) * 1e6
         graph, _ = self.capture(lambda: [fn() for _ in range(self.inner)])
         for _ in range(3):
             graph.replay()
@@ -128,7 +138,8 @@ class Bench:
         self.inner = saved
         self.copy_bytes_per_s = 2 * nbytes / (us * 1e-6)
         del src, dst
-        torch.cuda.empty_cache()
+        if self.cuda:
+            torch.cuda.empty_cache()
         return self.copy_bytes_per_s
 
     def time_pair(self, shape: str, fused: Callable, unfused: Callable, bytes_moved: int, target: str = "") -> TimingRow:
@@ -139,7 +150,8 @@ class Bench:
         self.rows.append(row)
         print(f"  [time] {self.current_op} {shape}: fused {fused_us:.2f} us, unfused {unfused_us:.2f} us, "
               f"x{row.speedup:.2f}, floor {floor_us:.2f} us", flush=True)
-        torch.cuda.empty_cache()
+        if self.cuda:
+            torch.cuda.empty_cache()
         return row
 
 
@@ -764,6 +776,50 @@ def section_c2_verify(bench: Bench) -> None:
 
 # --------------------------------------------------------------------------------------------------- driver
 
+def section_smoke(bench: Bench) -> None:
+    """--smoke on the CPU: four ops once at a tiny shape, the Triton kernel (in Triton's interpreter) against its
+    reference, exact, then the pair timed by the wall clock (the table's layout; CPU times say nothing of a GPU)."""
+    from evalpipe.kernels.candidate_block_mask import candidate_block_mask, candidate_block_mask_reference
+    from evalpipe.kernels.indexer_postprocess import indexer_postprocess, indexer_postprocess_reference
+    from evalpipe.kernels.mxfp8 import mxfp8_quantize, mxfp8_quantize_reference
+    from evalpipe.kernels.q_rope_store import q_rope_store, q_rope_store_reference
+
+    dev, ps, k = bench.device, 64, 8
+    gen = torch.Generator(device=dev).manual_seed(5)
+
+    bench.current_op = "indexer"
+    scores, indices, table = _indexer_inputs(6, 65, k, torch.int32, ps, gen, dev)
+    fused = lambda: indexer_postprocess(scores, indices, table, ps, return_raw=True, backend="triton")  # noqa: E731
+    ref = lambda: indexer_postprocess_reference(scores, indices, table, ps, return_raw=True)  # noqa: E731
+    bench.check("R=6 W=65 K=8, exact", pair_equal(fused(), ref()))
+    bench.time_pair(f"R=6 W=65 K={k} raw", fused, ref, 6 * k * 20)
+
+    bench.current_op = "candidate"
+    logits, lens = _candidate_inputs(6, 256, gen, dev)
+    fused = lambda: candidate_block_mask(logits, lens, 64, 8, backend="triton")  # noqa: E731
+    ref = lambda: candidate_block_mask_reference(logits, lens, 64, 8)  # noqa: E731
+    bench.check("source R=6 W=256 G=8 top64, equal_nan", pair_equal(fused(), ref()))
+    bench.time_pair("source R=6 W=256 G=8 top64", fused, ref, 6 * 256 * 4)
+
+    bench.current_op = "q_rope"
+    cos, sin = _rope_tables(64, 64, dev)
+    q = (torch.randn(2, 3, 512, generator=gen, device=dev) * 4).to(torch.bfloat16)[:, :2]
+    pos = torch.randint(0, 64, (2,), generator=gen, device=dev)
+    out, want = (torch.full((2, 4, 512), 7.0, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    fused = lambda: q_rope_store(q, out[:, :2], cos, sin, pos, backend="triton")  # noqa: E731
+    ref = lambda: q_rope_store_reference(q, want[:, :2], cos, sin, pos)  # noqa: E731
+    fused(), ref()
+    bench.check("T=2 H=2, bitwise, pad heads untouched", bitwise_equal(out, want))
+    bench.time_pair("T=2 H=2 D=512 rope=64", fused, ref, 2 * 2 * 512 * 4)
+
+    bench.current_op = "mxfp8"
+    y = _mx_magnitude_rows((2, 64), gen, dev).to(torch.bfloat16)
+    fused = lambda: mxfp8_quantize(y, backend="triton")  # noqa: E731
+    ref = lambda: mxfp8_quantize_reference(y)  # noqa: E731
+    bench.check("mxfp8_quantize M=2 N=64, bytes exact", _mx_same_bytes(fused(), ref()))
+    bench.time_pair("mxfp8_quantize M=2 N=64", fused, ref, 2 * 64 * 3)
+
+
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "indexer": section_indexer,
     "candidate": section_candidate,
@@ -821,12 +877,35 @@ def import_kernel_modules() -> None:
         sys.modules["evalpipe.kernels"] = package
 
 
+def smoke() -> int:
+    """section_smoke on the CPU, with the kernels imported under Triton's interpreter."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before evalpipe.kernels (and triton) are imported
+    import_kernel_modules()
+    bench = Bench(device=torch.device("cpu"), replays=1, inner=1, cuda=False)
+    bench.measure_copy_bandwidth(1 << 20)
+    try:
+        section_smoke(bench)
+    except Exception as exc:
+        traceback.print_exc()
+        bench.section_errors.append((bench.current_op, f"{type(exc).__name__}: {exc}"))
+    failed = [c for c in bench.checks if not c[2]]
+    print(f"checks: {len(bench.checks) - len(failed)} passed, {len(failed)} failed\n")
+    print_table(bench)
+    return 1 if failed or bench.section_errors else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
     parser.add_argument("--replays", type=int, default=200, help="graph replays per timing (median taken)")
     parser.add_argument("--inner", type=int, default=20, help="back-to-back calls captured per graph replay")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI check without a GPU: four ops at tiny shapes in Triton's interpreter (section_smoke)")
     args = parser.parse_args(argv)
+    if args.smoke and not torch.cuda.is_available():
+        return smoke()
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in SECTIONS]
     if unknown:

@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEVICE = "cuda"  # --smoke: cpu, the tiny config, float32 (a dry run of the script's logic)
 DTYPE = "bfloat16"
 BENCH_LENS = ("128", "256")  # evalpipe bench --input-len, --output-len (--smoke: 32, 16)
+SMOKE = False  # --smoke: the engine stage at batch 1 and 2, 16-token contexts, 4 decode steps, 64-token prompts
 
 
 def serve_base() -> list[str]:
@@ -224,8 +225,10 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
            "weight_bytes": weight_bytes(getattr(runner, "eager_runner", runner))}
     # the last row is the real job's decode: 64 sequences at the five-shot prompt's length (about 3,500 tokens)
     shapes = [(b, o, 128) for b in (1, 16, 64) for o in (False, True)] + [(64, True, 3500)]
+    if SMOKE:
+        shapes = [(1, False, 16), (2, True, 16)]
     for batch, overlap, prompt_len in shapes:
-        r = decode_batch(runner, tokenizer, batch, prompt_len=prompt_len, overlap=overlap,
+        r = decode_batch(runner, tokenizer, batch, prompt_len=prompt_len, overlap=overlap, new_tokens=4 if SMOKE else 64,
                          profile=batch == 64 and overlap)
         out["decode"].append(r)
         print(f"  decode batch {batch:3d} at context {prompt_len}, overlap {'on ' if r['overlap'] else 'off'}: step {r['step_wall_us']:8.1f} "
@@ -238,13 +241,13 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
         if r["host_profile"]:
             print("    host profile of 8 batch-64 steps (cProfile, tottime):")
             print("\n".join("      " + line for line in r["host_profile"].splitlines()[:40]))
-    m = mixed_step(runner, tokenizer)
+    m = mixed_step(runner, tokenizer, **({"batch": 2, "chunk_rows": 16} if SMOKE else {}))
     out["mixed"] = m
     print(f"  mixed step: {m['batch']} decode rows + a {m['chunk_rows']}-row prompt chunk {m['mixed_step_ms']} ms "
           f"(profiled) vs pure decode {m['pure_decode_step_ms']} ms; "
           f"{({k: v for k, v in m['kernels'].items() if k != 'top'})}", flush=True)
     for chunk in chunks:
-        r = prefill_rate(runner, tokenizer, chunk, prefill_seqs)
+        r = prefill_rate(runner, tokenizer, chunk, prefill_seqs, **({"prompt_len": 64} if SMOKE else {}))
         out["prefill"].append(r)
         k = r["kernels"]
         print(f"  prefill chunk {chunk:5d}: {r['tok_s']:9.1f} tok/s ({r['tokens']} tokens, {r['steps']} steps, "
@@ -432,9 +435,9 @@ def main() -> int:
                     help="--prefill-delay-factor of the extra gsm8k arm (0: no such arm)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32, 2 GSM8K questions, bench 32 in / 16 out, 1 round: a dry run of the script")
     args = ap.parse_args()
-    global DEVICE, DTYPE, BENCH_LENS
+    global DEVICE, DTYPE, BENCH_LENS, SMOKE
     if args.smoke:
-        DEVICE, DTYPE, BENCH_LENS = "cpu", "float32", ("32", "16")
+        DEVICE, DTYPE, BENCH_LENS, SMOKE = "cpu", "float32", ("32", "16"), True
         args.gsm8k_examples, args.bench_rounds, args.delay_factor, args.chunks = 2, 1, 0.0, "512"
     elif not torch.cuda.is_available():
         print("gpu_real_job: no CUDA device (--smoke runs a CPU dry run)", file=sys.stderr)

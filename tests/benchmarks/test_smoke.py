@@ -15,10 +15,6 @@ REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("kernels", "engine", "serving", "harness", "model")
 SCRIPTS = sorted(p.relative_to(REPO / "benchmarks").as_posix() for p in (REPO / "benchmarks").glob("*/*.py")
                  if p.name != "__init__.py")
-# Scripts whose --smoke does not exist yet: the test expects them to fail (strict), so adding the mode turns it green.
-NO_SMOKE_YET = {
-    "kernels/kernels_gpu.py": "its sections allocate production shapes and capture CUDA graphs; no CPU path yet",
-}
 
 
 def table_rows(text: str) -> int:
@@ -47,9 +43,7 @@ def test_every_script_sits_in_a_question_folder():
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_smoke(script, tmp_path, request):
-    if script in NO_SMOKE_YET:
-        request.applymarker(pytest.mark.xfail(reason=NO_SMOKE_YET[script], strict=True))
+def test_smoke(script, tmp_path):
     module = "benchmarks." + script[: -len(".py")].replace("/", ".")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OUT": str(tmp_path)}
