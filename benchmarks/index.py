@@ -34,8 +34,10 @@ def render(entries: list[dict]) -> str:
 
     lines = ["| script | question | latest figure | measured | command |", "|---|---|---|---|---|"]
     for e in entries:
-        lines.append(f"| [`{e['script']}`]({e['script']}) | {cell(e['question'])} | **{e['figure']:g}** {cell(e['unit'])} "
-                     f"| {e['date']}, {cell(e['machine'])} | `{cell(e['command'])}` |")
+        lines.append(
+            f"| [`{e['script']}`]({e['script']}) | {cell(e['question'])} | **{e['figure']:g}** {cell(e['unit'])} "
+            f"| {e['date']}, {cell(e['machine'])} | `{cell(e['command'])}` |"
+        )
     return "\n".join(lines)
 
 

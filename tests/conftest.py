@@ -33,7 +33,8 @@ LONGEST_FIRST = [
     "interop/test_vllm_peer.py",  # 117
     "server/test_server_structured.py",  # 106
     "engine/test_spec_acceptance.py",  # 100
-    "interop/test_lmeval_loglikelihood.py",  # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
+    # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
+    "interop/test_lmeval_loglikelihood.py",
     "harness/test_core_run.py",  # 89
     "commands/test_secret_scan.py",  # 86
     "server/test_spec_server.py",  # 80

@@ -25,7 +25,19 @@ ALLOWED = {
     "launchers": {"launchers", "harness", "engine", "shared"},  # the native launcher checks flags by the engine's rules
     "ab": {"ab", "compare", "harness", "lanes", "launchers", "shared"},
     "qualify": {"qualify", "harness", "lanes", "skills", "shared"},  # gates against an endpoint, through the harness
-    "commands": {"commands", "ab", "compare", "qualify", "harness", "lanes", "launchers", "server", "engine", "skills", "shared"},
+    "commands": {
+        "commands",
+        "ab",
+        "compare",
+        "qualify",
+        "harness",
+        "lanes",
+        "launchers",
+        "server",
+        "engine",
+        "skills",
+        "shared",
+    },
     "cli": {"shared"},  # it finds the commands by name (importlib), so nothing imports evalpipe.commands
 }
 ENGINE_SIDE = {"engine", "kernels", "server"}
@@ -139,8 +151,12 @@ def test_each_layer_imports_only_the_layers_below_it():
     """engine, kernels and server import nothing from the harness; kernels nothing else from the project; nothing
     imports evalpipe.commands; the harness never imports compare, ab or the commands, compare never ab."""
     graph = import_graph()
-    problems = sorted(f"{side(m)}: {m} ({layer(m)}) imports {t} ({layer(t)}) at {where(m, line)}"
-                      for m, edges in graph.items() for t, line in edges if layer(t) not in ALLOWED.get(layer(m), set()))
+    problems = sorted(
+        f"{side(m)}: {m} ({layer(m)}) imports {t} ({layer(t)}) at {where(m, line)}"
+        for m, edges in graph.items()
+        for t, line in edges
+        if layer(t) not in ALLOWED.get(layer(m), set())
+    )
     assert not problems, "layer violations:\n  " + "\n  ".join(problems)
 
 

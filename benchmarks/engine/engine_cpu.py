@@ -116,7 +116,9 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
                 pass
             time.sleep(0.5)
         if pin is not None:
-            engine_pid = httpx.get(base + "/get_server_info", timeout=60).json()["internal_states"]["engine_process"]["pid"]
+            engine_pid = httpx.get(base + "/get_server_info", timeout=60).json()["internal_states"]["engine_process"][
+                "pid"
+            ]
             os.sched_setaffinity(engine_pid, pin[0])
             os.sched_setaffinity(proc.pid, pin[1])
             os.sched_setaffinity(0, pin[1])
@@ -215,9 +217,15 @@ def main() -> None:
     for batch, mb in peak_rss.items():
         print(f"server peak RSS at {batch} concurrent: {mb:.0f} MB (HTTP process + engine process)")
     c = args.concurrency
-    print(f"targets: runner b1 > transformers b1 ({r1 / hf_tps:.1f}x); runner b{c} aggregate >= 8x ({r64 / hf_tps:.1f}x)"
-          + (f"; via HTTP b{c} >= 90% of the runner: sum of per-request rates {http[c] / r64:.0%}, "
-             f"steady (all {c} decoding, the runner's protocol) {steady[c] / r64:.0%}" if http else ""))
+    print(
+        f"targets: runner b1 > transformers b1 ({r1 / hf_tps:.1f}x); runner b{c} aggregate >= 8x ({r64 / hf_tps:.1f}x)"
+        + (
+            f"; via HTTP b{c} >= 90% of the runner: sum of per-request rates {http[c] / r64:.0%}, "
+            f"steady (all {c} decoding, the runner's protocol) {steady[c] / r64:.0%}"
+            if http
+            else ""
+        )
+    )
 
 
 if __name__ == "__main__":

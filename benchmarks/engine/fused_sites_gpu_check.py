@@ -21,7 +21,9 @@ WIDTH = 6  # a G=5 verify step
 STEPS = 12
 
 
-def run_arm(prompts: list[list[int]], device: str = "cuda", model: str | None = None, **settings) -> tuple[torch.Tensor, list[int], dict]:
+def run_arm(
+    prompts: list[list[int]], device: str = "cuda", model: str | None = None, **settings
+) -> tuple[torch.Tensor, list[int], dict]:
     """A model built with the site settings: prefill (eager), STEPS verify-width and STEPS decode steps (captured);
     all logits and greedy tokens."""
     base = ModelRunner(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, max_seqs=16,
@@ -46,8 +48,11 @@ def run_arm(prompts: list[list[int]], device: str = "cuda", model: str | None = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI check on the CPU: the tiny model, float32, the static step un-captured, 2 short prompts, 1 step each")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI check on the CPU: the tiny model, float32, the static step un-captured, 2 short prompts, 1 step each",
+    )
     args = ap.parse_args()
     global STEPS
     device, model, lengths = "cuda", None, (150, 37, 90, 210)

@@ -7,7 +7,8 @@ tokens over wall time from submit to the last finish (prefill included, same for
 server-wide completion tokens / verify steps; speedup is against "off" at the same concurrency. The accepted-draft
 histogram per drafter is printed below the table.
 
-    python -m benchmarks.engine.spec_cpu [--model evalpipe-tiny-dsv4] [--new-tokens 64] [--block-size 5] [--concurrency 1 16]
+    python -m benchmarks.engine.spec_cpu [--model evalpipe-tiny-dsv4] [--new-tokens 64] [--block-size 5]
+        [--concurrency 1 16]
 
 Prompts: held-out `arith` lane items as completions (the default model's own task), or --prompts gsm8k (GSM8K
 questions through the chat template, the workload of the random tiny model's earlier measurements).

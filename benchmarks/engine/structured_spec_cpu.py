@@ -3,8 +3,8 @@ questions, free vs grammar-masked, speculation off vs the default layerskip draf
 
 Per row: tok/s (completion tokens over wall time, submit to last finish, N requests at once), accept length
 (completion tokens / verify steps), and how many outputs equal plain greedy decoding with the same grammar token for
-token (the lossless property tests/engine/test_grammar_lossless.py checks; here over more prompts), and how many are valid
-(a call of a listed tool with its required arguments, or JSON matching the skill's schema).
+token (the lossless property tests/engine/test_grammar_lossless.py checks; here over more prompts), and how many are
+valid (a call of a listed tool with its required arguments, or JSON matching the skill's schema).
 
     python -m benchmarks.engine.structured_spec_cpu [--requests 16] [--block-size 5]
 """

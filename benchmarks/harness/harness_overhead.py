@@ -70,7 +70,7 @@ def run_sgl_eval(base_url: str, work: Path, concurrency: int, n: int | None) -> 
     from evalpipe.lanes import get_lane
 
     data = get_lane("gsm8k").load(None, allow_data_drift=False)
-    rows = {json.loads(l)["question"]: i for i, l in enumerate(Path(data.dataset_path).read_text().splitlines())}
+    rows = {json.loads(line)["question"]: i for i, line in enumerate(Path(data.dataset_path).read_text().splitlines())}
     answers = answer_table("gsm8k")
     ds = work / "gsm8k_scored_ns.jsonl"
     with open(ds, "w") as fh:
@@ -120,7 +120,9 @@ def main() -> None:
 
     try:
         for k in range(args.rounds):
-            results["evalpipe"].append(timed(run_evalpipe, base_url, work / f"ep{k}", args.concurrency, args.num_examples))
+            results["evalpipe"].append(
+                timed(run_evalpipe, base_url, work / f"ep{k}", args.concurrency, args.num_examples)
+            )
             sw = work / f"se{k}"
             sw.mkdir(exist_ok=True)
             results["sgl-eval"].append(timed(run_sgl_eval, base_url, sw, args.concurrency, args.num_examples))
@@ -132,8 +134,12 @@ def main() -> None:
 
     best = {tool: min(rs, key=lambda r: r["wall_s"]) for tool, rs in results.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\nharness overhead: GSM8K {best['evalpipe']['n']} items, concurrency {args.concurrency}, zero-latency scripted server, "
-          f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} usable CPUs, load avg {load:.1f}, rounds {args.rounds} (best shown), server saw {n_server} requests")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(
+        f"\nharness overhead: GSM8K {best['evalpipe']['n']} items, concurrency {args.concurrency}, "
+        f"zero-latency scripted server, {cpus} usable CPUs, load avg {load:.1f}, rounds {args.rounds} (best shown), "
+        f"server saw {n_server} requests"
+    )
     print(f"{'tool':<10} {'requests':>8} {'process wall s':>15} {'loop wall s':>12} {'req/s (process)':>16} "
           f"{'req/s (loop)':>13} {'harness CPU s':>14} {'server CPU s':>13} {'accuracy':>9}")
     for tool, r in best.items():

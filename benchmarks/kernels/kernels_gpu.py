@@ -137,12 +137,14 @@ class Bench:
         us = self.graph_time_us(lambda: dst.copy_(src))
         self.inner = saved
         self.copy_bytes_per_s = 2 * nbytes / (us * 1e-6)
-        del src, dst
+        src = dst = None  # free both buffers before empty_cache (the lambda above holds the names)
         if self.cuda:
             torch.cuda.empty_cache()
         return self.copy_bytes_per_s
 
-    def time_pair(self, shape: str, fused: Callable, unfused: Callable, bytes_moved: int, target: str = "") -> TimingRow:
+    def time_pair(
+        self, shape: str, fused: Callable, unfused: Callable, bytes_moved: int, target: str = ""
+    ) -> TimingRow:
         fused_us = self.graph_time_us(fused)
         unfused_us = self.graph_time_us(unfused)
         floor_us = bytes_moved / self.copy_bytes_per_s * 1e6
@@ -166,9 +168,14 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and torch.equal(
-        a.nan_to_num(0.0, 0.0, 0.0), b.nan_to_num(0.0, 0.0, 0.0)
-    ) and torch.equal(a.isinf() & (a > 0), b.isinf() & (b > 0)) and torch.equal(a.isinf() & (a < 0), b.isinf() & (b < 0))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a.nan_to_num(0.0, 0.0, 0.0), b.nan_to_num(0.0, 0.0, 0.0))
+        and torch.equal(a.isinf() & (a > 0), b.isinf() & (b > 0))
+        and torch.equal(a.isinf() & (a < 0), b.isinf() & (b < 0))
+    )
 
 
 def pair_equal(a, b) -> bool:
@@ -397,7 +404,9 @@ def section_q_rope(bench: Bench) -> None:
                 engine = apply_interleaved_rope(q, cos[pos.long()].unsqueeze(1), sin[pos.long()].unsqueeze(1))
                 ok &= bitwise_equal(out, ref) and bitwise_equal(out[:, :heads], engine)
                 ok &= bitwise_equal(q, before) and bool((out[:, heads:] == poison).all())
-    bench.check("T {1,2,5,6,8} x H {8,16,32} x int32/int64: bitwise == engine RoPE + copy, q unchanged, pad heads 7.0", ok)
+    bench.check(
+        "T {1,2,5,6,8} x H {8,16,32} x int32/int64: bitwise == engine RoPE + copy, q unchanged, pad heads 7.0", ok
+    )
 
     try:  # the model's own RoPE (per-dim tables) must give the same bits on the GPU too (FMA contraction would not)
         from evalpipe.engine.model.primitives import apply_rope
@@ -412,7 +421,9 @@ def section_q_rope(bench: Bench) -> None:
             engine_ok &= bitwise_equal(out, apply_rope(q, cos_full[pos], sin_full[pos]))
         bench.check("T {6,48,384} H=16: bitwise == evalpipe.engine.model.primitives.apply_rope", engine_ok)
     except ImportError as exc:
-        bench.check("bitwise == evalpipe.engine.model.primitives.apply_rope", False, f"engine RoPE not importable: {exc}")
+        bench.check(
+            "bitwise == evalpipe.engine.model.primitives.apply_rope", False, f"engine RoPE not importable: {exc}"
+        )
 
     # prefill size whose padded buffer exceeds 2 GiB (int64 offsets): T = PREFILL_TOKENS, H = 16
     tokens = PREFILL_TOKENS

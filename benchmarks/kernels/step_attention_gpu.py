@@ -2,7 +2,7 @@
 one + a merge when the key axis is split).
 
     PYTHONPATH=. python -m benchmarks.kernels.step_attention_gpu                 # H200: production shapes, < 60 s
-    PYTHONPATH=. python -m benchmarks.kernels.step_attention_gpu --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
+    PYTHONPATH=. python -m benchmarks.kernels.step_attention_gpu --smoke    # dry run: tiny shapes, TRITON_INTERPRET=1
     PYTHONPATH=. python -m benchmarks.kernels.step_attention_gpu --sweep         # also time a grid of launch configs
 
 Shapes: 32 heads x head_dim 512, bf16, sliding window 128 (ring of 159 = 127 + rollback margin 32), context ~4096
@@ -257,7 +257,7 @@ def main() -> int:
             table.append((tag, old_w, old_c, k_old, new_w, new_c, k_new, cfg["splits"]))
             if ARGS.sweep and CUDA and (B, n) != (1, 6):
                 sweep(case, tag)
-            del case
+            case = None  # free its tensors before the next case (the lambdas above hold the name)
     print("\n| shape | old us warm / cold | kernels old -> new | new us warm / cold | splits | speed-up cold |")
     print("|---|---:|---:|---:|---:|---:|")
     for tag, ow, oc, ko, nw, nc, kn, sp in table:

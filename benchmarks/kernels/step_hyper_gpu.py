@@ -4,7 +4,7 @@
     PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
     PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --detail        # also time each op alone
     PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --sweep         # also time launch-shape variants
-    PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --sweep --tokens 64,3500   # at a decode batch and a prompt chunk
+    PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --sweep --tokens 64,3500   # a decode batch, a prompt chunk
 
 At hc 4, D 4096, bf16 streams, T in {1, 6, 32}: a 2-layer chain (4 blocks whose outputs are fixed random tensors,
 then the head) run the previous StaticModel way (baseline_ops.hc_pre + rms_norm + hc_merge per block, HyperHead +

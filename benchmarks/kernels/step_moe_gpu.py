@@ -3,16 +3,16 @@
     PYTHONPATH=. python -m benchmarks.kernels.step_moe_gpu                 # H200: production shapes, < 60 s
     PYTHONPATH=. python -m benchmarks.kernels.step_moe_gpu --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
 
-Shapes: hidden 4096, moe_intermediate 2048, bf16, sqrtsoftplus router with correction bias; E 8 top-2 and E 16
-top-6 (+1 shared expert); T in {1, 6, 32} rows. MoE objects are the engine's `MoE` over random state dicts on the
-GPU. Checks (exit status 1 on any failure): route kernel == route_reference (indices exact, weights 1e-5);
-gate_up kernel and the whole moe_forward against the fp32 references; moe_forward against the previous
-`StaticModel.moe` chain (`PreviousChain`, the timed baseline) and the engine's `MoE.__call__` (same routing, outputs within bf16 tolerance), with
-activations large enough that swiglu_limit clamps, and a hash layer. Timing: `--layers` MoE objects with their own
-weights run back to back in one captured CUDA graph (weights are not L2-resident, like a real decode step),
-median of event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block
-configs; the best of each is used for the table. Weight bandwidth = bytes of the distinct picked experts + the
-shared expert + the router / time.
+Shapes: hidden 4096, moe_intermediate 2048, bf16, sqrtsoftplus router with correction bias; E 8 top-2 and E 16 top-6 (+1
+shared expert); T in {1, 6, 32} rows. MoE objects are the engine's `MoE` over random state dicts on the GPU. Checks
+(exit status 1 on any failure): route kernel == route_reference (indices exact, weights 1e-5); gate_up kernel and the
+whole moe_forward against the fp32 references; moe_forward against the previous `StaticModel.moe` chain
+(`PreviousChain`, the timed baseline) and the engine's `MoE.__call__` (same routing, outputs within bf16 tolerance),
+with activations large enough that swiglu_limit clamps, and a hash layer. Timing: `--layers` MoE objects with their own
+weights run back to back in one captured CUDA graph (weights are not L2-resident, like a real decode step), median of
+event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block configs; the best of
+each is used for the table. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
+time.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ FAILED, report, check, rel_diff = CHECKS.failed, CHECKS.report, CHECKS.check, CH
 DEV = torch.device(ARGS.device)
 CUDA = DEV.type == "cuda"
 if CUDA:
-    D, I, DT, LAYERS = 4096, 2048, torch.bfloat16, ARGS.layers
+    D, INTER, DT, LAYERS = 4096, 2048, torch.bfloat16, ARGS.layers
     TS = tuple(int(t) for t in ARGS.ts.split(","))
     SHAPES = ((8, 2), (16, 6))
     # candidates besides the module's own choice (None): variants of the kernel shape it picks at that T; block_t 64
@@ -76,7 +76,7 @@ if CUDA:
                       dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
                       dict(mode="mm", block_t=64, block_m=64, block_n=32, block_k=64, num_warps=8)]}
 else:
-    D, I, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
+    D, INTER, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
     SHAPES = ((8, 2), (16, 6))
     GU_CFGS = {m: [dict(mode=m, block_n=16, block_k=32)] for m in ("gemv", "mm")}
     DN_CFGS = GU_CFGS
@@ -91,11 +91,11 @@ def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
 
     sd = {"gate.weight": rnd(E, D, scale=D**-0.5),
           "gate.e_score_correction_bias": 0.5 * torch.randn(E, generator=g, device=DEV),
-          "experts.gate_up_proj": rnd(E, 2 * I, D, scale=D**-0.5),
-          "experts.down_proj": rnd(E, D, I, scale=I**-0.5),
-          "shared_experts.gate_proj.weight": rnd(I, D, scale=D**-0.5),
-          "shared_experts.up_proj.weight": rnd(I, D, scale=D**-0.5),
-          "shared_experts.down_proj.weight": rnd(D, I, scale=I**-0.5)}
+          "experts.gate_up_proj": rnd(E, 2 * INTER, D, scale=D**-0.5),
+          "experts.down_proj": rnd(E, D, INTER, scale=INTER**-0.5),
+          "shared_experts.gate_proj.weight": rnd(INTER, D, scale=D**-0.5),
+          "shared_experts.up_proj.weight": rnd(INTER, D, scale=D**-0.5),
+          "shared_experts.down_proj.weight": rnd(D, INTER, scale=INTER**-0.5)}
     if is_hash:
         sd["gate.tid2eid"] = torch.randint(0, E, (VOCAB, K), generator=g, device=DEV)
     cfg = SimpleNamespace(num_experts_per_tok=K, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
@@ -105,7 +105,8 @@ def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
 
 class PreviousChain:
     """`StaticModel.moe` as it was before step_moe took over (the baseline this script times): the engine's router
-    ops, two `baseline_ops.expert_gemv` launches with SwiGLU and the sum between them, the shared expert as two GEMMs."""
+    ops, two `baseline_ops.expert_gemv` launches with SwiGLU and the sum between them, the shared expert as two
+    GEMMs."""
 
     def __init__(self):
         self._shared_gu = {}
@@ -207,7 +208,7 @@ def label(cfg) -> str:
 
 def main() -> int:
     print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu (TRITON_INTERPRET=1)'}, torch {torch.__version__}"
-          f", hidden {D}, I {I}, {str(DT).replace('torch.', '')}, {LAYERS} layer(s) per timed graph", flush=True)
+          f", hidden {D}, I {INTER}, {str(DT).replace('torch.', '')}, {LAYERS} layer(s) per timed graph", flush=True)
     rows = []
     for E, K in SHAPES:
         moes = [make_moe(E, K, seed=10 * E + i) for i in range(LAYERS)]

@@ -32,8 +32,10 @@ from evalpipe.skills import arith, draw
 from training.data import encode
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "evalpipe" / "models" / "evalpipe-skills-dsv4"
-LINE = re.compile(r"( ?On \w+, )(\w+)( has )(\d+)( [-+*/] )(\d+)(: .*?;)?( \d+ [-+*/] \d+)?( = <<\d+[-+*/]\d+=)(\d+)(>>)(\d+)"
-                  r"( \w+\.)")
+LINE = re.compile(
+    r"( ?On \w+, )(\w+)( has )(\d+)( [-+*/] )(\d+)(: .*?;)?( \d+ [-+*/] \d+)?( = <<\d+[-+*/]\d+=)(\d+)(>>)(\d+)"
+    r"( \w+\.)"
+)
 PARTS = ["day", "name", "text", "a", "op", "x", "columns", "restatement", "restatement", "result", "restatement",
          "result copy", "item"]
 

@@ -69,7 +69,20 @@ class Server:
 
 
 def run(lane: str, server: Server, out: Path, arm: str, *extra: str) -> dict:
-    cmd = [*EVALPIPE, "run", lane, "--base-url", server.url, "--out", str(out), "--arm", arm, "--no-progress", *RUN_EXTRA, *extra]
+    cmd = [
+        *EVALPIPE,
+        "run",
+        lane,
+        "--base-url",
+        server.url,
+        "--out",
+        str(out),
+        "--arm",
+        arm,
+        "--no-progress",
+        *RUN_EXTRA,
+        *extra,
+    ]
     print("$", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
     run_dir = sorted((out / lane).glob(f"{arm}-*"))[-1]
@@ -89,7 +102,9 @@ def groups(summary: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="folder for the run folders and logs (required but with --smoke)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="folder for the run folders and logs (required but with --smoke)"
+    )
     ap.add_argument("--model", default="evalpipe-skills-dsv4")
     ap.add_argument("--arith-examples", type=int, default=1200, help="arith items per run (1200 = the whole lane)")
     ap.add_argument("--skip", default="", help="comma-separated rows to skip: greedy,spec,t1,lossy")
@@ -135,10 +150,16 @@ def main() -> None:
                 t1_on = run("arith", on, args.out / "t1", "on", *n, "--temperature", "1")
                 c = compare(t1_off, t1_on, args.out / "compare-t1", "--intended", "*spec*", "--margin", "2")
                 g = c["greedy"]
-                rows.append(("T=1 arith, spec on - off", f"{100 * g['diff']:+.2f} pt",
-                             f"{100 * g['n_correct_a'] / g['n']:.1f}% vs {100 * g['n_correct_b'] / g['n']:.1f}%; "
-                             f"McNemar p {g['mcnemar_p']:.3g}; Tango CI [{100 * g['interval']['low']:.2f}, "
-                             f"{100 * g['interval']['high']:.2f}] pt; {g['verdict']} at -2 pt", args.out / "compare-t1"))
+                rows.append(
+                    (
+                        "T=1 arith, spec on - off",
+                        f"{100 * g['diff']:+.2f} pt",
+                        f"{100 * g['n_correct_a'] / g['n']:.1f}% vs {100 * g['n_correct_b'] / g['n']:.1f}%; "
+                        f"McNemar p {g['mcnemar_p']:.3g}; Tango CI [{100 * g['interval']['low']:.2f}, "
+                        f"{100 * g['interval']['high']:.2f}] pt; {g['verdict']} at -2 pt",
+                        args.out / "compare-t1",
+                    )
+                )
     if "lossy" not in skip:
         with Server("--model", args.model, "--speculative", "block", *shlex.split(args.lossy_args),
                     log=args.out / "serve-lossy.log") as lossy:

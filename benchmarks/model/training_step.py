@@ -29,7 +29,9 @@ OPTIONS = ["eager", "grouped_mm", "grouped_mm+compile"]
 def parse_option(option: str) -> tuple[str, bool]:
     experts, _, extra = option.partition("+")
     if experts not in ("eager", "grouped_mm") or extra not in ("", "compile"):
-        raise SystemExit(f"unknown option {option!r}: an experts implementation (eager, grouped_mm), optionally +compile")
+        raise SystemExit(
+            f"unknown option {option!r}: an experts implementation (eager, grouped_mm), optionally +compile"
+        )
     return experts, extra == "compile"
 
 
@@ -139,8 +141,12 @@ def main() -> None:
                     help="also time this many batches of the training stream with the loop's full step (0: off)")
     ap.add_argument("--options", default=",".join(OPTIONS),
                     help=f"comma-separated options to time (default: {','.join(OPTIONS)})")
-    ap.add_argument("--profile", default=None, metavar="OPTION",
-                    help="also print the ops with the most device time over two steps of OPTION at the first batch size")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="OPTION",
+        help="also print the ops with the most device time over two steps of OPTION at the first batch size",
+    )
     ap.add_argument("--smoke", action="store_true",
                     help="seconds on the CPU: one small batch, one timed step, eager experts (checks the script runs)")
     ap.add_argument("--device", default=None)
@@ -170,7 +176,9 @@ def main() -> None:
     if args.stream:
         it = iter(data.BatchStream(seed=0, batch_tokens=40960, long_tokens=24576, long_every=8))
         batches = [next(it) for _ in range(args.stream + 3)]
-        print(f"\ntraining stream, {args.stream} timed batches (the loop's buckets, every 8th long), full optimizer step")
+        print(
+            f"\ntraining stream, {args.stream} timed batches (the loop's buckets, every 8th long), full optimizer step"
+        )
         print(f"{'experts':<11} {'mean tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'GPU busy':>9}")
         for experts in ("eager", "grouped_mm"):
             r = time_stream(experts, batches, device)

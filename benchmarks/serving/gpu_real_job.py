@@ -228,12 +228,23 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
     if SMOKE:
         shapes = [(1, False, 16), (2, True, 16)]
     for batch, overlap, prompt_len in shapes:
-        r = decode_batch(runner, tokenizer, batch, prompt_len=prompt_len, overlap=overlap, new_tokens=4 if SMOKE else 64,
-                         profile=batch == 64 and overlap)
+        r = decode_batch(
+            runner,
+            tokenizer,
+            batch,
+            prompt_len=prompt_len,
+            overlap=overlap,
+            new_tokens=4 if SMOKE else 64,
+            profile=batch == 64 and overlap,
+        )
         out["decode"].append(r)
-        print(f"  decode batch {batch:3d} at context {prompt_len}, overlap {'on ' if r['overlap'] else 'off'}: step {r['step_wall_us']:8.1f} "
-              f"us wall, replay {r['replay_us']:8.1f} us device, host {r['host_us']:8.1f} us -> {r['tok_s']:9.1f} "
-              f"tok/s (device only {r['tok_s_if_device_only']:9.1f})", flush=True)
+        print(
+            f"  decode batch {batch:3d} at context {prompt_len}, overlap {'on ' if r['overlap'] else 'off'}: "
+            f"step {r['step_wall_us']:8.1f} us wall, replay {r['replay_us']:8.1f} us device, "
+            f"host {r['host_us']:8.1f} us -> {r['tok_s']:9.1f} "
+            f"tok/s (device only {r['tok_s_if_device_only']:9.1f})",
+            flush=True,
+        )
         if r["kernels"]:
             print(f"    batch-64 step kernels: {({k: v for k, v in r['kernels'].items() if k != 'top'})}")
             for name, count, us in r["kernels"].get("top", []):
@@ -336,9 +347,25 @@ def gsm8k_arm(srv, out: Path, label: str, args) -> dict:
 def bench_arm(srv, out: Path, concurrency: int, overlap: str, args, arm: str) -> dict:
     label = f"bench-c{concurrency}-overlap-{overlap}" + ("" if arm in ("cache-on", "overlap-off") else f"-{arm}")
     folder = out / "runs" / label
-    rc, wall = evalpipe("bench", "--base-url", srv.base + "/v1", "--concurrency", str(concurrency), "--input-len",
-                        BENCH_LENS[0], "--output-len", BENCH_LENS[1], "--rounds", str(args.bench_rounds), "--warmup", "1",
-                        "--out", str(folder), log=out / f"{label}.log", timeout=300)
+    rc, wall = evalpipe(
+        "bench",
+        "--base-url",
+        srv.base + "/v1",
+        "--concurrency",
+        str(concurrency),
+        "--input-len",
+        BENCH_LENS[0],
+        "--output-len",
+        BENCH_LENS[1],
+        "--rounds",
+        str(args.bench_rounds),
+        "--warmup",
+        "1",
+        "--out",
+        str(folder),
+        log=out / f"{label}.log",
+        timeout=300,
+    )
     files = list(folder.rglob("bench.json"))
     if rc != 0 or not files:
         return {"arm": arm, "concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": wall}
@@ -433,7 +460,11 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=900)
     ap.add_argument("--delay-factor", type=float, default=1.0,
                     help="--prefill-delay-factor of the extra gsm8k arm (0: no such arm)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32, 2 GSM8K questions, bench 32 in / 16 out, 1 round: a dry run of the script")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny config, float32, 2 GSM8K questions, bench 32 in / 16 out, 1 round: a dry run of the script",
+    )
     args = ap.parse_args()
     global DEVICE, DTYPE, BENCH_LENS, SMOKE
     if args.smoke:
@@ -481,9 +512,12 @@ def main() -> int:
 def print_table(report: dict) -> None:
     print("\n| quantity | value |\n|---|---|")
     for r in report.get("engine", {}).get("decode", []):
-        print(f"| engine decode batch {r['batch']} at context {r.get('prompt_len', 128)}, overlap {'on' if r['overlap'] else 'off'} (in process) | "
-              f"{r['tok_s']:.0f} tok/s; step {r['step_wall_us']:.0f} us = replay {r['replay_us']:.0f} + exposed host "
-              f"{r['host_us']:.0f} |")
+        print(
+            f"| engine decode batch {r['batch']} at context {r.get('prompt_len', 128)}, "
+            f"overlap {'on' if r['overlap'] else 'off'} (in process) | "
+            f"{r['tok_s']:.0f} tok/s; step {r['step_wall_us']:.0f} us = replay {r['replay_us']:.0f} + exposed host "
+            f"{r['host_us']:.0f} |"
+        )
     for r in report.get("engine", {}).get("prefill", []):
         print(f"| engine prefill, chunk {r['chunk']} (in process) | {r['tok_s']:.0f} tok/s |")
     targets = report.get("targets", {})
@@ -505,8 +539,10 @@ def print_table(report: dict) -> None:
         per = r.get("per_request_decode_tok_s") or {}
         rounds = ", ".join(f"{v:.0f}" for v in agg.get("values") or [])
         arm = "" if r.get("arm", "cache-on") in ("cache-on", "overlap-off") else f", {r['arm']}"
-        print(f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']}{arm} | aggregate {agg.get('median') or 0:.0f} "
-              f"tok/s (rounds {rounds}); per request {per.get('median') or 0:.0f} |")
+        print(
+            f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']}{arm} | aggregate {agg.get('median') or 0:.0f} "
+            f"tok/s (rounds {rounds}); per request {per.get('median') or 0:.0f} |"
+        )
     for r in http.get("gsm8k", []):
         print(f"| gsm8k x{r['records']} C64, {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
               f"{r['prompt_tokens']} prompt tokens, errors {r['errors']} |")

@@ -272,7 +272,7 @@ def hf_generate_arm(model_dir: str, prompt: list[int], device: str, dtype, new_t
     step_kernels = count_kernels(lambda: model.generate(ids[:, :64], attention_mask=torch.ones_like(ids[:, :64]),
                                                         max_new_tokens=3, min_new_tokens=3, do_sample=False,
                                                         pad_token_id=0))
-    del model
+    model = None  # drop the weights before the caller's next arm (a lambda above holds the name)
     return {"rounds": rates, "new_tokens": new_tokens, "kernels_3_tokens_64_prompt": step_kernels}
 
 
@@ -280,7 +280,9 @@ def hf_generate_arm(model_dir: str, prompt: list[int], device: str, dtype, new_t
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="small config, few tokens (script check; on the CPU without a GPU)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="small config, few tokens (script check; on the CPU without a GPU)"
+    )
     ap.add_argument("--config", default="v4-top2", choices=CONFIGS,
                     help="model shape: v4-top2 (8 experts, 2 per token) or v4-top6 (12 experts, 6 per token)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -406,7 +408,7 @@ def main() -> int:
     arm("spec off", dict(widths=(1,), buckets=(1,), fused=True), spec=False)
     arm("spec on, fused off", dict(widths=(block + 1,), buckets=(1,), fused=False), spec=True)
     arm("spec on, fused on", dict(widths=(block + 1,), buckets=(1,), fused=True), spec=True)
-    del base
+    base = None  # drop the weights (the arm closure above holds the name)
     if dev == "cuda":
         torch.cuda.empty_cache()
     if not args.skip_hf:

@@ -47,7 +47,9 @@ def run_arm(arm: str, args, out: Path) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
         wall, cpu = time.perf_counter() - t, sum(map(server_cpu_s, pids)) - cpu0
         if proc.returncode != 0:
-            raise SystemExit(f"evalpipe run ({arm}) exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            raise SystemExit(
+                f"evalpipe run ({arm}) exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
         info = httpx.get(srv.base + "/get_server_info", timeout=30).json()
     finally:
         srv.stop()

@@ -241,10 +241,15 @@ def main() -> None:
         ("failures by kind", failures),
         ("decode tok/s (all streamed tokens / wall)", f(tally.tokens / res["wall_s"] if res["wall_s"] else None)),
         ("TTFT p50 / p95 (s)", f"{f(quantile(tally.ttft, 0.5), 3)} / {f(quantile(tally.ttft, 0.95), 3)}"),
-        ("server RSS ready / start / end (MiB)", f"{f(rss.get('ready'))} / {f(rss.get('start'))} / {f(rss.get('end'))}"),
+        (
+            "server RSS ready / start / end (MiB)",
+            f"{f(rss.get('ready'))} / {f(rss.get('start'))} / {f(rss.get('end'))}",
+        ),
         ("RSS growth start -> end", "n/a" if growth is None else f"{growth:+.2f}%"),
-        ("afterwards: allocated slots / running / waiting",
-         f"{after.get('allocated_slots')} / {after.get('running')} / {after.get('waiting')}"),
+        (
+            "afterwards: allocated slots / running / waiting",
+            f"{after.get('allocated_slots')} / {after.get('running')} / {after.get('waiting')}",
+        ),
         ("server aborted (engine stats)", str((after.get("stats") or {}).get("aborted"))),
         ("tracebacks in the server log", str(tracebacks) if proc is not None else "n/a (external server)"),
     ]
@@ -253,7 +258,9 @@ def main() -> None:
         print(f"| {name} | {value} |")
     for kind, example in tally.failure_examples.items():
         print(f"example of {kind}: {example}")
-    ok = not tally.failures and after.get("allocated_slots") == 0 and (growth is None or growth < 5.0) and not tracebacks
+    ok = (
+        not tally.failures and after.get("allocated_slots") == 0 and (growth is None or growth < 5.0) and not tracebacks
+    )
     print(f"\ntarget (0 failures, slots back to 0, RSS growth < 5%, no tracebacks): {'met' if ok else 'NOT met'}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({

@@ -50,9 +50,19 @@ def _alive(pid: int) -> bool:
 def test_arm_order_and_pairs():
     labels = arm_labels("ABBA")
     assert labels == [("A", "A1"), ("B", "B1"), ("B", "B2"), ("A", "A2")]
-    assert comparison_pairs(labels) == [("ab", "A1", "B1"), ("ab", "A2", "B2"), ("boot", "A1", "A2"), ("boot", "B1", "B2")]
+    assert comparison_pairs(labels) == [
+        ("ab", "A1", "B1"),
+        ("ab", "A2", "B2"),
+        ("boot", "A1", "A2"),
+        ("boot", "B1", "B2"),
+    ]
     assert comparison_pairs(arm_labels("AB")) == [("ab", "A1", "B1")]
-    assert comparison_pairs(arm_labels("AABB")) == [("ab", "A1", "B1"), ("ab", "A2", "B2"), ("boot", "A1", "A2"), ("boot", "B1", "B2")]
+    assert comparison_pairs(arm_labels("AABB")) == [
+        ("ab", "A1", "B1"),
+        ("ab", "A2", "B2"),
+        ("boot", "A1", "A2"),
+        ("boot", "B1", "B2"),
+    ]
 
 
 def test_common_and_arm_arguments_merge_around_passthrough():
@@ -147,9 +157,30 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
         a, b = "", ""
     out = tmp_path / "ab"
     n = AB_QUESTIONS
-    result = evalpipe("ab", "--lanes", "arith", "--common", "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
-                      "--a", a, "--b", b, "--order", "ABBA", "--num-examples", str(n), "--max-tokens", "32",
-                      "--out", str(out), "--ready-timeout", "300", "--fail-on", "inconclusive,not-evaluable", timeout=1800)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "arith",
+        "--common",
+        "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
+        "--a",
+        a,
+        "--b",
+        b,
+        "--order",
+        "ABBA",
+        "--num-examples",
+        str(n),
+        "--max-tokens",
+        "32",
+        "--out",
+        str(out),
+        "--ready-timeout",
+        "300",
+        "--fail-on",
+        "inconclusive,not-evaluable",
+        timeout=1800,
+    )
     assert result.returncode == 4, result.stderr[-4000:]
     assert "gate: arith A1 vs B1 is " in result.stderr
     index = json.loads((out / "ab.json").read_text())
@@ -207,7 +238,8 @@ def test_readme_dspark_ab_preflight_against_stand_in_servers(tmp_path):
     """The README's SGLang DSpark A/B, preflight only, against a stand-in that reports its arguments as SGLang
     does: the speculation settings are explained by the declared flags; an unpinned random seed is not."""
     engine_command = f"--engine-command {shlex.quote(f'{shlex.quote(PY)} {shlex.quote(FAKE)}')}"
-    common = f"--engine sglang --model deepseek-ai/DeepSeek-V4-Flash --tp 8 --ep 8 --mem-fraction-static 0.8 {engine_command}"
+    common = (f"--engine sglang --model deepseek-ai/DeepSeek-V4-Flash --tp 8 --ep 8 --mem-fraction-static 0.8 "
+              f"{engine_command}")
     a = "--speculative off"
     b = "--speculative dspark --draft-model deepseek-ai/DeepSeek-V4-Flash-DSpark --block-size 7"
     result = evalpipe("ab", "--lanes", "gsm8k,aime26", "--common", common + " --random-seed 0", "--a", a, "--b", b,
@@ -240,7 +272,10 @@ def test_lossy_sglang_thresholds_only_on_purpose_and_recorded(tmp_path):
     assert any("arm B asks for LOSSY acceptance" in w for w in index["warnings"])
     receipt_a = json.loads((out / "arms" / "A1" / "receipt.json").read_text())
     receipt_b = json.loads((out / "arms" / "B1" / "receipt.json").read_text())
-    assert receipt_a["lossy_acceptance"] is None and receipt_a["server_info"]["speculative_accept_threshold_single"] == "1.0"
+    assert (
+        receipt_a["lossy_acceptance"] is None
+        and receipt_a["server_info"]["speculative_accept_threshold_single"] == "1.0"
+    )
     assert receipt_b["lossy_acceptance"] == {"threshold_single": 0.5}
     argv = receipt_b["argv"]
     assert argv[argv.index("--speculative-accept-threshold-single") + 1] == "0.5"

@@ -324,14 +324,30 @@ def test_report_html_reads_as_prose(all_wrong_pair, greedy_pair):
 def test_refuses_mismatched_prompt_stream(tmp_path):
     a = write_run(tmp_path / "A", "spec_off", greedy_records("A"))
     b = write_run(tmp_path / "B", "spec_on", greedy_records("B"), prompt_stream="99" * 32)
-    proc = subprocess.run([sys.executable, "-m", "evalpipe.cli", "compare", str(a), str(b), "--out", str(tmp_path / "o"),
-                           "--resamples", "200"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evalpipe.cli",
+            "compare",
+            str(a),
+            str(b),
+            "--out",
+            str(tmp_path / "o"),
+            "--resamples",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "refusing to compare" in proc.stderr and "prompt-stream hashes differ" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o" / "compare.json").exists()
-    res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--force", "--resamples", "200",
-                                          "--no-html"])
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--force", "--resamples", "200", "--no-html"]
+    )
     assert res.exit_code == 0, res.output
     cmp = json.loads((tmp_path / "o" / "compare.json").read_text())
     assert cmp["forced"] is True
@@ -346,8 +362,9 @@ def test_refuses_partial_run_and_other_protocol(tmp_path):
     for other, needle in ((b, "is partial"), (c, "lane protocols differ"), (d, "dataset hashes differ")):
         res = CliRunner().invoke(compare_cmd, [str(a), str(other), "--out", str(tmp_path / "o")])
         assert res.exit_code != 0 and needle in res.output, res.output
-    res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--force", "--resamples", "200",
-                                          "--no-html"])
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--force", "--resamples", "200", "--no-html"]
+    )
     assert res.exit_code == 0, res.output
     cmp = json.loads((tmp_path / "o" / "compare.json").read_text())
     assert cmp["paired_keys"] == 30 and len(cmp["keys_only_in_a"]) == 10
@@ -471,11 +488,21 @@ def test_bench_ratio_of_medians(tmp_path):
     m = json.loads((tmp_path / "o4" / "compare.json").read_text())["metrics"]["decode_tokens_per_s"]
     assert m["verdict"] == "no measurable change" and m["samples_overlap"] is True
     assert "no measurable change" in res.output
-    assert "samples of A and B overlap: attributing a gain needs a fixed-input, warmed, repeated comparison" in res.output
+    assert (
+        "samples of A and B overlap: attributing a gain needs a fixed-input, warmed, repeated comparison" in res.output
+    )
     gated = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o5"), "--fail-on", "inferior"])
     assert gated.exit_code == 2 and "not bench folders" in gated.output
-    few = CliRunner().invoke(compare_cmd, [str(write_bench(tmp_path / "A2", va[:2])), str(write_bench(tmp_path / "B2", vb[:3])),
-                                          "--out", str(tmp_path / "o3"), "--no-html"])
+    few = CliRunner().invoke(
+        compare_cmd,
+        [
+            str(write_bench(tmp_path / "A2", va[:2])),
+            str(write_bench(tmp_path / "B2", vb[:3])),
+            "--out",
+            str(tmp_path / "o3"),
+            "--no-html",
+        ],
+    )
     assert few.exit_code == 0 and "only 2 measured value(s) in an arm" in few.output, few.output
     c = write_bench(tmp_path / "C", vb, input_sha="bb")
     res = CliRunner().invoke(compare_cmd, [str(a), str(c), "--out", str(tmp_path / "o2")])
@@ -507,7 +534,9 @@ def test_compare_on_folders_written_by_evalpipe_run(tmp_path):
     summary_b = json.loads((dirs["spec_on"] / "summary.json").read_text())
     assert cmp["accuracy"]["b"] == pytest.approx(summary_b["accuracy"])
     assert cmp["accuracy"]["a"] == 1.0
-    expected_flips = sorted(q for q in recs["spec_off"] if recs["spec_off"][q]["correct"] != recs["spec_on"][q]["correct"])
+    expected_flips = sorted(
+        q for q in recs["spec_off"] if recs["spec_off"][q]["correct"] != recs["spec_on"][q]["correct"]
+    )
     assert [f["question_id"] for f in cmp["flips"]] == expected_flips and expected_flips
     assert cmp["greedy"]["mcnemar_p"] == pytest.approx(hand_mcnemar(0, len(expected_flips)))
     assert cmp["rates"]["truncated"]["n_b"] == summary_b["n_truncated"]

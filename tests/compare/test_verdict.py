@@ -153,7 +153,9 @@ def test_both_arms_all_right_is_informative_and_all_wrong_is_not():
     g = compare_greedy(right, right.copy(), margin_pts=1.0, n_resamples=200)
     assert g.informative and g.verdict_note is None and g.verdict == "non-inferior"
     wrong = compare_greedy(~right, ~right, margin_pts=1.0, n_resamples=200)
-    assert not wrong.informative and wrong.verdict == "not-evaluable" and "all 1314 questions wrong" in wrong.verdict_note
+    assert (
+        not wrong.informative and wrong.verdict == "not-evaluable" and "all 1314 questions wrong" in wrong.verdict_note
+    )
 
 
 # ----------------------------------------------------------------------------- MDE and the planner
@@ -253,10 +255,21 @@ def test_every_number_in_the_greedy_lines_is_in_compare_json(tmp_path):
     ident, iv, plan, bs = g["output_identity"], g["interval"], g["planning_discordance"], g["bootstrap"]
     allowed = {str(x) for x in (60, g["b_only"], g["a_only"], g["n"], g["n_needed_for_margin"],
                                 g["n_needed_if_no_flips"], bs["n_resamples"], bs["seed"], 95, 80)}
-    allowed |= {f"{g['mcnemar_p']:.4g}", f"{g['margin_pts']}", f"{g['margin_pts']:g}", f"{g['mde_pts']:.2f}",
-                f"{100 * plan['rate']:.2f}", f"{100 * ident['discordance_upper_bound']:.2f}",
-                f"{-100 * ident['discordance_upper_bound']:+.2f}", f"{100 * iv['low']:+.2f}", f"{100 * iv['high']:+.2f}",
-                f"{100 * bs['ci_low']:+.2f}", f"{100 * bs['ci_high']:+.2f}", "0.05", "1998"}
+    allowed |= {
+        f"{g['mcnemar_p']:.4g}",
+        f"{g['margin_pts']}",
+        f"{g['margin_pts']:g}",
+        f"{g['mde_pts']:.2f}",
+        f"{100 * plan['rate']:.2f}",
+        f"{100 * ident['discordance_upper_bound']:.2f}",
+        f"{-100 * ident['discordance_upper_bound']:+.2f}",
+        f"{100 * iv['low']:+.2f}",
+        f"{100 * iv['high']:+.2f}",
+        f"{100 * bs['ci_low']:+.2f}",
+        f"{100 * bs['ci_high']:+.2f}",
+        "0.05",
+        "1998",
+    }
     found = numbers(text)
     stray = [x for x in found if x not in allowed and x.lstrip("+-") not in allowed]
     assert not stray, (stray, text)

@@ -102,6 +102,7 @@ def test_mixed_forward_sends_decode_rows_through_the_static_step(tiny_runner, al
         last.append(int(plain.forward([sp], [toks])[0].argmax()))
         graph.forward([sg], [toks])
     new_prompt = prompt(45, 9)
+    a = None  # the previous step's logits: the fourth step decodes the prompt's first sampled token
     for step in range(4):  # the fourth request's prompt arrives in chunks while the others decode
         chunk = new_prompt[step * 15:(step + 1) * 15] if step < 3 else [int(a[0].argmax())]
         # order as the engine sends it, prompt chunk first, and once interleaved (a chunk between decode rows)

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import test_spec_engine
 import torch
-from test_spec_engine import run, runner, tokenizer  # noqa: F401 (the runner and tokenizer fixtures)
+from test_spec_engine import run
 
 from evalpipe.engine.engine import Engine
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
+
+# test_spec_engine's module-scoped runner and tokenizer fixtures, shared rather than built twice
+runner, tokenizer = test_spec_engine.runner, test_spec_engine.tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 

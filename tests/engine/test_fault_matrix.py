@@ -46,9 +46,13 @@ def sampling_gate(server: ServerProcess, out: Path, tokens: int) -> dict:
                    str(tokens), "--sampling-seed", "1", "--out", out, "--no-progress", timeout=300)
     assert proc.returncode in (0, 4), proc.stderr
     notes = json.loads((out / "qualify.json").read_text())["gates"][0]["notes"]
-    return {"flagged": proc.returncode == 4, "tokens": notes["tokens"],
-            "statistic": f"p chi2 {notes['chi2_p']:.2g} / collapse {notes['collapse_p']:.2g} / "
-                         f"repeat {notes['repeat_p']:.2g}", **{k: notes[k] for k in ("chi2_p", "collapse_p", "repeat_p")}}
+    return {
+        "flagged": proc.returncode == 4,
+        "tokens": notes["tokens"],
+        "statistic": f"p chi2 {notes['chi2_p']:.2g} / collapse {notes['collapse_p']:.2g} / "
+        f"repeat {notes['repeat_p']:.2g}",
+        **{k: notes[k] for k in ("chi2_p", "collapse_p", "repeat_p")},
+    }
 
 
 def arith(server: ServerProcess, out: Path, arm: str, *extra: str) -> Path:
@@ -88,7 +92,9 @@ def matrix(tmp_path_factory) -> dict:
         server = ServerProcess(*args, model=MODEL)
         try:
             row = {"sampling": sampling_gate(server, work / "qualify", tokens)}
-            saves = ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
+            saves = (
+                ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
+            )
             greedy = arith(server, work / "greedy", "greedy", "--num-examples", str(GREEDY_QUESTIONS), *saves)
             row["batch_shape"] = batch_shape(server, work / "repeat")
             t1 = second = None

@@ -243,7 +243,9 @@ def test_default_model_gsm8k_prompts_hit_the_five_shot_prefix(cache_dir, tokeniz
         assert on.output == off.output
     assert outs[True][0].cached_tokens == 0
     # byte tokens: BOS + the prefix's bytes; every full page inside it is reused
-    assert all(s.cached_tokens >= (prefix + 1) // page * page for s in outs[True][1:]), [s.cached_tokens for s in outs[True]]
+    assert all(s.cached_tokens >= (prefix + 1) // page * page for s in outs[True][1:]), [
+        s.cached_tokens for s in outs[True]
+    ]
 
 
 def test_page_finished_by_an_eager_forward_after_static_steps_has_a_whole_tail(tiny_runner):

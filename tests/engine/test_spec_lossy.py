@@ -53,8 +53,10 @@ def test_topk_accepts_more_than_exact_and_emits_only_top_k_tokens(target, drafte
     lossy = SpeculativeDecoder(target, drafter, block_size=BLOCK, accept_rule=AcceptRule(topk=K))
     exact_seqs = spec_generate(target, exact, prompts, NEW_TOKENS)
     lossy_seqs = spec_generate(target, lossy, prompts, NEW_TOKENS)
-    accepted = {name: sum(dec.stats(s)["accepted_drafts"] for s in seqs) / sum(dec.stats(s)["verify_steps"] for s in seqs)
-                for name, dec, seqs in (("exact", exact, exact_seqs), ("topk", lossy, lossy_seqs))}
+    accepted = {
+        name: sum(dec.stats(s)["accepted_drafts"] for s in seqs) / sum(dec.stats(s)["verify_steps"] for s in seqs)
+        for name, dec, seqs in (("exact", exact, exact_seqs), ("topk", lossy, lossy_seqs))
+    }
     ranks = [_ranks(target, p, s.output[:NEW_TOKENS]) for p, s in zip(prompts, lossy_seqs)]
     for s in lossy_seqs:
         spec = lossy.stats(s)
@@ -123,7 +125,9 @@ def test_server_settings_build_the_rule_and_default_is_exact(target):
 
     from evalpipe.server.state import ServerState
 
-    info = asyncio.run(ServerState(info_before_load).info())  # what /get_server_info says while the model is still loading
+    info = asyncio.run(
+        ServerState(info_before_load).info()
+    )  # what /get_server_info says while the model is still loading
     assert info["speculative"]["accept"]["rule"] == "threshold" and info["speculative"]["accept"]["lossy"] is True
 
 

@@ -52,8 +52,16 @@ def test_encode_decode_and_bos_match_the_byte_tokenizer(hf):
 
 def test_chat_template_renders_the_engine_prompt(hf):
     byte = ByteTokenizer()
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "déjà vu 世界",
-                                                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "déjà vu 世界",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+            },
+        }
+    ]
     conversations = [
         [{"role": "user", "content": "What is 2+2?"}],
         [{"role": "system", "content": "Be brief. ünïcode"}, {"role": "user", "content": "hi <think>"},

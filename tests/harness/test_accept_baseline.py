@@ -21,9 +21,11 @@ def fake_record(rng: random.Random, g: int) -> dict:
     hist = [rng.randint(0, 5) for _ in range(g + 1)]
     steps = sum(hist)
     tokens = sum(i * h for i, h in enumerate(hist)) + steps  # accepted drafts + one bonus per step
-    return {"spec": {"accept_histogram": hist, "verify_steps": steps, "accept_length": tokens / steps if steps else None},
-            "usage": {"prompt_tokens": rng.choice([10, 300, 2000, 5000]), "completion_tokens": tokens},
-            "completion_tokens": tokens}
+    return {
+        "spec": {"accept_histogram": hist, "verify_steps": steps, "accept_length": tokens / steps if steps else None},
+        "usage": {"prompt_tokens": rng.choice([10, 300, 2000, 5000]), "completion_tokens": tokens},
+        "completion_tokens": tokens,
+    }
 
 
 def test_profile_matches_a_direct_count_on_random_records():

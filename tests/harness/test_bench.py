@@ -199,5 +199,7 @@ def test_defaults_and_readme_example_fit_the_default_server():
     assert examples
     for line in examples:
         lengths = dict(re.findall(r"--(input-len|output-len) (\d+)", line))
-        total = int(lengths.get("input-len", defaults["input_len"])) + int(lengths.get("output-len", defaults["output_len"]))
+        total = int(lengths.get("input-len", defaults["input_len"])) + int(
+            lengths.get("output-len", defaults["output_len"])
+        )
         assert total <= limit, line

@@ -31,7 +31,7 @@ from tests.support.scripted_server import (
     stop_scripted_server,
 )
 
-GSM8K_ROWS = [json.loads(l) for l in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
+GSM8K_ROWS = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,21 @@ def _n_requests(base_url):
 def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(srv, tmp_path):
     url = srv(mode="mixed")
     n = 120
-    r = run_lane("gsm8k", url, tmp_path, "--num-examples", n, "--concurrency", 16, "--max-retries", 1, "--arm", "spec_off",
-                 "--logprobs", 2)
+    r = run_lane(
+        "gsm8k",
+        url,
+        tmp_path,
+        "--num-examples",
+        n,
+        "--concurrency",
+        16,
+        "--max-retries",
+        1,
+        "--arm",
+        "spec_off",
+        "--logprobs",
+        2,
+    )
     assert r.returncode == 4, r.stderr  # the always-500 bucket left error records: not a clean run
     assert "planned items have no successful response" in r.stderr and "evalpipe run --resume" in r.stderr
     assert "accuracy" in r.stdout and "run folder:" in r.stdout
@@ -121,7 +134,7 @@ def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(
     # ... and fails once one record's raw text is edited
     original = (run_dir / "responses.jsonl").read_text()
     lines = original.splitlines()
-    k = next(j for j, l in enumerate(lines) if json.loads(l)["grade_status"] == "no_answer")
+    k = next(j for j, line in enumerate(lines) if json.loads(line)["grade_status"] == "no_answer")
     rec = json.loads(lines[k])
     rec["response_text"] = " edited.\n#### " + str(rec["expected_answer"])
     lines[k] = json.dumps(rec)
@@ -194,7 +207,9 @@ def test_4xx_is_not_retried_and_5xx_is_retried_then_recorded(srv, tmp_path):
     r = run_lane("gsm8k", url, tmp_path / "b", "--num-examples", 3, "--max-retries", 2)
     records, summary, _ = load_run(only_run_dir(tmp_path / "b", "gsm8k"))
     assert _n_requests(url) - before == 9
-    assert all(len(x["attempts"]) == 3 and x["error"]["status"] == 500 and x["error"]["retries_exhausted"] for x in records)
+    assert all(
+        len(x["attempts"]) == 3 and x["error"]["status"] == 500 and x["error"]["retries_exhausted"] for x in records
+    )
     assert summary["n_records"] == summary["n_errors"] == 3
 
     url = srv(mode="correct", fail_first=1)  # one 500, then success: the record is clean
@@ -206,19 +221,19 @@ def test_4xx_is_not_retried_and_5xx_is_retried_then_recorded(srv, tmp_path):
 
 def test_timeouts_and_malformed_bodies_become_error_records(srv, tmp_path):
     url = srv(mode="timeout", timeout_sleep_s=5)
-    r = run_lane("gsm8k", url, tmp_path / "t", "--num-examples", 2, "--timeout", "0.3", "--max-retries", 1)
+    run_lane("gsm8k", url, tmp_path / "t", "--num-examples", 2, "--timeout", "0.3", "--max-retries", 1)
     records, summary, _ = load_run(only_run_dir(tmp_path / "t", "gsm8k"))
     assert all(x["error"]["type"] == "APITimeoutError" and len(x["attempts"]) == 2 for x in records)
     assert summary["n_errors"] == 2 and summary["accuracy"] == 0.0
 
     url = srv(mode="malformed")
-    r = run_lane("gsm8k", url, tmp_path / "m", "--num-examples", 2, "--max-retries", 1)
+    run_lane("gsm8k", url, tmp_path / "m", "--num-examples", 2, "--max-retries", 1)
     records, summary, _ = load_run(only_run_dir(tmp_path / "m", "gsm8k"))
     assert all(x["error"]["type"] == "malformed_response" for x in records)
     assert summary["n_records"] == 2 and summary["n_errors"] == 2
 
     url = srv(mode="bad_shape")
-    r = run_lane("aime26", url, tmp_path / "s", "--num-examples", 1, "--max-retries", 0)
+    run_lane("aime26", url, tmp_path / "s", "--num-examples", 1, "--max-retries", 0)
     records, summary, _ = load_run(only_run_dir(tmp_path / "s", "aime26"))
     assert records[0]["error"]["type"] == "malformed_response" and "message" in records[0]["error"]["message"]
     assert summary["n_errors"] == 1 and summary["accuracy"] == 0.0
@@ -233,7 +248,9 @@ def test_data_drift_is_refused_unless_allowed(srv, tmp_path):
     r = run_lane("gsm8k", url, tmp_path / "out", "--num-examples", 2, "--data-dir", tmp_path / "data")
     assert r.returncode == 1 and "--allow-data-drift" in r.stderr and "sha256" in r.stderr
     assert not (tmp_path / "out").exists()
-    r = run_lane("gsm8k", url, tmp_path / "out", "--num-examples", 2, "--data-dir", tmp_path / "data", "--allow-data-drift")
+    r = run_lane(
+        "gsm8k", url, tmp_path / "out", "--num-examples", 2, "--data-dir", tmp_path / "data", "--allow-data-drift"
+    )
     assert r.returncode == 0, r.stderr
     _, summary, manifest = load_run(only_run_dir(tmp_path / "out", "gsm8k"))
     assert summary["data_drift"] is True and manifest["start"]["dataset"]["allow_data_drift"] is True
@@ -319,9 +336,24 @@ def test_sigint_keeps_records_then_resume_completes_without_duplicates(srv, tmp_
     n = 300
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        interruptible_evalpipe_cmd("run", "gsm8k", "--base-url", url, "--out", out, "--num-examples", n, "--concurrency", 4,
-                     "--max-retries", 0, "--no-progress"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        interruptible_evalpipe_cmd(
+            "run",
+            "gsm8k",
+            "--base-url",
+            url,
+            "--out",
+            out,
+            "--num-examples",
+            n,
+            "--concurrency",
+            4,
+            "--max-retries",
+            0,
+            "--no-progress",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.time() + 60
     responses = None

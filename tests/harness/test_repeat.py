@@ -146,5 +146,8 @@ def test_prefix_conditions_are_skipped_with_the_reason_where_the_cache_cannot_be
     skipped = result["config"]["conditions_skipped"]
     assert set(skipped) == {"prefix_fresh", "prefix_reused"}
     assert all("/reset_prefix_cache" in why and "VLLM_SERVER_DEV_MODE=1" in why for why in skipped.values())
-    assert result["config"]["conditions"] == ["serial", "burst", "logprobs"] and result["server"]["cache_reset_path"] is None
+    assert (
+        result["config"]["conditions"] == ["serial", "burst", "logprobs"]
+        and result["server"]["cache_reset_path"] is None
+    )
     assert "skipped condition prefix_fresh" in res.output

@@ -72,7 +72,9 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
 
         # a second writer appends records for keys that already have one
         ids = [f"aime26-{i}" for i in range(N)]
-        correct_q, wrong_q, trunc_q, error_q = (ids[buckets.index(b)] for b in ("correct", "wrong", "truncated", "error500"))
+        correct_q, wrong_q, trunc_q, error_q = (
+            ids[buckets.index(b)] for b in ("correct", "wrong", "truncated", "error500")
+        )
 
         def failed(rec):
             return {**rec, "response_text": "", "reasoning_text": None, "finish_reason": None, "truncated": False,

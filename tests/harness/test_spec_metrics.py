@@ -18,13 +18,17 @@ def vllm_text(drafts: float, draft_tokens: float, accepted: float, per_pos: list
              'vllm:num_requests_running{engine="0",model_name="/m/tiny"} 0.0']
     for name, value in (("drafts", drafts), ("draft_tokens", draft_tokens), ("accepted_tokens", accepted)):
         lines += [f"# HELP vllm:spec_decode_num_{name}_total x", f"# TYPE vllm:spec_decode_num_{name}_total counter"]
-        lines += [f'vllm:spec_decode_num_{name}_total{{engine="{e}",model_name="/m/tiny"}} {value}' for e in range(engines)]
+        lines += [
+            f'vllm:spec_decode_num_{name}_total{{engine="{e}",model_name="/m/tiny"}} {value}' for e in range(engines)
+        ]
         lines += [f"# TYPE vllm:spec_decode_num_{name}_created gauge",
                   f'vllm:spec_decode_num_{name}_created{{engine="0",model_name="/m/tiny"}} 1.796117807694e+09']
     lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.",
               "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
-    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="/m/tiny",position="{i}"}} {v}'
-              for i, v in enumerate(per_pos)]
+    lines += [
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="/m/tiny",position="{i}"}} {v}'
+        for i, v in enumerate(per_pos)
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -76,4 +80,6 @@ def test_sglang_counters_give_the_accept_length_and_gauges_are_read_after():
     assert block["engine"] == "sglang" and (block["generation_tokens"], block["verify_calls"]) == (320, 100)
     assert block["mean_accept_length"] == pytest.approx(3.2) and block["gauges_after"] == {"accept_length": 3.1}
     # generation tokens alone (speculation off) are not speculative statistics
-    assert spec_metrics.parse("# TYPE sglang:generation_tokens_total counter\nsglang:generation_tokens_total 5\n") is None
+    assert (
+        spec_metrics.parse("# TYPE sglang:generation_tokens_total counter\nsglang:generation_tokens_total 5\n") is None
+    )

@@ -153,7 +153,9 @@ def test_repeat_runs_the_prefix_conditions_through_reset_prefix_cache(vllm_serve
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "repeat").glob("*/repeat.json")
     repeat = json.loads(path.read_text())
-    assert repeat["config"]["conditions_skipped"] == {} and repeat["server"]["cache_reset_path"] == "/reset_prefix_cache"
+    assert (
+        repeat["config"]["conditions_skipped"] == {} and repeat["server"]["cache_reset_path"] == "/reset_prefix_cache"
+    )
     assert repeat["config"]["conditions"] == ["serial", "burst", "logprobs", "prefix_fresh", "prefix_reused"]
     for conditions in repeat["groups"].values():
         for group in conditions.values():

@@ -47,15 +47,28 @@ def test_aime_lanes_match_pins(name):
         "The answer is an integer between 0 and 999 inclusive.\n\n")
     assert "2024 wording" in data.extra["prompt_wording"]
     pins = computed_pins(lane, data)
-    assert {k: pins[k] for k in pins if k != "lane"} == {k: v for k, v in load_pins(name).items() if k in pins and k != "lane"}
+    assert {k: pins[k] for k in pins if k != "lane"} == {
+        k: v for k, v in load_pins(name).items() if k in pins and k != "lane"
+    }
 
 
 def test_lane_protocol_parameters():
     g, a, x = get_lane("gsm8k"), get_lane("aime26"), get_lane("aime26-x16")
     assert g.api == "completions" and g.params["stop"] == ["Question", "Assistant:", "<|separator|>"]
-    assert (g.params["temperature"], g.params["top_p"], g.params["seed"], g.params["max_tokens"], g.concurrency) == (0.0, 1.0, 0, 4096, 64)
+    assert (g.params["temperature"], g.params["top_p"], g.params["seed"], g.params["max_tokens"], g.concurrency) == (
+        0.0,
+        1.0,
+        0,
+        4096,
+        64,
+    )
     assert a.api == "chat" and a.concurrency == 1 and a.params["reasoning_effort"] == "max"
-    assert (a.params["temperature"], a.params["seed"], a.params["top_p"], a.params["max_tokens"]) == (0.0, 0, 0.95, 65536)
+    assert (a.params["temperature"], a.params["seed"], a.params["top_p"], a.params["max_tokens"]) == (
+        0.0,
+        0,
+        0.95,
+        65536,
+    )
     assert x.repeats == 16 and x.concurrency == 64 and x.params["temperature"] == 1.0 and x.params["seed"] is None
 
 

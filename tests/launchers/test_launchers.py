@@ -118,10 +118,12 @@ DRY_RUN_CASES = {
     ),
     "sglang-other-env": (
         ["--engine", "sglang", "--model", "M", "--engine-python", "/opt/sgl/bin/python"],
-        ["/opt/sgl/bin/python", "-m", "sglang.launch_server", "--model-path", "M", "--host", "127.0.0.1", "--port", "30000"],
+        ["/opt/sgl/bin/python", "-m", "sglang.launch_server", "--model-path", "M", "--host", "127.0.0.1",
+         "--port", "30000"],
     ),
     "native-default": ([], [*NATIVE, "--host", "127.0.0.1", "--port", "30000"]),
-    "native-off": (["--speculative", "off", "--port", "0"], [*NATIVE, "--host", "127.0.0.1", "--port", "0", "--speculative", "off"]),
+    "native-off": (["--speculative", "off", "--port", "0"],
+                   [*NATIVE, "--host", "127.0.0.1", "--port", "0", "--speculative", "off"]),
     "native-block": (
         ["--engine", "native", "--speculative", "block", "--block-size", "5", "--drafter", "layerskip:2",
          "--dtype", "float32", "--max-batch", "16", "--some-future-flag", "x"],
@@ -150,7 +152,8 @@ def test_dry_run_simulation_only_through_its_flag():
     assert config["rejection_sample_method"] == "synthetic" and config["synthetic_acceptance_length"] == 2.5
     native = dry_run(["--speculative", "block", "--simulate-acc-len", "5.5"])
     assert native["argv"][-2:] == ["--simulate-acc-len", "5.5"]
-    assert dry_run(["--engine", "vllm", "--model", "M", "--deterministic", *EP])["env_set"] == {"VLLM_BATCH_INVARIANT": "1"}
+    deterministic = dry_run(["--engine", "vllm", "--model", "M", "--deterministic", *EP])
+    assert deterministic["env_set"] == {"VLLM_BATCH_INVARIANT": "1"}
 
 
 @pytest.mark.parametrize(
@@ -160,7 +163,8 @@ def test_dry_run_simulation_only_through_its_flag():
           "--", "--speculative-accept-threshold-single", "0.9"], "lossy"),
         (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
           "--speculative-accept-threshold-acc=0.5"], "lossy"),
-        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3"], "together"),
+        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3"],
+         "together"),
         (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3",
           "--spec-topk", "1", "--spec-draft-tokens", "8"], "steps + 1"),
         (["--engine", "sglang", "--model", "M", "--speculative", "dspark"], "--draft-model"),
@@ -251,7 +255,8 @@ def test_env_hygiene_rules():
     assert child.env == {"PATH": "/bin", "VLLM_KEEP": "k", "SGLANG_ENABLE_SPEC_V2": "False"}
     assert child.removed == ["SGLANG_ENABLE_SPEC_V2", "SGLANG_FOO", "SGLANG_SIMULATE_ACC_LEN", "VLLM_BAR"]
     assert child.kept == ["VLLM_KEEP"]
-    assert redact_env({"HF_TOKEN": "t", "OPENAI_API_KEY": "k", "DB_PASSWORD": "p", "AWS_SECRET": "s", "HOME": "/h"}) == {
+    env = {"HF_TOKEN": "t", "OPENAI_API_KEY": "k", "DB_PASSWORD": "p", "AWS_SECRET": "s", "HOME": "/h"}
+    assert redact_env(env) == {
         "AWS_SECRET": "<redacted>", "DB_PASSWORD": "<redacted>", "HF_TOKEN": "<redacted>",
         "HOME": "/h", "OPENAI_API_KEY": "<redacted>"}
     assert redact_argv(["x", "--api-key", "k", "--hf-token=t", "--tokenizer-path", "tok", "--max-num-tokens", "5"]) == [
@@ -332,7 +337,9 @@ def test_polluted_environment_never_reaches_a_real_server_and_receipt_is_complet
         data = json.loads(receipt.read_text())
         # the child's real environment, read from the process table and from its own report
         environ = dict(
-            item.split("=", 1) for item in Path(f"/proc/{data['pid']}/environ").read_bytes().decode().split("\0") if "=" in item
+            item.split("=", 1)
+            for item in Path(f"/proc/{data['pid']}/environ").read_bytes().decode().split("\0")
+            if "=" in item
         )
         for name in ("SGLANG_FOO", "VLLM_BAR", "SGLANG_SIMULATE_ACC_LEN"):
             assert name not in environ and name not in data["server_info"]["environ"]
@@ -389,8 +396,8 @@ def test_server_that_exits_early_and_one_that_never_listens(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "exited with code 3" in err and "cannot load model weights" in err
 
-    launcher = make_launcher(LaunchOptions(engine="native", port=free_port(),
-                                           engine_command=(PY, "-c", "import time; print('sleeping', flush=True); time.sleep(600)")))
+    sleeper = (PY, "-c", "import time; print('sleeping', flush=True); time.sleep(600)")
+    launcher = make_launcher(LaunchOptions(engine="native", port=free_port(), engine_command=sleeper))
     launcher.start(tmp_path / "sleep.log")
     pgid = launcher.pgid
     with pytest.raises(Exception) as info:
@@ -424,7 +431,8 @@ def test_evalpipe_serve_hook_routes_engines_and_dry_run():
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["argv"][:3] == SGL and "DSPARK" in plan["argv"] and plan["env_removed"] == ["SGLANG_FOO"]
-    help_text = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
+    help_text = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--help"], capture_output=True, text=True,
+                               timeout=120).stdout
     assert "--engine [native|sglang|vllm]" in help_text and "--dry-run" in help_text
     engine_help = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--engine", "vllm", "--help"],
                                  capture_output=True, text=True, timeout=120).stdout
@@ -456,7 +464,8 @@ def test_server_dies_with_a_launcher_killed_by_sigkill(tmp_path):
 
 
 def test_native_receipts_differ_when_the_engine_code_changed_between_boots():
-    a = {"engine": "native", "engine_version": "0.1.0", "evalpipe_source": {"git_commit": "abc", "git_diff_sha256": None}}
+    a = {"engine": "native", "engine_version": "0.1.0",
+         "evalpipe_source": {"git_commit": "abc", "git_diff_sha256": None}}
     b = {**a, "evalpipe_source": {"git_commit": "def", "git_diff_sha256": None}}
     assert receipt_differences(a, a) == []
     assert receipt_differences(a, b, declared=["speculative"]) == [
@@ -480,8 +489,9 @@ def test_engine_interpreter_default_follows_the_console_script_on_path(tmp_path)
     (long_form / "vllm").write_text("#!/bin/sh\n'''exec' '/opt/a very long/path/bin/python' \"$0\" \"$@\"\n' '''\n")
     for folder in (shebang, long_form):
         (folder / "vllm").chmod(0o755)
-    assert dry_run(["--engine", "vllm", "--model", "M"], env={"PATH": str(shebang)})["argv"][0] == "/opt/vllm-env/bin/python3.11"
-    assert dry_run(["--engine", "vllm", "--model", "M"], env={"PATH": str(long_form)})["argv"][0] == "/opt/a very long/path/bin/python"
+    vllm = ["--engine", "vllm", "--model", "M"]
+    assert dry_run(vllm, env={"PATH": str(shebang)})["argv"][0] == "/opt/vllm-env/bin/python3.11"
+    assert dry_run(vllm, env={"PATH": str(long_form)})["argv"][0] == "/opt/a very long/path/bin/python"
     assert dry_run(["--engine", "vllm", "--model", "M"], env={"PATH": str(empty)})["argv"][0] == PY
     assert dry_run(["--engine", "vllm", "--model", "M", "--engine-python", "rel/bin/python"])["engine_python"] == str(
         Path.cwd() / "rel" / "bin" / "python")

@@ -109,9 +109,31 @@ def test_bad_input_exits_2_and_no_connection_exits_3(scripted, tmp_path):
 def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_another_model(native, tmp_path):
     ref = tmp_path / "ref.json"
     url = native.base + "/v1"
-    r = run_cli("qualify", "--base-url", url, *KEY_ARGS, "--out", tmp_path / "boot1", "--record-reference", ref,
-                "--gates", "auth,reference,retrieval,boundaries,mixed,soak", "--max-context", "768", "--max-tokens", "8",
-                "--soak-duration", "2", "--soak-max-tokens", "16", "--retrieval-depths", "3", "--needles-per-depth", "1", timeout=600)
+    r = run_cli(
+        "qualify",
+        "--base-url",
+        url,
+        *KEY_ARGS,
+        "--out",
+        tmp_path / "boot1",
+        "--record-reference",
+        ref,
+        "--gates",
+        "auth,reference,retrieval,boundaries,mixed,soak",
+        "--max-context",
+        "768",
+        "--max-tokens",
+        "8",
+        "--soak-duration",
+        "2",
+        "--soak-max-tokens",
+        "16",
+        "--retrieval-depths",
+        "3",
+        "--needles-per-depth",
+        "1",
+        timeout=600,
+    )
     result = json.loads((tmp_path / "boot1" / "qualify.json").read_text())
     by = gates(result)
     # the default model finds needles but does not copy whole codes: retrieval fails on the answer alone (exit 4),
@@ -134,7 +156,10 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
 
     # a fresh boot of the same settings, and the random tiny model (same API, other weights), started side by side
     with ThreadPoolExecutor(2) as pool:
-        booting = [pool.submit(ServerProcess, *KEY_ARGS, model="evalpipe-skills-dsv4"), pool.submit(ServerProcess, *KEY_ARGS)]
+        booting = [
+            pool.submit(ServerProcess, *KEY_ARGS, model="evalpipe-skills-dsv4"),
+            pool.submit(ServerProcess, *KEY_ARGS),
+        ]
     servers = [b.result() for b in booting if b.exception() is None]
     try:
         assert len(servers) == 2, [b.exception() for b in booting]
@@ -142,7 +167,9 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
         code, result, output = qualify(fresh.base + "/v1", tmp_path / "boot2", *KEY_ARGS, "--reference", str(ref),
                                        "--gates", "reference")
         notes = gates(result)["reference"]["notes"]
-        assert code == 0 and notes["first_token_agreement"] == "20/20" and notes["continuation_agreement"] == "20/20", output
+        assert code == 0 and notes["first_token_agreement"] == "20/20" and notes["continuation_agreement"] == "20/20", (
+            output
+        )
 
         code, result, output = qualify(other.base + "/v1", tmp_path / "other", *KEY_ARGS, "--reference", str(ref),
                                        "--gates", "reference")

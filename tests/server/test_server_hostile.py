@@ -104,8 +104,8 @@ CHAT_FIELDS = {
     "reasoning_effort": STR_BAD,
     "add_generation_prompt": BOOL_BAD,
 }
-# on /v1/completions every value of these is refused; on chat only the malformed ones (tests/server/test_server_structured.py
-# covers what chat accepts)
+# on /v1/completions every value of these is refused; on chat only the malformed ones
+# (tests/server/test_server_structured.py covers what chat accepts)
 CHAT_ONLY = {
     "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}], 5, "x", {}],
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}, 5],
@@ -113,12 +113,24 @@ CHAT_ONLY = {
     "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "json", 5],
 }
 CHAT_ONLY_BAD = {
-    "tools": [5, "x", {}, [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}],
-              [{"type": "function", "function": {"name": "f", "parameters": 5}}]],
+    "tools": [
+        5,
+        "x",
+        {},
+        [{"type": "function"}],
+        [{"type": "function", "function": {"name": "a b"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": 5}}],
+    ],
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 5, "always", {"type": "function"}],
     "parallel_tool_calls": ["x", 1],
-    "response_format": ["json", 5, {"type": "regex"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": 5},
-                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}],
+    "response_format": [
+        "json",
+        5,
+        {"type": "regex"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": 5},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+    ],
 }
 STRUCTURED = {
     "functions": [[{"name": "f"}], 5],
@@ -176,7 +188,12 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
         add(f"{path} streamed n beyond the queue", path, {**base, "n": 40, "stream": True}, 400, "batch_too_large")
         add(f"{path} stream_options without stream", path, {**base, "stream_options": {"include_usage": True}})
         # wrong content types (a JSON body that does not say so is not read as JSON)
-        for ctype in ("text/plain", "application/x-www-form-urlencoded", "application/xml", "multipart/form-data; boundary=x"):
+        for ctype in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "application/xml",
+            "multipart/form-data; boundary=x",
+        ):
             add(f"{path} content-type {ctype}", path, base, headers={"content-type": ctype})
         # broken JSON
         for text in (b"{", b"{'prompt': 'x'}", b"", b"\xff\xfe\x00", b'{"prompt": "x",}', b'{"prompt": "x"} trailing',
@@ -190,15 +207,29 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
 
     prompt = "/v1/completions"
     add("surrogate prompt", prompt, {**BASE_COMPLETION, "prompt": SURROGATE}, 400, "invalid_unicode")
-    add("surrogate in a prompt batch", prompt, {**BASE_COMPLETION, "prompt": ["ok", "x" + SURROGATE]}, 400, "invalid_unicode")
+    add(
+        "surrogate in a prompt batch",
+        prompt,
+        {**BASE_COMPLETION, "prompt": ["ok", "x" + SURROGATE]},
+        400,
+        "invalid_unicode",
+    )
     add("surrogate suffix", prompt, {**BASE_COMPLETION, "suffix": SURROGATE})
     add("1 MB prompt", prompt, {**BASE_COMPLETION, "prompt": "a" * 1_000_000}, 400, "context_length_exceeded")
     add("1 MB prompt ending in a surrogate", prompt, {**BASE_COMPLETION, "prompt": "a" * 1_000_000 + SURROGATE}, 400,
         "invalid_unicode")
     add("200k token ids", prompt, {**BASE_COMPLETION, "prompt": [5] * 200_000}, 400, "context_length_exceeded")
     add("out-of-vocabulary id among many", prompt, {**BASE_COMPLETION, "prompt": [5] * 100 + [VOCAB]})
-    add("batch beyond the queue", prompt, {**BASE_COMPLETION, "prompt": ["a"] * (MAX_QUEUE + 1)}, 400, "batch_too_large")
-    add("batch x n beyond the queue", prompt, {**BASE_COMPLETION, "prompt": ["a", "b", "c"], "n": 3}, 400, "batch_too_large")
+    add(
+        "batch beyond the queue", prompt, {**BASE_COMPLETION, "prompt": ["a"] * (MAX_QUEUE + 1)}, 400, "batch_too_large"
+    )
+    add(
+        "batch x n beyond the queue",
+        prompt,
+        {**BASE_COMPLETION, "prompt": ["a", "b", "c"], "n": 3},
+        400,
+        "batch_too_large",
+    )
     add("deeply nested prompt", prompt, {**BASE_COMPLETION, "prompt": json.loads("[" * 400 + "]" * 400)})
     add("temperature 1e999 (inf)", prompt, b'{"prompt": "x", "max_tokens": 2, "temperature": 1e999}')
     add("temperature Infinity", prompt, b'{"prompt": "x", "max_tokens": 2, "temperature": Infinity}')
@@ -208,7 +239,9 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
         "invalid_unicode")
     add("surrogate in a text part", chat, {**BASE_CHAT, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a" + SURROGATE}]}]}, 400, "invalid_unicode")
-    add("surrogate role", chat, {**BASE_CHAT, "messages": [{"role": SURROGATE, "content": "x"}]}, 400, "invalid_unicode")
+    add(
+        "surrogate role", chat, {**BASE_CHAT, "messages": [{"role": SURROGATE, "content": "x"}]}, 400, "invalid_unicode"
+    )
     add("surrogate template kwarg", chat, {**BASE_CHAT, "chat_template_kwargs": {"thinking": SURROGATE}}, 400,
         "invalid_unicode")
     add("surrogate reasoning_effort", chat, {**BASE_CHAT, "reasoning_effort": SURROGATE}, 400, "invalid_unicode")
@@ -218,15 +251,28 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
     for path in ("/v1/nope", "/v1/completions/x", "/docs", "/redoc", "/openapi.json", "/%FF%FE", "/v1/模型"):
         add(f"GET {path}", path, b"", 404, headers={}, method="GET")
     # authentication comes first: no key or a wrong one is a 401 whatever the body
-    for name, headers in (("no key", {}), ("wrong key", {"Authorization": "Bearer nope"}),
-                          ("empty bearer", {"Authorization": "Bearer"}), ("basic auth", {"Authorization": "Basic eDp5"}),
-                          ("key without scheme", {"Authorization": KEY}), ("key with suffix", {"Authorization": f"Bearer {KEY}x"})):
+    for name, headers in (
+        ("no key", {}),
+        ("wrong key", {"Authorization": "Bearer nope"}),
+        ("empty bearer", {"Authorization": "Bearer"}),
+        ("basic auth", {"Authorization": "Basic eDp5"}),
+        ("key without scheme", {"Authorization": KEY}),
+        ("key with suffix", {"Authorization": f"Bearer {KEY}x"}),
+    ):
         for path, body in (("/v1/completions", raw(BASE_COMPLETION)), ("/v1/completions", b"{not json"),
                            ("/v1/chat/completions", raw({**BASE_CHAT, "model": SURROGATE})),
                            ("/get_server_info", b""), ("/docs", b""), ("/v1/nope", b"")):
             method = "POST" if path.startswith("/v1/c") else "GET"
-            cases.append((f"{name} {method} {path} {body[:12]!r}", f"{method} {path}", {**JSON, **headers, "x-no-auth": "1"},
-                          body, 401, "invalid_api_key"))
+            cases.append(
+                (
+                    f"{name} {method} {path} {body[:12]!r}",
+                    f"{method} {path}",
+                    {**JSON, **headers, "x-no-auth": "1"},
+                    body,
+                    401,
+                    "invalid_api_key",
+                )
+            )
     return cases
 
 

@@ -229,9 +229,12 @@ NON_NEUTRAL = {"use_beam_search": True, "length_penalty": 0.5, "early_stopping":
 def test_every_unimplemented_field_is_refused_by_name_and_neutral_values_pass(client):
     assert set(NON_NEUTRAL) == set(UNHONOURED_FIELDS)  # a field added there gets a case here
     for field, value in NON_NEUTRAL.items():
-        for call in (lambda body: client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=body),
-                     lambda body: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                                 max_tokens=1, extra_body=body)):
+        for call in (
+            lambda body: client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=body),
+            lambda body: client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, extra_body=body
+            ),
+        ):
             with pytest.raises(openai.BadRequestError) as err:
                 call({field: value})
             assert err.value.body["param"] == field and field in err.value.body["message"]

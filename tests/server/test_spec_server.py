@@ -90,7 +90,9 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
     prompt_ids = next(c.choices[0].model_dump()["prompt_token_ids"] for c in token_chunks
                       if c.choices[0].model_dump().get("prompt_token_ids"))
     streamed = [t for c in token_chunks for t in (c.choices[0].model_dump().get("token_ids") or [])]
-    plain, margins = plain_greedy(ModelRunner("evalpipe-tiny-dsv4", max_seqs=2, max_seq_len=256), prompt_ids, len(streamed))
+    plain, margins = plain_greedy(
+        ModelRunner("evalpipe-tiny-dsv4", max_seqs=2, max_seq_len=256), prompt_ids, len(streamed)
+    )
     compare_with_tie_rule(streamed, plain, margins, "HTTP speculative vs in-process plain greedy")
     again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to ten"}],
                                            max_tokens=20, temperature=0)

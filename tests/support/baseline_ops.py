@@ -1,6 +1,7 @@
 """The one-kernel mHC pre-mix / merge and routed-expert GEMV that the static step ran before kernels/hyper.py and
-kernels/moe.py: the baselines benchmarks/step_hyper_gpu.py and step_moe_gpu.py time those kernels against (and that
-tests/engine/test_cuda_graphs.py checks against the engine's own mHC). Not part of the package: nothing serves with them.
+kernels/moe.py: the baselines benchmarks/kernels/step_hyper_gpu.py and step_moe_gpu.py time those kernels against
+(and that tests/engine/test_cuda_graphs.py checks against the engine's own mHC). Not part of the package: nothing
+serves with them.
 
 Each op has a Triton kernel and a PyTorch reference with the same contract, behind evalpipe.kernels' backend
 selector and JIT cache (`backend="auto"`: Triton on CUDA tensors, the reference elsewhere).

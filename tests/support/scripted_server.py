@@ -36,7 +36,8 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
 needle's code, a tool ask with the matching call (tools given), a tool result by stating it, a JSON ask under
 response_format with the object; any other prompt with a continuation determined by the prompt (max_tokens long
-with ignore_eos); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16 and usage.prompt_tokens is the prompt's bytes + 1.
+with ignore_eos); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16 and
+usage.prompt_tokens is the prompt's bytes + 1.
 Every mode streams (`stream: true`) as SSE, chunk by chunk, ending with `[DONE]`.
 A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
@@ -120,7 +121,9 @@ def answer_table(lane: str, data_dir: Optional[Path] = None) -> dict:
     return {r["problem"]: str(r["expected_answer"]) for r in read_jsonl(aime26_dataset())}
 
 
-def start_scripted_server(config: Optional[dict] = None, *, startup_timeout_s: float = 30.0, **kwargs) -> tuple[str, subprocess.Popen]:
+def start_scripted_server(
+    config: Optional[dict] = None, *, startup_timeout_s: float = 30.0, **kwargs
+) -> tuple[str, subprocess.Popen]:
     """Start the server as a subprocess on a free 127.0.0.1 port; returns (base_url ending in /v1, process).
 
     `config` and keyword arguments are merged over DEFAULT_CONFIG (e.g. `mode="mixed", answers=...`)."""
@@ -277,7 +280,9 @@ class ScriptedApp:
         else:  # no_answer
             answer = None
         if chat:
-            text = "Working it out step by step." + (f" The answer is \\boxed{{{answer}}}." if answer is not None else " I am not sure.")
+            text = "Working it out step by step." + (
+                f" The answer is \\boxed{{{answer}}}." if answer is not None else " I am not sure."
+            )
         else:
             text = " We compute the result.\n#### " + answer if answer is not None else " We cannot tell."
         if finish == "length":
@@ -299,9 +304,16 @@ class ScriptedApp:
             toks = [text[i:i + 4] for i in range(0, len(text), 4)]
             k = body.get("top_logprobs", body.get("logprobs")) if chat else body.get("logprobs")
             if chat:
-                choice["logprobs"] = {"content": [
-                    {"token": t, "logprob": -0.1, "top_logprobs": [{"token": t, "logprob": -0.1 - j} for j in range(int(k))]}
-                    for t in toks]}
+                choice["logprobs"] = {
+                    "content": [
+                        {
+                            "token": t,
+                            "logprob": -0.1,
+                            "top_logprobs": [{"token": t, "logprob": -0.1 - j} for j in range(int(k))],
+                        }
+                        for t in toks
+                    ]
+                }
             else:
                 choice["logprobs"] = {"tokens": toks, "token_logprobs": [-0.1] * len(toks),
                                       "top_logprobs": [{t + str(j): -0.1 - j for j in range(int(k))} for t in toks]}
@@ -312,7 +324,11 @@ class ScriptedApp:
             "created": int(time.time()),
             "model": body.get("model"),
             "choices": [choice],
-            "usage": {"prompt_tokens": prompt_len // 4, "completion_tokens": n_out, "total_tokens": prompt_len // 4 + n_out},
+            "usage": {
+                "prompt_tokens": prompt_len // 4,
+                "completion_tokens": n_out,
+                "total_tokens": prompt_len // 4 + n_out,
+            },
         }
         if body.get("stream"):
             return await self._stream(send, body, chat, choice, resp["usage"])
@@ -340,7 +356,9 @@ class ScriptedApp:
         async def event(payload: dict) -> None:
             data = {"id": f"cmpl-{self.n_requests}", "object": obj, "created": int(time.time()),
                     "model": body.get("model"), **payload}
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(data)}\n\n".encode(), "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": f"data: {json.dumps(data)}\n\n".encode(), "more_body": True}
+            )
             if self.cfg["stream_delay_s"]:
                 await asyncio.sleep(self.cfg["stream_delay_s"])
 
@@ -357,8 +375,26 @@ class ScriptedApp:
             await event({"choices": [c]})
         for k, call in enumerate(msg.get("tool_calls") or []):
             args = call["function"]["arguments"]
-            await event({"choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
-                {"index": k, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}]}}]})
+            await event(
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": None,
+                            "delta": {
+                                "tool_calls": [
+                                    {
+                                        "index": k,
+                                        "id": call["id"],
+                                        "type": "function",
+                                        "function": {"name": call["function"]["name"], "arguments": ""},
+                                    }
+                                ]
+                            },
+                        }
+                    ]
+                }
+            )
             for part in (args[: len(args) // 2], args[len(args) // 2:]):
                 await event({"choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
                     {"index": k, "function": {"arguments": part}}]}}]})
@@ -374,8 +410,13 @@ class ScriptedApp:
 
     @staticmethod
     async def _send(send, status: int, payload: bytes):
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})
 
 
@@ -422,7 +463,11 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
     else:
         prompt = body.get("prompt") if isinstance(body.get("prompt"), str) else json.dumps(body.get("prompt"))
         needle = NEEDLE_ASK.search(prompt[-200:])
-        code = re.search(r"The secret code of the " + re.escape(needle.group(1)) + r" is (\d+)\.", prompt) if needle else None
+        code = (
+            re.search(r"The secret code of the " + re.escape(needle.group(1)) + r" is (\d+)\.", prompt)
+            if needle
+            else None
+        )
         if code:
             value = code.group(1)
             text = " " + (str((int(value) + 1) % 100000) if "lose_needle" in faults else value)

