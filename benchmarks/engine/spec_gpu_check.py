@@ -17,7 +17,7 @@ from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.static.graphs import GraphRunner
-from tests.spec_helpers import compare_with_tie_rule, finish, start
+from tests.support.spec_helpers import compare_with_tie_rule, finish, start
 
 
 def plain(target, prompts, new_tokens):

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.scripted_server import answer_table, server_stats, start_scripted_server, stop_scripted_server
+from tests.support.scripted_server import answer_table, server_stats, start_scripted_server, stop_scripted_server
 
 REPO = Path(__file__).resolve().parents[2]
 

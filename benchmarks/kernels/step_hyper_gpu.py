@@ -56,6 +56,7 @@ from evalpipe.kernels.norm import rms_norm  # noqa: E402
 from tests.support import baseline_ops  # noqa: E402
 
 FAILED: list[str] = []
+CHECKED: list[tuple[str, float, float, str, bool]] = []  # name, max abs, relative to max, tolerance, ok
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, *, exact: bool = False) -> None:
@@ -65,6 +66,7 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, *, exact
     ok = bool(torch.isfinite(got).all()) and got.shape == want.shape and (diff == 0 if exact else diff <= tol * scale)
     print(f"  {'ok  ' if ok else 'FAIL'} {name}: max abs {diff:.3g}, rel-to-max {diff / scale:.3g}"
           f" (tol {'exact' if exact else tol})")
+    CHECKED.append((name, diff, diff / scale, "exact" if exact else str(tol), ok))
     if not ok:
         FAILED.append(name)
 
@@ -227,6 +229,9 @@ def main() -> int:
         for T, a, ka, b, kb in rows:
             print(f"{T:>4} {a:>9.1f} {ka:>12} {b:>9.1f} {kb:>12} {a / b:>7.2f} {a / (n + 1):>10.2f}"
                   f" {b / (n + 1):>10.2f}")
+    print(f"\n{len(CHECKED)} checks\n| check | max abs | rel to max | tol | ok |\n|---|---:|---:|---:|---|")
+    for name, diff, rel, tol, ok in CHECKED:
+        print(f"| {name} | {diff:.3g} | {rel:.3g} | {tol} | {'ok' if ok else 'FAIL'} |")
     print("\nFAILED: " + ", ".join(FAILED) if FAILED else "\nall checks passed")
     return 1 if FAILED else 0
 

@@ -80,6 +80,8 @@ else:
     SHAPES = ((8, 2), (16, 6))
     GU_CFGS = {m: [dict(mode=m, block_n=16, block_k=32)] for m in ("gemv", "mm")}
     DN_CFGS = GU_CFGS
+    if ARGS.smoke:  # CI: one shape, both T values (a decode row and a verify block), seconds in the interpreter
+        SHAPES = ((8, 2),)
 VOCAB, LIMIT = 1024, 10.0
 
 

@@ -388,7 +388,7 @@ def find(d, key):
 
 
 def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) -> dict:
-    from tests.server_harness import ServerProcess
+    from tests.support.server_harness import ServerProcess
 
     extra = shlex.split(args.serve_args)
     res = {"serve_args": serve_base() + extra, "bench": [], "gsm8k": []}

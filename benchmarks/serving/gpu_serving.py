@@ -287,7 +287,7 @@ def main() -> int:
                     help="model shape: v4-top2 (8 experts, 2 per token) or v4-top6 (12 experts, 6 per token)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_serving.json")
-    ap.add_argument("--rounds", type=int, default=None, help="measured rounds per arm (default 6; smoke 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds per arm (default 6; smoke 1)")
     ap.add_argument("--hf-tokens", type=int, default=None, help="new tokens per transformers round (default 24)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers generate arm")
     ap.add_argument("--only-hf", action="store_true", help="only the transformers generate arm (same weights)")
@@ -300,9 +300,9 @@ def main() -> int:
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     smoke = args.smoke
-    input_len, output_len = (256, 48) if smoke else (4096, 1024)
-    rounds = args.rounds or (2 if smoke else 6)
-    hf_tokens = args.hf_tokens or (8 if smoke else 24)
+    input_len, output_len = (64, 12) if smoke else (4096, 1024)
+    rounds = args.rounds or (1 if smoke else 6)
+    hf_tokens = args.hf_tokens or (4 if smoke else 24)
     hf_rounds = 1 if smoke else 3
     block, sim = 5, 5.5
     torch.manual_seed(0)

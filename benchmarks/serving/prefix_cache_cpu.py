@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server_harness import ServerProcess
+from tests.support.server_harness import ServerProcess
 
 
 def server_cpu_s(pid: int) -> float:

@@ -18,20 +18,24 @@ SCRIPTS = sorted(p.relative_to(REPO / "benchmarks").as_posix() for p in (REPO / 
 
 
 def table_rows(text: str) -> int:
-    """The longest run of consecutive lines that each hold at least 3 cells: split at `|` where the line has one
-    (a markdown row; its `|---|` rule counts), else at runs of 2 or more spaces (an aligned column)."""
+    """The longest run of consecutive table rows: a markdown row (starts with `|`, at least 2 cells; its `|---|` rule
+    counts) or an aligned row (at least 3 cells separated by runs of 2 or more spaces)."""
     best = run = 0
     for line in text.splitlines():
         line = line.strip()
-        cells = [c for c in (line.strip("|").split("|") if "|" in line else re.split(r"\s{2,}", line)) if c.strip()]
-        run = run + 1 if len(cells) >= 3 else 0
+        markdown = line.startswith("|")
+        cells = [c for c in (line.strip("|").split("|") if markdown else re.split(r"\s{2,}", line)) if c.strip()]
+        run = run + 1 if len(cells) >= (2 if markdown else 3) else 0
         best = max(best, run)
     return best
 
 
 def test_table_rows_finds_tables_and_only_tables():
     assert table_rows("| a | b | c |\n|---|---|---|\n| 1 | 2 | 3 |\n") == 3
+    assert table_rows("| quantity | value |\n|---|---|\n| failures | none |\n") == 3
     assert table_rows("name    batch   tok/s\nrunner      1    12.5\n") == 2
+    assert table_rows("shape   old us  config\nE8 T=1  13.4    gemv | gemv\n") == 2
+    assert table_rows("  ok   T=1 hc_mix vs reference: max abs 3.7e-09\n  ok   T=6 chain run twice: max abs 0\n") == 0
     assert table_rows("RESULT: all checks passed\nsite calls: {'a': 1}\n") == 0
     assert table_rows("") == 0
 
