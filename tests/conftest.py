@@ -24,34 +24,35 @@ torch.set_num_threads(1)
 # running alone while the other worker idles (by xdist's default order, by number of tests, test_vllm_ab.py and its
 # single 250 s test started last). Files not listed follow, in pytest's order. Refresh with `--durations`.
 LONGEST_FIRST = [
-    "test_fault_matrix.py",  # 6 servers, every detector (173-230 s measured alone)
-    "test_vllm_ab.py",  # 250 s
-    "test_qualify.py",  # 139
-    "test_ab.py",  # 130
+    "engine/test_fault_matrix.py",  # 6 servers, every detector (173-230 s measured alone)
+    "interop/test_vllm_ab.py",  # 250 s
+    "qualify/test_qualify.py",  # 139
+    "ab/test_ab.py",  # 130
     "kernels/test_kernels_moe.py",  # 121
     "kernels/test_kernels_c2.py",  # 118
-    "test_vllm_peer.py",  # 117
-    "test_server_structured.py",  # 106
-    "test_spec_acceptance.py",  # 100
-    "test_lmeval_loglikelihood.py",  # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
-    "test_core_run.py",  # 89
-    "test_secret_scan.py",  # 86
-    "test_spec_server.py",  # 80
+    "interop/test_vllm_peer.py",  # 117
+    "server/test_server_structured.py",  # 106
+    "engine/test_spec_acceptance.py",  # 100
+    # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
+    "interop/test_lmeval_loglikelihood.py",
+    "harness/test_core_run.py",  # 89
+    "commands/test_secret_scan.py",  # 86
+    "server/test_spec_server.py",  # 80
     "kernels/test_static_step_triton.py",  # 65
     "kernels/test_kernels_mxfp8.py",  # 59
-    "test_engine_process.py",  # 57
-    "test_spec_lossless.py",  # 53
-    "test_prefix_cache.py",  # 45
-    "test_server_startup.py",  # 45
-    "test_server_api.py",  # 43
-    "test_engine_oracle.py",  # 41
-    "test_training_smoke.py",  # 40
+    "engine/test_engine_process.py",  # 57
+    "engine/test_spec_lossless.py",  # 53
+    "engine/test_prefix_cache.py",  # 45
+    "server/test_server_startup.py",  # 45
+    "server/test_server_api.py",  # 43
+    "engine/test_engine_oracle.py",  # 41
+    "training/test_training_smoke.py",  # 40
     "kernels/test_kernels_q_rope.py",  # 37
-    "test_engine_fused_sites.py",  # 36
-    "test_bench.py",  # 34
-    "test_repeat.py",  # 34
-    "test_server_hostile.py",  # 30
-    "test_server_scoring.py",  # 30 alone
+    "engine/test_engine_fused_sites.py",  # 36
+    "harness/test_bench.py",  # 34
+    "harness/test_repeat.py",  # 34
+    "server/test_server_hostile.py",  # 30
+    "server/test_server_scoring.py",  # 30 alone
 ]
 
 

@@ -25,7 +25,19 @@ ALLOWED = {
     "launchers": {"launchers", "harness", "engine", "shared"},  # the native launcher checks flags by the engine's rules
     "ab": {"ab", "compare", "harness", "lanes", "launchers", "shared"},
     "qualify": {"qualify", "harness", "lanes", "skills", "shared"},  # gates against an endpoint, through the harness
-    "commands": {"commands", "ab", "compare", "qualify", "harness", "lanes", "launchers", "server", "engine", "skills", "shared"},
+    "commands": {
+        "commands",
+        "ab",
+        "compare",
+        "qualify",
+        "harness",
+        "lanes",
+        "launchers",
+        "server",
+        "engine",
+        "skills",
+        "shared",
+    },
     "cli": {"shared"},  # it finds the commands by name (importlib), so nothing imports evalpipe.commands
 }
 ENGINE_SIDE = {"engine", "kernels", "server"}
@@ -139,11 +151,34 @@ def test_each_layer_imports_only_the_layers_below_it():
     """engine, kernels and server import nothing from the harness; kernels nothing else from the project; nothing
     imports evalpipe.commands; the harness never imports compare, ab or the commands, compare never ab."""
     graph = import_graph()
-    problems = sorted(f"{side(m)}: {m} ({layer(m)}) imports {t} ({layer(t)}) at {where(m, line)}"
-                      for m, edges in graph.items() for t, line in edges if layer(t) not in ALLOWED.get(layer(m), set()))
+    problems = sorted(
+        f"{side(m)}: {m} ({layer(m)}) imports {t} ({layer(t)}) at {where(m, line)}"
+        for m, edges in graph.items()
+        for t, line in edges
+        if layer(t) not in ALLOWED.get(layer(m), set())
+    )
     assert not problems, "layer violations:\n  " + "\n  ".join(problems)
 
 
 def test_every_module_belongs_to_a_layer():
     graph = import_graph()
     assert not [m for m in graph if layer(m) not in ALLOWED], "add new packages to ALLOWED"
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_tests_mirror_the_packages_and_helpers_sit_in_support():
+    """README "Architecture": test files live in a folder named after what they test (a package of evalpipe, or
+    benchmarks, training, interop); only this file sits at the top; every module that is not a test is in
+    tests/support (conftest.py files aside)."""
+    flat = sorted(p.name for p in TESTS.glob("test_*.py") if p.name != "test_architecture.py")
+    assert not flat, f"test files at the top of tests/: {flat}"
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in ("support", "__pycache__")}
+    assert folders <= packages | {"shared", "benchmarks", "training", "interop"}, folders - packages
+    helpers = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("*.py")
+                     if not p.name.startswith("test_") and p.name != "conftest.py" and p.parent.name != "support")
+    assert not helpers, f"helpers outside tests/support: {helpers}"
+    testless = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if "def test_" not in p.read_text())
+    assert not testless, f"test files that hold no test: {testless}"

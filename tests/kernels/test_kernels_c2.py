@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
 from evalpipe.kernels._backend import use_triton
+from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
 
 HD, ROPE, PAGE, SLOTS = 64, 16, 4, 8  # head dim, rope dims, page size, request slots
 MAX_POS = 96

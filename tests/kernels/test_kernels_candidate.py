@@ -114,7 +114,9 @@ def test_ties_lengths_and_poison_free_outputs():
     # -0.0 block maxima are canonicalised to +0.0 before topk
     logits = torch.full((2, 64), -0.0)
     lens = torch.tensor([64, 30])
-    assert_same(candidate_block_mask(logits, lens, 3, 8, backend="triton"), candidate_block_mask_reference(logits, lens, 3, 8))
+    assert_same(
+        candidate_block_mask(logits, lens, 3, 8, backend="triton"), candidate_block_mask_reference(logits, lens, 3, 8)
+    )
 
 
 def test_persistent_output_buffers_fully_rewritten_and_nothing_else():

@@ -195,7 +195,7 @@ def test_two_layer_chain_matches_engine(tiny_model, backend):
     eps, T = m.config.rms_norm_eps, 6
     gen = torch.Generator().manual_seed(6)
     layers = m.layers[:2]
-    blocks = [b for l in layers for b in ((l.attn_hc, l.attn_norm), (l.ffn_hc, l.mlp_norm))]
+    blocks = [b for layer in layers for b in ((layer.attn_hc, layer.attn_norm), (layer.ffn_hc, layer.mlp_norm))]
     x0 = F.embedding(torch.randint(0, m.embed.shape[0], (T,), generator=gen), m.embed)
     outs = [torch.randn(T, x0.shape[1], generator=gen) for _ in blocks]
     s_eng = s_new = x0.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()

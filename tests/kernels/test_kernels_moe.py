@@ -13,18 +13,18 @@ import torch.nn.functional as F
 from evalpipe.engine.model.moe import MoE
 from evalpipe.kernels import moe as step_moe
 
-D, I, E, K, VOCAB, LIMIT = 64, 32, 8, 2, 50, 10.0
+D, INTER, E, K, VOCAB, LIMIT = 64, 32, 8, 2, 50, 10.0
 
 
 def make_moe(*, scoring="sqrtsoftplus", is_hash=False, bias=True, seed=0, act="silu", E=E, K=K):
     """An engine MoE over a random state dict (the checkpoint's key names)."""
     g = torch.Generator().manual_seed(seed)
     sd = {"gate.weight": torch.randn(E, D, generator=g) / D**0.5,
-          "experts.gate_up_proj": torch.randn(E, 2 * I, D, generator=g) / D**0.5,
-          "experts.down_proj": torch.randn(E, D, I, generator=g) / I**0.5,
-          "shared_experts.gate_proj.weight": torch.randn(I, D, generator=g) / D**0.5,
-          "shared_experts.up_proj.weight": torch.randn(I, D, generator=g) / D**0.5,
-          "shared_experts.down_proj.weight": torch.randn(D, I, generator=g) / I**0.5}
+          "experts.gate_up_proj": torch.randn(E, 2 * INTER, D, generator=g) / D**0.5,
+          "experts.down_proj": torch.randn(E, D, INTER, generator=g) / INTER**0.5,
+          "shared_experts.gate_proj.weight": torch.randn(INTER, D, generator=g) / D**0.5,
+          "shared_experts.up_proj.weight": torch.randn(INTER, D, generator=g) / D**0.5,
+          "shared_experts.down_proj.weight": torch.randn(D, INTER, generator=g) / INTER**0.5}
     if bias:
         sd["gate.e_score_correction_bias"] = 0.5 * torch.randn(E, generator=g)
     if is_hash:
@@ -112,7 +112,7 @@ def test_gate_up_and_down_kernels_match_references(T):
             dict(mode="mm"), dict(mode="mm", block_t=8, block_n=16, block_k=16)]
     for cfg in cfgs:
         h = step_moe.gate_up(moe, x, idx, backend="triton", **cfg)
-        assert h.shape == (T, K + 1, I) and torch.isfinite(h).all()
+        assert h.shape == (T, K + 1, INTER) and torch.isfinite(h).all()
         torch.testing.assert_close(h, hr, rtol=1e-5, atol=1e-4, msg=str(cfg))
         y = step_moe.down(moe, hr, idx, w, backend="triton", **cfg)
         assert y.shape == (T, D) and torch.isfinite(y).all()

@@ -1,4 +1,4 @@
-"""The benchmarks' baseline mHC / expert-GEMV kernels (benchmarks/baseline_ops.py) and the static step's RMSNorm
+"""The benchmarks' baseline mHC / expert-GEMV kernels (tests/support/baseline_ops.py) and the static step's RMSNorm
 and compressor-window kernels (evalpipe/kernels/norm.py, compress.py) in Triton's CPU interpreter against their
 PyTorch references. Lives here for this directory's conftest, which turns the interpreter
 on before Triton's language modules are imported."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import baseline_ops
 from evalpipe.kernels import norm
 from evalpipe.kernels.compress import compress
+from tests.support import baseline_ops
 
 
 @pytest.mark.parametrize("T", [1, 6])

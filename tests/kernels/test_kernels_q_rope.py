@@ -23,7 +23,9 @@ def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 def tables(max_pos=MAX_POS, rope_dim=ROPE_DIM, theta=160000.0):
     inv = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    freqs_cis = torch.polar(torch.ones(max_pos, rope_dim // 2), torch.outer(torch.arange(max_pos).double(), inv).float())
+    freqs_cis = torch.polar(
+        torch.ones(max_pos, rope_dim // 2), torch.outer(torch.arange(max_pos).double(), inv).float()
+    )
     return rope_cos_sin(freqs_cis)
 
 
@@ -48,7 +50,9 @@ def test_apply_interleaved_rope_is_the_complex_rotation_of_the_trailing_dims():
     assert torch.equal(bits(y[..., :-ROPE_DIM]), bits(x[..., :-ROPE_DIM]))
     assert torch.equal(bits(y[0]), bits(x[0]))  # position 0 is the identity rotation
     freqs = torch.complex(COS[pos], SIN[pos]).unsqueeze(1).to(torch.complex128)
-    exact = torch.view_as_real(torch.view_as_complex(x[..., -ROPE_DIM:].double().unflatten(-1, (-1, 2)).contiguous()) * freqs)
+    exact = torch.view_as_real(
+        torch.view_as_complex(x[..., -ROPE_DIM:].double().unflatten(-1, (-1, 2)).contiguous()) * freqs
+    )
     err = (y[..., -ROPE_DIM:].double() - exact.flatten(-2)).abs()
     ulp = exact.flatten(-2).abs().clamp(min=1e-30) * 2.0**-8  # one bf16 rounding at the end
     assert (err <= ulp).all()
@@ -139,6 +143,8 @@ def test_kernel_bitwise_equals_the_engines_own_rope_then_copy():
     positions = torch.tensor([4096, 4097, 4098, 4099, 4100, 4101])
     engine = apply_rope(q, cos_full[positions], sin_full[positions])
     out = torch.full((6, PADDED_HEADS, HEAD_DIM), POISON, dtype=torch.bfloat16)
-    q_rope_store(q, out[:, :16], cos_full[:, ::2].contiguous(), sin_full[:, ::2].contiguous(), positions, backend="triton")
+    q_rope_store(
+        q, out[:, :16], cos_full[:, ::2].contiguous(), sin_full[:, ::2].contiguous(), positions, backend="triton"
+    )
     assert torch.equal(bits(out[:, :16]), bits(engine))
     assert not torch.equal(bits(engine), bits(q))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evalpipe.engine.static.graphs import GraphRunner
-from engine_state import state_snapshot
+from tests.support.engine_state import state_snapshot
 
 
 def _prompt(n, seed):

