@@ -18,7 +18,7 @@ stops on a stop token or string is one step late to know it: its extra row is di
 length is in flight sits the next step out. A new request or an abort settles the step in flight first, so such
 steps see exact state.
 
-A sequence whose params carry a grammar gets a `Constraint` (engine/grammar.py) at submit. The engine masks its
+A sequence whose params carry a grammar gets a `GrammarMatcher` (engine/grammar.py) at submit. The engine masks its
 rows before anything samples from them: the first token after the prompt, and every row a decoder verifies (the
 decoder stays grammar-blind), then commits the tokens the decoder returned to the matcher. The grammar's end is the
 stop token, so such a sequence always stops there.
@@ -133,7 +133,7 @@ class Engine:
             seq.generator = generator_for(seq.params, self.runner.device)
             seq.detokenizer = self.tokenizer.detokenizer()
             if seq.params.grammar is not None:
-                seq.constraint = self.grammars.constraint(seq.params.grammar, self.decoder.width)
+                seq.matcher = self.grammars.matcher(seq.params.grammar, self.decoder.width)
         self.scheduler.add(seqs)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += sum(len(s.prompt) for s in seqs)
@@ -330,7 +330,7 @@ class Engine:
                 self._score_prompt_chunk(chunk, logits[offset: offset + w])
             if chunk.last:
                 row = logits[offset + w - 1: offset + w]
-                constraint = chunk.seq.constraint
+                constraint = chunk.seq.matcher
                 banned = chunk.seq.params.bans_stops(0)
                 if constraint is None and chunk.seq.params.greedy and not banned:
                     token = argmax.rows(offset + w - 1, offset + w)[0]
@@ -345,7 +345,7 @@ class Engine:
         decode_rows = rows[len(plan.prefills):]
         for seq, w, fed in zip(plan.decodes, width[len(plan.prefills):], decode_rows):
             seq_rows = logits[offset: offset + w]
-            constraint = seq.constraint
+            constraint = seq.matcher
             banned = seq.params.bans_stops(len(seq.output))
             if constraint is None and not banned:
                 tokens = self.decoder.accept(seq, seq_rows,

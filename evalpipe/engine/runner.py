@@ -4,8 +4,8 @@ a length. One `forward` appends any number of tokens to any number of sequences 
 With `prefix_cache=True` (the server's default) full pages are shared through engine/prefix_cache.py, and
 `runner.prefix_cache` (None when off) is that capability: `attach` starts a fresh sequence from the longest cached
 page chain of its prompt, `cache` indexes the full pages of tokens that are final (prompt chunks as they are
-prefilled), and `free` indexes every full page before letting go. Leading pages that are indexed or shared are never written again: a truncation below them
-re-prefills (copy-on-write by recomputation).
+prefilled), and `free` indexes every full page before letting go. Leading pages that are indexed or shared are
+never written again: a truncation below them re-prefills (copy-on-write by recomputation).
 
 `sites` (engine/model/fused_sites.py) is the model's fused-site setting, fixed at construction: the server builds
 with SiteSettings (engine/build.py), a bare runner's None keeps the plain CSA selection."""

@@ -21,7 +21,7 @@ import torch
 from evalpipe.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from evalpipe.engine.grammar import Constraint
+    from evalpipe.engine.grammar import GrammarMatcher
     from evalpipe.engine.ipc import SeqEvent
     from evalpipe.engine.spec.state import SeqSpec
     from evalpipe.engine.tokenizer import Detokenizer
@@ -69,7 +69,7 @@ class Sequence:
     sent: int = 0  # characters of `text` already sent
     checked: int = 0  # characters of `text` already searched for stop strings
     stop_from: int = 0  # stop strings match only from here (text after the first min_tokens tokens)
-    constraint: Constraint | None = None  # the grammar's matcher, when params.grammar is set
+    matcher: GrammarMatcher | None = None  # the grammar's matcher, when params.grammar is set
     prompt_logprobs: list | None = None  # scored prompt tokens not yet sent (params.prompt_logprobs)
     held: SeqEvent | None = None  # an event held back by the stream interval
     spec: SeqSpec | None = None  # the speculative decoder's per-sequence state (engine/spec/state.py)

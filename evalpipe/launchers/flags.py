@@ -124,7 +124,8 @@ NATIVE = [
            "host (fed on the device), so stop checks, detokenizing and streaming run while the GPU computes "
            "(SGLang's overlap scheduler). Exact: the same tokens as off; a stop is seen one step late and its extra "
            "row discarded. Steps with prompt chunks, sampling, grammars, logprobs or speculation run as before."),
-    O("--prefill-delay-factor", default=D.prefill_delay_factor, show_default=True, type=click.FloatRange(0), metavar="F",
+    O("--prefill-delay-factor", default=D.prefill_delay_factor, show_default=True, type=click.FloatRange(0),
+      metavar="F",
       help="native: while sequences decode, admit new prompts only once F x (the last prompt step's time) has passed "
            "since it ended, or when a full --max-tokens-per-step chunk of them is waiting (vLLM's "
            "--scheduler-delay-factor). Fewer, larger prompt chunks: each prompt step stalls every decoding "

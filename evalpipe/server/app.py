@@ -123,7 +123,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def model_info():
         require_ready()
         return {"model_path": state.settings.engine.model or state.engine.info.static_info.get("model_path"),
-                "tokenizer_path": state.settings.engine.tokenizer, "is_generation": True, "served_model_name": state.model_id}
+                "tokenizer_path": state.settings.engine.tokenizer, "is_generation": True,
+                "served_model_name": state.model_id}
 
     @app.get("/flush_cache")
     @app.post("/flush_cache")

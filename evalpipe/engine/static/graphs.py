@@ -4,7 +4,7 @@ A forward in which every sequence feeds the same number of rows n, with n one of
 verify), and at most the largest bucket of sequences, runs the static step (engine/static/model.py) of bucket B (the
 smallest bucket that fits). A mixed forward (a busy server's step: decode rows beside prompt chunks) is split: the
 sequences that feed a graph width go through the static step, the rest (prompt chunks) through the wrapped runner,
-and the logits come back in the caller's order; sequences are independent, so the split changes no result. Any
+and the logits come back in the caller's order; sequences are independent, so the split changes no result. Every
 other forward goes to the wrapped runner unchanged.
 On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph` (after two warm-up runs that
 compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
