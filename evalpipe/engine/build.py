@@ -46,9 +46,8 @@ def build(config: EngineConfig) -> tuple[Runner, Decoder | None]:
     return runner, decoder
 
 
-def build_runner(config: EngineConfig) -> ModelRunner:
-    """The target runner: a ModelRunner on the CPU, a GraphRunner (a ModelRunner too) with every step captured on
-    CUDA."""
+def build_runner(config: EngineConfig) -> ModelRunner | GraphRunner:
+    """The target runner: a ModelRunner on the CPU, a GraphRunner over one (every step captured) on CUDA."""
     def model_runner(max_seqs: int) -> ModelRunner:
         return ModelRunner(config.model, device=config.device, dtype=_DTYPES[config.dtype],
                            max_seqs=max_seqs, max_seq_len=config.max_seq_len, sites=site_settings(config),
@@ -67,7 +66,7 @@ def build_runner(config: EngineConfig) -> ModelRunner:
     return graph
 
 
-def capture_drafter(decoder: SpeculativeDecoder, target: ModelRunner) -> bool:
+def capture_drafter(decoder: SpeculativeDecoder, target: ModelRunner | GraphRunner) -> bool:
     """Give a model drafter (layerskip:N, self, model:PATH -- a RunnerDrafter over its own runner) captured one-row
     decode steps like the target's, so the G sequential draft forwards replay graphs too. The n-gram drafter has no
     model: nothing to capture. Returns whether the drafter's runner was wrapped."""
