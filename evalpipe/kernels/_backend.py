@@ -4,9 +4,9 @@ Each public op takes `backend="auto" | "triton" | "reference"`. "auto" picks Tri
 CUDA, Triton imports, and the op's own guard accepts the shapes/dtypes. "triton" forces the kernel (on CPU that
 needs TRITON_INTERPRET=1, which is how the tests run it); "reference" forces the plain PyTorch chain.
 
-Every kernel is written as a plain function and compiled by `jit` on first use, per interpreter mode (with the
-device functions it calls, `helpers`), so a test that sets TRITON_INTERPRET=1 after import still runs them
-interpreted.
+Every kernel is written as a plain function and compiled by `jit` on first use (with the device functions it calls,
+`helpers`), cached per interpreter mode. Triton's own language helpers are built when triton is imported, so
+TRITON_INTERPRET=1 must be set before that (tests/kernels/conftest.py does).
 """
 
 from __future__ import annotations
