@@ -19,7 +19,7 @@ import time
 import torch
 
 from evalpipe.engine.engine import Engine, make_sequences
-from evalpipe.engine.grammar_spec import GrammarSpec
+from evalpipe.engine.grammar_constraint import GrammarConstraint
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, default_drafter
@@ -73,8 +73,8 @@ def main() -> None:
         "json": [tok.apply_chat_template(e.messages) for e in (chat.json_reply(rng) for _ in range(args.requests))],
     }
     calls = [(t["function"]["name"], t["function"]["parameters"]) for t in chat.TOOLS]
-    grammars = {"tool_call": GrammarSpec.tool_calls(tok.tool_call_token_id, calls, parallel=False),
-                "json": GrammarSpec.json(chat.JSON_SCHEMA)}
+    grammars = {"tool_call": GrammarConstraint.tool_calls(tok.tool_call_token_id, calls, parallel=False),
+                "json": GrammarConstraint.json(chat.JSON_SCHEMA)}
     decoders = {"off": lambda: None, default_drafter(runner): lambda: SpeculativeDecoder(
         runner, build_drafter(default_drafter(runner), runner), block_size=args.block_size),
         "ngram": lambda: SpeculativeDecoder(runner, build_drafter("ngram", runner), block_size=args.block_size)}

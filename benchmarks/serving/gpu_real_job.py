@@ -42,7 +42,6 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -99,10 +98,9 @@ def write_checkpoint(folder: Path, smoke: bool) -> int:
 
 def server_runner(model_dir: Path, max_batch: int = 64):
     from evalpipe.engine.build import build_runner
+    from evalpipe.engine.config import EngineConfig
 
-    settings = SimpleNamespace(model=str(model_dir), device=DEVICE, dtype=DTYPE, max_batch=max_batch,
-                               max_seq_len=4096, wo_quant="none", prefix_cache="off", speculative="off",
-                               block_size=5, fused="on", cuda_graphs="on")
+    settings = EngineConfig(model=str(model_dir), device=DEVICE, dtype=DTYPE, max_batch=max_batch, prefix_cache="off")
     t0 = time.perf_counter()
     runner = build_runner(settings)
     return runner, time.perf_counter() - t0

@@ -18,6 +18,7 @@ import sys
 
 import click
 
+from evalpipe.engine.config import EngineConfig
 from evalpipe.launchers import flags
 from evalpipe.launchers.errors import LaunchConfigError
 from evalpipe.launchers.rules import NATIVE_ACCEPT_RULES, check_acceptance, check_debug_faults, check_native
@@ -83,12 +84,12 @@ def command(**params):
         check_debug_faults(params["debug_faults"], options)
     except LaunchConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    serve_native(params)
+    serve_native(params, options.native)
 
 
-def serve_native(params: dict) -> None:
-    """The native engine in this process, until Ctrl-C or SIGTERM. Flags not given take ServerSettings' defaults."""
-    device, host, log_level = params["device"] or "cpu", params["host"], params["log_level"]
+def serve_native(params: dict, config: EngineConfig) -> None:
+    """The native engine in this process (built with `config`, the flags' EngineConfig), until Ctrl-C or SIGTERM."""
+    device, host, log_level = config.device, params["host"], params["log_level"]
     sock = _bind(host, params["port"])  # before the imports below (uvicorn, FastAPI; torch is the engine process's)
     port = sock.getsockname()[1]
     if device == "cuda":  # bad input exits 2 before the engine starts; only --device cuda costs this process torch
@@ -96,8 +97,6 @@ def serve_native(params: dict) -> None:
 
         if not torch.cuda.is_available():
             raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
-
-    import dataclasses
 
     import uvicorn
 
@@ -107,23 +106,21 @@ def serve_native(params: dict) -> None:
     from evalpipe.server.state import ServerSettings, ServerState
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fields = {f.name for f in dataclasses.fields(ServerSettings)}
-    given = {k: v for k, v in params.items() if k in fields - {"port", "argv", "api_key"} and v is not None}
-    given["debug_faults"] = tuple(sorted(set(params["debug_faults"])))
     keys = tuple(params["api_key"]) or tuple(k for k in [os.environ.get("EVALPIPE_API_KEY")] if k)
-    settings = ServerSettings(**given, port=port, argv=["evalpipe", *sys.argv[1:]],
-                              api_key=keys[0] if keys else None, more_api_keys=keys[1:])
+    settings = ServerSettings(engine=config, host=host, port=port, docs=params["docs"],
+                              argv=["evalpipe", *sys.argv[1:]], api_key=keys[0] if keys else None,
+                              more_api_keys=keys[1:])
     failure: list[str] = []
     server: uvicorn.Server | None = None
 
     def on_ready(state: ServerState) -> None:
         url = f"http://{_display_host(host)}:{port}/v1"
-        click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {settings.dtype} on {device}, "
+        click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {config.dtype} on {device}, "
                    f"{speculation_summary(state)}, loaded in {state.load_seconds:.1f}s)")
-        if settings.debug_faults:
+        if config.debug_faults:
             from evalpipe.engine.faults import DEBUG_FAULTS
 
-            planted = "; ".join(f"{name} ({DEBUG_FAULTS[name]})" for name in settings.debug_faults)
+            planted = "; ".join(f"{name} ({DEBUG_FAULTS[name]})" for name in config.debug_faults)
             click.echo(f"evalpipe serve: DEBUG FAULTS PLANTED: {planted}. This server is broken on purpose "
                        "(evaluation of evaluations only)")
         sys.stdout.flush()
@@ -134,10 +131,10 @@ def serve_native(params: dict) -> None:
             server.should_exit = True
 
     state = ServerState(settings, on_ready=on_ready, on_error=on_error)
-    config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=3, lifespan="on")
-    server = uvicorn.Server(config)
-    click.echo(f"evalpipe serve: loading {settings.model or DEFAULT_MODEL_NAME} on "
+    http_config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level == "debug",
+                                 timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(http_config)
+    click.echo(f"evalpipe serve: loading {config.model or DEFAULT_MODEL_NAME} on "
                f"http://{_display_host(host)}:{port} ...")
     # uvicorn re-raises the signal that stopped it once it has shut down; a SIGINT/SIGTERM is a clean stop here.
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -162,11 +159,11 @@ def speculation_summary(state) -> str:
         return "speculation off"
     from evalpipe.engine.spec.settings import accept_rule_from_settings
 
-    parts = [f"speculation {spec['mode']}", f"G={spec.get('block_size', state.settings.block_size)}"]
-    drafter = spec.get("drafter") or state.settings.drafter
+    parts = [f"speculation {spec['mode']}", f"G={spec.get('block_size', state.settings.engine.block_size)}"]
+    drafter = spec.get("drafter") or state.settings.engine.drafter
     if drafter:
         parts.append(f"drafter {drafter}")
-    parts.append(accept_rule_from_settings(state.settings).label())
+    parts.append(accept_rule_from_settings(state.settings.engine).label())
     if spec.get("simulate_acc_len") is not None:
         parts.append(f"SIMULATED accept length {spec['simulate_acc_len']} (performance only)")
     return " ".join(parts)

@@ -234,6 +234,11 @@ class StatePools:
                 cells, tails = memo[size, tail_rows]
                 tail.index_copy_(0, tails, ring[cells])
 
+    def use_device_page_table(self, table: torch.Tensor) -> None:
+        """Read the page table from `table` (a static step's copy inside its input buffer, on the device) until the
+        next page-table change."""
+        self._page_table_dev = table
+
     def page_table_on_device(self) -> torch.Tensor:
         if self._page_table_dev is None:
             self._page_table_dev = self.page_table.to(self.device)

@@ -1,16 +1,16 @@
 """The engine: scheduler + runner + sampling, stepped by the engine process's loop (engine/loop.py).
 
 `Engine.step()` is one forward: the scheduler's prompt chunks plus the decode rows of every running sequence,
-then sampling, stop checks and one `SeqEvent` per advanced sequence. How decode rows are proposed and turned
-into committed tokens is delegated to a `Decoder`; `PlainDecoder` feeds the last token and samples one. A
-speculative decoder plugs in at the same place: `propose` returns the last token plus drafts (`width` rows),
-`accept` verifies them against the target rows, rolls the runner back, and returns the tokens it committed.
-A runner with a prefix cache (`attach_prefix`, `cache_prefix`, `flush_prefix_cache`) starts admitted sequences
-from their cached prefix and indexes prompt pages as they are prefilled; `flush_cache` is called between steps.
-Two optional decoder hooks: `prepare(seqs)` (called once per step with all decoding sequences, before `propose`)
-and `release(slot)` (called when a sequence's runner slot is given back).
+then sampling, stop checks and one `SeqEvent` per advanced sequence. The runner and the decoder are the contracts
+of engine/contracts.py. How decode rows are proposed and turned into committed tokens is delegated to the `Decoder`;
+`PlainDecoder` feeds the last token and samples one. A speculative decoder plugs in at the same place: `propose`
+returns the last token plus drafts (`width` rows), `accept` verifies them against the target rows, rolls the runner
+back, and returns the tokens it committed. `prepare(seqs)` is called once per step with all decoding sequences,
+before `propose`, and `release(slot)` when a sequence's runner slot is given back.
+A runner whose `prefix_cache` is set starts admitted sequences from their cached prefix and indexes prompt pages as
+they are prefilled; `flush_cache` is called between steps.
 
-Overlap schedule (runners with `decode_async`, i.e. the CUDA-graph runner): a step in which every sequence decodes
+Overlap schedule (runners with `decodes_async`, i.e. the CUDA-graph runner): a step in which every sequence decodes
 one greedy row, without grammar or logprobs, is queued without waiting for its tokens. The next such step feeds
 those tokens on the device and is queued first; only then are the previous step's tokens read, emitted and checked
 for stops, so the host's bookkeeping runs while the device computes (SGLang's overlap scheduler). A sequence that
@@ -18,7 +18,7 @@ stops on a stop token or string is one step late to know it: its extra row is di
 length is in flight sits the next step out. A new request or an abort settles the step in flight first, so such
 steps see exact state.
 
-A sequence whose params carry a grammar gets a `Constraint` (engine/grammar.py) at submit. The engine masks its
+A sequence whose params carry a grammar gets a `GrammarMatcher` (engine/grammar.py) at submit. The engine masks its
 rows before anything samples from them: the first token after the prompt, and every row a decoder verifies (the
 decoder stays grammar-blind), then commits the tokens the decoder returned to the matcher. The grammar's end is the
 stop token, so such a sequence always stops there.
@@ -30,43 +30,32 @@ import logging
 import time
 import traceback
 from dataclasses import replace
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.grammar import Grammars
 from evalpipe.engine.ipc import SeqEvent
 from evalpipe.engine.sampling import StepArgmax, generator_for, sample_token, token_logprobs
 from evalpipe.engine.sampling_params import SamplingParams
-from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status
+from evalpipe.engine.scheduler import PrefillChunk, QueueFull, Scheduler, Sequence, Status, StepPlan
+from evalpipe.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from evalpipe.engine.static.graphs import PendingTokens
 
 log = logging.getLogger("evalpipe.engine")
 
-__all__ = ["Engine", "PlainDecoder", "Decoder", "QueueFull"]
+__all__ = ["Engine", "PlainDecoder", "Decoder", "Runner", "QueueFull"]
 
 
-class Decoder(Protocol):
-    """How running sequences advance by one step (plain decoding or speculation)."""
-
-    width: int  # rows per sequence per step
-    all_logits: bool  # the runner must return every row's logits, not only each sequence's last one
-
-    def propose(self, seq: Sequence) -> list[int]: ...
-
-    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
-        """Commit tokens from this sequence's rows; `argmax` (greedy sequences without a grammar) is the rows'
-        argmax, already on the host."""
-
-    def stats(self, seq: Sequence) -> dict | None: ...
-
-    def describe(self) -> dict: ...
-
-
-class PlainDecoder:
+class PlainDecoder(Decoder):
     """One row per sequence: feed the last committed token, sample the next one."""
 
     width = 1
     all_logits = False
+    one_row_greedy = True
 
     def __init__(self, debug_faults: tuple[str, ...] = ()):
         self.debug_faults = tuple(debug_faults)  # planted bugs that act outside speculation (engine/faults.py)
@@ -93,8 +82,8 @@ class Engine:
 
     def __init__(
         self,
-        runner: Any,
-        tokenizer: Any,
+        runner: Runner,
+        tokenizer: Tokenizer,
         *,
         max_batch: int = 64,
         max_tokens_per_step: int = 512,
@@ -110,7 +99,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.decoder = decoder or PlainDecoder()
         self.eos_token_id = _eos_id(runner, tokenizer)
-        vocab = getattr(getattr(runner, "config", None), "vocab_size", None) or tokenizer.vocab_size
+        vocab = runner.config.vocab_size or tokenizer.vocab_size
         self.grammars = Grammars(tokenizer, int(vocab))  # compiles nothing until a request asks for a grammar
         self.scheduler = Scheduler(
             self._allocate_slot,
@@ -120,14 +109,14 @@ class Engine:
             max_queue=max_queue,
             decode_width=self.decoder.width,
             exhausted=exhausted,
-            attach=self._attach_prefix if hasattr(runner, "attach_prefix") else None,
+            attach=self._attach_prefix if runner.prefix_cache is not None else None,
         )
         self.allocated_slots = 0
         self.last_step_at = 0.0  # time.monotonic() of the last completed forward
         self.stats = {"requests": 0, "steps": 0, "overlapped_steps": 0, "prefill_steps": 0, "prompt_tokens": 0,
                       "prefilled_tokens": 0, "generated_tokens": 0, "aborted": 0, "cached_tokens": 0}
         self._aborts: list[Sequence] = []
-        self.overlap = bool(overlap) and hasattr(runner, "decode_async")
+        self.overlap = bool(overlap) and runner.decodes_async
         if prefill_delay_factor < 0:
             raise ValueError("prefill_delay_factor must be >= 0")
         self.prefill_delay_factor = float(prefill_delay_factor)
@@ -136,15 +125,15 @@ class Engine:
         self.stream_interval = int(stream_interval)
         self._clock = clock
         self._last_prefill = (0.0, 0.0)  # (end, seconds) of the last step that fed prompt chunks
-        self._inflight: tuple[list[Sequence], Any] | None = None  # overlap: a queued step (its sequences, tokens)
+        self._inflight: tuple[list[Sequence], PendingTokens] | None = None  # overlap: a queued step
 
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request; raises QueueFull (nothing queued) when the queue is full."""
         for seq in seqs:
-            seq.generator = generator_for(seq.params, getattr(self.runner, "device", "cpu"))
-            seq.state = {"detok": self.tokenizer.detokenizer(), "text": "", "sent": 0, "checked": 0}
+            seq.generator = generator_for(seq.params, self.runner.device)
+            seq.detokenizer = self.tokenizer.detokenizer()
             if seq.params.grammar is not None:
-                seq.state["grammar"] = self.grammars.constraint(seq.params.grammar, self.decoder.width)
+                seq.matcher = self.grammars.matcher(seq.params.grammar, self.decoder.width)
         self.scheduler.add(seqs)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += sum(len(s.prompt) for s in seqs)
@@ -163,10 +152,9 @@ class Engine:
 
     def flush_cache(self) -> dict:
         """Drop the runner's prefix cache (between two steps; sequences in flight keep the pages they hold)."""
-        flush = getattr(self.runner, "flush_prefix_cache", None)
-        if flush is None:
+        if self.runner.prefix_cache is None:
             return {"enabled": False, "flushed_pages": 0}
-        return flush()
+        return self.runner.prefix_cache.flush()
 
     def fail_all(self, reason: str, error: str | None = None) -> None:
         """Finish every queued and running sequence (a failed step outside the forward, or shutdown)."""
@@ -177,12 +165,7 @@ class Engine:
     def grammar_blocker(self) -> str | None:
         """Why this engine cannot decode under a grammar, or None. An acceptance rule that commits drafts without
         the exact test (lossy rules, simulated acceptance) could commit a token the grammar forbids."""
-        rule = getattr(self.decoder, "accept_rule", None)
-        if getattr(self.decoder, "simulate_acc_len", None):
-            return "simulated speculative acceptance (--simulate-acc-len) commits drafts unchecked"
-        if rule is not None and rule.lossy:
-            return f"the lossy speculative acceptance rule ({rule.label()}) may accept drafts the grammar forbids"
-        return None
+        return self.decoder.grammar_blocker()
 
     def describe(self) -> dict:
         return {
@@ -214,15 +197,14 @@ class Engine:
             plan.decodes = [seq for seq in plan.decodes if seq.status is Status.RUNNING]
             if plan.empty:
                 return 0
-        prepare = getattr(self.decoder, "prepare", None)  # optional batch hook: draft all decode rows at once
         slots: list[int] = []
         rows: list[list[int]] = []
         for chunk in plan.prefills:
             slots.append(chunk.seq.slot)
             rows.append(chunk.tokens)
         try:
-            if prepare is not None and plan.decodes:
-                prepare(plan.decodes)
+            if plan.decodes:
+                self.decoder.prepare(plan.decodes)
             for seq in plan.decodes:
                 slots.append(seq.slot)
                 rows.append(self.decoder.propose(seq))
@@ -250,9 +232,9 @@ class Engine:
         return len(plan.prefills) + len(plan.decodes)
 
     # -- overlap schedule --------------------------------------------------------------------------
-    def _async_ok(self, plan) -> bool:
+    def _async_ok(self, plan: StepPlan) -> bool:
         """Whether this step may be queued without reading its tokens now (see the module docstring)."""
-        return (self.overlap and not plan.prefills and type(self.decoder) is PlainDecoder
+        return (self.overlap and not plan.prefills and self.decoder.one_row_greedy
                 and self.runner.can_decode_async(len(plan.decodes))
                 and all(_greedy_plain(seq.params) for seq in plan.decodes))
 
@@ -309,7 +291,7 @@ class Engine:
             self._settle(previous)
         return len(decodes)
 
-    def _settle(self, inflight: tuple[list[Sequence], Any] | None = None) -> None:
+    def _settle(self, inflight: tuple[list[Sequence], PendingTokens] | None = None) -> None:
         """Read a queued step's tokens (default: the one in flight) and emit them; a sequence finished since it was
         queued (stopped one step earlier, aborted) drops its row."""
         if inflight is None:
@@ -324,19 +306,20 @@ class Engine:
     def _attach_prefix(self, seq: Sequence) -> int:
         if seq.params.prompt_logprobs is not None:  # every prompt row must be computed to be scored
             return 0
-        cached = self.runner.attach_prefix(seq.slot, seq.prompt)
+        cached = self.runner.prefix_cache.attach(seq.slot, seq.prompt)
         self.stats["cached_tokens"] += cached
         return cached
 
-    def _cache_prompts(self, plan) -> None:
+    def _cache_prompts(self, plan: StepPlan) -> None:
         """Prompt tokens are final once fed: index the full pages they complete for later requests."""
-        cache = getattr(self.runner, "cache_prefix", None)
+        cache = self.runner.prefix_cache
         if cache is not None:
             for chunk in plan.prefills:
                 if chunk.seq.slot is not None:
-                    cache(chunk.seq.slot, chunk.seq.num_prefilled)
+                    cache.cache(chunk.seq.slot, chunk.seq.num_prefilled)
 
-    def _commit_tokens(self, plan, rows, logits, all_logits: bool) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
+    def _commit_tokens(self, plan: StepPlan, rows: list[list[int]], logits: torch.Tensor,
+                       all_logits: bool) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
         """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""
         out: dict[Sequence, tuple[list[int], torch.Tensor]] = {}
         offset = 0
@@ -347,7 +330,7 @@ class Engine:
                 self._score_prompt_chunk(chunk, logits[offset: offset + w])
             if chunk.last:
                 row = logits[offset + w - 1: offset + w]
-                constraint = chunk.seq.state.get("grammar")
+                constraint = chunk.seq.matcher
                 banned = chunk.seq.params.bans_stops(0)
                 if constraint is None and chunk.seq.params.greedy and not banned:
                     token = argmax.rows(offset + w - 1, offset + w)[0]
@@ -362,7 +345,7 @@ class Engine:
         decode_rows = rows[len(plan.prefills):]
         for seq, w, fed in zip(plan.decodes, width[len(plan.prefills):], decode_rows):
             seq_rows = logits[offset: offset + w]
-            constraint = seq.state.get("grammar")
+            constraint = seq.matcher
             banned = seq.params.bans_stops(len(seq.output))
             if constraint is None and not banned:
                 tokens = self.decoder.accept(seq, seq_rows,
@@ -388,14 +371,16 @@ class Engine:
         rows[:held, banned] = float("-inf")
         return rows
 
-    def _score_prompt_chunk(self, chunk, rows: torch.Tensor) -> None:
+    def _score_prompt_chunk(self, chunk: PrefillChunk, rows: torch.Tensor) -> None:
         """Each prompt token's logprob (and the top k) from the rows of this prompt chunk: row j of a chunk starting
         at prompt position s scores prompt[s + j + 1]; the prompt's last row scores the first generated token and is
         left to the output path. The first prompt token has no logprob (None)."""
         seq = chunk.seq
         start = seq.num_prefilled - len(chunk.tokens)
         targets = seq.prompt[start + 1: start + 1 + len(chunk.tokens)]
-        scored = seq.state.setdefault("prompt_logprobs", [None] if start == 0 else [])
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] if start == 0 else []
+        scored = seq.prompt_logprobs
         if not targets:
             return
         rows = rows[: len(targets)]
@@ -408,7 +393,7 @@ class Engine:
 
     # -- output processing -----------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None) -> None:
-        params, st = seq.params, seq.state
+        params = seq.params
         taken: list[int] = []
         reason: str | None = None
         stop_hit = False
@@ -420,11 +405,11 @@ class Engine:
             if not held_open and (tok in params.stop_token_ids or (tok == self.eos_token_id and stops_at_eos)):
                 reason, seq.matched_stop = "stop", tok
                 if params.include_stop_str_in_output:
-                    st["text"] += st["detok"].push([tok])
+                    seq.text += seq.detokenizer.push([tok])
                 break
-            st["text"] += st["detok"].push([tok])
+            seq.text += seq.detokenizer.push([tok])
             if held_open:
-                st["stop_from"] = len(st["text"])  # stop strings match only in text after the first min_tokens
+                seq.stop_from = len(seq.text)  # stop strings match only in text after the first min_tokens
             elif params.stop and self._find_stop(seq):
                 reason, stop_hit = "stop", True
                 break
@@ -432,10 +417,10 @@ class Engine:
                 reason = "length"
                 break
         if reason is not None and not stop_hit:
-            st["text"] += st["detok"].flush()
-        end = len(st["text"]) if reason is not None else len(st["text"]) - _stop_holdback(st["text"], params.stop)
-        delta = st["text"][st["sent"]:max(end, st["sent"])]
-        st["sent"] = max(end, st["sent"])
+            seq.text += seq.detokenizer.flush()
+        end = len(seq.text) if reason is not None else len(seq.text) - _stop_holdback(seq.text, params.stop)
+        delta = seq.text[seq.sent:max(end, seq.sent)]
+        seq.sent = max(end, seq.sent)
         lps = None
         if params.logprobs is not None:
             pairs = token_logprobs(logit_rows[: len(taken)], torch.tensor(taken, device=logit_rows.device),
@@ -448,24 +433,24 @@ class Engine:
             index=seq.index, token_ids=taken, text=delta, logprobs=lps, completion_tokens=len(seq.output),
             finish_reason=reason, matched_stop=seq.matched_stop if reason else None,
             spec=self.decoder.stats(seq), cached_tokens=seq.cached_tokens,
-            prompt_logprobs=st.pop("prompt_logprobs", None),
+            prompt_logprobs=seq.prompt_logprobs,
         ))
+        seq.prompt_logprobs = None
 
     def _find_stop(self, seq: Sequence) -> bool:
         """Search the new text for a stop string; on a match cut the text before it and record the match."""
-        st = seq.state
-        text = st["text"]
+        text = seq.text
         longest = max(len(s) for s in seq.params.stop)
-        start = max(st.get("stop_from", 0), st["checked"] - longest + 1)
+        start = max(seq.stop_from, seq.checked - longest + 1)
         best = None
         for s in seq.params.stop:
             i = text.find(s, start)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
-        st["checked"] = len(text)
+        seq.checked = len(text)
         if best is None:
             return False
-        st["text"] = text[: best[0] + (len(best[1]) if seq.params.include_stop_str_in_output else 0)]
+        seq.text = text[: best[0] + (len(best[1]) if seq.params.include_stop_str_in_output else 0)]
         seq.matched_stop = best[1]
         return True
 
@@ -483,12 +468,12 @@ class Engine:
         N times fewer events for the server process and its clients to stream, the same tokens and text."""
         if seq.on_event is None:
             return
-        held = seq.state.pop("held", None)
+        held, seq.held = seq.held, None
         if held is not None:
             event = held.then(event)
         if (self.stream_interval > 1 and event.finish_reason is None and event.error is None
                 and len(event.token_ids) < self.stream_interval and len(seq.output) > len(event.token_ids)):
-            seq.state["held"] = event
+            seq.held = event
             return
         try:
             seq.on_event(event)
@@ -501,14 +486,12 @@ class Engine:
         return slot
 
     def _free_slot(self, slot: int) -> None:
-        release = getattr(self.decoder, "release", None)  # optional hook: drop the decoder's per-slot state
-        if release is not None:
-            release(slot)
+        self.decoder.release(slot)
         self.runner.free(slot)
         self.allocated_slots -= 1
 
     def _max_len(self) -> int:
-        return int(getattr(self.runner, "max_seq_len", 1 << 62))
+        return self.runner.max_seq_len
 
 
 def _greedy_plain(params: SamplingParams) -> bool:
@@ -516,10 +499,10 @@ def _greedy_plain(params: SamplingParams) -> bool:
     return params.greedy and params.grammar is None and params.logprobs is None and params.min_tokens == 0
 
 
-def _eos_id(runner: Any, tokenizer: Any) -> int | None:
-    eos = getattr(tokenizer, "eos_token_id", None)
+def _eos_id(runner: Runner, tokenizer: Tokenizer) -> int | None:
+    eos = tokenizer.eos_token_id
     if eos is None:
-        eos = getattr(getattr(runner, "config", None), "eos_token_id", None)
+        eos = runner.config.eos_token_id
     if isinstance(eos, (list, tuple)):
         eos = eos[0] if eos else None
     return eos

@@ -16,7 +16,7 @@ Torch-free at import: the HTTP process and the flag rules read the names. Where 
 
 from __future__ import annotations
 
-from typing import Any
+from evalpipe.engine.config import EngineConfig
 
 DEBUG_FAULTS = {
     "greedy-sampling": "verify takes the target argmax for sampled requests",
@@ -27,9 +27,9 @@ DEBUG_FAULTS = {
 NEEDS_SPECULATION = ("greedy-sampling", "residual-from-target", "stale-kv-after-reject")
 
 
-def faults_of(settings: Any) -> tuple[str, ...]:
-    """The server settings' planted faults, sorted and without repeats (an unknown name raises ValueError)."""
-    names = tuple(sorted(set(getattr(settings, "debug_faults", None) or ())))
+def faults_of(config: EngineConfig) -> tuple[str, ...]:
+    """The engine config's planted faults, sorted and without repeats (an unknown name raises ValueError)."""
+    names = tuple(sorted(set(config.debug_faults)))
     unknown = [n for n in names if n not in DEBUG_FAULTS]
     if unknown:
         raise ValueError(f"unknown debug fault(s) {unknown}; known: {', '.join(DEBUG_FAULTS)}")

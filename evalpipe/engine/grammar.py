@@ -1,11 +1,11 @@
 """Grammar-constrained decoding with xgrammar: what a request may generate, as a token mask on every row it samples.
 
-A `GrammarSpec` (grammar_spec.py) names the constraint (a JSON schema, any JSON object, tool calls behind a marker
-token, or free text without some tokens); `Grammars` compiles specs once per tokenizer (cached, thread-safe, so the
-server compiles on a worker thread and a bad schema is a 400 before anything is queued) and gives each sequence a
-`Constraint`.
+A `GrammarConstraint` (grammar_constraint.py) names the constraint (a JSON schema, any JSON object, tool calls behind
+a marker token, or free text without some tokens); `Grammars` compiles constraints once per tokenizer (cached,
+thread-safe, so the server compiles on a worker thread and a bad schema is a 400 before anything is queued) and gives
+each sequence a `GrammarMatcher`.
 
-The `Constraint` is the one place the matcher moves. For the rows of one step (the pending token, then any drafts
+The `GrammarMatcher` is the one place the matcher moves. For the rows of one step (the pending token, then any drafts
 of block speculation) `mask` fills row i after tentatively accepting drafts[:i] (row 0 is the committed state) and
 stops tentative acceptance at the first draft the grammar refuses: that draft is then rejected by every exact
 acceptance rule (its masked probability is 0), so the rows after it are never used. `commit` rolls the tentative
@@ -21,11 +21,15 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from evalpipe.engine.grammar_spec import GrammarSpec
+from evalpipe.engine.grammar_constraint import GrammarConstraint
+from evalpipe.engine.tokenizer import HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 JSON_SEPARATORS = (", ", ": ")
 CACHE_SIZE = 256  # compiled grammars kept (distinct schemas); a server fed endless new schemas stays bounded
@@ -35,7 +39,7 @@ _SPECIAL_PREFIX = b"\xff"
 
 
 class GrammarError(ValueError):
-    """A spec that cannot be compiled (an unsupported or malformed JSON schema); the server answers 400."""
+    """A grammar that cannot be compiled (an unsupported or malformed JSON schema); the server answers 400."""
 
 
 def call_schema(name: str, parameters: dict) -> dict:
@@ -45,15 +49,15 @@ def call_schema(name: str, parameters: dict) -> dict:
 
 
 class Grammars:
-    """The xgrammar compiler for one tokenizer and model vocabulary; compiled grammars are cached by spec."""
+    """The xgrammar compiler for one tokenizer and model vocabulary; compiled grammars are cached by constraint."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = [tokenizer.eos_token_id]
         self._lock = threading.Lock()
         self._compiler = None
-        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # least recently used first
+        self._cache: OrderedDict[GrammarConstraint, xgr.CompiledGrammar] = OrderedDict()  # least recently used first
 
     def _xgr_compiler(self):
         with self._lock:
@@ -63,40 +67,40 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size))
             return self._compiler
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of `spec` (cached); raises GrammarError for a schema xgrammar cannot take."""
+    def compile(self, grammar: GrammarConstraint) -> xgr.CompiledGrammar:
+        """The compiled grammar of `grammar` (cached); raises GrammarError for a schema xgrammar cannot take."""
         with self._lock:
-            cached = self._cache.get(spec)
+            cached = self._cache.get(grammar)
             if cached is not None:
-                self._cache.move_to_end(spec)
+                self._cache.move_to_end(grammar)
                 return cached
         compiler = self._xgr_compiler()
         try:
-            compiled = _compile(compiler, spec)
+            compiled = _compile(compiler, grammar)
         except GrammarError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the converter's message
             raise GrammarError(_short(exc)) from None
         with self._lock:
-            self._cache[spec] = compiled
+            self._cache[grammar] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
 
-    def constraint(self, spec: GrammarSpec, max_rows: int) -> "Constraint":
+    def matcher(self, grammar: GrammarConstraint, max_rows: int) -> "GrammarMatcher":
         """A fresh matcher for one sequence; `max_rows` rows per step (1 plain, G+1 under block speculation)."""
-        return Constraint(self.compile(spec), self.vocab_size, max_rows, self.stop_token_ids)
+        return GrammarMatcher(self.compile(grammar), self.vocab_size, max_rows, self.stop_token_ids)
 
 
-def _compile(compiler: Any, spec: GrammarSpec) -> Any:
+def _compile(compiler: xgr.GrammarCompiler, grammar: GrammarConstraint) -> xgr.CompiledGrammar:
     import xgrammar as xgr
 
-    payload = json.loads(spec.payload)
-    if spec.kind == "json":
+    payload = json.loads(grammar.payload)
+    if grammar.kind == "json":
         schema = payload if payload is not None else {"type": "object"}
         return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS,
                                             strict_mode=False if payload is None else True)
-    if spec.kind == "tool_calls":
+    if grammar.kind == "tool_calls":
         one_of = []
         for name, parameters in payload["calls"]:
             ebnf = str(xgr.Grammar.from_json_schema(json.dumps(call_schema(name, parameters)), any_whitespace=False,
@@ -106,10 +110,10 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
         call = one_of[0] if len(one_of) == 1 else {"type": "or", "elements": one_of}
         fmt = {"type": "plus", "content": call} if payload["parallel"] else call
         return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
-    if spec.kind == "forbid":
+    if grammar.kind == "forbid":
         fmt = {"type": "any_tokens", "exclude_tokens": payload}
         return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
-    raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+    raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
 
 
 def _short(exc: Exception) -> str:
@@ -122,16 +126,16 @@ def _short(exc: Exception) -> str:
     return text
 
 
-def tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary: the bytes of every id. For the byte tokenizer, bytes are themselves,
     specials a grammar refers to by id (the tool-call marker) get a string no text can spell, and every other
     special or reserved id is empty (xgrammar never allows those, except the stop token)."""
     import xgrammar as xgr
 
-    hf = getattr(tokenizer, "hf_tokenizer", None)
-    if hf is not None:
-        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id])
-    named = {t for t in (getattr(tokenizer, "tool_call_token_id", None),) if t is not None}
+    if isinstance(tokenizer, HFTokenizer):
+        return xgr.TokenizerInfo.from_huggingface(tokenizer.hf_tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=[tokenizer.eos_token_id])
+    named = {tokenizer.tool_call_token_id}
     special = set(tokenizer.special_token_ids)
     vocab = []
     for i in range(vocab_size):
@@ -149,10 +153,10 @@ class GrammarViolation(RuntimeError):
     """A committed token the grammar refuses: a bug in the masking (exact acceptance never commits one)."""
 
 
-class Constraint:
+class GrammarMatcher:
     """One sequence's grammar matcher, stepped with exactly the tokens the engine commits."""
 
-    def __init__(self, compiled: Any, vocab_size: int, max_rows: int, stop_token_ids: list[int]):
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, max_rows: int, stop_token_ids: list[int]):
         import xgrammar as xgr
 
         self.vocab_size = vocab_size

@@ -11,7 +11,6 @@ Everything here is plain data and torch-free: the HTTP process unpickles it with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from evalpipe.engine.sampling_params import SamplingParams
 
@@ -34,7 +33,7 @@ class Abort:
 @dataclass
 class Call:
     call_id: int
-    method: str  # "compile" (args: a GrammarSpec), "flush_cache", "describe"
+    method: str  # "compile" (args: a GrammarConstraint), "flush_cache", "describe"
     args: tuple = ()
 
 
@@ -103,6 +102,6 @@ class Step:
 @dataclass
 class Reply:
     call_id: int
-    result: Any = None
+    result: dict | bool | None = None  # describe/flush_cache: a dict; submit/compile: True
     error: str | None = None  # None: success
     error_kind: str | None = None  # "queue_full" | "grammar" | None (anything else)

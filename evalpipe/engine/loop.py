@@ -16,16 +16,19 @@ import os
 import resource
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
 from evalpipe.engine import ipc
 from evalpipe.engine.cache import PoolExhausted
+from evalpipe.engine.config import EngineConfig
+from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.engine import Engine, make_sequences
 from evalpipe.engine.grammar import GrammarError
 from evalpipe.engine.model.names import DEFAULT_MODEL_NAME
 from evalpipe.engine.scheduler import QueueFull, Sequence
+from evalpipe.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("evalpipe.engine")
 
@@ -34,40 +37,38 @@ COMPILE_POLL_MS = 5  # while a grammar compiles on the worker thread
 STATS_INTERVAL_S = 10.0  # a busy engine logs its throughput this often (INFO: `evalpipe serve --log-level info`)
 
 
-def build_engine(settings: Any, build: Callable, tokenizer_factory: Callable) -> Engine:
-    if settings.device == "cpu":
+def build_engine(config: EngineConfig, build: Callable[[EngineConfig], tuple[Runner, Decoder | None]],
+                 tokenizer_factory: Callable[[EngineConfig], Tokenizer]) -> Engine:
+    if config.device == "cpu":
         import torch
 
-        torch.set_num_threads(settings.threads)
-    tokenizer = tokenizer_factory(settings)
-    runner, decoder = build(settings)
-    vocab = getattr(runner.config, "vocab_size", None)
-    if vocab is not None and tokenizer.vocab_size > vocab:
+        torch.set_num_threads(config.threads)
+    tokenizer = tokenizer_factory(config)
+    runner, decoder = build(config)
+    vocab = runner.config.vocab_size
+    if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
-    return Engine(runner, tokenizer, max_batch=settings.max_batch, max_tokens_per_step=settings.max_tokens_per_step,
-                  max_queue=settings.max_queue, decoder=decoder, exhausted=(PoolExhausted,),
-                  overlap=getattr(settings, "overlap_schedule", "on") == "on",
-                  prefill_delay_factor=getattr(settings, "prefill_delay_factor", 0.0),
-                  stream_interval=getattr(settings, "stream_interval", 1))
+    return Engine(runner, tokenizer, max_batch=config.max_batch, max_tokens_per_step=config.max_tokens_per_step,
+                  max_queue=config.max_queue, decoder=decoder, exhausted=(PoolExhausted,),
+                  overlap=config.overlap_schedule == "on", prefill_delay_factor=config.prefill_delay_factor,
+                  stream_interval=config.stream_interval)
 
 
-def ready_message(settings: Any, engine: Engine) -> ipc.Ready:
+def ready_message(config: EngineConfig, engine: Engine) -> ipc.Ready:
     runner, cfg = engine.runner, engine.runner.config
-    bos = getattr(engine.tokenizer, "bos_token_id", None)
-    bos = bos if bos is not None else getattr(cfg, "bos_token_id", 0) or 0
+    bos = engine.tokenizer.bos_token_id
+    bos = bos if bos is not None else cfg.bos_token_id or 0
     static = {
-        "config": cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg)),
+        "config": cfg.to_dict(),
         "runner": _safe(runner.describe),
         "speculative": dict(engine.decoder.describe()),
-        "model_path": getattr(runner, "model_path", None),
+        "model_path": runner.model_path,
     }
-    sites = getattr(runner, "fused_sites", None)
-    if sites is not None:
-        static["fused_sites"] = sites
+    if runner.fused_sites is not None:
+        static["fused_sites"] = runner.fused_sites
     return ipc.Ready(
-        pid=os.getpid(), model_id=getattr(runner, "model_name", None) or settings.model or DEFAULT_MODEL_NAME,
-        max_seq_len=int(getattr(runner, "max_seq_len", settings.max_seq_len)),
-        vocab_size=int(getattr(cfg, "vocab_size", 1 << 31)), bos_token_id=bos,
+        pid=os.getpid(), model_id=runner.model_name or config.model or DEFAULT_MODEL_NAME,
+        max_seq_len=runner.max_seq_len, vocab_size=int(cfg.vocab_size), bos_token_id=bos,
         max_queue=engine.scheduler.max_queue, grammar_blocker=engine.grammar_blocker(), static_info=static)
 
 
@@ -81,7 +82,7 @@ class EngineLoop:
         self.parent = parent
         self.requests: dict[int, list[Sequence]] = {}  # rid -> its sequences, until all have finished
         self.remaining: dict[int, int] = {}
-        self.events: list[tuple[int, Any]] = []  # the current step's (rid, SeqEvent)
+        self.events: list[tuple[int, ipc.SeqEvent]] = []  # the current step's (rid, SeqEvent)
         self.compiling: dict[concurrent.futures.Future, int] = {}  # compile future -> call id
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evalpipe-grammar")
         self.poller = zmq.Poller()
@@ -198,12 +199,12 @@ class EngineLoop:
     def _describe(self) -> dict:
         """The moving parts of /get_server_info, as of the last step."""
         runner = self.engine.runner
-        out: dict[str, Any] = {"engine": self.engine.describe(), "runner": _safe(runner.describe),
+        out: dict = {"engine": self.engine.describe(), "runner": _safe(runner.describe),
                                "speculative": dict(self.engine.decoder.describe()),
                                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
                                "last_step_age_s": (time.monotonic() - self.engine.last_step_at
                                                    if self.engine.last_step_at else None)}
-        if getattr(runner, "fused_sites", None) is not None:
+        if runner.fused_sites is not None:
             from evalpipe.engine.model.fused_sites import site_counts
 
             out["fused_site_calls"] = site_counts()
@@ -257,7 +258,7 @@ class StepWindow:
         self._reset(now)
 
 
-def _safe(fn: Callable[[], Any]) -> Any:
+def _safe(fn: Callable[[], dict]) -> dict:
     try:
         return fn()
     except Exception as exc:  # introspection must never break the engine

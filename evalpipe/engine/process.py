@@ -16,16 +16,17 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
 from evalpipe.engine import ipc
+from evalpipe.engine.config import EngineConfig
 
 log = logging.getLogger("evalpipe.engine")
 
 
-def main(settings: Any, build: Callable, tokenizer_factory: Callable, inbox: str, outbox: str,
+def main(config: EngineConfig, build: Callable, tokenizer_factory: Callable, inbox: str, outbox: str,
          log_level: int = logging.WARNING) -> None:
     """Entry point of the spawned process: build the engine, report Ready (or LoadFailed and exit 1), then loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -40,14 +41,14 @@ def main(settings: Any, build: Callable, tokenizer_factory: Callable, inbox: str
     try:
         from evalpipe.engine.loop import EngineLoop, build_engine, ready_message  # torch and the model: here only
 
-        engine = build_engine(settings, build, tokenizer_factory)
+        engine = build_engine(config, build, tokenizer_factory)
     except Exception as exc:
         log.debug("engine build failed:\n%s", traceback.format_exc())  # --log-level debug shows where
         send.send_pyobj(ipc.LoadFailed(f"{type(exc).__name__}: {exc}"))
         send.close(linger=5000)
         ctx.term()
         sys.exit(1)
-    send.send_pyobj(ready_message(settings, engine))
+    send.send_pyobj(ready_message(config, engine))
     try:
         EngineLoop(engine, recv, send, parent).run()
     finally:

@@ -5,7 +5,8 @@ draws."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from evalpipe.engine.grammar_constraint import GrammarConstraint
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
-    grammar: Any = None  # a GrammarSpec (engine/grammar_spec.py): every sampled row is masked to what it allows
+    grammar: GrammarConstraint | None = None  # engine/grammar_constraint.py: every sampled row is masked to it
     # EOS and stop_token_ids are masked out, and stop strings unchecked, until this many tokens are out (vLLM's rule)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # keep a matched stop string (or stop token's text) in the text

@@ -14,11 +14,17 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from evalpipe.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from evalpipe.engine.grammar import GrammarMatcher
+    from evalpipe.engine.ipc import SeqEvent
+    from evalpipe.engine.spec.state import SeqSpec
+    from evalpipe.engine.tokenizer import Detokenizer
 
 # Prompt rows a step always offers when prompts are pending, even if decode rows use the whole budget,
 # so that a full decode batch cannot starve a newly admitted prompt.
@@ -40,12 +46,13 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
-    """One choice of one request: its prompt, what it has generated, and where its state lives in the runner."""
+    """One choice of one request: its prompt, what it has generated, where its state lives in the runner, and the
+    engine's output state (text so far, what was streamed, stop-string search, grammar, speculation)."""
 
     prompt: list[int]
     params: SamplingParams
     index: int = 0  # choice index within its request
-    on_event: Callable[[Any], None] | None = None  # called by the engine with each SeqEvent
+    on_event: Callable[[SeqEvent], None] | None = None  # called by the engine with each SeqEvent
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     slot: int | None = None  # runner sequence handle while RUNNING
@@ -56,7 +63,16 @@ class Sequence:
     aborted: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None
-    state: dict = field(default_factory=dict)  # engine-side output state (detokenizer, text, stats)
+    # output state, set by Engine.submit and advanced by Engine._emit
+    detokenizer: Detokenizer | None = None
+    text: str = ""  # detokenized output (cut before a matched stop string)
+    sent: int = 0  # characters of `text` already sent
+    checked: int = 0  # characters of `text` already searched for stop strings
+    stop_from: int = 0  # stop strings match only from here (text after the first min_tokens tokens)
+    matcher: GrammarMatcher | None = None  # the grammar's matcher, when params.grammar is set
+    prompt_logprobs: list | None = None  # scored prompt tokens not yet sent (params.prompt_logprobs)
+    held: SeqEvent | None = None  # an event held back by the stream interval
+    spec: SeqSpec | None = None  # the speculative decoder's per-sequence state (engine/spec/state.py)
 
     @property
     def prefilling(self) -> bool:

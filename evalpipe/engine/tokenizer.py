@@ -242,7 +242,11 @@ class HFDetokenizer:
         return new_text[len(prefix_text):]
 
 
-def load_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
+Tokenizer = ByteTokenizer | HFTokenizer
+Detokenizer = ByteDetokenizer | HFDetokenizer
+
+
+def load_tokenizer(path: str | None = None) -> Tokenizer:
     """The byte tokenizer when `path` is None or holds the byte layout's Hugging Face files (so a shipped model's
     folder serves exactly as its name does), else the Hugging Face tokenizer stored at `path`."""
     if path is None or is_byte_layout(path):

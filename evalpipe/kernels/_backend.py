@@ -4,13 +4,15 @@ Each public op takes `backend="auto" | "triton" | "reference"`. "auto" picks Tri
 CUDA, Triton imports, and the op's own guard accepts the shapes/dtypes. "triton" forces the kernel (on CPU that
 needs TRITON_INTERPRET=1, which is how the tests run it); "reference" forces the plain PyTorch chain.
 
-Kernels written as plain functions are compiled by `jit` on first use, per interpreter mode, so a test that sets
-TRITON_INTERPRET=1 after import still runs them interpreted.
+Every kernel is written as a plain function and compiled by `jit` on first use (with the device functions it calls,
+`helpers`), cached per interpreter mode. Triton's own language helpers are built when triton is imported, so
+TRITON_INTERPRET=1 must be set before that (tests/kernels/conftest.py does).
 """
 
 from __future__ import annotations
 
 import os
+import types
 from typing import Any, Callable
 
 import torch
@@ -52,14 +54,19 @@ def use_triton(backend: str, tensors: list[torch.Tensor], guard_ok: bool = True)
 _JIT: dict[tuple[bool, Callable], Any] = {}
 
 
-def jit(fn: Callable, varying: tuple[str, ...] = ()) -> Any:
+def jit(fn: Callable, varying: tuple[str, ...] = (), helpers: tuple[Callable, ...] = ()) -> Any:
     """`triton.jit(fn)`, built on first use and cached per interpreter mode. `varying` names integer arguments that
     change from call to call in eager forwards (row and entry counts, offsets): Triton would otherwise compile a
     variant per value class (1, multiple of 16, other) of each, so new prompt lengths kept compiling kernels
-    mid-run on a fresh machine. Strides and sizes fixed for a model stay specialised."""
+    mid-run on a fresh machine. Strides and sizes fixed for a model stay specialised. `helpers` are the plain
+    functions `fn` calls as Triton device functions: the kernel sees each, by its name, jitted in the same mode."""
     key = (interpret_mode(), fn)
     if key not in _JIT:
         import triton
 
+        if helpers:  # in dependency order: each helper may call those before it
+            scope = dict(fn.__globals__)
+            scope.update({h.__name__: jit(h, helpers=helpers[:i]) for i, h in enumerate(helpers) if h is not fn})
+            fn = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         _JIT[key] = triton.jit(fn, do_not_specialize=list(varying)) if varying else triton.jit(fn)
     return _JIT[key]

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import torch
 
-from evalpipe.kernels._backend import interpret_mode, use_triton
+from evalpipe.kernels._backend import interpret_mode, jit, use_triton
 from evalpipe.kernels.rope import apply_interleaved_rope
 
 try:
@@ -172,7 +172,6 @@ def c2_verify_reference(kv_gate, positions, req, row_valid, position_bias, norm_
 
 if triton is not None:
 
-    @triton.jit
     def _round_to(x, TO_BF16: tl.constexpr):
         """Round fp32 to bf16 when TO_BF16 (round-to-nearest-even from the bits; else identity), kept in fp32.
 
@@ -185,20 +184,17 @@ if triton is not None:
             x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
         return x
 
-    @triton.jit
     def _exp(x, LIBDEVICE: tl.constexpr):
         """exp as torch computes it on the same device: CUDA's expf on GPU, numpy's exp in the CPU interpreter."""
         if LIBDEVICE:
             return libdevice.exp(x)
         return tl.exp(x)
 
-    @triton.jit
     def _rsqrt(x, LIBDEVICE: tl.constexpr):
         if LIBDEVICE:
             return libdevice.rsqrt(x)
         return 1.0 / tl.sqrt_rn(x)
 
-    @triton.jit
     def _c2_verify_kernel(
         kvg_ptr, kvg_stride, pos_ptr, req_ptr, valid_ptr, bias_ptr, normw_ptr, eps,
         cos_ptr, sin_ptr, cos_stride, sin_stride, ring_ptr, ring_stride, pool_ptr, pool_stride,
@@ -293,6 +289,10 @@ if triton is not None:
         tl.store(pool_ptr + slot * pool_stride + offs, outv.to(pool_ptr.dtype.element_ty), mask=work)
 
 
+# device functions the kernels call, in dependency order (kernels._backend.jit gives each kernel them jitted)
+_HELPERS = (_round_to, _exp, _rsqrt) if triton is not None else ()
+
+
 def _triton_guard(kv_gate, cos, sin, kv_state, pool) -> bool:
     return (kv_gate.stride(1) == 1 and kv_state.stride(1) == 1 and pool.stride(1) == 1
             and (cos.numel() == 0 or cos.stride(1) == 1) and (sin.numel() == 0 or sin.stride(1) == 1)
@@ -316,7 +316,7 @@ def c2_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, ep
         return
     valid = row_valid if row_valid.dtype != torch.bool else row_valid.view(torch.uint8)
     bias = position_bias.contiguous()
-    _c2_verify_kernel[(n,)](
+    jit(_c2_verify_kernel, helpers=_HELPERS)[(n,)](
         kv_gate, kv_gate.stride(0), positions, req, valid, bias, norm_weight.contiguous(), float(eps),
         cos, sin, max(cos.stride(0), 1), max(sin.stride(0), 1), kv_state, kv_state.stride(0), pool, pool.stride(0),
         page_table, page_table.stride(0), page_size, ring_size, rows_per_request,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from evalpipe.kernels._backend import use_triton
+from evalpipe.kernels._backend import jit, use_triton
 
 try:
     import triton
@@ -102,7 +102,6 @@ def _reference_chain(logits, lens, topk_blocks, block_size, published):
 
 if triton is not None:
 
-    @triton.jit
     def _mask_and_block_score_kernel(
         logits_ptr, lens_ptr, masked_ptr, keep_ptr, bscore_ptr,
         width, nblocks, block_size,
@@ -133,7 +132,6 @@ if triton is not None:
             tl.store(keep_ptr + row * k_row + cols, tl.zeros_like(cols).to(tl.uint8), mask=in_w)
             tl.store(bscore_ptr + row * b_row + blocks, score, mask=blocks < nblocks)
 
-    @triton.jit
     def _scatter_keep_kernel(
         sel_ptr, val_ptr, keep_ptr,
         width, k, block_size,
@@ -151,7 +149,6 @@ if triton is not None:
         mask = in_k[:, None] & (inner[None, :] < block_size) & (cols < width)
         tl.store(keep_ptr + row * k_row + cols, kept[:, None] + tl.zeros_like(cols).to(tl.uint8), mask=mask)
 
-    @triton.jit
     def _consumer_kernel(
         logits_ptr, lens_ptr, published_ptr, out_ptr,
         width,
@@ -213,7 +210,7 @@ def candidate_block_mask(
     if published is not None:
         if rows and width:
             pub = published.view(torch.uint8)
-            _consumer_kernel[(rows, triton.cdiv(width, TILE))](
+            jit(_consumer_kernel)[(rows, triton.cdiv(width, TILE))](
                 logits, lens, pub, masked, width, *logits.stride(), *pub.stride(), masked.stride(0), TILE_W=TILE
             )
         return masked, None
@@ -227,7 +224,7 @@ def candidate_block_mask(
     all_selected = topk_blocks >= nblocks
     bscore = torch.empty((rows, 1 if all_selected else nblocks), dtype=torch.float32, device=device)
     keep_bytes = keep.view(torch.uint8)
-    _mask_and_block_score_kernel[(rows, triton.cdiv(nblocks, per_program))](
+    jit(_mask_and_block_score_kernel)[(rows, triton.cdiv(nblocks, per_program))](
         logits, lens, masked, keep_bytes, bscore,
         width, nblocks, block_size,
         *logits.stride(), masked.stride(0), keep_bytes.stride(0), bscore.stride(0),
@@ -237,7 +234,7 @@ def candidate_block_mask(
         return masked, keep
     k = topk_blocks
     val, sel = torch.topk(bscore, k, dim=1, sorted=False)
-    _scatter_keep_kernel[(rows, triton.cdiv(k, per_program))](
+    jit(_scatter_keep_kernel)[(rows, triton.cdiv(k, per_program))](
         sel, val, keep_bytes,
         width, k, block_size,
         sel.stride(0), val.stride(0), keep_bytes.stride(0),

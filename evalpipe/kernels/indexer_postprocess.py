@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from evalpipe.kernels._backend import use_triton
+from evalpipe.kernels._backend import jit, use_triton
 
 try:
     import triton
@@ -100,7 +100,6 @@ def indexer_postprocess_reference(
 
 if triton is not None:
 
-    @triton.jit
     def _indexer_postprocess_kernel(
         scores_ptr, indices_ptr, page_table_ptr, page_out_ptr, raw_out_ptr,
         width, k, page_size,
@@ -158,7 +157,7 @@ def indexer_postprocess(
         return page_out, raw_out
     raw_arg = raw_out if raw_out is not None else page_out
     grid = (rows, triton.cdiv(k, BLOCK_K))
-    _indexer_postprocess_kernel[grid](
+    jit(_indexer_postprocess_kernel)[grid](
         scores, indices, page_table, page_out, raw_arg,
         scores.shape[1], k, page_size,
         *scores.stride(), *indices.stride(), *page_table.stride(), *page_out.stride(), *raw_arg.stride(),

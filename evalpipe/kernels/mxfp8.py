@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalpipe.kernels._backend import interpret_mode, use_triton
+from evalpipe.kernels._backend import interpret_mode, jit, use_triton
 
 try:
     import triton
@@ -204,14 +204,12 @@ def _check_linear(a, w_b: torch.Tensor) -> None:
 
 if triton is not None:
 
-    @triton.jit
     def _rne_bf16(x):
         """fp32 -> nearest-even bf16 value, kept in fp32 (bit arithmetic: the CPU interpreter truncates casts)."""
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
         return bits.to(tl.float32, bitcast=True)
 
-    @triton.jit
     def _e4m3_bits(v):
         """fp32 v with |v| <= 448 -> float8_e4m3fn code (int32 0..255), round to nearest even, from the bits."""
         bits = v.to(tl.int32, bitcast=True)
@@ -226,7 +224,6 @@ if triton is not None:
         code = tl.where(a < 0.015625, sub, normal)
         return code | sign
 
-    @triton.jit
     def _quantize_tile(y, M, row0, col_group0, data_ptr, data_stride, scale_ptr, GP, N,
                        BM: tl.constexpr, GB: tl.constexpr):
         """Quantize an fp32 tile [BM, GB*32] (rows row0.., groups col_group0..) and store data + swizzled scales.
@@ -259,7 +256,6 @@ if triton is not None:
         tl.store(data_ptr + rows[:, None].to(tl.int64) * data_stride + cols[None, :], codes.to(tl.uint8),
                  mask=dmask)
 
-    @triton.jit
     def _mxfp8_quantize_kernel(y_ptr, y_stride, data_ptr, data_stride, scale_ptr, M, N, GP,
                                BM: tl.constexpr, GB: tl.constexpr):
         row0 = tl.program_id(0) * BM
@@ -270,7 +266,6 @@ if triton is not None:
         y = tl.load(y_ptr + rows[:, None].to(tl.int64) * y_stride + cols[None, :], mask=mask, other=0.0)
         _quantize_tile(y.to(tl.float32), M, row0, g0, data_ptr, data_stride, scale_ptr, GP, N, BM, GB)
 
-    @triton.jit
     def _reduce_quantize_kernel(p_ptr, p_split_stride, p_row_stride, data_ptr, data_stride, scale_ptr, M, N, GP,
                                 S: tl.constexpr, BM: tl.constexpr, GB: tl.constexpr):
         """WO-A tail: y = bf16(sum_s partial[s]) summed s = 0..S-1 in order, then MXFP8 quantize."""
@@ -285,7 +280,6 @@ if triton is not None:
             acc = acc + tl.load(ptrs + s * p_split_stride, mask=mask, other=0.0)
         _quantize_tile(_rne_bf16(acc), M, row0, g0, data_ptr, data_stride, scale_ptr, GP, N, BM, GB)
 
-    @triton.jit
     def _wo_a_partials_kernel(x_ptr, sx_t, sx_g, w_ptr, sw_g, sw_n, p_ptr, M, R, Kg,
                               SPLIT_LEN: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -318,13 +312,11 @@ if triton is not None:
         out = p_ptr + s.to(tl.int64) * M * (G * R) + rows[:, None].to(tl.int64) * (G * R) + g * R + cols[None, :]
         tl.store(out, acc, mask=(rows < M)[:, None] & (cols < R)[None, :])
 
-    @triton.jit
     def _gpu_fence(dep):
         """fence.acq_rel.gpu (CUDA's __threadfence) in every thread; `dep` only gives the asm an operand."""
         tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [dep.to(tl.int32)],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
-    @triton.jit
     def _wo_a_fused_kernel(x_ptr, sx_t, sx_g, w_ptr, sw_g, sw_n, p_ptr, cnt_ptr, data_ptr, data_stride, scale_ptr,
                            M, R, Kg, GP, SPLIT_LEN: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -377,7 +369,6 @@ if triton is not None:
                 tl.store(scale_ptr + off, tl.zeros((BM, BN // 32), dtype=tl.uint8))
             tl.store(cnt_ptr + c, 0)
 
-    @triton.jit
     def _mxfp8_linear_kernel(a_ptr, a_stride, scale_ptr, w_ptr, w_stride, o_ptr, o_stride, M, N, K, GP,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
                              OUT_BF16: tl.constexpr, STAGES: tl.constexpr = 3):
@@ -416,6 +407,10 @@ if triton is not None:
                  mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
+# device functions the kernels call, in dependency order (kernels._backend.jit gives each kernel them jitted)
+_HELPERS = (_rne_bf16, _e4m3_bits, _quantize_tile, _gpu_fence) if triton is not None else ()
+
+
 def _rows_block(m: int) -> int:
     return 16 if m <= 16 else 64
 
@@ -429,12 +424,14 @@ def _launch_quantize(y_or_partials: torch.Tensor, out: Mxfp8Tensor, splits: int)
     grid = (_ceil_to(m, 128) // bm, gp // gb)
     data_u8 = out.data.view(torch.uint8)
     if splits == 0:
-        _mxfp8_quantize_kernel[grid](y_or_partials, y_or_partials.stride(0), data_u8, data_u8.stride(0), out.scales,
-                                     m, n, gp, BM=bm, GB=gb)
+        kernel = jit(_mxfp8_quantize_kernel, helpers=_HELPERS)
+        kernel[grid](y_or_partials, y_or_partials.stride(0), data_u8, data_u8.stride(0), out.scales,
+                     m, n, gp, BM=bm, GB=gb)
     else:
         p = y_or_partials
-        _reduce_quantize_kernel[grid](p, p.stride(0), p.stride(1), data_u8, data_u8.stride(0), out.scales, m, n, gp,
-                                      S=splits, BM=bm, GB=gb)
+        kernel = jit(_reduce_quantize_kernel, helpers=_HELPERS)
+        kernel[grid](p, p.stride(0), p.stride(1), data_u8, data_u8.stride(0), out.scales, m, n, gp,
+                     S=splits, BM=bm, GB=gb)
 
 
 def mxfp8_quantize(y: torch.Tensor, *, out: Mxfp8Tensor | None = None, backend: str = "auto") -> Mxfp8Tensor:
@@ -491,9 +488,10 @@ def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") 
     bn = 32 if m <= 16 else 64  # small M: more programs in flight over the 8 splits x G groups
     bk = SPLIT_ALIGN
     grid = (triton.cdiv(m, bm), triton.cdiv(r, bn), g * SPLITS)
-    _wo_a_partials_kernel[grid](x, x.stride(0), x.stride(1), w_a, w_a.stride(0), w_a.stride(1), partials,
-                                m, r, kg, SPLIT_LEN=split_len, G=g, S=SPLITS, BM=bm, BN=bn, BK=bk,
-                                DOT_FP32=interpret_mode())
+    kernel = jit(_wo_a_partials_kernel, helpers=_HELPERS)
+    kernel[grid](x, x.stride(0), x.stride(1), w_a, w_a.stride(0), w_a.stride(1), partials,
+                 m, r, kg, SPLIT_LEN=split_len, G=g, S=SPLITS, BM=bm, BN=bn, BK=bk,
+                 DOT_FP32=interpret_mode())
     return partials
 
 
@@ -559,7 +557,7 @@ def _wo_a_single_launch(x: torch.Tensor, w_a: torch.Tensor, out: Mxfp8Tensor | N
     partials = torch.empty(SPLITS, m, n, dtype=torch.float32, device=x.device)
     tickets = _tickets(x.device, n // bn)
     data_u8 = out.data.view(torch.uint8)
-    _wo_a_fused_kernel[(n // bn, SPLITS)](
+    jit(_wo_a_fused_kernel, helpers=_HELPERS)[(n // bn, SPLITS)](
         x, x.stride(0), x.stride(1), w_a, w_a.stride(0), w_a.stride(1), partials, tickets, data_u8,
         data_u8.stride(0), out.scales, m, r, kg, _ceil_to(n // GROUP, 4), SPLIT_LEN=split_len, G=g, S=SPLITS,
         BM=16, BN=bn, BK=SPLIT_ALIGN, DOT_FP32=interpret_mode(), FENCE=not interpret_mode())
@@ -590,7 +588,8 @@ def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16,
     gp = _ceil_to(k // GROUP, 4)
     data_u8 = a.data.view(torch.uint8)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _mxfp8_linear_kernel[grid](data_u8, data_u8.stride(0), a.scales, w_b, w_b.stride(0), out, out.stride(0),
-                               m, n, k, gp, BM=bm, BN=bn, BK=bk, DOT_FP32=interpret_mode(),
-                               OUT_BF16=out_dtype == torch.bfloat16)
+    kernel = jit(_mxfp8_linear_kernel, helpers=_HELPERS)
+    kernel[grid](data_u8, data_u8.stride(0), a.scales, w_b, w_b.stride(0), out, out.stride(0),
+                 m, n, k, gp, BM=bm, BN=bn, BK=bk, DOT_FP32=interpret_mode(),
+                 OUT_BF16=out_dtype == torch.bfloat16)
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from evalpipe.kernels._backend import use_triton
+from evalpipe.kernels._backend import jit, use_triton
 from evalpipe.kernels.rope import apply_interleaved_rope
 
 try:
@@ -52,7 +52,6 @@ def q_rope_store_reference(
 
 if triton is not None:
 
-    @triton.jit
     def round_fp32_to_bf16(x):
         """fp32 -> bf16 round-to-nearest-even done on the bits (NaN -> 0x7FC0).
 
@@ -64,7 +63,6 @@ if triton is not None:
         u = tl.where(x != x, 0x7FC00000, u)
         return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
-    @triton.jit
     def _q_rope_store_kernel(
         q_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr,
         head_dim, nope_dim,
@@ -93,6 +91,10 @@ if triton is not None:
             rounded = rotated.to(x.dtype)
         value = tl.where(is_rope, rounded, x)
         tl.store(out_ptr + tok * o_tok + head * o_head + d, value, mask=in_row)
+
+
+# device functions the kernels call, in dependency order (kernels._backend.jit gives each kernel them jitted)
+_HELPERS = (round_fp32_to_bf16,) if triton is not None else ()
 
 
 def _triton_guard(q, out, cos, sin, positions) -> bool:
@@ -129,7 +131,7 @@ def q_rope_store(
     tokens, heads, head_dim = q.shape
     if tokens == 0 or heads == 0:
         return out
-    _q_rope_store_kernel[(tokens, heads)](
+    jit(_q_rope_store_kernel, helpers=_HELPERS)[(tokens, heads)](
         q, out, cos, sin, positions,
         head_dim, head_dim - 2 * cos.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cos.stride(0),

@@ -28,6 +28,7 @@ from typing import Mapping
 
 import httpx
 
+from evalpipe.engine.config import EngineConfig
 from evalpipe.launchers.env import (
     ChildEnvironment,
     build_child_env,
@@ -81,10 +82,15 @@ class LaunchOptions:
     ngram_min: int | None = None  # vllm ngram: prompt_lookup_min
     ngram_max: int | None = None  # vllm ngram: prompt_lookup_max
     extra_args: tuple[str, ...] = ()
+    # --engine native: the EngineConfig these flags give a native server (the fields above that a native server
+    # reads, defaults filled in, plus its own flags); None for sglang/vllm, which never read it
+    native: EngineConfig | None = None
 
     def recorded(self) -> dict:
-        """The options as a receipt stores them (secrets hidden)."""
-        return redact_tree(asdict(self), self.more_api_keys)
+        """The options as a receipt stores them (secrets hidden; a native server reports its own settings)."""
+        out = asdict(self)
+        out.pop("native")
+        return redact_tree(out, self.more_api_keys)
 
     @property
     def speculation_on(self) -> bool:

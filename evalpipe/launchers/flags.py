@@ -8,6 +8,9 @@ arms of `evalpipe ab` (`parse_serve_args`) parse this one table. Four groups:
 - RUN: how one launch runs (dry run, readiness, receipt, log); `evalpipe ab` sets these itself.
 
 The rules the flags obey are in rules.py, one place each, for a native in-process server and the launchers alike.
+Every field of the native engine's `EngineConfig` (engine/config.py) is a flag of the same name whose default is the
+field's (`ENGINE_DEFAULTS`), or None ("not given": each engine's own default) for the flags all engines share, whose
+help then states the native default; tests/test_engine_config.py checks both.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import shlex
 import click
 from click.core import ParameterSource
 
+from evalpipe.engine.config import DEFAULT_TOKENS_PER_STEP, EngineConfig
+from evalpipe.engine.config import ENGINE_DEFAULTS as D
 from evalpipe.engine.faults import DEBUG_FAULTS
 from evalpipe.launchers import ENGINES
 from evalpipe.launchers.base import LaunchOptions
@@ -48,22 +53,23 @@ COMMON = [
     O("--host", default="127.0.0.1", show_default=True, help="Address the server binds."),
     O("--port", default=30000, show_default=True, type=click.IntRange(0, 65535),
       help="Port the server binds (native: 0 picks a free one; `ab` picks a free one unless given)."),
-    O("--dtype", default=None, help="Weight/activation dtype. native: float32 (default) or bfloat16; sglang/vllm: "
-                                    "passed to the engine."),
-    O("--device", default=None, help="native: where the model runs, cpu (default) or cuda."),
+    O("--dtype", default=None, help="Weight/activation dtype. native: float32 or bfloat16 "
+                                    f"[default: {D.dtype}]; sglang/vllm: passed to the engine."),
+    O("--device", default=None, help=f"native: where the model runs, cpu or cuda [default: {D.device}]."),
     O("--max-batch", type=int, callback=_pos_int, default=None,
-      help="native: most sequences running at once (each choice of a request is one sequence) [default: 64]."),
+      help=f"native: most sequences running at once (each choice of a request is one sequence) "
+           f"[default: {D.max_batch}]."),
     O("--api-key", "api_key", multiple=True, metavar="KEY",
       help="Require 'Authorization: Bearer KEY' (native: all routes but /health*; also read from "
            "EVALPIPE_API_KEY). native: repeat it to accept any of several keys (key rotation, one key per "
            "client); sglang/vllm take one. Redacted in every receipt and printout."),
     O("--speculative", type=click.Choice(SPECULATION_PROFILES), default=None,
-      help="Speculation profile [default: off]. native: off | block (block speculative decoding: each step drafts "
-           "G tokens per sequence and verifies the last token plus the G drafts, G+1 rows, in one target forward); "
-           "sglang: off | dspark | eagle | eagle3 | nextn; vllm: the same plus ngram."),
+      help=f"Speculation profile [default: {D.speculative}]. native: off | block (block speculative decoding: each "
+           "step drafts G tokens per sequence and verifies the last token plus the G drafts, G+1 rows, in one target "
+           "forward); sglang: off | dspark | eagle | eagle3 | nextn; vllm: the same plus ngram."),
     O("--block-size", type=int, callback=_pos_int, default=None, metavar="G",
-      help="native: drafts per verify step with --speculative block, 1..16 [default: 5]; sglang: the dspark "
-           "block size; vllm: dspark draft tokens."),
+      help=f"native: drafts per verify step with --speculative block, 1..16 [default: {D.block_size}]; sglang: "
+           "the dspark block size; vllm: dspark draft tokens."),
     O("--drafter", default=None, metavar="SPEC",
       help="native, with --speculative block: layerskip:N (the target's first N layers + final norm and head), "
            "model:PATH (a separate small checkpoint, same tokenizer), ngram (prompt lookup), self (the target "
@@ -90,56 +96,59 @@ COMMON = [
 ]
 NATIVE = [
     O("--max-tokens-per-step", default=None, type=click.IntRange(1),
-      help="native: rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size). Default: 512 "
-           "on the CPU, 8192 with --device cuda (SGLang's chunked-prefill size on large GPUs: on the H200 a "
-           "3500-token prompt prefills 4.7x faster in one chunk than in 512-row chunks)."),
-    O("--max-queue", default=1024, show_default=True, type=click.IntRange(0),
+      help="native: rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size). Default: "
+           f"{DEFAULT_TOKENS_PER_STEP['cpu']} on the CPU, {DEFAULT_TOKENS_PER_STEP['cuda']} with --device cuda "
+           "(SGLang's chunked-prefill size on large GPUs: on the H200 a 3500-token prompt prefills 4.7x faster in one "
+           "chunk than in 512-row chunks)."),
+    O("--max-queue", default=D.max_queue, show_default=True, type=click.IntRange(0),
       help="native: most sequences waiting for a slot; beyond it requests get 503 with Retry-After."),
-    O("--max-seq-len", default=4096, show_default=True, type=click.IntRange(2),
+    O("--max-seq-len", default=D.max_seq_len, show_default=True, type=click.IntRange(2),
       help="native: longest prompt + completion per sequence, in tokens."),
     O("--docs", is_flag=True,
       help="native: serve the interactive API docs (/docs, /redoc, /openapi.json); off by default. With "
            "--api-key they need the key like every other route."),
-    O("--fused", default="on", show_default=True, type=click.Choice(["on", "off"]),
+    O("--fused", default=D.fused, show_default=True, type=click.Choice(["on", "off"]),
       help="native, with --device cuda: route the verify (and decode) steps through the fused Triton kernels of "
            "evalpipe.kernels (on) or the engine's reference PyTorch chains (off), to A/B fusion in one build. On "
            "the CPU the reference chains always run."),
-    O("--cuda-graphs", default="on", show_default=True, type=click.Choice(["on", "off"]),
+    O("--cuda-graphs", default=D.cuda_graphs, show_default=True, type=click.Choice(["on", "off"]),
       help="native, with --device cuda: capture the decode and (G+1)-row verify steps as CUDA graphs per batch "
            "bucket at start-up and replay them (off: run the same static steps eagerly)."),
-    O("--prefix-cache", default="on", show_default=True, type=click.Choice(["on", "off"]),
+    O("--prefix-cache", default=D.prefix_cache, show_default=True, type=click.Choice(["on", "off"]),
       help="native: reuse the state of shared prompt prefixes across requests (full pages of compressed-KV entries "
            "and indexer keys shared by reference count, sliding-window and compressor rows restored at the page "
            "edge; LRU eviction when pages run short). Exact: greedy outputs equal those with it off. Hits show in "
            "usage.prompt_tokens_details.cached_tokens; POST /flush_cache drops it."),
-    O("--overlap-schedule", default="on", show_default=True, type=click.Choice(["on", "off"]),
+    O("--overlap-schedule", default=D.overlap_schedule, show_default=True, type=click.Choice(["on", "off"]),
       help="native, with --device cuda: queue each greedy decode step before the previous step's tokens reach the "
            "host (fed on the device), so stop checks, detokenizing and streaming run while the GPU computes "
            "(SGLang's overlap scheduler). Exact: the same tokens as off; a stop is seen one step late and its extra "
            "row discarded. Steps with prompt chunks, sampling, grammars, logprobs or speculation run as before."),
-    O("--prefill-delay-factor", default=0.0, show_default=True, type=click.FloatRange(0), metavar="F",
+    O("--prefill-delay-factor", default=D.prefill_delay_factor, show_default=True, type=click.FloatRange(0),
+      metavar="F",
       help="native: while sequences decode, admit new prompts only once F x (the last prompt step's time) has passed "
            "since it ended, or when a full --max-tokens-per-step chunk of them is waiting (vLLM's "
            "--scheduler-delay-factor). Fewer, larger prompt chunks: each prompt step stalls every decoding "
            "sequence, and on a GPU a small chunk costs nearly as much as a large one. Trades time to first token "
            "for throughput; 0 admits at every step."),
-    O("--stream-interval", default=1, show_default=True, type=click.IntRange(1), metavar="N",
+    O("--stream-interval", default=D.stream_interval, show_default=True, type=click.IntRange(1), metavar="N",
       help="native: after a sequence's first token, send its tokens in events of N (the last one may be shorter; "
            "SGLang's --stream-interval). A stream then has about N times fewer chunks for the server and the "
            "client to handle, at N steps between chunks; tokens, text and usage are the same. Non-streamed "
            "responses are unchanged."),
-    O("--wo-quant", default="none", show_default=True, type=click.Choice(["none", "mxfp8"]),
+    O("--wo-quant", default=D.wo_quant, show_default=True, type=click.Choice(["none", "mxfp8"]),
       help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
            "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "
            "once at load. LOSSY: outputs differ from the unquantized model (and from the transformers oracle). "
            "Triton on CUDA where the kernels' guards pass (bf16), their PyTorch references elsewhere (CPU). "
            "Reported in /get_server_info (wo_quant, fused_sites)."),
-    O("--threads", default=1, show_default=True, type=click.IntRange(1), metavar="N",
+    O("--threads", default=D.threads, show_default=True, type=click.IntRange(1), metavar="N",
       help="native: torch intra-op threads of the engine process for --device cpu (the HTTP process runs no torch "
            "op). One by default: the tiny model is op-overhead bound "
            "(2 threads gave the same prefill speed here) and extra OpenMP threads fight the client and other "
            "processes on small machines (a request took 20-50x longer under contention)."),
-    O("--debug-fault", "debug_faults", multiple=True, type=click.Choice(list(DEBUG_FAULTS)), metavar="NAME",
+    O("--debug-fault", "debug_faults", multiple=True, default=D.debug_faults, type=click.Choice(list(DEBUG_FAULTS)),
+      metavar="NAME",
       help="native, EVALUATION OF EVALUATIONS ONLY (never on by default; repeatable): plant a known "
            "speculative-decoding bug to show which check notices it. greedy-sampling (verify takes the argmax for "
            "sampled requests), residual-from-target (on rejection resample from p, not max(0, p - q)), "
@@ -241,7 +250,8 @@ def options_from_params(params: dict, given_names: set[str]) -> LaunchOptions:
     command = params["engine_command"]
     values.update(keep_env=tuple(params["keep_env"]), set_env=parse_assignments(params["set_env"]),
                   engine_command=tuple(shlex.split(command)) if command else None,
-                  extra_args=tuple(native_argv(params, given_names)) + tuple(params["extra_args"]))
+                  extra_args=tuple(native_argv(params, given_names)) + tuple(params["extra_args"]),
+                  native=EngineConfig.from_values(params) if params["engine"] == "native" else None)
     return LaunchOptions(**values)
 
 

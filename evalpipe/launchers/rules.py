@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from evalpipe.engine.config import ENGINE_DEFAULTS
 from evalpipe.launchers.errors import LaunchConfigError, require
 
 NATIVE_DTYPES = ("float32", "bfloat16")
 NATIVE_DEVICES = ("cpu", "cuda")
 NATIVE_MAX_BLOCK = 16
-NATIVE_BLOCK_SIZE = 5  # the native engine's default G (ServerSettings.block_size)
 NATIVE_ACCEPT_RULES = ("topk", "threshold")  # the lossy acceptance rules the native engine offers on purpose
 
 
@@ -38,7 +38,7 @@ def check_native(o) -> None:
     if o.speculative in (None, "off"):
         require(o.block_size is None and o.drafter is None, "--block-size/--drafter need --speculative block")
         require(o.simulate_acc_len is None, "--simulate-acc-len needs --speculative block")
-    g = NATIVE_BLOCK_SIZE if o.block_size is None else o.block_size
+    g = ENGINE_DEFAULTS.block_size if o.block_size is None else o.block_size
     require(g <= NATIVE_MAX_BLOCK, f"--block-size {g}: the native engine drafts 1..{NATIVE_MAX_BLOCK} tokens")
     if o.simulate_acc_len is not None:
         require(1.0 <= o.simulate_acc_len <= g + 1, f"--simulate-acc-len must be in [1, G+1] = [1, {g + 1}] for "

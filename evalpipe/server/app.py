@@ -83,7 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
         limit = state.max_seq_len
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "evalpipe",
-            "root": state.settings.model or state.model_id, "max_model_len": limit,
+            "root": state.settings.engine.model or state.model_id, "max_model_len": limit,
         }]}
 
     @app.post("/v1/completions")
@@ -122,8 +122,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/model_info")
     async def model_info():
         require_ready()
-        return {"model_path": state.settings.model or state.engine.info.static_info.get("model_path"),
-                "tokenizer_path": state.settings.tokenizer, "is_generation": True, "served_model_name": state.model_id}
+        return {"model_path": state.settings.engine.model or state.engine.info.static_info.get("model_path"),
+                "tokenizer_path": state.settings.engine.tokenizer, "is_generation": True,
+                "served_model_name": state.model_id}
 
     @app.get("/flush_cache")
     @app.post("/flush_cache")

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from evalpipe.engine import ipc, process
+from evalpipe.engine.config import EngineConfig
 
 log = logging.getLogger("evalpipe.server")
 
@@ -46,7 +47,7 @@ class EngineCallError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, settings: Any, build: Callable, tokenizer_factory: Callable,
+    def __init__(self, settings: EngineConfig, build: Callable, tokenizer_factory: Callable,
                  on_dead: Callable[[str], None] | None = None):
         self.settings = settings
         self._build = build

@@ -95,7 +95,7 @@ class Job:
 
 # -- request -> job -----------------------------------------------------------------------------------
 def check_model(state, requested: str | None) -> None:
-    if requested is None or requested in (state.model_id, state.settings.model):
+    if requested is None or requested in (state.model_id, state.settings.engine.model):
         return
     shown = requested if len(requested) <= 200 else requested[:200] + "..."
     raise APIError(404, f"The model `{shown}` does not exist (this server serves `{state.model_id}`).",
@@ -559,4 +559,4 @@ def _vllm_prompt_logprobs(state, scored: list[dict | None], top_k: int) -> list[
 
 
 def fingerprint(state) -> str:
-    return f"evalpipe-{__version__}-{state.model_id}-{state.settings.dtype}-{state.settings.device}"
+    return f"evalpipe-{__version__}-{state.model_id}-{state.settings.engine.dtype}-{state.settings.engine.device}"

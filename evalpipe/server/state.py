@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from evalpipe import __version__
+from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.model.names import DEFAULT_MODEL_NAME
 from evalpipe.redact import redact, redact_argv
 from evalpipe.server.engine_client import EngineClient, EngineLoadError
@@ -26,72 +27,30 @@ from evalpipe.server.engine_client import EngineClient, EngineLoadError
 log = logging.getLogger("evalpipe.server")
 
 
-# Rows per forward when --max-tokens-per-step is not given: the prefill chunk. On the CPU a chunk's cost grows
-# with its rows, so 512 keeps decode steps short beside it; on a GPU a chunk is launch-bound until thousands of rows
-# (H200, v4-top2 eager prefill: 5,600 tok/s at 512, 26,600 at one 3500-row chunk; benchmarks/gpu_real_job.py).
-DEFAULT_TOKENS_PER_STEP = {"cpu": 512, "cuda": 8192}
-
-
 @dataclass
 class ServerSettings:
-    model: str | None = None
-    tokenizer: str | None = None
+    """The HTTP server's own settings beside the engine's (`engine`, the only part the engine process receives)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 30000
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_batch: int = 64
-    max_tokens_per_step: int | None = None  # None: DEFAULT_TOKENS_PER_STEP of the device
-    max_queue: int = 1024
-    max_seq_len: int = 4096
-    threads: int = 1  # torch intra-op threads of the engine process on the CPU (the HTTP process runs no torch op)
     api_key: str | None = None
     more_api_keys: tuple[str, ...] = ()  # further keys accepted beside api_key (`--api-key` given several times)
     docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key when one is set)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
-    # block speculation (evalpipe/engine/spec/decoder.py): "off" | "block", G drafts per verify, drafter spec
-    # (None: layerskip over 3/4 of the layers), simulated accept length (None: off; performance runs only)
-    speculative: str = "off"
-    block_size: int = 5
-    drafter: str | None = None
-    simulate_acc_len: float | None = None
-    # LOSSY acceptance (evalpipe/engine/spec/settings.py, AcceptRule), off unless set: a draft among the target's top
-    # K (K >= 2), or SGLang's probability thresholds below 1.0 (sampled requests). None: exact acceptance.
-    spec_accept_topk: int | None = None
-    spec_accept_threshold_single: float | None = None
-    spec_accept_threshold_acc: float | None = None
-    # CUDA serving path (evalpipe/engine/static/): verify through the Triton kernels or the reference
-    # chains; capture decode/verify steps as CUDA graphs. Both only act with device "cuda".
-    fused: str = "on"
-    cuda_graphs: str = "on"
-    # output projection: "none" (model dtype) or "mxfp8" (WO-A wo_a_mxfp8, WO-B mxfp8_linear on MXFP8-rounded o_b
-    # weights; lossy; evalpipe/engine/model/fused_sites.py). Acts on every device (the kernels' references on the CPU).
-    wo_quant: str = "none"
-    # prefix cache (evalpipe/engine/prefix_cache.py): "on" | "off"
-    prefix_cache: str = "on"
-    # overlap schedule (evalpipe/engine/engine.py): queue greedy decode steps one ahead on the CUDA-graph runner
-    overlap_schedule: str = "on"
-    # prefill delay (evalpipe/engine/engine.py, Engine._admit_now): new prompts wait F x the last prompt step's time
-    prefill_delay_factor: float = 0.0
-    # stream interval (evalpipe/engine/engine.py, Engine._send): streamed events carry N tokens (the first excepted)
-    stream_interval: int = 1
-    # planted faults (evalpipe/engine/faults.py, --debug-fault): evaluation of evaluations only, none by default
-    debug_faults: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.max_tokens_per_step is None:
-            self.max_tokens_per_step = DEFAULT_TOKENS_PER_STEP["cuda" if self.device == "cuda" else "cpu"]
 
     def public(self) -> dict:
-        """The settings as /get_server_info shows them: secrets redacted (evalpipe.redact's rule)."""
-        return redact(asdict(self), self.api_keys())
+        """The settings as /get_server_info shows them (one flat mapping, the engine's fields among the server's):
+        secrets redacted (evalpipe.redact's rule)."""
+        own = asdict(self)
+        return redact({**own.pop("engine"), **own}, self.api_keys())
 
     def api_keys(self) -> list[str]:
         """Every key the server accepts; empty: no key required."""
         return [k for k in (self.api_key, *self.more_api_keys) if k]
 
 
-def default_tokenizer_factory(settings: ServerSettings) -> Any:
+def default_tokenizer_factory(settings: EngineConfig) -> Any:
     from evalpipe.engine.tokenizer import has_hf_tokenizer, load_tokenizer
 
     path = settings.tokenizer
@@ -100,7 +59,7 @@ def default_tokenizer_factory(settings: ServerSettings) -> Any:
     return load_tokenizer(path)
 
 
-def build_in_engine_process(settings: ServerSettings) -> tuple[Any, Any]:
+def build_in_engine_process(settings: EngineConfig) -> tuple[Any, Any]:
     """engine.build.build, imported where it runs: the HTTP process never builds a model and never imports torch
     (seconds of start-up; `test_the_http_process_never_imports_torch` in tests/test_server_api.py)."""
     from evalpipe.engine.build import build
@@ -113,13 +72,13 @@ class ServerState:
         self,
         settings: ServerSettings,
         *,
-        build: Callable[[ServerSettings], tuple[Any, Any]] = build_in_engine_process,
-        tokenizer_factory: Callable[[ServerSettings], Any] = default_tokenizer_factory,
+        build: Callable[[EngineConfig], tuple[Any, Any]] = build_in_engine_process,
+        tokenizer_factory: Callable[[EngineConfig], Any] = default_tokenizer_factory,
         on_ready: Callable[["ServerState"], None] | None = None,
         on_error: Callable[[str], None] | None = None,
     ):
         self.settings = settings
-        self._build = build  # settings -> (runner, decoder), run in the engine process (a picklable function)
+        self._build = build  # EngineConfig -> (runner, decoder), run in the engine process (a picklable function)
         self._tokenizer_factory = tokenizer_factory
         self._on_ready = on_ready
         self._on_error = on_error  # called with the sentence to show: the load failed, or the engine died
@@ -128,7 +87,7 @@ class ServerState:
         self.engine_error: str | None = None  # the engine process died after loading
         self.engine: EngineClient | None = None
         self.tokenizer: Any = None
-        self.model_id: str = settings.model or DEFAULT_MODEL_NAME
+        self.model_id: str = settings.engine.model or DEFAULT_MODEL_NAME
         self.started_at = time.time()
         self.load_seconds: float | None = None
         self._loading: asyncio.Task | None = None
@@ -140,7 +99,7 @@ class ServerState:
 
     @property
     def max_seq_len(self) -> int:
-        return self.engine.info.max_seq_len if self.engine and self.engine.info else self.settings.max_seq_len
+        return self.engine.info.max_seq_len if self.engine and self.engine.info else self.settings.engine.max_seq_len
 
     @property
     def speculative(self) -> dict:
@@ -153,8 +112,9 @@ class ServerState:
 
     async def _load(self) -> None:
         t0 = time.perf_counter()
-        self.engine = EngineClient(self.settings, self._build, self._tokenizer_factory, on_dead=self._engine_died)
-        tokenizer = asyncio.ensure_future(asyncio.to_thread(self._tokenizer_factory, self.settings))
+        config = self.settings.engine
+        self.engine = EngineClient(config, self._build, self._tokenizer_factory, on_dead=self._engine_died)
+        tokenizer = asyncio.ensure_future(asyncio.to_thread(self._tokenizer_factory, config))
         try:
             ready = await self.engine.start()
             self.tokenizer = await tokenizer
@@ -182,7 +142,7 @@ class ServerState:
 
     # -- introspection -----------------------------------------------------------------------------
     async def info(self) -> dict:
-        s = self.settings
+        s = self.settings.engine
         info: dict[str, Any] = {
             "model": self.model_id,
             "model_path": s.model,
@@ -192,8 +152,9 @@ class ServerState:
             "load_seconds": self.load_seconds,
             "dtype": s.dtype,
             "device": s.device,
-            "launch": {"argv": redact_argv(s.argv), "command": shlex.join(redact_argv(s.argv))},
-            "server_args": s.public(),
+            "launch": {"argv": redact_argv(self.settings.argv),
+                       "command": shlex.join(redact_argv(self.settings.argv))},
+            "server_args": self.settings.public(),
             "engine": {
                 "max_batch": s.max_batch, "max_tokens_per_step": s.max_tokens_per_step,
                 "max_queue": s.max_queue, "max_seq_len": s.max_seq_len,
@@ -248,7 +209,7 @@ class ServerState:
         internal["peak_rss_mb_by_process"] = {"http": http_rss, "engine": engine_rss}
         internal["uptime_s"] = time.time() - self.started_at
         info["internal_states"] = internal
-        return redact(info, s.api_keys())  # no setting or echoed command line carries the key out
+        return redact(info, self.settings.api_keys())  # no setting or echoed command line carries the key out
 
     async def _engine_state(self) -> dict:
         """The engine's live counters, or {"error": why} (a dead or unresponsive engine never breaks the info)."""
@@ -260,7 +221,7 @@ class ServerState:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _accept_setting(settings: ServerSettings) -> dict:
+def _accept_setting(settings: EngineConfig) -> dict:
     """The acceptance rule as `speculative.accept` reports it before the engine has loaded (block mode only)."""
     if settings.speculative != "block":
         return {}

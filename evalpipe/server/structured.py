@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evalpipe.engine.grammar_spec import GrammarSpec
+from evalpipe.engine.grammar_constraint import GrammarConstraint
 from evalpipe.server.errors import bad_request
 from evalpipe.server.protocol import ChatCompletionRequest
 
 
 @dataclass(frozen=True)
 class StructuredPlan:
-    grammar: GrammarSpec | None  # what the engine masks to (None: free decoding)
+    grammar: GrammarConstraint | None  # what the engine masks to (None: free decoding)
     tools: list[dict] | None  # the tool definitions, as sent, for the chat template
     tool_marker: int | None  # parse calls behind this token from the output (None: no tool calls possible)
     parallel: bool  # more than one call may be returned
@@ -58,12 +58,12 @@ def plan(req: ChatCompletionRequest, tokenizer) -> StructuredPlan:
     parallel = req.parallel_tool_calls is not False
     grammar = None
     if wants_json:
-        grammar = GrammarSpec.json(fmt.json_schema.schema_ if fmt.type == "json_schema" else None)
+        grammar = GrammarConstraint.json(fmt.json_schema.schema_ if fmt.type == "json_schema" else None)
     elif mode in ("required", "named"):
         chosen = [t for t in tools if mode == "required" or t["function"]["name"] == named]
         calls = [(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}) for t in chosen]
-        grammar = GrammarSpec.tool_calls(marker, calls, parallel)
+        grammar = GrammarConstraint.tool_calls(marker, calls, parallel)
     elif tools and mode == "none" and marker is not None:
-        grammar = GrammarSpec.forbid([marker])
+        grammar = GrammarConstraint.forbid([marker])
     return StructuredPlan(grammar=grammar, tools=tools or None, tool_marker=marker if calls_possible else None,
                           parallel=parallel)

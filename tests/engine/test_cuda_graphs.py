@@ -185,29 +185,25 @@ def test_captured_graph_replays_equal_eager(tiny_runner):
 def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner, cache_dir, monkeypatch):
     """`evalpipe serve` wiring: on the CPU the plain runner (max_batch slots); a GraphRunner hands drafters its
     wrapped ModelRunner (layerskip views copy a ModelRunner, not the wrapper) and still decodes speculatively."""
-    from types import SimpleNamespace
-
     from evalpipe.engine.build import build, capture_drafter
+    from evalpipe.engine.config import EngineConfig
     from evalpipe.engine.model.names import TINY_MODEL_NAME
     from evalpipe.engine.sampling_params import SamplingParams
     from evalpipe.engine.scheduler import Sequence
     from evalpipe.engine.spec.decoder import decoder_from_settings
-    from evalpipe.server.state import ServerSettings
 
     monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    plain, served_decoder = build(ServerSettings(model=TINY_MODEL_NAME, max_batch=5, max_seq_len=SMALL["max_seq_len"],
-                                                 speculative="block", drafter="layerskip:2"))
+    plain, served_decoder = build(EngineConfig(model=TINY_MODEL_NAME, max_batch=5, max_seq_len=SMALL["max_seq_len"],
+                                               speculative="block", drafter="layerskip:2"))
     assert isinstance(plain, ModelRunner) and plain.max_seqs == 5
     assert not capture_drafter(served_decoder, plain)  # nothing to capture on the CPU
     graph = GraphRunner(tiny_runner(**SMALL), widths=(1, 3), buckets=(1, 2), fused=True)
     assert graph.eager_runner is graph.runner and graph.max_seqs == graph.runner.max_seqs - 1
-    settings = SimpleNamespace(speculative="block", block_size=2, drafter="layerskip:2", simulate_acc_len=None)
-    decoder = decoder_from_settings(settings, graph)
+    decoder = decoder_from_settings(EngineConfig(speculative="block", block_size=2, drafter="layerskip:2"), graph)
     assert capture_drafter(decoder, graph) and isinstance(decoder.drafter.runner, GraphRunner)
     assert not capture_drafter(decoder, graph)  # already wrapped
     seq = Sequence(prompt=prompt(30, 5), params=SamplingParams(max_tokens=12, temperature=0.0))
     seq.slot = graph.allocate()
-    seq.state = {}
     seq.output.append(int(graph.forward([seq.slot], [seq.prompt[:]])[0].argmax()))
     ref = tiny_runner(**SMALL)
     rs = ref.allocate()

@@ -97,10 +97,9 @@ def test_bare_runner_built_with_the_server_settings_equals_the_served_one(checkp
     ModelRunner given the same SiteSettings run the same CSA and WO paths, bitwise, and call the same sites; a bare
     runner without them runs the plain path (here visibly, since --wo-quant mxfp8 is lossy)."""
     from evalpipe.engine.build import build
-    from evalpipe.server.state import ServerSettings
+    from evalpipe.engine.config import EngineConfig
 
-    settings = ServerSettings(model=checkpoint, max_batch=2, max_seq_len=256, wo_quant="mxfp8")
-    served, decoder = build(settings)
+    served, decoder = build(EngineConfig(model=checkpoint, max_batch=2, max_seq_len=256, wo_quant="mxfp8"))
     bare = ModelRunner(checkpoint, max_seqs=2, max_seq_len=256, sites=SiteSettings(wo_quant="mxfp8"))
     plain = ModelRunner(checkpoint, max_seqs=2, max_seq_len=256)
     assert decoder is None and type(served) is ModelRunner and served.fused_sites == bare.fused_sites

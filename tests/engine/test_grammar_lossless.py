@@ -13,7 +13,7 @@ import pytest
 
 from evalpipe.engine.engine import Engine, make_sequences
 from evalpipe.engine.grammar import Grammars
-from evalpipe.engine.grammar_spec import GrammarSpec
+from evalpipe.engine.grammar_constraint import GrammarConstraint
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, default_drafter
@@ -45,9 +45,9 @@ def prompts(tokenizer):
 
 
 GRAMMARS = {
-    "required": GrammarSpec.tool_calls(10, CALLS, parallel=False),
-    "named": GrammarSpec.tool_calls(10, CALLS[1:], parallel=False),
-    "json_schema": GrammarSpec.json(chat.JSON_SCHEMA),
+    "required": GrammarConstraint.tool_calls(10, CALLS, parallel=False),
+    "named": GrammarConstraint.tool_calls(10, CALLS[1:], parallel=False),
+    "json_schema": GrammarConstraint.json(chat.JSON_SCHEMA),
 }
 
 
@@ -73,9 +73,9 @@ def engines(runner, tokenizer):
             Engine(runner, tokenizer, max_batch=8, decoder=SpeculativeDecoder(runner, drafter, block_size=5)))
 
 
-def replays(grammars: Grammars, spec: GrammarSpec, ids: list[int]) -> bool:
+def replays(grammars: Grammars, spec: GrammarConstraint, ids: list[int]) -> bool:
     """A fresh matcher accepts the whole output and is terminated by its last token (the stop token)."""
-    c = grammars.constraint(spec, 1)
+    c = grammars.matcher(spec, 1)
     return all(c.matcher.accept_token(t) for t in ids) and c.terminated
 
 

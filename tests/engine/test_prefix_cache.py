@@ -115,7 +115,7 @@ def test_cache_on_equals_cache_off_at_every_boundary(tiny_runner, tokenizer, pro
     info = runner.describe()["prefix_cache"]
     assert info["hits"] == len(prompts) - 1 and info["hit_tokens"] == sum(s.cached_tokens for s in seqs)
     if spec:  # the drafter (layerskip:2, its own pools) starts from its own cached pages too
-        drafter = engine.decoder.drafter.runner.prefix.describe()
+        drafter = engine.decoder.drafter.runner.prefix_cache.describe()
         assert drafter["hits"] >= len(prompts) - 2 and drafter["hit_tokens"] > 0, drafter
 
 
@@ -205,9 +205,9 @@ def test_truncating_into_shared_pages_recomputes_privately(tiny_runner):
 
     a = runner.allocate()
     want = greedy(a, runner.forward([a], [prompt]), 6)
-    runner.cache_prefix(a, len(prompt))
+    runner.prefix_cache.cache(a, len(prompt))
     b = runner.allocate()
-    assert runner.attach_prefix(b, prompt) == 40
+    assert runner.prefix_cache.attach(b, prompt) == 40
     shared = list(runner.pools.seq_pages[b][:5])
     assert shared == runner.pools.seq_pages[a][:5]
     runner.truncate(b, 20)  # below the shared boundary
@@ -272,7 +272,7 @@ def test_page_finished_by_an_eager_forward_after_static_steps_has_a_whole_tail(t
         g.free(b)
         c = g.allocate()
         probe = tokens + [5, 6, 7]
-        hit = g.attach_prefix(c, probe)
+        hit = g.prefix_cache.attach(c, probe) if g.prefix_cache is not None else 0
         logits = g.forward([c], [probe[hit:]])
         got = []
         for _ in range(8):

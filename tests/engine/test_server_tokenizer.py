@@ -93,10 +93,10 @@ def test_hf_tokenizer_gives_xgrammar_its_vocabulary(hf_dir):
     import torch
 
     from evalpipe.engine.grammar import Grammars
-    from evalpipe.engine.grammar_spec import GrammarSpec
+    from evalpipe.engine.grammar_constraint import GrammarConstraint
 
     tok = load_tokenizer(str(hf_dir))
-    constraint = Grammars(tok, 16).constraint(GrammarSpec.json(None), 1)
+    constraint = Grammars(tok, 16).matcher(GrammarConstraint.json(None), 1)
     masked = constraint.mask(torch.zeros(1, 16))
     assert torch.isinf(masked[0, tok.encode("hello")[0]]) and torch.isinf(masked[0, tok.encode("world")[0]])
 

@@ -12,6 +12,7 @@ from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, decoder_from_settings
 from evalpipe.engine.spec.drafters import build_drafter
+from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.spec.settings import AcceptRule
 from evalpipe.server.state import ServerSettings
 from tests.support.spec_helpers import compare_with_tie_rule, finish, plain_greedy, spec_generate, start
@@ -109,18 +110,18 @@ def test_thresholds_act_on_sampled_requests(target, drafter, prompts):
 
 
 def test_server_settings_build_the_rule_and_default_is_exact(target):
-    exact = decoder_from_settings(ServerSettings(speculative="block", drafter="layerskip:2"), target)
+    exact = decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2"), target)
     assert exact.describe()["accept"] == {"rule": "exact", "lossy": False}
-    lossless = decoder_from_settings(ServerSettings(speculative="block", drafter="layerskip:2",
-                                                    spec_accept_threshold_single=1.0, spec_accept_threshold_acc=1.0),
+    lossless = decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2",
+                                                  spec_accept_threshold_single=1.0, spec_accept_threshold_acc=1.0),
                                      target)
     assert lossless.accept_rule.name == "exact"  # thresholds of 1.0 are SGLang's lossless default
-    topk = decoder_from_settings(ServerSettings(speculative="block", drafter="layerskip:2", spec_accept_topk=4), target)
+    topk = decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2", spec_accept_topk=4), target)
     assert topk.describe()["accept"]["k"] == 4
     with pytest.raises(ValueError, match="nothing to decide"):
-        decoder_from_settings(ServerSettings(speculative="block", drafter="layerskip:2", spec_accept_topk=2,
-                                             simulate_acc_len=3.0), target)
-    info_before_load = ServerSettings(speculative="block", spec_accept_threshold_acc=0.5)
+        decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2", spec_accept_topk=2,
+                                           simulate_acc_len=3.0), target)
+    info_before_load = ServerSettings(EngineConfig(speculative="block", spec_accept_threshold_acc=0.5))
     import asyncio
 
     from evalpipe.server.state import ServerState

@@ -188,9 +188,9 @@ def test_defaults_and_readme_example_fit_the_default_server():
     import re
 
     from evalpipe.harness.bench import BenchConfig
-    from evalpipe.server.state import ServerSettings
+    from evalpipe.engine.config import ENGINE_DEFAULTS
 
-    limit = ServerSettings().max_seq_len
+    limit = ENGINE_DEFAULTS.max_seq_len
     defaults = {p.name: p.default for p in bench_cmd.params}
     assert defaults["input_len"] == BenchConfig.input_len and defaults["output_len"] == BenchConfig.output_len
     assert defaults["input_len"] + defaults["output_len"] <= limit

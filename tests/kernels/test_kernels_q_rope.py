@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from evalpipe.kernels._backend import jit
 from evalpipe.kernels.q_rope_store import q_rope_store, q_rope_store_reference, round_fp32_to_bf16
 from evalpipe.kernels.rope import apply_interleaved_rope, rope_cos_sin
 
@@ -14,7 +15,6 @@ HEAD_DIM, ROPE_DIM, PADDED_HEADS, MAX_POS = 512, 64, 64, 4200
 POISON = 7.0
 
 
-@triton.jit
 def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
@@ -130,7 +130,7 @@ def test_bf16_rounding_helper_matches_torch_on_every_kind_of_float():
     x = torch.cat([random_bits.view(torch.float32), ties.view(torch.float32), specials])
     x = x[~torch.isnan(x)]
     y = torch.empty(x.shape, dtype=torch.bfloat16)
-    _round_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
+    jit(_round_kernel, helpers=(round_fp32_to_bf16,))[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
     assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 

@@ -15,6 +15,7 @@ import httpx
 import uvicorn
 
 from evalpipe.server.app import create_app
+from evalpipe.engine.config import EngineConfig
 from evalpipe.server.state import ServerSettings, ServerState
 from tests.engine.test_server_tokenizer import hf_dir  # noqa: F401  (fixture: a small Hugging Face tokenizer directory)
 from tests.support.gated_build import GATE_ENV, build_after_gate
@@ -25,7 +26,7 @@ def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir, tmp_path, mon
     gate = tmp_path / "gate"
     monkeypatch.setenv(GATE_ENV, str(gate))
     port = free_port()
-    settings = ServerSettings(port=port, tokenizer=str(hf_dir), max_batch=2, max_seq_len=128)
+    settings = ServerSettings(EngineConfig(tokenizer=str(hf_dir), max_batch=2, max_seq_len=128), port=port)
     state = ServerState(settings, build=build_after_gate)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

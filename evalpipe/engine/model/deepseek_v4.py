@@ -9,6 +9,7 @@ of the 74.8 ms of a 3,500-row prompt chunk)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -73,6 +74,13 @@ class DeepseekV4Model:
         self.num_parameters = sum(t.numel() for t in state.values())
         self.sites = sites
         self.head_linear = F.linear  # the LM head's matmul; engine/faults.py swaps it for the batch-variant fault
+
+    def first_layers(self, n: int) -> "DeepseekV4Model":
+        """This model cut after its first `n` decoder layers, with the same final hyper-connection head, norm and LM
+        head; every weight is shared, nothing is copied (the layerskip drafter)."""
+        cut = copy.copy(self)
+        cut.layers = self.layers[:n]
+        return cut
 
     def forward(self, batch: ForwardBatch, pools: StatePools, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run all layers over the batch rows (updating the pools); float32 logits of `logit_rows`."""

@@ -7,9 +7,10 @@ row i scores the token after draft i. After accepting n drafts the runner is tru
 those n drafts (`runner.truncate`: its state is position-indexed, so truncation is the rollback) and the bonus
 token becomes the new pending token. Drafters are rolled back the same way.
 
-`SpeculativeDecoder` implements the engine's `Decoder` protocol (`propose`/`accept`/`stats`/`describe`) plus two
-batch hooks the engine calls when present: `prepare(seqs)` drafts for all decoding sequences of a step at once, and
-`release(slot)` frees a finished sequence's draft state and adds its statistics to the server-wide totals.
+`SpeculativeDecoder` is an engine `Decoder` (engine/contracts.py): `propose`/`accept`/`stats`/`describe`, and the two
+hooks: `prepare(seqs)` drafts for all decoding sequences of a step at once, and `release(slot)` frees a finished
+sequence's draft state and adds its statistics to the server-wide totals. Its state for a sequence is `seq.spec`
+(spec/state.py).
 `verify_step(seqs)` runs prepare + target forward + accept directly on a runner (tests, benchmarks).
 
 The acceptance rule is exact unless the server was started with a lossy `AcceptRule` (spec/settings.py); the rule and
@@ -19,11 +20,10 @@ whether it decided a request lossily ride on every `spec` object and on `describ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
+from evalpipe.engine.config import EngineConfig
+from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.faults import faults_of
 from evalpipe.engine.sampling import sample, sampling_probs
 from evalpipe.engine.spec.accept import (
@@ -37,24 +37,16 @@ from evalpipe.engine.spec.accept import (
     threshold_accept,
     topk_accept,
 )
+from evalpipe.engine.scheduler import Sequence
+from evalpipe.engine.spec.drafters import Drafter, build_drafter
 from evalpipe.engine.spec.settings import AcceptRule, accept_rule_from_settings
+from evalpipe.engine.spec.state import SeqSpec
 
 
-@dataclass
-class _SeqSpec:
-    """Per-sequence speculation state, kept in `seq.state["spec"]`."""
-
-    stats: SpecStats
-    sim: SimulatedAcceptLengths | None
-    drafts: list[int] = field(default_factory=list)
-    q: torch.Tensor | None = None
-    base_len: int = 0  # target length (committed tokens - 1) when the current block was drafted
-
-
-class SpeculativeDecoder:
+class SpeculativeDecoder(Decoder):
     all_logits = True
 
-    def __init__(self, target: Any, drafter: Any, *, block_size: int = 5, simulate_acc_len: float | None = None,
+    def __init__(self, target: Runner, drafter: Drafter, *, block_size: int = 5, simulate_acc_len: float | None = None,
                  accept_rule: AcceptRule | None = None, debug_faults: tuple[str, ...] = ()):
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
@@ -70,10 +62,10 @@ class SpeculativeDecoder:
         self.simulate_acc_len = simulate_acc_len
         self.totals = ServerSpecTotals()
         self.debug_faults = tuple(debug_faults)  # planted bugs (engine/faults.py), evaluation of evaluations only
-        self._live: dict[int, Any] = {}  # target slot -> sequence, for release()
+        self._live: dict[int, Sequence] = {}  # target slot -> sequence, for release()
 
     # -- engine hooks ------------------------------------------------------------------------------
-    def prepare(self, seqs: list[Any]) -> None:
+    def prepare(self, seqs: list[Sequence]) -> None:
         """Draft the next block of every decoding sequence (one batched drafter pass per draft position)."""
         if not seqs:
             return
@@ -85,20 +77,19 @@ class SpeculativeDecoder:
             widths.append(max(0, min(self.block_size, int(self.target.max_seq_len) - spec.base_len - 1)))
         drafts, qs = self.drafter.propose(seqs, widths)
         for seq, d, q in zip(seqs, drafts, qs):
-            spec = seq.state["spec"]
-            spec.drafts, spec.q = list(d), q
+            seq.spec.drafts, seq.spec.q = list(d), q
 
-    def propose(self, seq: Any) -> list[int]:
-        spec = seq.state.get("spec")
+    def propose(self, seq: Sequence) -> list[int]:
+        spec = seq.spec
         if spec is None or spec.base_len != len(seq.prompt) + len(seq.output) - 1:
-            self.prepare([seq])  # engine without the batch hook: draft this sequence alone
-            spec = seq.state["spec"]
+            self.prepare([seq])  # not prepared with its step: draft this sequence alone
+            spec = seq.spec
         return [seq.last_token] + spec.drafts
 
-    def accept(self, seq: Any, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
         """Accept against this sequence's verify rows ([g+1, V]), roll back, return the committed tokens. `argmax`:
         the rows' argmax already on the host (greedy requests), which the exact greedy rule uses."""
-        spec: _SeqSpec = seq.state["spec"]
+        spec = seq.spec
         drafts, params = spec.drafts, seq.params
         if logits.shape[0] != len(drafts) + 1:
             raise ValueError(f"expected {len(drafts) + 1} verify rows, got {logits.shape[0]}")
@@ -120,7 +111,8 @@ class SpeculativeDecoder:
         spec.drafts, spec.q = [], None
         return tokens
 
-    def _sampled_accept(self, p: torch.Tensor, spec: _SeqSpec, generator: Any) -> tuple[list[int], int]:
+    def _sampled_accept(self, p: torch.Tensor, spec: SeqSpec,
+                        generator: torch.Generator | None) -> tuple[list[int], int]:
         rule, drafts = self.accept_rule, spec.drafts
         if rule.name == "threshold":
             return threshold_accept(p, drafts, rule.threshold_single, rule.threshold_acc, generator)
@@ -129,9 +121,8 @@ class SpeculativeDecoder:
         return rejection_accept(p, q, drafts, generator, keep=keep,
                                 residual_from_target="residual-from-target" in self.debug_faults)
 
-    def stats(self, seq: Any) -> dict | None:
-        spec = seq.state.get("spec")
-        stats = spec.stats if spec is not None else SpecStats(self.block_size)
+    def stats(self, seq: Sequence) -> dict | None:
+        stats = seq.spec.stats if seq.spec is not None else SpecStats(self.block_size)
         # simulate_acc_len and the acceptance rule ride on every response so that no consumer can mistake a simulated
         # or lossy run for an exact one; `lossy` says whether the rule decided THIS request lossily
         out = {**stats.to_dict(completion_tokens=len(seq.output)), "simulate_acc_len": self.simulate_acc_len,
@@ -140,9 +131,18 @@ class SpeculativeDecoder:
 
     def release(self, slot: int) -> None:
         seq = self._live.pop(slot, None)
-        if seq is not None and "spec" in seq.state:
-            self.totals.add(seq.state["spec"].stats, len(seq.output))
+        if seq is not None and seq.spec is not None:
+            self.totals.add(seq.spec.stats, len(seq.output))
         self.drafter.release(slot)
+
+    def grammar_blocker(self) -> str | None:
+        """An acceptance that commits drafts without the exact test could commit a token the grammar forbids."""
+        if self.simulate_acc_len:
+            return "simulated speculative acceptance (--simulate-acc-len) commits drafts unchecked"
+        if self.accept_rule.lossy:
+            return (f"the lossy speculative acceptance rule ({self.accept_rule.label()}) may accept drafts the "
+                    "grammar forbids")
+        return None
 
     def describe(self) -> dict:
         return {
@@ -157,7 +157,7 @@ class SpeculativeDecoder:
         }
 
     # -- direct use on a runner --------------------------------------------------------------------
-    def verify_step(self, seqs: list[Any]) -> list[list[int]]:
+    def verify_step(self, seqs: list[Sequence]) -> list[list[int]]:
         """One speculative step for sequences already prefilled on the target: draft, one target forward over
         all blocks, accept and roll back. Appends the committed tokens to each seq.output and returns them."""
         self.prepare(seqs)
@@ -171,38 +171,33 @@ class SpeculativeDecoder:
             offset += len(r)
         return out
 
-    def _spec(self, seq: Any) -> _SeqSpec:
-        spec = seq.state.get("spec")
-        if spec is None:
+    def _spec(self, seq: Sequence) -> SeqSpec:
+        if seq.spec is None:
             sim = SimulatedAcceptLengths(self.simulate_acc_len, self.block_size) if self.simulate_acc_len else None
-            spec = seq.state["spec"] = _SeqSpec(stats=SpecStats(self.block_size), sim=sim)
+            seq.spec = SeqSpec(stats=SpecStats(self.block_size), sim=sim)
             self._live[seq.slot] = seq
-        return spec
+        return seq.spec
 
 
 SPECULATIVE_MODES = ("off", "block")
 
 
-def default_drafter(runner: Any) -> str:
+def default_drafter(runner: Runner) -> str:
     """layerskip over the first three quarters of the target's layers (layerskip:3 for the tiny model): no extra
     weights, and natural partial acceptance even with random weights (tiny model, G=5: layerskip:3 accepts about
     0.9 drafts per step spread over 0..4; layerskip:2 accepts 0 on ~88% of steps)."""
     return f"layerskip:{max(1, (3 * int(runner.config.num_hidden_layers)) // 4)}"
 
 
-def decoder_from_settings(settings: Any, runner: Any) -> SpeculativeDecoder | None:
-    """The engine's decoder for the server settings: None (plain decoding) unless `speculative == "block"`.
+def decoder_from_settings(config: EngineConfig, runner: Runner) -> SpeculativeDecoder | None:
+    """The engine's decoder for the engine config: None (plain decoding) unless `speculative == "block"`.
 
     Reads `speculative`, `block_size`, `drafter` (None: `default_drafter`), `simulate_acc_len` (None: off) and the
     acceptance rule (`accept_rule_from_settings`)."""
-    from evalpipe.engine.spec.drafters import build_drafter
-
-    mode = getattr(settings, "speculative", "off") or "off"
-    if mode not in SPECULATIVE_MODES:
-        raise ValueError(f"speculative mode must be one of {SPECULATIVE_MODES}, got {mode!r}")
-    if mode == "off":
+    if config.speculative not in SPECULATIVE_MODES:
+        raise ValueError(f"speculative mode must be one of {SPECULATIVE_MODES}, got {config.speculative!r}")
+    if config.speculative == "off":
         return None
-    spec = getattr(settings, "drafter", None) or default_drafter(runner)
-    return SpeculativeDecoder(runner, build_drafter(spec, getattr(runner, "eager_runner", runner)), block_size=int(getattr(settings, "block_size", 5)),
-                              simulate_acc_len=getattr(settings, "simulate_acc_len", None),
-                              accept_rule=accept_rule_from_settings(settings), debug_faults=faults_of(settings))
+    drafter = build_drafter(config.drafter or default_drafter(runner), runner.eager_runner)
+    return SpeculativeDecoder(runner, drafter, block_size=config.block_size, simulate_acc_len=config.simulate_acc_len,
+                              accept_rule=accept_rule_from_settings(config), debug_faults=faults_of(config))

@@ -12,7 +12,8 @@ sequences of a step together: one batched forward per draft position. A drafter 
 (prompt + output) of each sequence; it feeds whatever it has not consumed yet (the whole prompt the first time, then
 the last one or two committed tokens), and after verification it is rolled back to the accepted prefix.
 
-A drafter has a `name` and three methods, which the speculative decoder (spec/decoder.py) calls:
+A drafter (the `Drafter` protocol) has a `name` and these methods, which the speculative decoder (spec/decoder.py)
+calls:
 - `propose(seqs, widths)` -> (drafts, qs): widths[i] drafts for seqs[i] and the [widths[i], V] distributions they
   were drawn from (q, for rejection sampling), or None under greedy, where acceptance only compares tokens;
 - `rollback(seq, committed_before, accepted)`: after verify, keep the state of the first committed_before +
@@ -23,17 +24,32 @@ A new drafter kind is one class here and one case in `parse_drafter_spec` (spec/
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from evalpipe.engine.contracts import Runner
+from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling import sample, sampling_probs
+from evalpipe.engine.scheduler import Sequence
 from evalpipe.engine.spec.settings import parse_drafter_spec
 
 
-def history(seq: Any) -> list[int]:
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        ...
+
+    def rollback(self, seq: Sequence, committed_before: int, accepted: int) -> None: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def describe(self) -> dict: ...
+
+
+def history(seq: Sequence) -> list[int]:
     """Committed tokens of a sequence: prompt + output (the last one is not yet fed to the target)."""
     return seq.prompt + seq.output
 
@@ -46,33 +62,32 @@ class RunnerDrafter:
 
     catch_up_chunk = 512  # most rows a drafter forward takes while catching up with the committed history
 
-    def __init__(self, name: str, runner: Any, forward_kwargs: dict | None = None):
+    def __init__(self, name: str, runner: Runner, forward_kwargs: dict | None = None):
         self.name = name
         self.runner = runner
         self.forward_kwargs = dict(forward_kwargs or {})
         self._handles: dict[int, int] = {}  # target slot -> draft runner sequence
 
-    def _handle(self, seq: Any) -> int:
+    def _handle(self, seq: Sequence) -> int:
         key = seq.slot
         if key not in self._handles:
             handle = self._handles[key] = self.runner.allocate()
-            attach = getattr(self.runner, "attach_prefix", None)  # the drafter's own prefix cache, when it has one
-            if attach is not None:
-                attach(handle, history(seq))
+            if self.runner.prefix_cache is not None:  # the drafter's own prefix cache, when it has one
+                self.runner.prefix_cache.attach(handle, history(seq))
         return self._handles[key]
 
-    def propose(self, seqs, widths):
+    def propose(self, seqs: list[Sequence], widths: list[int]):
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, w in enumerate(widths) if w > 0]
         handles = {i: self._handle(seqs[i]) for i in active}
         feed = {}
-        cache = getattr(self.runner, "cache_prefix", None)
+        cache = self.runner.prefix_cache
         for i in active:
             hist = history(seqs[i])
             fed = self.runner.seq_len(handles[i])
             if cache is not None:  # between steps the drafter holds committed tokens only: final, shareable
-                cache(handles[i], fed)
+                cache.cache(handles[i], fed)
             feed[i] = hist[fed:]  # never empty: the last committed token is never fed before drafting
             while len(feed[i]) > self.catch_up_chunk:  # a long prompt is fed in chunks, like a prefill
                 self.runner.forward([handles[i]], [feed[i][: self.catch_up_chunk]], **self.forward_kwargs)
@@ -97,7 +112,7 @@ class RunnerDrafter:
         q_out = [torch.stack(q) if q else None for q in qs]
         return drafts, q_out
 
-    def rollback(self, seq, committed_before, accepted):
+    def rollback(self, seq: Sequence, committed_before: int, accepted: int) -> None:
         handle = self._handles.get(seq.slot)
         if handle is None:
             return
@@ -105,8 +120,8 @@ class RunnerDrafter:
         if self.runner.seq_len(handle) > keep:
             self.runner.truncate(handle, keep)
 
-    def release(self, key):
-        handle = self._handles.pop(key, None)
+    def release(self, slot: int) -> None:
+        handle = self._handles.pop(slot, None)
         if handle is not None:
             self.runner.free(handle)
 
@@ -147,7 +162,7 @@ class NgramDrafter:
                 return tokens[begin: begin + count].tolist()
         return []
 
-    def propose(self, seqs, widths):
+    def propose(self, seqs: list[Sequence], widths: list[int]):
         drafts, qs = [], []
         for seq, w in zip(seqs, widths):
             d = self.lookup(history(seq), w) if w > 0 else []
@@ -160,65 +175,33 @@ class NgramDrafter:
                 qs.append(torch.nn.functional.one_hot(torch.tensor(d), self.vocab_size).to(torch.float32))
         return drafts, qs
 
-    def rollback(self, seq, committed_before, accepted):
+    def rollback(self, seq: Sequence, committed_before: int, accepted: int) -> None:
         pass
 
-    def release(self, key):
+    def release(self, slot: int) -> None:
         pass
 
     def describe(self) -> dict:
         return {"drafter": self.name}
 
 
-def build_drafter(spec: str, target: Any) -> Any:
-    """A drafter for `target` (a ModelRunner) from its command-line spec."""
+def build_drafter(spec: str, target: ModelRunner) -> Drafter:
+    """A drafter for `target` (an eager ModelRunner) from its command-line spec."""
     kind, arg = parse_drafter_spec(spec)
     vocab = int(target.config.vocab_size)
     if kind == "ngram":
         return NgramDrafter(vocab_size=vocab)
-    from evalpipe.engine.runner import ModelRunner
-
     common = dict(device=target.device, dtype=target.dtype, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len,
-                  prefix_cache=getattr(target, "prefix", None) is not None)
+                  prefix_cache=target.prefix_cache is not None)
     if kind == "model":
         runner = ModelRunner(arg, **common)
         if int(runner.config.vocab_size) != vocab:
             raise ValueError(f"draft model {arg} has vocab {runner.config.vocab_size}, the target has {vocab}")
         return RunnerDrafter(spec, runner)
     if kind == "self":
-        return RunnerDrafter(spec, draft_view(target))
+        return RunnerDrafter(spec, target.eager_runner.view())
     layers = int(target.config.num_hidden_layers)
     if arg >= layers:
         raise ValueError(f"layerskip:{arg} needs fewer layers than the target's {layers}")
-    return RunnerDrafter(spec, draft_view(target, num_layers=arg))
+    return RunnerDrafter(spec, target.eager_runner.view(num_layers=arg))
 
-
-def draft_view(target: Any, num_layers: int | None = None) -> Any:
-    """A runner over the target's weights with its OWN state pools and slots (drafters `self` and `layerskip:N`).
-
-    With num_layers, only the first N decoder layers run, followed by the target's own hyper-connection head,
-    final norm and lm_head; the view's pools hold state for those N layers only. The weights are shared, not copied.
-    """
-    from evalpipe.engine.cache import StatePools
-    from evalpipe.engine.prefix_cache import PrefixCache
-    from evalpipe.engine.runner import ModelRunner
-
-    while not isinstance(target, ModelRunner) and hasattr(target, "runner"):
-        target = target.runner  # a wrapper (GraphRunner): draft eagerly on the wrapped runner's weights
-    view = copy.copy(target)
-    config = target.config
-    if num_layers is not None:
-        view.model = copy.copy(target.model)
-        view.model.layers = target.model.layers[:num_layers]
-        config = copy.copy(target.config)
-        config.layer_types = list(target.config.layer_types[:num_layers])
-        view.model_name = f"{target.model_name}[layers 0..{num_layers - 1}]"
-    cached = getattr(target, "prefix", None) is not None
-    view.pools = StatePools(config, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len,
-                            device=target.device, dtype=target.dtype, rollback_margin=target.pools.margin,
-                            page_tokens=target.pools.page_tokens, prefix_tails=cached)
-    view._free_slots = list(range(target.max_seqs - 1, -1, -1))
-    view._tokens = {}
-    view._frozen = {}
-    view.prefix = PrefixCache(view.pools) if cached else None  # its own cache over its own pools
-    return view

@@ -6,7 +6,8 @@ without importing the model code; spec/accept.py and spec/drafters.py act on the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from evalpipe.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,7 @@ class AcceptRule:
         if self.topk is not None and self.topk < 2:
             raise ValueError(f"top-k acceptance needs K >= 2: K = {self.topk} accepts only the target's argmax, "
                              "which is the default exact greedy rule")
-        for name in ("threshold_single", "threshold_acc"):
-            value = getattr(self, name)
+        for name, value in (("threshold_single", self.threshold_single), ("threshold_acc", self.threshold_acc)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1] (1.0 = lossless), got {value}")
         if self.topk is not None and (self.threshold_single < 1.0 or self.threshold_acc < 1.0):
@@ -70,12 +70,11 @@ class AcceptRule:
                 "(LOSSY on sampled requests)")
 
 
-def accept_rule_from_settings(settings: Any) -> AcceptRule:
-    """The acceptance rule of the server settings (`spec_accept_topk`, `spec_accept_threshold_single/acc`);
+def accept_rule_from_settings(config: EngineConfig) -> AcceptRule:
+    """The acceptance rule of the engine config (`spec_accept_topk`, `spec_accept_threshold_single/acc`);
     exact when none is set. Raises ValueError for a rule that cannot be built (AcceptRule says why)."""
-    return AcceptRule.from_flags(getattr(settings, "spec_accept_topk", None),
-                                 getattr(settings, "spec_accept_threshold_single", None),
-                                 getattr(settings, "spec_accept_threshold_acc", None))
+    return AcceptRule.from_flags(config.spec_accept_topk, config.spec_accept_threshold_single,
+                                 config.spec_accept_threshold_acc)
 
 
 DRAFTER_KINDS = ("layerskip:N", "model:PATH", "ngram", "self")

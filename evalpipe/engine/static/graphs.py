@@ -4,7 +4,7 @@ A forward in which every sequence feeds the same number of rows n, with n one of
 verify), and at most the largest bucket of sequences, runs the static step (engine/static/model.py) of bucket B (the
 smallest bucket that fits). A mixed forward (a busy server's step: decode rows beside prompt chunks) is split: the
 sequences that feed a graph width go through the static step, the rest (prompt chunks) through the wrapped runner,
-and the logits come back in the caller's order; sequences are independent, so the split changes no result. Any
+and the logits come back in the caller's order; sequences are independent, so the split changes no result. Every
 other forward goes to the wrapped runner unchanged.
 On CUDA each (bucket, width) step is captured once into a `torch.cuda.CUDAGraph` (after two warm-up runs that
 compile the Triton kernels) and replayed; the step contains no host synchronisation. On the CPU the same static
@@ -13,17 +13,20 @@ step runs eagerly (the "dry path"), which is what the CPU tests check against th
 `decode_async` / `settle` serve the engine's overlap schedule: a one-row greedy step queued without a host read,
 whose input tokens may be the previous such step's argmax, copied on the device (`_feed_chosen`).
 
-GraphRunner offers the runner interface the engine, the speculative decoder, drafters and the server call:
-forward, truncate, allocate, free, seq_len, tokens, describe, the prefix-cache calls, and config, device, dtype, max_seqs (one slot less:
-the padding slot), max_seq_len, model_name, fused_sites. Anything else is the wrapped `runner`'s (`eager_runner`).
+GraphRunner wraps a ModelRunner and works on it through its public methods only (`check_rows`, `append_tokens`,
+`set_token`, its pools). It is the engine's `Runner` (engine/contracts.py) like the ModelRunner it wraps: the
+bookkeeping calls (allocate, seq_len, tokens, truncate) and the attributes are the wrapped runner's, its prefix cache
+capability is the wrapped runner's own object, and it adds the fixed-width forward, `max_seqs` (one slot less: the
+padding slot), `free` (drops rows fed from the device) and the overlap calls. Anything else is the wrapped runner's
+(`eager_runner`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from evalpipe.engine.model.deepseek_v4 import DeepseekV4Model
+from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.static.batch import StaticBatch, pack_step_inputs
 from evalpipe.engine.static.model import StaticModel
 from evalpipe.kernels.step_meta import MetaShape
@@ -69,7 +72,7 @@ class _Step:
 
     def _run(self) -> torch.Tensor:
         runner = self.owner.runner
-        runner.pools._page_table_dev = self.page_table  # entry_rows() reads the table from this step's buffer
+        runner.pools.use_device_page_table(self.page_table)  # entry_rows() reads the table from this step's buffer
         batch = StaticBatch(runner.pools, self.meta, self.B, self.n, self.consts, self.owner.static_model.backend)
         return self.owner.static_model.forward(batch, runner.pools)
 
@@ -123,19 +126,24 @@ class PendingTokens:
     """The greedy tokens of one `GraphRunner.decode_async` step: chosen on the device, read by `settle`. The read
     waits on an event recorded right after the step, not on the stream, so the next step may already be running."""
 
-    def __init__(self, seqs: list[int], starts: list[int], host: torch.Tensor, event: Any):
+    def __init__(self, seqs: list[int], starts: list[int], host: torch.Tensor, event: torch.cuda.Event | None):
         self.seqs, self.starts, self.host, self.event = seqs, starts, host, event
 
 
 class GraphRunner:
     """A ModelRunner whose fixed-width forwards (decode, verify) run captured static steps. See module docstring."""
 
-    def __init__(self, runner: Any, *, widths=(1,), buckets=DEFAULT_BUCKETS, fused: bool = True,
+    decodes_async = True
+
+    def __init__(self, runner: ModelRunner, *, widths=(1,), buckets=DEFAULT_BUCKETS, fused: bool = True,
                  use_graphs: bool | None = None, kernel_backend: str = "auto"):
         self.runner = runner
         self.config, self.device, self.dtype = runner.config, runner.device, runner.dtype
-        self.max_seq_len, self.model_name = runner.max_seq_len, runner.model_name
+        self.max_seq_len, self.model_name, self.model_path = runner.max_seq_len, runner.model_name, runner.model_path
         self.fused_sites = runner.fused_sites
+        self.prefix_cache = runner.prefix_cache  # the capability object itself: it works on the wrapped runner
+        self.allocate, self.seq_len, self.tokens = runner.allocate, runner.seq_len, runner.tokens
+        self.truncate = runner.truncate
         self.widths = tuple(sorted(set(int(w) for w in widths)))
         limit = runner.max_seqs - 1
         self.buckets = tuple(b for b in sorted(set(buckets)) if b <= limit) or (1,)
@@ -159,16 +167,17 @@ class GraphRunner:
         self.async_stats = {"steps": 0, "rows_fed_on_device": 0}
 
     @property
-    def eager_runner(self) -> Any:
+    def eager_runner(self) -> ModelRunner:
         """The wrapped ModelRunner (drafter views are built on it, not on the graph wrapper)."""
         return self.runner
 
     @property
+    def model(self) -> DeepseekV4Model:
+        return self.runner.model
+
+    @property
     def max_seqs(self) -> int:
         return self.runner.max_seqs - 1  # one slot is the padding slot
-
-    def allocate(self) -> int:
-        return self.runner.allocate()
 
     def free(self, seq: int) -> None:
         hole = self._placeholders.pop(seq, None)
@@ -176,24 +185,6 @@ class GraphRunner:
             self.runner.truncate(seq, hole)
         self._chosen_at.pop(seq, None)
         self.runner.free(seq)
-
-    def seq_len(self, seq: int) -> int:
-        return self.runner.seq_len(seq)
-
-    def tokens(self, seq: int) -> list[int]:
-        return self.runner.tokens(seq)
-
-    def truncate(self, seq: int, new_len: int) -> None:
-        self.runner.truncate(seq, new_len)
-
-    def attach_prefix(self, seq: int, tokens: list[int]) -> int:
-        return self.runner.attach_prefix(seq, tokens)
-
-    def cache_prefix(self, seq: int, upto: int) -> None:
-        self.runner.cache_prefix(seq, upto)
-
-    def flush_prefix_cache(self) -> dict:
-        return self.runner.flush_prefix_cache()
 
     def step_for(self, batch: int, width: int) -> _Step:
         key = (bucket_for(batch, self.buckets), width)
@@ -254,17 +245,11 @@ class GraphRunner:
             raise ValueError("a sequence may appear only once per forward")
         if not self.can_decode_async(len(seqs)) or len(seqs) != len(tokens):
             raise ValueError(f"decode_async takes 1..{self.buckets[-1]} sequences with one token each")
-        vocab = r.config.vocab_size
         starts = []
         for seq, tok in zip(seqs, tokens):
-            r._check(seq)
-            start = len(r._tokens[seq])
+            start = r.check_rows(seq, [tok])
             if tok is None and self._chosen_at.get(seq) != start:
                 raise ValueError(f"sequence {seq}: no token chosen by the previous decode_async to feed")
-            if tok is not None and not 0 <= tok < vocab:
-                raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
-            if start + 1 > r.max_seq_len:
-                raise ValueError(f"sequence {seq}: length {start + 1} exceeds max_seq_len {r.max_seq_len}")
             starts.append(start)
         r.pools.reserve({seq: s + 1 for seq, s in zip(seqs, starts)})
         step = self.step_for(len(seqs), 1)
@@ -286,7 +271,7 @@ class GraphRunner:
         else:
             host_ids, event = chosen[:n].clone(), None
         for seq, tok, start in zip(seqs, tokens, starts):
-            r._tokens[seq].append(-1 if tok is None else int(tok))
+            r.append_tokens(seq, [-1 if tok is None else tok])
             if tok is None:
                 self._placeholders[seq] = start
             r.pools.tails_from_rings(seq, start, start + 1)
@@ -301,7 +286,7 @@ class GraphRunner:
         ids = pending.host.tolist()
         for seq, start, tok in zip(pending.seqs, pending.starts, ids):
             if self._placeholders.get(seq) == start + 1:
-                self.runner._tokens[seq][start + 1] = tok
+                self.runner.set_token(seq, start + 1, tok)
                 del self._placeholders[seq]
         return ids
 
@@ -326,23 +311,15 @@ class GraphRunner:
 
     def _static_forward(self, seqs: list[int], tokens: list[list[int]], all_logits: bool) -> torch.Tensor:
         r = self.runner
-        n, vocab = len(tokens[0]), r.config.vocab_size
-        starts = []
-        for seq, toks in zip(seqs, tokens):
-            r._check(seq)
-            if any(not 0 <= t < vocab for t in toks):
-                raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
-            start = len(r._tokens[seq])
-            if start + n > r.max_seq_len:
-                raise ValueError(f"sequence {seq}: length {start + n} exceeds max_seq_len {r.max_seq_len}")
-            starts.append(start)
+        n = len(tokens[0])
+        starts = [r.check_rows(seq, toks) for seq, toks in zip(seqs, tokens)]
         r.pools.reserve({seq: s + n for seq, s in zip(seqs, starts)})
         step = self.step_for(len(seqs), n)
         host = pack_step_inputs(tokens, starts, seqs, step.B, self.pad_slot, r.pools.page_table)
         logits = step(host).view(step.B, n, -1)[: len(seqs)]
         logits = (logits.reshape(len(seqs) * n, -1) if all_logits else logits[:, -1]).clone()
         for seq, toks, start in zip(seqs, tokens, starts):
-            r._tokens[seq].extend(int(t) for t in toks)
+            r.append_tokens(seq, toks)
             r.pools.tails_from_rings(seq, start, start + n)  # the static step writes rings only
         return logits
 

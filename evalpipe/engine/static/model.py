@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from evalpipe.engine.forward_batch import entry_index
 from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.attention import visible_hca_rows
+from evalpipe.engine.model.config import RopeTable
 from evalpipe.engine.model.primitives import apply_rope
 from evalpipe.engine.static.batch import StaticBatch
 from evalpipe.kernels import c2_verify, indexer, norm, q_rope_store
@@ -62,14 +63,12 @@ class StaticModel:
             lambda layer, x: self.moe(layer.mlp, x, batch.input_ids), self.backend)
         return F.linear(h, m.lm_head).float()
 
-    def _rotate(self, x: torch.Tensor, table, batch: StaticBatch, inverse: bool = False) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, table: RopeTable, batch: StaticBatch, inverse: bool = False) -> torch.Tensor:
         """Interleaved RoPE of every row: fused, one `q_rope_store` kernel (bitwise equal to the engine's
         apply_rope); unfused, the engine's own `apply_rope` chain."""
         if not self.fused:
             cos, sin, neg_sin = batch.rope(table)
-            rot = getattr(table, "rot", None)
-            args = (x, cos, neg_sin if inverse else sin) + ((rot,) if rot is not None else ())
-            return apply_rope(*args)
+            return apply_rope(x, cos, neg_sin if inverse else sin, table.rot)
         r = self._rope(table)
         x3 = x if x.dim() == 3 else x.unsqueeze(1)
         out = q_rope_store(x3, torch.empty_like(x3), r.cos, r.neg_sin if inverse else r.sin, batch.pos,

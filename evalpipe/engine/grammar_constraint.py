@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
-class GrammarSpec:
+class GrammarConstraint:
     """What a request may generate. `payload` is canonical JSON text, so equal specs hash (and cache) alike.
 
     kinds: "json" (payload: a JSON schema, or null for any JSON object), "tool_calls" (payload: {"marker": id,
@@ -20,18 +19,18 @@ class GrammarSpec:
     payload: str = "null"
 
     @classmethod
-    def json(cls, schema: dict | None = None) -> "GrammarSpec":
+    def json(cls, schema: dict | None = None) -> "GrammarConstraint":
         return cls("json", _canonical(schema))
 
     @classmethod
-    def tool_calls(cls, marker: int, calls: list[tuple[str, dict]], parallel: bool) -> "GrammarSpec":
+    def tool_calls(cls, marker: int, calls: list[tuple[str, dict]], parallel: bool) -> "GrammarConstraint":
         return cls("tool_calls", _canonical({"marker": marker, "calls": [[n, p] for n, p in calls],
                                              "parallel": parallel}))
 
     @classmethod
-    def forbid(cls, token_ids: list[int]) -> "GrammarSpec":
+    def forbid(cls, token_ids: list[int]) -> "GrammarConstraint":
         return cls("forbid", _canonical(sorted(token_ids)))
 
 
-def _canonical(value: Any) -> str:
+def _canonical(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))  # key order kept: it is the order JSON is generated in
