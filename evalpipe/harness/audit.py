@@ -26,7 +26,7 @@ from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, close_
 from evalpipe.lanes import get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
 from evalpipe.digest import file_sha256
 from evalpipe.lanes.data import DataError, recorded_data_dir
-from evalpipe.lanes.grading import GraderPool, grade_text
+from evalpipe.lanes.grading import grade_text, grader_pool
 
 MAX_SHOWN = 20
 
@@ -238,8 +238,7 @@ def _spec_metrics_problems(block: Any) -> list[str]:
 def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, progress: bool = False) -> list[tuple]:
     """Grades of `records` from their raw text, in order; `progress` shows a bar on stderr (the AIME grader can
     take seconds per answer)."""
-    needs_pool = grader == "ns_last_boxed" and any(not r.get("error") for r in records)
-    pool = GraderPool(workers=workers, timeout_s=timeout_s) if needs_pool else None
+    pool = grader_pool(grader, workers, timeout_s) if any(not r.get("error") for r in records) else None
     bar = None
     if progress:
         from tqdm import tqdm
