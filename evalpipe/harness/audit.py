@@ -99,7 +99,8 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
         eff = start["lane"]["effective"]
         start["dataset"]["path"], start["prompts"]["prompt_stream_sha256_selected"]
     except (KeyError, TypeError) as exc:
-        c_man.problems.append(f"manifest.json lacks the run's start snapshot ({type(exc).__name__}: {exc}); nothing to check against")
+        c_man.problems.append(f"manifest.json lacks the run's start snapshot ({type(exc).__name__}: {exc}); "
+                              "nothing to check against")
         return AuditReport(run_dir, checks, warnings)
     run = _Run(run_dir, man, summ, lane, start, eff)
     records = check_records(run, c_rec)
@@ -160,13 +161,15 @@ def check_prompts(run: _Run, records: list[dict], data_dir: Optional[Path], chec
         it = by_id.get(r["question_id"])
         if it is None:
             continue  # reported by `complete`
+        where = f"{r['question_id']}/{r['repeat_index']}"
         sent = r["request"].get("prompt") if lane.api == "completions" else r["request"].get("messages")
         if r["prompt_sha256"] != it.prompt_sha256:
-            check.problems.append(f"{r['question_id']}/{r['repeat_index']}: prompt_sha256 differs from the rebuilt prompt")
+            check.problems.append(f"{where}: prompt_sha256 differs from the rebuilt prompt")
         elif sent is None or prompt_sha256(sent) != it.prompt_sha256:
-            check.problems.append(f"{r['question_id']}/{r['repeat_index']}: the request body's prompt is not the rebuilt prompt")
+            check.problems.append(f"{where}: the request body's prompt is not the rebuilt prompt")
         if r["expected_answer"] != it.expected_answer:
-            check.problems.append(f"{r['question_id']}: expected_answer {r['expected_answer']!r} != gold {it.expected_answer!r}")
+            check.problems.append(f"{r['question_id']}: expected_answer {r['expected_answer']!r} != gold "
+                                  f"{it.expected_answer!r}")
     return items
 
 
@@ -176,12 +179,13 @@ def check_grades(run: _Run, records: list[dict], grader_timeout_s: Optional[floa
     timeout = grader_timeout_s or run.start.get("transport", {}).get("grader_timeout_s") or 30.0
     regraded = _regrade(run.lane.grader, records, timeout, workers, progress)
     for r, (extracted, correct, status) in zip(records, regraded):
+        where = f"{r['question_id']}/{r['repeat_index']}"
         got = (None, False, "request_error") if r.get("error") else (extracted, correct, status)
         want = (r["extracted_answer"], r["correct"], r["grade_status"])
         if got != want:
-            check.problems.append(f"{r['question_id']}/{r['repeat_index']}: recorded {want}, re-graded {got}")
+            check.problems.append(f"{where}: recorded {want}, re-graded {got}")
         if r["truncated"] != (r["finish_reason"] == "length"):
-            check.problems.append(f"{r['question_id']}/{r['repeat_index']}: truncated flag disagrees with finish_reason")
+            check.problems.append(f"{where}: truncated flag disagrees with finish_reason")
 
 
 def check_complete(run: _Run, records: list[dict], items: list[Item], check: Check) -> None:

@@ -29,8 +29,20 @@ from typing import Any, Optional
 from evalpipe.harness import client as http
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.client import Reply, Server
-from evalpipe.harness.plan import RunConfig, RunError, RunPlan, SimulatedServerRefused, make_plan
-from evalpipe.harness.records import SCHEMA_VERSION, Record, RecordWriter, record_key, response_fields
+from evalpipe.harness.plan import (
+    RunConfig,
+    RunError,
+    RunPlan,
+    SimulatedServerRefused,
+    make_plan,
+)
+from evalpipe.harness.records import (
+    SCHEMA_VERSION,
+    Record,
+    RecordWriter,
+    record_key,
+    response_fields,
+)
 from evalpipe.harness.run_folder import RunFolder
 from evalpipe.harness.summary import compute_summary
 from evalpipe.lanes import Item, Lane, item_groups

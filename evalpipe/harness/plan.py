@@ -17,8 +17,18 @@ from evalpipe.harness import client as http
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.client import EndpointError, Server
-from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, MalformedFile, read_json_object, read_records
-from evalpipe.harness.server_facts import debug_faults, lossy_acceptance, simulation_reason
+from evalpipe.harness.records import (
+    MANIFEST_FILE,
+    RESPONSES_FILE,
+    MalformedFile,
+    read_json_object,
+    read_records,
+)
+from evalpipe.harness.server_facts import (
+    debug_faults,
+    lossy_acceptance,
+    simulation_reason,
+)
 from evalpipe.lanes import (
     Item,
     Lane,
@@ -115,7 +125,8 @@ class RunConfig:
             if not base_url:
                 raise ResumeConflict(f"{mpath} records no endpoint; pass --base-url")
         return cls(
-            lane=lane, base_url=base_url, model=model, arm=old["arm"], overrides=dict(old["start"]["lane"]["overrides"]),
+            lane=lane, base_url=base_url, model=model, arm=old["arm"],
+            overrides=dict(old["start"]["lane"]["overrides"]),
             num_examples=eff.get("num_examples"),
             repeats=eff.get("repeats") if eff.get("repeats") != lane.repeats else None,
             concurrency=eff.get("concurrency"), data_dir=data_dir,

@@ -14,7 +14,11 @@ from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.server import structured
 from evalpipe.server.errors import APIError, bad_request
 from evalpipe.server.jobs import Job
-from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+from evalpipe.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_unsupported,
+)
 
 
 def check_model(state, requested: str | None) -> None:

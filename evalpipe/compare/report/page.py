@@ -1,6 +1,6 @@
 """The comparison as one self-contained report.html: the numbers are put in rows here, the layout is the jinja2
-templates beside this file (`*.html.jinja`, shipped as package data), the plots are embedded as base64 PNGs (plots.py), so the page
-opens offline from any folder."""
+templates beside this file (`*.html.jinja`, shipped as package data), the plots are embedded as base64 PNGs
+(plots.py), so the page opens offline from any folder."""
 
 from __future__ import annotations
 
@@ -155,13 +155,15 @@ def repeated_rows(r: dict | None) -> list[list] | None:
         ["mean per-question rate A / B", f"{pct(r['mean_rate_a'])} / {pct(r['mean_rate_b'])}"],
         ["difference B - A", pts(r["diff"])], ["SE, fixed questions", spts(r["se_fixed_question"])],
         ["SE, question-clustered", spts(r["se_clustered"])],
-        [f"{int(100 * iv['confidence'])}% CI of B - A ({iv['method']})", f"[{pts(iv['ci_low'])}, {pts(iv['ci_high'])}]"],
+        [f"{int(100 * iv['confidence'])}% CI of B - A ({iv['method']})",
+         f"[{pts(iv['ci_low'])}, {pts(iv['ci_high'])}]"],
         [f"non-inferiority (margin {iv['margin_pts']} pt)", iv["verdict"]],
         ["smallest detectable drop (80% power, alpha 0.05)",
          "n/a" if power.get("mde_pts") is None else f"{power['mde_pts']:.2f} pt"],
         ["questions needed for the margin (at these repeats)", power.get("questions_needed_for_margin")],
         ["repeats per question needed (at these questions)", power.get("repeats_needed_for_margin")],
-        ["within-question permutation p", f"{num(pt['p_value'], 4)} ({pt['n_permutations']} permutations, seed {pt['seed']})"],
+        ["within-question permutation p",
+         f"{num(pt['p_value'], 4)} ({pt['n_permutations']} permutations, seed {pt['seed']})"],
     ]
 
 

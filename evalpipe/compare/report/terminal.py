@@ -35,7 +35,8 @@ def print_terminal(result: dict, console: Console | None = None) -> None:
     t.add_row("accuracy", f"{pct(acc['a'])} ({arms['a']['n_correct']}/{acc['denominator_a']})",
               f"{pct(acc['b'])} ({arms['b']['n_correct']}/{acc['denominator_b']})", pts(acc["diff"]))
     for name, r in result["rates"].items():
-        t.add_row(f"{name} rate", f"{pct(r['rate_a'])} ({r['n_a']})", f"{pct(r['rate_b'])} ({r['n_b']})", pts(r["diff"]))
+        t.add_row(f"{name} rate", f"{pct(r['rate_a'])} ({r['n_a']})", f"{pct(r['rate_b'])} ({r['n_b']})",
+                  pts(r["diff"]))
     sp = result["spec"]
     t.add_row("accept length (mean)", num(sp["a"]["accept_length_mean"]), num(sp["b"]["accept_length_mean"]), "")
     t.add_row("acceptance rule", escape(acceptance(sp["a"])), escape(acceptance(sp["b"])), "")

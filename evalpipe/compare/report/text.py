@@ -56,9 +56,10 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
         lines.append(repeated_line(r))
     ag = result.get("agreement") or {}
     if "n_pairs" in ag:
+        bases = ", ".join(f"{BASIS_LABELS.get(k, k)} {v}" for k, v in ag["basis_counts"].items()) or "n/a"
         lines.append(
             f"output agreement: {ag['n_identical']}/{ag['n_pairs']} identical ({pct(ag['share_identical'])}) by "
-            f"{', '.join(f'{BASIS_LABELS.get(k, k)} {v}' for k, v in ag['basis_counts'].items()) or 'n/a'}; first divergence median "
+            f"{bases}; first divergence median "
             f"{num(ag['first_divergence_median'], 1)}; logprob gap median {num(ag['logprob_gap_median'])}")
         if ag.get("n_identical_tokens_but_text_differs"):
             lines.append(f"[bold red]warning[/]: {ag['n_identical_tokens_but_text_differs']} pair(s) have identical "
