@@ -139,15 +139,15 @@ class Sending:
 
     def send_all(self) -> None:
         cfg = self.plan.cfg
-        self.writer = RecordWriter(self.folder.responses, fsync=cfg.fsync)
+        writer = RecordWriter(self.folder.responses, fsync=cfg.fsync)
         try:
             if self.todo:
                 self.pool = grader_pool(self.plan.lane.grader, cfg.grader_workers, cfg.grader_timeout_s)
-            asyncio.run(self._drive())
+            asyncio.run(self._drive(writer))
         except KeyboardInterrupt:  # Ctrl-C before the loop's handler was installed (e.g. grader start-up)
             self.interrupted = self.interrupted or "SIGINT"
         finally:
-            self.writer.close()
+            writer.close()
             if self.pool is not None:
                 self.pool.close(wait=not self.interrupted)
 
@@ -165,7 +165,7 @@ class Sending:
             created_at=time.time(),
         )
 
-    async def _worker(self, client, queue: asyncio.Queue, bar) -> None:
+    async def _worker(self, client, queue: asyncio.Queue, writer: RecordWriter, bar) -> None:
         plan, cfg = self.plan, self.plan.cfg
         chat = plan.lane.api == "chat"
         path = "/chat/completions" if chat else "/completions"
@@ -194,7 +194,7 @@ class Sending:
                 err = {"type": "internal_error", "status": None, "message": f"{type(exc).__name__}: {exc}"[:2000]}
                 rec = self._record(item, rep, seq, body, Reply(None, 0.0, err, attempts), None, False, "request_error")
             record = rec.as_json()
-            self.writer.write(record)
+            writer.write(record)
             self.records.append(record)
             self.n_done += 1
             self.n_correct += bool(rec.correct)
@@ -214,7 +214,7 @@ class Sending:
                         t.cancel()
                 return
 
-    async def _drive(self) -> None:
+    async def _drive(self, writer: RecordWriter) -> None:
         plan, cfg = self.plan, self.plan.cfg
         queue: asyncio.Queue = asyncio.Queue()
         for pair in self.todo:
@@ -228,7 +228,7 @@ class Sending:
                        desc=f"{plan.lane.name}[{cfg.arm}]", unit="req", file=sys.stderr, mininterval=0.5,
                        dynamic_ncols=True)
         loop = asyncio.get_running_loop()
-        workers = self._workers = [asyncio.create_task(self._worker(clients[i % len(clients)], queue, bar))
+        workers = self._workers = [asyncio.create_task(self._worker(clients[i % len(clients)], queue, writer, bar))
                                    for i in range(min(plan.concurrency, max(1, len(self.todo))))]
 
         def on_signal(name: str) -> None:
