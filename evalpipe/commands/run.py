@@ -91,83 +91,51 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
       4    finished, but some items ended as error records; the count and the --resume command are printed
       130  interrupted by Ctrl-C (143: SIGTERM); landed records kept, partial summary, resume command printed
     """
-    from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, MalformedFile, read_json_object, read_records
-    from evalpipe.lanes.data import recorded_data_dir
-    from evalpipe.redact import redact_argv
     from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
+    from evalpipe.harness.plan import NotResumable, ResumeConflict
+    from evalpipe.harness.records import MANIFEST_FILE, read_json_object
+    from evalpipe.redact import redact_argv
 
-    overrides = {}
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
-        if value is not None:
-            overrides[name] = value
-    if seed is not None:
-        overrides["seed"] = None if seed == "none" else seed
-
+    transport = dict(
+        api_key=api_key, out_dir=out_dir, timeout_s=timeout_s, max_retries=max_retries, retry_backoff_s=retry_backoff,
+        grader_workers=grader_workers, grader_timeout_s=grader_timeout, fsync=fsync, progress=not no_progress,
+        command_line=redact_argv(sys.argv, [api_key or ""]),
+    )
     if resume_dir is not None:
         given = [f"--{n.replace('_', '-')}" for n, v in (("max_tokens", max_tokens), ("temperature", temperature),
                  ("seed", seed), ("top_p", top_p), ("num_examples", num_examples), ("repeats", repeats),
                  ("concurrency", lane_concurrency)) if v is not None]
         if given:
             raise click.UsageError(f"--resume keeps the run's own protocol; drop {', '.join(given)}")
-        mpath = resume_dir / MANIFEST_FILE
-        if not mpath.exists():
-            raise click.UsageError(f"{resume_dir} is not a run folder (no {MANIFEST_FILE})")
         try:
-            old = read_json_object(mpath)
-            if isinstance(old.get("imported"), dict):
-                raise BadInput(f"{resume_dir} was made by `evalpipe import` from {old['imported'].get('tool')}: run "
-                               "that tool again and import its output; evalpipe cannot resume it")
-            eff = old["start"]["lane"]["effective"]
-            recorded_data = old["start"]["dataset"]["path"]
-        except MalformedFile as exc:
-            raise BadInput(f"{exc}; cannot resume") from None
-        except (KeyError, TypeError) as exc:
-            raise BadInput(f"{mpath}: no start snapshot ({type(exc).__name__}: {exc}); cannot resume") from None
-        read = read_records(resume_dir / RESPONSES_FILE)
-        if read.bad_lines:
-            raise BadInput(f"{read.first_bad(resume_dir / RESPONSES_FILE)}; fix or remove the line, then resume")
-        if data_dir is None:
-            data_dir = recorded_data_dir(recorded_data)
-        if lane is not None and lane != old["lane"]:
-            raise click.UsageError(f"{resume_dir} is a {old['lane']!r} run, not {lane!r}")
-        lane = old["lane"]
-        arm = old["arm"]
-        overrides = dict(old["start"]["lane"]["overrides"])
-        num_examples, repeats = eff.get("num_examples"), None
-        if eff.get("repeats") != get_lane(lane).repeats:
-            repeats = eff.get("repeats")
-        lane_concurrency = eff.get("concurrency")
-        model = model or eff.get("model")
-        if model != eff.get("model"):
-            raise click.UsageError(f"run used model {eff.get('model')!r}; cannot resume with {model!r}")
-        allow_data_drift = allow_data_drift or old["start"]["dataset"].get("allow_data_drift", False)
-        if eff.get("return_token_ids") is False:
-            no_token_ids = True
-        if logprobs is None:
-            logprobs = eff.get("logprobs")
-        if base_url is None:
-            base_url = (old["start"].get("endpoint") or {}).get("base_url")
-            if not base_url:
-                raise click.UsageError(f"{mpath} records no endpoint; pass --base-url")
+            cfg = RunConfig.from_manifest(resume_dir, lane_name=lane, base_url=base_url, model=model, data_dir=data_dir,
+                                          allow_data_drift=allow_data_drift, token_ids=not no_token_ids,
+                                          logprobs=logprobs, **transport)
+        except ResumeConflict as exc:
+            raise click.UsageError(str(exc)) from None
+        except NotResumable as exc:
+            raise BadInput(str(exc)) from None
     elif lane is None:
         raise click.UsageError("give a LANE (see `evalpipe lanes`) or --resume RUN_DIR")
-    elif base_url is None:
-        base_url = DEFAULT_BASE_URL
-
-    cfg = RunConfig(
-        lane=get_lane(lane), base_url=base_url, model=model, api_key=api_key, arm=arm, out_dir=out_dir,
-        concurrency=lane_concurrency, timeout_s=timeout_s, max_retries=max_retries, retry_backoff_s=retry_backoff,
-        overrides=overrides, num_examples=num_examples, repeats=repeats, data_dir=data_dir,
-        allow_data_drift=allow_data_drift, token_ids=not no_token_ids, logprobs=logprobs,
-        grader_workers=grader_workers, grader_timeout_s=grader_timeout, fsync=fsync, progress=not no_progress,
-        resume_dir=resume_dir, command_line=redact_argv(sys.argv, [api_key or ""]),
-    )
+    else:
+        overrides = {}
+        for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
+            if value is not None:
+                overrides[name] = value
+        if seed is not None:
+            overrides["seed"] = None if seed == "none" else seed
+        cfg = RunConfig(
+            lane=get_lane(lane), base_url=base_url or DEFAULT_BASE_URL, model=model, arm=arm,
+            concurrency=lane_concurrency, overrides=overrides, num_examples=num_examples, repeats=repeats,
+            data_dir=data_dir, allow_data_drift=allow_data_drift, token_ids=not no_token_ids, logprobs=logprobs,
+            **transport,
+        )
     try:
         outcome = LaneRun(cfg).execute()
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
     print_summary(outcome.summary, outcome.run_dir)
-    n_reps = repeats or cfg.lane.repeats
+    n_reps = cfg.repeats or cfg.lane.repeats
     if num_examples is not None and resume_dir is None and 0 < outcome.summary.get("n_planned", 0) < num_examples * n_reps:
         click.echo(f"note: --num-examples {num_examples} is more than lane {cfg.lane.name} has; it ran all "
                    f"{outcome.summary['n_planned'] // n_reps} scored items", err=True)

@@ -1,11 +1,12 @@
 """Drive one lane against an OpenAI-compatible endpoint and write the run folder.
 
-Flow: load + hash-check the lane data -> ask the server who it is (model list, server info; refuse a
-simulated-acceptance server) -> write manifest(start) -> send every planned (question, repeat) through
-`concurrency` asyncio workers, each response graded and appended to responses.jsonl as it lands ->
-summary.json + manifest(end). Ctrl-C keeps landed records and writes a partial summary.
+Flow: `LaneRun.prepare` -> a frozen `RunPlan` (plan.py: data hash-checked, items selected, the server asked who it
+is, a simulated-acceptance server refused) -> `execute`: `RunFolder` (run_folder.py) creates or resumes the folder
+and its manifest(start) -> `Sending` sends every planned (question, repeat) through `concurrency` asyncio workers,
+each response graded and appended to responses.jsonl as a `Record` as it lands -> `finish`: summary.json +
+manifest(end). Ctrl-C keeps landed records and writes a partial summary.
 
-Exit codes (`Outcome.exit_code`, README "Running lanes"): 0 every planned item has a non-error record;
+Exit codes (`RunOutcome.exit_code`, README "Running lanes"): 0 every planned item has a non-error record;
 EXIT_ERRORS_REMAIN when some ended as error records (the message names how many and the `--resume` command
 that retries them); 3 refused (simulated acceptance); 130 SIGINT, 143 SIGTERM. A run that cannot start raises
 RunError (the CLI exits 1).
@@ -17,96 +18,41 @@ malformed bodies with exponential backoff, never 4xx); the body recorded is byte
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from evalpipe.harness import client as http
-from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness import spec_metrics
-from evalpipe.harness.client import EndpointError, Reply, Server
+from evalpipe.harness.client import Reply, Server
+from evalpipe.harness.plan import (
+    RunConfig,
+    RunError,
+    RunPlan,
+    SimulatedServerRefused,
+    make_plan,
+)
 from evalpipe.harness.records import (
-    MANIFEST_FILE,
-    RESPONSES_FILE,
     SCHEMA_VERSION,
-    SUMMARY_FILE,
-    SUPERSEDED_FILE,
+    Record,
     RecordWriter,
-    counted_records,
-    read_records,
     record_key,
     response_fields,
-    rewrite_records,
-    write_json,
 )
-from evalpipe.harness.server_facts import debug_faults, lossy_acceptance, simulation_reason
+from evalpipe.harness.run_folder import RunFolder
 from evalpipe.harness.summary import compute_summary
-from evalpipe.lanes import (
-    Item,
-    Lane,
-    LaneData,
-    computed_pins,
-    id_list_sha256,
-    item_groups,
-    pin_differences,
-    prompt_stream_sha256,
-)
-from evalpipe.digest import file_sha256
-from evalpipe.lanes.data import DataError
-from evalpipe.lanes.grading import GraderPool, grade_text
-from evalpipe.redact import redact_text, scrub_values
+from evalpipe.lanes import Item, Lane, item_groups
+from evalpipe.lanes.grading import GraderPool, grade_text, grader_pool
 
+__all__ = ["EXIT_ERRORS_REMAIN", "EXIT_REFUSED", "LaneRun", "RunConfig", "RunError", "RunOutcome", "RunPlan",
+           "SimulatedServerRefused", "build_body"]
 
 EXIT_ERRORS_REMAIN = 4
 EXIT_REFUSED = 3
-
-
-class RunError(Exception):
-    """A run cannot start or must stop; the message says why and what to do."""
-
-
-class SimulatedServerRefused(RunError):
-    """The server simulates speculative acceptance: its outputs are not scored."""
-
-
-@dataclass
-class RunConfig:
-    lane: Lane
-    base_url: str
-    model: Optional[str] = None
-    api_key: Optional[str] = None
-    arm: str = "default"
-    out_dir: Path = Path("results")
-    concurrency: Optional[int] = None
-    timeout_s: float = 14400.0
-    max_retries: int = 3
-    retry_backoff_s: float = 1.0
-    overrides: dict = field(default_factory=dict)  # param name -> value (None = "do not send")
-    num_examples: Optional[int] = None
-    repeats: Optional[int] = None
-    data_dir: Optional[Path] = None
-    allow_data_drift: bool = False
-    token_ids: bool = True
-    logprobs: Optional[int] = None
-    grader_workers: int = 2
-    grader_timeout_s: float = 30.0
-    fsync: bool = False
-    progress: bool = True
-    resume_dir: Optional[Path] = None
-    command_line: list = field(default_factory=list)
-
-
-@dataclass
-class Outcome:
-    run_dir: Path
-    summary: dict
-    exit_code: int
-    message: Optional[str] = None
 
 
 # ----------------------------------------------------------------------------------------- request bodies
@@ -139,200 +85,90 @@ def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool
 # ------------------------------------------------------------------------------------------ the lane run
 
 
+@dataclass
+class RunOutcome:
+    """How a run ended: its folder, its summary, the exit code and, unless 0, what to do next."""
+
+    run_dir: Path
+    summary: dict
+    exit_code: int
+    message: Optional[str] = None
+
+
 class LaneRun:
-    """One lane against one endpoint: prepare (data, server identity), open the run folder, send, summarise."""
+    """One lane against one endpoint: `prepare` settles the plan (data, server identity), `execute` opens the run
+    folder, sends every planned request and writes the summary."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.lane = cfg.lane
-        self.recorded_url = redact_text(cfg.base_url)  # what records and manifests say: no URL password
-        self.interrupted: Optional[str] = None
-        self.refused: Optional[str] = None
 
-    # ---- setup ------------------------------------------------------------------------------------------
+    def prepare(self) -> RunPlan:
+        return make_plan(self.cfg)
 
-    def prepare(self) -> None:
-        cfg, lane = self.cfg, self.lane
+    def execute(self, plan: Optional[RunPlan] = None) -> RunOutcome:
+        plan = plan or self.prepare()
+        folder = RunFolder.resume(plan) if plan.cfg.resume_dir is not None else RunFolder.create(plan)
+        sending = Sending(plan, folder)
+        t0 = time.perf_counter()
+        sending.send_all()
+        return finish(plan, folder, sending, time.perf_counter() - t0)
+
+
+class Sending:
+    """The requests of one run in flight: `concurrency` asyncio workers share one queue, and each response is
+    graded and appended to responses.jsonl as it lands. Holds what changes while they run (counts, the records,
+    why it stopped early)."""
+
+    def __init__(self, plan: RunPlan, folder: RunFolder):
+        self.plan, self.folder = plan, folder
+        kept = folder.kept
+        done = {record_key(r) for r in kept}
+        planned = plan.planned()
+        self.n_planned = len(planned)
+        self.todo = [(it, r) for it, r in planned if (plan.lane.name, it.question_id, r) not in done]
+        self.records: list[dict] = list(kept)
+        self.seq = max((int(r.get("request_seq", 0)) for r in kept), default=0)
+        self.n_done = len(kept)
+        self.n_correct = sum(1 for r in kept if r.get("correct"))
+        self.n_err = 0
+        self.n_trunc = sum(1 for r in kept if r.get("truncated"))
+        self.interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM"
+        self.refused: Optional[str] = None  # why the run stopped scoring
+        self.pool: Optional[GraderPool] = None
+        self._workers: list = []
+
+    def send_all(self) -> None:
+        cfg = self.plan.cfg
+        writer = RecordWriter(self.folder.responses, fsync=cfg.fsync)
         try:
-            self.data: LaneData = lane.load(cfg.data_dir, cfg.allow_data_drift)
-        except DataError as exc:
-            raise RunError(str(exc)) from exc
-        self.pin_diffs = pin_differences(lane, self.data)
-        if self.pin_diffs and not cfg.allow_data_drift:
-            raise RunError(
-                f"lane {lane.name}: hashes differ from the pins in evalpipe/lanes/pins/{lane.name}.json:\n  " + "\n  ".join(self.pin_diffs)
-                + "\nThe prompts are not the pinned ones; pass --allow-data-drift to run anyway (recorded)."
-            )
-        items = self.data.items
-        if cfg.num_examples is not None:
-            if cfg.num_examples < 1:
-                raise RunError("--num-examples must be >= 1")
-            items = items[: cfg.num_examples]
-        self.items = items
-        self.repeats = cfg.repeats if cfg.repeats is not None else lane.repeats
-        if self.repeats < 1:
-            raise RunError("--repeats must be >= 1")
-        self.concurrency = cfg.concurrency or lane.concurrency
-        self.params = {**lane.params, **cfg.overrides}
-
-        with Server(cfg.base_url, cfg.api_key) as server:
-            self._ask_server(server)
-
-    def _ask_server(self, server: Server) -> None:
-        """Who is the server? (before any generation request): its model, its settings, its /metrics counters."""
-        cfg = self.cfg
-        try:
-            models_json = server.models()
-        except EndpointError as exc:
-            raise RunError(str(exc)) from exc
-        served = [m["id"] for m in models_json["data"]]
-        if cfg.model is None:
-            self.model = served[0]
-        elif cfg.model not in served:
-            raise RunError(f"--model {cfg.model!r} is not served by {cfg.base_url} (it lists: {', '.join(served)})")
-        else:
-            self.model = cfg.model
-        info_path, info = server.server_info()
-        reason = simulation_reason(info)
-        if reason:
-            raise SimulatedServerRefused(f"refusing to score: {reason}. Restart the server without simulation.")
-        # a lossy acceptance rule is scored (measuring its accuracy cost is its purpose), never hidden
-        self.server_lossy = lossy_acceptance(info)
-        if self.server_lossy:
-            print(f"evalpipe run: warning: the server's speculative acceptance is LOSSY {self.server_lossy}; "
-                  "the responses it decides measure that rule, not the model (scored on purpose)", file=sys.stderr)
-        self.server_faults = debug_faults(info)
-        if self.server_faults:
-            print(f"evalpipe run: WARNING: THE SERVER IS BROKEN ON PURPOSE: planted debug faults "
-                  f"{', '.join(self.server_faults)} (evalpipe serve --debug-fault); these scores measure the "
-                  "faults, not the model", file=sys.stderr)
-        self.server_facts = {"models": models_json, "server_info_path": info_path, "server_info": info}
-        # speculative counters from /metrics (vLLM reports speculation nowhere else): run-level, before and after
-        self.metrics_before = spec_metrics.snapshot(server)
-
-    def _snapshot(self, server: dict) -> dict:
-        cfg, lane, data = self.cfg, self.lane, self.data
-        selected_digests = [it.prompt_sha256 for it in self.items]
-        return manifest_mod.capture(
-            lane_desc=lane.describe(),
-            overrides=dict(cfg.overrides),
-            effective={
-                "params": self.params, "concurrency": self.concurrency, "repeats": self.repeats,
-                "num_examples": cfg.num_examples, "return_token_ids": cfg.token_ids, "logprobs": cfg.logprobs,
-                "model": self.model, "arm": cfg.arm,
-            },
-            transport={
-                "timeout_s": cfg.timeout_s, "max_retries": cfg.max_retries, "retry_backoff_s": cfg.retry_backoff_s,
-                "retry_policy": http.RETRY_POLICY,
-                "grader_timeout_s": cfg.grader_timeout_s, "grader_workers": cfg.grader_workers, "fsync": cfg.fsync,
-            },
-            data_facts={
-                "path": data.dataset_path,
-                "sha256": data.dataset_sha256,
-                "data_drift": data.data_drift,
-                "allow_data_drift": cfg.allow_data_drift,
-                "pin_differences": self.pin_diffs,
-                "all_items": computed_pins(lane, data),
-                "selected_id_list_sha256": id_list_sha256([it.question_id for it in self.items]),
-                "selected_n_items": len(self.items),
-                **data.extra,
-            },
-            prompt_facts={
-                "template_id": data.template_id,
-                "template_sha256": data.template_sha256,
-                "prompt_stream_sha256_all": data.stream_sha256(),
-                "prompt_stream_sha256_selected": prompt_stream_sha256(selected_digests),
-            },
-            endpoint={"base_url": self.recorded_url, "api": lane.api, "model": self.model},
-            server=server,  # as the server reported it (redacted on write); comparisons drop what is volatile
-        )
-
-    # ---- run folder -------------------------------------------------------------------------------------
-
-    def open_run_dir(self) -> None:
-        cfg = self.cfg
-        self.existing: list[dict] = []
-        self.resumed = None
-        if cfg.resume_dir is not None:
-            self.run_dir = Path(cfg.resume_dir)
-            old_manifest = json.loads((self.run_dir / MANIFEST_FILE).read_text())
-            self.run_id = old_manifest["run_id"]
-            resume_start = self._snapshot(self.server_facts)
-            # the address may change (a restarted server, another host name); the server it reaches is compared
-            protocol, _ = manifest_mod.differences(_without_base_url(old_manifest["start"]),
-                                                   _without_base_url(resume_start))
-            if protocol:  # checked before the folder is touched
-                raise RunError("cannot resume: the protocol changed since the run started:\n  " + "\n  ".join(protocol))
-            read = read_records(self.run_dir / RESPONSES_FILE)
-            if read.bad_lines:
-                raise RunError(f"{self.run_dir / RESPONSES_FILE}: lines {read.bad_lines[:10]} are not JSON; refusing to resume")
-            # the records that count (records.py) stay, unless they are errors: those are retried
-            kept = {id(r) for r in counted_records(read.records).by_key.values() if not r.get("error")}
-            keep = [r for r in read.records if id(r) in kept]
-            superseded = [r for r in read.records if id(r) not in kept]
-            if superseded:
-                with open(self.run_dir / SUPERSEDED_FILE, "a", encoding="utf-8") as fh:
-                    for r in superseded:
-                        fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-            if superseded or read.torn_tail:
-                rewrite_records(self.run_dir / RESPONSES_FILE, keep)
-            self.existing = keep
-            self.manifest = old_manifest
-            self.resumed = {
-                "at": time.time(), "kept_records": len(keep), "superseded_error_records": len(superseded),
-                "dropped_torn_line": read.torn_tail,
-            }
-            self.manifest.setdefault("resumes", []).append(self.resumed)
-        else:
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-            self.run_id = f"{cfg.arm}-{stamp}-{secrets.token_hex(3)}"
-            self.run_dir = Path(cfg.out_dir) / self.lane.name / self.run_id
-            self.run_dir.mkdir(parents=True, exist_ok=False)
-            self.manifest = {
-                "schema_version": SCHEMA_VERSION,
-                "run_id": self.run_id,
-                "arm": cfg.arm,
-                "lane": self.lane.name,
-                "command_line": cfg.command_line,
-                "started_at": time.time(),
-                "start": None,
-                "end": None,
-            }
-        if self.resumed is None:
-            self.manifest["start"] = self._snapshot(self.server_facts)
-        else:
-            self.manifest["resume_start"] = resume_start
-        self._write_manifest()
-
-    # ---- requests ---------------------------------------------------------------------------------------
+            if self.todo:
+                self.pool = grader_pool(self.plan.lane.grader, cfg.grader_workers, cfg.grader_timeout_s)
+            asyncio.run(self._drive(writer))
+        except KeyboardInterrupt:  # Ctrl-C before the loop's handler was installed (e.g. grader start-up)
+            self.interrupted = self.interrupted or "SIGINT"
+        finally:
+            writer.close()
+            if self.pool is not None:
+                self.pool.close(wait=not self.interrupted)
 
     def _record(self, item: Item, rep: int, seq: int, body: dict, reply: Reply, extracted: Any, correct: bool,
-                status: str) -> dict:
-        fields = response_fields(reply, chat=self.lane.api == "chat")
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "run_id": self.run_id,
-            "arm": self.cfg.arm,
-            "lane": self.lane.name,
-            "question_id": item.question_id,
-            "repeat_index": rep,
-            "request_seq": seq,
-            "endpoint": self.recorded_url,
-            "model": self.model,
-            "prompt_sha256": item.prompt_sha256,
-            **({"group": item.group} if item.group is not None else {}),
-            "request": body,
-            **fields,
-            "logprobs": fields["logprobs"] if self.cfg.logprobs is not None else None,
-            "extracted_answer": extracted,
-            "expected_answer": item.expected_answer,
-            "correct": correct,
-            "grade_status": status,
-            "created_at": time.time(),
-        }
+                status: str) -> Record:
+        plan = self.plan
+        fields = response_fields(reply, chat=plan.lane.api == "chat")
+        if plan.cfg.logprobs is None:
+            fields["logprobs"] = None
+        return Record(
+            schema_version=SCHEMA_VERSION, run_id=self.folder.run_id, arm=plan.cfg.arm, lane=plan.lane.name,
+            question_id=item.question_id, repeat_index=rep, request_seq=seq, endpoint=plan.recorded_url,
+            model=plan.model, prompt_sha256=item.prompt_sha256, group=item.group, request=body, **fields,
+            extracted_answer=extracted, expected_answer=item.expected_answer, correct=correct, grade_status=status,
+            created_at=time.time(),
+        )
 
     async def _worker(self, client, queue: asyncio.Queue, writer: RecordWriter, bar) -> None:
-        path = "/completions" if self.lane.api == "completions" else "/chat/completions"
+        plan, cfg = self.plan, self.plan.cfg
+        chat = plan.lane.api == "chat"
+        path = "/chat/completions" if chat else "/completions"
         while True:
             try:
                 item, rep = queue.get_nowait()
@@ -340,38 +176,37 @@ class LaneRun:
                 return
             self.seq += 1
             seq = self.seq
-            body = build_body(self.lane, self.model, item, self.params, self.cfg.token_ids, self.cfg.logprobs, rep)
+            body = build_body(plan.lane, plan.model, item, plan.params, cfg.token_ids, cfg.logprobs, rep)
             attempts: list = []
             try:
-                reply = await http.send(client, path, body, chat=self.lane.api == "chat",
-                                        max_retries=self.cfg.max_retries, backoff_s=self.cfg.retry_backoff_s,
-                                        secrets=[self.cfg.api_key or ""])
+                reply = await http.send(client, path, body, chat=chat, max_retries=cfg.max_retries,
+                                        backoff_s=cfg.retry_backoff_s, secrets=[cfg.api_key or ""])
                 attempts = reply.attempts
                 if reply.data is None:
                     extracted, correct, status = None, False, "request_error"
                 else:
-                    fields = response_fields(reply, chat=self.lane.api == "chat")
+                    fields = response_fields(reply, chat=chat)
                     text = fields["response_text"] if isinstance(fields["response_text"], str) else ""
-                    extracted, correct, status = await grade_text(self.lane.grader, item.expected_answer, text,
+                    extracted, correct, status = await grade_text(plan.lane.grader, item.expected_answer, text,
                                                                   fields["truncated"], self.pool)
                 rec = self._record(item, rep, seq, body, reply, extracted, correct, status)
             except Exception as exc:  # noqa: BLE001 - a surprise must still land as a record, never drop the item
                 err = {"type": "internal_error", "status": None, "message": f"{type(exc).__name__}: {exc}"[:2000]}
                 rec = self._record(item, rep, seq, body, Reply(None, 0.0, err, attempts), None, False, "request_error")
-                correct = False
-            writer.write(rec)
-            self.records.append(rec)
+            record = rec.as_json()
+            writer.write(record)
+            self.records.append(record)
             self.n_done += 1
-            self.n_correct += bool(correct)
-            self.n_err += bool(rec["error"])
-            self.n_trunc += bool(rec["truncated"])
+            self.n_correct += bool(rec.correct)
+            self.n_err += bool(rec.error)
+            self.n_trunc += bool(rec.truncated)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(
                     f"acc={self.n_correct / max(1, self.n_done):.3f} err={self.n_err} trunc={self.n_trunc}",
                     refresh=False,
                 )
-            if isinstance(rec["spec"], dict) and rec["spec"].get("simulated") is True and self.refused is None:
+            if isinstance(rec.spec, dict) and rec.spec.get("simulated") is True and self.refused is None:
                 self.refused = "a response reports simulated speculative acceptance (spec.simulated = true)"
                 me = asyncio.current_task()
                 for t in self._workers:
@@ -379,21 +214,22 @@ class LaneRun:
                         t.cancel()
                 return
 
-    async def _drive(self, todo: list[tuple[Item, int]]) -> None:
-        cfg = self.cfg
+    async def _drive(self, writer: RecordWriter) -> None:
+        plan, cfg = self.plan, self.plan.cfg
         queue: asyncio.Queue = asyncio.Queue()
-        for pair in todo:
+        for pair in self.todo:
             queue.put_nowait(pair)
-        clients = http.openai_clients(cfg.base_url, cfg.api_key, cfg.timeout_s, self.concurrency)
+        clients = http.openai_clients(cfg.base_url, cfg.api_key, cfg.timeout_s, plan.concurrency)
         bar = None
         if cfg.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=self.n_planned, initial=len(self.existing), desc=f"{self.lane.name}[{cfg.arm}]",
-                       unit="req", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+            bar = tqdm(total=self.n_planned, initial=len(self.folder.kept),
+                       desc=f"{plan.lane.name}[{cfg.arm}]", unit="req", file=sys.stderr, mininterval=0.5,
+                       dynamic_ncols=True)
         loop = asyncio.get_running_loop()
-        workers = self._workers = [asyncio.create_task(self._worker(clients[i % len(clients)], queue, self.writer, bar))
-                                   for i in range(min(self.concurrency, max(1, len(todo))))]
+        workers = self._workers = [asyncio.create_task(self._worker(clients[i % len(clients)], queue, writer, bar))
+                                   for i in range(min(plan.concurrency, max(1, len(self.todo))))]
 
         def on_signal(name: str) -> None:
             if self.interrupted is None:
@@ -422,117 +258,57 @@ class LaneRun:
             for client in clients:
                 await client.close()
 
-    # ---- main -------------------------------------------------------------------------------------------
 
-    def execute(self) -> Outcome:
-        self.prepare()
-        self.open_run_dir()
-        plan = [(it, r) for it in self.items for r in range(self.repeats)]  # question-major
-        self.n_planned = len(plan)
-        done = {record_key(r) for r in self.existing}
-        todo = [(it, r) for it, r in plan if (self.lane.name, it.question_id, r) not in done]
-        self.records: list[dict] = list(self.existing)
-        self.seq = max((int(r.get("request_seq", 0)) for r in self.existing), default=0)
-        self.n_done = len(self.existing)
-        self.n_correct = sum(1 for r in self.existing if r.get("correct"))
-        self.n_err = 0
-        self.n_trunc = sum(1 for r in self.existing if r.get("truncated"))
-        self.pool = None
-        t0 = time.perf_counter()
-        self.writer = RecordWriter(self.run_dir / RESPONSES_FILE, fsync=self.cfg.fsync)
-        try:
-            if self.lane.grader == "ns_last_boxed" and todo:
-                self.pool = GraderPool(workers=self.cfg.grader_workers, timeout_s=self.cfg.grader_timeout_s)
-            asyncio.run(self._drive(todo))
-        except KeyboardInterrupt:  # Ctrl-C before the loop's handler was installed (e.g. grader start-up)
-            self.interrupted = self.interrupted or "SIGINT"
-        finally:
-            self.writer.close()
-            if self.pool is not None:
-                self.pool.close(wait=not self.interrupted)
-        wall = time.perf_counter() - t0
-        return self.finish(wall, len(todo))
-
-    def finish(self, wall: float, n_sent_planned: int) -> Outcome:
-        with Server(self.cfg.base_url, self.cfg.api_key) as server:
-            end = self._snapshot(server.describe())
-            metrics_after = spec_metrics.snapshot(server)
-        start = self.manifest.get("resume_start") or self.manifest["start"]
-        protocol, warnings = manifest_mod.differences(start, end)
-        self.manifest["end"] = end
-        self.manifest["finished_at"] = time.time()
-        self.manifest["consistent"] = not protocol
-        self.manifest["differences"] = protocol
-        self.manifest["code_changes_during_run"] = warnings
-        n_new = len(self.records) - len(self.existing)
-        metrics = spec_metrics.run_level(self.metrics_before, metrics_after)
-        if metrics is not None and self.resumed is not None:
-            metrics["covers"] = "only the requests this resume sent"
-        meta = {
-            "arm": self.cfg.arm, "run_id": self.run_id, "model": self.model, "endpoint": self.recorded_url,
-            "interrupted": self.interrupted, "refused": self.refused,
-            "wall_s": wall, "requests_per_s": (n_new / wall) if wall > 0 else None,
-            "overrides": dict(self.cfg.overrides, **({"num_examples": self.cfg.num_examples} if self.cfg.num_examples else {}),
-                              **({"repeats": self.cfg.repeats} if self.cfg.repeats is not None else {})),
-            "data_drift": self.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
-            "resumed": self.resumed is not None,
-            "server_lossy_acceptance": self.server_lossy,
-            "server_debug_faults": self.server_faults,
-            "spec_metrics": metrics,
-        }
-        summary = compute_summary(
-            lane_name=self.lane.name, grader=self.lane.grader, repeats=self.repeats,
-            planned_question_ids=[it.question_id for it in self.items], records=self.records, meta=meta,
-            groups=item_groups(self.items),
-        )
-        summary["partial"] = bool(self.interrupted or self.refused or summary["n_missing"] > 0)
-        if self.refused:
-            summary["accuracy"] = None
-        write_json(self.run_dir / SUMMARY_FILE, summary)
-        self.manifest["counts"] = {k: summary.get(k) for k in ("n_planned", "n_records", "n_errors", "n_truncated")}
-        # the records file as it stood when the run (or its last resume) finished: audit catches any later edit,
-        # including one that leaves every grade and count unchanged
-        self.manifest["responses_sha256"] = file_sha256(self.run_dir / RESPONSES_FILE)
-        self._write_manifest()
-        if self.refused:
-            return Outcome(self.run_dir, summary, EXIT_REFUSED,
-                           f"refusing to score: {self.refused}; records kept in {self.run_dir}")
-        if self.interrupted:
-            code = 130 if self.interrupted == "SIGINT" else 143
-            return Outcome(self.run_dir, summary, code, f"interrupted ({self.interrupted}): partial summary written; "
-                           f"continue with:\n  {self.resume_command()}")
-        unfinished = summary["n_errors"] + summary["n_missing"]
-        if unfinished:
-            kinds = _error_kinds(self.records)
-            return Outcome(self.run_dir, summary, EXIT_ERRORS_REMAIN,
-                           f"{unfinished} of {summary['n_planned']} planned items have no successful response "
-                           f"({kinds}); they count as wrong. Retry just those with:\n  {self.resume_command()}")
-        return Outcome(self.run_dir, summary, 0)
-
-    def resume_command(self) -> str:
-        """The exact command that continues this run (the endpoint comes from its manifest unless it moved)."""
-        import shlex
-
-        cmd = ["evalpipe", "run", "--resume", str(self.run_dir)]
-        if self.recorded_url != self.manifest["start"]["endpoint"]["base_url"]:
-            cmd += ["--base-url", self.recorded_url]
-        line = shlex.join(cmd)
-        if self.cfg.api_key:
-            line += "   # with the same key in EVALPIPE_API_KEY (or --api-key)"
-        return line
-
-    def _write_manifest(self) -> None:
-        write_json(self.run_dir / MANIFEST_FILE, scrub_values(self.manifest, [self.cfg.api_key or ""]))
-
-
-def _without_base_url(snapshot: dict) -> dict:
-    endpoint = {k: v for k, v in (snapshot.get("endpoint") or {}).items() if k != "base_url"}
-    return {**snapshot, "endpoint": endpoint}
+def finish(plan: RunPlan, folder: RunFolder, sending: Sending, wall: float) -> RunOutcome:
+    """End snapshot, summary.json and manifest, then the outcome (module docstring's exit codes)."""
+    cfg = plan.cfg
+    with Server(cfg.base_url, cfg.api_key) as server:
+        end = plan.snapshot(server.describe())
+        metrics_after = spec_metrics.snapshot(server)
+    protocol = folder.record_end(end)
+    n_new = len(sending.records) - len(folder.kept)
+    metrics = spec_metrics.run_level(plan.server.metrics_before, metrics_after)
+    if metrics is not None and folder.resumed is not None:
+        metrics["covers"] = "only the requests this resume sent"
+    meta = {
+        "arm": cfg.arm, "run_id": folder.run_id, "model": plan.model, "endpoint": plan.recorded_url,
+        "interrupted": sending.interrupted, "refused": sending.refused,
+        "wall_s": wall, "requests_per_s": (n_new / wall) if wall > 0 else None,
+        "overrides": dict(cfg.overrides, **({"num_examples": cfg.num_examples} if cfg.num_examples else {}),
+                          **({"repeats": cfg.repeats} if cfg.repeats is not None else {})),
+        "data_drift": plan.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
+        "resumed": folder.resumed is not None,
+        "server_lossy_acceptance": plan.server.lossy,
+        "server_debug_faults": plan.server.faults,
+        "spec_metrics": metrics,
+    }
+    summary = compute_summary(
+        lane_name=plan.lane.name, grader=plan.lane.grader, repeats=plan.repeats,
+        planned_question_ids=[it.question_id for it in plan.items], records=sending.records, meta=meta,
+        groups=item_groups(plan.items),
+    )
+    summary["partial"] = bool(sending.interrupted or sending.refused or summary["n_missing"] > 0)
+    if sending.refused:
+        summary["accuracy"] = None
+    folder.write_summary(summary)
+    if sending.refused:
+        return RunOutcome(folder.path, summary, EXIT_REFUSED,
+                          f"refusing to score: {sending.refused}; records kept in {folder.path}")
+    if sending.interrupted:
+        code = 130 if sending.interrupted == "SIGINT" else 143
+        return RunOutcome(folder.path, summary, code, f"interrupted ({sending.interrupted}): partial summary "
+                          f"written; continue with:\n  {folder.resume_command(plan.recorded_url)}")
+    unfinished = summary["n_errors"] + summary["n_missing"]
+    if unfinished:
+        kinds = _error_kinds(sending.records)
+        return RunOutcome(folder.path, summary, EXIT_ERRORS_REMAIN,
+                          f"{unfinished} of {summary['n_planned']} planned items have no successful response "
+                          f"({kinds}); they count as wrong. Retry just those with:\n  "
+                          f"{folder.resume_command(plan.recorded_url)}")
+    return RunOutcome(folder.path, summary, 0)
 
 
 def _error_kinds(records: list[dict]) -> str:
     """`APIConnectionError x70, InternalServerError x3`: what the error records of a run were."""
-    from collections import Counter
-
     counts = Counter((r.get("error") or {}).get("type") or "error" for r in records if r.get("error"))
     return ", ".join(f"{kind} x{n}" for kind, n in counts.most_common()) or "no record"

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from evalpipe.harness.server_facts import spec_from_response
 
@@ -31,39 +31,54 @@ REPEAT_FILE = "repeat.json"  # `evalpipe repeat`'s result beside its records
 BENCH_FILE = "bench.json"  # `evalpipe bench` writes only this
 AB_FILE = "ab.json"  # `evalpipe ab`'s index of its arms, their run folders and the flags that differ between them
 
-# Keys every record carries (the issue's list plus the project additions), in writing order.
-REQUIRED_KEYS: tuple[str, ...] = (
-    "schema_version",
-    "run_id",
-    "arm",
-    "lane",
-    "question_id",
-    "repeat_index",
-    "request_seq",
-    "endpoint",
-    "model",
-    "prompt_sha256",
-    "request",  # the body exactly as sent, minus the API key (which never is in the body)
-    "response_text",  # choice text (completions) or message.content (chat); "" on error
-    "reasoning_text",  # message.reasoning_content / reasoning when the server split it out, else null
-    "finish_reason",
-    "matched_stop",  # the stop string/token the server says it matched, else null
-    "truncated",  # finish_reason == "length"
-    "error",  # null or {"type", "status", "message"}
-    "attempts",  # [{"start", "end", "error"}] one per try, last one decides the record
-    "usage",  # the server's usage block verbatim, or null
-    "latency_s",  # client wall time of the deciding attempt
-    "spec",  # speculative statistics the server reported on the choice / response, else null
-    "output_token_ids",  # choice token_ids when the server returned them, else null
-    "logprobs",  # choice logprobs when requested and returned, else null
-    "extracted_answer",
-    "expected_answer",
-    "correct",  # bool; errors and truncations are always False
-    "grade_status",  # see GRADE_STATUSES
-    "created_at",  # unix time the record was written
-)
+@dataclass
+class Record:
+    """One line of `responses.jsonl`, fields in writing order. `as_json` omits `group` when it is None (lanes
+    without groups) and is what `RecordWriter` gets; readers see plain dicts (`read_records`)."""
 
-# Optional keys: "group" (the item's reporting group, on lanes that have groups, e.g. arith's number of operations).
+    schema_version: int
+    run_id: str
+    arm: str
+    lane: str
+    question_id: Any
+    repeat_index: int
+    request_seq: int
+    endpoint: str
+    model: str
+    prompt_sha256: str
+    group: Any  # optional: the item's reporting group, on lanes that have groups (e.g. arith's number of operations)
+    request: dict  # the body exactly as sent, minus the API key (which never is in the body)
+    response_text: str  # choice text (completions) or message.content (chat); "" on error
+    reasoning_text: Optional[str]  # message.reasoning_content / reasoning when the server split it out, else null
+    finish_reason: Optional[str]
+    matched_stop: Any  # the stop string/token the server says it matched, else null
+    truncated: bool  # finish_reason == "length"
+    error: Optional[dict]  # null or {"type", "status", "message"}
+    attempts: list  # [{"start", "end", "error"}] one per try, last one decides the record
+    usage: Optional[dict]  # the server's usage block verbatim, or null
+    latency_s: float  # client wall time of the deciding attempt
+    spec: Optional[dict]  # speculative statistics the server reported on the choice / response, else null
+    output_token_ids: Optional[list]  # choice token_ids when the server returned them, else null
+    logprobs: Any  # choice logprobs when requested and returned, else null
+    response_id: Optional[str]  # optional: the response's `id`
+    model_reported: Optional[str]  # optional: the response's `model`
+    extracted_answer: Any
+    expected_answer: Any
+    correct: bool  # errors and truncations are always False
+    grade_status: str  # see GRADE_STATUSES
+    created_at: float  # unix time the record was written
+
+    def as_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["group"] is None:
+            del out["group"]
+        return out
+
+
+# Keys audit does not require: `group` (absent on lanes without groups) and what the response body said of itself.
+OPTIONAL_KEYS = ("group", "response_id", "model_reported")
+# Keys every record carries, in writing order (`Record`'s fields less the optional ones).
+REQUIRED_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Record) if f.name not in OPTIONAL_KEYS)
 
 # ok: graded from the text. no_answer: nothing extractable (AIME: no \boxed{}; GSM8K: no digits = INVALID).
 # truncated: finish_reason "length", scored wrong whatever the text says. request_error: no response.

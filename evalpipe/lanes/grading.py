@@ -197,6 +197,11 @@ class GraderPool:
 # ------------------------------------------------------------------------------------------- one response
 
 
+def grader_pool(grader: str, workers: int, timeout_s: float) -> Optional[GraderPool]:
+    """The worker pool `grade_text` needs for `grader`, or None for the graders that run inline."""
+    return GraderPool(workers=workers, timeout_s=timeout_s) if grader == "ns_last_boxed" else None
+
+
 async def grade_text(grader: str, expected: Any, text: str, truncated: bool, pool: Optional[GraderPool]) -> tuple[Any, bool, str]:
     """Shared by the runner and `evalpipe audit`: (extracted_answer, correct, grade_status)."""
     if grader == "legacy_last_int":

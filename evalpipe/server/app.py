@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from evalpipe import __version__
 from evalpipe.engine.sampling_params import SamplingParams
-from evalpipe.server import generation
+from evalpipe.server import generation, validation
 from evalpipe.server.engine_client import ENGINE_DEAD, EngineCallError, EngineDead
 from evalpipe.server.errors import APIError, SafeJSONResponse, install_error_handlers
 from evalpipe.server.middleware import ContainErrors, RequireAPIKey
@@ -89,23 +89,23 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         require_ready()
-        return await generation.respond(state, generation.completion_job(state, req), request)
+        return await generation.respond(state, validation.completion_job(state, req), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         require_ready()
-        return await generation.respond(state, generation.chat_job(state, req), request)
+        return await generation.respond(state, validation.chat_job(state, req), request)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         require_ready()
-        generation.check_model(state, req.model)
+        validation.check_model(state, req.model)
         return tokenization.tokenize(state, req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         require_ready()
-        generation.check_model(state, req.model)
+        validation.check_model(state, req.model)
         return tokenization.detokenize(state, req)
 
     @app.get("/tokenizer_info")

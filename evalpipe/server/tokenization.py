@@ -9,7 +9,7 @@ SGLang's list of prompts each is a list. /detokenize gives vLLM's `prompt` and S
 from __future__ import annotations
 
 from evalpipe.server.errors import bad_request
-from evalpipe.server.generation import template_message
+from evalpipe.server.validation import template_message
 from evalpipe.server.protocol import DetokenizeRequest, TokenizeRequest
 
 

@@ -287,6 +287,37 @@ def test_repeats_send_distinct_seeds(srv, tmp_path):
     assert [rec["request"]["seed"] for rec in records] == [0, 0]
 
 
+def test_prepare_returns_a_frozen_plan_that_execute_consumes(srv, tmp_path):
+    """`LaneRun.prepare` settles everything before the first request (items, repeats, parameters, the server's model)
+    in a frozen plan; `execute(plan)` sends exactly that plan, and each line of responses.jsonl keeps `Record`'s key
+    order (arith has groups: `group` sits between prompt_sha256 and request)."""
+    import dataclasses
+    import random
+
+    from evalpipe.harness.lane_run import LaneRun, RunConfig
+    from evalpipe.harness.records import Record
+    from evalpipe.lanes import get_lane
+
+    url = srv(mode="correct")
+    n, repeats, seed = random.randint(1, 4), random.randint(1, 3), random.randint(0, 1000)
+    run = LaneRun(RunConfig(lane=get_lane("arith"), base_url=url, out_dir=tmp_path, num_examples=n, repeats=repeats,
+                            overrides={"seed": seed}, data_dir=DATA_DIR, progress=False))
+    plan = run.prepare()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.repeats = repeats + 1
+    assert len(plan.items) == n and plan.repeats == repeats and plan.params["seed"] == seed
+    assert not list(tmp_path.iterdir())  # nothing is written before execute
+    outcome = run.execute(plan)
+    assert outcome.exit_code == 0, outcome.message
+    records, summary, manifest = load_run(outcome.run_dir)
+    assert summary["n_planned"] == len(records) == n * repeats
+    assert manifest["start"]["lane"]["effective"]["model"] == plan.model
+    order = [f.name for f in dataclasses.fields(Record)]
+    for line in (outcome.run_dir / "responses.jsonl").read_text().splitlines():
+        keys = list(json.loads(line))
+        assert "group" in keys and keys == [k for k in order if k in keys]
+
+
 def test_lossy_acceptance_is_scored_and_shown_and_audit_guards_it(srv, tmp_path):
     """A server with SGLang thresholds below 1.0 is scored (unlike simulation); the summary names the setting and
     counts the responses whose spec says lossy; audit accepts a summary from before these keys only where the
