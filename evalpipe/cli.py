@@ -19,13 +19,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("evalpipe.commands.audit", "Re-check a run folder: prompt hashes, grades, summary, manifest."),
     "serve": ("evalpipe.commands.serve", "Start a server (native engine by default) behind an OpenAI-compatible API."),
     "compare": ("evalpipe.commands.compare", "Compare two run (or bench) folders side by side with paired statistics."),
-    "plan": ("evalpipe.commands.plan", "Questions and repeats a non-inferiority margin needs; each lane's detectable drop."),
+    "plan": (
+        "evalpipe.commands.plan",
+        "Questions and repeats a non-inferiority margin needs; each lane's detectable drop.",
+    ),
     "repeat": ("evalpipe.commands.repeat", "Repeatability protocol: distinct completions over N identical requests."),
     "bench": ("evalpipe.commands.bench", "Streamed decode-throughput protocol against an endpoint."),
     "ab": ("evalpipe.commands.ab", "Boot arm A and arm B fresh, run lanes on each, compare, write one report."),
     "import": ("evalpipe.commands.import_run", "Turn an lm-eval or sgl-eval run into an evalpipe run folder."),
-    "qualify": ("evalpipe.commands.qualify", "Serving qualification gates (keys, retrieval, boundaries, mixed, "
-                "structured, soak, reference) against an endpoint."),
+    "qualify": (
+        "evalpipe.commands.qualify",
+        "Serving qualification gates (keys, retrieval, boundaries, mixed, "
+        "structured, soak, reference) against an endpoint.",
+    ),
 }
 
 

@@ -25,8 +25,25 @@ from typing import Any, Iterable, Mapping
 REDACTED = "<redacted>"
 
 _SECRET_WORDS = {"secret", "secrets", "password", "passwd", "apikey", "credential", "credentials", "authorization"}
-_TOKEN_OWNERS = {"hf", "auth", "access", "bearer", "hub", "refresh", "session", "github", "gh", "api", "id",
-                 "oauth", "jwt", "private", "personal", "wandb", "slack"}
+_TOKEN_OWNERS = {
+    "hf",
+    "auth",
+    "access",
+    "bearer",
+    "hub",
+    "refresh",
+    "session",
+    "github",
+    "gh",
+    "api",
+    "id",
+    "oauth",
+    "jwt",
+    "private",
+    "personal",
+    "wandb",
+    "slack",
+}
 _ENV_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTHORIZATION")
 _UNSET = {"", "none", "null", "false", "true", REDACTED.lower()}
 
@@ -112,8 +129,10 @@ def redact_argv(argv: Iterable[str], secrets: Iterable[str] = ()) -> list[str]:
 
 def redact_env(env: Mapping[str, str], secrets: Iterable[str] = ()) -> dict[str, str]:
     """Environment variables, sorted, with the values of secret-named ones hidden."""
-    return {name: (REDACTED if is_secret_env_name(name) and value else scrub_values(value, secrets))
-            for name, value in sorted(env.items())}
+    return {
+        name: (REDACTED if is_secret_env_name(name) and value else scrub_values(value, secrets))
+        for name, value in sorted(env.items())
+    }
 
 
 def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
@@ -121,8 +140,10 @@ def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
     fields, secret flags in argv lists and command strings, and the known `secrets` anywhere."""
     secrets = _known(secrets)
     if isinstance(value, dict):
-        return {k: (REDACTED if isinstance(k, str) and is_secret_name(k) and _secret_set(v) else redact(v, secrets))
-                for k, v in value.items()}
+        return {
+            k: (REDACTED if isinstance(k, str) and is_secret_name(k) and _secret_set(v) else redact(v, secrets))
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, str) for v in value):
             return redact_argv(value, secrets)  # an echoed command line, or plain strings (left as they are)

@@ -37,42 +37,106 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     # ---- any engine ------------------------------------------------------------------------------------
-    Rule("any", "per boot", SERVER_INFO, "**.port", "the port a boot listens on (a free one per boot); an address, not a setting"),
+    Rule(
+        "any",
+        "per boot",
+        SERVER_INFO,
+        "**.port",
+        "the port a boot listens on (a free one per boot); an address, not a setting",
+    ),
     Rule("any", "per boot", SERVER_INFO, "**.*_port", "ports of internal channels (chosen free per boot)"),
     Rule("any", "per boot", SERVER_INFO, "**.pid", "process id"),
     # ---- native (evalpipe serve) -------------------------------------------------------------------------
     Rule("native", "per boot", MODELS, "data[*].created", "the boot time"),
-    Rule("native", "per call", SERVER_INFO, "internal_states", "serving state: slots, pools, RSS, speculative totals, uptime"),
+    Rule(
+        "native",
+        "per call",
+        SERVER_INFO,
+        "internal_states",
+        "serving state: slots, pools, RSS, speculative totals, uptime",
+    ),
     Rule("native", "per boot", SERVER_INFO, "load_seconds", "how long this boot took to load"),
-    Rule("native", "per boot", SERVER_INFO, "launch", "the server's own command line, which holds the port; every setting in it is reported under server_args"),
+    Rule(
+        "native",
+        "per boot",
+        SERVER_INFO,
+        "launch",
+        "the server's own command line, which holds the port; every setting in it is reported under server_args",
+    ),
     Rule("native", "per boot", SERVER_INFO, "server_args.argv", "the same command line"),
     # ---- SGLang ------------------------------------------------------------------------------------------
     Rule("sglang", "per call", MODELS, "data[*].created", "a fresh timestamp on every /v1/models call"),
-    Rule("sglang", "per call", SERVER_INFO, "internal_states", "live scheduler state per DP rank: avg_spec_accept_length, last_gen_throughput, memory"),
+    Rule(
+        "sglang",
+        "per call",
+        SERVER_INFO,
+        "internal_states",
+        "live scheduler state per DP rank: avg_spec_accept_length, last_gen_throughput, memory",
+    ),
     Rule("sglang", "per call", SERVER_INFO, "last_gen_throughput", "running throughput (older builds: top level)"),
     Rule("sglang", "per call", SERVER_INFO, "memory_usage", "current memory use (older builds: top level)"),
     Rule("sglang", "per call", SERVER_INFO, "load", "current load (older builds: top level)"),
     Rule("sglang", "per boot", SERVER_INFO, "startup_time", "when this boot started"),
-    Rule("sglang", "per boot", SERVER_INFO, "launch_command", "the command line as given, which holds the port; every setting in it is reported resolved beside it"),
+    Rule(
+        "sglang",
+        "per boot",
+        SERVER_INFO,
+        "launch_command",
+        "the command line as given, which holds the port; every setting in it is reported resolved beside it",
+    ),
     # ---- vLLM --------------------------------------------------------------------------------------------
     Rule("vllm", "per call", MODELS, "data[*].created", "a fresh timestamp on every /v1/models call"),
     Rule("vllm", "per call", MODELS, "data[*].permission[*].id", "a fresh random modelperm-... id on every call"),
     Rule("vllm", "per call", MODELS, "data[*].permission[*].created", "a fresh timestamp on every call"),
     Rule("vllm", "per boot", SERVER_INFO, "vllm_config.instance_id", "a random id drawn at every boot"),
-    Rule("vllm", "per boot", SERVER_INFO, "vllm_config.compilation_config.compilation_time", "seconds this boot spent compiling"),
-    Rule("vllm", "per boot", SERVER_INFO, "vllm_config.compilation_config.encoder_compilation_time", "seconds spent compiling"),
-    Rule("vllm", "per boot", SERVER_INFO, "vllm_env.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", "a random shared-memory name per boot"),
-    Rule("vllm", "per boot", SERVER_INFO, "system_env.env_vars", "the same shared-memory name, inside the environment listing",
-         line="VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME=*"),
+    Rule(
+        "vllm",
+        "per boot",
+        SERVER_INFO,
+        "vllm_config.compilation_config.compilation_time",
+        "seconds this boot spent compiling",
+    ),
+    Rule(
+        "vllm",
+        "per boot",
+        SERVER_INFO,
+        "vllm_config.compilation_config.encoder_compilation_time",
+        "seconds spent compiling",
+    ),
+    Rule(
+        "vllm",
+        "per boot",
+        SERVER_INFO,
+        "vllm_env.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME",
+        "a random shared-memory name per boot",
+    ),
+    Rule(
+        "vllm",
+        "per boot",
+        SERVER_INFO,
+        "system_env.env_vars",
+        "the same shared-memory name, inside the environment listing",
+        line="VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME=*",
+    ),
 )
 
 # Settings an engine derives from a speculative config under names that say nothing of speculation: a declared
 # speculation flag explains them in `evalpipe ab` (as it explains every setting whose name mentions speculation).
 SPECULATION_DERIVED: tuple[Rule, ...] = (
-    Rule("vllm", "per boot", SERVER_INFO, "vllm_config.scheduler_config.max_num_scheduled_tokens",
-         "set to the token budget once speculation reserves room for draft tokens"),
-    Rule("vllm", "per boot", SERVER_INFO, "vllm_config.parallel_config.disable_nccl_for_dp_synchronization",
-         "turned off by vLLM when a speculative config is given"),
+    Rule(
+        "vllm",
+        "per boot",
+        SERVER_INFO,
+        "vllm_config.scheduler_config.max_num_scheduled_tokens",
+        "set to the token budget once speculation reserves room for draft tokens",
+    ),
+    Rule(
+        "vllm",
+        "per boot",
+        SERVER_INFO,
+        "vllm_config.parallel_config.disable_nccl_for_dp_synchronization",
+        "turned off by vLLM when a speculative config is given",
+    ),
 )
 
 
@@ -108,7 +172,18 @@ _RULES = _compiled(RULES)
 _DERIVED = _compiled(SPECULATION_DERIVED)
 
 # Words in a setting's name that make it a speculation setting (`evalpipe ab` and `evalpipe compare` read them so).
-SPECULATION_WORDS = ("spec", "draft", "block_size", "accept", "simulat", "dspark", "eagle", "nextn", "decode_width", "verify")
+SPECULATION_WORDS = (
+    "spec",
+    "draft",
+    "block_size",
+    "accept",
+    "simulat",
+    "dspark",
+    "eagle",
+    "nextn",
+    "decode_width",
+    "verify",
+)
 
 
 def derived_from_speculation(path: str) -> bool:
@@ -133,8 +208,11 @@ def _strip(value: Any, path: list[str], rules) -> Any:
     if isinstance(value, list):
         return [_strip(item, path + ["[*]"], rules) for item in value]
     if isinstance(value, str) and "\n" in value:
-        globs = [rule.line for rule, pattern in rules
-                 if rule.line is not None and len(pattern) == len(path) and _match(pattern, path)]
+        globs = [
+            rule.line
+            for rule, pattern in rules
+            if rule.line is not None and len(pattern) == len(path) and _match(pattern, path)
+        ]
         if globs:
             return "\n".join(line for line in value.split("\n") if not any(fnmatch.fnmatchcase(line, g) for g in globs))
     return value

@@ -46,15 +46,24 @@ def mc_documents() -> list[dict]:
         choices = [ex.answer, wrong, *others]
         order = list(range(CHOICES))
         rng.shuffle(order)
-        docs.append({"question_id": i, "prompt": ex.prompt, "choices": [choices[k] for k in order],
-                     "gold": order.index(0), "expected_answer": str(total)})
+        docs.append(
+            {
+                "question_id": i,
+                "prompt": ex.prompt,
+                "choices": [choices[k] for k in order],
+                "gold": order.index(0),
+                "expected_answer": str(total),
+            }
+        )
     return docs
 
 
 def chat_documents() -> list[dict]:
     """The story alone (the chat skill's user message; the template adds the roles), and the expected total."""
-    return [{"question_id": i, "body": ex.body, "expected_answer": str(ex.meta["expected"])}
-            for i, ex in enumerate(arith_examples())]
+    return [
+        {"question_id": i, "body": ex.body, "expected_answer": str(ex.meta["expected"])}
+        for i, ex in enumerate(arith_examples())
+    ]
 
 
 def mc_dataset(**_metadata):

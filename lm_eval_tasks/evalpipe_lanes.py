@@ -20,8 +20,15 @@ def lane_documents(lane_name: str) -> list[dict]:
     from evalpipe.lanes import get_lane
 
     lane = get_lane(lane_name)
-    return [{"question_id": it.question_id, "prompt": it.prompt, "expected_answer": str(it.expected_answer),
-             "group": it.group} for it in lane.load(None, allow_data_drift=False).items]
+    return [
+        {
+            "question_id": it.question_id,
+            "prompt": it.prompt,
+            "expected_answer": str(it.expected_answer),
+            "group": it.group,
+        }
+        for it in lane.load(None, allow_data_drift=False).items
+    ]
 
 
 def arith_dataset(**_metadata):

@@ -177,8 +177,11 @@ def test_tests_mirror_the_packages_and_helpers_sit_in_support():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in ("support", "__pycache__")}
     assert folders <= packages | {"shared", "benchmarks", "training", "interop"}, folders - packages
-    helpers = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("*.py")
-                     if not p.name.startswith("test_") and p.name != "conftest.py" and p.parent.name != "support")
+    helpers = sorted(
+        str(p.relative_to(TESTS))
+        for p in TESTS.rglob("*.py")
+        if not p.name.startswith("test_") and p.name != "conftest.py" and p.parent.name != "support"
+    )
     assert not helpers, f"helpers outside tests/support: {helpers}"
     testless = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if "def test_" not in p.read_text())
     assert not testless, f"test files that hold no test: {testless}"

@@ -26,8 +26,10 @@ SHORT_MIX = {
     "calc": (0.08, arith.drill),
     "copy-short": (0.07, lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
     "copy": (0.08, copy_text.generate),
-    "retrieval": (0.15, lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)),
-                                                       before=rng.randint(0, 256))),
+    "retrieval": (
+        0.15,
+        lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)), before=rng.randint(0, 256)),
+    ),
     "chat": (0.32, chat.generate),
 }
 
@@ -95,8 +97,8 @@ def collate(examples: list[Encoded], width: int | None = None) -> dict[str, torc
     for i, e in enumerate(examples):
         ids[i, : len(e)] = torch.tensor(e.ids)
         # position t predicts token t+1: answer tokens are predicted from positions n_prompt-1 .. len-2
-        labels[i, e.n_prompt - 1: len(e) - 1] = torch.tensor(e.ids[e.n_prompt:])
-        prompt_labels[i, : e.n_prompt - 1] = torch.tensor(e.ids[1:e.n_prompt])
+        labels[i, e.n_prompt - 1 : len(e) - 1] = torch.tensor(e.ids[e.n_prompt :])
+        prompt_labels[i, : e.n_prompt - 1] = torch.tensor(e.ids[1 : e.n_prompt])
     return {"input_ids": ids, "labels": labels, "prompt_labels": prompt_labels}
 
 
@@ -122,8 +124,11 @@ class BatchStream(torch.utils.data.IterableDataset):
         step = worker
         while True:
             long = self.long_every and step % self.long_every == self.long_every - 1
-            buckets, budget, sample = (LONG_BUCKETS, self.long_tokens, sample_long) if long else \
-                (SHORT_BUCKETS, self.batch_tokens, sample_short)
+            buckets, budget, sample = (
+                (LONG_BUCKETS, self.long_tokens, sample_long)
+                if long
+                else (SHORT_BUCKETS, self.batch_tokens, sample_short)
+            )
             while True:
                 ex = sample(rng)
                 bound = next((b for b in buckets if len(ex) <= b), None)
@@ -154,11 +159,13 @@ def eval_sets(seed: int = 1234, per_group: int = 64, max_after: int = 4096) -> d
     for label, after in (("in-window", 0), ("d256", 150), ("d1024", 800), ("d2048", 1800), ("deepest", 3800)):
         if after > max_after:
             continue
-        add(f"retrieval/{label}", lambda r, a=after: retrieval.generate(r, after=a, before=0 if a > 3000 else None),
-            n=per_group // 2)
+        add(
+            f"retrieval/{label}",
+            lambda r, a=after: retrieval.generate(r, after=a, before=0 if a > 3000 else None),
+            n=per_group // 2,
+        )
     add("chat/tool_call", chat.tool_call, n=per_group // 2)
     add("chat/tool_result", chat.tool_result, n=per_group // 2)
     add("chat/json", chat.json_reply, n=per_group // 2)
     add("chat/arith", lambda r: chat.from_example(arith.generate(r)), n=per_group // 2)
     return sets
-

@@ -44,6 +44,7 @@ class Taps:
     def _keep(store: dict, key: int, index: int | None = None):
         def hook(module, args, output):
             store[key] = output if index is None else output[index]
+
         return hook
 
     def _count(self, layer: int):
@@ -52,6 +53,7 @@ class Taps:
         def hook(module, args, output):
             indices = output[2].detach().reshape(-1)
             self.router_counts[layer] = torch.bincount(indices, minlength=n_experts)
+
         return hook
 
     def clear(self) -> None:
@@ -87,7 +89,7 @@ def indexer_kl(taps: Taps, ratio: int, seq_len: int) -> torch.Tensor:
         if scores is None or probs is None or scores.shape[-1] == 0:
             continue
         n_entries = scores.shape[-1]
-        target = probs[..., seq_len:seq_len + n_entries].detach().float().sum(dim=1)  # [B, S, T]
+        target = probs[..., seq_len : seq_len + n_entries].detach().float().sum(dim=1)  # [B, S, T]
         mass = target.sum(-1, keepdim=True)
         rows = mass.squeeze(-1) > 1e-6
         if not rows.any():
@@ -119,6 +121,7 @@ def seed_hash_routing(model, seed: int) -> None:
         if layer.mlp.is_hash:
             table = layer.mlp.gate.tid2eid
             n_experts = model.config.n_routed_experts
-            draws = torch.stack([torch.randperm(n_experts, generator=gen)[: table.shape[1]]
-                                 for _ in range(table.shape[0])])
+            draws = torch.stack(
+                [torch.randperm(n_experts, generator=gen)[: table.shape[1]] for _ in range(table.shape[0])]
+            )
             table.copy_(draws.to(table.device))

@@ -39,7 +39,9 @@ CONFIG = Path(__file__).with_name("default_model_config.json")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder (config, safetensors, receipt, PNG)")
     p.add_argument("--config", type=Path, default=CONFIG, help="DeepseekV4Config JSON")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, hash table and data streams")
@@ -56,8 +58,12 @@ def parse_args(argv=None):
     p.add_argument("--exit-weight", type=float, default=0.2, help="weight of each early-exit loss")
     p.add_argument("--kl-weight", type=float, default=1.0, help="weight of the indexer KL loss")
     p.add_argument("--prompt-weight", type=float, default=0.1, help="weight of the next-token loss inside prompts")
-    p.add_argument("--gain-lr-mult", type=float, default=3.0,
-                   help="learning-rate multiplier of the kv_norm gains (K=V: the only temperature attention has)")
+    p.add_argument(
+        "--gain-lr-mult",
+        type=float,
+        default=3.0,
+        help="learning-rate multiplier of the kv_norm gains (K=V: the only temperature attention has)",
+    )
     p.add_argument("--dense-fraction", type=float, default=0.2, help="share of steps with dense CSA selection")
     p.add_argument("--bias-rate", type=float, default=1e-3, help="MoE selection-bias step per optimizer step")
     p.add_argument("--eval-every", type=float, default=100.0, help="seconds between held-out evaluations")
@@ -65,13 +71,25 @@ def parse_args(argv=None):
     p.add_argument("--mix", default="", help="short-mixture weights, e.g. arith=0.3,calc=0.15 (default: data.py's)")
     p.add_argument("--workers", type=int, default=4, help="data worker processes")
     p.add_argument("--init-from", type=Path, default=None, help="start a new run from this checkpoint's weights")
-    p.add_argument("--resume", type=Path, default=None,
-                   help="continue the run whose output folder (weights + receipt.json) this is, on its own schedule")
-    p.add_argument("--stop-after", type=float, default=None,
-                   help="end this call after this many seconds of training, state written (resume it with --resume)")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="continue the run whose output folder (weights + receipt.json) this is, on its own schedule",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=float,
+        default=None,
+        help="end this call after this many seconds of training, state written (resume it with --resume)",
+    )
     p.add_argument("--rewarmup", type=int, default=20, help="warm-up steps of the fresh moments after --resume")
-    p.add_argument("--experts", default=None, choices=["eager", "grouped_mm"],
-                   help="transformers' experts implementation (default: grouped_mm on CUDA, eager elsewhere)")
+    p.add_argument(
+        "--experts",
+        default=None,
+        choices=["eager", "grouped_mm"],
+        help="transformers' experts implementation (default: grouped_mm on CUDA, eager elsewhere)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     return p.parse_args(argv)

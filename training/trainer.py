@@ -50,10 +50,17 @@ def optimizer(model, args):
     for name, p in model.named_parameters():
         (gains if "kv_norm" in name else decay if p.ndim >= 2 and "embed" not in name else rest).append(p)
     fused = next(model.parameters()).is_cuda
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay, "lr_mult": 1.0},
-                              {"params": gains, "weight_decay": 0.0, "lr_mult": args.gain_lr_mult},
-                              {"params": rest, "weight_decay": 0.0, "lr_mult": 1.0}],
-                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay, "lr_mult": 1.0},
+            {"params": gains, "weight_decay": 0.0, "lr_mult": args.gain_lr_mult},
+            {"params": rest, "weight_decay": 0.0, "lr_mult": 1.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=fused,
+    )
 
 
 def train_step(model, taps, batch, args, device, autocast):
@@ -65,12 +72,20 @@ def train_step(model, taps, batch, args, device, autocast):
         out = model(input_ids=ids)
         loss_final = objectives.answer_loss(out.logits, labels)
         loss_prompt = objectives.answer_loss(out.logits, prompt_labels)
-        exits = {n: objectives.answer_loss(objectives.exit_logits(model, taps.hidden[n]), labels) for n in taps.exit_layers}
+        exits = {
+            n: objectives.answer_loss(objectives.exit_logits(model, taps.hidden[n]), labels) for n in taps.exit_layers
+        }
         kl = objectives.indexer_kl(taps, model.config.compress_rates["compressed_sparse_attention"], ids.shape[1])
     loss = loss_final + args.exit_weight * sum(exits.values()) + args.kl_weight * kl + args.prompt_weight * loss_prompt
     loss.backward()
-    return {"loss": loss_final.detach(), "kl": kl.detach(), "prompt": loss_prompt.detach(), **{f"exit{n}": v.detach() for n, v in exits.items()},
-            "tokens": ids.numel(), "answer_tokens": int((labels != -100).sum())}
+    return {
+        "loss": loss_final.detach(),
+        "kl": kl.detach(),
+        "prompt": loss_prompt.detach(),
+        **{f"exit{n}": v.detach() for n, v in exits.items()},
+        "tokens": ids.numel(),
+        "answer_tokens": int((labels != -100).sum()),
+    }
 
 
 def optimizer_step(model, taps, opt, args) -> None:
@@ -91,7 +106,7 @@ def evaluate(model, taps, sets, device, autocast, block_size=5, batch_size=64, t
         exact, accept = 0, {n: [] for n in taps.exit_layers}
         step = max(1, min(batch_size, token_budget // max(len(e) for e in examples)))
         for start in range(0, len(examples), step):
-            chunk = examples[start:start + step]
+            chunk = examples[start : start + step]
             batch = data.collate(chunk)
             ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
             taps.clear()
@@ -105,8 +120,11 @@ def evaluate(model, taps, sets, device, autocast, block_size=5, batch_size=64, t
                 for row in range(len(chunk)):
                     agree = (ep[row] == pred[row])[mask[row]].tolist()
                     accept[n].append(_accept_length(agree, block_size))
-        results[name] = {"exact": exact / len(examples), "n": len(examples),
-                         **{f"accept{n}": sum(v) / len(v) for n, v in accept.items()}}
+        results[name] = {
+            "exact": exact / len(examples),
+            "n": len(examples),
+            **{f"accept{n}": sum(v) / len(v) for n, v in accept.items()},
+        }
     model.train()
     return results
 
@@ -141,8 +159,9 @@ def git_commit() -> str | None:
     if os.environ.get("EVALPIPE_GIT_COMMIT"):
         return os.environ["EVALPIPE_GIT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -180,16 +199,21 @@ def plot(history: list[dict], evals: list[dict], path: Path) -> None:
 def write_outputs(model, taps, args, topk, facts, history, evals) -> None:
     """Weights (with the config's own top-k), receipt and loss curve; called at every eval so a killed run still
     leaves its latest state."""
-    dense_k = taps.model.model.layers[taps.csa_layers[0]].self_attn.compressor.indexer.index_topk if taps.csa_layers else topk
+    dense_k = (
+        taps.model.model.layers[taps.csa_layers[0]].self_attn.compressor.indexer.index_topk if taps.csa_layers else topk
+    )
     taps.set_index_topk(topk)
     save(model, args.out)
     taps.set_index_topk(dense_k)
     receipt = {
         "what": "evalpipe default model: DeepseekV4ForCausalLM trained on evalpipe.skills",
         **facts,
-        "parameters": sum(p.numel() for p in model.parameters()), "packages": package_versions(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "packages": package_versions(),
         "optimizer_note": "AdamW moments start fresh at each --resume call (re-warmed over --rewarmup steps)",
-        "final_eval": evals[-1] if evals else None, "evals": evals, "history": history,
+        "final_eval": evals[-1] if evals else None,
+        "evals": evals,
+        "history": history,
     }
     (args.out / "receipt.json").write_text(json.dumps(receipt, indent=1))
     if history:
@@ -208,17 +232,25 @@ def train(args, prior: dict | None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     random.seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
-        (lambda: torch.autocast("cpu", enabled=False))
+    autocast = (
+        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        if device.type == "cuda"
+        else (lambda: torch.autocast("cpu", enabled=False))
+    )
     model = build_model(args, device)
     exit_layers = [int(x) for x in args.exit_layers.split(",") if x]
     taps = objectives.Taps(model, exit_layers)
     opt = optimizer(model, args)
     call = len(prior["calls"]) if prior else 0
     stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every, call=call)
-    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
-                                         pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
-                                         persistent_workers=bool(args.workers))
+    loader = torch.utils.data.DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        prefetch_factor=4 if args.workers else None,
+        persistent_workers=bool(args.workers),
+    )
     sets = data.eval_sets(per_group=args.eval_per_group, max_after=256 if args.smoke else 4096)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters on {device}; exits {exit_layers}", flush=True)
@@ -235,17 +267,30 @@ def train(args, prior: dict | None) -> None:
     t0 = time.time()
     last_eval = t0
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    this_call = {"call": call, "first_step": first_step, "command": " ".join(sys.argv), "git_commit": git_commit(),
-                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    this_call = {
+        "call": call,
+        "first_step": first_step,
+        "command": " ".join(sys.argv),
+        "git_commit": git_commit(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
 
     def receipt_facts():
         call_wall = round(time.time() - t0, 1)
-        return {"seed": args.seed, "data_streams": f"train|{args.seed}|<worker> of {max(1, args.workers)}[|call<k>]",
-                "eval_seed": "train-eval|1234 (held-out split)", "steps": step, "planned_steps": total,
-                "tokens": tokens, "answer_tokens": answer_tokens, "wall_s": round(earlier_wall + call_wall, 1),
-                "device": device_name,
-                "calls": calls + [{**this_call, "last_step": step, "wall_s": call_wall}]}
+        return {
+            "seed": args.seed,
+            "data_streams": f"train|{args.seed}|<worker> of {max(1, args.workers)}[|call<k>]",
+            "eval_seed": "train-eval|1234 (held-out split)",
+            "steps": step,
+            "planned_steps": total,
+            "tokens": tokens,
+            "answer_tokens": answer_tokens,
+            "wall_s": round(earlier_wall + call_wall, 1),
+            "device": device_name,
+            "calls": calls + [{**this_call, "last_step": step, "wall_s": call_wall}],
+        }
 
+    t_cal = time.time()  # reset at the tenth step of this call, when compilation is behind it
     for batch in loader:
         local = step - first_step
         if total is None and local == calibrate_at:  # plan the run from the measured speed
@@ -255,19 +300,24 @@ def train(args, prior: dict | None) -> None:
             print(f"planned {total} steps ({per_step * 1e3:.0f} ms/step, peak memory {mem:.1f} GiB)", flush=True)
         if local == 10:
             t_cal = time.time()
-        planned = total or 10 ** 9
+        planned = total or 10**9
         dense = total is None or step < args.dense_fraction * total
-        taps.set_index_topk(10 ** 9 if dense else topk)
+        taps.set_index_topk(10**9 if dense else topk)
         rewarm = min(1.0, (local + 1) / args.rewarmup) if prior else 1.0
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total or 10 ** 9, args) * g["lr_mult"] * rewarm
+            g["lr"] = lr_at(step, total or 10**9, args) * g["lr_mult"] * rewarm
         stats = train_step(model, taps, batch, args, device, autocast)
         optimizer_step(model, taps, opt, args)
         tokens += stats.pop("tokens")
         answer_tokens += stats.pop("answer_tokens")
         if step % 10 == 0 or step == planned - 1:
-            row = {"step": step, "time_s": earlier_wall + time.time() - t0, "lr": opt.param_groups[0]["lr"],
-                   "dense": dense, **{k: float(v) for k, v in stats.items()}}
+            row = {
+                "step": step,
+                "time_s": earlier_wall + time.time() - t0,
+                "lr": opt.param_groups[0]["lr"],
+                "dense": dense,
+                **{k: float(v) for k, v in stats.items()},
+            }
             history.append(row)
             print(json.dumps(row), flush=True)
         step += 1
@@ -276,8 +326,13 @@ def train(args, prior: dict | None) -> None:
         if now - last_eval > args.eval_every or stopping:
             res = evaluate(model, taps, sets, device, autocast)
             evals.append({"step": step, "time_s": earlier_wall + now - t0, "results": res})
-            print("eval", step, json.dumps({k: round(v["exact"], 3) for k, v in res.items()}),
-                  json.dumps({k: round(v.get(f"accept{exit_layers[-1]}", 0), 2) for k, v in res.items()}), flush=True)
+            print(
+                "eval",
+                step,
+                json.dumps({k: round(v["exact"], 3) for k, v in res.items()}),
+                json.dumps({k: round(v.get(f"accept{exit_layers[-1]}", 0), 2) for k, v in res.items()}),
+                flush=True,
+            )
             if not stopping:
                 write_outputs(model, taps, args, topk, receipt_facts(), history, evals)
             last_eval = time.time()
@@ -285,5 +340,8 @@ def train(args, prior: dict | None) -> None:
             break
     write_outputs(model, taps, args, topk, receipt_facts(), history, evals)
     left = f"; {total - step} planned steps left (--resume {args.out})" if total and step < total else ""
-    print(f"wrote {args.out} in {time.time() - t0:.0f} s ({(tokens - start_tokens) / (time.time() - t0):.0f}"
-          f" tokens/s){left}", flush=True)
+    print(
+        f"wrote {args.out} in {time.time() - t0:.0f} s ({(tokens - start_tokens) / (time.time() - t0):.0f}"
+        f" tokens/s){left}",
+        flush=True,
+    )

@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             built = {p.name: file_sha256(p) for p in write_tokenizer_files(tmp)}
-        shipped = {name: file_sha256(folder / name) if (folder / name).is_file() else "missing"
-                   for name in TOKENIZER_FILES}
+        shipped = {
+            name: file_sha256(folder / name) if (folder / name).is_file() else "missing" for name in TOKENIZER_FILES
+        }
         for name in TOKENIZER_FILES:
             print(f"{name}: {'same' if built[name] == shipped[name] else 'DIFFERS'}")
         return 0 if built == shipped else 1

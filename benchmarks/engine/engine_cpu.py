@@ -74,8 +74,14 @@ def steady_rate(streams: list[list[tuple[float, int]]]) -> float:
     return sum(tokens_at(ev, end) - tokens_at(ev, start) for ev in streams) / (end - start)
 
 
-def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, repeats: int,
-               threads: int, pin: tuple[set[int], set[int]] | None = None) -> tuple[float, float, float]:
+def bench_http(
+    model: str | None,
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    threads: int,
+    pin: tuple[set[int], set[int]] | None = None,
+) -> tuple[float, float, float]:
     """Decode tok/s through `evalpipe serve` (HTTP + SSE + scheduler + sampling) with concurrent requests.
 
     Streamed completions of token-id prompts, temperature 0, ignore_eos, continuous usage: each request's rate is
@@ -99,9 +105,20 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port), "--max-batch", str(len(prompts)),
-           "--threads", str(threads),
-           "--max-seq-len", str(max(map(len, prompts)) + new_tokens + 16)] + (["--model", model] if model else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "evalpipe.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--max-batch",
+        str(len(prompts)),
+        "--threads",
+        str(threads),
+        "--max-seq-len",
+        str(max(map(len, prompts)) + new_tokens + 16),
+    ] + (["--model", model] if model else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -124,8 +141,14 @@ def bench_http(model: str | None, prompts: list[list[int]], new_tokens: int, rep
             os.sched_setaffinity(0, pin[1])
 
         async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[tuple[float, int]]:
-            body = {"prompt": prompt, "max_tokens": new_tokens + 1, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            body = {
+                "prompt": prompt,
+                "max_tokens": new_tokens + 1,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            }
             events = []
             async with client.stream("POST", base + "/v1/completions", json=body) as resp:
                 async for event in EventSource(resp).aiter_sse():  # SSE by the spec, not by line splitting
@@ -161,8 +184,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (same for both engines)")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP column (evalpipe serve, streamed)")
     ap.add_argument("--pin", action="store_true", help="the model on its own CPU in both measurements (see above)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI check: tiny model, prompt 8, 2 decode steps, 2 sequences, 1 repeat, no HTTP column")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI check: tiny model, prompt 8, 2 decode steps, 2 sequences, 1 repeat, no HTTP column",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.model, args.new_tokens, args.prompt_len, args.concurrency, args.repeats = None, 2, 8, 2, 1
@@ -195,24 +221,32 @@ def main() -> None:
     http, steady, peak_rss = {}, {}, {}
     if not args.no_http:  # the same prompts through the whole server: HTTP, SSE, scheduler, sampling
         for batch, prompts in ((1, [base]), (args.concurrency, many)):
-            http[batch], steady[batch], peak_rss[batch] = bench_http(args.model, prompts, args.new_tokens,
-                                                                     args.repeats, args.threads, pin)
+            http[batch], steady[batch], peak_rss[batch] = bench_http(
+                args.model, prompts, args.new_tokens, args.repeats, args.threads, pin
+            )
 
     rows = [
         ("transformers generate", 1, hf_tps),
         ("evalpipe ModelRunner", 1, r1),
         ("evalpipe ModelRunner", args.concurrency, r64),
     ]
-    print(f"\nmodel {runner.model_name} ({runner.describe()['parameters'] / 1e6:.2f}M params), float32, "
-          f"cpu threads {args.threads}, prompt {args.prompt_len}, {args.new_tokens} decode steps, "
-          f"median of {args.repeats}"
-          + (f", pinned: model on CPU {sorted(pin[0])}, HTTP + client on CPU {sorted(pin[1])}" if pin else ""))
-    print(f"{'engine':<24}{'batch':>6}{'decode tok/s':>14}{'vs transformers b1':>20}{'via HTTP tok/s':>16}"
-          f"{'HTTP / runner':>15}{'HTTP steady':>13}{'steady / runner':>17}")
+    print(
+        f"\nmodel {runner.model_name} ({runner.describe()['parameters'] / 1e6:.2f}M params), float32, "
+        f"cpu threads {args.threads}, prompt {args.prompt_len}, {args.new_tokens} decode steps, "
+        f"median of {args.repeats}"
+        + (f", pinned: model on CPU {sorted(pin[0])}, HTTP + client on CPU {sorted(pin[1])}" if pin else "")
+    )
+    print(
+        f"{'engine':<24}{'batch':>6}{'decode tok/s':>14}{'vs transformers b1':>20}{'via HTTP tok/s':>16}"
+        f"{'HTTP / runner':>15}{'HTTP steady':>13}{'steady / runner':>17}"
+    )
     for name, batch, tps in rows:
         served = name.startswith("evalpipe") and batch in http
-        via = (f"{http[batch]:>16.1f}{http[batch] / tps:>14.0%} {steady[batch]:>13.1f}{steady[batch] / tps:>16.0%}"
-               if served else f"{'-':>16}{'-':>15}{'-':>13}{'-':>17}")
+        via = (
+            f"{http[batch]:>16.1f}{http[batch] / tps:>14.0%} {steady[batch]:>13.1f}{steady[batch] / tps:>16.0%}"
+            if served
+            else f"{'-':>16}{'-':>15}{'-':>13}{'-':>17}"
+        )
         print(f"{name:<24}{batch:>6}{tps:>14.1f}{tps / hf_tps:>19.1f}x{via}")
     for batch, mb in peak_rss.items():
         print(f"server peak RSS at {batch} concurrent: {mb:.0f} MB (HTTP process + engine process)")

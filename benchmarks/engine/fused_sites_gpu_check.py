@@ -26,16 +26,24 @@ def run_arm(
 ) -> tuple[torch.Tensor, list[int], dict]:
     """A model built with the site settings: prefill (eager), STEPS verify-width and STEPS decode steps (captured);
     all logits and greedy tokens."""
-    base = ModelRunner(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, max_seqs=16,
-                       max_seq_len=512,
-                       sites=fused_sites.SiteSettings(**settings))
+    base = ModelRunner(
+        model,
+        device=device,
+        dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        max_seqs=16,
+        max_seq_len=512,
+        sites=fused_sites.SiteSettings(**settings),
+    )
     info = base.fused_sites
     runner = GraphRunner(base, widths=(1, WIDTH), fused=True)
     seqs = [runner.allocate() for _ in prompts]
     out = [runner.forward(seqs, prompts, all_logits=True)]
     for step in range(STEPS):
-        out.append(runner.forward(seqs, [[16 + (step * 7 + i + j) % 200 for j in range(WIDTH)]
-                                         for i in range(len(seqs))], all_logits=True))
+        out.append(
+            runner.forward(
+                seqs, [[16 + (step * 7 + i + j) % 200 for j in range(WIDTH)] for i in range(len(seqs))], all_logits=True
+            )
+        )
     tokens = []
     last = out[-1].view(len(seqs), WIDTH, -1)[:, -1].argmax(-1)
     for _ in range(STEPS):
@@ -66,16 +74,34 @@ def main() -> None:
     ref, ref_tok, _ = run_arm(prompts, device, model, backend="reference")
     got, got_tok, _ = run_arm(prompts, device, model, backend="auto")
     same = torch.equal(ref, got)
-    rows.append(("CSA sites (default budget), triton vs reference", float((ref - got).abs().max()), ref_tok == got_tok,
-                 "bitwise equal" if same else "FAIL: not bitwise equal"))
+    rows.append(
+        (
+            "CSA sites (default budget), triton vs reference",
+            float((ref - got).abs().max()),
+            ref_tok == got_tok,
+            "bitwise equal" if same else "FAIL: not bitwise equal",
+        )
+    )
     narrow, _, _ = run_arm(prompts, device, model, candidate_blocks=2, candidate_block_size=4)
-    rows.append(("candidate budget 2 blocks x 4 entries, vs default", float((narrow - got).abs().max()), None,
-                 "selection narrowed (no check)"))
+    rows.append(
+        (
+            "candidate budget 2 blocks x 4 entries, vs default",
+            float((narrow - got).abs().max()),
+            None,
+            "selection narrowed (no check)",
+        )
+    )
     qref, qref_tok, info = run_arm(prompts, device, model, wo_quant="mxfp8", backend="reference")
     qgot, qgot_tok, _ = run_arm(prompts, device, model, wo_quant="mxfp8", backend="auto")
     rel = float((qref - qgot).abs().max() / qref.abs().max())
-    rows.append((f"wo-quant mxfp8 ({info['wo_quant_layers']} layers), triton vs reference", rel, qref_tok == qgot_tok,
-                 f"max rel diff {rel:.3g} <= 0.05" if rel <= 0.05 else f"FAIL: max rel diff {rel:.3g} > 0.05"))
+    rows.append(
+        (
+            f"wo-quant mxfp8 ({info['wo_quant_layers']} layers), triton vs reference",
+            rel,
+            qref_tok == qgot_tok,
+            f"max rel diff {rel:.3g} <= 0.05" if rel <= 0.05 else f"FAIL: max rel diff {rel:.3g} > 0.05",
+        )
+    )
     rows.append(("wo-quant mxfp8 vs unquantized", float((qgot - got).abs().max()), None, "(no check)"))
     failures = sum(row[3].startswith("FAIL") for row in rows)
     print(f"device {device}, {len(prompts)} prompts, {STEPS} verify-width and {STEPS} decode steps per arm")

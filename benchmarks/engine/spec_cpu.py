@@ -60,6 +60,7 @@ def run_once(engine: Engine, prompts: list[list[int]], params: SamplingParams) -
             tokens[i] = ev.completion_tokens
             if ev.finish_reason is not None:
                 done[i] = True
+
         return on_event
 
     t = time.perf_counter()
@@ -90,14 +91,21 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64, help="completion tokens per request")
     ap.add_argument("--block-size", type=int, default=5, help="drafts per verify step (G)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="concurrent requests per row group")
-    ap.add_argument("--modes", nargs="+", default=None,
-                    help="rows: off, layerskip:N, ngram, self, 'simulated X' (drafts from the default drafter), "
-                         "'simulated X DRAFTER' (default: off, layerskip:2, layerskip:3, ngram, self, simulated 5.5, "
-                         "simulated 5.5 ngram)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        help="rows: off, layerskip:N, ngram, self, 'simulated X' (drafts from the default drafter), "
+        "'simulated X DRAFTER' (default: off, layerskip:2, layerskip:3, ngram, self, simulated 5.5, "
+        "simulated 5.5 ngram)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row (median reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI check: tiny model, 4 tokens, concurrency 1, modes off / ngram / simulated, 1 repeat")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI check: tiny model, 4 tokens, concurrency 1, modes off / ngram / simulated, 1 repeat",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.model, args.new_tokens, args.concurrency, args.repeats = "evalpipe-tiny-dsv4", 4, [1], 1
@@ -106,8 +114,20 @@ def main() -> None:
 
     runner = ModelRunner(args.model, max_seqs=max(args.concurrency), max_seq_len=1024)
     tokenizer = load_tokenizer(None)
-    modes = args.modes or list(dict.fromkeys(["off", "layerskip:2", "layerskip:3", default_drafter(runner), "ngram",
-                                              "self", "simulated 5.5", "simulated 5.5 ngram"]))
+    modes = args.modes or list(
+        dict.fromkeys(
+            [
+                "off",
+                "layerskip:2",
+                "layerskip:3",
+                default_drafter(runner),
+                "ngram",
+                "self",
+                "simulated 5.5",
+                "simulated 5.5 ngram",
+            ]
+        )
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     prompts_all = load_prompts(tokenizer, max(args.concurrency), args.prompts)
 
@@ -131,8 +151,10 @@ def main() -> None:
                 hists[mode] = totals["accept_histogram"]
             print(f"  measured: concurrency {conc:>3}  {mode:<20} {rate:8.1f} tok/s", flush=True)
 
-    print(f"\nBlock speculation on CPU ({torch.get_num_threads()} thread(s)), {runner.model_name}, {args.prompts} "
-          f"prompts, G={args.block_size}, {args.new_tokens} greedy tokens per request")
+    print(
+        f"\nBlock speculation on CPU ({torch.get_num_threads()} thread(s)), {runner.model_name}, {args.prompts} "
+        f"prompts, G={args.block_size}, {args.new_tokens} greedy tokens per request"
+    )
     print(f"{'concurrency':>11}  {'mode':<20} {'tok/s':>9} {'accept len':>10} {'speedup':>8}")
     for conc, mode, rate, acc, speed in rows:
         acc_s = f"{acc:.2f}" if acc is not None else "-"

@@ -39,8 +39,11 @@ def plain(target, prompts, new_tokens):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI check on the CPU: the static step un-captured, 4 tokens, G=2, the ngram drafter")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI check on the CPU: the static step un-captured, 4 tokens, G=2, the ngram drafter",
+    )
     args = ap.parse_args()
     device, blocks, drafters, sampled_steps = "cuda", (2, 5, 9), ("layerskip:3", "ngram", "self"), 8
     if args.smoke:

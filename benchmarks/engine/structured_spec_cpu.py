@@ -31,9 +31,11 @@ from evalpipe.skills import chat
 def run(engine, prompts, params):
     out = [{"ids": [], "done": False} for _ in prompts]
     for i, p in enumerate(prompts):
+
         def on_event(ev, r=out[i]):
             r["ids"] += ev.token_ids
             r["done"] = r["done"] or ev.finish_reason is not None
+
         engine.submit(make_sequences(p, params, 1, on_event))
     t0 = time.perf_counter()
     while not all(r["done"] for r in out):
@@ -50,8 +52,11 @@ def valid(tok, kind, ids) -> bool:
     if kind == "json":
         return set(obj) == {"name", "count"} and isinstance(obj["count"], int)
     tools = {t["function"]["name"]: t["function"]["parameters"]["required"] for t in chat.TOOLS}
-    return (ids[:1] == [tok.tool_call_token_id] and obj.get("name") in tools
-            and set(obj.get("arguments", {})) == set(tools[obj["name"]]))
+    return (
+        ids[:1] == [tok.tool_call_token_id]
+        and obj.get("name") in tools
+        and set(obj.get("arguments", {})) == set(tools[obj["name"]])
+    )
 
 
 def main() -> None:
@@ -68,22 +73,31 @@ def main() -> None:
     runner = ModelRunner("evalpipe-skills-dsv4", max_seqs=args.requests, max_seq_len=1024)
     rng = random.Random(0)
     workloads = {
-        "tool_call": [tok.apply_chat_template(e.messages, tools=e.tools)
-                      for e in (chat.tool_call(rng) for _ in range(args.requests))],
+        "tool_call": [
+            tok.apply_chat_template(e.messages, tools=e.tools)
+            for e in (chat.tool_call(rng) for _ in range(args.requests))
+        ],
         "json": [tok.apply_chat_template(e.messages) for e in (chat.json_reply(rng) for _ in range(args.requests))],
     }
     calls = [(t["function"]["name"], t["function"]["parameters"]) for t in chat.TOOLS]
-    grammars = {"tool_call": GrammarConstraint.tool_calls(tok.tool_call_token_id, calls, parallel=False),
-                "json": GrammarConstraint.json(chat.JSON_SCHEMA)}
-    decoders = {"off": lambda: None, default_drafter(runner): lambda: SpeculativeDecoder(
-        runner, build_drafter(default_drafter(runner), runner), block_size=args.block_size),
-        "ngram": lambda: SpeculativeDecoder(runner, build_drafter("ngram", runner), block_size=args.block_size)}
+    grammars = {
+        "tool_call": GrammarConstraint.tool_calls(tok.tool_call_token_id, calls, parallel=False),
+        "json": GrammarConstraint.json(chat.JSON_SCHEMA),
+    }
+    decoders = {
+        "off": lambda: None,
+        default_drafter(runner): lambda: SpeculativeDecoder(
+            runner, build_drafter(default_drafter(runner), runner), block_size=args.block_size
+        ),
+        "ngram": lambda: SpeculativeDecoder(runner, build_drafter("ngram", runner), block_size=args.block_size),
+    }
     print("| workload | grammar | speculation | tok/s | accept len | equal to plain | valid |")
     print("|---|---|---|---|---|---|---|")
     for kind, prompts in workloads.items():
         for constrained in (False, True):
-            params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                    grammar=grammars[kind] if constrained else None)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=args.max_tokens, grammar=grammars[kind] if constrained else None
+            )
             reference = None
             for name, make in decoders.items():
                 decoder = make()
@@ -93,9 +107,11 @@ def main() -> None:
                 same = sum(a == b for a, b in zip(outs, reference))
                 tokens = sum(len(o) for o in outs)
                 acc = decoder.totals.to_dict()["avg_accept_length"] if decoder is not None else None
-                print(f"| {kind} | {'on' if constrained else 'off'} | {name} | {tokens / wall:.1f} | "
-                      f"{'–' if acc is None else f'{acc:.2f}'} | {same}/{len(outs)} | "
-                      f"{sum(valid(tok, kind, o) for o in outs)}/{len(outs)} |")
+                print(
+                    f"| {kind} | {'on' if constrained else 'off'} | {name} | {tokens / wall:.1f} | "
+                    f"{'–' if acc is None else f'{acc:.2f}'} | {same}/{len(outs)} | "
+                    f"{sum(valid(tok, kind, o) for o in outs)}/{len(outs)} |"
+                )
 
 
 if __name__ == "__main__":

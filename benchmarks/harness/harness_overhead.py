@@ -56,9 +56,26 @@ def proc_cpu_s(pid: int) -> float:
 def run_evalpipe(base_url: str, out: Path, concurrency: int, n: int | None) -> dict:
     t0 = time.perf_counter()
     limit = [] if n is None else ["--num-examples", str(n)]
-    r = subprocess.run([sys.executable, "-m", "evalpipe.cli", "run", "gsm8k", "--base-url", base_url, "--out", str(out),
-                        "--concurrency", str(concurrency), "--no-progress", *limit], capture_output=True, text=True,
-                       cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evalpipe.cli",
+            "run",
+            "gsm8k",
+            "--base-url",
+            base_url,
+            "--out",
+            str(out),
+            "--concurrency",
+            str(concurrency),
+            "--no-progress",
+            *limit,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"evalpipe failed:\n{r.stderr[-3000:]}")
@@ -76,23 +93,42 @@ def run_sgl_eval(base_url: str, work: Path, concurrency: int, n: int | None) -> 
     with open(ds, "w") as fh:
         scored = [(q, i) for q, i in rows.items() if i >= 5]  # the lane's first 5 rows are its few-shot examples
         for q, i in scored[:n]:
-                fh.write(json.dumps({"id": f"gsm8k-{i}", "problem": q, "expected_answer": answers[q]}) + "\n")
+            fh.write(json.dumps({"id": f"gsm8k-{i}", "problem": q, "expected_answer": answers[q]}) + "\n")
     sgl = shutil.which("sgl-eval") or str(Path(sys.executable).with_name("sgl-eval"))
     if not Path(sgl).exists():  # installed without its console script: same entry point through the interpreter
         sgl_cmd = [sys.executable, "-c", "import sys; from sgl_eval.cli import main; sys.exit(main())"]
     else:
         sgl_cmd = [sgl]
     t0 = time.perf_counter()
-    r = subprocess.run([*sgl_cmd, "run", "gsm8k", "--base-url", base_url, "--from-dataset", str(ds),
-                        "--num-threads", str(concurrency), "--out-dir", str(work / "sgl")],
-                       capture_output=True, text=True, cwd=work)
+    r = subprocess.run(
+        [
+            *sgl_cmd,
+            "run",
+            "gsm8k",
+            "--base-url",
+            base_url,
+            "--from-dataset",
+            str(ds),
+            "--num-threads",
+            str(concurrency),
+            "--out-dir",
+            str(work / "sgl"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=work,
+    )
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"sgl-eval failed:\n{r.stderr[-3000:]}")
     metrics = json.loads(next((work / "sgl").glob("*/metrics.json")).read_text())
     n = metrics.get("num_examples")
-    return {"wall_s": wall, "loop_s": metrics.get("latency_seconds"), "n": n,
-            "accuracy": metrics.get("aggregate", {}).get("score")}
+    return {
+        "wall_s": wall,
+        "loop_s": metrics.get("latency_seconds"),
+        "n": n,
+        "accuracy": metrics.get("aggregate", {}).get("score"),
+    }
 
 
 def main() -> None:
@@ -140,20 +176,26 @@ def main() -> None:
         f"zero-latency scripted server, {cpus} usable CPUs, load avg {load:.1f}, rounds {args.rounds} (best shown), "
         f"server saw {n_server} requests"
     )
-    print(f"{'tool':<10} {'requests':>8} {'process wall s':>15} {'loop wall s':>12} {'req/s (process)':>16} "
-          f"{'req/s (loop)':>13} {'harness CPU s':>14} {'server CPU s':>13} {'accuracy':>9}")
+    print(
+        f"{'tool':<10} {'requests':>8} {'process wall s':>15} {'loop wall s':>12} {'req/s (process)':>16} "
+        f"{'req/s (loop)':>13} {'harness CPU s':>14} {'server CPU s':>13} {'accuracy':>9}"
+    )
     for tool, r in best.items():
         loop = r["loop_s"] or float("nan")
-        print(f"{tool:<10} {r['n']:>8} {r['wall_s']:>15.2f} {loop:>12.2f} {r['n'] / r['wall_s']:>16.1f} "
-              f"{r['n'] / loop:>13.1f} {r['cpu_s']:>14.2f} {r['server_cpu_s']:>13.2f} {r['accuracy']:>9.4f}")
+        print(
+            f"{tool:<10} {r['n']:>8} {r['wall_s']:>15.2f} {loop:>12.2f} {r['n'] / r['wall_s']:>16.1f} "
+            f"{r['n'] / loop:>13.1f} {r['cpu_s']:>14.2f} {r['server_cpu_s']:>13.2f} {r['accuracy']:>9.4f}"
+        )
     ep = best["evalpipe"]
     # On 2 idle cores the harness process and the server overlap; the harness event loop is one thread.
     bound = ep["n"] / max(ep["cpu_s"], (ep["cpu_s"] + ep["server_cpu_s"]) / 2)
     print(f"evalpipe CPU-bound estimate on 2 idle cores (whole process incl. startup): {bound:.0f} req/s")
     ratio = best["evalpipe"]["wall_s"] / best["sgl-eval"]["wall_s"]
     ok_rps = best["evalpipe"]["n"] / best["evalpipe"]["wall_s"] >= 300
-    print(f"ratio evalpipe/sgl-eval process wall = {ratio:.2f} (target <= 1.00: {'met' if ratio <= 1 else 'NOT met'}); "
-          f"evalpipe >= 300 req/s (process wall): {'met' if ok_rps else 'NOT met'}")
+    print(
+        f"ratio evalpipe/sgl-eval process wall = {ratio:.2f} (target <= 1.00: {'met' if ratio <= 1 else 'NOT met'}); "
+        f"evalpipe >= 300 req/s (process wall): {'met' if ok_rps else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,16 @@ from evalpipe.engine.sampling import sampling_probs
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.tokenizer import load_tokenizer
-from evalpipe.qualify.sampling import (HIST_BINS, MAX_TOKENS, TOP_K, PitSample, hit_test, lookup_candidate, pit_tests,
-                                      prompts)
+from evalpipe.qualify.sampling import (
+    HIST_BINS,
+    MAX_TOKENS,
+    TOP_K,
+    PitSample,
+    hit_test,
+    lookup_candidate,
+    pit_tests,
+    prompts,
+)
 from evalpipe.server.state import ServerSettings
 
 
@@ -73,7 +81,7 @@ def measure(model: str, drafter: str, n_responses: int, max_tokens: int, seed: i
     out: list[list[dict]] = []
     for start in range(0, n_responses, batch):
         seqs = []
-        for i, text in enumerate(texts[start:start + batch]):
+        for i, text in enumerate(texts[start : start + batch]):
             params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed * 7919 + start + i)
             seq = make_sequences(tokenizer.encode_prompt(text), params, 1, lambda ev: None)[0]
             seqs.append(seq)
@@ -82,8 +90,8 @@ def measure(model: str, drafter: str, n_responses: int, max_tokens: int, seed: i
             engine.step()
         for seq in seqs:
             rows = [{"token": seq.output[0], "p": None, "q": None}] + record.pop(seq.id, [])
-            assert [r["token"] for r in rows[:len(seq.output)]] == seq.output
-            out.append(rows[:len(seq.output)])
+            assert [r["token"] for r in rows[: len(seq.output)]] == seq.output
+            out.append(rows[: len(seq.output)])
     return out
 
 
@@ -116,12 +124,22 @@ def position_effects(responses: list[list[dict]], texts: list[str], bins: int = 
             cdf_f = np.interp(edges, knots_p, knots_f)  # u's CDF under f is linear inside each token's interval
             cand = lookup_candidate(history)
             cand_id = next((t for t in top if texts[t] == cand), None)
-            rows.append({
-                "pi": np.diff(cdf_f), "a_p": p[top[0]], "a_f": f[top[0]], "drafted": q is not None,
-                "c_p": p[cand_id] if cand_id is not None else None, "c_f": f[cand_id] if cand_id is not None else None,
-                "top": top, "f": f, "p": p, "cand": cand_id, "hit": pos["token"] == top[0],
-                "chi2_div": float(((f - p) ** 2 / np.maximum(p, 1e-300)).sum()),
-            })
+            rows.append(
+                {
+                    "pi": np.diff(cdf_f),
+                    "a_p": p[top[0]],
+                    "a_f": f[top[0]],
+                    "drafted": q is not None,
+                    "c_p": p[cand_id] if cand_id is not None else None,
+                    "c_f": f[cand_id] if cand_id is not None else None,
+                    "top": top,
+                    "f": f,
+                    "p": p,
+                    "cand": cand_id,
+                    "hit": pos["token"] == top[0],
+                    "chi2_div": float(((f - p) ** 2 / np.maximum(p, 1e-300)).sum()),
+                }
+            )
             history.append(texts[pos["token"]])
     return {"rows": rows, "counted": sum(len(r) for r in responses), "bins": bins}
 
@@ -131,8 +149,12 @@ def hit_effect(pairs: list[tuple[float, float]], share: float) -> dict:
     positions that enter the count (`share` of the tokens)."""
     p = np.array([a for a, _ in pairs])
     f = np.array([b for _, b in pairs])
-    return {"mu": share * float((f - p).mean()), "mu_se": share * float((f - p).std() / math.sqrt(len(p))),
-            "s0": math.sqrt(share * float((p * (1 - p)).mean())), "s1": math.sqrt(share * float((f * (1 - f)).mean()))}
+    return {
+        "mu": share * float((f - p).mean()),
+        "mu_se": share * float((f - p).std() / math.sqrt(len(p))),
+        "s0": math.sqrt(share * float((p * (1 - p)).mean())),
+        "s1": math.sqrt(share * float((f * (1 - f)).mean())),
+    }
 
 
 def tokens_for_z(effect: dict, alpha: float, power: float) -> float:
@@ -140,7 +162,7 @@ def tokens_for_z(effect: dict, alpha: float, power: float) -> float:
     if effect["mu"] == 0:
         return math.inf
     root = (stats.norm.isf(alpha / 2) * effect["s0"] + stats.norm.ppf(power) * effect["s1"]) / abs(effect["mu"])
-    return root ** 2
+    return root**2
 
 
 def tokens_for_chi2(lam_per_token: float, df: int, alpha: float, power: float) -> float:
@@ -168,8 +190,15 @@ def predict(eff: dict, alphas=(0.01, 0.001)) -> dict:
     # the likelihood-ratio test that knows q (no API-only statistic can beat it): n ~ (z_a + z_power)^2 / I, I the
     # mean chi-square divergence of f from p per token (the Fisher information of a small shift)
     info = measured_share * float(np.mean([r["chi2_div"] for r in rows]))
-    out = {"positions": counted, "drafted_share": sum(r["drafted"] for r in rows) / counted, "oracle_info": info,
-           "chi2_lambda_per_token": lam, "collapse": collapse, "repeat": repeat, "tokens": {}}
+    out = {
+        "positions": counted,
+        "drafted_share": sum(r["drafted"] for r in rows) / counted,
+        "oracle_info": info,
+        "chi2_lambda_per_token": lam,
+        "collapse": collapse,
+        "repeat": repeat,
+        "tokens": {},
+    }
     for alpha in alphas:
         for power in (0.5, 0.9):
             key = f"alpha {alpha:g}, power {power:g}"
@@ -202,10 +231,16 @@ def simulate(eff: dict, texts: list[str], n_tokens: int, replicas: int, rng: np.
         chi2s.append(tests["chi2"])
         zc.append(tests["collapse_z"])
         zr.append(tests["repeat_z"])
-    return {"replicas": replicas, "tokens": n_tokens, "chi2_mean": float(np.mean(chi2s)),
-            "chi2_sem": float(np.std(chi2s) / math.sqrt(replicas)), "collapse_z_mean": float(np.mean(zc)),
-            "collapse_z_sem": float(np.std(zc) / math.sqrt(replicas)), "repeat_z_mean": float(np.mean(zr)),
-            "repeat_z_sem": float(np.std(zr) / math.sqrt(replicas))}
+    return {
+        "replicas": replicas,
+        "tokens": n_tokens,
+        "chi2_mean": float(np.mean(chi2s)),
+        "chi2_sem": float(np.std(chi2s) / math.sqrt(replicas)),
+        "collapse_z_mean": float(np.mean(zc)),
+        "collapse_z_sem": float(np.std(zc) / math.sqrt(replicas)),
+        "repeat_z_mean": float(np.mean(zr)),
+        "repeat_z_sem": float(np.std(zr) / math.sqrt(replicas)),
+    }
 
 
 def main() -> None:
@@ -224,19 +259,28 @@ def main() -> None:
         args.responses, args.sim_tokens, args.sim_replicas, args.batch = 4, 500, 3, 4
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    responses = measure(args.model, args.drafter, args.responses, 16 if args.smoke else MAX_TOKENS, args.seed,
-                        args.batch)
+    responses = measure(
+        args.model, args.drafter, args.responses, 16 if args.smoke else MAX_TOKENS, args.seed, args.batch
+    )
     vocab = len(next(pos["p"] for resp in responses for pos in resp if pos["p"] is not None))
     tokenizer = load_tokenizer(None)
     texts = [tokenizer.token_text(t) for t in range(vocab)]  # the model's rows, reserved ids included
     eff = position_effects(responses, texts)
     pred = predict(eff)
-    print(f"{args.drafter}: {pred['positions']} tokens measured in {time.perf_counter() - t0:.0f} s, "
-          f"{100 * pred['drafted_share']:.0f}% at drafted positions")
-    print(f"per token: chi-square lambda {pred['chi2_lambda_per_token']:.3g}; collapse drift "
-          f"{pred['collapse']['mu']:+.3g} +- {pred['collapse']['mu_se']:.2g} (s0 {pred['collapse']['s0']:.3g}); "
-          "repeat drift " + (f"{pred['repeat']['mu']:+.3g} +- {pred['repeat']['mu_se']:.2g} "
-                             f"(s0 {pred['repeat']['s0']:.3g})" if pred["repeat"] else "n/a"))
+    print(
+        f"{args.drafter}: {pred['positions']} tokens measured in {time.perf_counter() - t0:.0f} s, "
+        f"{100 * pred['drafted_share']:.0f}% at drafted positions"
+    )
+    print(
+        f"per token: chi-square lambda {pred['chi2_lambda_per_token']:.3g}; collapse drift "
+        f"{pred['collapse']['mu']:+.3g} +- {pred['collapse']['mu_se']:.2g} (s0 {pred['collapse']['s0']:.3g}); "
+        "repeat drift "
+        + (
+            f"{pred['repeat']['mu']:+.3g} +- {pred['repeat']['mu_se']:.2g} (s0 {pred['repeat']['s0']:.3g})"
+            if pred["repeat"]
+            else "n/a"
+        )
+    )
     print("tokens for p < alpha | chi-square | collapse | repeat | likelihood ratio knowing q (a bound)")
     for key, row in pred["tokens"].items():
         print(f"{key} | " + " | ".join(f"{v:,.0f}" for v in row.values()))
@@ -247,18 +291,31 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     sim = simulate(eff, texts, args.sim_tokens, args.sim_replicas, rng)
     n = args.sim_tokens
-    expected = {"chi2": eff["bins"] - 1 + n * pred["chi2_lambda_per_token"],
-                "collapse_z": math.sqrt(n) * pred["collapse"]["mu"] / pred["collapse"]["s0"],
-                "repeat_z": (math.sqrt(n) * pred["repeat"]["mu"] / pred["repeat"]["s0"]) if pred["repeat"] else 0.0}
-    print(f"simulation, {sim['replicas']} gate runs of {n} tokens: chi-square {sim['chi2_mean']:.2f} +- "
-          f"{sim['chi2_sem']:.2f} (formula {expected['chi2']:.2f}); collapse z {sim['collapse_z_mean']:+.3f} +- "
-          f"{sim['collapse_z_sem']:.3f} (formula {expected['collapse_z']:+.3f}); repeat z "
-          f"{sim['repeat_z_mean']:+.3f} +- {sim['repeat_z_sem']:.3f} (formula {expected['repeat_z']:+.3f})")
+    expected = {
+        "chi2": eff["bins"] - 1 + n * pred["chi2_lambda_per_token"],
+        "collapse_z": math.sqrt(n) * pred["collapse"]["mu"] / pred["collapse"]["s0"],
+        "repeat_z": (math.sqrt(n) * pred["repeat"]["mu"] / pred["repeat"]["s0"]) if pred["repeat"] else 0.0,
+    }
+    print(
+        f"simulation, {sim['replicas']} gate runs of {n} tokens: chi-square {sim['chi2_mean']:.2f} +- "
+        f"{sim['chi2_sem']:.2f} (formula {expected['chi2']:.2f}); collapse z {sim['collapse_z_mean']:+.3f} +- "
+        f"{sim['collapse_z_sem']:.3f} (formula {expected['collapse_z']:+.3f}); repeat z "
+        f"{sim['repeat_z_mean']:+.3f} +- {sim['repeat_z_sem']:.3f} (formula {expected['repeat_z']:+.3f})"
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"drafter": args.drafter, "prediction": pred, "simulation": sim, "formula": expected,
-                       "exact_sampler_collapse_z": z_exact}, fh,
-                      indent=1, default=float)
+            json.dump(
+                {
+                    "drafter": args.drafter,
+                    "prediction": pred,
+                    "simulation": sim,
+                    "formula": expected,
+                    "exact_sampler_collapse_z": z_exact,
+                },
+                fh,
+                indent=1,
+                default=float,
+            )
 
 
 if __name__ == "__main__":

@@ -150,8 +150,11 @@ class Bench:
         floor_us = bytes_moved / self.copy_bytes_per_s * 1e6
         row = TimingRow(self.current_op, shape, fused_us, unfused_us, floor_us, target)
         self.rows.append(row)
-        print(f"  [time] {self.current_op} {shape}: fused {fused_us:.2f} us, unfused {unfused_us:.2f} us, "
-              f"x{row.speedup:.2f}, floor {floor_us:.2f} us", flush=True)
+        print(
+            f"  [time] {self.current_op} {shape}: fused {fused_us:.2f} us, unfused {unfused_us:.2f} us, "
+            f"x{row.speedup:.2f}, floor {floor_us:.2f} us",
+            flush=True,
+        )
         if self.cuda:
             torch.cuda.empty_cache()
         return row
@@ -264,8 +267,9 @@ def section_indexer(bench: Bench) -> None:
         want = torch.topk(logits[r, :n], min(k, n)).indices.sort().values
         got = raw[r][raw[r] >= 0].long().sort().values
         multiset_ok &= torch.equal(got, want)
-    bench.check("384 rows, lens {0,506,4096,16378}+1..6: candidate-masked top-k + filter == plain top-k (multiset)",
-                multiset_ok)
+    bench.check(
+        "384 rows, lens {0,506,4096,16378}+1..6: candidate-masked top-k + filter == plain top-k (multiset)", multiset_ok
+    )
 
     for rows, width in [(2, 4096), (6, 16384), (48, 16384), (384, 16384)]:
         scores, indices, table = _indexer_inputs(rows, width, k, torch.int32, ps, gen, dev)
@@ -315,8 +319,11 @@ def section_candidate(bench: Bench) -> None:
                 candidate_block_mask_reference(logits, lens_t, topk, group, pub),
             ):
                 bad.append(f"consumer W={width} G={group}")
-    bench.check("PR matrix (W,G,topk) incl. W=1,048,576, source + consumer, int32/int64 lens, equal_nan",
-                not bad, "; ".join(bad) + (" (row 3 = all-equal ties)" if bad else ""))
+    bench.check(
+        "PR matrix (W,G,topk) incl. W=1,048,576, source + consumer, int32/int64 lens, equal_nan",
+        not bad,
+        "; ".join(bad) + (" (row 3 = all-equal ties)" if bad else ""),
+    )
 
     logits, lens = _candidate_inputs(48, 131072, gen, dev)
 
@@ -530,8 +537,9 @@ def section_mxfp8(bench: Bench) -> None:
     ok = True
     for rows in (*range(1, 9), 130):
         partials = _mx_magnitude_rows((8, rows, n), gen, dev)
-        ok &= _mx_same_bytes(mxfp8_reduce_quantize(partials, backend="triton"),
-                             mxfp8_reduce_quantize_reference(partials))
+        ok &= _mx_same_bytes(
+            mxfp8_reduce_quantize(partials, backend="triton"), mxfp8_reduce_quantize_reference(partials)
+        )
     bench.check("reduce(s=0..7)+bf16+quantize on partials of every magnitude, M 1..8,130: bytes exact", ok)
 
     weight = (torch.randn(g, r, kg, generator=gen, device=dev) / 64).to(torch.bfloat16)
@@ -552,20 +560,27 @@ def section_mxfp8(bench: Bench) -> None:
         flips += int((fused.data.view(torch.uint8) != ref.data.view(torch.uint8)).sum())
         y = reduce_partials_bf16(ref_part).float()
         scale = torch.exp2(ref.scale_grid().float() - 127).repeat_interleave(32, dim=1)
-        close &= bool(((fused.dequantize() - y).abs() <= y.abs() * 2.0 ** -3 + scale * 2.0 ** -9).all())
-    bench.check("wo_a_mxfp8 [2,1024,4096], x = view of [M,64,512], M 1..8,130: bytes == reference reduce+quantize "
-                "of the kernel's partials", exact)
-    bench.check("wo_a_mxfp8 vs all-reference chain: within one e4m3 step", close,
-                f"partials max rel err {part_err:.2e}; {flips} e4m3 codes differ from the all-reference chain "
-                "(bf16 ties after fp32 partials in another order)")
+        close &= bool(((fused.dequantize() - y).abs() <= y.abs() * 2.0**-3 + scale * 2.0**-9).all())
+    bench.check(
+        "wo_a_mxfp8 [2,1024,4096], x = view of [M,64,512], M 1..8,130: bytes == reference reduce+quantize "
+        "of the kernel's partials",
+        exact,
+    )
+    bench.check(
+        "wo_a_mxfp8 vs all-reference chain: within one e4m3 step",
+        close,
+        f"partials max rel err {part_err:.2e}; {flips} e4m3 codes differ from the all-reference chain "
+        "(bf16 ties after fp32 partials in another order)",
+    )
 
     # single-launch variant (not the default yet: this run is its first on a GPU): same bytes, tickets reset
     ok = True
     for rows in (*range(1, 9), 16):
         x = attn_view(rows)
         for _ in range(2):
-            ok &= _mx_same_bytes(wo_a_mxfp8(x, weight, backend="triton", single_launch=True),
-                                 wo_a_mxfp8(x, weight, backend="triton"))
+            ok &= _mx_same_bytes(
+                wo_a_mxfp8(x, weight, backend="triton", single_launch=True), wo_a_mxfp8(x, weight, backend="triton")
+            )
     bench.check("wo_a_mxfp8(single_launch=True) M 1..8,16 (twice each) == two-launch bytes", ok)
 
     ok, worst = True, 0.0
@@ -575,11 +590,15 @@ def section_mxfp8(bench: Bench) -> None:
             a = mxfp8_quantize_reference(torch.randn(rows, kb, generator=gen, device=dev))
             got = mxfp8_linear(a, w_b, out_dtype=torch.float32, backend="triton")
             want = mxfp8_linear_reference(a, w_b, out_dtype=torch.float32)
-            bound = kb * 2.0 ** -24 * (a.dequantize().abs() @ w_b.float().abs().t())
+            bound = kb * 2.0**-24 * (a.dequantize().abs() @ w_b.float().abs().t())
             ok &= bool(((got - want).abs() <= bound).all())
             worst = max(worst, ((got - want).abs() / (want.abs() + 1e-6)).max().item())
-    bench.check("mxfp8_linear (w_b [N,K] in (5120,2048),(1792,5120),(5120,576); M 1,2,8,17,300) == dequantized "
-                "fp32 reference within the fp32 accumulation-order bound", ok, f"max rel err {worst:.2e}")
+    bench.check(
+        "mxfp8_linear (w_b [N,K] in (5120,2048),(1792,5120),(5120,576); M 1,2,8,17,300) == dequantized "
+        "fp32 reference within the fp32 accumulation-order bound",
+        ok,
+        f"max rel err {worst:.2e}",
+    )
 
     # graph replay: quantize + WO-A into persistent buffers whose scales are refilled with 255 before each replay
     rows = 8
@@ -587,7 +606,7 @@ def section_mxfp8(bench: Bench) -> None:
     out = Mxfp8Tensor.empty(rows, n, device=dev)
 
     def mutate(i):
-        x.copy_(torch.randn(x.shape, generator=gen, device=dev).to(torch.bfloat16) * (10.0 ** i))
+        x.copy_(torch.randn(x.shape, generator=gen, device=dev).to(torch.bfloat16) * (10.0**i))
         out.scales.fill_(255)
         out.data.view(torch.uint8).fill_(255)
 
@@ -630,22 +649,40 @@ def section_mxfp8(bench: Bench) -> None:
             y = torch.bmm(x.transpose(0, 1), w_t).transpose(0, 1).reshape(x.shape[0], n)
             return mxfp8_quantize_reference(y)
 
-        bench.time_pair(f"wo_a_mxfp8 M={rows} W[2,1024,4096]", lambda x=x, out=out: wo_a_mxfp8(
-            x, weight, out=out, backend="triton"), unfused, weight.numel() * 2, target="<=1.5x floor")
-        bench.time_pair(f"wo_a_mxfp8 single_launch M={rows}", lambda x=x, out=out: wo_a_mxfp8(
-            x, weight, out=out, backend="triton", single_launch=True), unfused, weight.numel() * 2,
-            target="<=1.5x floor")
+        bench.time_pair(
+            f"wo_a_mxfp8 M={rows} W[2,1024,4096]",
+            lambda x=x, out=out: wo_a_mxfp8(x, weight, out=out, backend="triton"),
+            unfused,
+            weight.numel() * 2,
+            target="<=1.5x floor",
+        )
+        bench.time_pair(
+            f"wo_a_mxfp8 single_launch M={rows}",
+            lambda x=x, out=out: wo_a_mxfp8(x, weight, out=out, backend="triton", single_launch=True),
+            unfused,
+            weight.numel() * 2,
+            target="<=1.5x floor",
+        )
     for rows in (8, 300):
         y = torch.randn(rows, n, generator=gen, device=dev).to(torch.bfloat16)
         out = Mxfp8Tensor.empty(rows, n, device=dev)
-        bench.time_pair(f"mxfp8_quantize M={rows} N={n}", lambda y=y, out=out: mxfp8_quantize(
-            y, out=out, backend="triton"), lambda y=y: mxfp8_quantize_reference(y), rows * n * 3 + out.scales.numel(),
-            target=">=2x")
+        bench.time_pair(
+            f"mxfp8_quantize M={rows} N={n}",
+            lambda y=y, out=out: mxfp8_quantize(y, out=out, backend="triton"),
+            lambda y=y: mxfp8_quantize_reference(y),
+            rows * n * 3 + out.scales.numel(),
+            target=">=2x",
+        )
     w_b = (torch.randn(5120, n, generator=gen, device=dev) / 45).to(torch.bfloat16)
     for rows in (2, 8):
         a = mxfp8_quantize_reference(torch.randn(rows, n, generator=gen, device=dev))
-        bench.time_pair(f"mxfp8_linear M={rows} w_b[5120,2048]", lambda a=a: mxfp8_linear(a, w_b, backend="triton"),
-                        lambda a=a: mxfp8_linear_reference(a, w_b), w_b.numel() * 2, target=">=2x")
+        bench.time_pair(
+            f"mxfp8_linear M={rows} w_b[5120,2048]",
+            lambda a=a: mxfp8_linear(a, w_b, backend="triton"),
+            lambda a=a: mxfp8_linear_reference(a, w_b),
+            w_b.numel() * 2,
+            target=">=2x",
+        )
 
 
 # -------------------------------------------------------------------------------------------- op 5: c2_verify
@@ -668,9 +705,24 @@ class _C2Layer:
         self.pool = torch.randn((slots * pages + 5) * C2_PAGE, hd, generator=gen, device=dev).to(torch.bfloat16)
 
     def run(self, fn, kv_gate, positions, req, valid, d, ring=None, pool=None):
-        fn(kv_gate, positions, req, valid, self.bias, self.norm_w, 1e-6, self.cos, self.sin, C2_ROPE,
-           self.ring if ring is None else ring, self.pool if pool is None else pool, self.page_table, C2_PAGE,
-           C2_RING, d)
+        fn(
+            kv_gate,
+            positions,
+            req,
+            valid,
+            self.bias,
+            self.norm_w,
+            1e-6,
+            self.cos,
+            self.sin,
+            C2_ROPE,
+            self.ring if ring is None else ring,
+            self.pool if pool is None else pool,
+            self.page_table,
+            C2_PAGE,
+            C2_RING,
+            d,
+        )
 
 
 def _c2_rows(batch, d, gen, dev, kv_dtype=torch.float32, pos_dtype=torch.int64, n_pad=0, max_start=4000):
@@ -688,7 +740,7 @@ def _c2_pool_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Entries agree within 2^-7 of each entry row's largest magnitude (about one bf16 ulp of the row; a one-ulp
     change of a normed value can move a RoPE output that cancels to near zero by more than its own ulp)."""
     a, b = a.float(), b.float()
-    return bool(((a - b).abs() <= b.abs().amax(dim=1, keepdim=True) * 2.0 ** -7).all())
+    return bool(((a - b).abs() <= b.abs().amax(dim=1, keepdim=True) * 2.0**-7).all())
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -724,11 +776,17 @@ def section_c2_verify(bench: Bench) -> None:
             close_ok &= _c2_pool_close(f_pool, r_pool)
             worst_ulps = max(worst_ulps, _bf16_ulps(f_pool, r_pool))
             differing += int((f_pool != r_pool).any(1).sum())
-    bench.check("c2 hd 512 (kv|gate 1024), D 6, batch 1..128, fp32+int64 / bf16+int32, padded request: "
-                "ring bitwise == reference", ring_ok)
+    bench.check(
+        "c2 hd 512 (kv|gate 1024), D 6, batch 1..128, fp32+int64 / bf16+int32, padded request: "
+        "ring bitwise == reference",
+        ring_ok,
+    )
     bench.check("c2: one D-row launch == D single-row launches, pool and ring bitwise", single_ok)
-    bench.check("c2: pool entries within 2^-7 of their row's max |value| of the reference", close_ok,
-                f"max {worst_ulps} bf16 ulp; {differing} entries not bitwise equal (sum-of-squares order on GPU)")
+    bench.check(
+        "c2: pool entries within 2^-7 of their row's max |value| of the reference",
+        close_ok,
+        f"max {worst_ulps} bf16 ulp; {differing} entries not bitwise equal (sum-of-squares order on GPU)",
+    )
 
     # rejected prefix: accept k of 6, verify again at pos0 + k == history that decoded only accepted rows
     ok = True
@@ -779,13 +837,17 @@ def section_c2_verify(bench: Bench) -> None:
         rows = _c2_rows(batch, dd, gen, dev)
         n_rows = batch * dd
         moved = n_rows * 2 * C2_HD * 4 + n_rows // 2 * (C2_HD * 2 + 2 * C2_HD * 4) + batch * 2 * C2_HD * 4
-        bench.time_pair(f"c2_verify batch {batch} x {dd} rows, kv|gate 1024 fp32 -> bf16 pool",
-                        lambda layer=layer, rows=rows, dd=dd: layer.run(fused, *rows, dd),
-                        lambda layer=layer, rows=rows, dd=dd: layer.run(c2_verify_reference, *rows, dd),
-                        moved, target="<=2.5us" if (batch, dd) == (1, 6) else ">=2x")
+        bench.time_pair(
+            f"c2_verify batch {batch} x {dd} rows, kv|gate 1024 fp32 -> bf16 pool",
+            lambda layer=layer, rows=rows, dd=dd: layer.run(fused, *rows, dd),
+            lambda layer=layer, rows=rows, dd=dd: layer.run(c2_verify_reference, *rows, dd),
+            moved,
+            target="<=2.5us" if (batch, dd) == (1, 6) else ">=2x",
+        )
 
 
 # --------------------------------------------------------------------------------------------------- driver
+
 
 def section_smoke(bench: Bench) -> None:
     """--smoke on the CPU: four ops once at a tiny shape, the Triton kernel (in Triton's interpreter) against its
@@ -854,8 +916,14 @@ def print_table(bench: Bench) -> None:
     header = ["op", "shape", "fused us", "unfused us", "speedup", "floor us", "% of bw floor", "target"]
     body = [
         [
-            r.op, r.shape, f"{r.fused_us:.2f}", f"{r.unfused_us:.2f}", f"{r.speedup:.2f}x", f"{r.floor_us:.2f}",
-            f"{100 * r.floor_us / r.fused_us:.1f}%", f"{r.target} {target_verdict(r)}".strip(),
+            r.op,
+            r.shape,
+            f"{r.fused_us:.2f}",
+            f"{r.unfused_us:.2f}",
+            f"{r.speedup:.2f}x",
+            f"{r.floor_us:.2f}",
+            f"{100 * r.floor_us / r.fused_us:.1f}%",
+            f"{r.target} {target_verdict(r)}".strip(),
         ]
         for r in bench.rows
     ]
@@ -912,8 +980,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
     parser.add_argument("--replays", type=int, default=200, help="graph replays per timing (median taken)")
     parser.add_argument("--inner", type=int, default=20, help="back-to-back calls captured per graph replay")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI check without a GPU: four ops at tiny shapes in Triton's interpreter (section_smoke)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI check without a GPU: four ops at tiny shapes in Triton's interpreter (section_smoke)",
+    )
     args = parser.parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
         return smoke()

@@ -106,16 +106,15 @@ class Case:
     def __init__(self, kind: str, B: int, n: int, seed: int):
         self.kind, self.B, self.n, self.T = kind, B, n, B * n
         g = torch.Generator(device=DEV).manual_seed(seed)
-        cfg = SimpleNamespace(layer_types=[kind] * LAYERS, compress_rates=RATIOS, sliding_window=W, head_dim=D,
-                              index_head_dim=16)
-        self.pools = StatePools(cfg, max_seqs=B + 1, max_seq_len=MAX_LEN, device=DEV, dtype=DT,
-                                rollback_margin=MARGIN)
+        cfg = SimpleNamespace(
+            layer_types=[kind] * LAYERS, compress_rates=RATIOS, sliding_window=W, head_dim=D, index_head_dim=16
+        )
+        self.pools = StatePools(cfg, max_seqs=B + 1, max_seq_len=MAX_LEN, device=DEV, dtype=DT, rollback_margin=MARGIN)
         # starts near the end of the context (HCA sees ~E entries), spread so rows differ; request 0 wraps the ring
         starts = [MAX_LEN - n - 1 - (37 * b) % 301 for b in range(B)]
         slots = list(range(B))
         self.pools.reserve({s: st + n for s, st in zip(slots, starts)})
-        self.batch = ForwardBatch(self.pools, slots, starts, [n] * B, torch.zeros(self.T, dtype=torch.long,
-                                                                                  device=DEV))
+        self.batch = ForwardBatch(self.pools, slots, starts, [n] * B, torch.zeros(self.T, dtype=torch.long, device=DEV))
         self.group = self.batch.groups[0]
         for lp in self.pools.layers:
             lp.window.copy_(torch.randn(lp.window.shape, generator=g, device=DEV))
@@ -140,12 +139,33 @@ class Case:
                     entry_rows = sa.picked_entry_rows(rows, picked, n)
                 else:
                     entry_rows = sa.hca_entry_rows(rows, self.batch.pos, n, ratio)
-            layer = SimpleNamespace(head_dim=D, heads=H, window=W, ratio=ratio, sinks=sinks, site_settings=None,
-                                    compressor=object() if kind != SLIDING else None,
-                                    indexer=SimpleNamespace(select=lambda *a, p=picked: p) if kind == CSA else None)
+            layer = SimpleNamespace(
+                head_dim=D,
+                heads=H,
+                window=W,
+                ratio=ratio,
+                sinks=sinks,
+                site_settings=None,
+                compressor=object() if kind != SLIDING else None,
+                indexer=SimpleNamespace(select=lambda *a, p=picked: p) if kind == CSA else None,
+            )
             self.layers.append((layer, qkv, lp))
-            self.args.append([qkv[:, :H], qkv[:, H], lp.window, self.pools.window_ring, W, self.batch.pos,
-                              self.batch.slot, n, entries, entry_rows, sinks, D**-0.5])
+            self.args.append(
+                [
+                    qkv[:, :H],
+                    qkv[:, H],
+                    lp.window,
+                    self.pools.window_ring,
+                    W,
+                    self.batch.pos,
+                    self.batch.slot,
+                    n,
+                    entries,
+                    entry_rows,
+                    sinks,
+                    D**-0.5,
+                ]
+            )
 
     def old(self, li: int) -> torch.Tensor:
         layer, qkv, lp = self.layers[li]
@@ -188,8 +208,9 @@ def timed(fn_layer, layers: int) -> tuple[float, float]:
         for i in range(layers):
             FLUSH.fill_(i + 1)
 
-    cold = (gpu_bench.replay_us(graph_of(cold_body), ARGS.replays)
-            - gpu_bench.replay_us(graph_of(flush_body), ARGS.replays)) / layers
+    cold = (
+        gpu_bench.replay_us(graph_of(cold_body), ARGS.replays) - gpu_bench.replay_us(graph_of(flush_body), ARGS.replays)
+    ) / layers
     return warm, cold
 
 
@@ -206,16 +227,24 @@ def correctness(case: Case, tag: str) -> None:
     r_old = (old.float() - truth).abs().max().item() / truth.abs().max().item()
     check(f"{tag} kernel vs engine _attend (engine vs fp32 ref: rel {r_old:.3g})", got, old, TOL_ENGINE)
     if CUDA:
-        check(f"{tag} fp32 kernel (IEEE dots) vs fp32 reference",
-              sa.fused_attention(*case.fp32_args(0), backend="triton"), truth, TOL_FP32)
+        check(
+            f"{tag} fp32 kernel (IEEE dots) vs fp32 reference",
+            sa.fused_attention(*case.fp32_args(0), backend="triton"),
+            truth,
+            TOL_FP32,
+        )
         # capture safety: replay with new q and kv in the same buffers
         qkv = case.layers[0][1]
         out = {}
         graph = graph_of(lambda: out.__setitem__("y", case.new(0)))
         qkv.copy_(torch.randn(qkv.shape, device=DEV).to(DT))
         graph.replay()
-        check(f"{tag} graph replay with new q, kv vs fp32 reference", out["y"],
-              sa.fused_attention_reference(*case.fp32_args(0)), TOL_REF)
+        check(
+            f"{tag} graph replay with new q, kv vs fp32 reference",
+            out["y"],
+            sa.fused_attention_reference(*case.fp32_args(0)),
+            TOL_REF,
+        )
 
 
 def sweep(case: Case, tag: str) -> None:
@@ -238,9 +267,12 @@ def sweep(case: Case, tag: str) -> None:
 
 
 def main() -> int:
-    print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu (TRITON_INTERPRET=1)'}, torch {torch.__version__}"
-          f", H {H}, D {D}, window {W}, CSA top-{TOPK}, context {MAX_LEN}, {str(DT).replace('torch.', '')}, "
-          f"{LAYERS} layer state(s) per timed graph", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name() if CUDA else 'cpu (TRITON_INTERPRET=1)'}, torch {torch.__version__}"
+        f", H {H}, D {D}, window {W}, CSA top-{TOPK}, context {MAX_LEN}, {str(DT).replace('torch.', '')}, "
+        f"{LAYERS} layer state(s) per timed graph",
+        flush=True,
+    )
     table = []
     t_start = time.time()
     for kind in (SLIDING, CSA, HCA):

@@ -36,9 +36,12 @@ def parse():
     ap.add_argument("--sweep", action="store_true", help="also time mix_block / rows / warps variants")
     ap.add_argument("--detail", action="store_true", help="also time each op alone")
     ap.add_argument("--replays", type=int, default=200)
-    ap.add_argument("--tokens", default=None,
-                    help="comma-separated T values (default 1,6,32 on CUDA; e.g. 64,3500 for a full decode batch and "
-                         "a five-shot prompt chunk)")
+    ap.add_argument(
+        "--tokens",
+        default=None,
+        help="comma-separated T values (default 1,6,32 on CUDA; e.g. 64,3500 for a full decode batch and "
+        "a five-shot prompt chunk)",
+    )
     return ap.parse_args()
 
 
@@ -64,8 +67,10 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, *, exact
     diff = (got - want).abs().max().item() if got.numel() else 0.0
     scale = max(want.abs().max().item(), 1e-30) if want.numel() else 1.0
     ok = bool(torch.isfinite(got).all()) and got.shape == want.shape and (diff == 0 if exact else diff <= tol * scale)
-    print(f"  {'ok  ' if ok else 'FAIL'} {name}: max abs {diff:.3g}, rel-to-max {diff / scale:.3g}"
-          f" (tol {'exact' if exact else tol})")
+    print(
+        f"  {'ok  ' if ok else 'FAIL'} {name}: max abs {diff:.3g}, rel-to-max {diff / scale:.3g}"
+        f" (tol {'exact' if exact else tol})"
+    )
     CHECKED.append((name, diff, diff / scale, "exact" if exact else str(tol), ok))
     if not ok:
         FAILED.append(name)
@@ -76,14 +81,20 @@ def build(hc: int, D: int, layers: int, device, gen):
     M = 2 * hc + hc * hc
 
     def conn():
-        return HyperConnection((torch.randn(M, hc * D, generator=gen) / (hc * D) ** 0.5).to(device),
-                               (0.5 * torch.randn(M, generator=gen)).to(device),
-                               (1 + 0.1 * torch.randn(3, generator=gen)).to(device), cfg)
+        return HyperConnection(
+            (torch.randn(M, hc * D, generator=gen) / (hc * D) ** 0.5).to(device),
+            (0.5 * torch.randn(M, generator=gen)).to(device),
+            (1 + 0.1 * torch.randn(3, generator=gen)).to(device),
+            cfg,
+        )
 
     blocks = [(conn(), (1 + 0.1 * torch.randn(D, generator=gen)).to(device)) for _ in range(2 * layers)]
-    head = HyperHead((torch.randn(hc, hc * D, generator=gen) / (hc * D) ** 0.5).to(device),
-                     (0.5 * torch.randn(hc, generator=gen)).to(device),
-                     (1 + 0.1 * torch.randn(1, generator=gen)).to(device), cfg)
+    head = HyperHead(
+        (torch.randn(hc, hc * D, generator=gen) / (hc * D) ** 0.5).to(device),
+        (0.5 * torch.randn(hc, generator=gen)).to(device),
+        (1 + 0.1 * torch.randn(1, generator=gen)).to(device),
+        cfg,
+    )
     norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(device)
     return blocks, head, norm
 
@@ -132,21 +143,28 @@ def checks(T, hc, D, dtype, device, gen):
     new_r, p2_r = step_hyper.hc_merge_mix_reference(streams, out, got[0], got[1], h1.fn)
     check(f"{tag} hc_merge_mix streams vs reference", new, new_r, TOL_OP)
     row = p2_r.abs().amax(dim=(1, 2), keepdim=True)
-    check(f"{tag} hc_merge_mix partials vs reference (same streams)", p2 / row,
-          step_hyper.hc_mix_reference(new, h1.fn) / row, TOL_MIX)
+    check(
+        f"{tag} hc_merge_mix partials vs reference (same streams)",
+        p2 / row,
+        step_hyper.hc_mix_reference(new, h1.fn) / row,
+        TOL_MIX,
+    )
     # new ops vs the engine path they replace, same inputs
     post, comb, h = baseline_ops.hc_pre(h0, streams)
     check(f"{tag} hc_pre_norm post vs hc_pre", got[0], post, TOL_MIX)
     check(f"{tag} hc_pre_norm comb vs hc_pre", got[1], comb, TOL_MIX)
     check(f"{tag} hc_pre_norm x vs hc_pre + rms_norm", got[2], rms_norm(h, w0, eps), TOL_OP)
-    check(f"{tag} hc_merge_mix streams vs hc_merge", new, baseline_ops.hc_merge(streams, out, got[0], got[1]),
-          TOL_OP)
+    check(f"{tag} hc_merge_mix streams vs hc_merge", new, baseline_ops.hc_merge(streams, out, got[0], got[1]), TOL_OP)
     mixes = torch.nn.functional.linear(new.flatten(1).float(), h1.fn)
     row = mixes.abs().amax(dim=1, keepdim=True)
     check(f"{tag} hc_merge_mix partials vs F.linear(new, fn)", p2.sum(1)[:, :-1] / row, mixes / row, TOL_MIX)
     head_parts = step_hyper.hc_mix(new, head, backend="triton")
-    check(f"{tag} hc_head_norm vs HyperHead + rms_norm", step_hyper.hc_head_norm(new, head_parts, head, norm, eps),
-          rms_norm(head(new), norm, eps), TOL_OP)
+    check(
+        f"{tag} hc_head_norm vs HyperHead + rms_norm",
+        step_hyper.hc_head_norm(new, head_parts, head, norm, eps),
+        rms_norm(head(new), norm, eps),
+        TOL_OP,
+    )
     # chain vs chain, determinism
     outs = [torch.randn(T, D, generator=gen).to(device, dtype) for _ in blocks]
     xs_old, xs_new = [], []
@@ -163,6 +181,7 @@ def checks(T, hc, D, dtype, device, gen):
 def kernel_count(fn) -> str:
     try:
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
@@ -224,11 +243,14 @@ def main() -> int:
     if rows:
         n = len(blocks)
         print(f"\n2-layer mHC chain ({n} blocks + head), hc {hc}, D {D}, bf16, CUDA-graph replay, median us")
-        print(f"{'T':>4} {'old us':>9} {'kernels old':>12} {'new us':>9} {'kernels new':>12} {'ratio':>7}"
-              f" {'old/block':>10} {'new/block':>10}")
+        print(
+            f"{'T':>4} {'old us':>9} {'kernels old':>12} {'new us':>9} {'kernels new':>12} {'ratio':>7}"
+            f" {'old/block':>10} {'new/block':>10}"
+        )
         for T, a, ka, b, kb in rows:
-            print(f"{T:>4} {a:>9.1f} {ka:>12} {b:>9.1f} {kb:>12} {a / b:>7.2f} {a / (n + 1):>10.2f}"
-                  f" {b / (n + 1):>10.2f}")
+            print(
+                f"{T:>4} {a:>9.1f} {ka:>12} {b:>9.1f} {kb:>12} {a / b:>7.2f} {a / (n + 1):>10.2f} {b / (n + 1):>10.2f}"
+            )
     print(f"\n{len(CHECKED)} checks\n| check | max abs | rel to max | tol | ok |\n|---|---:|---:|---:|---|")
     for name, diff, rel, tol, ok in CHECKED:
         print(f"| {name} | {diff:.3g} | {rel:.3g} | {tol} | {'ok' if ok else 'FAIL'} |")
@@ -257,8 +279,10 @@ def detail(T, streams, outs, blocks, head, norm, eps) -> None:
         print(f"  T={T} {name}: {graph_time(lambda: [op() for _ in range(20)], 50) / 20:.2f} us")
     keep = step_hyper.NORM_SPLIT
     step_hyper.NORM_SPLIT = False
-    print(f"  T={T} new hc_pre_norm unsplit: "
-          f"{graph_time(lambda: [ops['new hc_pre_norm']() for _ in range(20)], 50) / 20:.2f} us")
+    print(
+        f"  T={T} new hc_pre_norm unsplit: "
+        f"{graph_time(lambda: [ops['new hc_pre_norm']() for _ in range(20)], 50) / 20:.2f} us"
+    )
     step_hyper.NORM_SPLIT = keep
 
 
@@ -277,8 +301,13 @@ def sweep(T: int, new) -> None:
                         print(f"    {rows:>3} {sub:>4} {warps:>2} -> {graph_time(new, 20):.1f}", flush=True)
         finally:
             step_hyper.DOT_ROWS, step_hyper.DOT_SUB, step_hyper.DOT_WARPS = keep_dot
-    keep = (step_hyper.mix_block, step_hyper._rows_per_program, step_hyper.MIX_WARPS, step_hyper.NORM_WARPS,
-            step_hyper.NORM_SPLIT)
+    keep = (
+        step_hyper.mix_block,
+        step_hyper._rows_per_program,
+        step_hyper.MIX_WARPS,
+        step_hyper.NORM_WARPS,
+        step_hyper.NORM_SPLIT,
+    )
     print(f"  sweep T={T}: block rows mix_warps -> us")
     try:
         for block in (32, 64, 128) + ((256,) if T >= 256 else ()):
@@ -294,8 +323,13 @@ def sweep(T: int, new) -> None:
                 step_hyper.NORM_WARPS, step_hyper.NORM_SPLIT = nw, split
                 print(f"    norm split {split} warps {nw:>2} -> {graph_time(new, 100):.1f}")
     finally:
-        (step_hyper.mix_block, step_hyper._rows_per_program, step_hyper.MIX_WARPS, step_hyper.NORM_WARPS,
-         step_hyper.NORM_SPLIT) = keep
+        (
+            step_hyper.mix_block,
+            step_hyper._rows_per_program,
+            step_hyper.MIX_WARPS,
+            step_hyper.NORM_WARPS,
+            step_hyper.NORM_SPLIT,
+        ) = keep
 
 
 if __name__ == "__main__":

@@ -63,18 +63,26 @@ if CUDA:
     SHAPES = ((8, 2), (16, 6))
     # candidates besides the module's own choice (None): variants of the kernel shape it picks at that T; block_t 64
     # puts a 64-row batch (the largest graph bucket) in one token block, so each expert's weights are read once
-    GU_CFGS = {"gemv": [dict(mode="gemv", block_n=16, block_k=256), dict(mode="gemv", block_n=16, block_k=1024)],
-               "mm": [dict(mode="mm", block_n=32, block_k=256, num_stages=3),
-                      dict(mode="mm", block_n=64, block_k=128, num_warps=8),
-                      dict(mode="mm", block_t=64, block_n=32, block_k=128),
-                      dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
-                      dict(mode="mm", block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)]}
-    DN_CFGS = {"gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
-               "mm": [dict(mode="mm", block_n=16, block_k=128), dict(mode="mm", block_n=16, block_k=512,
-                                                                      num_stages=2),
-                      dict(mode="mm", block_t=64, block_n=16, block_k=256),
-                      dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
-                      dict(mode="mm", block_t=64, block_m=64, block_n=32, block_k=64, num_warps=8)]}
+    GU_CFGS = {
+        "gemv": [dict(mode="gemv", block_n=16, block_k=256), dict(mode="gemv", block_n=16, block_k=1024)],
+        "mm": [
+            dict(mode="mm", block_n=32, block_k=256, num_stages=3),
+            dict(mode="mm", block_n=64, block_k=128, num_warps=8),
+            dict(mode="mm", block_t=64, block_n=32, block_k=128),
+            dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
+            dict(mode="mm", block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8),
+        ],
+    }
+    DN_CFGS = {
+        "gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
+        "mm": [
+            dict(mode="mm", block_n=16, block_k=128),
+            dict(mode="mm", block_n=16, block_k=512, num_stages=2),
+            dict(mode="mm", block_t=64, block_n=16, block_k=256),
+            dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
+            dict(mode="mm", block_t=64, block_m=64, block_n=32, block_k=64, num_warps=8),
+        ],
+    }
 else:
     D, INTER, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
     SHAPES = ((8, 2), (16, 6))
@@ -91,17 +99,24 @@ def make_moe(E: int, K: int, seed: int, *, is_hash: bool = False) -> MoE:
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=DEV) * scale).to(DT)
 
-    sd = {"gate.weight": rnd(E, D, scale=D**-0.5),
-          "gate.e_score_correction_bias": 0.5 * torch.randn(E, generator=g, device=DEV),
-          "experts.gate_up_proj": rnd(E, 2 * INTER, D, scale=D**-0.5),
-          "experts.down_proj": rnd(E, D, INTER, scale=INTER**-0.5),
-          "shared_experts.gate_proj.weight": rnd(INTER, D, scale=D**-0.5),
-          "shared_experts.up_proj.weight": rnd(INTER, D, scale=D**-0.5),
-          "shared_experts.down_proj.weight": rnd(D, INTER, scale=INTER**-0.5)}
+    sd = {
+        "gate.weight": rnd(E, D, scale=D**-0.5),
+        "gate.e_score_correction_bias": 0.5 * torch.randn(E, generator=g, device=DEV),
+        "experts.gate_up_proj": rnd(E, 2 * INTER, D, scale=D**-0.5),
+        "experts.down_proj": rnd(E, D, INTER, scale=INTER**-0.5),
+        "shared_experts.gate_proj.weight": rnd(INTER, D, scale=D**-0.5),
+        "shared_experts.up_proj.weight": rnd(INTER, D, scale=D**-0.5),
+        "shared_experts.down_proj.weight": rnd(D, INTER, scale=INTER**-0.5),
+    }
     if is_hash:
         sd["gate.tid2eid"] = torch.randint(0, E, (VOCAB, K), generator=g, device=DEV)
-    cfg = SimpleNamespace(num_experts_per_tok=K, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
-                          swiglu_limit=LIMIT, hidden_act="silu")
+    cfg = SimpleNamespace(
+        num_experts_per_tok=K,
+        scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+        swiglu_limit=LIMIT,
+        hidden_act="silu",
+    )
     return MoE(sd, "", cfg, is_hash)
 
 
@@ -204,13 +219,15 @@ def weight_bytes(moe: MoE, idx: torch.Tensor) -> int:
 def label(cfg) -> str:
     if cfg is None:
         return "auto"
-    return ",".join(str(v) if k == "mode" else f"{k[6:] if k.startswith('block_') else k}={v}"
-                    for k, v in cfg.items())
+    return ",".join(str(v) if k == "mode" else f"{k[6:] if k.startswith('block_') else k}={v}" for k, v in cfg.items())
 
 
 def main() -> int:
-    print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu (TRITON_INTERPRET=1)'}, torch {torch.__version__}"
-          f", hidden {D}, I {INTER}, {str(DT).replace('torch.', '')}, {LAYERS} layer(s) per timed graph", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name() if CUDA else 'cpu (TRITON_INTERPRET=1)'}, torch {torch.__version__}"
+        f", hidden {D}, I {INTER}, {str(DT).replace('torch.', '')}, {LAYERS} layer(s) per timed graph",
+        flush=True,
+    )
     rows = []
     for E, K in SHAPES:
         moes = [make_moe(E, K, seed=10 * E + i) for i in range(LAYERS)]
@@ -228,18 +245,39 @@ def main() -> int:
             ws = [step_moe.route(m, F.linear(x, m.router), ids)[1] for m in moes]
             gu_cfgs = [None] + GU_CFGS[step_moe._mode("auto", "gate_up", T)]
             dn_cfgs = [None] + DN_CFGS[step_moe._mode("auto", "down", T)]
-            gu_t = {label(c): timed_or_inf(lambda c=c: [step_moe.gate_up(m, x, i, backend="triton", **(c or {}))
-                                                        for m, i in zip(moes, idxs)], label(c)) / LAYERS
-                    for c in gu_cfgs}
-            dn_t = {label(c): timed_or_inf(lambda c=c: [step_moe.down(m, h, i, w, backend="triton", **(c or {}))
-                                                        for m, h, i, w in zip(moes, hs, idxs, ws)], label(c)) / LAYERS
-                    for c in dn_cfgs}
+            gu_t = {
+                label(c): timed_or_inf(
+                    lambda c=c: [step_moe.gate_up(m, x, i, backend="triton", **(c or {})) for m, i in zip(moes, idxs)],
+                    label(c),
+                )
+                / LAYERS
+                for c in gu_cfgs
+            }
+            dn_t = {
+                label(c): timed_or_inf(
+                    lambda c=c: [
+                        step_moe.down(m, h, i, w, backend="triton", **(c or {}))
+                        for m, h, i, w in zip(moes, hs, idxs, ws)
+                    ],
+                    label(c),
+                )
+                / LAYERS
+                for c in dn_cfgs
+            }
             gu_best = min(gu_cfgs, key=lambda c: gu_t[label(c)])
             dn_best = min(dn_cfgs, key=lambda c: dn_t[label(c)])
-            print(f"  {tag} gate_up us: " + ", ".join(f"{k} {v:.1f}" for k, v in gu_t.items())
-                  + f" -> best {label(gu_best)}", flush=True)
-            print(f"  {tag} down    us: " + ", ".join(f"{k} {v:.1f}" for k, v in dn_t.items())
-                  + f" -> best {label(dn_best)}", flush=True)
+            print(
+                f"  {tag} gate_up us: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in gu_t.items())
+                + f" -> best {label(gu_best)}",
+                flush=True,
+            )
+            print(
+                f"  {tag} down    us: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in dn_t.items())
+                + f" -> best {label(dn_best)}",
+                flush=True,
+            )
 
             def new_one(m):
                 return step_moe.moe_forward(m, x, ids, backend="triton", gate_up_cfg=gu_best, down_cfg=dn_best)
@@ -248,20 +286,35 @@ def main() -> int:
             check(f"{tag} best config vs reference", y_best, step_moe.moe_forward_reference(moes[0], x, ids), TOL_REF)
             old_us = timed(lambda: [old.moe(m, x, ids) for m in moes], ARGS.replays) / LAYERS
             new_us = timed(lambda: [new_one(m) for m in moes], ARGS.replays) / LAYERS
-            default_us = timed(lambda: [step_moe.moe_forward(m, x, ids, backend="triton") for m in moes],
-                               ARGS.replays) / LAYERS
+            default_us = (
+                timed(lambda: [step_moe.moe_forward(m, x, ids, backend="triton") for m in moes], ARGS.replays) / LAYERS
+            )
             k_old = count_kernels(lambda: old.moe(moes[0], x, ids))
             k_new = count_kernels(lambda: new_one(moes[0]), show=f"{tag} new path kernels" if E == 8 else None)
             nbytes = statistics.mean(weight_bytes(m, i) for m, i in zip(moes, idxs))
-            rows.append((f"E{E} top{K}+1 T={T}", old_us, k_old, new_us, default_us, k_new, nbytes,
-                         f"{label(gu_best)} | {label(dn_best)}"))
+            rows.append(
+                (
+                    f"E{E} top{K}+1 T={T}",
+                    old_us,
+                    k_old,
+                    new_us,
+                    default_us,
+                    k_new,
+                    nbytes,
+                    f"{label(gu_best)} | {label(dn_best)}",
+                )
+            )
             print(f"  ({time.time() - t0:.1f} s)", flush=True)
 
-    print("\nshape                old us  kernels  new us (best cfg)  new us (auto cfg)   kernels  ratio  "
-          "weights MB  new TB/s  old TB/s  best gate_up | down config")
+    print(
+        "\nshape                old us  kernels  new us (best cfg)  new us (auto cfg)   kernels  ratio  "
+        "weights MB  new TB/s  old TB/s  best gate_up | down config"
+    )
     for name, o, ko, n, nd, kn, nb, cfg in rows:
-        print(f"{name:<20} {o:7.1f}  {str(ko):>7}  {n:16.1f}  {nd:18.1f}  {str(kn):>7}  {o / n:5.2f}  "
-              f"{nb / 1e6:10.1f}  {nb / n / 1e6:8.2f}  {nb / o / 1e6:8.2f}  {cfg}")
+        print(
+            f"{name:<20} {o:7.1f}  {str(ko):>7}  {n:16.1f}  {nd:18.1f}  {str(kn):>7}  {o / n:5.2f}  "
+            f"{nb / 1e6:10.1f}  {nb / n / 1e6:8.2f}  {nb / o / 1e6:8.2f}  {cfg}"
+        )
     if FAILED:
         print(f"\nFAILED checks ({len(FAILED)}): " + "; ".join(FAILED))
         return 1

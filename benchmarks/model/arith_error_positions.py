@@ -36,8 +36,21 @@ LINE = re.compile(
     r"( ?On \w+, )(\w+)( has )(\d+)( [-+*/] )(\d+)(: .*?;)?( \d+ [-+*/] \d+)?( = <<\d+[-+*/]\d+=)(\d+)(>>)(\d+)"
     r"( \w+\.)"
 )
-PARTS = ["day", "name", "text", "a", "op", "x", "columns", "restatement", "restatement", "result", "restatement",
-         "result copy", "item"]
+PARTS = [
+    "day",
+    "name",
+    "text",
+    "a",
+    "op",
+    "x",
+    "columns",
+    "restatement",
+    "restatement",
+    "result",
+    "restatement",
+    "result copy",
+    "item",
+]
 
 
 def labels_of(completion: str) -> list[str]:
@@ -51,7 +64,7 @@ def labels_of(completion: str) -> list[str]:
         else:
             labels += ["final line"] * len(line)
         labels.append("newline")
-    return labels[:len(completion)] + ["eos"]
+    return labels[: len(completion)] + ["eos"]
 
 
 def record_arithmetic(path: Path) -> None:
@@ -79,8 +92,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=40, help="held-out problems")
     ap.add_argument("--n-ops", type=int, default=3, choices=[2, 3, 4], help="operations per problem")
     ap.add_argument("--seed", type=int, default=99, help="seed of the held-out draw")
-    ap.add_argument("--records", type=Path, default=None,
-                    help="an arith run's responses.jsonl(.gz): score the replies' own arithmetic instead")
+    ap.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="an arith run's responses.jsonl(.gz): score the replies' own arithmetic instead",
+    )
     ap.add_argument("--smoke", action="store_true", help="CI check: 1 problem of 2 operations")
     args = ap.parse_args(argv)
     if args.smoke:

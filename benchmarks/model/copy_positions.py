@@ -31,8 +31,8 @@ def position_hits(model, example) -> list[int]:
     ids = enc.ids[:-1]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]
-    pred = logits[enc.n_prompt - 1: len(ids) - 1].argmax(-1).tolist()
-    return [int(p == t) for p, t in zip(pred, ids[enc.n_prompt:])]
+    pred = logits[enc.n_prompt - 1 : len(ids) - 1].argmax(-1).tolist()
+    return [int(p == t) for p, t in zip(pred, ids[enc.n_prompt :])]
 
 
 def table(name: str, hits: dict[int, list[int]], label) -> str:
@@ -57,8 +57,9 @@ def main() -> None:
     for depth, after in (("in the window", 0), ("~256 bytes deep", 200), ("~2048 bytes deep", 2000)):
         hits = collections.defaultdict(list)
         for _ in range(args.n):
-            for i, h in enumerate(position_hits(model, draw(lambda r: retrieval.generate(r, after=after), rng,
-                                                            "heldout"))):
+            for i, h in enumerate(
+                position_hits(model, draw(lambda r: retrieval.generate(r, after=after), rng, "heldout"))
+            ):
                 hits[i].append(h)
         print(table(f"retrieval, {depth}", hits, lambda k: "space" if k == 0 else f"digit {k}"))
     hits = collections.defaultdict(list)

@@ -108,12 +108,18 @@ def main() -> None:
     ap.add_argument("--model", default="evalpipe-skills-dsv4")
     ap.add_argument("--arith-examples", type=int, default=1200, help="arith items per run (1200 = the whole lane)")
     ap.add_argument("--skip", default="", help="comma-separated rows to skip: greedy,spec,t1,lossy")
-    ap.add_argument("--serve-args", default="", help="added to every `evalpipe serve` (e.g. \"--device cuda\")")
-    ap.add_argument("--run-args", default="", help="added to every `evalpipe run` (e.g. \"--concurrency 64\")")
-    ap.add_argument("--lossy-args", default="--drafter layerskip:1 --spec-accept-topk 4",
-                    help="the lossy server's flags, added to `--speculative block`")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI check: the tiny model, 3 items per lane, 8 tokens, the greedy and spec rows only")
+    ap.add_argument("--serve-args", default="", help='added to every `evalpipe serve` (e.g. "--device cuda")')
+    ap.add_argument("--run-args", default="", help='added to every `evalpipe run` (e.g. "--concurrency 64")')
+    ap.add_argument(
+        "--lossy-args",
+        default="--drafter layerskip:1 --spec-accept-topk 4",
+        help="the lossy server's flags, added to `--speculative block`",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI check: the tiny model, 3 items per lane, 8 tokens, the greedy and spec rows only",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.model, args.arith_examples, args.skip = "evalpipe-tiny-dsv4", 3, "t1,lossy"
@@ -142,10 +148,14 @@ def main() -> None:
                 greedy_on = run("arith", on, args.out / "spec", "on", *n)
                 c = compare(greedy_off, greedy_on, args.out / "compare-spec", "--intended", "*spec*")
                 agree = c["agreement"]
-                rows.append(("layerskip accept length (G=5, greedy arith)",
-                             f"{c['spec']['b']['accept_length_mean']:.2f}",
-                             f"outputs identical to spec off: {agree.get('n_identical')}/{agree.get('n_pairs')}",
-                             args.out / "compare-spec"))
+                rows.append(
+                    (
+                        "layerskip accept length (G=5, greedy arith)",
+                        f"{c['spec']['b']['accept_length_mean']:.2f}",
+                        f"outputs identical to spec off: {agree.get('n_identical')}/{agree.get('n_pairs')}",
+                        args.out / "compare-spec",
+                    )
+                )
             if "t1" not in skip:
                 t1_on = run("arith", on, args.out / "t1", "on", *n, "--temperature", "1")
                 c = compare(t1_off, t1_on, args.out / "compare-t1", "--intended", "*spec*", "--margin", "2")
@@ -161,14 +171,25 @@ def main() -> None:
                     )
                 )
     if "lossy" not in skip:
-        with Server("--model", args.model, "--speculative", "block", *shlex.split(args.lossy_args),
-                    log=args.out / "serve-lossy.log") as lossy:
+        with Server(
+            "--model",
+            args.model,
+            "--speculative",
+            "block",
+            *shlex.split(args.lossy_args),
+            log=args.out / "serve-lossy.log",
+        ) as lossy:
             r = run("arith", lossy, args.out / "lossy", "lossy", *n)
             c = compare(greedy_off, r, args.out / "compare-lossy", "--intended", "*spec*")
             g = c["greedy"]
-            rows.append((f"lossy ({args.lossy_args}) vs exact (greedy arith)", f"{100 * g['diff']:+.2f} pt",
-                         f"{g['a_only']} lost / {g['b_only']} gained; McNemar p {g['mcnemar_p']:.3g}; {g['verdict']}",
-                         args.out / "compare-lossy"))
+            rows.append(
+                (
+                    f"lossy ({args.lossy_args}) vs exact (greedy arith)",
+                    f"{100 * g['diff']:+.2f} pt",
+                    f"{g['a_only']} lost / {g['b_only']} gained; McNemar p {g['mcnemar_p']:.3g}; {g['verdict']}",
+                    args.out / "compare-lossy",
+                )
+            )
     print(f"\nDefault-model targets ({args.model}), {time.time() - t0:.0f} s")
     width = max(len(r[0]) for r in rows)
     for name, value, detail, where in rows:

@@ -54,8 +54,11 @@ def make_step(experts: str, device, compiled: bool = False):
         model.compile()
     taps = objectives.Taps(model, [3, 4])
     opt = trainer.optimizer(model, args)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else \
-        (lambda: torch.autocast("cpu", enabled=False))
+    autocast = (
+        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        if device.type == "cuda"
+        else (lambda: torch.autocast("cpu", enabled=False))
+    )
 
     def step(batch):
         stats = trainer.train_step(model, taps, batch, args, device, autocast)
@@ -137,18 +140,26 @@ def main() -> None:
     ap.add_argument("--batch-tokens", default="40960,131072", help="comma-separated padded tokens per step")
     ap.add_argument("--width", type=int, default=512, help="padded sequence length of every row")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per row (after two untimed ones)")
-    ap.add_argument("--stream", type=int, default=0,
-                    help="also time this many batches of the training stream with the loop's full step (0: off)")
-    ap.add_argument("--options", default=",".join(OPTIONS),
-                    help=f"comma-separated options to time (default: {','.join(OPTIONS)})")
+    ap.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        help="also time this many batches of the training stream with the loop's full step (0: off)",
+    )
+    ap.add_argument(
+        "--options", default=",".join(OPTIONS), help=f"comma-separated options to time (default: {','.join(OPTIONS)})"
+    )
     ap.add_argument(
         "--profile",
         default=None,
         metavar="OPTION",
         help="also print the ops with the most device time over two steps of OPTION at the first batch size",
     )
-    ap.add_argument("--smoke", action="store_true",
-                    help="seconds on the CPU: one small batch, one timed step, eager experts (checks the script runs)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds on the CPU: one small batch, one timed step, eager experts (checks the script runs)",
+    )
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.smoke:
@@ -160,16 +171,18 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, width {args.width}, {args.steps} timed steps per row")
-    print(f"{'option':<19} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} "
-          f"{'loss@0':>8}")
+    print(f"{'option':<19} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss@0':>8}")
     sizes = [int(x) for x in args.batch_tokens.split(",")]
     for tokens in sizes:
         batch = batch_of(tokens, args.width, seed=tokens)
         for option in options:
             experts, compiled = parse_option(option)
             r = time_option(experts, batch, args.steps, device, compiled)
-            print(f"{option:<19} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
-                  f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f}", flush=True)
+            print(
+                f"{option:<19} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
+                f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f}",
+                flush=True,
+            )
     if args.profile:
         print(f"\nprofile of {args.profile} at {sizes[0]} tokens, two steps")
         print(profile_option(args.profile, batch_of(sizes[0], args.width, seed=sizes[0]), device), flush=True)

@@ -96,6 +96,7 @@ def write_checkpoint(folder: Path, smoke: bool) -> int:
 
 # ---- engine stage --------------------------------------------------------------------------------------------
 
+
 def server_runner(model_dir: Path, max_batch: int = 64):
     from evalpipe.engine.build import build_runner
     from evalpipe.engine.config import EngineConfig
@@ -113,16 +114,27 @@ def replay_us(step, reps: int = 20) -> float:
     return gpu_bench.replay_us(step.graph, reps)
 
 
-def decode_batch(runner, tokenizer, batch: int, prompt_len: int = 128, new_tokens: int = 64, overlap: bool = True,
-                 profile: bool = False) -> dict:
+def decode_batch(
+    runner,
+    tokenizer,
+    batch: int,
+    prompt_len: int = 128,
+    new_tokens: int = 64,
+    overlap: bool = True,
+    profile: bool = False,
+) -> dict:
     """`batch` greedy sequences prefilled first, then steady decode steps timed one by one (wall, host clock).
     With the overlap schedule a step queues the next forward and then settles the previous one, so its wall time is
     the larger of device and host time."""
     engine = Engine(runner, tokenizer, max_batch=64, max_tokens_per_step=8192, overlap=overlap)
     gen = torch.Generator().manual_seed(batch)
-    seqs = [Sequence(prompt=torch.randint(16, 272, (prompt_len,), generator=gen).tolist(),
-                     params=SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-            for _ in range(batch)]
+    seqs = [
+        Sequence(
+            prompt=torch.randint(16, 272, (prompt_len,), generator=gen).tolist(),
+            params=SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+        )
+        for _ in range(batch)
+    ]
     engine.submit(seqs)
     while any(s.prefilling or s.status is Status.WAITING for s in seqs):
         engine.step()
@@ -148,10 +160,19 @@ def decode_batch(runner, tokenizer, batch: int, prompt_len: int = 128, new_token
         engine.step()
     wall = statistics.median(walls) * 1e6
     dev = replay_us(step)
-    return {"batch": batch, "prompt_len": prompt_len, "overlap": engine.overlap, "bucket": step.B if step else None,
-            "step_wall_us": round(wall, 1), "replay_us": round(dev, 1),
-            "host_us": round(wall - dev, 1), "tok_s": round(batch / wall * 1e6, 1),
-            "tok_s_if_device_only": round(batch / dev * 1e6, 1), "kernels": kernels, "host_profile": host}
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "overlap": engine.overlap,
+        "bucket": step.B if step else None,
+        "step_wall_us": round(wall, 1),
+        "replay_us": round(dev, 1),
+        "host_us": round(wall - dev, 1),
+        "tok_s": round(batch / wall * 1e6, 1),
+        "tok_s_if_device_only": round(batch / dev * 1e6, 1),
+        "kernels": kernels,
+        "host_profile": host,
+    }
 
 
 def mixed_step(runner, tokenizer, batch: int = 32, chunk_rows: int = 480) -> dict:
@@ -160,8 +181,9 @@ def mixed_step(runner, tokenizer, batch: int = 32, chunk_rows: int = 480) -> dic
     engine = Engine(runner, tokenizer, max_batch=64, max_tokens_per_step=8192)
     gen = torch.Generator().manual_seed(7)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    seqs = [Sequence(prompt=torch.randint(16, 272, (128,), generator=gen).tolist(), params=params)
-            for _ in range(batch)]
+    seqs = [
+        Sequence(prompt=torch.randint(16, 272, (128,), generator=gen).tolist(), params=params) for _ in range(batch)
+    ]
     engine.submit(seqs)
     engine.step()
     for _ in range(3):
@@ -181,16 +203,26 @@ def mixed_step(runner, tokenizer, batch: int = 32, chunk_rows: int = 480) -> dic
     mixed = time.perf_counter() - t0
     while any(x.status is not Status.FINISHED for x in seqs + [new]):
         engine.step()
-    return {"batch": batch, "chunk_rows": chunk_rows, "pure_decode_step_ms": round(pure * 1e3, 2),
-            "mixed_step_ms": round(mixed * 1e3, 2), "kernels": kernels}
+    return {
+        "batch": batch,
+        "chunk_rows": chunk_rows,
+        "pure_decode_step_ms": round(pure * 1e3, 2),
+        "mixed_step_ms": round(mixed * 1e3, 2),
+        "kernels": kernels,
+    }
 
 
 def prefill_rate(runner, tokenizer, chunk: int, n_seqs: int, prompt_len: int = 3500) -> dict:
     """n_seqs prompts of prompt_len random ids, one token each, at `chunk` rows per step: prompt tokens/s."""
     engine = Engine(runner, tokenizer, max_batch=64, max_tokens_per_step=chunk)
     gen = torch.Generator().manual_seed(chunk)
-    seqs = [Sequence(prompt=torch.randint(16, 272, (prompt_len,), generator=gen).tolist(),
-                     params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)) for _ in range(n_seqs)]
+    seqs = [
+        Sequence(
+            prompt=torch.randint(16, 272, (prompt_len,), generator=gen).tolist(),
+            params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
+        for _ in range(n_seqs)
+    ]
     engine.submit(seqs)
     sync()
     t0 = time.perf_counter()
@@ -201,26 +233,40 @@ def prefill_rate(runner, tokenizer, chunk: int, n_seqs: int, prompt_len: int = 3
     sync()
     wall = time.perf_counter() - t0
     # one more chunk, profiled: a fresh prompt's first `chunk` rows
-    probe = Sequence(prompt=torch.randint(16, 272, (min(chunk, prompt_len) + 1,), generator=gen).tolist(),
-                     params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    probe = Sequence(
+        prompt=torch.randint(16, 272, (min(chunk, prompt_len) + 1,), generator=gen).tolist(),
+        params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+    )
     engine.submit([probe])
     t1 = time.perf_counter()
     kernels = count_kernels(engine.step, top=10)
     probe_wall = time.perf_counter() - t1
     while probe.status is not Status.FINISHED:
         engine.step()
-    return {"chunk": chunk, "tokens": n_seqs * prompt_len, "steps": steps, "wall_s": round(wall, 3),
-            "tok_s": round(n_seqs * prompt_len / wall, 1), "profiled_chunk_rows": min(chunk, prompt_len),
-            "profiled_step_wall_ms": round(probe_wall * 1e3, 2), "kernels": kernels}
+    return {
+        "chunk": chunk,
+        "tokens": n_seqs * prompt_len,
+        "steps": steps,
+        "wall_s": round(wall, 3),
+        "tok_s": round(n_seqs * prompt_len / wall, 1),
+        "profiled_chunk_rows": min(chunk, prompt_len),
+        "profiled_step_wall_ms": round(probe_wall * 1e3, 2),
+        "kernels": kernels,
+    }
 
 
 def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
     tokenizer = load_tokenizer(None)
     runner, build_s = server_runner(model_dir)
-    print(f"engine: runner built with graphs for buckets {getattr(runner, 'buckets', None)} in {build_s:.1f}s",
-          flush=True)
-    out = {"build_s": build_s, "decode": [], "prefill": [],
-           "weight_bytes": weight_bytes(getattr(runner, "eager_runner", runner))}
+    print(
+        f"engine: runner built with graphs for buckets {getattr(runner, 'buckets', None)} in {build_s:.1f}s", flush=True
+    )
+    out = {
+        "build_s": build_s,
+        "decode": [],
+        "prefill": [],
+        "weight_bytes": weight_bytes(getattr(runner, "eager_runner", runner)),
+    }
     # the last row is the real job's decode: 64 sequences at the five-shot prompt's length (about 3,500 tokens)
     shapes = [(b, o, 128) for b in (1, 16, 64) for o in (False, True)] + [(64, True, 3500)]
     if SMOKE:
@@ -244,7 +290,7 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
             flush=True,
         )
         if r["kernels"]:
-            print(f"    batch-64 step kernels: {({k: v for k, v in r['kernels'].items() if k != 'top'})}")
+            print(f"    batch-64 step kernels: { ({k: v for k, v in r['kernels'].items() if k != 'top'}) }")
             for name, count, us in r["kernels"].get("top", []):
                 print(f"      {count:5d} x {us:10.1f} us  {name}")
         if r["host_profile"]:
@@ -252,16 +298,22 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
             print("\n".join("      " + line for line in r["host_profile"].splitlines()[:40]))
     m = mixed_step(runner, tokenizer, **({"batch": 2, "chunk_rows": 16} if SMOKE else {}))
     out["mixed"] = m
-    print(f"  mixed step: {m['batch']} decode rows + a {m['chunk_rows']}-row prompt chunk {m['mixed_step_ms']} ms "
-          f"(profiled) vs pure decode {m['pure_decode_step_ms']} ms; "
-          f"{({k: v for k, v in m['kernels'].items() if k != 'top'})}", flush=True)
+    print(
+        f"  mixed step: {m['batch']} decode rows + a {m['chunk_rows']}-row prompt chunk {m['mixed_step_ms']} ms "
+        f"(profiled) vs pure decode {m['pure_decode_step_ms']} ms; "
+        f"{ ({k: v for k, v in m['kernels'].items() if k != 'top'}) }",
+        flush=True,
+    )
     for chunk in chunks:
         r = prefill_rate(runner, tokenizer, chunk, prefill_seqs, **({"prompt_len": 64} if SMOKE else {}))
         out["prefill"].append(r)
         k = r["kernels"]
-        print(f"  prefill chunk {chunk:5d}: {r['tok_s']:9.1f} tok/s ({r['tokens']} tokens, {r['steps']} steps, "
-              f"{r['wall_s']:.2f}s); one {r['profiled_chunk_rows']}-row step {r['profiled_step_wall_ms']} ms wall, "
-              f"{k['kernels']} kernels, device busy {(k.get('device_busy_us') or 0) / 1e3:.2f} ms", flush=True)
+        print(
+            f"  prefill chunk {chunk:5d}: {r['tok_s']:9.1f} tok/s ({r['tokens']} tokens, {r['steps']} steps, "
+            f"{r['wall_s']:.2f}s); one {r['profiled_chunk_rows']}-row step {r['profiled_step_wall_ms']} ms wall, "
+            f"{k['kernels']} kernels, device busy {(k.get('device_busy_us') or 0) / 1e3:.2f} ms",
+            flush=True,
+        )
         for name, count, us in k.get("top", [])[:8]:
             print(f"      {count:5d} x {us:10.1f} us  {name}")
     del runner
@@ -272,6 +324,7 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
 
 # ---- targets stage -------------------------------------------------------------------------------------------
 
+
 def targets_stage(model_dir: Path, report: dict, args) -> dict:
     """The issue's other targets, in the same run: batch 1 against the weight-read limit and against transformers
     `generate` on the same checkpoint and prompt length (issue 8's 60% and 50x; needs the engine stage's batch-1
@@ -281,16 +334,24 @@ def targets_stage(model_dir: Path, report: dict, args) -> dict:
     b1 = [r for r in engine.get("decode", []) if r["batch"] == 1 and r["overlap"] == (DEVICE == "cuda")]
     if b1 and "weight_bytes" in engine:
         limit = report["copy_bandwidth_Bps"] / engine["weight_bytes"]["active_bytes"]  # forwards/s
-        out["weight_read"] = {"limit_tok_s": round(limit, 1), "batch1_tok_s": b1[0]["tok_s"],
-                              "share": round(b1[0]["tok_s"] / limit, 4)}
-        print(f"targets: batch 1 {b1[0]['tok_s']:.0f} tok/s = {b1[0]['tok_s'] / limit:.1%} of the weight-read limit "
-              f"({limit:.0f} forwards/s)", flush=True)
+        out["weight_read"] = {
+            "limit_tok_s": round(limit, 1),
+            "batch1_tok_s": b1[0]["tok_s"],
+            "share": round(b1[0]["tok_s"] / limit, 4),
+        }
+        print(
+            f"targets: batch 1 {b1[0]['tok_s']:.0f} tok/s = {b1[0]['tok_s'] / limit:.1%} of the weight-read limit "
+            f"({limit:.0f} forwards/s)",
+            flush=True,
+        )
         prompt = torch.randint(16, 272, (128,), generator=torch.Generator().manual_seed(1)).tolist()
         hf = hf_generate_arm(str(model_dir), prompt, DEVICE, getattr(torch, DTYPE), 8 if args.smoke else 24, 2)
         med = statistics.median(hf["rounds"])
         out["transformers"] = {"rounds": hf["rounds"], "median_tok_s": med, "ratio": round(b1[0]["tok_s"] / med, 1)}
-        print(f"targets: transformers generate {med:.1f} tok/s -> engine batch 1 is {b1[0]['tok_s'] / med:.1f}x",
-              flush=True)
+        print(
+            f"targets: transformers generate {med:.1f} tok/s -> engine batch 1 is {b1[0]['tok_s'] / med:.1f}x",
+            flush=True,
+        )
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     if DEVICE == "cuda":
@@ -307,6 +368,7 @@ def targets_stage(model_dir: Path, report: dict, args) -> dict:
 
 
 # ---- http stage ----------------------------------------------------------------------------------------------
+
 
 def evalpipe(*args: str, log: Path, timeout: float) -> tuple[int, float]:
     """Run `evalpipe ARGS` to completion (or `timeout`: SIGINT, as a user's Ctrl-C, and exit code 130 or 124 if it
@@ -328,18 +390,40 @@ def evalpipe(*args: str, log: Path, timeout: float) -> tuple[int, float]:
 
 def gsm8k_arm(srv, out: Path, label: str, args) -> dict:
     folder = out / "runs" / label
-    rc, wall = evalpipe("run", "gsm8k", "--base-url", srv.base + "/v1", "--concurrency", "64", "--max-tokens", "256",
-                        "--num-examples", str(args.gsm8k_examples), "--arm", label, "--out", str(folder),
-                        "--data-dir", args.data_dir, "--no-progress", log=out / f"run-{label}.log",
-                        timeout=args.run_timeout)
+    rc, wall = evalpipe(
+        "run",
+        "gsm8k",
+        "--base-url",
+        srv.base + "/v1",
+        "--concurrency",
+        "64",
+        "--max-tokens",
+        "256",
+        "--num-examples",
+        str(args.gsm8k_examples),
+        "--arm",
+        label,
+        "--out",
+        str(folder),
+        "--data-dir",
+        args.data_dir,
+        "--no-progress",
+        log=out / f"run-{label}.log",
+        timeout=args.run_timeout,
+    )
     recs = [json.loads(line) for f in folder.rglob("responses.jsonl") for line in f.read_text().splitlines()]
     usage = [r.get("usage") or {} for r in recs]
-    return {"arm": label, "rc": rc, "wall_s": round(wall, 2), "records": len(recs),
-            "errors": sum(1 for r in recs if r.get("error")),
-            "prompt_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
-            "completion_tokens": sum(u.get("completion_tokens", 0) for u in usage),
-            "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage),
-            "outputs": {r["question_id"]: r.get("output_token_ids") for r in recs}}
+    return {
+        "arm": label,
+        "rc": rc,
+        "wall_s": round(wall, 2),
+        "records": len(recs),
+        "errors": sum(1 for r in recs if r.get("error")),
+        "prompt_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
+        "completion_tokens": sum(u.get("completion_tokens", 0) for u in usage),
+        "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage),
+        "outputs": {r["question_id"]: r.get("output_token_ids") for r in recs},
+    }
 
 
 def bench_arm(srv, out: Path, concurrency: int, overlap: str, args, arm: str) -> dict:
@@ -369,9 +453,15 @@ def bench_arm(srv, out: Path, concurrency: int, overlap: str, args, arm: str) ->
         return {"arm": arm, "concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": wall}
     b = json.loads(files[0].read_text())
     summ = b.get("summary", b)
-    return {"arm": arm, "concurrency": concurrency, "overlap": overlap, "rc": rc, "wall_s": round(wall, 1),
-            "aggregate_tok_s": find(summ, "aggregate_tokens_per_s"),
-            "per_request_decode_tok_s": find(summ, "decode_tokens_per_s")}
+    return {
+        "arm": arm,
+        "concurrency": concurrency,
+        "overlap": overlap,
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "aggregate_tok_s": find(summ, "aggregate_tokens_per_s"),
+        "per_request_decode_tok_s": find(summ, "decode_tokens_per_s"),
+    }
 
 
 def find(d, key):
@@ -396,11 +486,13 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
 
     # (label, serve flags, bench concurrencies, gsm8k run): the defaults, the cache off, the overlap off, events of
     # 4 tokens (bench C64 only), and the defaults with --prefill-delay-factor (gsm8k only)
-    arms = [("cache-on", ["--prefix-cache", "on"], (1, 16, 64), True),
-            ("cache-off", ["--prefix-cache", "off"], (), True),
-            ("overlap-off", ["--overlap-schedule", "off"], (1, 64), False),
-            ("stream-interval4", ["--stream-interval", "4"], (64,), False),
-            (f"cache-on-delay{args.delay_factor:g}", ["--prefill-delay-factor", f"{args.delay_factor:g}"], (), True)]
+    arms = [
+        ("cache-on", ["--prefix-cache", "on"], (1, 16, 64), True),
+        ("cache-off", ["--prefix-cache", "off"], (), True),
+        ("overlap-off", ["--overlap-schedule", "off"], (1, 64), False),
+        ("stream-interval4", ["--stream-interval", "4"], (64,), False),
+        (f"cache-on-delay{args.delay_factor:g}", ["--prefill-delay-factor", f"{args.delay_factor:g}"], (), True),
+    ]
     if args.gsm8k_examples == 0:  # the bench arms only
         arms = [(label, flags, con, False) for label, flags, con, _ in arms if con]
     elif args.delay_factor == 0:
@@ -423,7 +515,7 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
                 r["boot_s"] = round(boot, 1)
                 res["gsm8k"].append(r)
                 saved()
-                print(f"  gsm8k {label}: {({k: v for k, v in r.items() if k != 'outputs'})}", flush=True)
+                print(f"  gsm8k {label}: { ({k: v for k, v in r.items() if k != 'outputs'}) }", flush=True)
         finally:
             srv.stop()
             log = srv.output()
@@ -448,16 +540,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-real-job"))
     ap.add_argument("--data-dir", default=os.environ.get("EVALPIPE_DATA_DIR", str(REPO.parent / "shared" / "data")))
-    ap.add_argument("--stages", default="engine,targets,http",
-                    help="engine (in process), targets (weight-read share, transformers, kernel targets), http")
+    ap.add_argument(
+        "--stages",
+        default="engine,targets,http",
+        help="engine (in process), targets (weight-read share, transformers, kernel targets), http",
+    )
     ap.add_argument("--kernels-timeout", type=float, default=150, help="seconds for kernels_gpu.py in targets")
     ap.add_argument("--gsm8k-examples", type=int, default=1314, help="0: no GSM8K runs (the bench arms only)")
     ap.add_argument("--bench-rounds", type=int, default=3)
     ap.add_argument("--chunks", default="512,2048,8192", help="prefill chunk sizes of the engine stage")
     ap.add_argument("--serve-args", default="", help="more `evalpipe serve` flags for both http arms")
     ap.add_argument("--run-timeout", type=float, default=900)
-    ap.add_argument("--delay-factor", type=float, default=1.0,
-                    help="--prefill-delay-factor of the extra gsm8k arm (0: no such arm)")
+    ap.add_argument(
+        "--delay-factor", type=float, default=1.0, help="--prefill-delay-factor of the extra gsm8k arm (0: no such arm)"
+    )
     ap.add_argument(
         "--smoke",
         action="store_true",
@@ -474,15 +570,21 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-real-job-"))
-    report: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-                    "torch": torch.__version__, "argv": sys.argv}
+    report: dict = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "argv": sys.argv,
+    }
     report["copy_bandwidth_Bps"] = copy_bandwidth(DEVICE, 4 << 30)
     model_dir = Path(tempfile.mkdtemp(prefix="v4-top2-")) / "model"
     t0 = time.perf_counter()
     report["parameters"] = write_checkpoint(model_dir, args.smoke)
-    print(f"{report['device']}, torch {torch.__version__}, copy {report['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
-          f"v4-top2 checkpoint {report['parameters'] / 1e9:.3f} B parameters written in "
-          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"{report['device']}, torch {torch.__version__}, copy {report['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
+        f"v4-top2 checkpoint {report['parameters'] / 1e9:.3f} B parameters written in "
+        f"{time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     stages = args.stages.split(",")
 
     def save() -> None:  # after every stage: what a stage measured survives a later one's failure or time-out
@@ -497,8 +599,9 @@ def main() -> int:
         save()
     if "http" in stages:
         try:
-            report["http"] = http_stage(model_dir, work, args, save_partial=lambda http: (
-                report.__setitem__("http", http), save()))
+            report["http"] = http_stage(
+                model_dir, work, args, save_partial=lambda http: (report.__setitem__("http", http), save())
+            )
         finally:
             with tarfile.open(out / "gpu_real_job_files.tgz", "w:gz") as tar:
                 tar.add(work, arcname="gpu_real_job_files")
@@ -521,16 +624,19 @@ def print_table(report: dict) -> None:
     targets = report.get("targets", {})
     if "weight_read" in targets:
         w = targets["weight_read"]
-        print(f"| batch 1 vs the weight-read limit | {w['share']:.1%} ({w['batch1_tok_s']:.0f} of "
-              f"{w['limit_tok_s']:.0f}) |")
+        print(
+            f"| batch 1 vs the weight-read limit | {w['share']:.1%} ({w['batch1_tok_s']:.0f} of "
+            f"{w['limit_tok_s']:.0f}) |"
+        )
     if "transformers" in targets:
         t = targets["transformers"]
         print(f"| batch 1 vs transformers generate | {t['ratio']}x ({t['median_tok_s']:.1f} tok/s) |")
     for line in targets.get("kernels", {}).get("table", []):
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]  # a shape may hold "kv|gate"
         if cells and cells[0] in ("c2", "candidate"):  # kernels_gpu.py's op names
-            print(f"| kernel {cells[0]} {cells[1]} | {cells[2]} us fused vs {cells[3]} unfused: {cells[4]}, "
-                  f"{cells[7]} |")
+            print(
+                f"| kernel {cells[0]} {cells[1]} | {cells[2]} us fused vs {cells[3]} unfused: {cells[4]}, {cells[7]} |"
+            )
     http = report.get("http", {})
     for r in http.get("bench", []):
         agg = r.get("aggregate_tok_s") or {}
@@ -542,11 +648,13 @@ def print_table(report: dict) -> None:
             f"tok/s (rounds {rounds}); per request {per.get('median') or 0:.0f} |"
         )
     for r in http.get("gsm8k", []):
-        print(f"| gsm8k x{r['records']} C64, {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
-              f"{r['prompt_tokens']} prompt tokens, errors {r['errors']} |")
+        print(
+            f"| gsm8k x{r['records']} C64, {r['arm']} | {r['wall_s']} s, cached {r['cached_tokens']} of "
+            f"{r['prompt_tokens']} prompt tokens, errors {r['errors']} |"
+        )
     for key in [k for k in http if k.startswith("speedup")]:
-        arm = key[len("speedup_"):] or "cache-on"
-        same = http["identical_outputs" + key[len("speedup"):]]
+        arm = key[len("speedup_") :] or "cache-on"
+        same = http["identical_outputs" + key[len("speedup") :]]
         print(f"| gsm8k speed-up, {arm} vs cache-off | {http[key]}x; identical outputs {same} |")
 
 

@@ -65,14 +65,34 @@ def bench_config(smoke: bool, name: str = "v4-top2") -> dict:
         cfg["rope_parameters"] = dict(cfg["rope_parameters"], original_max_position_embeddings=256)
         return cfg
     cfg.update(
-        vocab_size=32768, hidden_size=4096, num_hidden_layers=6, num_attention_heads=32, head_dim=512,
-        partial_rotary_factor=0.125, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
-        layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
-                     "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        vocab_size=32768,
+        hidden_size=4096,
+        num_hidden_layers=6,
+        num_attention_heads=32,
+        head_dim=512,
+        partial_rotary_factor=0.125,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        sliding_window=128,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+        ],
         mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 2},
-        index_n_heads=32, index_head_dim=128, index_topk=512, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, moe_intermediate_size=2048, max_position_embeddings=8192,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=512,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=2048,
+        max_position_embeddings=8192,
     )
     if name == "v4-top6":
         cfg.update(n_routed_experts=12, num_experts_per_tok=6)
@@ -121,8 +141,15 @@ def weight_bytes(runner) -> dict:
             total += t.numel() * t.element_size()
 
     for layer in m.layers:
-        for obj in (layer.attn, layer.attn.compressor, layer.attn.indexer,
-                    getattr(layer.attn.indexer, "compressor", None), layer.mlp, layer.attn_hc, layer.ffn_hc):
+        for obj in (
+            layer.attn,
+            layer.attn.compressor,
+            layer.attn.indexer,
+            getattr(layer.attn.indexer, "compressor", None),
+            layer.mlp,
+            layer.attn_hc,
+            layer.ffn_hc,
+        ):
             if obj is None:
                 continue
             for name, t in vars(obj).items():
@@ -143,6 +170,7 @@ def weight_bytes(runner) -> dict:
 
 
 # ---- measurements ---------------------------------------------------------------------------------------------
+
 
 def copy_bandwidth(device: str, nbytes: int) -> float:
     """Device-to-device copy, bytes read + written per second (median of 20 timed copies)."""
@@ -186,10 +214,8 @@ class RepeatDrafter:
 def run_round(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
     """One request through the engine loop; per-event (time, tokens) as the streamed protocol sees them."""
     events = []
-    seq = Sequence(prompt=list(prompt), params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                               ignore_eos=True))
-    seq.on_event = lambda ev: events.append((time.perf_counter(), len(ev.token_ids), ev.completion_tokens,
-                                             ev.spec))
+    seq = Sequence(prompt=list(prompt), params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    seq.on_event = lambda ev: events.append((time.perf_counter(), len(ev.token_ids), ev.completion_tokens, ev.spec))
     engine.submit([seq])
     while seq.status is not Status.FINISHED:
         engine.step()
@@ -200,8 +226,13 @@ def run_round(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
     tokens = last[2] - first[2]
     rate = tokens / (last[0] - first[0])
     spec = events[-1][3]
-    return {"tok_s": rate, "completion_tokens": last[2], "events": len(content),
-            "accept_length": spec["accept_length"] if spec else 1.0, "finish": seq.finish_reason}
+    return {
+        "tok_s": rate,
+        "completion_tokens": last[2],
+        "events": len(content),
+        "accept_length": spec["accept_length"] if spec else 1.0,
+        "finish": seq.finish_reason,
+    }
 
 
 def count_kernels(fn, top: int = 0) -> dict:
@@ -261,30 +292,49 @@ def hf_generate_arm(model_dir: str, prompt: list[int], device: str, dtype, new_t
         clock = Clock()
         n = 4 if r == 0 else new_tokens
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, streamer=clock, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                streamer=clock,
+                pad_token_id=0,
+            )
         if device == "cuda":
             torch.cuda.synchronize()
         got = out.shape[1] - ids.shape[1]
         t = clock.times[1:]  # first put is the prompt; then one put per new token (the first comes from prefill)
         if r > 0:
             rates.append((got - 1) / (t[-1] - t[0]))
-    step_kernels = count_kernels(lambda: model.generate(ids[:, :64], attention_mask=torch.ones_like(ids[:, :64]),
-                                                        max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                                                        pad_token_id=0))
+    step_kernels = count_kernels(
+        lambda: model.generate(
+            ids[:, :64],
+            attention_mask=torch.ones_like(ids[:, :64]),
+            max_new_tokens=3,
+            min_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    )
     model = None  # drop the weights before the caller's next arm (a lambda above holds the name)
     return {"rounds": rates, "new_tokens": new_tokens, "kernels_3_tokens_64_prompt": step_kernels}
 
 
 # ---- main -----------------------------------------------------------------------------------------------------
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--smoke", action="store_true", help="small config, few tokens (script check; on the CPU without a GPU)"
     )
-    ap.add_argument("--config", default="v4-top2", choices=CONFIGS,
-                    help="model shape: v4-top2 (8 experts, 2 per token) or v4-top6 (12 experts, 6 per token)")
+    ap.add_argument(
+        "--config",
+        default="v4-top2",
+        choices=CONFIGS,
+        help="model shape: v4-top2 (8 experts, 2 per token) or v4-top6 (12 experts, 6 per token)",
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_serving.json")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds per arm (default 6; smoke 1)")
@@ -306,14 +356,22 @@ def main() -> int:
     hf_rounds = 1 if smoke else 3
     block, sim = 5, 5.5
     torch.manual_seed(0)
-    report: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-                    "torch": torch.__version__, "smoke": smoke, "config": args.config, "argv": sys.argv}
+    report: dict = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "smoke": smoke,
+        "config": args.config,
+        "argv": sys.argv,
+    }
     import transformers
     import triton
 
     report["transformers"], report["triton"] = transformers.__version__, triton.__version__
-    print(f"device {report['device']}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"transformers {transformers.__version__}", flush=True)
+    print(
+        f"device {report['device']}  torch {torch.__version__}  triton {triton.__version__}  "
+        f"transformers {transformers.__version__}",
+        flush=True,
+    )
 
     bw = copy_bandwidth(dev, 4 << 30)
     report["copy_bandwidth_Bps"] = bw
@@ -329,8 +387,7 @@ def main() -> int:
     params = sum(t.numel() for t in state.values())
     save_checkpoint(config, {k: v.cpu() for k, v in state.items()}, model_dir)
     del state
-    print(f"random checkpoint: {params / 1e9:.3f} B parameters, written in {time.perf_counter() - t0:.1f}s",
-          flush=True)
+    print(f"random checkpoint: {params / 1e9:.3f} B parameters, written in {time.perf_counter() - t0:.1f}s", flush=True)
     report["parameters"] = params
 
     gen = torch.Generator().manual_seed(42)
@@ -342,9 +399,12 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"gpu_serving_hf_{args.config}.json").write_text(json.dumps(report, indent=2, default=str))
         med = statistics.median(hf["rounds"])
-        print(f"transformers generate: median {med:.2f} tok/s, rounds {[round(r, 2) for r in hf['rounds']]} "
-              f"({hf_tokens} new tokens per round after a {input_len}-token prompt); kernels for 3 new tokens "
-              f"after a 64-token prompt: {hf['kernels_3_tokens_64_prompt']}", flush=True)
+        print(
+            f"transformers generate: median {med:.2f} tok/s, rounds {[round(r, 2) for r in hf['rounds']]} "
+            f"({hf_tokens} new tokens per round after a {input_len}-token prompt); kernels for 3 new tokens "
+            f"after a 64-token prompt: {hf['kernels_3_tokens_64_prompt']}",
+            flush=True,
+        )
         return 0
     max_seq = input_len + output_len + 2 * (block + 1)
     tokenizer = load_tokenizer(None)
@@ -353,8 +413,10 @@ def main() -> int:
     wb = weight_bytes(base)
     report["weight_bytes"] = wb
     active = wb["active_bytes"]
-    print(f"active weight bytes per forward {active / 1e9:.3f} GB -> bandwidth limit "
-          f"{bw / active:.0f} forwards/s", flush=True)
+    print(
+        f"active weight bytes per forward {active / 1e9:.3f} GB -> bandwidth limit {bw / active:.0f} forwards/s",
+        flush=True,
+    )
 
     arms = {}
     kernel_counts = {}
@@ -370,13 +432,15 @@ def main() -> int:
         for r in range(rounds + 1):
             res = run_round(engine, prompt, output_len)
             tag = "warm-up" if r == 0 else f"round {r}"
-            print(f"  {name:<22} {tag:<8} {res['tok_s']:9.1f} tok/s  accept {res['accept_length']:.3f}  "
-                  f"tokens {res['completion_tokens']} ({res['finish']})", flush=True)
+            print(
+                f"  {name:<22} {tag:<8} {res['tok_s']:9.1f} tok/s  accept {res['accept_length']:.3f}  "
+                f"tokens {res['completion_tokens']} ({res['finish']})",
+                flush=True,
+            )
             if r > 0:
                 results.append(res)
         # kernels per cycle: one engine step of a running request (graph replay), and the captured step eagerly
-        seq = Sequence(prompt=list(prompt[:64]), params=SamplingParams(max_tokens=8, temperature=0.0,
-                                                                         ignore_eos=True))
+        seq = Sequence(prompt=list(prompt[:64]), params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         engine.submit([seq])
         engine.step()  # prefill
         per_step = count_kernels(engine.step)
@@ -397,12 +461,17 @@ def main() -> int:
         graph.runner.free(graph.pad_slot)
         kernel_counts[name] = {"engine_step": per_step, "captured_step_eager": eager}
         brief = {k: v for k, v in eager.items() if k != "top"}
-        print(f"  {name:<22} setup+capture {setup:.1f}s; profiler: engine step {per_step}, "
-              f"captured step run eagerly {brief}", flush=True)
-        arms[name] = {"rounds": [r["tok_s"] for r in results],
-                      "accept_length": statistics.median(r["accept_length"] for r in results),
-                      "completion_tokens": [r["completion_tokens"] for r in results],
-                      "kernels": kernel_counts[name]}
+        print(
+            f"  {name:<22} setup+capture {setup:.1f}s; profiler: engine step {per_step}, "
+            f"captured step run eagerly {brief}",
+            flush=True,
+        )
+        arms[name] = {
+            "rounds": [r["tok_s"] for r in results],
+            "accept_length": statistics.median(r["accept_length"] for r in results),
+            "completion_tokens": [r["completion_tokens"] for r in results],
+            "kernels": kernel_counts[name],
+        }
 
     print("arms (batch 1, temperature 0, ignore EOS):", flush=True)
     arm("spec off", dict(widths=(1,), buckets=(1,), fused=True), spec=False)
@@ -413,19 +482,32 @@ def main() -> int:
         torch.cuda.empty_cache()
     if not args.skip_hf:
         hf = hf_generate_arm(str(model_dir), prompt, dev, dtype, hf_tokens, hf_rounds)
-        arms["transformers generate"] = {"rounds": hf["rounds"], "accept_length": 1.0,
-                                         "kernels": {"generate_3_tokens": hf["kernels_3_tokens_64_prompt"]},
-                                         "note": f"{hf_tokens} new tokens per round, {hf_rounds} rounds"}
+        arms["transformers generate"] = {
+            "rounds": hf["rounds"],
+            "accept_length": 1.0,
+            "kernels": {"generate_3_tokens": hf["kernels_3_tokens_64_prompt"]},
+            "note": f"{hf_tokens} new tokens per round, {hf_rounds} rounds",
+        }
     report["arms"] = arms
-    report["protocol"] = {"input_len": input_len, "output_len": output_len, "rounds": rounds, "warmup": 1,
-                          "block_size": block, "simulate_acc_len": sim, "batch": 1, "temperature": 0}
+    report["protocol"] = {
+        "input_len": input_len,
+        "output_len": output_len,
+        "rounds": rounds,
+        "warmup": 1,
+        "block_size": block,
+        "simulate_acc_len": sim,
+        "batch": 1,
+        "temperature": 0,
+    }
 
     # ---- table ----
-    lines = [f"GPU: {report['device']}; model: DeepSeek-V4-shaped ({args.config}), {params / 1e9:.2f} B parameters "
-             f"({active / 1e9:.2f} GB active bf16 weights per forward); copy bandwidth {bw / 1e12:.2f} TB/s "
-             f"-> weight-read limit {bw / active:.0f} forwards/s",
-             "| arm | median decode tok/s | rounds (tok/s) | accept length | kernels per cycle | weight BW share |",
-             "|---|---:|---|---:|---:|---:|"]
+    lines = [
+        f"GPU: {report['device']}; model: DeepSeek-V4-shaped ({args.config}), {params / 1e9:.2f} B parameters "
+        f"({active / 1e9:.2f} GB active bf16 weights per forward); copy bandwidth {bw / 1e12:.2f} TB/s "
+        f"-> weight-read limit {bw / active:.0f} forwards/s",
+        "| arm | median decode tok/s | rounds (tok/s) | accept length | kernels per cycle | weight BW share |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
     for name, a in arms.items():
         med = statistics.median(a["rounds"])
         fwd = med / a["accept_length"]
@@ -443,9 +525,11 @@ def main() -> int:
     lines.append("")
     lines.append(f"spec off: {off / (bw / active):.1%} of the weight-read limit (target >= 60%)")
     lines.append(f"spec on fused on / spec off: {statistics.median(fn) / off:.2f}x (target >= 3x)")
-    lines.append(f"fused on vs off: median {statistics.median(fn):.1f} vs {statistics.median(fo):.1f} tok/s "
-                 f"({statistics.median(fn) / statistics.median(fo) - 1:+.1%}); spread on [{min(fn):.1f}, {max(fn):.1f}]"
-                 f", off [{min(fo):.1f}, {max(fo):.1f}]")
+    lines.append(
+        f"fused on vs off: median {statistics.median(fn):.1f} vs {statistics.median(fo):.1f} tok/s "
+        f"({statistics.median(fn) / statistics.median(fo) - 1:+.1%}); spread on [{min(fn):.1f}, {max(fn):.1f}]"
+        f", off [{min(fo):.1f}, {max(fo):.1f}]"
+    )
     if "transformers generate" in arms:
         hfm = statistics.median(arms["transformers generate"]["rounds"])
         lines.append(f"spec off / transformers generate: {off / hfm:.1f}x (target >= 50x)")

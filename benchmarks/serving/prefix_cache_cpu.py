@@ -37,9 +37,24 @@ def run_arm(arm: str, args, out: Path) -> dict:
     serve_args = ["--prefix-cache", arm, "--threads", str(args.threads)]
     srv = ServerProcess(*serve_args, model=args.model)
     try:
-        cmd = [sys.executable, "-m", "evalpipe.cli", "run", "gsm8k", "--base-url", srv.base + "/v1",
-               "--num-examples", str(args.num_examples), "--max-tokens", str(args.max_tokens),
-               "--arm", f"prefix_{arm}", "--out", str(out / arm), "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "evalpipe.cli",
+            "run",
+            "gsm8k",
+            "--base-url",
+            srv.base + "/v1",
+            "--num-examples",
+            str(args.num_examples),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--arm",
+            f"prefix_{arm}",
+            "--out",
+            str(out / arm),
+            "--no-progress",
+        ]
         if args.concurrency is not None:
             cmd += ["--concurrency", str(args.concurrency)]
         pids = (srv.proc.pid, srv.engine_pid())  # the HTTP process and the engine process it started
@@ -57,7 +72,10 @@ def run_arm(arm: str, args, out: Path) -> dict:
     recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
     usage = [r.get("usage") or {} for r in recs]
     return {
-        "arm": arm, "wall_s": wall, "server_cpu_s": cpu, "requests": len(recs),
+        "arm": arm,
+        "wall_s": wall,
+        "server_cpu_s": cpu,
+        "requests": len(recs),
         "errors": sum(1 for r in recs if r.get("error")),
         "prompt_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
         "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage),
@@ -82,18 +100,26 @@ def main() -> None:
         rows = [run_arm(arm, args, Path(tmp)) for arm in ("off", "on")]
     off, on = rows
     same = off["outputs"] == on["outputs"]
-    print(f"\nGSM8K five-shot slice: {args.num_examples} questions, --max-tokens {args.max_tokens}, concurrency "
-          f"{args.concurrency or 'lane default'}, model {args.model}, default serve settings, CPU, {args.threads} "
-          "thread(s)\n")
-    print("| --prefix-cache | wall s | server CPU s | requests | errors | prompt tokens | cached tokens | correct | "
-          "speed-up (wall) | speed-up (server CPU) |")
+    print(
+        f"\nGSM8K five-shot slice: {args.num_examples} questions, --max-tokens {args.max_tokens}, concurrency "
+        f"{args.concurrency or 'lane default'}, model {args.model}, default serve settings, CPU, {args.threads} "
+        "thread(s)\n"
+    )
+    print(
+        "| --prefix-cache | wall s | server CPU s | requests | errors | prompt tokens | cached tokens | correct | "
+        "speed-up (wall) | speed-up (server CPU) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arm']} | {r['wall_s']:.1f} | {r['server_cpu_s']:.1f} | {r['requests']} | {r['errors']} | "
-              f"{r['prompt_tokens']} | {r['cached_tokens']} ({r['cached_tokens'] / max(1, r['prompt_tokens']):.0%}) | "
-              f"{r['correct']} | {off['wall_s'] / r['wall_s']:.2f}x | {off['server_cpu_s'] / r['server_cpu_s']:.2f}x |")
-    print(f"\ncompletions identical across arms: {same}; target: on >= 3x faster than off -> "
-          f"{'met' if off['wall_s'] / on['wall_s'] >= 3 else 'MISSED'}")
+        print(
+            f"| {r['arm']} | {r['wall_s']:.1f} | {r['server_cpu_s']:.1f} | {r['requests']} | {r['errors']} | "
+            f"{r['prompt_tokens']} | {r['cached_tokens']} ({r['cached_tokens'] / max(1, r['prompt_tokens']):.0%}) | "
+            f"{r['correct']} | {off['wall_s'] / r['wall_s']:.2f}x | {off['server_cpu_s'] / r['server_cpu_s']:.2f}x |"
+        )
+    print(
+        f"\ncompletions identical across arms: {same}; target: on >= 3x faster than off -> "
+        f"{'met' if off['wall_s'] / on['wall_s'] >= 3 else 'MISSED'}"
+    )
     if not same:
         raise SystemExit(1)
 

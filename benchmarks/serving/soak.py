@@ -53,8 +53,12 @@ def free_port() -> int:
 def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=str(REPO),
+    )
     root = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -84,12 +88,20 @@ class Tally:
         self.failure_examples.setdefault(kind, detail[:300])
 
 
-async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, tally: Tally, abandon: bool,
-                      measuring: bool) -> None:
+async def one_request(
+    client: httpx.AsyncClient, url: str, rng: random.Random, tally: Tally, abandon: bool, measuring: bool
+) -> None:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))
-    body = {"prompt": prompt, "max_tokens": rng.randint(16, 160), "temperature": rng.choice([0.0, 0.8]),
-            "seed": rng.randint(0, 1 << 30), "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": rng.randint(16, 160),
+        "temperature": rng.choice([0.0, 0.8]),
+        "seed": rng.randint(0, 1 << 30),
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     stop_after = rng.randint(1, 6) if abandon else None
     t0 = time.perf_counter()
     first = None
@@ -160,8 +172,9 @@ def quantile(xs: list[float], q: float) -> float | None:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q * 100) - 1] if len(xs) > 1 else xs[0]
 
 
-async def soak(url: str, clients: int, seconds: float, warmup_s: float, disconnect: float, pid: int | None,
-               root: str) -> dict:
+async def soak(
+    url: str, clients: int, seconds: float, warmup_s: float, disconnect: float, pid: int | None, root: str
+) -> dict:
     tally = Tally()
     t_start = time.monotonic()
     warm_until = t_start + warmup_s
@@ -186,8 +199,11 @@ async def soak(url: str, clients: int, seconds: float, warmup_s: float, disconne
         settle_deadline = time.monotonic() + 10
         while True:
             after = (await client.get(root + "/get_server_info")).json()["internal_states"]
-            if (after["running"], after["waiting"], after["allocated_slots"]) == (0, 0, 0) or \
-                    time.monotonic() > settle_deadline:
+            if (after["running"], after["waiting"], after["allocated_slots"]) == (
+                0,
+                0,
+                0,
+            ) or time.monotonic() > settle_deadline:
                 break
             await asyncio.sleep(0.1)
     return {"tally": tally, "wall_s": wall, "rss": rss, "after": after}
@@ -197,8 +213,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
     ap.add_argument("--minutes", type=float, default=10.0, help="measured duration (default 10)")
-    ap.add_argument("--warmup-s", type=float, default=30.0,
-                    help="load before measuring starts; RSS at start is taken at its end (default 30)")
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=30.0,
+        help="load before measuring starts; RSS at start is taken at its end (default 30)",
+    )
     ap.add_argument("--disconnect", type=float, default=0.1, help="share of requests abandoned mid-stream (0.1)")
     ap.add_argument("--base-url", default=None, help="an already running server (default: start evalpipe serve)")
     ap.add_argument("--server-pid", type=int, default=None, help="its pid, for RSS (with --base-url)")
@@ -217,10 +237,14 @@ def main() -> None:
         pid = proc.pid
     root = url[:-3] if url.endswith("/v1") else url
     try:
-        print(f"soak: {args.clients} streaming clients, {args.warmup_s:g} s warm-up + {args.minutes:g} min measured, "
-              f"{100 * args.disconnect:g}% abandoned mid-stream, against {url}", flush=True)
-        res = asyncio.run(soak(url + "/completions", args.clients, args.minutes * 60, args.warmup_s,
-                               args.disconnect, pid, root))
+        print(
+            f"soak: {args.clients} streaming clients, {args.warmup_s:g} s warm-up + {args.minutes:g} min measured, "
+            f"{100 * args.disconnect:g}% abandoned mid-stream, against {url}",
+            flush=True,
+        )
+        res = asyncio.run(
+            soak(url + "/completions", args.clients, args.minutes * 60, args.warmup_s, args.disconnect, pid, root)
+        )
     finally:
         if proc is not None:
             proc.terminate()
@@ -263,11 +287,24 @@ def main() -> None:
     )
     print(f"\ntarget (0 failures, slots back to 0, RSS growth < 5%, no tracebacks): {'met' if ok else 'NOT met'}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({
-            "args": vars(args), "completed": tally.completed, "abandoned": tally.abandoned,
-            "failures": dict(tally.failures), "failure_examples": tally.failure_examples, "tokens": tally.tokens,
-            "wall_s": res["wall_s"], "ttft_s": tally.ttft, "rss_mb": rss, "after": after, "tracebacks": tracebacks,
-        }, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "completed": tally.completed,
+                    "abandoned": tally.abandoned,
+                    "failures": dict(tally.failures),
+                    "failure_examples": tally.failure_examples,
+                    "tokens": tally.tokens,
+                    "wall_s": res["wall_s"],
+                    "ttft_s": tally.ttft,
+                    "rss_mb": rss,
+                    "after": after,
+                    "tracebacks": tracebacks,
+                },
+                indent=1,
+            )
+        )
     if log_path is not None:
         os.unlink(log_path)
     sys.exit(0 if ok else 1)

@@ -14,8 +14,9 @@ TIE_THRESHOLD = 1e-4
 
 def merge_args(common: list[str], own: list[str]) -> list[str]:
     """Common then own arguments; each side's `--` passthrough part goes after every evalpipe flag."""
+
     def split(args):
-        return (args[: args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
+        return (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
 
     (common_flags, common_rest), (own_flags, own_rest) = split(common), split(own)
     rest = common_rest + own_rest
@@ -25,8 +26,11 @@ def merge_args(common: list[str], own: list[str]) -> list[str]:
 def declared_flags(a, b) -> list[str]:
     """Option names whose values differ between the arms, plus differing passthrough flags (`native`, the engine
     config those give a native server, is derived from them and names nothing of its own)."""
-    names = [f.name for f in dataclasses.fields(a)
-             if f.name not in ("extra_args", "native") and getattr(a, f.name) != getattr(b, f.name)]
+    names = [
+        f.name
+        for f in dataclasses.fields(a)
+        if f.name not in ("extra_args", "native") and getattr(a, f.name) != getattr(b, f.name)
+    ]
     extra_a, extra_b = dict(extra_flag_values(a.extra_args)), dict(extra_flag_values(b.extra_args))
     names += sorted(f for f in set(extra_a) | set(extra_b) if extra_a.get(f, object()) != extra_b.get(f, object()))
     if "set_env" in names:

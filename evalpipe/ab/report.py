@@ -70,29 +70,60 @@ def render(index: dict) -> str:
     for warning in index.get("warnings", []):
         parts.append(f"<p class='bad'>warning: {_e(warning)}</p>")
     args = index.get("args", {})
-    parts.append("<h2>Arms</h2>" + _table(
-        ["side", "server arguments"],
-        [["common", f"<code>{_e(args.get('common'))}</code>"], ["A", f"<code>{_e(args.get('A'))}</code>"],
-         ["B", f"<code>{_e(args.get('B'))}</code>"]],
-    ))
-    parts.append(f"<p>Declared difference (flags that differ between A and B): "
-                 f"<code>{_e(', '.join(index.get('declared_flags') or []) or 'none')}</code></p>")
-    parts.append(_table(
-        ["arm", "status", "receipt", "server log", *index.get("lanes", [])],
-        [[_e(a["label"]), _e(a["status"]), f"<a href='{_e(a['receipt'])}'>receipt.json</a>",
-          f"<a href='{_e(a['log'])}'>server.log</a>",
-          *[f"<a href='{_e(a['runs'][lane])}/summary.json'>{_e(a['runs'][lane])}</a>" if a["runs"].get(lane) else "-"
-            for lane in index.get("lanes", [])]]
-         for a in index.get("arms", [])],
-    ))
+    parts.append(
+        "<h2>Arms</h2>"
+        + _table(
+            ["side", "server arguments"],
+            [
+                ["common", f"<code>{_e(args.get('common'))}</code>"],
+                ["A", f"<code>{_e(args.get('A'))}</code>"],
+                ["B", f"<code>{_e(args.get('B'))}</code>"],
+            ],
+        )
+    )
+    parts.append(
+        f"<p>Declared difference (flags that differ between A and B): "
+        f"<code>{_e(', '.join(index.get('declared_flags') or []) or 'none')}</code></p>"
+    )
+    parts.append(
+        _table(
+            ["arm", "status", "receipt", "server log", *index.get("lanes", [])],
+            [
+                [
+                    _e(a["label"]),
+                    _e(a["status"]),
+                    f"<a href='{_e(a['receipt'])}'>receipt.json</a>",
+                    f"<a href='{_e(a['log'])}'>server.log</a>",
+                    *[
+                        f"<a href='{_e(a['runs'][lane])}/summary.json'>{_e(a['runs'][lane])}</a>"
+                        if a["runs"].get(lane)
+                        else "-"
+                        for lane in index.get("lanes", [])
+                    ],
+                ]
+                for a in index.get("arms", [])
+            ],
+        )
+    )
     checks = index.get("receipt_checks", [])
     if checks:
-        parts.append("<h2>Receipt checks</h2>" + _table(
-            ["arm", "against", "allowed to differ", "result"],
-            [[_e(c["arm"]), _e(c["against"]), _e(", ".join(c["declared"]) or "nothing"),
-              "<span class='ok'>same</span>" if c["ok"] else "<span class='bad'>" + "<br>".join(_e(d) for d in c["differences"]) + "</span>"]
-             for c in checks],
-        ))
+        parts.append(
+            "<h2>Receipt checks</h2>"
+            + _table(
+                ["arm", "against", "allowed to differ", "result"],
+                [
+                    [
+                        _e(c["arm"]),
+                        _e(c["against"]),
+                        _e(", ".join(c["declared"]) or "nothing"),
+                        "<span class='ok'>same</span>"
+                        if c["ok"]
+                        else "<span class='bad'>" + "<br>".join(_e(d) for d in c["differences"]) + "</span>",
+                    ]
+                    for c in checks
+                ],
+            )
+        )
     comparisons = index.get("comparisons", [])
     if comparisons:
         parts.append(f"<h2>Comparisons</h2><p>Tie rule: {_e(index.get('tie_rule'))}.</p>")
@@ -101,33 +132,65 @@ def render(index: dict) -> str:
             ties = c.get("ties") or {}
             greedy = c.get("greedy") or {}
             if c.get("error"):
-                rows.append([_e(c["lane"]), _e(c["kind"]), _e(f"{c['a']} vs {c['b']}"), f"<span class='bad'>{_e(c['error'])}</span>"] + [""] * 9)
+                rows.append(
+                    [
+                        _e(c["lane"]),
+                        _e(c["kind"]),
+                        _e(f"{c['a']} vs {c['b']}"),
+                        f"<span class='bad'>{_e(c['error'])}</span>",
+                    ]
+                    + [""] * 9
+                )
                 continue
             agree_cls = "ok" if ties.get("agreement_with_ties") == 1.0 else "bad"
-            rows.append([
-                _e(c["lane"]), _e(c["kind"]), _e(f"{c['a']} vs {c['b']}"),
-                f"{_pct(c.get('accuracy_a'))} / {_pct(c.get('accuracy_b'))}",
-                _e(None if c.get("accuracy_diff") is None else f"{100 * c['accuracy_diff']:+.2f} pts"),
-                _verdict_cell(c),
-                _e("-" if c.get("mde_pts") is None else f"{c['mde_pts']:.2f} pts"),
-                _e(greedy.get("mcnemar_p")),
-                f"<span class='{agree_cls}'>{_pct(ties.get('agreement'))}</span>",
-                _e(f"{ties.get('n_ties', '-')} / {ties.get('n_real_differences', '-')} / {ties.get('n_undecided', '-')}"),
-                f"<span class='{agree_cls}'>{_pct(ties.get('agreement_with_ties'))}</span>",
-                _e(" / ".join(_accept(c, side) for side in ("a", "b"))),
-                f"<a href='{_e(c.get('report'))}'>report</a>" if c.get("report") else "-",
-            ])
-        parts.append(_table(
-            ["lane", "kind", "pair", "accuracy", "B - A", "verdict", "smallest detectable drop", "McNemar p",
-             "identical outputs",
-             "ties / real / undecided", "agreement incl. ties", "accept length", "pair report"],
-            rows,
-        ))
+            rows.append(
+                [
+                    _e(c["lane"]),
+                    _e(c["kind"]),
+                    _e(f"{c['a']} vs {c['b']}"),
+                    f"{_pct(c.get('accuracy_a'))} / {_pct(c.get('accuracy_b'))}",
+                    _e(None if c.get("accuracy_diff") is None else f"{100 * c['accuracy_diff']:+.2f} pts"),
+                    _verdict_cell(c),
+                    _e("-" if c.get("mde_pts") is None else f"{c['mde_pts']:.2f} pts"),
+                    _e(greedy.get("mcnemar_p")),
+                    f"<span class='{agree_cls}'>{_pct(ties.get('agreement'))}</span>",
+                    _e(
+                        f"{ties.get('n_ties', '-')} / {ties.get('n_real_differences', '-')} / "
+                        f"{ties.get('n_undecided', '-')}"
+                    ),
+                    f"<span class='{agree_cls}'>{_pct(ties.get('agreement_with_ties'))}</span>",
+                    _e(" / ".join(_accept(c, side) for side in ("a", "b"))),
+                    f"<a href='{_e(c.get('report'))}'>report</a>" if c.get("report") else "-",
+                ]
+            )
+        parts.append(
+            _table(
+                [
+                    "lane",
+                    "kind",
+                    "pair",
+                    "accuracy",
+                    "B - A",
+                    "verdict",
+                    "smallest detectable drop",
+                    "McNemar p",
+                    "identical outputs",
+                    "ties / real / undecided",
+                    "agreement incl. ties",
+                    "accept length",
+                    "pair report",
+                ],
+                rows,
+            )
+        )
         for c in comparisons:
             if c.get("report"):
-                parts.append(f"<details><summary>{_e(c['lane'])}: {_e(c['a'])} vs {_e(c['b'])} ({_e(c['kind'])})</summary>"
-                             f"<iframe src='{_e(c['report'])}' loading='lazy'></iframe></details>")
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>evalpipe A/B</title><style>{STYLE}</style></head><body>{''.join(parts)}</body></html>"
+                parts.append(
+                    f"<details><summary>{_e(c['lane'])}: {_e(c['a'])} vs {_e(c['b'])} ({_e(c['kind'])})</summary>"
+                    f"<iframe src='{_e(c['report'])}' loading='lazy'></iframe></details>"
+                )
+    head = f"<!doctype html><html><head><meta charset='utf-8'><title>evalpipe A/B</title><style>{STYLE}</style></head>"
+    return f"{head}<body>{''.join(parts)}</body></html>"
 
 
 def write_report(out: Path, index: dict) -> Path:

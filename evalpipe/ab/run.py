@@ -87,8 +87,12 @@ class ABRun:
             "args": self.args,
             "declared_flags": self.declared,
             "allow_diff": self.allow,
-            "protocol": {"num_examples": self.num_examples, "max_tokens": self.max_tokens,
-                         "concurrency": self.concurrency, "logprobs": self.logprobs},
+            "protocol": {
+                "num_examples": self.num_examples,
+                "max_tokens": self.max_tokens,
+                "concurrency": self.concurrency,
+                "logprobs": self.logprobs,
+            },
             "tie_rule": (
                 f"a differing greedy output is a numerical tie when, at the first differing token, the logprob gap "
                 f"between the two arms' choices is below {self.tie_threshold:g} (needs recorded logprobs)"
@@ -105,7 +109,8 @@ class ABRun:
             if self.options[side].lossy_acceptance:
                 self.index["warnings"].append(
                     f"arm {side} asks for LOSSY acceptance {self.options[side].lossy_acceptance}: it accepts drafts "
-                    "the target did not choose, so its accuracy measures that rule (on purpose)")
+                    "the target did not choose, so its accuracy measures that rule (on purpose)"
+                )
 
     # ----- bookkeeping ----------------------------------------------------------------------------------
     def save(self) -> None:
@@ -131,8 +136,15 @@ class ABRun:
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:
             for side, label in labels:
-                arm = {"label": label, "side": side, "dir": f"arms/{label}", "receipt": f"arms/{label}/receipt.json",
-                       "log": f"arms/{label}/server.log", "runs": {}, "status": "booting"}
+                arm = {
+                    "label": label,
+                    "side": side,
+                    "dir": f"arms/{label}",
+                    "receipt": f"arms/{label}/receipt.json",
+                    "log": f"arms/{label}/server.log",
+                    "runs": {},
+                    "status": "booting",
+                }
                 self.index["arms"].append(arm)
                 self.save()
                 problem = self.run_arm(side, label, arm, receipts, first_of, run_lanes=not preflight)
@@ -157,13 +169,17 @@ class ABRun:
         """GATE_FAILED_EXIT when an A vs B comparison's verdict is one of --fail-on (boot pairs are not gated)."""
         hits = [c for c in self.index["comparisons"] if c["kind"] == "ab" and c.get("verdict") in self.fail_on]
         for c in hits:
-            click.echo(f"gate: {c['lane']} {c['a']} vs {c['b']} is {c['verdict']}, in --fail-on "
-                       f"{','.join(sorted(self.fail_on))}: exit {GATE_FAILED_EXIT}", err=True)
+            click.echo(
+                f"gate: {c['lane']} {c['a']} vs {c['b']} is {c['verdict']}, in --fail-on "
+                f"{','.join(sorted(self.fail_on))}: exit {GATE_FAILED_EXIT}",
+                err=True,
+            )
         return GATE_FAILED_EXIT if hits else 0
 
     def print_summary(self) -> None:
         """Per comparison: both accuracies, flips with McNemar's p, the verdict, identical outputs, ties and accept
         length, and where its report is."""
+
         def pct(x):
             return "-" if x is None else f"{100 * x:.2f}%"
 
@@ -175,8 +191,12 @@ class ABRun:
             spec = c.get("spec") or {}
             greedy = c.get("greedy") or {}
             accept = [arm_accept_length(spec.get(k))[0] for k in ("a", "b")]
-            flips = (f"flips {greedy['a_only']} lost / {greedy['b_only']} gained (McNemar p {greedy['mcnemar_p']:.3g}); "
-                     f"{verdict_summary(greedy)}; " if "interval" in greedy else "")
+            flips = (
+                f"flips {greedy['a_only']} lost / {greedy['b_only']} gained (McNemar p {greedy['mcnemar_p']:.3g}); "
+                f"{verdict_summary(greedy)}; "
+                if "interval" in greedy
+                else ""
+            )
             if c.get("repeated"):
                 flips = f"{c['verdict']} at -{c['margin_pts']:g} pt (smallest detectable drop {_pts(c['mde_pts'])}); "
             click.echo(
@@ -208,7 +228,10 @@ class ABRun:
             problems = self.check_receipt(side, label, receipt, receipts, first_of)
             if problems:
                 arm["status"] = "refused"
-                return f"[{label}] receipt differs beyond the declared flags {self.declared or '(none)'}:\n  " + "\n  ".join(problems)
+                return (
+                    f"[{label}] receipt differs beyond the declared flags {self.declared or '(none)'}:\n  "
+                    + "\n  ".join(problems)
+                )
             first_of.setdefault(side, label)
             if run_lanes:
                 # the arm's speculative counters from /metrics (vLLM, SGLang): run-level, the whole arm
@@ -254,9 +277,17 @@ class ABRun:
         """Run one lane in-process through evalpipe's runner; returns (run_dir, exit_code, message)."""
         overrides = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
         config = RunConfig(
-            lane=get_lane(lane), base_url=launcher.base_url + "/v1", api_key=launcher.options.api_key, arm=label,
-            out_dir=out, concurrency=self.concurrency, overrides=overrides, num_examples=self.num_examples,
-            data_dir=self.data_dir, logprobs=self.logprobs, command_line=self.command_line,
+            lane=get_lane(lane),
+            base_url=launcher.base_url + "/v1",
+            api_key=launcher.options.api_key,
+            arm=label,
+            out_dir=out,
+            concurrency=self.concurrency,
+            overrides=overrides,
+            num_examples=self.num_examples,
+            data_dir=self.data_dir,
+            logprobs=self.logprobs,
+            command_line=self.command_line,
         )
         try:
             outcome = LaneRun(config).execute()
@@ -287,8 +318,13 @@ class ABRun:
     def compare_pair(self, run_x: str, run_y: str, out: Path, kind: str) -> dict:
         """`compare_runs` on one pair; its table goes to compare.txt (the A/B prints one summary at the end)."""
         try:
-            result = compare_runs(self.out / run_x, self.out / run_y, out=out, margin_pts=self.margin,
-                                  intended=self.intended_patterns(kind)).result
+            result = compare_runs(
+                self.out / run_x,
+                self.out / run_y,
+                out=out,
+                margin_pts=self.margin,
+                intended=self.intended_patterns(kind),
+            ).result
         except (RunFolderError, NotComparable) as exc:
             return {"error": str(exc)}
         with open(out / "compare.txt", "w", encoding="utf-8") as fh:
@@ -298,11 +334,15 @@ class ABRun:
             "accuracy_a": result.get("accuracy", {}).get("a"),
             "accuracy_b": result.get("accuracy", {}).get("b"),
             "accuracy_diff": result.get("accuracy", {}).get("diff"),
-            "greedy": {k: v for k, v in (result.get("greedy") or {}).items()
-                       if not isinstance(v, (list, dict)) or k in GREEDY_SUMMARY_BLOCKS},
+            "greedy": {
+                k: v
+                for k, v in (result.get("greedy") or {}).items()
+                if not isinstance(v, (list, dict)) or k in GREEDY_SUMMARY_BLOCKS
+            },
             **verdict_of(result),
             "repeated": {k: (result.get("repeated_stats") or {}).get(k) for k in ("interval", "power")}
-            if result.get("repeated_stats") else None,
+            if result.get("repeated_stats")
+            else None,
             "agreement": result.get("agreement"),
             "spec": result.get("spec"),
         }
@@ -319,8 +359,13 @@ class ABRun:
             if result["identical"]:
                 continue
             gap = (result.get("logprob") or {}).get("gap")
-            row = {"question_id": key[1], "repeat_index": key[2], "position": result["position"],
-                   "basis": result["basis"], "gap": gap}
+            row = {
+                "question_id": key[1],
+                "repeat_index": key[2],
+                "position": result["position"],
+                "basis": result["basis"],
+                "gap": gap,
+            }
             if gap is None:
                 undecided.append(row)
             elif abs(gap) < self.tie_threshold:

@@ -46,38 +46,108 @@ def _parse_arm(side: str, common: list[str], own: list[str]):
 
 @click.command("ab", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--lanes", required=True, help="Comma-separated lanes to run on every arm, e.g. gsm8k,aime26.")
-@click.option("--a", "a_args", required=True, metavar='"SERVE ARGS"',
-              help='Arm A server arguments, exactly as for `evalpipe serve` (e.g. "--engine sglang --model M --speculative off").')
+@click.option(
+    "--a",
+    "a_args",
+    required=True,
+    metavar='"SERVE ARGS"',
+    help="Arm A server arguments, exactly as for `evalpipe serve` "
+    '(e.g. "--engine sglang --model M --speculative off").',
+)
 @click.option("--b", "b_args", required=True, metavar='"SERVE ARGS"', help="Arm B server arguments.")
-@click.option("--common", "common_args", default="", metavar='"SERVE ARGS"',
-              help="Arguments put before both --a and --b (the shared part of the two command lines).")
-@click.option("--order", default="ABBA", show_default=True,
-              help="Boot order, letters A and B; each letter is a fresh server. Repeats of a side are compared "
-                   "with each other to show boot-to-boot variation.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The A/B folder (must not exist or be empty) [default: results/ab/<UTC time>].")
+@click.option(
+    "--common",
+    "common_args",
+    default="",
+    metavar='"SERVE ARGS"',
+    help="Arguments put before both --a and --b (the shared part of the two command lines).",
+)
+@click.option(
+    "--order",
+    default="ABBA",
+    show_default=True,
+    help="Boot order, letters A and B; each letter is a fresh server. Repeats of a side are compared "
+    "with each other to show boot-to-boot variation.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The A/B folder (must not exist or be empty) [default: results/ab/<UTC time>].",
+)
 @click.option("--num-examples", type=click.IntRange(1), default=None, help="Score only the first N items of each lane.")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="Override each lane's max_tokens.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=None, help="Override each lane's concurrency.")
-@click.option("--logprobs", type=click.IntRange(0, 20), default=2, show_default=True,
-              help="Top logprobs recorded per token, so that an output difference can be judged a numerical tie. "
-                   "Same for both arms.")
-@click.option("--no-logprobs", is_flag=True, help="Record no logprobs (differences are then reported without the tie rule).")
-@click.option("--tie-threshold", type=float, default=TIE_THRESHOLD, show_default=True,
-              help="Tie rule: a differing greedy output counts as a numerical tie when the logprob gap between the "
-                   "two chosen tokens at the first differing position is below this.")
-@click.option("--margin", type=float, default=1.0, show_default=True, help="Non-inferiority margin in points (passed to compare).")
-@click.option("--fail-on", "fail_on", default=None, metavar="VERDICTS",
-              help=FAIL_ON_HELP + " Only the A vs B pairs are gated, not the boot-to-boot ones.")
-@click.option("--allow-diff", multiple=True, metavar="GLOB",
-              help="Server-setting keys allowed to differ beyond the declared flags (e.g. 'cuda_graph_max_bs'); repeatable.")
-@click.option("--ready-timeout", type=float, default=900.0, show_default=True, help="Seconds each boot may take to become ready.")
-@click.option("--preflight", is_flag=True,
-              help="Only boot one A and one B, check their receipts, stop: catches an unfair setup before hours of lanes.")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Data folder for the lanes (else EVALPIPE_DATA_DIR).")
-def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, max_tokens, concurrency, logprobs,
-            no_logprobs, tie_threshold, margin, fail_on, allow_diff, ready_timeout, preflight, data_dir):
+@click.option(
+    "--logprobs",
+    type=click.IntRange(0, 20),
+    default=2,
+    show_default=True,
+    help="Top logprobs recorded per token, so that an output difference can be judged a numerical tie. "
+    "Same for both arms.",
+)
+@click.option(
+    "--no-logprobs", is_flag=True, help="Record no logprobs (differences are then reported without the tie rule)."
+)
+@click.option(
+    "--tie-threshold",
+    type=float,
+    default=TIE_THRESHOLD,
+    show_default=True,
+    help="Tie rule: a differing greedy output counts as a numerical tie when the logprob gap between the "
+    "two chosen tokens at the first differing position is below this.",
+)
+@click.option(
+    "--margin", type=float, default=1.0, show_default=True, help="Non-inferiority margin in points (passed to compare)."
+)
+@click.option(
+    "--fail-on",
+    "fail_on",
+    default=None,
+    metavar="VERDICTS",
+    help=FAIL_ON_HELP + " Only the A vs B pairs are gated, not the boot-to-boot ones.",
+)
+@click.option(
+    "--allow-diff",
+    multiple=True,
+    metavar="GLOB",
+    help="Server-setting keys allowed to differ beyond the declared flags (e.g. 'cuda_graph_max_bs'); repeatable.",
+)
+@click.option(
+    "--ready-timeout", type=float, default=900.0, show_default=True, help="Seconds each boot may take to become ready."
+)
+@click.option(
+    "--preflight",
+    is_flag=True,
+    help="Only boot one A and one B, check their receipts, stop: catches an unfair setup before hours of lanes.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Data folder for the lanes (else EVALPIPE_DATA_DIR).",
+)
+def command(
+    lanes,
+    a_args,
+    b_args,
+    common_args,
+    order,
+    out_dir,
+    num_examples,
+    max_tokens,
+    concurrency,
+    logprobs,
+    no_logprobs,
+    tie_threshold,
+    margin,
+    fail_on,
+    allow_diff,
+    ready_timeout,
+    preflight,
+    data_dir,
+):
     """Boot arm A and arm B fresh (in --order), run the lanes on each, compare, write one report.
 
     \b
@@ -99,7 +169,9 @@ def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, ma
     lane_names = [name.strip() for name in lanes.split(",") if name.strip()]
     unknown = [name for name in lane_names if name not in LANE_MODULES]
     if not lane_names or unknown:
-        raise click.UsageError(f"unknown lane(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(LANE_MODULES)}")
+        raise click.UsageError(
+            f"unknown lane(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(LANE_MODULES)}"
+        )
     order = order.strip().upper()
     if not order or set(order) - {"A", "B"} or "A" not in order or "B" not in order:
         raise click.UsageError("--order is a string of A and B with at least one of each, e.g. ABBA")
@@ -118,11 +190,24 @@ def command(lanes, a_args, b_args, common_args, order, out_dir, num_examples, ma
     from evalpipe.redact import redact_argv
 
     run = ABRun(
-        out=out, lanes=lane_names, options={"A": opts_a, "B": opts_b}, port_given={"A": "port" in given_a, "B": "port" in given_b},
-        args={"A": a_args, "B": b_args, "common": common_args}, order=order, declared=declared,
-        allow=list(allow_diff), ready_timeout=ready_timeout, num_examples=num_examples, max_tokens=max_tokens,
-        concurrency=concurrency, logprobs=None if no_logprobs else logprobs, tie_threshold=tie_threshold,
-        margin=margin, fail_on=gate, data_dir=data_dir, command_line=redact_argv(["evalpipe", *sys.argv[1:]]),
+        out=out,
+        lanes=lane_names,
+        options={"A": opts_a, "B": opts_b},
+        port_given={"A": "port" in given_a, "B": "port" in given_b},
+        args={"A": a_args, "B": b_args, "common": common_args},
+        order=order,
+        declared=declared,
+        allow=list(allow_diff),
+        ready_timeout=ready_timeout,
+        num_examples=num_examples,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        logprobs=None if no_logprobs else logprobs,
+        tie_threshold=tie_threshold,
+        margin=margin,
+        fail_on=gate,
+        data_dir=data_dir,
+        command_line=redact_argv(["evalpipe", *sys.argv[1:]]),
     )
     code = run.execute(preflight=preflight)
     click.echo(f"A/B folder: {out}")

@@ -12,32 +12,88 @@ from evalpipe.harness.client import DEFAULT_BASE_URL
 
 
 @click.command(name="bench")
-@click.option("--base-url", default=DEFAULT_BASE_URL, show_default=True,
-              help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).")
+@click.option(
+    "--base-url",
+    default=DEFAULT_BASE_URL,
+    show_default=True,
+    help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).",
+)
 @click.option("--model", default=None, help="Model id [default: the first id the server lists].")
 @click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", help="Bearer key (env EVALPIPE_API_KEY).")
-@click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="Prompt length in token ids (fixed random ids from --seed, sent as a token-id prompt). "
-                   "--input-len + --output-len must fit the server's max_model_len (4096 for `evalpipe serve`).")
-@click.option("--output-len", type=click.IntRange(min=2), default=256, show_default=True,
-              help="Completion tokens per request (ignore_eos keeps every request this long).")
-@click.option("--rounds", type=click.IntRange(min=1), default=6, show_default=True,
-              help="Measured rounds; every value is kept, low outliers included.")
-@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Warm-up rounds run first and dropped (graphs, compilation, caches).")
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Requests in flight per round (one distinct prompt per slot).")
+@click.option(
+    "--input-len",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Prompt length in token ids (fixed random ids from --seed, sent as a token-id prompt). "
+    "--input-len + --output-len must fit the server's max_model_len (4096 for `evalpipe serve`).",
+)
+@click.option(
+    "--output-len",
+    type=click.IntRange(min=2),
+    default=256,
+    show_default=True,
+    help="Completion tokens per request (ignore_eos keeps every request this long).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=6,
+    show_default=True,
+    help="Measured rounds; every value is kept, low outliers included.",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Warm-up rounds run first and dropped (graphs, compilation, caches).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Requests in flight per round (one distinct prompt per slot).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input ids (recorded).")
-@click.option("--token-id-range", type=(int, int), default=None, metavar="LOW HIGH",
-              help="Draw input ids from [LOW, HIGH) [default: from the server's vocab_size, else from the ids its "
-                   "/tokenize gives for a probe text; a server with neither is refused].")
-@click.option("--no-flush", is_flag=True, help="Do not reset the prefix cache between rounds (POST /flush_cache, or vLLM's "
-              "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1) even where the server offers it.")
+@click.option(
+    "--token-id-range",
+    type=(int, int),
+    default=None,
+    metavar="LOW HIGH",
+    help="Draw input ids from [LOW, HIGH) [default: from the server's vocab_size, else from the ids its "
+    "/tokenize gives for a probe text; a server with neither is refused].",
+)
+@click.option(
+    "--no-flush",
+    is_flag=True,
+    help="Do not reset the prefix cache between rounds (POST /flush_cache, or vLLM's "
+    "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1) even where the server offers it.",
+)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for bench.json [default: results/bench/<timestamp>].")
-def command(base_url, model, api_key, input_len, output_len, rounds, warmup, concurrency, seed, token_id_range,
-            no_flush, timeout_s, out_dir):
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder for bench.json [default: results/bench/<timestamp>].",
+)
+def command(
+    base_url,
+    model,
+    api_key,
+    input_len,
+    output_len,
+    rounds,
+    warmup,
+    concurrency,
+    seed,
+    token_id_range,
+    no_flush,
+    timeout_s,
+    out_dir,
+):
     """Measure streamed decode throughput: (final tokens - first-event tokens) / (t_last - t_first) per request.
 
     Token counts per streamed event are exact (chunk token_ids or cumulative usage), never chunk counts. The
@@ -48,13 +104,23 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     from rich.table import Table
     from tqdm import tqdm
 
-    from evalpipe.harness.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
     from evalpipe.console import make_console
+    from evalpipe.harness.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
 
-    cfg = BenchConfig(base_url=base_url, model=model, api_key=api_key, input_len=input_len, output_len=output_len,
-                      rounds=rounds, warmup=warmup, concurrency=concurrency, seed=seed,
-                      token_id_range=tuple(token_id_range) if token_id_range else None, flush=not no_flush,
-                      timeout_s=timeout_s)
+    cfg = BenchConfig(
+        base_url=base_url,
+        model=model,
+        api_key=api_key,
+        input_len=input_len,
+        output_len=output_len,
+        rounds=rounds,
+        warmup=warmup,
+        concurrency=concurrency,
+        seed=seed,
+        token_id_range=tuple(token_id_range) if token_id_range else None,
+        flush=not no_flush,
+        timeout_s=timeout_s,
+    )
     bar = tqdm(total=warmup + rounds, desc="bench rounds", unit="round")
 
     def progress(done: int, total: int) -> None:
@@ -69,8 +135,9 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
     except KeyboardInterrupt:
         bar.close()
         if state.requests:  # keep every finished round; compare refuses a partial bench unless --force
-            click.echo(f"interrupted: partial bench written to {write_bench(state.assemble(partial=True), out)}",
-                       err=True)
+            click.echo(
+                f"interrupted: partial bench written to {write_bench(state.assemble(partial=True), out)}", err=True
+            )
         raise SystemExit(130)
     finally:
         bar.close()
@@ -81,24 +148,36 @@ def command(base_url, model, api_key, input_len, output_len, rounds, warmup, con
         t.add_column(col)
     for name in ("decode_tokens_per_s", "ttft_s", "total_s", "aggregate_tokens_per_s"):
         vals = res[name]["values"]
-        t.add_row(name, "n/a" if res[name]["median"] is None else f"{res[name]['median']:.4g}",
-                  ", ".join(f"{v:.4g}" for v in vals))
+        t.add_row(
+            name,
+            "n/a" if res[name]["median"] is None else f"{res[name]['median']:.4g}",
+            ", ".join(f"{v:.4g}" for v in vals),
+        )
     if res["accept_length_values"]:
-        t.add_row("accept_length", f"{res['accept_length_median']:.4g}",
-                  ", ".join(f"{v:.3g}" for v in res["accept_length_values"]))
+        t.add_row(
+            "accept_length",
+            f"{res['accept_length_median']:.4g}",
+            ", ".join(f"{v:.3g}" for v in res["accept_length_values"]),
+        )
     run_level = res.get("spec_metrics") or {}
     if run_level.get("mean_accept_length") is not None:
-        t.add_row("accept_length (run-level, /metrics)", f"{run_level['mean_accept_length']:.4g}",
-                  "server counters over the measured rounds, not per request")
+        t.add_row(
+            "accept_length (run-level, /metrics)",
+            f"{run_level['mean_accept_length']:.4g}",
+            "server counters over the measured rounds, not per request",
+        )
     make_console().print(t)
     if res["n_errors"]:
         msgs = sorted({str((r.get("error") or {}).get("message"))[:300] for r in result["requests"] if r.get("error")})
-        click.echo(f"warning: {res['n_errors']} request(s) failed (details in bench.json): " + " | ".join(msgs[:3]),
-                   err=True)
+        click.echo(
+            f"warning: {res['n_errors']} request(s) failed (details in bench.json): " + " | ".join(msgs[:3]), err=True
+        )
     if res["n_dropped"]:
         click.echo(f"warning: {res['n_dropped']} request(s) had fewer than 2 content events (no decode rate)", err=True)
     reset = result["server"].get("cache_reset_path")
-    click.echo(f"prefix cache reset between rounds: {'off (--no-flush)' if no_flush else (reset or 'not offered')}; "
-               f"wrote {path}")
+    click.echo(
+        f"prefix cache reset between rounds: {'off (--no-flush)' if no_flush else (reset or 'not offered')}; "
+        f"wrote {path}"
+    )
     if res["n_kept"] == 0:
         raise click.ClickException("no measured request succeeded")

@@ -10,10 +10,18 @@ import click
 
 @click.command(name="lanes")
 @click.option("--json", "as_json", is_flag=True, help="Print the lane specs as JSON instead of a table.")
-@click.option("--check-pins", is_flag=True, help="Load each lane's data, recompute its dataset / id-list / template / "
-              "prompt-stream hashes and compare them with evalpipe/lanes/pins/<lane>.json; exit 1 on any difference.")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder holding gsm8k/test.jsonl (for --check-pins). Default: $EVALPIPE_DATA_DIR, then ../shared/data.")
+@click.option(
+    "--check-pins",
+    is_flag=True,
+    help="Load each lane's data, recompute its dataset / id-list / template / "
+    "prompt-stream hashes and compare them with evalpipe/lanes/pins/<lane>.json; exit 1 on any difference.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder holding gsm8k/test.jsonl (for --check-pins). Default: $EVALPIPE_DATA_DIR, then ../shared/data.",
+)
 def command(as_json, check_pins, data_dir):
     """List the evaluation lanes: endpoint, sampling parameters, repeats, concurrency, grader, headline."""
     from evalpipe.lanes import all_lanes, computed_pins, load_pins, pin_differences

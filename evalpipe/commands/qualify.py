@@ -23,70 +23,200 @@ def _gates(ctx, param, value):
         return GATES
     unknown = [g for g in names if g not in GATES]
     if unknown or not names:
-        raise click.BadParameter(f"unknown gate(s) {', '.join(unknown) or '(none given)'}; choose from "
-                                 f"{', '.join(GATES)} or 'all'")
+        raise click.BadParameter(
+            f"unknown gate(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(GATES)} or 'all'"
+        )
     return tuple(names)
 
 
 @click.command(name="qualify", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--base-url", default=DEFAULT_BASE_URL, show_default=True,
-              help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).")
+@click.option(
+    "--base-url",
+    default=DEFAULT_BASE_URL,
+    show_default=True,
+    help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).",
+)
 @click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models.")
-@click.option("--api-key", "api_keys", multiple=True, envvar="EVALPIPE_API_KEY",
-              help="A key the server accepts; repeat it for every key the server is configured with (the auth gate "
-              "checks each on every route; generation uses the first). Env EVALPIPE_API_KEY. Never recorded.")
-@click.option("--gates", callback=_gates, default=None, metavar="G1,G2",
-              help=f"Gates to run, comma-separated, or 'all': {', '.join(GATES)}. Default: every gate but "
-              "reference and sampling, plus reference when --record-reference or --reference is given.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for qualify.json, manifest.json and report.html (created; one that already holds a "
-              "qualify.json is refused). Default: results/qualify/<UTC time>.")
-@click.option("--record-reference", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Record 20 greedy fixtures (first token and up to 48 tokens: ids, text, logprobs) with the "
-              "server's receipt into this file.")
-@click.option("--reference", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Compare against a recorded reference: first-token and continuation agreement, first "
-              "divergence and logprob gap per fixture; passes on 20/20 and 20/20.")
-@click.option("--max-context", type=click.IntRange(0), default=0,
-              help="Longest prompt + reply in tokens for retrieval and mixed (bytes are tokens for the default "
-              "byte-level model). Default (0): the server's max_model_len from /v1/models, else 4096.")
-@click.option("--concurrency", type=click.IntRange(1, 512), default=8, show_default=True,
-              help="Requests in flight for the C-way parts: mixed's short decodes, structured's parallel round, "
-              "the soak, the reference and retrieval requests.")
-@click.option("--max-tokens", type=click.IntRange(1), default=32, show_default=True,
-              help="Greedy continuation length compared by boundaries and mixed.")
-@click.option("--retrieval-depths", type=click.IntRange(3, 64), default=4, show_default=True,
-              help="Needle depths, from just before the question to the front of a --max-context prompt.")
-@click.option("--needles-per-depth", type=click.IntRange(1, 64), default=2, show_default=True,
-              help="Retrieval prompts (each with its own needle and filler) at every needle depth.")
-@click.option("--chunk-size", type=click.IntRange(2), default=None,
-              help="Prefill chunk size for boundaries. Default: what /get_server_info reports.")
-@click.option("--page-size", type=click.IntRange(2), default=None,
-              help="KV page size for boundaries. Default: what /get_server_info reports.")
-@click.option("--sliding-window", type=click.IntRange(2), default=None,
-              help="Sliding attention window for boundaries. Default: what /get_server_info reports.")
-@click.option("--compress-ratio", "compress_ratios", type=click.IntRange(2), multiple=True,
-              help="A KV compression ratio for boundaries (repeatable). Default: what /get_server_info reports.")
-@click.option("--soak-duration", "soak_s", type=click.FloatRange(0.1), default=120.0, show_default=True,
-              help="Seconds the soak keeps --concurrency streams in flight.")
-@click.option("--hang-timeout", "hang_s", type=click.FloatRange(0.1), default=60.0, show_default=True,
-              help="A stream with no event for this many seconds is a hang (soak and mixed).")
-@click.option("--soak-max-tokens", type=click.IntRange(1), default=64, show_default=True,
-              help="max_tokens of each soak request; replies ending there count as output-cap hits.")
-@click.option("--sample-every", "sample_every_s", type=click.FloatRange(0.1), default=2.0, show_default=True,
-              help="Seconds between MemAvailable / server RSS samples during the soak.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=600.0, show_default=True,
-              help="Per-request timeout in seconds.")
-@click.option("--sampling-tokens", type=click.IntRange(1), default=12000, show_default=True,
-              help="Sampled tokens the sampling gate tests (30-40 s on the CPU default server; more tokens, more "
-              "power against a subtly wrong sampler).")
-@click.option("--sampling-seed", type=int, default=0, show_default=True,
-              help="Seed of the sampling gate's prompts, its PIT randomisation and the requests' `seed` fields.")
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    envvar="EVALPIPE_API_KEY",
+    help="A key the server accepts; repeat it for every key the server is configured with (the auth gate "
+    "checks each on every route; generation uses the first). Env EVALPIPE_API_KEY. Never recorded.",
+)
+@click.option(
+    "--gates",
+    callback=_gates,
+    default=None,
+    metavar="G1,G2",
+    help=f"Gates to run, comma-separated, or 'all': {', '.join(GATES)}. Default: every gate but "
+    "reference and sampling, plus reference when --record-reference or --reference is given.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for qualify.json, manifest.json and report.html (created; one that already holds a "
+    "qualify.json is refused). Default: results/qualify/<UTC time>.",
+)
+@click.option(
+    "--record-reference",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Record 20 greedy fixtures (first token and up to 48 tokens: ids, text, logprobs) with the "
+    "server's receipt into this file.",
+)
+@click.option(
+    "--reference",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Compare against a recorded reference: first-token and continuation agreement, first "
+    "divergence and logprob gap per fixture; passes on 20/20 and 20/20.",
+)
+@click.option(
+    "--max-context",
+    type=click.IntRange(0),
+    default=0,
+    help="Longest prompt + reply in tokens for retrieval and mixed (bytes are tokens for the default "
+    "byte-level model). Default (0): the server's max_model_len from /v1/models, else 4096.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 512),
+    default=8,
+    show_default=True,
+    help="Requests in flight for the C-way parts: mixed's short decodes, structured's parallel round, "
+    "the soak, the reference and retrieval requests.",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(1),
+    default=32,
+    show_default=True,
+    help="Greedy continuation length compared by boundaries and mixed.",
+)
+@click.option(
+    "--retrieval-depths",
+    type=click.IntRange(3, 64),
+    default=4,
+    show_default=True,
+    help="Needle depths, from just before the question to the front of a --max-context prompt.",
+)
+@click.option(
+    "--needles-per-depth",
+    type=click.IntRange(1, 64),
+    default=2,
+    show_default=True,
+    help="Retrieval prompts (each with its own needle and filler) at every needle depth.",
+)
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(2),
+    default=None,
+    help="Prefill chunk size for boundaries. Default: what /get_server_info reports.",
+)
+@click.option(
+    "--page-size",
+    type=click.IntRange(2),
+    default=None,
+    help="KV page size for boundaries. Default: what /get_server_info reports.",
+)
+@click.option(
+    "--sliding-window",
+    type=click.IntRange(2),
+    default=None,
+    help="Sliding attention window for boundaries. Default: what /get_server_info reports.",
+)
+@click.option(
+    "--compress-ratio",
+    "compress_ratios",
+    type=click.IntRange(2),
+    multiple=True,
+    help="A KV compression ratio for boundaries (repeatable). Default: what /get_server_info reports.",
+)
+@click.option(
+    "--soak-duration",
+    "soak_s",
+    type=click.FloatRange(0.1),
+    default=120.0,
+    show_default=True,
+    help="Seconds the soak keeps --concurrency streams in flight.",
+)
+@click.option(
+    "--hang-timeout",
+    "hang_s",
+    type=click.FloatRange(0.1),
+    default=60.0,
+    show_default=True,
+    help="A stream with no event for this many seconds is a hang (soak and mixed).",
+)
+@click.option(
+    "--soak-max-tokens",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="max_tokens of each soak request; replies ending there count as output-cap hits.",
+)
+@click.option(
+    "--sample-every",
+    "sample_every_s",
+    type=click.FloatRange(0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between MemAvailable / server RSS samples during the soak.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(0.001),
+    default=600.0,
+    show_default=True,
+    help="Per-request timeout in seconds.",
+)
+@click.option(
+    "--sampling-tokens",
+    type=click.IntRange(1),
+    default=12000,
+    show_default=True,
+    help="Sampled tokens the sampling gate tests (30-40 s on the CPU default server; more tokens, more "
+    "power against a subtly wrong sampler).",
+)
+@click.option(
+    "--sampling-seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the sampling gate's prompts, its PIT randomisation and the requests' `seed` fields.",
+)
 @click.option("--no-progress", is_flag=True, help="No soak progress bar (it is drawn on a terminal only).")
-def command(base_url, model, api_keys, gates, out_dir, record_reference, reference, max_context, concurrency,
-            max_tokens, retrieval_depths, needles_per_depth, chunk_size, page_size,
-            sliding_window, compress_ratios, soak_s, hang_s, soak_max_tokens, sample_every_s, timeout_s,
-            sampling_tokens, sampling_seed, no_progress):
+def command(
+    base_url,
+    model,
+    api_keys,
+    gates,
+    out_dir,
+    record_reference,
+    reference,
+    max_context,
+    concurrency,
+    max_tokens,
+    retrieval_depths,
+    needles_per_depth,
+    chunk_size,
+    page_size,
+    sliding_window,
+    compress_ratios,
+    soak_s,
+    hang_s,
+    soak_max_tokens,
+    sample_every_s,
+    timeout_s,
+    sampling_tokens,
+    sampling_seed,
+    no_progress,
+):
     """Qualify a serving stack: run the gates against any OpenAI-compatible server and write qualify.json (every
     request, its checks and verdict), manifest.json and report.html; print one table of the gates.
 
@@ -123,14 +253,31 @@ def command(base_url, model, api_keys, gates, out_dir, record_reference, referen
     if out_dir is None:
         out_dir = Path("results") / "qualify" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     cfg = QualifyConfig(
-        base_url=base_url, out_dir=out_dir, gates=gates, model=model, api_keys=tuple(api_keys),
-        max_context=max_context, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout_s,
-        retrieval_depths=retrieval_depths, needles_per_depth=needles_per_depth,
-        chunk_size=chunk_size, page_size=page_size, sliding_window=sliding_window,
-        compress_ratios=tuple(compress_ratios), soak_s=soak_s, hang_s=hang_s, soak_max_tokens=soak_max_tokens,
-        sample_every_s=sample_every_s, sampling_tokens=sampling_tokens, sampling_seed=sampling_seed,
-        record_reference=record_reference, reference=reference,
-        command_line=redact_argv(sys.argv, list(api_keys)), progress=not no_progress,
+        base_url=base_url,
+        out_dir=out_dir,
+        gates=gates,
+        model=model,
+        api_keys=tuple(api_keys),
+        max_context=max_context,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        timeout_s=timeout_s,
+        retrieval_depths=retrieval_depths,
+        needles_per_depth=needles_per_depth,
+        chunk_size=chunk_size,
+        page_size=page_size,
+        sliding_window=sliding_window,
+        compress_ratios=tuple(compress_ratios),
+        soak_s=soak_s,
+        hang_s=hang_s,
+        soak_max_tokens=soak_max_tokens,
+        sample_every_s=sample_every_s,
+        sampling_tokens=sampling_tokens,
+        sampling_seed=sampling_seed,
+        record_reference=record_reference,
+        reference=reference,
+        command_line=redact_argv(sys.argv, list(api_keys)),
+        progress=not no_progress,
     )
     try:
         code, result = execute(cfg)

@@ -9,36 +9,87 @@ import click
 
 from evalpipe.harness.client import DEFAULT_BASE_URL
 
-CONDITION_HELP = ("serial, burst, logprobs, prefix_fresh, prefix_reused; batch_shape (= batch_1,batch_8,batch_64: "
-                  "alone and among 7 or 63 other prompts, with logprobs; not in the default)")
+CONDITION_HELP = (
+    "serial, burst, logprobs, prefix_fresh, prefix_reused; batch_shape (= batch_1,batch_8,batch_64: "
+    "alone and among 7 or 63 other prompts, with logprobs; not in the default)"
+)
 
 
 @click.command(name="repeat")
-@click.option("--base-url", default=DEFAULT_BASE_URL, show_default=True,
-              help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).")
-@click.option("--repeats", type=click.IntRange(min=2), default=8, show_default=True,
-              help="Identical requests per fixture and condition (N).")
+@click.option(
+    "--base-url",
+    default=DEFAULT_BASE_URL,
+    show_default=True,
+    help="OpenAI-compatible endpoint including /v1 (the default is where `evalpipe serve` listens).",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=2),
+    default=8,
+    show_default=True,
+    help="Identical requests per fixture and condition (N).",
+)
 @click.option("--model", default=None, help="Model id [default: the first id the server lists].")
 @click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", help="Bearer key (env EVALPIPE_API_KEY).")
-@click.option("--fixtures", "fixture_ids", default=None, metavar="ID[,ID...]",
-              help="Subset of fixtures (arithmetic, exact_copy, regex_date, open_short, open_long_context) "
-                   "[default: all].")
-@click.option("--conditions", default=None, metavar="C[,C...]",
-              help=f"Subset of conditions ({CONDITION_HELP}) [default: all; prefix_* only where the server "
-                   "can drop its prefix cache (/flush_cache, or vLLM's /reset_prefix_cache with "
-                   "VLLM_SERVER_DEV_MODE=1) and reports cached tokens].")
-@click.option("--max-tokens", "open_max_tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="max_tokens of the open prompts (controls use their own short limits).")
-@click.option("--long-context-chars", type=click.IntRange(min=0), default=6000, show_default=True,
-              help="Characters of padding before the long-context copy of the open prompt.")
-@click.option("--no-token-ids", is_flag=True,
-              help="Do not ask for return_token_ids (for servers that reject it); identity is then judged on text.")
+@click.option(
+    "--fixtures",
+    "fixture_ids",
+    default=None,
+    metavar="ID[,ID...]",
+    help="Subset of fixtures (arithmetic, exact_copy, regex_date, open_short, open_long_context) [default: all].",
+)
+@click.option(
+    "--conditions",
+    default=None,
+    metavar="C[,C...]",
+    help=f"Subset of conditions ({CONDITION_HELP}) [default: all; prefix_* only where the server "
+    "can drop its prefix cache (/flush_cache, or vLLM's /reset_prefix_cache with "
+    "VLLM_SERVER_DEV_MODE=1) and reports cached tokens].",
+)
+@click.option(
+    "--max-tokens",
+    "open_max_tokens",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="max_tokens of the open prompts (controls use their own short limits).",
+)
+@click.option(
+    "--long-context-chars",
+    type=click.IntRange(min=0),
+    default=6000,
+    show_default=True,
+    help="Characters of padding before the long-context copy of the open prompt.",
+)
+@click.option(
+    "--no-token-ids",
+    is_flag=True,
+    help="Do not ask for return_token_ids (for servers that reject it); identity is then judged on text.",
+)
 @click.option("--arm", default="repeat", show_default=True, help="Label recorded on every response.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results", show_default=True,
-              help="Parent folder; the run lands in <out>/repeat/<run_id>/.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="results",
+    show_default=True,
+    help="Parent folder; the run lands in <out>/repeat/<run_id>/.",
+)
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, help="Per-request timeout (s).")
-def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max_tokens, long_context_chars,
-            no_token_ids, arm, out_dir, timeout_s):
+def command(
+    base_url,
+    repeats,
+    model,
+    api_key,
+    fixture_ids,
+    conditions,
+    open_max_tokens,
+    long_context_chars,
+    no_token_ids,
+    arm,
+    out_dir,
+    timeout_s,
+):
     """Send each fixture N times at temperature 0 under several conditions and count distinct completions.
 
     Reports per fixture and condition: distinct completions out of N, the modal completion's share, the first
@@ -52,8 +103,15 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
     from evalpipe.console import make_console
     from evalpipe.harness.client import EndpointError
     from evalpipe.harness.records import REPEAT_FILE, RESPONSES_FILE
-    from evalpipe.harness.repeat import (BATCH_SHAPE, BATCH_SIZES, CONDITIONS, RepeatConfig, RepeatError, RepeatRun,
-                                         planned_requests)
+    from evalpipe.harness.repeat import (
+        BATCH_SHAPE,
+        BATCH_SIZES,
+        CONDITIONS,
+        RepeatConfig,
+        RepeatError,
+        RepeatRun,
+        planned_requests,
+    )
     from evalpipe.lanes.repeat_fixtures import fixtures
 
     all_fx = fixtures(long_context_chars=long_context_chars, open_max_tokens=open_max_tokens)
@@ -71,9 +129,18 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
         bad = sorted(set(conds) - set(known))
         if bad or not conds:
             raise click.UsageError(f"unknown condition(s) {bad or '(none given)'}; known: {known}")
-    cfg = RepeatConfig(base_url=base_url.rstrip("/"), fixtures=all_fx, repeats=repeats, conditions=conds, model=model,
-                       api_key=api_key, token_ids=not no_token_ids, timeout_s=timeout_s, arm=arm,
-                       out_dir=Path(out_dir))
+    cfg = RepeatConfig(
+        base_url=base_url.rstrip("/"),
+        fixtures=all_fx,
+        repeats=repeats,
+        conditions=conds,
+        model=model,
+        api_key=api_key,
+        token_ids=not no_token_ids,
+        timeout_s=timeout_s,
+        arm=arm,
+        out_dir=Path(out_dir),
+    )
     bar = tqdm(total=planned_requests(cfg), desc="repeat", unit="req")
     runner = RepeatRun(cfg, progress=bar.update)
     try:
@@ -97,10 +164,15 @@ def command(base_url, repeats, model, api_key, fixture_ids, conditions, open_max
             if "control_correct_share" in g:
                 control = f"{'right' if g['mode_correct'] else 'WRONG'} ({g['control_correct_share']:.0%})"
             gap = g.get("logprob_gap_at_first_divergence")
-            t.add_row(fx, c, f"{g['distinct']}/{g['n']}" + (f" ({g['n_errors']} err)" if g["n_errors"] else ""),
-                      f"{g['modal_share']:.0%}" if "modal_share" in g else "n/a",
-                      str(g.get("first_divergence_from_mode") if g.get("first_divergence_from_mode") is not None else "-"),
-                      f"{gap:.3g}" if gap is not None else "-", escape(control))
+            t.add_row(
+                fx,
+                c,
+                f"{g['distinct']}/{g['n']}" + (f" ({g['n_errors']} err)" if g["n_errors"] else ""),
+                f"{g['modal_share']:.0%}" if "modal_share" in g else "n/a",
+                str(g.get("first_divergence_from_mode") if g.get("first_divergence_from_mode") is not None else "-"),
+                f"{gap:.3g}" if gap is not None else "-",
+                escape(control),
+            )
     make_console().print(t)
     for line in error_lines(runner.records):
         click.echo(line, err=True)

@@ -11,6 +11,7 @@ from evalpipe.commands.errors import BadInput
 from evalpipe.harness.client import DEFAULT_BASE_URL
 from evalpipe.lanes import LANE_MODULES, get_lane
 
+
 def _parse_seed(ctx, param, value):
     if value is None:
         return None
@@ -24,59 +25,164 @@ def _parse_seed(ctx, param, value):
 
 @click.command(name="run")
 @click.argument("lane", required=False, type=click.Choice(list(LANE_MODULES)))
-@click.option("--base-url", default=None, help=f"OpenAI-compatible endpoint including /v1. Default: "
-              f"{DEFAULT_BASE_URL}, where `evalpipe serve` listens by default; with --resume the run's own endpoint "
-              "(this flag overrides it).")
-@click.option("--model", default=None, help="Model id to request. Default: the first id from /v1/models. "
-              "A name the server does not list is an error before any request.")
-@click.option("--api-key", envvar="EVALPIPE_API_KEY", default=None, help="Bearer key (env EVALPIPE_API_KEY). Never recorded.")
-@click.option("--concurrency", "lane_concurrency", type=click.IntRange(1, 4096), default=None,
-              help="Requests in flight. Default: the lane's (" + ", ".join(f"{name} {get_lane(name).concurrency}"
-                                                               for name in LANE_MODULES) + "). Recorded.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results"),
-              show_default=True, help="Parent folder; the run goes to <out>/<lane>/<run_id>/.")
-@click.option("--arm", default="default", show_default=True,
-              help="Label of this arm (e.g. spec_on, spec_off); part of the run id and every record.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), default=14400.0, show_default=True,
-              help="Per-request timeout in seconds (a timeout is retried like a transport error). The default, "
-              "4 h, is NeMo-Skills'/sgl-eval's: a 65536-token AIME answer can legitimately take hours.")
+@click.option(
+    "--base-url",
+    default=None,
+    help=f"OpenAI-compatible endpoint including /v1. Default: "
+    f"{DEFAULT_BASE_URL}, where `evalpipe serve` listens by default; with --resume the run's own endpoint "
+    "(this flag overrides it).",
+)
+@click.option(
+    "--model",
+    default=None,
+    help="Model id to request. Default: the first id from /v1/models. "
+    "A name the server does not list is an error before any request.",
+)
+@click.option(
+    "--api-key", envvar="EVALPIPE_API_KEY", default=None, help="Bearer key (env EVALPIPE_API_KEY). Never recorded."
+)
+@click.option(
+    "--concurrency",
+    "lane_concurrency",
+    type=click.IntRange(1, 4096),
+    default=None,
+    help="Requests in flight. Default: the lane's ("
+    + ", ".join(f"{name} {get_lane(name).concurrency}" for name in LANE_MODULES)
+    + "). Recorded.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("results"),
+    show_default=True,
+    help="Parent folder; the run goes to <out>/<lane>/<run_id>/.",
+)
+@click.option(
+    "--arm",
+    default="default",
+    show_default=True,
+    help="Label of this arm (e.g. spec_on, spec_off); part of the run id and every record.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(0.001),
+    default=14400.0,
+    show_default=True,
+    help="Per-request timeout in seconds (a timeout is retried like a transport error). The default, "
+    "4 h, is NeMo-Skills'/sgl-eval's: a 65536-token AIME answer can legitimately take hours.",
+)
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="Override the lane's max_tokens.")
 @click.option("--temperature", type=click.FloatRange(0.0), default=None, help="Override the lane's temperature.")
 @click.option("--seed", callback=_parse_seed, default=None, help="Override the lane's seed; 'none' sends no seed.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Override the lane's top_p.")
 @click.option("--num-examples", type=click.IntRange(1), default=None, help="Score only the first N scored items.")
-@click.option("--repeats", type=click.IntRange(1), default=None,
-              help="Responses per item (default: the lane's). Repeat r sends the lane's seed + r (recorded in each "
-                   "record's request), so sampled repeats are distinct draws, each reproducible.")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`; "
-                   "with --resume the folder the run used (its manifest's dataset path).")
-@click.option("--allow-data-drift", is_flag=True, help="Run even when the data or prompt hashes differ from "
-              "evalpipe/lanes/pins/<lane>.json (recorded in manifest and summary).")
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help="Continue RUN_DIR: items with a non-error record are skipped, error records are retried "
-              "(the old ones move to superseded.jsonl), the rest is appended. Everything else (lane, protocol, model, "
-              "endpoint, data folder) comes from its manifest unless a flag overrides it.")
-@click.option("--no-token-ids", is_flag=True, help="Do not ask for output token ids (return_token_ids: true); "
-              "use with servers that reject unknown fields.")
+@click.option(
+    "--repeats",
+    type=click.IntRange(1),
+    default=None,
+    help="Responses per item (default: the lane's). Repeat r sends the lane's seed + r (recorded in each "
+    "record's request), so sampled repeats are distinct draws, each reproducible.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder holding gsm8k/test.jsonl. Default: $EVALPIPE_DATA_DIR, then ../shared/data, then `datasets`; "
+    "with --resume the folder the run used (its manifest's dataset path).",
+)
+@click.option(
+    "--allow-data-drift",
+    is_flag=True,
+    help="Run even when the data or prompt hashes differ from "
+    "evalpipe/lanes/pins/<lane>.json (recorded in manifest and summary).",
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Continue RUN_DIR: items with a non-error record are skipped, error records are retried "
+    "(the old ones move to superseded.jsonl), the rest is appended. Everything else (lane, protocol, model, "
+    "endpoint, data folder) comes from its manifest unless a flag overrides it.",
+)
+@click.option(
+    "--no-token-ids",
+    is_flag=True,
+    help="Do not ask for output token ids (return_token_ids: true); use with servers that reject unknown fields.",
+)
 @click.option("--logprobs", type=click.IntRange(0, 20), default=None, help="Request logprobs (top N) and record them.")
-@click.option("--max-retries", type=click.IntRange(0, 20), default=3, show_default=True,
-              help="Retries for transport errors, timeouts, 5xx and malformed bodies (never 4xx).")
-@click.option("--retry-backoff", type=click.FloatRange(0.0), default=1.0, show_default=True,
-              help="First retry delay in seconds; doubles per retry, capped at 30 s.")
-@click.option("--grader-timeout", type=click.FloatRange(0.001), default=30.0, show_default=True,
-              help="Hard per-answer timeout of the AIME grader process; a miss is recorded as grader_timeout.")
-@click.option("--grader-workers", type=click.IntRange(1, 64), default=2, show_default=True,
-              help="Grader processes for AIME lanes.")
-@click.option("--fsync", is_flag=True, help="fsync responses.jsonl after every record (survives power loss; slower). "
-              "Without it every record is still flushed, which survives a killed process.")
+@click.option(
+    "--max-retries",
+    type=click.IntRange(0, 20),
+    default=3,
+    show_default=True,
+    help="Retries for transport errors, timeouts, 5xx and malformed bodies (never 4xx).",
+)
+@click.option(
+    "--retry-backoff",
+    type=click.FloatRange(0.0),
+    default=1.0,
+    show_default=True,
+    help="First retry delay in seconds; doubles per retry, capped at 30 s.",
+)
+@click.option(
+    "--grader-timeout",
+    type=click.FloatRange(0.001),
+    default=30.0,
+    show_default=True,
+    help="Hard per-answer timeout of the AIME grader process; a miss is recorded as grader_timeout.",
+)
+@click.option(
+    "--grader-workers",
+    type=click.IntRange(1, 64),
+    default=2,
+    show_default=True,
+    help="Grader processes for AIME lanes.",
+)
+@click.option(
+    "--fsync",
+    is_flag=True,
+    help="fsync responses.jsonl after every record (survives power loss; slower). "
+    "Without it every record is still flushed, which survives a killed process.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--save-accept-baseline", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the run's per-position acceptance and mean accept lengths (summary.json's "
-              "`acceptance`) to FILE, for `evalpipe compare --accept-baseline FILE`. Needs speculation statistics.")
-def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, timeout_s, max_tokens, temperature,
-            seed, top_p, num_examples, repeats, data_dir, allow_data_drift, resume_dir, no_token_ids, logprobs,
-            max_retries, retry_backoff, grader_timeout, grader_workers, fsync, no_progress, save_accept_baseline):
+@click.option(
+    "--save-accept-baseline",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the run's per-position acceptance and mean accept lengths (summary.json's "
+    "`acceptance`) to FILE, for `evalpipe compare --accept-baseline FILE`. Needs speculation statistics.",
+)
+def command(
+    lane,
+    base_url,
+    model,
+    api_key,
+    lane_concurrency,
+    out_dir,
+    arm,
+    timeout_s,
+    max_tokens,
+    temperature,
+    seed,
+    top_p,
+    num_examples,
+    repeats,
+    data_dir,
+    allow_data_drift,
+    resume_dir,
+    no_token_ids,
+    logprobs,
+    max_retries,
+    retry_backoff,
+    grader_timeout,
+    grader_workers,
+    fsync,
+    no_progress,
+    save_accept_baseline,
+):
     """Run LANE against an OpenAI-compatible endpoint and write responses.jsonl, summary.json, manifest.json.
 
     Every planned item lands exactly once: a final failure is an error record, never a dropped item.
@@ -97,20 +203,45 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
     from evalpipe.redact import redact_argv
 
     transport = dict(
-        api_key=api_key, out_dir=out_dir, timeout_s=timeout_s, max_retries=max_retries, retry_backoff_s=retry_backoff,
-        grader_workers=grader_workers, grader_timeout_s=grader_timeout, fsync=fsync, progress=not no_progress,
+        api_key=api_key,
+        out_dir=out_dir,
+        timeout_s=timeout_s,
+        max_retries=max_retries,
+        retry_backoff_s=retry_backoff,
+        grader_workers=grader_workers,
+        grader_timeout_s=grader_timeout,
+        fsync=fsync,
+        progress=not no_progress,
         command_line=redact_argv(sys.argv, [api_key or ""]),
     )
     if resume_dir is not None:
-        given = [f"--{n.replace('_', '-')}" for n, v in (("max_tokens", max_tokens), ("temperature", temperature),
-                 ("seed", seed), ("top_p", top_p), ("num_examples", num_examples), ("repeats", repeats),
-                 ("concurrency", lane_concurrency)) if v is not None]
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n, v in (
+                ("max_tokens", max_tokens),
+                ("temperature", temperature),
+                ("seed", seed),
+                ("top_p", top_p),
+                ("num_examples", num_examples),
+                ("repeats", repeats),
+                ("concurrency", lane_concurrency),
+            )
+            if v is not None
+        ]
         if given:
             raise click.UsageError(f"--resume keeps the run's own protocol; drop {', '.join(given)}")
         try:
-            cfg = RunConfig.from_manifest(resume_dir, lane_name=lane, base_url=base_url, model=model, data_dir=data_dir,
-                                          allow_data_drift=allow_data_drift, token_ids=not no_token_ids,
-                                          logprobs=logprobs, **transport)
+            cfg = RunConfig.from_manifest(
+                resume_dir,
+                lane_name=lane,
+                base_url=base_url,
+                model=model,
+                data_dir=data_dir,
+                allow_data_drift=allow_data_drift,
+                token_ids=not no_token_ids,
+                logprobs=logprobs,
+                **transport,
+            )
         except ResumeConflict as exc:
             raise click.UsageError(str(exc)) from None
         except NotResumable as exc:
@@ -125,9 +256,18 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         if seed is not None:
             overrides["seed"] = None if seed == "none" else seed
         cfg = RunConfig(
-            lane=get_lane(lane), base_url=base_url or DEFAULT_BASE_URL, model=model, arm=arm,
-            concurrency=lane_concurrency, overrides=overrides, num_examples=num_examples, repeats=repeats,
-            data_dir=data_dir, allow_data_drift=allow_data_drift, token_ids=not no_token_ids, logprobs=logprobs,
+            lane=get_lane(lane),
+            base_url=base_url or DEFAULT_BASE_URL,
+            model=model,
+            arm=arm,
+            concurrency=lane_concurrency,
+            overrides=overrides,
+            num_examples=num_examples,
+            repeats=repeats,
+            data_dir=data_dir,
+            allow_data_drift=allow_data_drift,
+            token_ids=not no_token_ids,
+            logprobs=logprobs,
             **transport,
         )
     try:
@@ -136,9 +276,16 @@ def command(lane, base_url, model, api_key, lane_concurrency, out_dir, arm, time
         raise click.ClickException(str(exc)) from None
     print_summary(outcome.summary, outcome.run_dir)
     n_reps = cfg.repeats or cfg.lane.repeats
-    if num_examples is not None and resume_dir is None and 0 < outcome.summary.get("n_planned", 0) < num_examples * n_reps:
-        click.echo(f"note: --num-examples {num_examples} is more than lane {cfg.lane.name} has; it ran all "
-                   f"{outcome.summary['n_planned'] // n_reps} scored items", err=True)
+    if (
+        num_examples is not None
+        and resume_dir is None
+        and 0 < outcome.summary.get("n_planned", 0) < num_examples * n_reps
+    ):
+        click.echo(
+            f"note: --num-examples {num_examples} is more than lane {cfg.lane.name} has; it ran all "
+            f"{outcome.summary['n_planned'] // n_reps} scored items",
+            err=True,
+        )
     if save_accept_baseline is not None:
         from evalpipe.harness.acceptance import write_baseline
 
@@ -168,14 +315,28 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 
     # escaped: "[spec_on]" would otherwise be read as rich markup and vanish from the title
     t = Table(title=escape(f"{summary['lane']} [{summary.get('arm')}]  {summary.get('model')}"), show_header=True)
-    for col in ("accuracy", "correct", "planned", "records", "errors", "truncated",
-                "invalid" if "n_invalid" in summary else "no answer", "accept len", "partial"):
+    for col in (
+        "accuracy",
+        "correct",
+        "planned",
+        "records",
+        "errors",
+        "truncated",
+        "invalid" if "n_invalid" in summary else "no answer",
+        "accept len",
+        "partial",
+    ):
         t.add_column(col, justify="right")
     t.add_row(
-        pct(summary.get("accuracy")), str(summary["n_correct"]), str(summary["n_planned"]), str(summary["n_records"]),
-        str(summary["n_errors"]), str(summary["n_truncated"]),
+        pct(summary.get("accuracy")),
+        str(summary["n_correct"]),
+        str(summary["n_planned"]),
+        str(summary["n_records"]),
+        str(summary["n_errors"]),
+        str(summary["n_truncated"]),
         str(summary.get("n_invalid", summary.get("n_no_answer"))),
-        "-" if accept is None else f"{accept:.2f}", str(summary.get("partial")),
+        "-" if accept is None else f"{accept:.2f}",
+        str(summary.get("partial")),
     )
     console = make_console()
     console.print(t)
@@ -185,8 +346,12 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     if extra:
         console.print("secondary: " + "  ".join(extra))
     if summary.get("by_group"):
-        console.print("by group: " + "  ".join(f"{g} {pct(v['accuracy'])} ({v['n_correct']}/{v['n_planned']})"
-                                               for g, v in summary["by_group"].items()))
+        console.print(
+            "by group: "
+            + "  ".join(
+                f"{g} {pct(v['accuracy'])} ({v['n_correct']}/{v['n_planned']})" for g, v in summary["by_group"].items()
+            )
+        )
     if summary.get("manifest_changed"):
         console.print(f"[bold red]manifest changed during the run:[/] {summary.get('manifest_changes')}")
     if summary.get("data_drift"):
@@ -194,9 +359,12 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     if summary.get("spec_lossy") or summary.get("server_lossy_acceptance"):
         from rich.markup import escape
 
-        console.print(f"[bold yellow]LOSSY speculative acceptance[/] (server: {escape(str(summary.get('server_lossy_acceptance')))}): "
-                      f"{summary.get('n_records_lossy', 0)} of {summary['n_records']} responses were accepted by it; "
-                      "this accuracy measures the lossy rule")
+        console.print(
+            "[bold yellow]LOSSY speculative acceptance[/] "
+            f"(server: {escape(str(summary.get('server_lossy_acceptance')))}): "
+            f"{summary.get('n_records_lossy', 0)} of {summary['n_records']} responses were accepted by it; "
+            "this accuracy measures the lossy rule"
+        )
     rps = summary.get("requests_per_s")
     wall = summary.get("wall_s")
     console.print(f"wall {wall:.2f}s, {rps:.1f} req/s" if wall and rps else "")

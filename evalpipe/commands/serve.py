@@ -72,12 +72,20 @@ def command(**params):
     if flags.needs_launcher(params, given):
         from evalpipe.launchers.launch import run
 
-        run(options, dry_run=params["dry_run"], as_json=params["as_json"], ready_timeout=params["ready_timeout"],
-            receipt=params["receipt"], log_file=params["log_file"])
+        run(
+            options,
+            dry_run=params["dry_run"],
+            as_json=params["as_json"],
+            ready_timeout=params["ready_timeout"],
+            receipt=params["receipt"],
+            log_file=params["log_file"],
+        )
         return
     if params["extra_args"]:
-        raise click.UsageError(f"no such option: {params['extra_args'][0]} (the native engine's flags are in "
-                               "--help; unknown flags go to a launched engine only)")
+        raise click.UsageError(
+            f"no such option: {params['extra_args'][0]} (the native engine's flags are in "
+            "--help; unknown flags go to a launched engine only)"
+        )
     try:
         check_acceptance(options, "native", NATIVE_ACCEPT_RULES)
         check_native(options)
@@ -107,22 +115,32 @@ def serve_native(params: dict, config: EngineConfig) -> None:
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = tuple(params["api_key"]) or tuple(k for k in [os.environ.get("EVALPIPE_API_KEY")] if k)
-    settings = ServerSettings(engine=config, host=host, port=port, docs=params["docs"],
-                              argv=["evalpipe", *sys.argv[1:]], api_key=keys[0] if keys else None,
-                              more_api_keys=keys[1:])
+    settings = ServerSettings(
+        engine=config,
+        host=host,
+        port=port,
+        docs=params["docs"],
+        argv=["evalpipe", *sys.argv[1:]],
+        api_key=keys[0] if keys else None,
+        more_api_keys=keys[1:],
+    )
     failure: list[str] = []
     server: uvicorn.Server | None = None
 
     def on_ready(state: ServerState) -> None:
         url = f"http://{_display_host(host)}:{port}/v1"
-        click.echo(f"evalpipe serve: ready at {url} (model {state.model_id}, {config.dtype} on {device}, "
-                   f"{speculation_summary(state)}, loaded in {state.load_seconds:.1f}s)")
+        click.echo(
+            f"evalpipe serve: ready at {url} (model {state.model_id}, {config.dtype} on {device}, "
+            f"{speculation_summary(state)}, loaded in {state.load_seconds:.1f}s)"
+        )
         if config.debug_faults:
             from evalpipe.engine.faults import DEBUG_FAULTS
 
             planted = "; ".join(f"{name} ({DEBUG_FAULTS[name]})" for name in config.debug_faults)
-            click.echo(f"evalpipe serve: DEBUG FAULTS PLANTED: {planted}. This server is broken on purpose "
-                       "(evaluation of evaluations only)")
+            click.echo(
+                f"evalpipe serve: DEBUG FAULTS PLANTED: {planted}. This server is broken on purpose "
+                "(evaluation of evaluations only)"
+            )
         sys.stdout.flush()
 
     def on_error(message: str) -> None:
@@ -131,11 +149,17 @@ def serve_native(params: dict, config: EngineConfig) -> None:
             server.should_exit = True
 
     state = ServerState(settings, on_ready=on_ready, on_error=on_error)
-    http_config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level == "debug",
-                                 timeout_graceful_shutdown=3, lifespan="on")
+    http_config = uvicorn.Config(
+        create_app(state),
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=3,
+        lifespan="on",
+    )
     server = uvicorn.Server(http_config)
-    click.echo(f"evalpipe serve: loading {config.model or DEFAULT_MODEL_NAME} on "
-               f"http://{_display_host(host)}:{port} ...")
+    click.echo(
+        f"evalpipe serve: loading {config.model or DEFAULT_MODEL_NAME} on http://{_display_host(host)}:{port} ..."
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down; a SIGINT/SIGTERM is a clean stop here.
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

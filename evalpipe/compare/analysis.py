@@ -27,14 +27,39 @@ ABSENT = "<absent>"  # a manifest key one side lacks
 # Keys of our own manifests that differ between any two runs by construction (ids, clocks, paths): listed as
 # volatile, never flagged. What the server itself changes per call or per boot is evalpipe.volatile's list.
 VOLATILE_LEAVES = {
-    "run_id", "arm", "started_at", "ended_at", "start_time", "end_time", "finished_at", "created", "created_at",
-    "timestamp", "time", "wall_s", "duration_s", "out_dir", "run_dir", "output_dir", "pid", "output_sha256",
-    "responses_sha256", "n_records", "n_done", "done", "captured_at", "command_line", "load_seconds", "uptime_s",
+    "run_id",
+    "arm",
+    "started_at",
+    "ended_at",
+    "start_time",
+    "end_time",
+    "finished_at",
+    "created",
+    "created_at",
+    "timestamp",
+    "time",
+    "wall_s",
+    "duration_s",
+    "out_dir",
+    "run_dir",
+    "output_dir",
+    "pid",
+    "output_sha256",
+    "responses_sha256",
+    "n_records",
+    "n_done",
+    "done",
+    "captured_at",
+    "command_line",
+    "load_seconds",
+    "uptime_s",
     # a fresh boot gets a fresh free port: the address is not a setting
-    "port", "base_url",
+    "port",
+    "base_url",
     # command lines (launch.argv, launch.command, server_args.argv) only restate the settings the server reports
     # field by field (server_args.*, speculative.*), which are compared, so a declared flag shows up once, there
-    "argv", "command",
+    "argv",
+    "command",
 }
 
 
@@ -42,8 +67,11 @@ def _scrub(obj: Any, in_list: bool = False) -> Any:
     """Drop volatile keys inside lists (e.g. `created` in /v1/models entries), which flatten keeps whole;
     outside lists they are flattened, counted and reported as ignored."""
     if isinstance(obj, dict):
-        return {k: _scrub(v, in_list) for k, v in obj.items()
-                if not (in_list and k in VOLATILE_LEAVES and not isinstance(v, dict))}
+        return {
+            k: _scrub(v, in_list)
+            for k, v in obj.items()
+            if not (in_list and k in VOLATILE_LEAVES and not isinstance(v, dict))
+        }
     if isinstance(obj, list):
         return [_scrub(v, True) for v in obj]
     return obj
@@ -76,8 +104,15 @@ def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> di
     for name, pred in metrics.RATES:
         ka, kb = sum(map(pred, recs_a)), sum(map(pred, recs_b))
         ra, rb = (ka / n_a if n_a else None), (kb / n_b if n_b else None)
-        out[name] = {"n_a": ka, "n_b": kb, "denominator_a": n_a, "denominator_b": n_b, "rate_a": ra, "rate_b": rb,
-                     "diff": (rb - ra) if ra is not None and rb is not None else None}
+        out[name] = {
+            "n_a": ka,
+            "n_b": kb,
+            "denominator_a": n_a,
+            "denominator_b": n_b,
+            "rate_a": ra,
+            "rate_b": rb,
+            "diff": (rb - ra) if ra is not None and rb is not None else None,
+        }
     return out
 
 
@@ -176,8 +211,11 @@ def speed_stats(recs: list[dict]) -> dict:
             lat_total += ls
     return {
         "n": len(lat),
-        "latency_median_s": _q(lat, 0.5), "latency_p90_s": _q(lat, 0.9), "latency_mean_s": _mean(lat),
-        "tokens_per_s_median": _q(tps, 0.5), "tokens_per_s_mean": _mean(tps),
+        "latency_median_s": _q(lat, 0.5),
+        "latency_p90_s": _q(lat, 0.9),
+        "latency_mean_s": _mean(lat),
+        "tokens_per_s_median": _q(tps, 0.5),
+        "tokens_per_s_mean": _mean(tps),
         "tokens_per_s_aggregate": tok_total / lat_total if lat_total else None,
         "completion_tokens_total": tok_total,
         "latency_s": lat,
@@ -214,8 +252,10 @@ def manifest_differences(ma: dict, mb: dict, intended: list[str]) -> dict:
     if not intended and rows and all(speculation_setting(r["key"]) for r in rows):
         for r in rows:
             r["intended"] = True
-        implied = (f"the arms differ only in speculation settings ({len(rows)} key(s)): taken as the intended "
-                   "difference (give --intended to mark it yourself)")
+        implied = (
+            f"the arms differ only in speculation settings ({len(rows)} key(s)): taken as the intended "
+            "difference (give --intended to mark it yourself)"
+        )
     return {
         "intended_patterns": list(intended),
         "intended_implied": implied,
@@ -232,8 +272,9 @@ def speculation_setting(key: str) -> bool:
     prefix = "server.server_info."
     if not key.startswith("server."):
         return False
-    return (any(word in key.lower() for word in volatile.SPECULATION_WORDS)
-            or (key.startswith(prefix) and volatile.derived_from_speculation(key[len(prefix):])))
+    return any(word in key.lower() for word in volatile.SPECULATION_WORDS) or (
+        key.startswith(prefix) and volatile.derived_from_speculation(key[len(prefix) :])
+    )
 
 
 def manifest_view(manifest: dict, strip_volatile: bool = True) -> dict:
@@ -251,9 +292,13 @@ def manifest_view(manifest: dict, strip_volatile: bool = True) -> dict:
 
 def _category(key: str) -> str:
     k = key.lower()
-    for cat, words in (("packages", ("package",)), ("sources", ("git", "commit", "diff", "version", "source")),
-                       ("server", ("server", "endpoint", "model", "spec", "launch")),
-                       ("dataset", ("dataset", "data")), ("lane", ("lane", "override", "prompt", "template"))):
+    for cat, words in (
+        ("packages", ("package",)),
+        ("sources", ("git", "commit", "diff", "version", "source")),
+        ("server", ("server", "endpoint", "model", "spec", "launch")),
+        ("dataset", ("dataset", "data")),
+        ("lane", ("lane", "override", "prompt", "template")),
+    ):
         if any(w in k for w in words):
             return cat
     return "other"
@@ -267,9 +312,13 @@ def output_identity(agreement: dict, confidence: float = stats.DEFAULT_CONFIDENC
     bound on the rate of differing outputs bounds the loss of accuracy too."""
     n, same = agreement.get("n_pairs") or 0, agreement.get("n_identical") or 0
     bases = [b for b, count in (agreement.get("basis_counts") or {}).items() if count]
-    return {"all_identical": bool(n) and same == n, "n_pairs": n,
-            "basis": "/".join(IDENTITY_BASIS.get(b, b) for b in sorted(bases)) or None,
-            "discordance_upper_bound": upper_bound_rate(n - same, n, confidence), "confidence": confidence}
+    return {
+        "all_identical": bool(n) and same == n,
+        "n_pairs": n,
+        "basis": "/".join(IDENTITY_BASIS.get(b, b) for b in sorted(bases)) or None,
+        "discordance_upper_bound": upper_bound_rate(n - same, n, confidence),
+        "confidence": confidence,
+    }
 
 
 def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[dict]:
@@ -280,19 +329,27 @@ def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[di
         if ca == cb:
             continue
         ag = agreement.get(key) or {}
-        flips.append({
-            "question_id": key[1], "repeat_index": key[2],
-            "direction": "gained" if cb else "lost",
-            "expected_answer": rb.get("expected_answer", ra.get("expected_answer")),
-            "answer_a": ra.get("extracted_answer"), "answer_b": rb.get("extracted_answer"),
-            "correct_a": ca, "correct_b": cb,
-            "finish_reason_a": ra.get("finish_reason"), "finish_reason_b": rb.get("finish_reason"),
-            "tokens_a": completion_tokens(ra), "tokens_b": completion_tokens(rb),
-            "error_a": (ra.get("error") or {}).get("type") if ra.get("error") else None,
-            "error_b": (rb.get("error") or {}).get("type") if rb.get("error") else None,
-            "divergence_position": ag.get("position"), "divergence_basis": ag.get("basis"),
-            "logprob_gap": (ag.get("logprob") or {}).get("gap"),
-        })
+        flips.append(
+            {
+                "question_id": key[1],
+                "repeat_index": key[2],
+                "direction": "gained" if cb else "lost",
+                "expected_answer": rb.get("expected_answer", ra.get("expected_answer")),
+                "answer_a": ra.get("extracted_answer"),
+                "answer_b": rb.get("extracted_answer"),
+                "correct_a": ca,
+                "correct_b": cb,
+                "finish_reason_a": ra.get("finish_reason"),
+                "finish_reason_b": rb.get("finish_reason"),
+                "tokens_a": completion_tokens(ra),
+                "tokens_b": completion_tokens(rb),
+                "error_a": (ra.get("error") or {}).get("type") if ra.get("error") else None,
+                "error_b": (rb.get("error") or {}).get("type") if rb.get("error") else None,
+                "divergence_position": ag.get("position"),
+                "divergence_basis": ag.get("basis"),
+                "logprob_gap": (ag.get("logprob") or {}).get("gap"),
+            }
+        )
     flips.sort(key=lambda f: _id_sort_key(f["question_id"]))
     return flips
 
@@ -303,8 +360,16 @@ def _id_sort_key(qid) -> tuple:
     return (1, 0, str(qid))
 
 
-def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resamples: int,
-            intended: list[str], forced: list[str]) -> dict:
+def analyse(
+    a: RunFolder,
+    b: RunFolder,
+    *,
+    margin_pts: float,
+    seed: int,
+    n_resamples: int,
+    intended: list[str],
+    forced: list[str],
+) -> dict:
     """The whole comparison of run A (reference) and run B (candidate)."""
     common = sorted(set(a.by_key) & set(b.by_key), key=lambda k: (_id_sort_key(k[1]), k[2]))
     only_a = sorted(set(a.by_key) - set(b.by_key))
@@ -319,17 +384,24 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         "forced_over": forced,
         "arms": {"a": over_a, "b": over_b},
         "accuracy": {
-            "a": over_a["accuracy"], "b": over_b["accuracy"],
-            "denominator_a": over_a["n_planned"], "denominator_b": over_b["n_planned"],
+            "a": over_a["accuracy"],
+            "b": over_b["accuracy"],
+            "denominator_a": over_a["n_planned"],
+            "denominator_b": over_b["n_planned"],
             "diff": (over_b["accuracy"] - over_a["accuracy"])
-            if over_a["accuracy"] is not None and over_b["accuracy"] is not None else None,
+            if over_a["accuracy"] is not None and over_b["accuracy"] is not None
+            else None,
         },
         "paired_keys": len(common),
         "keys_only_in_a": [list(k[1:]) for k in only_a],
         "keys_only_in_b": [list(k[1:]) for k in only_b],
         "repeated": a.repeated or b.repeated,
-        "settings": {"margin_pts": margin_pts, "seed": seed, "n_resamples": n_resamples,
-                     "confidence": stats.DEFAULT_CONFIDENCE},
+        "settings": {
+            "margin_pts": margin_pts,
+            "seed": seed,
+            "n_resamples": n_resamples,
+            "confidence": stats.DEFAULT_CONFIDENCE,
+        },
     }
     recs_a, recs_b = list(a.by_key.values()), list(b.by_key.values())
     result["rates"] = rate_block(recs_a, recs_b, over_a["n_planned"], over_b["n_planned"])
@@ -342,8 +414,12 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
             ob.setdefault(qid, []).append(float(is_correct(rec)))
         ids = sorted(set(oa) & set(ob), key=_id_sort_key)
         result["repeated_stats"] = stats.compare_repeated(
-            {q: np.array(oa[q]) for q in ids}, {q: np.array(ob[q]) for q in ids},
-            n_permutations=n_resamples, seed=seed, margin_pts=margin_pts)
+            {q: np.array(oa[q]) for q in ids},
+            {q: np.array(ob[q]) for q in ids},
+            n_permutations=n_resamples,
+            seed=seed,
+            margin_pts=margin_pts,
+        )
         result["agreement"] = {"note": "not computed: repeats at temperature > 0 share no randomness across arms"}
         result["flips"] = []
     else:
@@ -360,16 +436,24 @@ def analyse(a: RunFolder, b: RunFolder, *, margin_pts: float, seed: int, n_resam
         result["greedy"]["output_identity"] = output_identity(result["agreement"])
         result["flips"] = flip_list(pairs, per_pair)
         result["per_question"] = [
-            {"question_id": k[1], "correct_a": bool(x), "correct_b": bool(y),
-             "identical": per_pair[k]["identical"], "divergence_position": per_pair[k]["position"]}
-            for k, x, y in zip(common, ca, cb)]
+            {
+                "question_id": k[1],
+                "correct_a": bool(x),
+                "correct_b": bool(y),
+                "identical": per_pair[k]["identical"],
+                "divergence_position": per_pair[k]["position"],
+            }
+            for k, x, y in zip(common, ca, cb)
+        ]
     result["spec"] = {"a": spec_block(recs_a, a.summary), "b": spec_block(recs_b, b.summary)}
     for side, run in (("a", a), ("b", b)):
         server = lossy_acceptance((snapshot(run.manifest).get("server") or {}).get("server_info"))
         result["spec"][side]["server_lossy_acceptance"] = server
         result["spec"][side]["lossy"] = bool(server) or result["spec"][side]["n_records_lossy"] > 0
         imported = run.manifest.get("imported")  # `evalpipe import`: the source may have kept no speculation facts
-        result["spec"][side]["not_recorded"] = isinstance(imported, dict) and "spec" in (imported.get("not_recorded") or [])
+        result["spec"][side]["not_recorded"] = isinstance(imported, dict) and "spec" in (
+            imported.get("not_recorded") or []
+        )
     result["speed"] = {"a": speed_stats(recs_a), "b": speed_stats(recs_b)}
     result["manifest_diff"] = manifest_differences(a.manifest, b.manifest, intended)
     return _clean(result)

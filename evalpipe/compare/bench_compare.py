@@ -35,8 +35,12 @@ def load_bench(path: str | Path) -> dict:
 
 def bench_problems(a: dict, b: dict) -> list[str]:
     ca, cb = a.get("config", {}), b.get("config", {})
-    problems = [f"bench setting {k} differs: {ca.get(k)!r} vs {cb.get(k)!r}" for k in PROTOCOL_KEYS if ca.get(k) != cb.get(k)]
-    if a.get("requests") and a.get("requests") == b.get("requests"):  # identical event times: one bench twice (or a copy)
+    problems = [
+        f"bench setting {k} differs: {ca.get(k)!r} vs {cb.get(k)!r}" for k in PROTOCOL_KEYS if ca.get(k) != cb.get(k)
+    ]
+    if a.get("requests") and a.get("requests") == b.get(
+        "requests"
+    ):  # identical event times: one bench twice (or a copy)
         problems.append(f"both folders hold the same bench ({a['_path']} and {b['_path']})")
     for d, label in ((a, "A"), (b, "B")):
         if d.get("partial"):
@@ -46,8 +50,11 @@ def bench_problems(a: dict, b: dict) -> list[str]:
 
 def kept_values(bench: dict, metric: str) -> list[float]:
     """Every non-warm-up, non-error value of `metric` (low outliers included)."""
-    return [r[metric] for r in bench["requests"]
-            if not r.get("warmup") and not r.get("error") and isinstance(r.get(metric), (int, float))]
+    return [
+        r[metric]
+        for r in bench["requests"]
+        if not r.get("warmup") and not r.get("error") and isinstance(r.get(metric), (int, float))
+    ]
 
 
 def samples_overlap(va: list[float], vb: list[float]) -> bool:
@@ -87,7 +94,10 @@ def compare_benches(a: dict, b: dict, *, seed: int, n_resamples: int, forced: li
         "kind": "bench",
         "forced": bool(forced),
         "forced_over": forced,
-        "arms": {"a": {"path": a["_path"], "config": a.get("config")}, "b": {"path": b["_path"], "config": b.get("config")}},
+        "arms": {
+            "a": {"path": a["_path"], "config": a.get("config")},
+            "b": {"path": b["_path"], "config": b.get("config")},
+        },
         "metrics": metrics,
         "accept_length_median": acc,
         # run-level: the servers' /metrics counters over each bench's measured rounds, not per request

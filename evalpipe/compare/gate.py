@@ -20,8 +20,11 @@ def verdict_of(result: dict) -> dict:
     r = result.get("repeated_stats")
     if r:
         iv = r.get("interval") or {}
-        return {"verdict": iv.get("verdict"), "mde_pts": (r.get("power") or {}).get("mde_pts"),
-                "margin_pts": iv.get("margin_pts")}
+        return {
+            "verdict": iv.get("verdict"),
+            "mde_pts": (r.get("power") or {}).get("mde_pts"),
+            "margin_pts": iv.get("margin_pts"),
+        }
     return {"verdict": None, "mde_pts": None, "margin_pts": None}
 
 
@@ -30,11 +33,14 @@ def parse_fail_on(text: str | None) -> frozenset[str]:
     words = frozenset(w.strip() for w in (text or "").split(",") if w.strip())
     unknown = sorted(words - set(GATE_VERDICTS))
     if unknown:
-        raise click.BadParameter(f"unknown verdict(s) {', '.join(unknown)}; choose from {', '.join(GATE_VERDICTS)}",
-                                 param_hint="--fail-on")
+        raise click.BadParameter(
+            f"unknown verdict(s) {', '.join(unknown)}; choose from {', '.join(GATE_VERDICTS)}", param_hint="--fail-on"
+        )
     return words
 
 
-FAIL_ON_HELP = (f"Comma-separated verdicts that fail the command with exit code {GATE_FAILED_EXIT} (for CI), from: "
-                f"{', '.join(GATE_VERDICTS)}; e.g. --fail-on inferior,inconclusive. The comparison is still written "
-                "in full. Without it a finished comparison exits 0 whatever its verdict.")
+FAIL_ON_HELP = (
+    f"Comma-separated verdicts that fail the command with exit code {GATE_FAILED_EXIT} (for CI), from: "
+    f"{', '.join(GATE_VERDICTS)}; e.g. --fail-on inferior,inconclusive. The comparison is still written "
+    "in full. Without it a finished comparison exits 0 whatever its verdict."
+)

@@ -61,10 +61,22 @@ def from_one_pilot(run: RunFolder, base: Assumptions) -> Assumptions:
     if run.repeated:
         s2 = [float(np.var(o, ddof=1)) for o in outcomes.values() if o.size >= 2]
         icc = 1 - float(np.mean(s2)) / (p * (1 - p)) if s2 and 0 < p < 1 else base.icc
-        return Assumptions(base.discordance, base.discordance_source, p, min(max(icc, 0.0), 1.0), base.between,
-                           f"pilot {run.path}: accuracy and intra-question correlation")
-    return Assumptions(2 * p * (1 - p), f"pilot {run.path}: 2 p (1 - p) at accuracy {p:.4f} (arms as if independent)",
-                       base.accuracy, base.icc, base.between, base.repeated_source)
+        return Assumptions(
+            base.discordance,
+            base.discordance_source,
+            p,
+            min(max(icc, 0.0), 1.0),
+            base.between,
+            f"pilot {run.path}: accuracy and intra-question correlation",
+        )
+    return Assumptions(
+        2 * p * (1 - p),
+        f"pilot {run.path}: 2 p (1 - p) at accuracy {p:.4f} (arms as if independent)",
+        base.accuracy,
+        base.icc,
+        base.between,
+        base.repeated_source,
+    )
 
 
 def from_two_pilots(a: RunFolder, b: RunFolder, base: Assumptions) -> Assumptions:
@@ -73,17 +85,29 @@ def from_two_pilots(a: RunFolder, b: RunFolder, base: Assumptions) -> Assumption
     result = analyse(a, b, margin_pts=1.0, seed=stats.DEFAULT_SEED, n_resamples=100, intended=[], forced=[])
     if result.get("greedy"):
         plan = result["greedy"]["planning_discordance"]
-        return Assumptions(plan["rate"], f"pilots {a.path} and {b.path}: {plan['basis']}", base.accuracy, base.icc,
-                           base.between, base.repeated_source)
+        return Assumptions(
+            plan["rate"],
+            f"pilots {a.path} and {b.path}: {plan['basis']}",
+            base.accuracy,
+            base.icc,
+            base.between,
+            base.repeated_source,
+        )
     r = result["repeated_stats"]
     pw = r.get("power") or {}
     p = float(np.mean([r["mean_rate_a"], r["mean_rate_b"]]))
     if pw.get("within_variance") is None:
         return base
     icc = 1 - pw["within_variance"] / (2 * p * (1 - p)) if 0 < p < 1 else base.icc
-    return Assumptions(base.discordance, base.discordance_source, p, min(max(icc, 0.0), 1.0), pw["between_variance"],
-                       f"pilots {a.path} and {b.path}: within- and between-question variance ({pw['variance_basis']})",
-                       measured_within=pw["within_variance"])
+    return Assumptions(
+        base.discordance,
+        base.discordance_source,
+        p,
+        min(max(icc, 0.0), 1.0),
+        pw["between_variance"],
+        f"pilots {a.path} and {b.path}: within- and between-question variance ({pw['variance_basis']})",
+        measured_within=pw["within_variance"],
+    )
 
 
 def assumptions_from(pilots: list[str], base: Assumptions) -> Assumptions:
@@ -109,19 +133,38 @@ def plan(margin_pts: float, assume: Assumptions, repeats: int | None = None) -> 
             mde = power.repeated_mde(questions, lane_repeats, assume.within, assume.between)
             need_q = power.repeated_questions_needed(margin, lane_repeats, assume.within, assume.between)
             need_k = power.repeated_repeats_needed(margin, questions, assume.within, assume.between)
-        lanes.append({"lane": lane, "kind": kind, "questions": questions, "repeats": lane_repeats,
-                      "mde_pts": None if mde is None else 100 * mde,
-                      "supports_margin": None if mde is None else mde <= margin,
-                      "questions_needed": need_q, "repeats_needed": need_k})
+        lanes.append(
+            {
+                "lane": lane,
+                "kind": kind,
+                "questions": questions,
+                "repeats": lane_repeats,
+                "mde_pts": None if mde is None else 100 * mde,
+                "supports_margin": None if mde is None else mde <= margin,
+                "questions_needed": need_q,
+                "repeats_needed": need_k,
+            }
+        )
     k = repeats or next(r for _, _, r, kind in LANE_DESIGNS if kind == "repeated")
     return {
-        "margin_pts": margin_pts, "alpha": power.ALPHA, "power": power.POWER,
-        "greedy": {"discordance": psi, "source": assume.discordance_source,
-                   "questions_needed": n_greedy,
-                   "power_at_questions_needed": None if n_greedy is None else power.greedy_power(n_greedy, psi, margin),
-                   "questions_needed_if_no_flips": power.n_for_no_flips(margin)},
-        "repeated": {"repeats": k, "accuracy": assume.accuracy, "icc": assume.icc, "within_variance": assume.within,
-                     "between_variance": assume.between, "source": assume.repeated_source,
-                     "questions_needed": power.repeated_questions_needed(margin, k, assume.within, assume.between)},
+        "margin_pts": margin_pts,
+        "alpha": power.ALPHA,
+        "power": power.POWER,
+        "greedy": {
+            "discordance": psi,
+            "source": assume.discordance_source,
+            "questions_needed": n_greedy,
+            "power_at_questions_needed": None if n_greedy is None else power.greedy_power(n_greedy, psi, margin),
+            "questions_needed_if_no_flips": power.n_for_no_flips(margin),
+        },
+        "repeated": {
+            "repeats": k,
+            "accuracy": assume.accuracy,
+            "icc": assume.icc,
+            "within_variance": assume.within,
+            "between_variance": assume.between,
+            "source": assume.repeated_source,
+            "questions_needed": power.repeated_questions_needed(margin, k, assume.within, assume.between),
+        },
         "lanes": lanes,
     }

@@ -8,7 +8,8 @@ discordance psi, its conservative form without the -d^2 term).
 
 - Greedy lanes: exact over the binomial distribution of flip tables (flips ~ Binomial(n, psi), gained | flips ~
   Binomial(flips, 1/2)), each judged by the verdict's own rule, Tango's interval; the normal form under-states
-  what few expected flips need, and is used only beyond MANY_FLIPS expected flips. With zero flips Tango's bounds are +-z^2 / (n + z^2), so a margin M needs
+  what few expected flips need, and is used only beyond MANY_FLIPS expected flips. With zero flips Tango's bounds are
+  +-z^2 / (n + z^2), so a margin M needs
   n > z^2 (1 - M) / M even then (381 questions for 1 point). With no discordant pair observed, plan with the exact
   one-sided 95% upper bound on psi (`intervals.upper_bound_rate`), never with 0.
 - Repeated lanes (Q questions x k responses, clustered by question): se = sqrt((between + within / k) / Q), where
@@ -42,14 +43,17 @@ def t_sum(df: int, alpha: float = ALPHA, power: float = POWER) -> float:
 
 # ----------------------------------------------------------------------------- greedy (paired 0/1)
 
+
 def planning_discordance(discordant: int, n: int, confidence: float = 0.95) -> dict:
     """The discordance rate to plan with: the observed one, or its exact upper bound when none was observed."""
     if n <= 0:
         return {"rate": None, "basis": "no pairs"}
     if discordant > 0:
         return {"rate": discordant / n, "basis": "observed"}
-    return {"rate": upper_bound_rate(0, n, confidence),
-            "basis": f"exact one-sided {confidence:.0%} upper bound (no discordant pair observed)"}
+    return {
+        "rate": upper_bound_rate(0, n, confidence),
+        "basis": f"exact one-sided {confidence:.0%} upper bound (no discordant pair observed)",
+    }
 
 
 def n_for_no_flips(margin: float, alpha: float = ALPHA) -> int | None:
@@ -106,14 +110,15 @@ def greedy_mde(n: int, psi: float | None, alpha: float = ALPHA, power: float = P
     return float(-lower[order][min(int(np.searchsorted(cum, power)), cum.size - 1)])
 
 
-def greedy_n_needed(margin: float, psi: float | None, alpha: float = ALPHA, power: float = POWER,
-                    limit: int = 10_000_000) -> int | None:
+def greedy_n_needed(
+    margin: float, psi: float | None, alpha: float = ALPHA, power: float = POWER, limit: int = 10_000_000
+) -> int | None:
     """Fewest pairs whose power (greedy_power) reaches `power` at `margin` and discordance psi: started at the
     normal approximation z_sum^2 psi / margin^2, widened until it holds, then bisected. None beyond `limit`."""
     floor = n_for_no_flips(margin, alpha)
     if floor is None or psi is None:
         return None
-    hi = max(math.ceil(z_sum(alpha, power) ** 2 * psi / margin ** 2), floor)
+    hi = max(math.ceil(z_sum(alpha, power) ** 2 * psi / margin**2), floor)
     lo = floor - 1
     while greedy_power(hi, psi, margin, alpha) < power:
         lo, hi = hi, math.ceil(hi * 1.25)
@@ -130,25 +135,34 @@ def greedy_n_needed(margin: float, psi: float | None, alpha: float = ALPHA, powe
 
 # ----------------------------------------------------------------------------- repeated (clustered)
 
+
 def repeated_se(questions: int, repeats: int, within: float, between: float) -> float:
     return math.sqrt((between + within / repeats) / questions)
 
 
-def repeated_mde(questions: int, repeats: int, within: float, between: float,
-                 alpha: float = ALPHA, power: float = POWER) -> float | None:
+def repeated_mde(
+    questions: int, repeats: int, within: float, between: float, alpha: float = ALPHA, power: float = POWER
+) -> float | None:
     if questions < 2 or repeats < 1:
         return None
     return t_sum(questions - 1, alpha, power) * repeated_se(questions, repeats, within, between)
 
 
-def repeated_questions_needed(margin: float, repeats: int, within: float, between: float,
-                              alpha: float = ALPHA, power: float = POWER, limit: int = 10_000_000) -> int | None:
+def repeated_questions_needed(
+    margin: float,
+    repeats: int,
+    within: float,
+    between: float,
+    alpha: float = ALPHA,
+    power: float = POWER,
+    limit: int = 10_000_000,
+) -> int | None:
     """Fewest questions (at `repeats` per question) whose MDE is at most `margin`; None beyond `limit` (or for a
     margin <= 0)."""
     if margin <= 0:
         return None
     per_question = between + within / repeats
-    q = max(2, math.ceil(z_sum(alpha, power) ** 2 * per_question / margin ** 2))  # the normal answer, a lower bound
+    q = max(2, math.ceil(z_sum(alpha, power) ** 2 * per_question / margin**2))  # the normal answer, a lower bound
     while q <= limit:
         if repeated_mde(q, repeats, within, between, alpha, power) <= margin:
             return q
@@ -156,8 +170,9 @@ def repeated_questions_needed(margin: float, repeats: int, within: float, betwee
     return None
 
 
-def repeated_repeats_needed(margin: float, questions: int, within: float, between: float,
-                            alpha: float = ALPHA, power: float = POWER) -> int | None:
+def repeated_repeats_needed(
+    margin: float, questions: int, within: float, between: float, alpha: float = ALPHA, power: float = POWER
+) -> int | None:
     """Fewest repeats per question (at `questions`) whose MDE is at most `margin`; None when even infinitely many
     repeats would not do, because the between-question variance alone exceeds what the margin allows."""
     if questions < 2 or margin <= 0:
@@ -176,10 +191,12 @@ def within_from_icc(accuracy: float, icc: float) -> float:
 
 # ----------------------------------------------------------------------------- bench (ratio of medians)
 
-def ratio_mde_pct(sd_log_a: float, n_a: int, sd_log_b: float, n_b: int,
-                  alpha: float = ALPHA, power: float = POWER) -> float | None:
+
+def ratio_mde_pct(
+    sd_log_a: float, n_a: int, sd_log_b: float, n_b: int, alpha: float = ALPHA, power: float = POWER
+) -> float | None:
     """Smallest change of a median, in percent, that two benches with these spreads detect at `power`."""
     if n_a < 2 or n_b < 2:
         return None
-    se = MEDIAN_SE_FACTOR * math.sqrt(sd_log_a ** 2 / n_a + sd_log_b ** 2 / n_b)
+    se = MEDIAN_SE_FACTOR * math.sqrt(sd_log_a**2 / n_a + sd_log_b**2 / n_b)
     return 100 * (math.exp(z_sum(alpha, power) * se) - 1)

@@ -11,8 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalpipe.harness.records import (MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, MalformedFile, counted_records,
-                                      read_json_object, read_records)
+from evalpipe.harness.records import (
+    MANIFEST_FILE,
+    RESPONSES_FILE,
+    SUMMARY_FILE,
+    MalformedFile,
+    counted_records,
+    read_json_object,
+    read_records,
+)
 from evalpipe.harness.server_facts import find_key
 
 # Manifest keys searched (depth first) for each identity; the first one found wins.
@@ -91,8 +98,11 @@ def _get(d: Any, *path: str) -> Any:
 def prompt_stream_sha(manifest: dict) -> Any:
     """Hash of the prompts actually sent: the selected items' stream, else any prompt-stream hash recorded."""
     snap = snapshot(manifest)
-    return (_get(snap, "prompts", "prompt_stream_sha256_selected") or _get(snap, "prompts", "prompt_stream_sha256")
-            or find_key(snap, PROMPT_STREAM_KEYS))
+    return (
+        _get(snap, "prompts", "prompt_stream_sha256_selected")
+        or _get(snap, "prompts", "prompt_stream_sha256")
+        or find_key(snap, PROMPT_STREAM_KEYS)
+    )
 
 
 def dataset_sha(manifest: dict) -> Any:
@@ -132,13 +142,21 @@ def load_run(path: str | Path) -> RunFolder:
     if missing:
         raise RunFolderError(f"{folder} is not a run folder (no {' and no '.join(missing)})")
     read = read_records(responses)
-    if read.bad_lines:  # a torn last line is a partial run (refused, --force compares it); a bad line mid-file is damage
+    if (
+        read.bad_lines
+    ):  # a torn last line is a partial run (refused, --force compares it); a bad line mid-file is damage
         raise RunFolderError(read.first_bad(responses))
     records = read.records
     counted = counted_records(records)
-    return RunFolder(path=folder, records=records, summary=_read_json(folder / SUMMARY_FILE),
-                     manifest=_read_json(folder / MANIFEST_FILE), bad_lines=int(read.torn_tail),
-                     duplicates=counted.n_duplicates, by_key=counted.by_key)
+    return RunFolder(
+        path=folder,
+        records=records,
+        summary=_read_json(folder / SUMMARY_FILE),
+        manifest=_read_json(folder / MANIFEST_FILE),
+        bad_lines=int(read.torn_tail),
+        duplicates=counted.n_duplicates,
+        by_key=counted.by_key,
+    )
 
 
 def _read_json(path: Path) -> dict:

@@ -59,8 +59,16 @@ def paired_bootstrap_diff(
         raise ValueError("paired bootstrap needs two equal-length 1-D outcome vectors")
     n = a.size
     if n == 0:
-        return {"n": 0, "diff": None, "ci_low": None, "ci_high": None, "n_resamples": n_resamples, "seed": seed,
-                "confidence": confidence, "method": "paired bootstrap over questions, percentile"}
+        return {
+            "n": 0,
+            "diff": None,
+            "ci_low": None,
+            "ci_high": None,
+            "n_resamples": n_resamples,
+            "seed": seed,
+            "confidence": confidence,
+            "method": "paired bootstrap over questions, percentile",
+        }
     d = b - a
     rng = np.random.default_rng(seed)
     diffs = np.empty(n_resamples, dtype=np.float64)
@@ -68,7 +76,7 @@ def paired_bootstrap_diff(
     while done < n_resamples:
         k = min(chunk, n_resamples - done)
         idx = rng.integers(0, n, size=(k, n))
-        diffs[done:done + k] = d[idx].mean(axis=1)
+        diffs[done : done + k] = d[idx].mean(axis=1)
         done += k
     lo, hi = percentile_interval(diffs, confidence)
     return {
@@ -132,8 +140,10 @@ def uninformative_reason(n: int, both_wrong: int) -> str | None:
     Both arms wrong everywhere: B cannot lose what A never had. Both right everywhere is informative: n right
     answers in B bound its loss rate (the interval says by how much)."""
     if n and both_wrong == n:
-        return (f"both arms answered all {n} questions wrong: nothing could be lost, so this verdict carries no "
-                "information (use a model that gets some right)")
+        return (
+            f"both arms answered all {n} questions wrong: nothing could be lost, so this verdict carries no "
+            "information (use a model that gets some right)"
+        )
     return None
 
 
@@ -255,8 +265,9 @@ def holm(pvalues: list[float | None]) -> list[float | None]:
     return out
 
 
-def clustered_interval(diff: float | None, se: float, n_questions: int, margin_pts: float,
-                       confidence: float = DEFAULT_CONFIDENCE) -> dict:
+def clustered_interval(
+    diff: float | None, se: float, n_questions: int, margin_pts: float, confidence: float = DEFAULT_CONFIDENCE
+) -> dict:
     """t interval (Q - 1 degrees of freedom) of a mean per-question difference from its question-clustered SE, and
     the non-inferiority verdict it gives (the greedy lanes' rule, `non_inferiority`, on this interval). With 30
     questions a normal quantile under-covers (Bowyer et al. 2025); the t quantile is the small-sample correction."""
@@ -264,13 +275,20 @@ def clustered_interval(diff: float | None, se: float, n_questions: int, margin_p
     if diff is not None and math.isfinite(se) and n_questions >= 2:
         q = float(t.ppf(0.5 + confidence / 2, n_questions - 1))
         lo, hi = diff - q * se, diff + q * se
-    return {"ci_low": lo, "ci_high": hi, "confidence": confidence, "margin_pts": margin_pts,
-            "df": n_questions - 1, "verdict": non_inferiority(lo, hi, margin_pts),
-            "method": f"t with {n_questions - 1} df, question-clustered SE"}
+    return {
+        "ci_low": lo,
+        "ci_high": hi,
+        "confidence": confidence,
+        "margin_pts": margin_pts,
+        "df": n_questions - 1,
+        "verdict": non_inferiority(lo, hi, margin_pts),
+        "method": f"t with {n_questions - 1} df, question-clustered SE",
+    }
 
 
-def repeated_power(outcomes_a: list[np.ndarray], outcomes_b: list[np.ndarray], per_question_diff: np.ndarray,
-                   margin_pts: float) -> dict:
+def repeated_power(
+    outcomes_a: list[np.ndarray], outcomes_b: list[np.ndarray], per_question_diff: np.ndarray, margin_pts: float
+) -> dict:
     """MDE of a repeated comparison and the questions (or repeats) its margin needs (power.py's clustered model).
 
     within = mean over questions of s2_a + s2_b (per-response variances, ddof=1); between = max(0, var(d_i) -
@@ -294,7 +312,10 @@ def repeated_power(outcomes_a: list[np.ndarray], outcomes_b: list[np.ndarray], p
     mde = power.repeated_mde(q, k, within, between)
     margin = margin_pts / 100
     return {
-        "repeats_per_question": k, "within_variance": within, "between_variance": between, "variance_basis": basis,
+        "repeats_per_question": k,
+        "within_variance": within,
+        "between_variance": between,
+        "variance_basis": basis,
         "mde_pts": None if mde is None else 100 * mde,
         "questions_needed_for_margin": power.repeated_questions_needed(margin, k, within, between),
         "repeats_needed_for_margin": power.repeated_repeats_needed(margin, q, within, between),
@@ -318,10 +339,21 @@ def compare_repeated(
     pb = np.array([o.mean() if o.size else float("nan") for o in ob])
     d = pb - pa
     per_question = [
-        {"question_id": q, "n_a": int(x.size), "n_b": int(y.size), "k_a": int(x.sum()), "k_b": int(y.sum()),
-         "rate_a": float(ra), "rate_b": float(rb), "diff": float(rb - ra),
-         "fisher_p": float(fisher_exact([[int(x.sum()), int(x.size - x.sum())],
-                                         [int(y.sum()), int(y.size - y.sum())]])[1]) if x.size and y.size else None}
+        {
+            "question_id": q,
+            "n_a": int(x.size),
+            "n_b": int(y.size),
+            "k_a": int(x.sum()),
+            "k_b": int(y.sum()),
+            "rate_a": float(ra),
+            "rate_b": float(rb),
+            "diff": float(rb - ra),
+            "fisher_p": float(
+                fisher_exact([[int(x.sum()), int(x.size - x.sum())], [int(y.sum()), int(y.size - y.sum())]])[1]
+            )
+            if x.size and y.size
+            else None,
+        }
         for q, x, y, ra, rb in zip(ids, oa, ob, pa, pb)
     ]
     for row, adj in zip(per_question, holm([r["fisher_p"] for r in per_question])):
@@ -332,14 +364,20 @@ def compare_repeated(
     right = sum(float(o.sum()) for o in oa) + sum(float(o.sum()) for o in ob)
     note = None
     if total and right == 0:
-        note = ("every response of both arms is wrong: the test carries no information about a difference "
-                "(use a model that gets some right)")
+        note = (
+            "every response of both arms is wrong: the test carries no information about a difference "
+            "(use a model that gets some right)"
+        )
     pw = repeated_power(oa, ob, d, margin_pts)
     if se == 0 and pw.get("within_variance"):
         # every question's difference is the same (e.g. all right in both arms): sd(d_i) = 0 would make the interval
         # a point at any Q, so the SE comes from the planning variance (the exact bound on the minority outcome)
-        interval = clustered_interval(diff, power.repeated_se(len(ids), pw["repeats_per_question"],
-                                                              pw["within_variance"], 0.0), len(ids), margin_pts)
+        interval = clustered_interval(
+            diff,
+            power.repeated_se(len(ids), pw["repeats_per_question"], pw["within_variance"], 0.0),
+            len(ids),
+            margin_pts,
+        )
         interval["method"] += " (no variation observed: SE from the exact 95% bound on the minority outcome)"
     else:
         interval = clustered_interval(diff, se, len(ids), margin_pts)

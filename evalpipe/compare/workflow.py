@@ -31,8 +31,9 @@ class NotComparable(Exception):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("refusing to compare:\n  - " + "\n  - ".join(problems)
-                         + "\n(use --force to compare anyway; it is recorded)")
+        super().__init__(
+            "refusing to compare:\n  - " + "\n  - ".join(problems) + "\n(use --force to compare anyway; it is recorded)"
+        )
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Comparison:
 def default_out(a: str | Path, b: str | Path) -> Path:
     """Beside the inputs: `<their common folder>/compare/<A>__vs__<B>` (results/gsm8k/compare/... for two gsm8k
     runs), whatever the current directory; B's folder when the two share nothing but the root."""
+
     def tag(p: Path) -> str:
         return re.sub(r"[^A-Za-z0-9_.-]+", "-", p.name) or "run"
 
@@ -77,16 +79,31 @@ def ab_plan(run_a: str | Path, run_b: str | Path) -> Optional[tuple[Path, dict]]
             index = read_json_object(index_path)
         except MalformedFile:
             return None
-        runs = {(candidate / run).resolve() for arm in index.get("arms") or [] if isinstance(arm, dict)
-                for run in (arm.get("runs") or {}).values() if isinstance(run, str)}
+        runs = {
+            (candidate / run).resolve()
+            for arm in index.get("arms") or []
+            if isinstance(arm, dict)
+            for run in (arm.get("runs") or {}).values()
+            if isinstance(run, str)
+        }
         return (index_path, index) if {a, b} <= runs else None
     return None
 
 
-def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Path] = None, margin_pts: float = 1.0,
-                 force: bool = False, intended: Iterable[str] = (), seed: int = stats.DEFAULT_SEED,
-                 n_resamples: int = stats.DEFAULT_RESAMPLES, html: bool = True,
-                 accept_baseline: Optional[dict] = None, accept_rtol: float = 0.05) -> Comparison:
+def compare_runs(
+    run_a: str | Path,
+    run_b: str | Path,
+    *,
+    out: Optional[str | Path] = None,
+    margin_pts: float = 1.0,
+    force: bool = False,
+    intended: Iterable[str] = (),
+    seed: int = stats.DEFAULT_SEED,
+    n_resamples: int = stats.DEFAULT_RESAMPLES,
+    html: bool = True,
+    accept_baseline: Optional[dict] = None,
+    accept_rtol: float = 0.05,
+) -> Comparison:
     """Compare RUN_A (reference) with RUN_B (candidate), every difference B - A; write compare.json (+ report.html).
 
     Raises RunFolderError (unreadable folder; MixedFolders for a bench folder beside a run folder) and
@@ -110,21 +127,33 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, out: Optional[str | Pa
     if bench_a:
         result = compare_benches(a, b, seed=seed, n_resamples=n_resamples, forced=problems)
     else:
-        result = analyse(a, b, margin_pts=margin_pts, seed=seed, n_resamples=n_resamples, intended=intended,
-                         forced=problems)
+        result = analyse(
+            a, b, margin_pts=margin_pts, seed=seed, n_resamples=n_resamples, intended=intended, forced=problems
+        )
         if plan is not None:
             flags = ", ".join(plan[1].get("declared_flags") or []) or "none"
             result["manifest_diff"]["intended_implied"] = (
                 f"both folders come from one `evalpipe ab` plan ({plan[0]}): its declared flags ({flags}) mark the "
-                "intended difference")
-        result["acceptance"] = {"a": acceptance.profile(a.records, (a.summary or {}).get("spec_metrics")),
-                                "b": acceptance.profile(b.records, (b.summary or {}).get("spec_metrics"))}
+                "intended difference"
+            )
+        result["acceptance"] = {
+            "a": acceptance.profile(a.records, (a.summary or {}).get("spec_metrics")),
+            "b": acceptance.profile(b.records, (b.summary or {}).get("spec_metrics")),
+        }
         if accept_baseline is not None:
-            result["accept_baseline"] = acceptance.check_baseline(result["acceptance"]["b"], accept_baseline,
-                                                                  accept_rtol)
+            result["accept_baseline"] = acceptance.check_baseline(
+                result["acceptance"]["b"], accept_baseline, accept_rtol
+            )
     folder = Path(out) if out else default_out(run_a, run_b)
     folder.mkdir(parents=True, exist_ok=True)
-    result["command"] = {"run_a": str(run_a), "run_b": str(run_b), "margin_pts": margin_pts, "force": force,
-                         "intended": intended, "seed": seed, "resamples": n_resamples}
+    result["command"] = {
+        "run_a": str(run_a),
+        "run_b": str(run_b),
+        "margin_pts": margin_pts,
+        "force": force,
+        "intended": intended,
+        "seed": seed,
+        "resamples": n_resamples,
+    }
     json_path = report.write_json(result, folder)
     return Comparison(result, json_path, report.write_html(result, folder) if html else None)

@@ -22,7 +22,6 @@ from evalpipe.engine.spec.decoder import SpeculativeDecoder, decoder_from_settin
 from evalpipe.engine.spec.drafters import RunnerDrafter
 from evalpipe.engine.static.graphs import DEFAULT_BUCKETS, GraphRunner
 
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,10 +47,17 @@ def build(config: EngineConfig) -> tuple[Runner, Decoder | None]:
 
 def build_runner(config: EngineConfig) -> ModelRunner | GraphRunner:
     """The target runner: a ModelRunner on the CPU, a GraphRunner over one (every step captured) on CUDA."""
+
     def model_runner(max_seqs: int) -> ModelRunner:
-        return ModelRunner(config.model, device=config.device, dtype=_DTYPES[config.dtype],
-                           max_seqs=max_seqs, max_seq_len=config.max_seq_len, sites=site_settings(config),
-                           prefix_cache=config.prefix_cache == "on")
+        return ModelRunner(
+            config.model,
+            device=config.device,
+            dtype=_DTYPES[config.dtype],
+            max_seqs=max_seqs,
+            max_seq_len=config.max_seq_len,
+            sites=site_settings(config),
+            prefix_cache=config.prefix_cache == "on",
+        )
 
     max_batch = config.max_batch
     if config.device != "cuda":
@@ -60,8 +66,13 @@ def build_runner(config: EngineConfig) -> ModelRunner | GraphRunner:
         raise RuntimeError("CUDA is not available on this machine (--device cuda)")
     widths = (1,) + ((config.block_size + 1,) if config.speculation_on else ())
     buckets = tuple(sorted(set(b for b in DEFAULT_BUCKETS if b < max_batch) | {max_batch}))
-    graph = GraphRunner(model_runner(max_batch + 1), widths=widths, buckets=buckets, fused=config.fused == "on",
-                        use_graphs=config.cuda_graphs == "on")
+    graph = GraphRunner(
+        model_runner(max_batch + 1),
+        widths=widths,
+        buckets=buckets,
+        fused=config.fused == "on",
+        use_graphs=config.cuda_graphs == "on",
+    )
     graph.capture_all()
     return graph
 
@@ -76,8 +87,14 @@ def capture_drafter(decoder: SpeculativeDecoder, target: ModelRunner | GraphRunn
     inner = drafter.runner
     if not isinstance(inner, ModelRunner) or drafter.forward_kwargs:  # a GraphRunner already, or layerskip
         return False
-    graph = GraphRunner(inner, widths=(1,), buckets=target.buckets, fused=target.fused,
-                        use_graphs=target.use_graphs, kernel_backend=target.static_model.backend)
+    graph = GraphRunner(
+        inner,
+        widths=(1,),
+        buckets=target.buckets,
+        fused=target.fused,
+        use_graphs=target.use_graphs,
+        kernel_backend=target.static_model.backend,
+    )
     if graph.use_graphs:
         graph.capture_all()
     drafter.runner = graph

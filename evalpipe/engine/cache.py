@@ -59,8 +59,19 @@ class LayerPool:
 
 
 class StatePools:
-    def __init__(self, config, *, max_seqs: int, max_seq_len: int, device, dtype, rollback_margin: int = 32,
-                 page_tokens: int | None = None, num_pages: int | None = None, prefix_tails: bool = False):
+    def __init__(
+        self,
+        config,
+        *,
+        max_seqs: int,
+        max_seq_len: int,
+        device,
+        dtype,
+        rollback_margin: int = 32,
+        page_tokens: int | None = None,
+        num_pages: int | None = None,
+        prefix_tails: bool = False,
+    ):
         self.max_seqs, self.max_seq_len, self.margin = max_seqs, max_seq_len, rollback_margin
         self.device, self.dtype = torch.device(device), dtype
         ratios = [compress_ratio(config, t) for t in config.layer_types if t != SLIDING]
@@ -100,8 +111,9 @@ class StatePools:
         ring = torch.zeros(self.max_seqs * ring_size, 2 * proj_dim, **kw)
         entries = torch.zeros((self.num_pages + 1) * self.page_tokens // ratio, entry_dim, **kw)
         tail_rows = min(lookback, self.page_tokens)
-        return CompressorPool(ratio, lookback, ring_size, ring, entries, self._tail(tail_rows, 2 * proj_dim, **kw),
-                              tail_rows)
+        return CompressorPool(
+            ratio, lookback, ring_size, ring, entries, self._tail(tail_rows, 2 * proj_dim, **kw), tail_rows
+        )
 
     def _tail(self, rows: int, dim: int, **kw) -> torch.Tensor | None:
         """Uninitialised on purpose: a tail row is read only after a forward wrote it (untouched memory of a large
@@ -167,13 +179,26 @@ class StatePools:
         """(ring, ring_size, tail, tail_rows, look-back) of every ring that has a tail."""
         for pool in self.layers:
             if pool.window_tail is not None:
-                yield pool.window, self.window_ring, pool.window_tail, self.window_tail_rows, self.window_ring - self.margin
+                yield (
+                    pool.window,
+                    self.window_ring,
+                    pool.window_tail,
+                    self.window_tail_rows,
+                    self.window_ring - self.margin,
+                )
             for comp in (pool.compressor, pool.indexer):
                 if comp is not None and comp.tail is not None:
                     yield comp.ring, comp.ring_size, comp.tail, comp.tail_rows, comp.lookback
 
-    def _ring_tail_index(self, seq: int, pages: list[int], start: int, end: int, ring_size: int, tail_rows: int,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ring_tail_index(
+        self,
+        seq: int,
+        pages: list[int],
+        start: int,
+        end: int,
+        ring_size: int,
+        tail_rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(ring cells, tail rows) of the positions [start, end) of `seq` that the tails keep."""
         P = self.page_tokens
         x = torch.arange(max(0, start), end)
@@ -257,10 +282,17 @@ class StatePools:
     def describe(self) -> dict:
         nbytes = sum(t.numel() * t.element_size() for t in self._tensors())
         cached = self.cache.evictable if self.cache is not None else 0
-        return {"max_seqs": self.max_seqs, "max_seq_len": self.max_seq_len, "page_tokens": self.page_tokens,
-                "num_pages": self.num_pages, "free_pages": len(self.free_pages) + cached,
-                "cached_idle_pages": cached,
-                "window_ring": self.window_ring, "rollback_margin": self.margin, "state_bytes": nbytes}
+        return {
+            "max_seqs": self.max_seqs,
+            "max_seq_len": self.max_seq_len,
+            "page_tokens": self.page_tokens,
+            "num_pages": self.num_pages,
+            "free_pages": len(self.free_pages) + cached,
+            "cached_idle_pages": cached,
+            "window_ring": self.window_ring,
+            "rollback_margin": self.margin,
+            "state_bytes": nbytes,
+        }
 
     def _tensors(self):
         for pool in self.layers:

@@ -72,8 +72,11 @@ class PlainDecoder(Decoder):
         return {"debug_faults": list(self.debug_faults)} if self.debug_faults else None
 
     def describe(self) -> dict:
-        return {"mode": "off", "simulate_acc_len": None,
-                **({"debug_faults": list(self.debug_faults)} if self.debug_faults else {})}
+        return {
+            "mode": "off",
+            "simulate_acc_len": None,
+            **({"debug_faults": list(self.debug_faults)} if self.debug_faults else {}),
+        }
 
 
 class Engine:
@@ -113,8 +116,17 @@ class Engine:
         )
         self.allocated_slots = 0
         self.last_step_at = 0.0  # time.monotonic() of the last completed forward
-        self.stats = {"requests": 0, "steps": 0, "overlapped_steps": 0, "prefill_steps": 0, "prompt_tokens": 0,
-                      "prefilled_tokens": 0, "generated_tokens": 0, "aborted": 0, "cached_tokens": 0}
+        self.stats = {
+            "requests": 0,
+            "steps": 0,
+            "overlapped_steps": 0,
+            "prefill_steps": 0,
+            "prompt_tokens": 0,
+            "prefilled_tokens": 0,
+            "generated_tokens": 0,
+            "aborted": 0,
+            "cached_tokens": 0,
+        }
         self._aborts: list[Sequence] = []
         self.overlap = bool(overlap) and runner.decodes_async
         if prefill_delay_factor < 0:
@@ -209,8 +221,7 @@ class Engine:
                 slots.append(seq.slot)
                 rows.append(self.decoder.propose(seq))
             started = self._clock()
-            all_logits = self.decoder.all_logits or any(c.seq.params.prompt_logprobs is not None
-                                                        for c in plan.prefills)
+            all_logits = self.decoder.all_logits or any(c.seq.params.prompt_logprobs is not None for c in plan.prefills)
             logits = self.runner.forward(slots, rows, all_logits=all_logits)
             self._cache_prompts(plan)
             committed = self._commit_tokens(plan, rows, logits, all_logits)
@@ -234,9 +245,13 @@ class Engine:
     # -- overlap schedule --------------------------------------------------------------------------
     def _async_ok(self, plan: StepPlan) -> bool:
         """Whether this step may be queued without reading its tokens now (see the module docstring)."""
-        return (self.overlap and not plan.prefills and self.decoder.one_row_greedy
-                and self.runner.can_decode_async(len(plan.decodes))
-                and all(_greedy_plain(seq.params) for seq in plan.decodes))
+        return (
+            self.overlap
+            and not plan.prefills
+            and self.decoder.one_row_greedy
+            and self.runner.can_decode_async(len(plan.decodes))
+            and all(_greedy_plain(seq.params) for seq in plan.decodes)
+        )
 
     def _admit_now(self) -> bool:
         """Whether this step may admit waiting prompts. With a prefill delay factor F > 0, while sequences decode,
@@ -318,8 +333,9 @@ class Engine:
                 if chunk.seq.slot is not None:
                     cache.cache(chunk.seq.slot, chunk.seq.num_prefilled)
 
-    def _commit_tokens(self, plan: StepPlan, rows: list[list[int]], logits: torch.Tensor,
-                       all_logits: bool) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
+    def _commit_tokens(
+        self, plan: StepPlan, rows: list[list[int]], logits: torch.Tensor, all_logits: bool
+    ) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
         """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""
         out: dict[Sequence, tuple[list[int], torch.Tensor]] = {}
         offset = 0
@@ -327,9 +343,9 @@ class Engine:
         argmax = StepArgmax(logits)  # greedy rows without a grammar: one host read for the whole step
         for chunk, w in zip(plan.prefills, width):
             if chunk.seq.params.prompt_logprobs is not None:
-                self._score_prompt_chunk(chunk, logits[offset: offset + w])
+                self._score_prompt_chunk(chunk, logits[offset : offset + w])
             if chunk.last:
-                row = logits[offset + w - 1: offset + w]
+                row = logits[offset + w - 1 : offset + w]
                 constraint = chunk.seq.matcher
                 banned = chunk.seq.params.bans_stops(0)
                 if constraint is None and chunk.seq.params.greedy and not banned:
@@ -342,14 +358,15 @@ class Engine:
                     constraint.commit([token])
                 out[chunk.seq] = ([token], row)
             offset += w
-        decode_rows = rows[len(plan.prefills):]
-        for seq, w, fed in zip(plan.decodes, width[len(plan.prefills):], decode_rows):
-            seq_rows = logits[offset: offset + w]
+        decode_rows = rows[len(plan.prefills) :]
+        for seq, w, fed in zip(plan.decodes, width[len(plan.prefills) :], decode_rows):
+            seq_rows = logits[offset : offset + w]
             constraint = seq.matcher
             banned = seq.params.bans_stops(len(seq.output))
             if constraint is None and not banned:
-                tokens = self.decoder.accept(seq, seq_rows,
-                                             argmax.rows(offset, offset + w) if seq.params.greedy else None)
+                tokens = self.decoder.accept(
+                    seq, seq_rows, argmax.rows(offset, offset + w) if seq.params.greedy else None
+                )
             else:  # row i scores the token after fed[:i + 1]; fed[1:] are the drafts (none in plain decoding)
                 masked = constraint.mask(seq_rows, fed[1:]) if constraint is not None else seq_rows
                 tokens = self.decoder.accept(seq, self._ban_stops(seq, masked) if banned else masked)
@@ -377,7 +394,7 @@ class Engine:
         left to the output path. The first prompt token has no logprob (None)."""
         seq = chunk.seq
         start = seq.num_prefilled - len(chunk.tokens)
-        targets = seq.prompt[start + 1: start + 1 + len(chunk.tokens)]
+        targets = seq.prompt[start + 1 : start + 1 + len(chunk.tokens)]
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None] if start == 0 else []
         scored = seq.prompt_logprobs
@@ -388,8 +405,7 @@ class Engine:
         pairs = token_logprobs(rows, ids, seq.params.prompt_logprobs)
         logp = torch.log_softmax(rows.float(), dim=-1)
         ranks = (logp > logp.gather(-1, ids.view(-1, 1))).sum(-1).add(1).tolist()  # vLLM's rank: 1 = the argmax
-        scored.extend({"id": t, "logprob": lp, "rank": r, "top": top}
-                      for t, (lp, top), r in zip(targets, pairs, ranks))
+        scored.extend({"id": t, "logprob": lp, "rank": r, "top": top} for t, (lp, top), r in zip(targets, pairs, ranks))
 
     # -- output processing -----------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None) -> None:
@@ -419,22 +435,32 @@ class Engine:
         if reason is not None and not stop_hit:
             seq.text += seq.detokenizer.flush()
         end = len(seq.text) if reason is not None else len(seq.text) - _stop_holdback(seq.text, params.stop)
-        delta = seq.text[seq.sent:max(end, seq.sent)]
+        delta = seq.text[seq.sent : max(end, seq.sent)]
         seq.sent = max(end, seq.sent)
         lps = None
         if params.logprobs is not None:
-            pairs = token_logprobs(logit_rows[: len(taken)], torch.tensor(taken, device=logit_rows.device),
-                                   params.logprobs)
+            pairs = token_logprobs(
+                logit_rows[: len(taken)], torch.tensor(taken, device=logit_rows.device), params.logprobs
+            )
             lps = [{"id": t, "logprob": lp, "top": top} for t, (lp, top) in zip(taken, pairs)]
         self.stats["generated_tokens"] += len(taken)
         if reason is not None:
             self._finish(seq, reason, notify=False)
-        self._send(seq, SeqEvent(
-            index=seq.index, token_ids=taken, text=delta, logprobs=lps, completion_tokens=len(seq.output),
-            finish_reason=reason, matched_stop=seq.matched_stop if reason else None,
-            spec=self.decoder.stats(seq), cached_tokens=seq.cached_tokens,
-            prompt_logprobs=seq.prompt_logprobs,
-        ))
+        self._send(
+            seq,
+            SeqEvent(
+                index=seq.index,
+                token_ids=taken,
+                text=delta,
+                logprobs=lps,
+                completion_tokens=len(seq.output),
+                finish_reason=reason,
+                matched_stop=seq.matched_stop if reason else None,
+                spec=self.decoder.stats(seq),
+                cached_tokens=seq.cached_tokens,
+                prompt_logprobs=seq.prompt_logprobs,
+            ),
+        )
         seq.prompt_logprobs = None
 
     def _find_stop(self, seq: Sequence) -> bool:
@@ -457,10 +483,20 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, *, notify: bool = True, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
         if notify:
-            self._send(seq, SeqEvent(
-                index=seq.index, token_ids=[], text="", logprobs=None, completion_tokens=len(seq.output),
-                finish_reason=reason, spec=self.decoder.stats(seq), error=error, cached_tokens=seq.cached_tokens,
-            ))
+            self._send(
+                seq,
+                SeqEvent(
+                    index=seq.index,
+                    token_ids=[],
+                    text="",
+                    logprobs=None,
+                    completion_tokens=len(seq.output),
+                    finish_reason=reason,
+                    spec=self.decoder.stats(seq),
+                    error=error,
+                    cached_tokens=seq.cached_tokens,
+                ),
+            )
 
     def _send(self, seq: Sequence, event: SeqEvent) -> None:
         """Hand `event` to the sequence's listener. With a stream interval N > 1, events after the one with the
@@ -471,8 +507,13 @@ class Engine:
         held, seq.held = seq.held, None
         if held is not None:
             event = held.then(event)
-        if (self.stream_interval > 1 and event.finish_reason is None and event.error is None
-                and len(event.token_ids) < self.stream_interval and len(seq.output) > len(event.token_ids)):
+        if (
+            self.stream_interval > 1
+            and event.finish_reason is None
+            and event.error is None
+            and len(event.token_ids) < self.stream_interval
+            and len(seq.output) > len(event.token_ids)
+        ):
             seq.held = event
             return
         try:
@@ -520,7 +561,11 @@ def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
 
 
 def make_sequences(
-    prompt: list[int], params: SamplingParams, n: int, on_event: Callable[[SeqEvent], None], first_index: int = 0,
+    prompt: list[int],
+    params: SamplingParams,
+    n: int,
+    on_event: Callable[[SeqEvent], None],
+    first_index: int = 0,
 ) -> list[Sequence]:
     """n choices of one prompt; with a seed, choice i samples with seed + i so the choices differ yet repeat."""
     seqs = []

@@ -50,6 +50,8 @@ def batch_variant_linear(h, weight):
     chunks = split_k_chunks(h.shape[0])
     if chunks == 1:
         return F.linear(h, weight)
-    parts = [F.linear(hc, wc).to(torch.bfloat16).float()
-             for hc, wc in zip(h.chunk(chunks, dim=-1), weight.chunk(chunks, dim=-1))]
+    parts = [
+        F.linear(hc, wc).to(torch.bfloat16).float()
+        for hc, wc in zip(h.chunk(chunks, dim=-1), weight.chunk(chunks, dim=-1))
+    ]
     return torch.stack(parts).sum(0)

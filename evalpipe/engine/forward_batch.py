@@ -46,8 +46,9 @@ class RowRope:
 
 
 class ForwardBatch(RowRope):
-    def __init__(self, pools: StatePools, slots: list[int], starts: list[int], counts: list[int],
-                 input_ids: torch.Tensor):
+    def __init__(
+        self, pools: StatePools, slots: list[int], starts: list[int], counts: list[int], input_ids: torch.Tensor
+    ):
         dev = pools.device
         self.pools = pools
         self.input_ids = input_ids
@@ -70,8 +71,16 @@ class ForwardBatch(RowRope):
         for n, reqs in by_count.items():
             idx = torch.tensor(reqs)
             rows = torch.tensor(offsets[:-1])[idx][:, None] + torch.arange(n)[None]
-            self.groups.append(Group(n, slots_t[idx].to(dev), starts_t[idx].to(dev), rows.to(dev),
-                                     row_pos[rows].to(dev), host_starts=[starts[i] for i in reqs]))
+            self.groups.append(
+                Group(
+                    n,
+                    slots_t[idx].to(dev),
+                    starts_t[idx].to(dev),
+                    rows.to(dev),
+                    row_pos[rows].to(dev),
+                    host_starts=[starts[i] for i in reqs],
+                )
+            )
         self._host_pos, self._host_slot = row_pos, slots_t[row_req]
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tail_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -125,8 +134,9 @@ class WindowPlan:
     out_rows: torch.Tensor  # [G, nw] pool rows to write (trash page for padding windows)
 
 
-def window_plan(group: Group, pools: StatePools, ratio: int, lookback: int, ring_size: int,
-                overlap: bool) -> WindowPlan | None:
+def window_plan(
+    group: Group, pools: StatePools, ratio: int, lookback: int, ring_size: int, overlap: bool
+) -> WindowPlan | None:
     """None when no request of the group completes a window (3 of 4 decode steps at ratio 4)."""
     key = ("plan", ratio, lookback, ring_size, overlap)
     if key in group.memo:

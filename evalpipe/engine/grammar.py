@@ -44,8 +44,11 @@ class GrammarError(ValueError):
 
 def call_schema(name: str, parameters: dict) -> dict:
     """The JSON of one tool call: the function's name fixed, its arguments matching its parameters schema."""
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
-            "required": ["name", "arguments"]}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
+        "required": ["name", "arguments"],
+    }
 
 
 class Grammars:
@@ -98,15 +101,26 @@ def _compile(compiler: xgr.GrammarCompiler, grammar: GrammarConstraint) -> xgr.C
     payload = json.loads(grammar.payload)
     if grammar.kind == "json":
         schema = payload if payload is not None else {"type": "object"}
-        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS,
-                                            strict_mode=False if payload is None else True)
+        return compiler.compile_json_schema(
+            json.dumps(schema),
+            any_whitespace=False,
+            separators=JSON_SEPARATORS,
+            strict_mode=False if payload is None else True,
+        )
     if grammar.kind == "tool_calls":
         one_of = []
         for name, parameters in payload["calls"]:
-            ebnf = str(xgr.Grammar.from_json_schema(json.dumps(call_schema(name, parameters)), any_whitespace=False,
-                                                    separators=JSON_SEPARATORS))
-            one_of.append({"type": "sequence", "elements": [{"type": "token", "token": payload["marker"]},
-                                                            {"type": "grammar", "grammar": ebnf}]})
+            ebnf = str(
+                xgr.Grammar.from_json_schema(
+                    json.dumps(call_schema(name, parameters)), any_whitespace=False, separators=JSON_SEPARATORS
+                )
+            )
+            one_of.append(
+                {
+                    "type": "sequence",
+                    "elements": [{"type": "token", "token": payload["marker"]}, {"type": "grammar", "grammar": ebnf}],
+                }
+            )
         call = one_of[0] if len(one_of) == 1 else {"type": "or", "elements": one_of}
         fmt = {"type": "plus", "content": call} if payload["parallel"] else call
         return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
@@ -133,8 +147,9 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
     import xgrammar as xgr
 
     if isinstance(tokenizer, HFTokenizer):
-        return xgr.TokenizerInfo.from_huggingface(tokenizer.hf_tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=[tokenizer.eos_token_id])
+        return xgr.TokenizerInfo.from_huggingface(
+            tokenizer.hf_tokenizer, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id]
+        )
     named = {tokenizer.tool_call_token_id}
     special = set(tokenizer.special_token_ids)
     vocab = []
@@ -145,8 +160,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
             vocab.append(b"")
         else:
             vocab.append(tokenizer.token_bytes(i))
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                             stop_token_ids=[tokenizer.eos_token_id])
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id])
 
 
 class GrammarViolation(RuntimeError):

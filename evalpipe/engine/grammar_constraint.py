@@ -24,8 +24,9 @@ class GrammarConstraint:
 
     @classmethod
     def tool_calls(cls, marker: int, calls: list[tuple[str, dict]], parallel: bool) -> "GrammarConstraint":
-        return cls("tool_calls", _canonical({"marker": marker, "calls": [[n, p] for n, p in calls],
-                                             "parallel": parallel}))
+        return cls(
+            "tool_calls", _canonical({"marker": marker, "calls": [[n, p] for n, p in calls], "parallel": parallel})
+        )
 
     @classmethod
     def forbid(cls, token_ids: list[int]) -> "GrammarConstraint":

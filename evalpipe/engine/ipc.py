@@ -64,13 +64,22 @@ class SeqEvent:
     def then(self, later: "SeqEvent") -> "SeqEvent":
         """This event followed by `later` of the same sequence, as one event (a reader that fell behind sends
         what both steps released in one chunk; per-token fields are concatenated, the rest is `later`'s)."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return SeqEvent(index=later.index, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
-                        logprobs=logprobs, completion_tokens=later.completion_tokens,
-                        finish_reason=later.finish_reason, matched_stop=later.matched_stop, spec=later.spec,
-                        error=later.error, cached_tokens=later.cached_tokens,
-                        prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+        logprobs = (
+            None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
+        )
+        return SeqEvent(
+            index=later.index,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=logprobs,
+            completion_tokens=later.completion_tokens,
+            finish_reason=later.finish_reason,
+            matched_stop=later.matched_stop,
+            spec=later.spec,
+            error=later.error,
+            cached_tokens=later.cached_tokens,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 @dataclass

@@ -37,8 +37,11 @@ COMPILE_POLL_MS = 5  # while a grammar compiles on the worker thread
 STATS_INTERVAL_S = 10.0  # a busy engine logs its throughput this often (INFO: `evalpipe serve --log-level info`)
 
 
-def build_engine(config: EngineConfig, build: Callable[[EngineConfig], tuple[Runner, Decoder | None]],
-                 tokenizer_factory: Callable[[EngineConfig], Tokenizer]) -> Engine:
+def build_engine(
+    config: EngineConfig,
+    build: Callable[[EngineConfig], tuple[Runner, Decoder | None]],
+    tokenizer_factory: Callable[[EngineConfig], Tokenizer],
+) -> Engine:
     if config.device == "cpu":
         import torch
 
@@ -48,10 +51,18 @@ def build_engine(config: EngineConfig, build: Callable[[EngineConfig], tuple[Run
     vocab = runner.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
-    return Engine(runner, tokenizer, max_batch=config.max_batch, max_tokens_per_step=config.max_tokens_per_step,
-                  max_queue=config.max_queue, decoder=decoder, exhausted=(PoolExhausted,),
-                  overlap=config.overlap_schedule == "on", prefill_delay_factor=config.prefill_delay_factor,
-                  stream_interval=config.stream_interval)
+    return Engine(
+        runner,
+        tokenizer,
+        max_batch=config.max_batch,
+        max_tokens_per_step=config.max_tokens_per_step,
+        max_queue=config.max_queue,
+        decoder=decoder,
+        exhausted=(PoolExhausted,),
+        overlap=config.overlap_schedule == "on",
+        prefill_delay_factor=config.prefill_delay_factor,
+        stream_interval=config.stream_interval,
+    )
 
 
 def ready_message(config: EngineConfig, engine: Engine) -> ipc.Ready:
@@ -67,9 +78,15 @@ def ready_message(config: EngineConfig, engine: Engine) -> ipc.Ready:
     if runner.fused_sites is not None:
         static["fused_sites"] = runner.fused_sites
     return ipc.Ready(
-        pid=os.getpid(), model_id=runner.model_name or config.model or DEFAULT_MODEL_NAME,
-        max_seq_len=runner.max_seq_len, vocab_size=int(cfg.vocab_size), bos_token_id=bos,
-        max_queue=engine.scheduler.max_queue, grammar_blocker=engine.grammar_blocker(), static_info=static)
+        pid=os.getpid(),
+        model_id=runner.model_name or config.model or DEFAULT_MODEL_NAME,
+        max_seq_len=runner.max_seq_len,
+        vocab_size=int(cfg.vocab_size),
+        bos_token_id=bos,
+        max_queue=engine.scheduler.max_queue,
+        grammar_blocker=engine.grammar_blocker(),
+        static_info=static,
+    )
 
 
 class EngineLoop:
@@ -193,17 +210,20 @@ class EngineLoop:
                 self.send.send_pyobj(ipc.Reply(call_id, result=True))
             else:
                 kind = "grammar" if isinstance(exc, GrammarError) else None
-                self.send.send_pyobj(ipc.Reply(call_id, error=str(exc) if kind else f"{type(exc).__name__}: {exc}",
-                                               error_kind=kind))
+                self.send.send_pyobj(
+                    ipc.Reply(call_id, error=str(exc) if kind else f"{type(exc).__name__}: {exc}", error_kind=kind)
+                )
 
     def _describe(self) -> dict:
         """The moving parts of /get_server_info, as of the last step."""
         runner = self.engine.runner
-        out: dict = {"engine": self.engine.describe(), "runner": _safe(runner.describe),
-                               "speculative": dict(self.engine.decoder.describe()),
-                               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-                               "last_step_age_s": (time.monotonic() - self.engine.last_step_at
-                                                   if self.engine.last_step_at else None)}
+        out: dict = {
+            "engine": self.engine.describe(),
+            "runner": _safe(runner.describe),
+            "speculative": dict(self.engine.decoder.describe()),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            "last_step_age_s": (time.monotonic() - self.engine.last_step_at if self.engine.last_step_at else None),
+        }
         if runner.fused_sites is not None:
             from evalpipe.engine.model.fused_sites import site_counts
 
@@ -249,12 +269,22 @@ class StepWindow:
         if self.steps and wall > 0 and log.isEnabledFor(logging.INFO):
             grew = {k: v - self.base.get(k, 0) for k, v in self.engine.stats.items()}
             chunked, prefilled = grew["prefill_steps"], grew["prefilled_tokens"]
-            log.info("engine: %d running, %d waiting; last %.1f s: %d steps (%d overlapped, %d with prompt chunks, "
-                     "%.0f prompt rows each), %.0f generated tok/s, %.0f prefilled tok/s, %.2f ms per loop of which "
-                     "Engine.step %.2f ms", self.engine.scheduler.num_running, self.engine.scheduler.num_waiting, wall,
-                     self.steps, grew["overlapped_steps"], chunked,
-                     prefilled / chunked if chunked else 0.0, grew["generated_tokens"] / wall,
-                     prefilled / wall, wall / self.steps * 1e3, self.step_s / self.steps * 1e3)
+            log.info(
+                "engine: %d running, %d waiting; last %.1f s: %d steps (%d overlapped, %d with prompt chunks, "
+                "%.0f prompt rows each), %.0f generated tok/s, %.0f prefilled tok/s, %.2f ms per loop of which "
+                "Engine.step %.2f ms",
+                self.engine.scheduler.num_running,
+                self.engine.scheduler.num_waiting,
+                wall,
+                self.steps,
+                grew["overlapped_steps"],
+                chunked,
+                prefilled / chunked if chunked else 0.0,
+                grew["generated_tokens"] / wall,
+                prefilled / wall,
+                wall / self.steps * 1e3,
+                self.step_s / self.steps * 1e3,
+            )
         self._reset(now)
 
 

@@ -40,8 +40,7 @@ class PrefixCache:
         self._by_key: dict[tuple, Node] = {}
         self._by_page: dict[int, Node] = {}
         self._parked: OrderedDict[int, None] = OrderedDict()
-        self.stats = {"lookups": 0, "hits": 0, "hit_tokens": 0, "inserted_pages": 0, "evicted_pages": 0,
-                      "flushes": 0}
+        self.stats = {"lookups": 0, "hits": 0, "hit_tokens": 0, "inserted_pages": 0, "evicted_pages": 0, "flushes": 0}
 
     # ---- lookup and insertion --------------------------------------------------------------------------------
     def match(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
@@ -49,7 +48,7 @@ class PrefixCache:
         P = self.page_tokens
         pages, parent = [], ROOT
         for i in range(max(0, limit) // P):
-            node = self._by_key.get((parent, tuple(tokens[i * P:(i + 1) * P])))
+            node = self._by_key.get((parent, tuple(tokens[i * P : (i + 1) * P])))
             if node is None:
                 break
             pages.append(node.page)
@@ -70,7 +69,7 @@ class PrefixCache:
         P = self.page_tokens
         i = start
         while (i + 1) * P <= len(tokens) and i < len(pages):
-            key = (parent, tuple(tokens[i * P:(i + 1) * P]))
+            key = (parent, tuple(tokens[i * P : (i + 1) * P]))
             node = self._by_key.get(key)
             if node is None and pages[i] not in self._by_page:
                 node = Node(next(self._ids), pages[i], key)
@@ -124,5 +123,10 @@ class PrefixCache:
         del self._by_key[node.key]
 
     def describe(self) -> dict:
-        return {"enabled": True, "page_tokens": self.page_tokens, "cached_pages": len(self._by_page),
-                "idle_pages": len(self._parked), **self.stats}
+        return {
+            "enabled": True,
+            "page_tokens": self.page_tokens,
+            "cached_pages": len(self._by_page),
+            "idle_pages": len(self._parked),
+            **self.stats,
+        }

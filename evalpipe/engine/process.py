@@ -26,8 +26,14 @@ from evalpipe.engine.config import EngineConfig
 log = logging.getLogger("evalpipe.engine")
 
 
-def main(config: EngineConfig, build: Callable, tokenizer_factory: Callable, inbox: str, outbox: str,
-         log_level: int = logging.WARNING) -> None:
+def main(
+    config: EngineConfig,
+    build: Callable,
+    tokenizer_factory: Callable,
+    inbox: str,
+    outbox: str,
+    log_level: int = logging.WARNING,
+) -> None:
     """Entry point of the spawned process: build the engine, report Ready (or LoadFailed and exit 1), then loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()

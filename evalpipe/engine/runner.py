@@ -80,26 +80,51 @@ class RunnerPrefixCache:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_seqs: int = 64, max_seq_len: int = 4096, rollback_margin: int = 32,
-                 num_pages: int | None = None, sites: SiteSettings | None = None, prefix_cache: bool = False,
-                 page_tokens: int | None = None):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_seqs: int = 64,
+        max_seq_len: int = 4096,
+        rollback_margin: int = 32,
+        num_pages: int | None = None,
+        sites: SiteSettings | None = None,
+        prefix_cache: bool = False,
+        page_tokens: int | None = None,
+    ):
         path, self.model_name = resolve_model(model_path)  # None: the default (trained) model
         self.model_path = str(path)
         self.config = load_config(path)
         self.device, self.dtype = torch.device(device), dtype
         self.max_seq_len, self.max_seqs = int(max_seq_len), int(max_seqs)
-        self.model = DeepseekV4Model(self.config, load_state_dict(path), dtype=dtype, device=self.device,
-                                     max_positions=self.max_seq_len, sites=sites)
+        self.model = DeepseekV4Model(
+            self.config,
+            load_state_dict(path),
+            dtype=dtype,
+            device=self.device,
+            max_positions=self.max_seq_len,
+            sites=sites,
+        )
         self.fused_sites = sites.describe(self.model) if sites is not None else None  # /get_server_info
         self._new_state(rollback_margin, num_pages, page_tokens, prefix_cache)
 
-    def _new_state(self, rollback_margin: int, num_pages: int | None, page_tokens: int | None,
-                   prefix_cache: bool) -> None:
+    def _new_state(
+        self, rollback_margin: int, num_pages: int | None, page_tokens: int | None, prefix_cache: bool
+    ) -> None:
         """Empty state pools, slots and (optionally) prefix cache for this runner's model."""
-        self.pools = StatePools(self.config, max_seqs=self.max_seqs, max_seq_len=self.max_seq_len,
-                                device=self.device, dtype=self.dtype, rollback_margin=rollback_margin,
-                                num_pages=num_pages, page_tokens=page_tokens, prefix_tails=prefix_cache)
+        self.pools = StatePools(
+            self.config,
+            max_seqs=self.max_seqs,
+            max_seq_len=self.max_seq_len,
+            device=self.device,
+            dtype=self.dtype,
+            rollback_margin=rollback_margin,
+            num_pages=num_pages,
+            page_tokens=page_tokens,
+            prefix_tails=prefix_cache,
+        )
         self.prefix_cache = RunnerPrefixCache(self) if prefix_cache else None
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._tokens: dict[int, list[int]] = {}  # per live slot: every appended token (for deep rollbacks)
@@ -228,7 +253,7 @@ class ModelRunner:
         self.pools.shrink(seq, 0)
         chunk = 512
         for i in range(0, new_len, chunk):
-            self.forward([seq], [kept[i:i + chunk]])
+            self.forward([seq], [kept[i : i + chunk]])
 
     def describe(self) -> dict:
         c = self.config

@@ -81,7 +81,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(sample(sampling_probs(logits, params), generator))
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_k: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per row: (logprob of the chosen token, the top_k (id, logprob) pairs) from the raw model distribution.
 
     Logprobs are those of the model itself (log-softmax of the raw logits, before temperature or truncation),

@@ -4,7 +4,8 @@ Every step, each sequence that has finished its prompt gets `decode_width` rows 
 for a speculative verify); the rest of the `max_tokens_per_step` row budget goes to prompt chunks, first of
 sequences already admitted, then of new ones taken FIFO from the waiting queue while fewer than `max_batch`
 are running and the runner still has a free slot. A newly admitted sequence first asks `attach` how many of its
-prompt tokens the runner already holds (a prefix-cache hit) and prefills only the rest. The queue is bounded: `add` raises `QueueFull` beyond
+prompt tokens the runner already holds (a prefix-cache hit) and prefills only the rest. The queue is bounded: `add`
+raises `QueueFull` beyond
 `max_queue` waiting sequences. Runner slots are taken at admission and given back at once on finish or abort.
 """
 

@@ -19,9 +19,22 @@ from typing import Any
 import jinja2
 
 SPECIAL_TOKENS = [
-    "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>", "<|pad|>",
-    "<|end|>", "<|tool|>", "<|tool_call|>", "<|reserved_11|>", "<|reserved_12|>", "<|reserved_13|>",
-    "<|reserved_14|>", "<|reserved_15|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<think>",
+    "</think>",
+    "<|pad|>",
+    "<|end|>",
+    "<|tool|>",
+    "<|tool_call|>",
+    "<|reserved_11|>",
+    "<|reserved_12|>",
+    "<|reserved_13|>",
+    "<|reserved_14|>",
+    "<|reserved_15|>",
 ]
 BYTE_OFFSET = len(SPECIAL_TOKENS)
 BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
@@ -46,10 +59,11 @@ BYTE_CHAT_TEMPLATE = (
     "{%- else -%}<|assistant|>{%- endif -%}"
     "{{ m.content or '' }}"
     "{%- for c in (m.tool_calls or []) -%}"
-    "<|tool_call|>{\"name\": {{ c.function.name | tojson }}, \"arguments\": {{ c.function.arguments }}}"
+    '<|tool_call|>{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments }}}'
     "{%- endfor -%}<|end|>"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>{%- if thinking or enable_thinking -%}<think>{%- endif -%}{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>"
+    "{%- if thinking or enable_thinking -%}<think>{%- endif -%}{%- endif -%}"
 )
 
 
@@ -91,7 +105,7 @@ class ByteTokenizer:
         ids: list[int] = []
         pos = 0
         for m in self._special_re.finditer(text):
-            ids.extend(BYTE_OFFSET + b for b in text[pos:m.start()].encode("utf-8"))
+            ids.extend(BYTE_OFFSET + b for b in text[pos : m.start()].encode("utf-8"))
             ids.append(self._special_ids[m.group()])
             pos = m.end()
         ids.extend(BYTE_OFFSET + b for b in text[pos:].encode("utf-8"))
@@ -197,6 +211,7 @@ class HFTokenizer:
 
     def config(self) -> dict:
         """What its tokenizer_config.json said (vLLM's /tokenizer_info): file paths left out, tokens as strings."""
+
         def plain(value: Any) -> Any:
             if hasattr(value, "content"):  # an AddedToken
                 return value.content
@@ -206,8 +221,11 @@ class HFTokenizer:
                 return [plain(v) for v in value]
             return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
-        out = {k: plain(v) for k, v in (getattr(self._tok, "init_kwargs", None) or {}).items()
-               if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+        out = {
+            k: plain(v)
+            for k, v in (getattr(self._tok, "init_kwargs", None) or {}).items()
+            if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+        }
         out["tokenizer_class"] = type(self._tok).__name__
         template = getattr(self._tok, "chat_template", None)
         if isinstance(template, str):
@@ -228,18 +246,18 @@ class HFDetokenizer:
 
     def push(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-        new_text = self._tok.decode(self._ids[self._prefix:])
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        new_text = self._tok.decode(self._ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self._ids)
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         return ""
 
     def flush(self) -> str:
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-        new_text = self._tok.decode(self._ids[self._prefix:])
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        new_text = self._tok.decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

@@ -42,12 +42,14 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in SPECIAL_TOKENS if t not in VISIBLE_SPECIALS])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS if t not in VISIBLE_SPECIALS]
+    )
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS if t in VISIBLE_SPECIALS])
     bos = SPECIAL_TOKENS[0]
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
-                                                       special_tokens=[(bos, 0)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, 0)]
+    )
     return tok
 
 
@@ -55,8 +57,10 @@ def write_tokenizer_files(folder: str | Path) -> list[Path]:
     """Write tokenizer.json and tokenizer_config.json into `folder`, byte-identical on every run; each file is
     replaced whole (written beside, then renamed), so a reader never sees half of one."""
     folder = Path(folder)
-    texts = [json.dumps(json.loads(build_tokenizer().to_str()), indent=2, ensure_ascii=False, sort_keys=True),
-             json.dumps(byte_tokenizer_config(), indent=2, ensure_ascii=False)]
+    texts = [
+        json.dumps(json.loads(build_tokenizer().to_str()), indent=2, ensure_ascii=False, sort_keys=True),
+        json.dumps(byte_tokenizer_config(), indent=2, ensure_ascii=False),
+    ]
     paths = []
     for name, text in zip(TOKENIZER_FILES, texts):
         path = folder / name

@@ -60,9 +60,13 @@ def _profile(recs: list[dict]) -> Optional[dict]:
     per_position = [sum(totals[j:]) / steps for j in range(1, width)]
     tokens = sum(metrics.completion_tokens(r) or 0 for r, _ in pairs)
     lengths = [x for x in (metrics.accept_length(r) for r, _ in pairs) if x is not None]
-    return {"responses": len(pairs), "verify_steps": int(steps), "per_position": per_position,
-            "request_weighted_accept_length": statistics.fmean(lengths) if lengths else None,
-            "token_weighted_accept_length": tokens / steps if steps else None}
+    return {
+        "responses": len(pairs),
+        "verify_steps": int(steps),
+        "per_position": per_position,
+        "request_weighted_accept_length": statistics.fmean(lengths) if lengths else None,
+        "token_weighted_accept_length": tokens / steps if steps else None,
+    }
 
 
 def profile(recs: list[dict], spec_metrics: Any = None) -> Optional[dict]:
@@ -71,33 +75,52 @@ def profile(recs: list[dict], spec_metrics: Any = None) -> Optional[dict]:
     overall = _profile(ok)
     if overall is not None:
         buckets = {}
-        for name in sorted({_bucket(r) for r in ok}, key=lambda b: (b == "unknown", int(b.split("-")[0].rstrip("+"))
-                                                                    if b != "unknown" else 0)):
+        for name in sorted(
+            {_bucket(r) for r in ok},
+            key=lambda b: (b == "unknown", int(b.split("-")[0].rstrip("+")) if b != "unknown" else 0),
+        ):
             sub = _profile([r for r in ok if _bucket(r) == name])
             if sub is not None:
                 buckets[name] = sub
-        return {"source": "responses", **overall, "by_context_tokens": buckets,
-                "definitions": {"per_position": "share of verify steps that accepted at least j drafts",
-                                "request_weighted_accept_length": "mean over responses of tokens / verify steps",
-                                "token_weighted_accept_length": "all completion tokens / all verify steps"}}
+        return {
+            "source": "responses",
+            **overall,
+            "by_context_tokens": buckets,
+            "definitions": {
+                "per_position": "share of verify steps that accepted at least j drafts",
+                "request_weighted_accept_length": "mean over responses of tokens / verify steps",
+                "token_weighted_accept_length": "all completion tokens / all verify steps",
+            },
+        }
     per_pos = spec_metrics.get("acceptance_per_position") if isinstance(spec_metrics, dict) else None
     if per_pos:
-        return {"source": "metrics (run-level)", "per_position": list(per_pos), "responses": None,
-                "request_weighted_accept_length": None,
-                "token_weighted_accept_length": spec_metrics.get("mean_accept_length"), "by_context_tokens": {}}
+        return {
+            "source": "metrics (run-level)",
+            "per_position": list(per_pos),
+            "responses": None,
+            "request_weighted_accept_length": None,
+            "token_weighted_accept_length": spec_metrics.get("mean_accept_length"),
+            "by_context_tokens": {},
+        }
     return None
 
 
 def write_baseline(path: Path, acceptance: Optional[dict], server_info: Any) -> dict:
     """Write a baseline (the per-position rates and both means, with the server's speculative settings)."""
     if not acceptance or not acceptance.get("per_position"):
-        raise ValueError("the run has no per-position acceptance to save (speculation off, or the server reports "
-                         "no accept histogram and no per-position /metrics counters)")
+        raise ValueError(
+            "the run has no per-position acceptance to save (speculation off, or the server reports "
+            "no accept histogram and no per-position /metrics counters)"
+        )
     spec = server_info.get("speculative") if isinstance(server_info, dict) else None
-    baseline = {"schema": BASELINE_SCHEMA, "per_position": acceptance["per_position"],
-                "request_weighted_accept_length": acceptance.get("request_weighted_accept_length"),
-                "token_weighted_accept_length": acceptance.get("token_weighted_accept_length"),
-                "source": acceptance.get("source"), "server_speculative": spec}
+    baseline = {
+        "schema": BASELINE_SCHEMA,
+        "per_position": acceptance["per_position"],
+        "request_weighted_accept_length": acceptance.get("request_weighted_accept_length"),
+        "token_weighted_accept_length": acceptance.get("token_weighted_accept_length"),
+        "source": acceptance.get("source"),
+        "server_speculative": spec,
+    }
     Path(path).write_text(json.dumps(baseline, indent=2) + "\n")
     return baseline
 
@@ -120,21 +143,45 @@ def check_baseline(acceptance: Optional[dict], baseline: dict, rtol: float) -> d
     """Per position j: regressed when measured < baseline x (1 - rtol); the mean accept length (token-weighted, the
     one every source has) likewise. `regressed` is True when any of them is."""
     if not acceptance or not acceptance.get("per_position"):
-        return {"rtol": rtol, "regressed": True, "reason": "the candidate run has no per-position acceptance",
-                "positions": []}
+        return {
+            "rtol": rtol,
+            "regressed": True,
+            "reason": "the candidate run has no per-position acceptance",
+            "positions": [],
+        }
     rows = []
     for j, expected in enumerate(baseline["per_position"], start=1):
         got = acceptance["per_position"][j - 1] if j <= len(acceptance["per_position"]) else None
         low = expected * (1.0 - rtol)
-        rows.append({"position": j, "baseline": expected, "measured": got,
-                     "relative_change": (got - expected) / expected if got is not None and expected else None,
-                     "regressed": got is None or got < low})
-    mean = {"baseline": baseline.get("token_weighted_accept_length"),
-            "measured": acceptance.get("token_weighted_accept_length")}
-    mean["regressed"] = (isinstance(mean["baseline"], (int, float)) and isinstance(mean["measured"], (int, float))
-                         and mean["measured"] < mean["baseline"] * (1.0 - rtol))
+        rows.append(
+            {
+                "position": j,
+                "baseline": expected,
+                "measured": got,
+                "relative_change": (got - expected) / expected if got is not None and expected else None,
+                "regressed": got is None or got < low,
+            }
+        )
+    mean = {
+        "baseline": baseline.get("token_weighted_accept_length"),
+        "measured": acceptance.get("token_weighted_accept_length"),
+    }
+    mean["regressed"] = (
+        isinstance(mean["baseline"], (int, float))
+        and isinstance(mean["measured"], (int, float))
+        and mean["measured"] < mean["baseline"] * (1.0 - rtol)
+    )
     regressed = [r["position"] for r in rows if r["regressed"]]
-    return {"rtol": rtol, "positions": rows, "token_weighted_accept_length": mean,
-            "regressed": bool(regressed) or bool(mean["regressed"]),
-            "reason": (f"acceptance below baseline x (1 - {rtol:g}) at position(s) {regressed}" if regressed else
-                       "token-weighted accept length below baseline" if mean["regressed"] else "")}
+    return {
+        "rtol": rtol,
+        "positions": rows,
+        "token_weighted_accept_length": mean,
+        "regressed": bool(regressed) or bool(mean["regressed"]),
+        "reason": (
+            f"acceptance below baseline x (1 - {rtol:g}) at position(s) {regressed}"
+            if regressed
+            else "token-weighted accept length below baseline"
+            if mean["regressed"]
+            else ""
+        ),
+    }

@@ -37,15 +37,22 @@ def token_logprobs(logprobs: Any) -> list[dict] | None:
         if isinstance(logprobs.get("token_logprobs"), list):
             tokens = logprobs.get("tokens") or [None] * len(logprobs["token_logprobs"])
             tops = logprobs.get("top_logprobs") or [None] * len(tokens)
-            return [{"token": t, "logprob": lp, "top": _top_map(top)}
-                    for t, lp, top in zip(tokens, logprobs["token_logprobs"], tops)]
+            return [
+                {"token": t, "logprob": lp, "top": _top_map(top)}
+                for t, lp, top in zip(tokens, logprobs["token_logprobs"], tops)
+            ]
         return None
     if isinstance(logprobs, list):
         out = []
         for item in logprobs:
             if isinstance(item, dict):
-                out.append({"token": item.get("token", item.get("token_id")), "logprob": item.get("logprob"),
-                            "top": _top_map(item.get("top_logprobs"))})
+                out.append(
+                    {
+                        "token": item.get("token", item.get("token_id")),
+                        "logprob": item.get("logprob"),
+                        "top": _top_map(item.get("top_logprobs")),
+                    }
+                )
             elif isinstance(item, (int, float)) or item is None:
                 out.append({"token": None, "logprob": item, "top": {}})
             else:
@@ -111,8 +118,12 @@ def logprob_gap(rec_a: dict, rec_b: dict, pos: int) -> dict | None:
     pb = lb[pos] if lb and pos < len(lb) else None
     if pa is None and pb is None:
         return None
-    out: dict = {"logprob_a": pa and pa.get("logprob"), "logprob_b": pb and pb.get("logprob"),
-                 "token_a": pa and pa.get("token"), "token_b": pb and pb.get("token")}
+    out: dict = {
+        "logprob_a": pa and pa.get("logprob"),
+        "logprob_b": pb and pb.get("logprob"),
+        "token_a": pa and pa.get("token"),
+        "token_b": pb and pb.get("token"),
+    }
     if pa and pb and pb.get("token") is not None and str(pb["token"]) in pa["top"] and pa.get("logprob") is not None:
         out["gap"] = float(pa["logprob"] - pa["top"][str(pb["token"])])
         out["gap_kind"] = "lp_a(tok_a) - lp_a(tok_b)"

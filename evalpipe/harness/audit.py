@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from evalpipe.digest import file_sha256
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
 from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, close_values, compute_summary
 from evalpipe.lanes import Item, Lane, get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
-from evalpipe.digest import file_sha256
 from evalpipe.lanes.data import DataError, recorded_data_dir
 from evalpipe.lanes.grading import grade_text, grader_pool
 
@@ -76,8 +76,13 @@ class _Run:
     eff: dict  # start["lane"]["effective"]
 
 
-def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: Optional[float] = None,
-              grader_workers: int = 2, progress: bool = False) -> AuditReport:
+def audit_run(
+    run_dir: Path,
+    data_dir: Optional[Path] = None,
+    grader_timeout_s: Optional[float] = None,
+    grader_workers: int = 2,
+    progress: bool = False,
+) -> AuditReport:
     """Every check of the module docstring, in that order, on one run folder."""
     run_dir = Path(run_dir)
     checks = [Check(n) for n in ("records", "prompts", "grades", "complete", "summary", "manifest")]
@@ -90,8 +95,9 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
     if isinstance(man.get("imported"), dict):  # made by `evalpipe import`: checked for what its source recorded
         from evalpipe.harness.imports.check import audit_imported
 
-        again = audit_imported(run_dir, man, summ, {c.name: c for c in checks}, warnings, _regrade, grader_workers,
-                               progress)
+        again = audit_imported(
+            run_dir, man, summ, {c.name: c for c in checks}, warnings, _regrade, grader_workers, progress
+        )
         return AuditReport(run_dir, checks, warnings, again)
     try:
         lane = get_lane(man["lane"])
@@ -99,8 +105,9 @@ def audit_run(run_dir: Path, data_dir: Optional[Path] = None, grader_timeout_s: 
         eff = start["lane"]["effective"]
         start["dataset"]["path"], start["prompts"]["prompt_stream_sha256_selected"]
     except (KeyError, TypeError) as exc:
-        c_man.problems.append(f"manifest.json lacks the run's start snapshot ({type(exc).__name__}: {exc}); "
-                              "nothing to check against")
+        c_man.problems.append(
+            f"manifest.json lacks the run's start snapshot ({type(exc).__name__}: {exc}); nothing to check against"
+        )
         return AuditReport(run_dir, checks, warnings)
     run = _Run(run_dir, man, summ, lane, start, eff)
     records = check_records(run, c_rec)
@@ -127,8 +134,10 @@ def check_records(run: _Run, check: Check) -> list[dict]:
     if pinned is not None and path.exists():
         now = file_sha256(path)
         if now != pinned:
-            check.problems.append(f"responses.jsonl changed after the run finished: sha256 {now[:16]}..., "
-                                  f"manifest.json recorded {pinned[:16]}...")
+            check.problems.append(
+                f"responses.jsonl changed after the run finished: sha256 {now[:16]}..., "
+                f"manifest.json recorded {pinned[:16]}..."
+            )
     for i, r in enumerate(read.records):
         miss = missing_keys(r)
         if miss:
@@ -168,13 +177,15 @@ def check_prompts(run: _Run, records: list[dict], data_dir: Optional[Path], chec
         elif sent is None or prompt_sha256(sent) != it.prompt_sha256:
             check.problems.append(f"{where}: the request body's prompt is not the rebuilt prompt")
         if r["expected_answer"] != it.expected_answer:
-            check.problems.append(f"{r['question_id']}: expected_answer {r['expected_answer']!r} != gold "
-                                  f"{it.expected_answer!r}")
+            check.problems.append(
+                f"{r['question_id']}: expected_answer {r['expected_answer']!r} != gold {it.expected_answer!r}"
+            )
     return items
 
 
-def check_grades(run: _Run, records: list[dict], grader_timeout_s: Optional[float], workers: int, progress: bool,
-                 check: Check) -> None:
+def check_grades(
+    run: _Run, records: list[dict], grader_timeout_s: Optional[float], workers: int, progress: bool, check: Check
+) -> None:
     """Re-grade every record from its text and finish reason; answer, verdict, status and truncated flag agree."""
     timeout = grader_timeout_s or run.start.get("transport", {}).get("grader_timeout_s") or 30.0
     regraded = _regrade(run.lane.grader, records, timeout, workers, progress)
@@ -200,9 +211,11 @@ def check_complete(run: _Run, records: list[dict], items: list[Item], check: Che
     if dups:
         check.problems.append(f"{len(dups)} keys have more than one record, e.g. {dups[:MAX_SHOWN]}")
     if missing:
-        check.problems.append(f"{len(missing)} of {len(planned)} planned responses have no record"
-                              + (" (the run is partial)" if run.summ and run.summ.get("partial") else "")
-                              + f", e.g. {missing[:5]}")
+        check.problems.append(
+            f"{len(missing)} of {len(planned)} planned responses have no record"
+            + (" (the run is partial)" if run.summ and run.summ.get("partial") else "")
+            + f", e.g. {missing[:5]}"
+        )
     if unplanned:
         check.problems.append(f"{len(unplanned)} records are not in the plan, e.g. {unplanned[:5]}")
 
@@ -214,11 +227,20 @@ def check_summary(run: _Run, records: list[dict], items: list[Item], check: Chec
     if summ is None:
         return None
     meta = {k: summ.get(k) for k in ("arm", "run_id", "model", "endpoint")}
-    again = compute_summary(lane_name=lane.name, grader=lane.grader, repeats=run.eff["repeats"],
-                            planned_question_ids=[it.question_id for it in items], records=records, meta=meta,
-                            groups=item_groups(items))
-    keys = [k for k in RECOMPUTABLE_KEYS if (k in again or k in summ)
-            and not (k in KEYS_ADDED_LATER and k not in summ and not again.get(k))]
+    again = compute_summary(
+        lane_name=lane.name,
+        grader=lane.grader,
+        repeats=run.eff["repeats"],
+        planned_question_ids=[it.question_id for it in items],
+        records=records,
+        meta=meta,
+        groups=item_groups(items),
+    )
+    keys = [
+        k
+        for k in RECOMPUTABLE_KEYS
+        if (k in again or k in summ) and not (k in KEYS_ADDED_LATER and k not in summ and not again.get(k))
+    ]
     keys += [k for k in again if k.startswith(("pass@", "majority@")) or k == "no_answer"]
     for k in keys:
         if not close_values(summ.get(k), again.get(k)):
@@ -253,7 +275,8 @@ def check_manifest(run: _Run, check: Check, warnings: list[str]) -> None:
             if allp.get(k) != pins.get(k):
                 msg = f"{k}: run {allp.get(k)}, pin {pins.get(k)}"
                 (warnings if drift_allowed else check.problems).append(
-                    msg + (" (run allowed data drift)" if drift_allowed else ""))
+                    msg + (" (run allowed data drift)" if drift_allowed else "")
+                )
     except FileNotFoundError as exc:
         check.problems.append(str(exc))
     try:
@@ -270,8 +293,11 @@ def _spec_metrics_problems(block: Any) -> list[str]:
     from evalpipe.harness.spec_metrics import run_level
 
     again = run_level(block.get("before"), block.get("after")) or {}
-    return [f"spec_metrics.{k}: summary.json says {block.get(k)!r}, its /metrics snapshots give {again.get(k)!r}"
-            for k in sorted(set(again) - {"before", "after", "covers"}) if not close_values(block.get(k), again.get(k))]
+    return [
+        f"spec_metrics.{k}: summary.json says {block.get(k)!r}, its /metrics snapshots give {again.get(k)!r}"
+        for k in sorted(set(again) - {"before", "after", "covers"})
+        if not close_values(block.get(k), again.get(k))
+    ]
 
 
 def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, progress: bool = False) -> list[tuple]:
@@ -282,8 +308,14 @@ def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, p
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(records), desc="audit: re-grading", unit="rec", file=sys.stderr, mininterval=0.5,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(records),
+            desc="audit: re-grading",
+            unit="rec",
+            file=sys.stderr,
+            mininterval=0.5,
+            dynamic_ncols=True,
+        )
 
     async def go():
         sem = asyncio.Semaphore(max(1, workers) * 2)
@@ -293,8 +325,13 @@ def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, p
                 if r.get("error"):
                     return (None, False, "request_error")
                 async with sem:
-                    return await grade_text(grader, r["expected_answer"], r.get("response_text") or "",
-                                            r.get("finish_reason") == "length", pool)
+                    return await grade_text(
+                        grader,
+                        r["expected_answer"],
+                        r.get("response_text") or "",
+                        r.get("finish_reason") == "length",
+                        pool,
+                    )
             finally:
                 if bar is not None:
                     bar.update(1)

@@ -104,8 +104,15 @@ def _event_tokens(chunk: dict, prev_cum: Optional[int]) -> tuple[Optional[int], 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: Optional[dict] = None) -> dict:
     """One streamed completion (events parsed by client.sse_json); times are perf_counter seconds since the request
     was sent."""
-    out: dict[str, Any] = {"events": [], "error": None, "completion_tokens": None, "spec": None,
-                           "count_sources": [], "usage_mismatch": False, "finish_reason": None}
+    out: dict[str, Any] = {
+        "events": [],
+        "error": None,
+        "completion_tokens": None,
+        "spec": None,
+        "count_sources": [],
+        "usage_mismatch": False,
+        "finish_reason": None,
+    }
     t0 = time.perf_counter()
     prev_cum: Optional[int] = None
     try:
@@ -125,8 +132,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                             out["finish_reason"] = c["finish_reason"]
                 if chunk.get("choices"):
                     if n is None:
-                        raise BenchError("the server's stream chunks carry neither token_ids nor cumulative usage "
-                                         "(continuous_usage_stats); exact per-event token counts are unavailable")
+                        raise BenchError(
+                            "the server's stream chunks carry neither token_ids nor cumulative usage "
+                            "(continuous_usage_stats); exact per-event token counts are unavailable"
+                        )
                     if source == "token_ids" and cum is not None and prev_cum is not None and cum - prev_cum != n:
                         out["usage_mismatch"] = True
                     if n > 0:
@@ -159,8 +168,12 @@ TOKENIZE_PROBE = (
 
 def _tokenize_ids(server: Server, model: str) -> Optional[list[int]]:
     """Token ids the server's /tokenize (vLLM, SGLang) gives for the probe text, or None without one."""
-    body = Server.json_of(server.post("/tokenize", {"model": model, "prompt": TOKENIZE_PROBE, "add_special_tokens": False}))
-    ids = next((body.get(k) for k in ("tokens", "token_ids", "input_ids") if isinstance(body, dict) and k in body), None)
+    body = Server.json_of(
+        server.post("/tokenize", {"model": model, "prompt": TOKENIZE_PROBE, "add_special_tokens": False})
+    )
+    ids = next(
+        (body.get(k) for k in ("tokens", "token_ids", "input_ids") if isinstance(body, dict) and k in body), None
+    )
     if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return ids
     return None
@@ -176,8 +189,11 @@ def token_id_range(server: Server, cfg: "BenchConfig", model: str, info: Optiona
         return min(100, vocab // 4), min(vocab, 30000), f"server vocab_size {vocab}"
     ids = _tokenize_ids(server, model)
     if ids:
-        return min(ids), max(ids) + 1, (f"server /tokenize of a probe text: ids {min(ids)}..{max(ids)} "
-                                        f"({len(set(ids))} distinct)")
+        return (
+            min(ids),
+            max(ids) + 1,
+            (f"server /tokenize of a probe text: ids {min(ids)}..{max(ids)} ({len(set(ids))} distinct)"),
+        )
     raise BenchError(
         "cannot tell which token ids this server accepts: it reports no vocab_size and offers no /tokenize; "
         "pass --token-id-range LOW HIGH with ids from its tokenizer"
@@ -212,16 +228,20 @@ class BenchState:
         def values(key: str) -> list[float]:
             return [r[key] for r in kept if isinstance(r.get(key), (int, float))]
 
-        results = {name: {"median": _median(values(name)), "values": values(name)}
-                   for name in ("decode_tokens_per_s", "ttft_s", "total_s")}
+        results = {
+            name: {"median": _median(values(name)), "values": values(name)}
+            for name in ("decode_tokens_per_s", "ttft_s", "total_s")
+        }
         acc = values("accept_length")
         agg = [r["aggregate_tokens_per_s"] for r in self.rounds if not r["warmup"] and r["aggregate_tokens_per_s"]]
         results.update(
-            accept_length_median=_median(acc), accept_length_values=acc,
+            accept_length_median=_median(acc),
+            accept_length_values=acc,
             server_avg_accept_length_after_each_round=self.server_accept,
             spec_metrics=spec_metrics.run_level(self.metrics_before, self.metrics_after),
             aggregate_tokens_per_s={"median": _median(agg), "values": agg},
-            n_kept=len(kept), n_errors=sum(1 for r in self.requests if r["error"]),
+            n_kept=len(kept),
+            n_errors=sum(1 for r in self.requests if r["error"]),
             n_dropped=sum(1 for r in kept if r["decode_tokens_per_s"] is None),
         )
         from evalpipe.harness.manifest import code_provenance, installed_packages, python_platform
@@ -240,8 +260,9 @@ class BenchState:
         }
 
 
-async def run_bench(cfg: BenchConfig, progress: Optional[Callable[[int, int], None]] = None,
-                    state: Optional[BenchState] = None) -> dict:
+async def run_bench(
+    cfg: BenchConfig, progress: Optional[Callable[[int, int], None]] = None, state: Optional[BenchState] = None
+) -> dict:
     """Run warm-up + measured rounds; return the bench.json dict (`state` keeps the pieces if interrupted)."""
     st = state or BenchState(cfg)
     with Server(cfg.base_url, cfg.api_key, timeout_s=cfg.timeout_s) as server:
@@ -263,22 +284,43 @@ def _prepare(server: Server, cfg: BenchConfig, st: BenchState) -> tuple[str, lis
         raise BenchError(f"model {cfg.model!r} is not served (served: {ids})")
     limit = next((m.get("max_model_len") for m in models["data"] if isinstance(m, dict) and m.get("id") == model), None)
     if isinstance(limit, int) and cfg.input_len + cfg.output_len > limit:
-        raise BenchError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} exceeds the server's "
-                         f"max_model_len {limit} for {model}: every request would be rejected")
+        raise BenchError(
+            f"--input-len {cfg.input_len} + --output-len {cfg.output_len} exceeds the server's "
+            f"max_model_len {limit} for {model}: every request would be rejected"
+        )
     _, info = server.server_info()
     low, high, range_source = token_id_range(server, cfg, model, info)
     inputs = make_inputs(cfg.seed, cfg.concurrency, cfg.input_len, low, high)
     reset_path = server.reset_prefix_cache() if cfg.flush else None
-    st.config.update(model=model, token_id_range=[low, high], token_id_range_source=range_source,
-                     input_ids_sha256=inputs_sha256(inputs), temperature=0.0, ignore_eos=True,
-                     decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)")
-    st.server = {"models": models, "server_info": info, "flush_cache_offered": reset_path is not None,
-                 "cache_reset_path": reset_path, "cache_reset_tried": list(CACHE_RESET_PATHS) if cfg.flush else []}
+    st.config.update(
+        model=model,
+        token_id_range=[low, high],
+        token_id_range_source=range_source,
+        input_ids_sha256=inputs_sha256(inputs),
+        temperature=0.0,
+        ignore_eos=True,
+        decode_rate_formula="(completion_tokens - first_event_tokens) / (t_last - t_first)",
+    )
+    st.server = {
+        "models": models,
+        "server_info": info,
+        "flush_cache_offered": reset_path is not None,
+        "cache_reset_path": reset_path,
+        "cache_reset_tried": list(CACHE_RESET_PATHS) if cfg.flush else [],
+    }
     return model, inputs, reset_path
 
 
-async def _rounds(server: Server, client: httpx.AsyncClient, cfg: BenchConfig, st: BenchState, model: str,
-                  inputs: list[list[int]], reset_path: Optional[str], progress) -> None:
+async def _rounds(
+    server: Server,
+    client: httpx.AsyncClient,
+    cfg: BenchConfig,
+    st: BenchState,
+    model: str,
+    inputs: list[list[int]],
+    reset_path: Optional[str],
+    progress,
+) -> None:
     """Warm-up and measured rounds; between rounds (nothing in flight) the cache reset and the /metrics reads."""
     url = f"{cfg.base_url.rstrip('/')}/completions"
     total_rounds = cfg.warmup + cfg.rounds
@@ -286,38 +328,61 @@ async def _rounds(server: Server, client: httpx.AsyncClient, cfg: BenchConfig, s
         if rnd == cfg.warmup:  # the measured rounds start: speculative counters before them
             st.metrics_before = spec_metrics.snapshot(server)
         flushed = server.reset_prefix_cache((reset_path,)) is not None if reset_path else False
-        bodies = [{
-            "model": model, "prompt": inputs[slot], "max_tokens": cfg.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **cfg.extra_body,
-        } for slot in range(cfg.concurrency)]
+        bodies = [
+            {
+                "model": model,
+                "prompt": inputs[slot],
+                "max_tokens": cfg.output_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                **cfg.extra_body,
+            }
+            for slot in range(cfg.concurrency)
+        ]
         t_round = time.perf_counter()
         results = await asyncio.gather(*(stream_request(client, url, b) for b in bodies))
         wall = time.perf_counter() - t_round
         round_tokens = sum(r["completion_tokens"] or 0 for r in results if not r["error"])
-        st.rounds.append({"round": rnd, "warmup": rnd < cfg.warmup, "wall_s": wall,
-                          "completion_tokens": round_tokens,
-                          "aggregate_tokens_per_s": round_tokens / wall if wall > 0 else None})
+        st.rounds.append(
+            {
+                "round": rnd,
+                "warmup": rnd < cfg.warmup,
+                "wall_s": wall,
+                "completion_tokens": round_tokens,
+                "aggregate_tokens_per_s": round_tokens / wall if wall > 0 else None,
+            }
+        )
         for slot, res in enumerate(results):
             ev = res["events"]
             rate = decode_rate(ev, res["completion_tokens"]) if not res["error"] else None
             spec = res["spec"]
-            st.requests.append({
-                "round": rnd, "slot": slot, "warmup": rnd < cfg.warmup, "flushed_before": flushed,
-                "error": res["error"], "finish_reason": res["finish_reason"],
-                "completion_tokens": res["completion_tokens"],
-                "first_event_tokens": ev[0][1] if ev else None,
-                "n_events": len(ev),
-                "t_first": ev[0][0] if ev else None, "t_last": ev[-1][0] if ev else None,
-                "ttft_s": ev[0][0] if ev else None, "total_s": res.get("total_s"),
-                "decode_tokens_per_s": rate,
-                "dropped_reason": None if rate is not None or res["error"] else "fewer than 2 content events",
-                "count_source": sorted(set(res["count_sources"])),
-                "usage_mismatch": res["usage_mismatch"],
-                "accept_length": spec.get("accept_length") if isinstance(spec, dict) else None,
-                "spec": spec,
-                "events": ev,
-            })
+            st.requests.append(
+                {
+                    "round": rnd,
+                    "slot": slot,
+                    "warmup": rnd < cfg.warmup,
+                    "flushed_before": flushed,
+                    "error": res["error"],
+                    "finish_reason": res["finish_reason"],
+                    "completion_tokens": res["completion_tokens"],
+                    "first_event_tokens": ev[0][1] if ev else None,
+                    "n_events": len(ev),
+                    "t_first": ev[0][0] if ev else None,
+                    "t_last": ev[-1][0] if ev else None,
+                    "ttft_s": ev[0][0] if ev else None,
+                    "total_s": res.get("total_s"),
+                    "decode_tokens_per_s": rate,
+                    "dropped_reason": None if rate is not None or res["error"] else "fewer than 2 content events",
+                    "count_source": sorted(set(res["count_sources"])),
+                    "usage_mismatch": res["usage_mismatch"],
+                    "accept_length": spec.get("accept_length") if isinstance(spec, dict) else None,
+                    "spec": spec,
+                    "events": ev,
+                }
+            )
         st.server_accept.append(_server_accept_length(Server.json_of(server.get("/get_server_info"))))
         if rnd >= cfg.warmup:
             st.metrics_after = spec_metrics.snapshot(server)

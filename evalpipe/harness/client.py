@@ -29,8 +29,10 @@ DEFAULT_BASE_URL = "http://127.0.0.1:30000/v1"  # where `evalpipe serve` listens
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info?config_format=json")
 # Routes that drop a server's prefix cache: SGLang's and ours, then vLLM's (only with VLLM_SERVER_DEV_MODE=1)
 CACHE_RESET_PATHS = ("/flush_cache", "/reset_prefix_cache")
-CACHE_RESET_MISSING = ("the server offers neither /flush_cache nor /reset_prefix_cache "
-                       "(vLLM has /reset_prefix_cache only when started with VLLM_SERVER_DEV_MODE=1)")
+CACHE_RESET_MISSING = (
+    "the server offers neither /flush_cache nor /reset_prefix_cache "
+    "(vLLM has /reset_prefix_cache only when started with VLLM_SERVER_DEV_MODE=1)"
+)
 RETRY_POLICY = "transport errors, timeouts, 5xx, malformed bodies; never 4xx; backoff doubles, cap 30 s"
 MAX_BACKOFF_S = 30.0
 # httpcore's async pool scans every connection for every request (O(connections) per event), so 64 connections in
@@ -81,8 +83,9 @@ class Server:
         self.base_url = base_url.rstrip("/")
         self.root = server_root(base_url)
         self.api_key = api_key
-        self._http = httpx.Client(verify=ssl_context(), timeout=timeout(timeout_s), headers=auth_headers(api_key),
-                                  trust_env=trust_env)
+        self._http = httpx.Client(
+            verify=ssl_context(), timeout=timeout(timeout_s), headers=auth_headers(api_key), trust_env=trust_env
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -101,8 +104,9 @@ class Server:
         except httpx.HTTPError as exc:
             raise EndpointError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
         if r.status_code != 200:
-            raise EndpointError(f"GET {url} returned HTTP {r.status_code}: {r.text[:300]}"
-                                + v1_hint(self.base_url, r.status_code))
+            raise EndpointError(
+                f"GET {url} returned HTTP {r.status_code}: {r.text[:300]}" + v1_hint(self.base_url, r.status_code)
+            )
         try:
             body = r.json()
             ids = [m["id"] for m in body["data"]]
@@ -171,11 +175,14 @@ def openai_client(base_url: str, api_key: Optional[str], timeout_s: float, conne
     """An AsyncOpenAI on its own pool of `connections`, with the client's retries off (`send` retries)."""
     limits = httpx.Limits(max_connections=connections + 2, max_keepalive_connections=connections + 2)
     http = openai.DefaultAsyncHttpxClient(limits=limits, verify=ssl_context(), timeout=timeout(timeout_s))
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s,
-                              http_client=http)
+    return openai.AsyncOpenAI(
+        base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s, http_client=http
+    )
 
 
-def openai_clients(base_url: str, api_key: Optional[str], timeout_s: float, concurrency: int) -> list[openai.AsyncOpenAI]:
+def openai_clients(
+    base_url: str, api_key: Optional[str], timeout_s: float, concurrency: int
+) -> list[openai.AsyncOpenAI]:
     """Clients for `concurrency` requests in flight, CONNECTIONS_PER_CLIENT connections each (see there)."""
     n_clients = max(1, -(-concurrency // CONNECTIONS_PER_CLIENT))
     per_client = -(-concurrency // n_clients)
@@ -190,8 +197,16 @@ class Reply:
     attempts: list  # [{"start", "end", "error"}], one per try; the last one decides
 
 
-async def send(client: openai.AsyncOpenAI, path: str, body: dict, *, chat: bool, max_retries: int,
-               backoff_s: float, secrets: Iterable[str] = ()) -> Reply:
+async def send(
+    client: openai.AsyncOpenAI,
+    path: str,
+    body: dict,
+    *,
+    chat: bool,
+    max_retries: int,
+    backoff_s: float,
+    secrets: Iterable[str] = (),
+) -> Reply:
     """POST `body` to `path` (relative to the client's base URL) under RETRY_POLICY.
 
     A 200 whose body is not JSON with a `choices[0]` object (with a `message` object on chat) is malformed and
@@ -213,8 +228,11 @@ async def send(client: openai.AsyncOpenAI, path: str, body: dict, *, chat: bool,
                 if chat and not isinstance(choice.get("message"), dict):
                     raise TypeError("chat choice has no message object")
             except (ValueError, KeyError, IndexError, TypeError) as exc:
-                err = {"type": "malformed_response", "status": resp.status_code,
-                       "message": f"{type(exc).__name__}: {exc}; body starts {resp.text[:200]!r}"}
+                err = {
+                    "type": "malformed_response",
+                    "status": resp.status_code,
+                    "message": f"{type(exc).__name__}: {exc}; body starts {resp.text[:200]!r}",
+                }
                 retryable = True
             else:
                 attempts.append({"start": start, "end": time.time(), "error": None})
@@ -229,7 +247,7 @@ async def send(client: openai.AsyncOpenAI, path: str, body: dict, *, chat: bool,
         attempts.append({"start": start, "end": time.time(), "error": err})
         if not retryable or i == n_tries - 1:
             return Reply(None, time.perf_counter() - t0, dict(err, retries_exhausted=retryable), attempts)
-        await asyncio.sleep(min(MAX_BACKOFF_S, backoff_s * (2 ** i)))
+        await asyncio.sleep(min(MAX_BACKOFF_S, backoff_s * (2**i)))
     raise AssertionError("unreachable")
 
 
@@ -237,8 +255,12 @@ async def send(client: openai.AsyncOpenAI, path: str, body: dict, *, chat: bool,
 
 
 def streaming_client(api_key: Optional[str], timeout_s: float, connections: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(verify=ssl_context(), timeout=timeout(timeout_s), headers=auth_headers(api_key),
-                             limits=httpx.Limits(max_connections=connections + 4))
+    return httpx.AsyncClient(
+        verify=ssl_context(),
+        timeout=timeout(timeout_s),
+        headers=auth_headers(api_key),
+        limits=httpx.Limits(max_connections=connections + 4),
+    )
 
 
 class StreamRefused(Exception):
@@ -249,7 +271,9 @@ class StreamRefused(Exception):
         self.status, self.text = status, text
 
 
-async def sse_json(client: httpx.AsyncClient, url: str, body: dict, headers: Optional[dict] = None) -> AsyncIterator[dict]:
+async def sse_json(
+    client: httpx.AsyncClient, url: str, body: dict, headers: Optional[dict] = None
+) -> AsyncIterator[dict]:
     """POST `body` and yield each event's JSON payload as it arrives, up to `[DONE]`; StreamRefused on a non-200.
 
     Events are parsed by the SSE spec (httpx-sse: a line ends only at CR/LF, an event at a blank line), never by

@@ -48,8 +48,17 @@ from evalpipe.harness.summary import compute_summary
 from evalpipe.lanes import Item, Lane, item_groups
 from evalpipe.lanes.grading import GraderPool, grade_text, grader_pool
 
-__all__ = ["EXIT_ERRORS_REMAIN", "EXIT_REFUSED", "LaneRun", "RunConfig", "RunError", "RunOutcome", "RunPlan",
-           "SimulatedServerRefused", "build_body"]
+__all__ = [
+    "EXIT_ERRORS_REMAIN",
+    "EXIT_REFUSED",
+    "LaneRun",
+    "RunConfig",
+    "RunError",
+    "RunOutcome",
+    "RunPlan",
+    "SimulatedServerRefused",
+    "build_body",
+]
 
 EXIT_ERRORS_REMAIN = 4
 EXIT_REFUSED = 3
@@ -58,8 +67,9 @@ EXIT_REFUSED = 3
 # ----------------------------------------------------------------------------------------- request bodies
 
 
-def build_body(lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int],
-               repeat: int = 0) -> dict:
+def build_body(
+    lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int], repeat: int = 0
+) -> dict:
     """The exact JSON body for one request. `None`-valued params are not sent (e.g. the x16 lane's seed). Repeat r
     of an item sends seed + r: one seed for every repeat would make sampled repeats copies of one sample where the
     server honours seeds (the engine does the same for the n choices of one request); repeat 0 keeps the seed."""
@@ -151,17 +161,31 @@ class Sending:
             if self.pool is not None:
                 self.pool.close(wait=not self.interrupted)
 
-    def _record(self, item: Item, rep: int, seq: int, body: dict, reply: Reply, extracted: Any, correct: bool,
-                status: str) -> Record:
+    def _record(
+        self, item: Item, rep: int, seq: int, body: dict, reply: Reply, extracted: Any, correct: bool, status: str
+    ) -> Record:
         plan = self.plan
         fields = response_fields(reply, chat=plan.lane.api == "chat")
         if plan.cfg.logprobs is None:
             fields["logprobs"] = None
         return Record(
-            schema_version=SCHEMA_VERSION, run_id=self.folder.run_id, arm=plan.cfg.arm, lane=plan.lane.name,
-            question_id=item.question_id, repeat_index=rep, request_seq=seq, endpoint=plan.recorded_url,
-            model=plan.model, prompt_sha256=item.prompt_sha256, group=item.group, request=body, **fields,
-            extracted_answer=extracted, expected_answer=item.expected_answer, correct=correct, grade_status=status,
+            schema_version=SCHEMA_VERSION,
+            run_id=self.folder.run_id,
+            arm=plan.cfg.arm,
+            lane=plan.lane.name,
+            question_id=item.question_id,
+            repeat_index=rep,
+            request_seq=seq,
+            endpoint=plan.recorded_url,
+            model=plan.model,
+            prompt_sha256=item.prompt_sha256,
+            group=item.group,
+            request=body,
+            **fields,
+            extracted_answer=extracted,
+            expected_answer=item.expected_answer,
+            correct=correct,
+            grade_status=status,
             created_at=time.time(),
         )
 
@@ -179,16 +203,24 @@ class Sending:
             body = build_body(plan.lane, plan.model, item, plan.params, cfg.token_ids, cfg.logprobs, rep)
             attempts: list = []
             try:
-                reply = await http.send(client, path, body, chat=chat, max_retries=cfg.max_retries,
-                                        backoff_s=cfg.retry_backoff_s, secrets=[cfg.api_key or ""])
+                reply = await http.send(
+                    client,
+                    path,
+                    body,
+                    chat=chat,
+                    max_retries=cfg.max_retries,
+                    backoff_s=cfg.retry_backoff_s,
+                    secrets=[cfg.api_key or ""],
+                )
                 attempts = reply.attempts
                 if reply.data is None:
                     extracted, correct, status = None, False, "request_error"
                 else:
                     fields = response_fields(reply, chat=chat)
                     text = fields["response_text"] if isinstance(fields["response_text"], str) else ""
-                    extracted, correct, status = await grade_text(plan.lane.grader, item.expected_answer, text,
-                                                                  fields["truncated"], self.pool)
+                    extracted, correct, status = await grade_text(
+                        plan.lane.grader, item.expected_answer, text, fields["truncated"], self.pool
+                    )
                 rec = self._record(item, rep, seq, body, reply, extracted, correct, status)
             except Exception as exc:  # noqa: BLE001 - a surprise must still land as a record, never drop the item
                 err = {"type": "internal_error", "status": None, "message": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -224,12 +256,20 @@ class Sending:
         if cfg.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=self.n_planned, initial=len(self.folder.kept),
-                       desc=f"{plan.lane.name}[{cfg.arm}]", unit="req", file=sys.stderr, mininterval=0.5,
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=self.n_planned,
+                initial=len(self.folder.kept),
+                desc=f"{plan.lane.name}[{cfg.arm}]",
+                unit="req",
+                file=sys.stderr,
+                mininterval=0.5,
+                dynamic_ncols=True,
+            )
         loop = asyncio.get_running_loop()
-        workers = self._workers = [asyncio.create_task(self._worker(clients[i % len(clients)], queue, writer, bar))
-                                   for i in range(min(plan.concurrency, max(1, len(self.todo))))]
+        workers = self._workers = [
+            asyncio.create_task(self._worker(clients[i % len(clients)], queue, writer, bar))
+            for i in range(min(plan.concurrency, max(1, len(self.todo))))
+        ]
 
         def on_signal(name: str) -> None:
             if self.interrupted is None:
@@ -271,20 +311,34 @@ def finish(plan: RunPlan, folder: RunFolder, sending: Sending, wall: float) -> R
     if metrics is not None and folder.resumed is not None:
         metrics["covers"] = "only the requests this resume sent"
     meta = {
-        "arm": cfg.arm, "run_id": folder.run_id, "model": plan.model, "endpoint": plan.recorded_url,
-        "interrupted": sending.interrupted, "refused": sending.refused,
-        "wall_s": wall, "requests_per_s": (n_new / wall) if wall > 0 else None,
-        "overrides": dict(cfg.overrides, **({"num_examples": cfg.num_examples} if cfg.num_examples else {}),
-                          **({"repeats": cfg.repeats} if cfg.repeats is not None else {})),
-        "data_drift": plan.data.data_drift, "manifest_changed": bool(protocol), "manifest_changes": protocol,
+        "arm": cfg.arm,
+        "run_id": folder.run_id,
+        "model": plan.model,
+        "endpoint": plan.recorded_url,
+        "interrupted": sending.interrupted,
+        "refused": sending.refused,
+        "wall_s": wall,
+        "requests_per_s": (n_new / wall) if wall > 0 else None,
+        "overrides": dict(
+            cfg.overrides,
+            **({"num_examples": cfg.num_examples} if cfg.num_examples else {}),
+            **({"repeats": cfg.repeats} if cfg.repeats is not None else {}),
+        ),
+        "data_drift": plan.data.data_drift,
+        "manifest_changed": bool(protocol),
+        "manifest_changes": protocol,
         "resumed": folder.resumed is not None,
         "server_lossy_acceptance": plan.server.lossy,
         "server_debug_faults": plan.server.faults,
         "spec_metrics": metrics,
     }
     summary = compute_summary(
-        lane_name=plan.lane.name, grader=plan.lane.grader, repeats=plan.repeats,
-        planned_question_ids=[it.question_id for it in plan.items], records=sending.records, meta=meta,
+        lane_name=plan.lane.name,
+        grader=plan.lane.grader,
+        repeats=plan.repeats,
+        planned_question_ids=[it.question_id for it in plan.items],
+        records=sending.records,
+        meta=meta,
         groups=item_groups(plan.items),
     )
     summary["partial"] = bool(sending.interrupted or sending.refused or summary["n_missing"] > 0)
@@ -292,19 +346,29 @@ def finish(plan: RunPlan, folder: RunFolder, sending: Sending, wall: float) -> R
         summary["accuracy"] = None
     folder.write_summary(summary)
     if sending.refused:
-        return RunOutcome(folder.path, summary, EXIT_REFUSED,
-                          f"refusing to score: {sending.refused}; records kept in {folder.path}")
+        return RunOutcome(
+            folder.path, summary, EXIT_REFUSED, f"refusing to score: {sending.refused}; records kept in {folder.path}"
+        )
     if sending.interrupted:
         code = 130 if sending.interrupted == "SIGINT" else 143
-        return RunOutcome(folder.path, summary, code, f"interrupted ({sending.interrupted}): partial summary "
-                          f"written; continue with:\n  {folder.resume_command(plan.recorded_url)}")
+        return RunOutcome(
+            folder.path,
+            summary,
+            code,
+            f"interrupted ({sending.interrupted}): partial summary "
+            f"written; continue with:\n  {folder.resume_command(plan.recorded_url)}",
+        )
     unfinished = summary["n_errors"] + summary["n_missing"]
     if unfinished:
         kinds = _error_kinds(sending.records)
-        return RunOutcome(folder.path, summary, EXIT_ERRORS_REMAIN,
-                          f"{unfinished} of {summary['n_planned']} planned items have no successful response "
-                          f"({kinds}); they count as wrong. Retry just those with:\n  "
-                          f"{folder.resume_command(plan.recorded_url)}")
+        return RunOutcome(
+            folder.path,
+            summary,
+            EXIT_ERRORS_REMAIN,
+            f"{unfinished} of {summary['n_planned']} planned items have no successful response "
+            f"({kinds}); they count as wrong. Retry just those with:\n  "
+            f"{folder.resume_command(plan.recorded_url)}",
+        )
     return RunOutcome(folder.path, summary, 0)
 
 

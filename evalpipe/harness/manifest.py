@@ -79,8 +79,17 @@ def python_platform() -> dict:
     }
 
 
-def capture(*, lane_desc: dict, overrides: dict, effective: dict, transport: dict, data_facts: dict,
-            prompt_facts: dict, endpoint: dict, server: dict) -> dict:
+def capture(
+    *,
+    lane_desc: dict,
+    overrides: dict,
+    effective: dict,
+    transport: dict,
+    data_facts: dict,
+    prompt_facts: dict,
+    endpoint: dict,
+    server: dict,
+) -> dict:
     """One snapshot. Sections are compared key by key between start and end (`transport` is not: a resume
     may use another timeout or retry policy without changing what was asked)."""
     return {
@@ -104,6 +113,7 @@ def stable_server(obj: Any) -> Any:
 
 def differences(start: dict, end: dict) -> tuple[list[str], list[str]]:
     """(protocol changes, warning-only changes) between two snapshots, as readable strings."""
+
     def diff_section(name: str) -> list[str]:
         a, b = start.get(name), end.get(name)
         if name == "server":  # snapshots written before a key was known to be volatile still compare equal

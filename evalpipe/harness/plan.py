@@ -86,9 +86,18 @@ class RunConfig:
     command_line: list = field(default_factory=list)
 
     @classmethod
-    def from_manifest(cls, run_dir: Path, lane_name: Optional[str] = None, base_url: Optional[str] = None,
-                      model: Optional[str] = None, data_dir: Optional[Path] = None, allow_data_drift: bool = False,
-                      token_ids: bool = True, logprobs: Optional[int] = None, **transport) -> "RunConfig":
+    def from_manifest(
+        cls,
+        run_dir: Path,
+        lane_name: Optional[str] = None,
+        base_url: Optional[str] = None,
+        model: Optional[str] = None,
+        data_dir: Optional[Path] = None,
+        allow_data_drift: bool = False,
+        token_ids: bool = True,
+        logprobs: Optional[int] = None,
+        **transport,
+    ) -> "RunConfig":
         """The config that continues `run_dir`. Its protocol (lane, arm, overrides, selection, concurrency) comes
         from its manifest; the endpoint, data folder, model and logprobs too unless given; data drift and no token
         ids stay on once the run had them. `transport` is the rest of RunConfig's fields (key, timeouts, ...).
@@ -100,8 +109,10 @@ class RunConfig:
         try:
             old = read_json_object(mpath)
             if isinstance(old.get("imported"), dict):
-                raise NotResumable(f"{run_dir} was made by `evalpipe import` from {old['imported'].get('tool')}: run "
-                                   "that tool again and import its output; evalpipe cannot resume it")
+                raise NotResumable(
+                    f"{run_dir} was made by `evalpipe import` from {old['imported'].get('tool')}: run "
+                    "that tool again and import its output; evalpipe cannot resume it"
+                )
             eff = old["start"]["lane"]["effective"]
             dataset = old["start"]["dataset"]
             recorded_data = dataset["path"]
@@ -125,15 +136,20 @@ class RunConfig:
             if not base_url:
                 raise ResumeConflict(f"{mpath} records no endpoint; pass --base-url")
         return cls(
-            lane=lane, base_url=base_url, model=model, arm=old["arm"],
+            lane=lane,
+            base_url=base_url,
+            model=model,
+            arm=old["arm"],
             overrides=dict(old["start"]["lane"]["overrides"]),
             num_examples=eff.get("num_examples"),
             repeats=eff.get("repeats") if eff.get("repeats") != lane.repeats else None,
-            concurrency=eff.get("concurrency"), data_dir=data_dir,
+            concurrency=eff.get("concurrency"),
+            data_dir=data_dir,
             allow_data_drift=allow_data_drift or dataset.get("allow_data_drift", False),
             token_ids=token_ids and eff.get("return_token_ids") is not False,
             logprobs=logprobs if logprobs is not None else eff.get("logprobs"),
-            resume_dir=run_dir, **transport,
+            resume_dir=run_dir,
+            **transport,
         )
 
 
@@ -181,14 +197,23 @@ class RunPlan:
             lane_desc=lane.describe(),
             overrides=dict(cfg.overrides),
             effective={
-                "params": self.params, "concurrency": self.concurrency, "repeats": self.repeats,
-                "num_examples": cfg.num_examples, "return_token_ids": cfg.token_ids, "logprobs": cfg.logprobs,
-                "model": self.model, "arm": cfg.arm,
+                "params": self.params,
+                "concurrency": self.concurrency,
+                "repeats": self.repeats,
+                "num_examples": cfg.num_examples,
+                "return_token_ids": cfg.token_ids,
+                "logprobs": cfg.logprobs,
+                "model": self.model,
+                "arm": cfg.arm,
             },
             transport={
-                "timeout_s": cfg.timeout_s, "max_retries": cfg.max_retries, "retry_backoff_s": cfg.retry_backoff_s,
+                "timeout_s": cfg.timeout_s,
+                "max_retries": cfg.max_retries,
+                "retry_backoff_s": cfg.retry_backoff_s,
                 "retry_policy": http.RETRY_POLICY,
-                "grader_timeout_s": cfg.grader_timeout_s, "grader_workers": cfg.grader_workers, "fsync": cfg.fsync,
+                "grader_timeout_s": cfg.grader_timeout_s,
+                "grader_workers": cfg.grader_workers,
+                "fsync": cfg.fsync,
             },
             data_facts={
                 "path": data.dataset_path,
@@ -236,9 +261,17 @@ def make_plan(cfg: RunConfig) -> RunPlan:
         raise RunError("--repeats must be >= 1")
     with Server(cfg.base_url, cfg.api_key) as server:
         identity = ask_server(server, cfg)
-    return RunPlan(cfg=cfg, data=data, pin_diffs=tuple(pin_diffs), items=tuple(items), repeats=repeats,
-                   concurrency=cfg.concurrency or lane.concurrency, params={**lane.params, **cfg.overrides},
-                   server=identity, recorded_url=redact_text(cfg.base_url))
+    return RunPlan(
+        cfg=cfg,
+        data=data,
+        pin_diffs=tuple(pin_diffs),
+        items=tuple(items),
+        repeats=repeats,
+        concurrency=cfg.concurrency or lane.concurrency,
+        params={**lane.params, **cfg.overrides},
+        server=identity,
+        recorded_url=redact_text(cfg.base_url),
+    )
 
 
 def ask_server(server: Server, cfg: RunConfig) -> ServerIdentity:
@@ -261,16 +294,24 @@ def ask_server(server: Server, cfg: RunConfig) -> ServerIdentity:
     # a lossy acceptance rule is scored (measuring its accuracy cost is its purpose), never hidden
     lossy = lossy_acceptance(info)
     if lossy:
-        print(f"evalpipe run: warning: the server's speculative acceptance is LOSSY {lossy}; "
-              "the responses it decides measure that rule, not the model (scored on purpose)", file=sys.stderr)
+        print(
+            f"evalpipe run: warning: the server's speculative acceptance is LOSSY {lossy}; "
+            "the responses it decides measure that rule, not the model (scored on purpose)",
+            file=sys.stderr,
+        )
     faults = debug_faults(info)
     if faults:
-        print(f"evalpipe run: WARNING: THE SERVER IS BROKEN ON PURPOSE: planted debug faults "
-              f"{', '.join(faults)} (evalpipe serve --debug-fault); these scores measure the "
-              "faults, not the model", file=sys.stderr)
+        print(
+            f"evalpipe run: WARNING: THE SERVER IS BROKEN ON PURPOSE: planted debug faults "
+            f"{', '.join(faults)} (evalpipe serve --debug-fault); these scores measure the "
+            "faults, not the model",
+            file=sys.stderr,
+        )
     return ServerIdentity(
-        model=model, facts={"models": models_json, "server_info_path": info_path, "server_info": info},
-        lossy=lossy, faults=faults,
+        model=model,
+        facts={"models": models_json, "server_info_path": info_path, "server_info": info},
+        lossy=lossy,
+        faults=faults,
         # speculative counters from /metrics (vLLM reports speculation nowhere else): run-level, before and after
         metrics_before=spec_metrics.snapshot(server),
     )

@@ -31,6 +31,7 @@ REPEAT_FILE = "repeat.json"  # `evalpipe repeat`'s result beside its records
 BENCH_FILE = "bench.json"  # `evalpipe bench` writes only this
 AB_FILE = "ab.json"  # `evalpipe ab`'s index of its arms, their run folders and the flags that differ between them
 
+
 @dataclass
 class Record:
     """One line of `responses.jsonl`, fields in writing order. `as_json` omits `group` when it is None (lanes
@@ -120,7 +121,9 @@ def counted_records(records: Iterable[dict]) -> Counted:
             by_key[key] = (i, rec)
         else:
             superseded.append((i, rec))
-    return Counted({k: rec for k, (_, rec) in by_key.items()}, [rec for _, rec in sorted(superseded, key=lambda p: p[0])])
+    return Counted(
+        {k: rec for k, (_, rec) in by_key.items()}, [rec for _, rec in sorted(superseded, key=lambda p: p[0])]
+    )
 
 
 def response_fields(reply, chat: bool) -> dict:
@@ -191,7 +194,9 @@ class ReadResult:
         """`FILE:LINE: reason` of the first bad line, and how many more there are (for an error message)."""
         line = self.bad_lines[0]
         more = len(self.bad_lines) - 1
-        return f"{path}:{line}: {self.why.get(line, 'not a JSON object')}" + (f" (and {more} more bad line(s))" if more else "")
+        return f"{path}:{line}: {self.why.get(line, 'not a JSON object')}" + (
+            f" (and {more} more bad line(s))" if more else ""
+        )
 
 
 def read_records(path: Path) -> ReadResult:

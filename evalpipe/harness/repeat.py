@@ -90,7 +90,10 @@ def summarize_group(fixture: Fixture, recs: list[dict]) -> dict:
         return out
     mode_key, mode_n = counts.most_common(1)[0]
     mode_rec = next(r for r in ok if output_key(r) == mode_key)
-    seq = (lambda r: list(output_key(r)[1] or ""))
+
+    def seq(r: dict) -> list[str]:
+        return list(output_key(r)[1] or "")
+
     divergences, gaps = [], []
     for key in counts:
         if key == mode_key:
@@ -114,8 +117,11 @@ def summarize_group(fixture: Fixture, recs: list[dict]) -> dict:
     )
     if fixture.kind != "open":
         graded = [r.get("correct") for r in ok]
-        out.update(control_correct_share=sum(bool(g) for g in graded) / len(ok),
-                   mode_correct=bool(mode_rec.get("correct")), expected=fixture.expected)
+        out.update(
+            control_correct_share=sum(bool(g) for g in graded) / len(ok),
+            mode_correct=bool(mode_rec.get("correct")),
+            expected=fixture.expected,
+        )
     return out
 
 
@@ -131,7 +137,12 @@ class RepeatRun:
         self.conditions: list[str] = []
         self.cache_reset_path: Optional[str] = None
         self.server = Server(cfg.base_url, cfg.api_key)
-        self.client = openai_client(cfg.base_url, cfg.api_key, cfg.timeout_s, connections=max(cfg.repeats, *(BATCH_SIZES.get(c, 1) for c in cfg.conditions)))
+        self.client = openai_client(
+            cfg.base_url,
+            cfg.api_key,
+            cfg.timeout_s,
+            connections=max(cfg.repeats, *(BATCH_SIZES.get(c, 1) for c in cfg.conditions)),
+        )
 
     def flush(self) -> bool:
         """Drop the server's prefix cache through the route it offers (probed once, then that one only)."""
@@ -141,8 +152,13 @@ class RepeatRun:
         return path is not None
 
     async def one(self, fixture: Fixture, condition: str, index: int, *, logprobs: bool) -> dict:
-        body: dict[str, Any] = {"model": self.model, "prompt": fixture.prompt, "max_tokens": fixture.max_tokens,
-                                "temperature": 0.0, "top_p": 1.0}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": fixture.prompt,
+            "max_tokens": fixture.max_tokens,
+            "temperature": 0.0,
+            "top_p": 1.0,
+        }
         extra = dict(self.cfg.extra_body)
         if self.cfg.token_ids:
             extra["return_token_ids"] = True
@@ -150,17 +166,37 @@ class RepeatRun:
             body["logprobs"] = TOP_LOGPROBS
         self.seq += 1
         rec = {k: None for k in REQUIRED_KEYS}
-        rec.update(schema_version=SCHEMA_VERSION, run_id=self.run_id, arm=self.cfg.arm, lane=LANE,
-                   question_id=f"{fixture.id}/{condition}", repeat_index=index, request_seq=self.seq,
-                   endpoint=redact_text(self.cfg.base_url) + "/completions", model=self.model,
-                   prompt_sha256=hashlib.sha256(fixture.prompt.encode()).hexdigest(),
-                   request={**body, **extra}, fixture=fixture.id, condition=condition, expected_answer=fixture.expected)
-        reply = await send(self.client, "/completions", rec["request"], chat=False, max_retries=MAX_RETRIES,
-                           backoff_s=RETRY_BACKOFF_S, secrets=[self.cfg.api_key or ""])
+        rec.update(
+            schema_version=SCHEMA_VERSION,
+            run_id=self.run_id,
+            arm=self.cfg.arm,
+            lane=LANE,
+            question_id=f"{fixture.id}/{condition}",
+            repeat_index=index,
+            request_seq=self.seq,
+            endpoint=redact_text(self.cfg.base_url) + "/completions",
+            model=self.model,
+            prompt_sha256=hashlib.sha256(fixture.prompt.encode()).hexdigest(),
+            request={**body, **extra},
+            fixture=fixture.id,
+            condition=condition,
+            expected_answer=fixture.expected,
+        )
+        reply = await send(
+            self.client,
+            "/completions",
+            rec["request"],
+            chat=False,
+            max_retries=MAX_RETRIES,
+            backoff_s=RETRY_BACKOFF_S,
+            secrets=[self.cfg.api_key or ""],
+        )
         rec.update(response_fields(reply, chat=False), created_at=time.time())
         if reply.data is not None:
             answer, correct = fixture.grade(rec["response_text"])
-            rec.update(extracted_answer=answer, correct=correct, grade_status="ok" if fixture.kind != "open" else "ungraded")
+            rec.update(
+                extracted_answer=answer, correct=correct, grade_status="ok" if fixture.kind != "open" else "ungraded"
+            )
         else:
             rec.update(correct=False, grade_status="request_error")
         self.writer.write(rec)
@@ -174,8 +210,10 @@ class RepeatRun:
         if condition in BATCH_SIZES:
             out = []
             for i in range(n):
-                fillers = [self.one(filler, f"{condition}_filler", i, logprobs=True)
-                           for filler in self.fillers(fixture, BATCH_SIZES[condition] - 1)]
+                fillers = [
+                    self.one(filler, f"{condition}_filler", i, logprobs=True)
+                    for filler in self.fillers(fixture, BATCH_SIZES[condition] - 1)
+                ]
                 done = await asyncio.gather(self.one(fixture, condition, i, logprobs=True), *fillers)
                 out.append(done[0])
             return out
@@ -194,9 +232,17 @@ class RepeatRun:
         """`count` other prompts for the fixture's batch: the other fixtures' prompts, numbered so that none is
         identical to another, with the fixture's own max_tokens (so they stay in flight while it decodes)."""
         others = [f.prompt for f in self.cfg.fixtures if f.id != fixture.id] or [fixture.prompt]
-        return [dataclasses.replace(fixture, id=f"{fixture.id}-filler-{j}", kind="open", expected=None,
-                                    extract=None, prompt=f"({j + 1}) {others[j % len(others)]}")
-                for j in range(count)]
+        return [
+            dataclasses.replace(
+                fixture,
+                id=f"{fixture.id}-filler-{j}",
+                kind="open",
+                expected=None,
+                extract=None,
+                prompt=f"({j + 1}) {others[j % len(others)]}",
+            )
+            for j in range(count)
+        ]
 
     async def run(self) -> dict:
         cfg = self.cfg
@@ -210,8 +256,13 @@ class RepeatRun:
         self.run_dir = Path(cfg.out_dir) / LANE / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=False)
         flush_offered = self.flush()
-        self.server_facts = {"models": ids, "server_info": info, "flush_cache_offered": flush_offered,
-                             "cache_reset_path": self.cache_reset_path, "reports_cached_tokens": None}
+        self.server_facts = {
+            "models": ids,
+            "server_info": info,
+            "flush_cache_offered": flush_offered,
+            "cache_reset_path": self.cache_reset_path,
+            "reports_cached_tokens": None,
+        }
         self.conditions: list[str] = []
         self.skipped: dict[str, str] = {}
         probe = cfg.fixtures[0]
@@ -221,14 +272,19 @@ class RepeatRun:
             if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions):
                 first = await self.one(probe, "cache_probe", 0, logprobs=False)
                 second = await self.one(probe, "cache_probe", 1, logprobs=False)
-                self.server_facts["reports_cached_tokens"] = (cached_tokens(second.get("usage")) is not None
-                                                              or cached_tokens(first.get("usage")) is not None)
+                self.server_facts["reports_cached_tokens"] = (
+                    cached_tokens(second.get("usage")) is not None or cached_tokens(first.get("usage")) is not None
+                )
             for c in cfg.conditions:
                 if c in ("prefix_fresh", "prefix_reused") and not (
-                        flush_offered and self.server_facts["reports_cached_tokens"]):
-                    self.skipped[c] = (CACHE_RESET_MISSING if not flush_offered else
-                                       "the server reports no cached_tokens in usage (vLLM: start it with "
-                                       "--enable-prompt-tokens-details)")
+                    flush_offered and self.server_facts["reports_cached_tokens"]
+                ):
+                    self.skipped[c] = (
+                        CACHE_RESET_MISSING
+                        if not flush_offered
+                        else "the server reports no cached_tokens in usage (vLLM: start it with "
+                        "--enable-prompt-tokens-details)"
+                    )
                     continue
                 self.conditions.append(c)
             for fx in cfg.fixtures:
@@ -255,27 +311,45 @@ class RepeatRun:
             pooled = [r for r in self.records if r.get("fixture") == fx.id and r.get("condition") in shapes]
             if len(shapes) > 1 and pooled:
                 groups.setdefault(fx.id, {})[BATCH_SHAPE] = {
-                    **summarize_group(fx, pooled), "conditions": shapes,
-                    "distinct_by_condition": {c: groups[fx.id][c]["distinct"] for c in shapes if c in groups[fx.id]}}
+                    **summarize_group(fx, pooled),
+                    "conditions": shapes,
+                    "distinct_by_condition": {c: groups[fx.id][c]["distinct"] for c in shapes if c in groups[fx.id]},
+                }
         result = {
             "schema_version": SCHEMA_VERSION,
             "kind": "repeat",
             "run_id": self.run_id,
             "arm": cfg.arm,
             "partial": partial,
-            "config": {"base_url": redact_text(cfg.base_url), "model": self.model, "repeats": cfg.repeats,
-                       "conditions": list(self.conditions), "conditions_skipped": self.skipped,
-                       "token_ids": cfg.token_ids, "temperature": 0.0, "top_logprobs": TOP_LOGPROBS,
-                       "fixtures": [f.describe() for f in cfg.fixtures],
-                       "fixtures_sha256": fixtures_sha256(cfg.fixtures)},
+            "config": {
+                "base_url": redact_text(cfg.base_url),
+                "model": self.model,
+                "repeats": cfg.repeats,
+                "conditions": list(self.conditions),
+                "conditions_skipped": self.skipped,
+                "token_ids": cfg.token_ids,
+                "temperature": 0.0,
+                "top_logprobs": TOP_LOGPROBS,
+                "fixtures": [f.describe() for f in cfg.fixtures],
+                "fixtures_sha256": fixtures_sha256(cfg.fixtures),
+            },
             "server": self.server_facts,
             "groups": groups,
             "n_records": len(self.records),
             "n_errors": sum(1 for r in self.records if r.get("error")),
         }
-        manifest = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "arm": cfg.arm, "lane": LANE,
-                    "created_at": time.time(), "config": result["config"], "server": result["server"],
-                    "code": code_provenance(), "packages": installed_packages(), "python": python_platform()}
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "arm": cfg.arm,
+            "lane": LANE,
+            "created_at": time.time(),
+            "config": result["config"],
+            "server": result["server"],
+            "code": code_provenance(),
+            "packages": installed_packages(),
+            "python": python_platform(),
+        }
         write_json(self.run_dir / MANIFEST_FILE, manifest)
         write_json(self.run_dir / REPEAT_FILE, result)
         return result
@@ -287,7 +361,6 @@ class RepeatError(Exception):
 
 def planned_requests(cfg: RepeatConfig) -> int:
     """Upper bound for the progress bar: probes + N per fixture and condition + one priming per fixture."""
-    per_fx = (cfg.repeats * sum(BATCH_SIZES.get(c, 1) for c in cfg.conditions)
-              + ("prefix_reused" in cfg.conditions))
+    per_fx = cfg.repeats * sum(BATCH_SIZES.get(c, 1) for c in cfg.conditions) + ("prefix_reused" in cfg.conditions)
     probes = 2 if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions) else 0
     return probes + per_fx * len(cfg.fixtures)

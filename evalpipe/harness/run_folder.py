@@ -87,7 +87,9 @@ class RunFolder:
         if superseded or read.torn_tail:
             rewrite_records(path / RESPONSES_FILE, keep)
         resumed = {
-            "at": time.time(), "kept_records": len(keep), "superseded_error_records": len(superseded),
+            "at": time.time(),
+            "kept_records": len(keep),
+            "superseded_error_records": len(superseded),
             "dropped_torn_line": read.torn_tail,
         }
         manifest.setdefault("resumes", []).append(resumed)

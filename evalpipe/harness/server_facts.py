@@ -43,9 +43,13 @@ def lossy_acceptance(server_info: Any) -> Optional[dict]:
         return dict(accept)
     values = {k: server_info.get(k) for k in SGLANG_THRESHOLD_KEYS}
     if any(isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) < 1.0 for v in values.values()):
-        return {"rule": "threshold", "threshold_single": values[SGLANG_THRESHOLD_KEYS[0]],
-                "threshold_acc": values[SGLANG_THRESHOLD_KEYS[1]], "lossy": True,
-                "applies_to": "sampled requests (SGLang verifies all-greedy batches exactly)"}
+        return {
+            "rule": "threshold",
+            "threshold_single": values[SGLANG_THRESHOLD_KEYS[0]],
+            "threshold_acc": values[SGLANG_THRESHOLD_KEYS[1]],
+            "lossy": True,
+            "applies_to": "sampled requests (SGLang verifies all-greedy batches exactly)",
+        }
     return None
 
 

@@ -36,8 +36,10 @@ SGLANG_COUNTERS = {
 # SGLang gauges: the last batch's values (not counters; not subtracted)
 SGLANG_GAUGES = {"accept_length": "sglang:spec_accept_length", "accept_rate": "sglang:spec_accept_rate"}
 
-SCOPE = ("run-level: the server's /metrics counters after the workload minus before it; covers everything the "
-         "server served in between, not one request")
+SCOPE = (
+    "run-level: the server's /metrics counters after the workload minus before it; covers everything the "
+    "server served in between, not one request"
+)
 
 
 def parse(text: str) -> Optional[dict]:
@@ -46,7 +48,10 @@ def parse(text: str) -> Optional[dict]:
     Raises ValueError when `text` is not the Prometheus text format."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {**{v: ("vllm", k) for k, v in VLLM_COUNTERS.items()}, **{v: ("sglang", k) for k, v in SGLANG_COUNTERS.items()}}
+    names = {
+        **{v: ("vllm", k) for k, v in VLLM_COUNTERS.items()},
+        **{v: ("sglang", k) for k, v in SGLANG_COUNTERS.items()},
+    }
     gauge_names = {v: k for k, v in SGLANG_GAUGES.items()}
     counters: dict[str, dict[str, float]] = {}
     per_position: dict[str, float] = {}
@@ -63,8 +68,11 @@ def parse(text: str) -> Optional[dict]:
             elif sample.name in gauge_names and family.type == "gauge":
                 gauges[gauge_names[sample.name]] = float(sample.value)
     if "vllm" in counters or per_position:
-        return {"engine": "vllm", "counters": counters.get("vllm", {}),
-                "accepted_per_position": dict(sorted(per_position.items(), key=lambda kv: _pos_key(kv[0])))}
+        return {
+            "engine": "vllm",
+            "counters": counters.get("vllm", {}),
+            "accepted_per_position": dict(sorted(per_position.items(), key=lambda kv: _pos_key(kv[0]))),
+        }
     sglang = counters.get("sglang", {})
     if "verify_calls" in sglang or gauges:  # generation tokens alone say nothing about speculation
         return {"engine": "sglang", "counters": sglang, "gauges": gauges}
@@ -101,8 +109,14 @@ def run_level(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
     """
     if after is None:
         return None
-    block: dict[str, Any] = {"level": "run", "scope": SCOPE, "source": f"GET {METRICS_PATH}",
-                             "engine": after.get("engine"), "before": before, "after": after}
+    block: dict[str, Any] = {
+        "level": "run",
+        "scope": SCOPE,
+        "source": f"GET {METRICS_PATH}",
+        "engine": after.get("engine"),
+        "before": before,
+        "after": after,
+    }
     if before is None or before.get("engine") != after.get("engine"):
         block["error"] = "no /metrics snapshot before the workload: the counters cannot be isolated"
         return block
@@ -110,15 +124,18 @@ def run_level(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
     per_pos: list[float] = []
     if after["engine"] == "vllm":
         positions = sorted(set(after["accepted_per_position"]) | set(before["accepted_per_position"]), key=_pos_key)
-        per_pos = [after["accepted_per_position"].get(p, 0.0) - before["accepted_per_position"].get(p, 0.0)
-                   for p in positions]
+        per_pos = [
+            after["accepted_per_position"].get(p, 0.0) - before["accepted_per_position"].get(p, 0.0) for p in positions
+        ]
     if any(v < 0 for v in [*delta.values(), *per_pos]):
         block["error"] = "a counter went down between the snapshots (the server restarted): no figure"
         return block
     if after["engine"] == "vllm":
         drafts, draft_tokens, accepted = (delta.get(k, 0.0) for k in ("drafts", "draft_tokens", "accepted_tokens"))
         block.update(
-            drafts=_int(drafts), draft_tokens=_int(draft_tokens), accepted_tokens=_int(accepted),
+            drafts=_int(drafts),
+            draft_tokens=_int(draft_tokens),
+            accepted_tokens=_int(accepted),
             accepted_per_position=[_int(v) for v in per_pos],
             acceptance_per_position=[v / drafts for v in per_pos] if drafts else None,
             draft_acceptance_rate=accepted / draft_tokens if draft_tokens else None,
@@ -126,8 +143,12 @@ def run_level(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
         )
     else:
         verify, tokens = delta.get("verify_calls", 0.0), delta.get("generation_tokens", 0.0)
-        block.update(verify_calls=_int(verify), generation_tokens=_int(tokens),
-                     mean_accept_length=tokens / verify if verify else None, gauges_after=after.get("gauges") or {})
+        block.update(
+            verify_calls=_int(verify),
+            generation_tokens=_int(tokens),
+            mean_accept_length=tokens / verify if verify else None,
+            gauges_after=after.get("gauges") or {},
+        )
     return block
 
 

@@ -54,11 +54,13 @@ def repeated_metrics(by_key: dict, lane_name: str, question_ids: list, repeats: 
                 preds.append({"predicted_answer": None, "symbolic_correct": False})
             else:
                 ans = rec.get("extracted_answer")
-                preds.append({
-                    "predicted_answer": None if ans is None else str(ans),
-                    "symbolic_correct": bool(rec.get("correct")),
-                    "num_generated_tokens": _usage_int(rec.get("usage"), "completion_tokens"),
-                })
+                preds.append(
+                    {
+                        "predicted_answer": None if ans is None else str(ans),
+                        "symbolic_correct": bool(rec.get("correct")),
+                        "num_generated_tokens": _usage_int(rec.get("usage"), "completion_tokens"),
+                    }
+                )
         metrics.update(preds)
     raw = metrics.get_metrics()
     k = repeats
@@ -165,9 +167,21 @@ def compute_summary(
     # a lossy acceptance rule (evalpipe serve --spec-accept-*) decided these responses: their accuracy measures it
     summary["n_records_lossy"] = sum(map(metrics.is_lossy, recs))
     summary["spec_lossy"] = summary["n_records_lossy"] > 0
-    for key in ("partial", "interrupted", "refused", "wall_s", "requests_per_s", "overrides", "data_drift",
-                "manifest_changed", "manifest_changes", "resumed", "server_lossy_acceptance",
-                "server_debug_faults", "spec_metrics"):
+    for key in (
+        "partial",
+        "interrupted",
+        "refused",
+        "wall_s",
+        "requests_per_s",
+        "overrides",
+        "data_drift",
+        "manifest_changed",
+        "manifest_changes",
+        "resumed",
+        "server_lossy_acceptance",
+        "server_debug_faults",
+        "spec_metrics",
+    ):
         if key in meta:
             summary[key] = meta[key]
     summary.setdefault("partial", summary["n_missing"] > 0)
@@ -187,10 +201,29 @@ def close_values(a: Any, b: Any) -> bool:
 
 # keys audit recomputes from records and compares (run-level facts such as wall time are not re-derivable)
 RECOMPUTABLE_KEYS = (
-    "lane", "n_planned", "n_records", "n_missing", "n_correct", "accuracy", "n_truncated", "n_errors",
-    "n_grader_timeouts", "n_grader_errors", "grade_status_counts", "n_duplicate_records", "n_unplanned_records",
-    "n_invalid", "n_no_answer", "pass@1", "tokens", "latency_s", "n_records_with_spec", "spec_accept_length_mean",
-    "by_group", "n_records_lossy", "spec_lossy",
+    "lane",
+    "n_planned",
+    "n_records",
+    "n_missing",
+    "n_correct",
+    "accuracy",
+    "n_truncated",
+    "n_errors",
+    "n_grader_timeouts",
+    "n_grader_errors",
+    "grade_status_counts",
+    "n_duplicate_records",
+    "n_unplanned_records",
+    "n_invalid",
+    "n_no_answer",
+    "pass@1",
+    "tokens",
+    "latency_s",
+    "n_records_with_spec",
+    "spec_accept_length_mean",
+    "by_group",
+    "n_records_lossy",
+    "spec_lossy",
 )
 # recomputable keys that summaries written before them lack: audit accepts their absence only where the records
 # give a falsy value (so deleting a true spec_lossy from a summary is still caught)

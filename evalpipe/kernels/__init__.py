@@ -11,9 +11,10 @@ kernels are built by the one selector and JIT cache in `_backend.py`.
   CSA top-k), moe (the MoE block), compress (the other compressor windows), step_meta (a step's index arrays).
 """
 
-from evalpipe.kernels.indexer_postprocess import indexer_postprocess, indexer_postprocess_reference
+from evalpipe.kernels._backend import use_triton  # the one selector; callers with a chain of their own ask it too
+from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
 from evalpipe.kernels.candidate_block_mask import candidate_block_mask, candidate_block_mask_reference
-from evalpipe.kernels.q_rope_store import q_rope_store, q_rope_store_reference
+from evalpipe.kernels.indexer_postprocess import indexer_postprocess, indexer_postprocess_reference
 from evalpipe.kernels.mxfp8 import (
     Mxfp8Tensor,
     mxfp8_linear,
@@ -23,15 +24,23 @@ from evalpipe.kernels.mxfp8 import (
     wo_a_mxfp8,
     wo_a_mxfp8_reference,
 )
-from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
-from evalpipe.kernels._backend import use_triton  # the one selector; callers with a chain of their own ask it too
+from evalpipe.kernels.q_rope_store import q_rope_store, q_rope_store_reference
 
 __all__ = [
     "use_triton",
-    "indexer_postprocess", "indexer_postprocess_reference",
-    "candidate_block_mask", "candidate_block_mask_reference",
-    "q_rope_store", "q_rope_store_reference",
-    "Mxfp8Tensor", "mxfp8_quantize", "mxfp8_quantize_reference", "wo_a_mxfp8", "wo_a_mxfp8_reference",
-    "mxfp8_linear", "mxfp8_linear_reference",
-    "c2_verify", "c2_verify_reference",
+    "indexer_postprocess",
+    "indexer_postprocess_reference",
+    "candidate_block_mask",
+    "candidate_block_mask_reference",
+    "q_rope_store",
+    "q_rope_store_reference",
+    "Mxfp8Tensor",
+    "mxfp8_quantize",
+    "mxfp8_quantize_reference",
+    "wo_a_mxfp8",
+    "wo_a_mxfp8_reference",
+    "mxfp8_linear",
+    "mxfp8_linear_reference",
+    "c2_verify",
+    "c2_verify_reference",
 ]

@@ -53,6 +53,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # ---- index helpers (device ops, no host reads) --------------------------------------------------------------
 
+
 def hca_entry_rows(rows: torch.Tensor, pos: torch.Tensor, n: int, ratio: int) -> torch.Tensor:
     """[T, E] pool rows of entries 0..E-1 for each query row (request b's rows[b] repeated for its n rows), -1 where
     entry w is not visible to the query at position t: w >= (t + 1) // ratio (HCA's "all visible entries")."""
@@ -80,12 +81,16 @@ def _check(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_r
     if window_ring.dim() != 2 or window_ring.shape[1] != D or window < 1 or ring_size < 1:
         raise ValueError(f"window_ring must be [S * ring_size, {D}], got {tuple(window_ring.shape)}")
     if pos.shape != (T,) or slot.shape != (T,) or sinks.shape != (H,):
-        raise ValueError(f"pos, slot must be [{T}] and sinks [{H}], got {tuple(pos.shape)}, {tuple(slot.shape)}, "
-                         f"{tuple(sinks.shape)}")
+        raise ValueError(
+            f"pos, slot must be [{T}] and sinks [{H}], got {tuple(pos.shape)}, {tuple(slot.shape)}, "
+            f"{tuple(sinks.shape)}"
+        )
     if entries is not None and entry_rows is not None:
         if entries.dim() != 2 or entries.shape[1] != D or entry_rows.dim() != 2 or entry_rows.shape[0] != T:
-            raise ValueError(f"entries must be [N, {D}] and entry_rows [{T}, K], got {tuple(entries.shape)} and "
-                             f"{tuple(entry_rows.shape)}")
+            raise ValueError(
+                f"entries must be [N, {D}] and entry_rows [{T}, K], got {tuple(entries.shape)} and "
+                f"{tuple(entry_rows.shape)}"
+            )
 
 
 def _has_entries(entries, entry_rows) -> bool:
@@ -93,6 +98,7 @@ def _has_entries(entries, entry_rows) -> bool:
 
 
 # ---- reference ------------------------------------------------------------------------------------------------
+
 
 def fused_attention_reference(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale):
     """`_attend`'s op chain on flat rows (same roundings): window keys gathered per row, logits in q's dtype times
@@ -131,13 +137,45 @@ def fused_attention_reference(q, kv, window_ring, ring_size, window, pos, slot, 
 # ---- kernels (built on first use by `jit`) ---------------------------------------------------------------
 
 if tl is not None:
-    def _step_attention_kernel(q_ptr, ring_ptr, kv_off, ent_off, rows_ptr, pos_ptr, slot_ptr, sinks_ptr,
-                               out_ptr, po_ptr, pm_ptr, pl_ptr,
-                               H, n, ring_size, window, K, scale, chunks_per_split, total_chunks,
-                               stride_qt, stride_qh, stride_kv, stride_ring, stride_ent, stride_rt, stride_rk,
-                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                               BLOCK_N: tl.constexpr, W_CHUNKS: tl.constexpr, HAS_ENT: tl.constexpr,
-                               SPLIT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+
+    def _step_attention_kernel(
+        q_ptr,
+        ring_ptr,
+        kv_off,
+        ent_off,
+        rows_ptr,
+        pos_ptr,
+        slot_ptr,
+        sinks_ptr,
+        out_ptr,
+        po_ptr,
+        pm_ptr,
+        pl_ptr,
+        H,
+        n,
+        ring_size,
+        window,
+        K,
+        scale,
+        chunks_per_split,
+        total_chunks,
+        stride_qt,
+        stride_qh,
+        stride_kv,
+        stride_ring,
+        stride_ent,
+        stride_rt,
+        stride_rk,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        W_CHUNKS: tl.constexpr,
+        HAS_ENT: tl.constexpr,
+        SPLIT: tl.constexpr,
+        IEEE: tl.constexpr,
+        ALIGNED: tl.constexpr,
+    ):
         # every key row is addressed as an element offset from ring_ptr (kv rows at kv_off, entries at ent_off):
         # one base pointer keeps the gather's rows analysable, so with ALIGNED (all offsets multiples of 8 elements)
         # the row loads are 16-byte vectors and software-pipelined (cp.async); a select between three base
@@ -156,8 +194,9 @@ if tl is not None:
         hm = hs < H
         ds = tl.arange(0, BLOCK_D)
         dm = ds < D
-        q = tl.load(q_ptr + i64 * stride_qt + hs[:, None] * stride_qh + ds[None, :],
-                    mask=hm[:, None] & dm[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + i64 * stride_qt + hs[:, None] * stride_qh + ds[None, :], mask=hm[:, None] & dm[None, :], other=0.0
+        )
         # the sink is one more logit of every head: split 0 starts its running softmax from it (counted once)
         sink = tl.load(sinks_ptr + hs, mask=hm, other=0.0).to(tl.float32)
         m0 = tl.maximum(sink, -1.0e30)  # finite floor: no inf - inf
@@ -211,11 +250,15 @@ if tl is not None:
             tl.store(po_ptr + base[:, None] * D + ds[None, :], acc, mask=hm[:, None] & dm[None, :])
         else:
             out = acc / l_i[:, None]
-            tl.store(out_ptr + (i64 * H + hs[:, None]) * D + ds[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=hm[:, None] & dm[None, :])
+            tl.store(
+                out_ptr + (i64 * H + hs[:, None]) * D + ds[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=hm[:, None] & dm[None, :],
+            )
 
-    def _step_attention_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, H, S,
-                                       D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _step_attention_combine_kernel(
+        po_ptr, pm_ptr, pl_ptr, out_ptr, H, S, D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
         i = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         ss = tl.arange(0, S_PAD)
@@ -240,22 +283,36 @@ if tl is not None:
 # sits in the pool): not specialised (see kernels._backend.jit); alignment is passed explicitly as ALIGNED
 ATTENTION_VARYING = ("kv_off", "ent_off", "n", "K", "chunks_per_split", "total_chunks", "stride_rt")
 
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2  # interpreter: few programs, but still a split path at small T
 
 
-def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, *, esize: int = 2,
-         splits: int | None = None,
-         block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, min_keys: int | None = None) -> dict:
+def plan(
+    T: int,
+    H: int,
+    D: int,
+    window: int,
+    K: int,
+    device: torch.device,
+    *,
+    esize: int = 2,
+    splits: int | None = None,
+    block_n: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_keys: int | None = None,
+) -> dict:
     """Launch shape from static sizes only (capture-safe). Each program is latency-bound (an index load, a dependent
     gather and two small dots per key chunk), so the rule is: chunks of 64 keys, at most one wave of programs, each
     taking >= `min_keys` keys (a split writes an fp32 [H, D] partial). Heads go in blocks of 32 when T rows x key
     splits already fill the SMs (keys read once per row), else in blocks of 16 (twice the programs). Every split is
     non-empty. From an H200 sweep (32 x 512 heads, bf16; benchmarks/step_attention_gpu.py --sweep): 64-key chunks
-    and 8 warps won at every shape (bf16; fp32 rows of 512 take 32-key chunks: shared memory); 16-head blocks at T=1 and for sliding-only layers, 32-head blocks with 4 splits
+    and 8 warps won at every shape (bf16; fp32 rows of 512 take 32-key chunks: shared memory); 16-head blocks at T=1
+    and for sliding-only layers, 32-head blocks with 4 splits
     at T=32 (CSA, HCA). Keyword overrides are for that sweep."""
     sms = _sm_count(device)
     keys = window + K
@@ -271,13 +328,35 @@ def plan(T: int, H: int, D: int, window: int, K: int, device: torch.device, *, e
     splits = max(1, min(int(splits), total))
     per_split = triton.cdiv(total, splits)
     splits = triton.cdiv(total, per_split)
-    return dict(BLOCK_N=block_n, BLOCK_H=block_h, head_blocks=head_blocks, W_CHUNKS=w_chunks, total=total,
-                splits=splits, per_split=per_split, num_warps=num_warps or (4 if D <= 128 else 8),
-                num_stages=num_stages or 2)
+    return dict(
+        BLOCK_N=block_n,
+        BLOCK_H=block_h,
+        head_blocks=head_blocks,
+        W_CHUNKS=w_chunks,
+        total=total,
+        splits=splits,
+        per_split=per_split,
+        num_warps=num_warps or (4 if D <= 128 else 8),
+        num_stages=num_stages or 2,
+    )
 
 
-def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale,
-            splits: int | None = None, **overrides) -> torch.Tensor:
+def _launch(
+    q,
+    kv,
+    window_ring,
+    ring_size,
+    window,
+    pos,
+    slot,
+    n,
+    entries,
+    entry_rows,
+    sinks,
+    scale,
+    splits: int | None = None,
+    **overrides,
+) -> torch.Tensor:
     T, H, D = q.shape
     has_ent = _has_entries(entries, entry_rows)
     K = entry_rows.shape[1] if has_ent else 0
@@ -295,8 +374,9 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
     esize = window_ring.element_size()
     kv_off = (kv.data_ptr() - window_ring.data_ptr()) // esize  # same dtype: exact
     ent_off = (ent.data_ptr() - window_ring.data_ptr()) // esize
-    aligned = (window_ring.data_ptr() % 16 == 0 and all(x % 8 == 0 for x in (
-        kv_off, ent_off, kv.stride(0), window_ring.stride(0), ent.stride(0))))
+    aligned = window_ring.data_ptr() % 16 == 0 and all(
+        x % 8 == 0 for x in (kv_off, ent_off, kv.stride(0), window_ring.stride(0), ent.stride(0))
+    )
     if S > 1:
         po = torch.empty(T, S, H, D, device=q.device, dtype=torch.float32)
         pm = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
@@ -304,25 +384,70 @@ def _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_
     else:
         po = pm = pl = out
     jit(_step_attention_kernel, ATTENTION_VARYING)[(T, S, cfg["head_blocks"])](
-        q, window_ring, kv_off, ent_off, rows, pos, slot, sinks,
-        out, po, pm, pl,
-        H, n, ring_size, window, K, float(scale), cfg["per_split"], cfg["total"],
-        q.stride(0), q.stride(1), kv.stride(0), window_ring.stride(0), ent.stride(0), rows.stride(0),
+        q,
+        window_ring,
+        kv_off,
+        ent_off,
+        rows,
+        pos,
+        slot,
+        sinks,
+        out,
+        po,
+        pm,
+        pl,
+        H,
+        n,
+        ring_size,
+        window,
+        K,
+        float(scale),
+        cfg["per_split"],
+        cfg["total"],
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        window_ring.stride(0),
+        ent.stride(0),
+        rows.stride(0),
         rows.stride(1),
-        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        W_CHUNKS=cfg["W_CHUNKS"], HAS_ENT=has_ent, SPLIT=S > 1, IEEE=q.dtype == torch.float32, ALIGNED=aligned,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        D=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"],
+        W_CHUNKS=cfg["W_CHUNKS"],
+        HAS_ENT=has_ent,
+        SPLIT=S > 1,
+        IEEE=q.dtype == torch.float32,
+        ALIGNED=aligned,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     if S > 1:
-        jit(_step_attention_combine_kernel)[(T, H)](po, pm, pl, out, H, S, D=D,
-                                                     S_PAD=triton.next_power_of_2(S),
-                                                     BLOCK_D=min(128, triton.next_power_of_2(D)), num_warps=4)
+        jit(_step_attention_combine_kernel)[(T, H)](
+            po,
+            pm,
+            pl,
+            out,
+            H,
+            S,
+            D=D,
+            S_PAD=triton.next_power_of_2(S),
+            BLOCK_D=min(128, triton.next_power_of_2(D)),
+            num_warps=4,
+        )
     return out
 
 
 def _guard(q, kv, window_ring, entries, sinks) -> bool:
     dtypes = {q.dtype, kv.dtype, window_ring.dtype} | ({entries.dtype} if entries is not None else set())
-    return (len(dtypes) == 1 and q.dtype in FLOAT_DTYPES and sinks.dtype == torch.float32
-            and window_ring.stride(1) == 1 and (entries is None or entries.stride(1) == 1))
+    return (
+        len(dtypes) == 1
+        and q.dtype in FLOAT_DTYPES
+        and sinks.dtype == torch.float32
+        and window_ring.stride(1) == 1
+        and (entries is None or entries.stride(1) == 1)
+    )
 
 
 def fused_attention_applies(backend: str, q, kv, window_ring, entries, sinks) -> bool:
@@ -332,15 +457,18 @@ def fused_attention_applies(backend: str, q, kv, window_ring, entries, sinks) ->
     return use_triton(backend, tensors, _guard(q, kv, window_ring, entries, sinks))
 
 
-def fused_attention(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale, *,
-                    backend="auto"):
+def fused_attention(
+    q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale, *, backend="auto"
+):
     """[T, H, D] attention output of T = B * n query rows over their sliding window (ring + this forward's kv rows)
     and their compressed entries, with per-head sinks (see the module docstring). One Triton kernel (plus a merge
     kernel when the key axis is split across programs) on CUDA; `fused_attention_reference` elsewhere."""
     _check(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks)
-    tensors = [q, kv, window_ring, pos, slot, sinks] + ([entries, entry_rows] if _has_entries(entries, entry_rows)
-                                                          else [])
+    tensors = [q, kv, window_ring, pos, slot, sinks] + (
+        [entries, entry_rows] if _has_entries(entries, entry_rows) else []
+    )
     if not use_triton(backend, tensors, _guard(q, kv, window_ring, entries, sinks)):
-        return fused_attention_reference(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows,
-                                         sinks, scale)
+        return fused_attention_reference(
+            q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale
+        )
     return _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale)

@@ -72,13 +72,29 @@ except Exception:  # pragma: no cover - triton is optional on non-Linux hosts
     triton = None
 
 
-def _validate(kv_gate, positions, req, row_valid, position_bias, norm_weight, cos, sin, rope_dim, kv_state, pool,
-              page_table, page_size, ring_size, rows_per_request) -> int:
+def _validate(
+    kv_gate,
+    positions,
+    req,
+    row_valid,
+    position_bias,
+    norm_weight,
+    cos,
+    sin,
+    rope_dim,
+    kv_state,
+    pool,
+    page_table,
+    page_size,
+    ring_size,
+    rows_per_request,
+) -> int:
     """Shape/dtype checks shared by both backends (host-side metadata only, so CUDA-graph safe). Returns hd."""
     if ring_size <= rows_per_request:
         raise ValueError(
             f"ring_size ({ring_size}) must be wider than rows_per_request ({rows_per_request}): the block head's "
-            "ring slot would be overwritten inside the launch")
+            "ring slot would be overwritten inside the launch"
+        )
     if rows_per_request < 1:
         raise ValueError(f"rows_per_request must be >= 1, got {rows_per_request}")
     if kv_gate.dim() != 2 or kv_gate.shape[1] % 2:
@@ -126,11 +142,42 @@ def _masked_row_store(dst: torch.Tensor, index: torch.Tensor, values: torch.Tens
     dst.index_copy_(0, index, values)
 
 
-def c2_verify_reference(kv_gate, positions, req, row_valid, position_bias, norm_weight, eps, cos, sin, rope_dim,
-                        kv_state, pool, page_table, page_size, ring_size, rows_per_request) -> None:
+def c2_verify_reference(
+    kv_gate,
+    positions,
+    req,
+    row_valid,
+    position_bias,
+    norm_weight,
+    eps,
+    cos,
+    sin,
+    rope_dim,
+    kv_state,
+    pool,
+    page_table,
+    page_size,
+    ring_size,
+    rows_per_request,
+) -> None:
     """The unfused chain in plain PyTorch (vectorised, no host syncs). Same contract as `c2_verify`."""
-    hd = _validate(kv_gate, positions, req, row_valid, position_bias, norm_weight, cos, sin, rope_dim, kv_state,
-                   pool, page_table, page_size, ring_size, rows_per_request)
+    hd = _validate(
+        kv_gate,
+        positions,
+        req,
+        row_valid,
+        position_bias,
+        norm_weight,
+        cos,
+        sin,
+        rope_dim,
+        kv_state,
+        pool,
+        page_table,
+        page_size,
+        ring_size,
+        rows_per_request,
+    )
     n, dev = kv_gate.shape[0], kv_gate.device
     if n == 0:
         return
@@ -196,10 +243,32 @@ if triton is not None:
         return 1.0 / tl.sqrt_rn(x)
 
     def _c2_verify_kernel(
-        kvg_ptr, kvg_stride, pos_ptr, req_ptr, valid_ptr, bias_ptr, normw_ptr, eps,
-        cos_ptr, sin_ptr, cos_stride, sin_stride, ring_ptr, ring_stride, pool_ptr, pool_stride,
-        pt_ptr, pt_stride, page_size, R, D,
-        HD: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, C_BF16: tl.constexpr, P_BF16: tl.constexpr,
+        kvg_ptr,
+        kvg_stride,
+        pos_ptr,
+        req_ptr,
+        valid_ptr,
+        bias_ptr,
+        normw_ptr,
+        eps,
+        cos_ptr,
+        sin_ptr,
+        cos_stride,
+        sin_stride,
+        ring_ptr,
+        ring_stride,
+        pool_ptr,
+        pool_stride,
+        pt_ptr,
+        pt_stride,
+        page_size,
+        R,
+        D,
+        HD: tl.constexpr,
+        ROPE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        C_BF16: tl.constexpr,
+        P_BF16: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
         """One program per row; masked loads/stores instead of branches so padding rows touch no memory.
@@ -238,14 +307,26 @@ if triton is not None:
         g_raw = tl.load(row_ptr + HD + offs, mask=mine, other=0.0)
         kv_new_s = tl.load(row_ptr + swp, mask=work, other=0.0).to(tl.float32)
         g_new_s = tl.load(row_ptr + HD + swp, mask=work, other=0.0).to(tl.float32)
-        kv_old = tl.where(from_ring, tl.load(ring_src + offs, mask=from_ring, other=0.0).to(tl.float32),
-                          tl.load(prev_ptr + offs, mask=from_prev, other=0.0).to(tl.float32))
-        g_old = tl.where(from_ring, tl.load(ring_src + HD + offs, mask=from_ring, other=0.0).to(tl.float32),
-                         tl.load(prev_ptr + HD + offs, mask=from_prev, other=0.0).to(tl.float32))
-        kv_old_s = tl.where(from_ring, tl.load(ring_src + swp, mask=from_ring, other=0.0).to(tl.float32),
-                            tl.load(prev_ptr + swp, mask=from_prev, other=0.0).to(tl.float32))
-        g_old_s = tl.where(from_ring, tl.load(ring_src + HD + swp, mask=from_ring, other=0.0).to(tl.float32),
-                           tl.load(prev_ptr + HD + swp, mask=from_prev, other=0.0).to(tl.float32))
+        kv_old = tl.where(
+            from_ring,
+            tl.load(ring_src + offs, mask=from_ring, other=0.0).to(tl.float32),
+            tl.load(prev_ptr + offs, mask=from_prev, other=0.0).to(tl.float32),
+        )
+        g_old = tl.where(
+            from_ring,
+            tl.load(ring_src + HD + offs, mask=from_ring, other=0.0).to(tl.float32),
+            tl.load(prev_ptr + HD + offs, mask=from_prev, other=0.0).to(tl.float32),
+        )
+        kv_old_s = tl.where(
+            from_ring,
+            tl.load(ring_src + swp, mask=from_ring, other=0.0).to(tl.float32),
+            tl.load(prev_ptr + swp, mask=from_prev, other=0.0).to(tl.float32),
+        )
+        g_old_s = tl.where(
+            from_ring,
+            tl.load(ring_src + HD + swp, mask=from_ring, other=0.0).to(tl.float32),
+            tl.load(prev_ptr + HD + swp, mask=from_prev, other=0.0).to(tl.float32),
+        )
         b0 = tl.load(bias_ptr + offs, mask=work, other=0.0).to(tl.float32)
         b1 = tl.load(bias_ptr + HD + offs, mask=work, other=0.0).to(tl.float32)
         b0s = tl.load(bias_ptr + swp, mask=work, other=0.0).to(tl.float32)
@@ -294,19 +375,73 @@ _HELPERS = (_round_to, _exp, _rsqrt) if triton is not None else ()
 
 
 def _triton_guard(kv_gate, cos, sin, kv_state, pool) -> bool:
-    return (kv_gate.stride(1) == 1 and kv_state.stride(1) == 1 and pool.stride(1) == 1
-            and (cos.numel() == 0 or cos.stride(1) == 1) and (sin.numel() == 0 or sin.stride(1) == 1)
-            and kv_gate.dtype in (torch.float32, torch.bfloat16)
-            and pool.dtype in (torch.float32, torch.bfloat16))
+    return (
+        kv_gate.stride(1) == 1
+        and kv_state.stride(1) == 1
+        and pool.stride(1) == 1
+        and (cos.numel() == 0 or cos.stride(1) == 1)
+        and (sin.numel() == 0 or sin.stride(1) == 1)
+        and kv_gate.dtype in (torch.float32, torch.bfloat16)
+        and pool.dtype in (torch.float32, torch.bfloat16)
+    )
 
 
-def c2_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, eps, cos, sin, rope_dim,
-              kv_state, pool, page_table, page_size, ring_size, rows_per_request, *, backend: str = "auto") -> None:
+def c2_verify(
+    kv_gate,
+    positions,
+    req,
+    row_valid,
+    position_bias,
+    norm_weight,
+    eps,
+    cos,
+    sin,
+    rope_dim,
+    kv_state,
+    pool,
+    page_table,
+    page_size,
+    ring_size,
+    rows_per_request,
+    *,
+    backend: str = "auto",
+) -> None:
     """Fused ratio-2 verify compression (see module docstring for the contract). Writes kv_state and pool in place."""
-    args = (kv_gate, positions, req, row_valid, position_bias, norm_weight, eps, cos, sin, rope_dim, kv_state, pool,
-            page_table, page_size, ring_size, rows_per_request)
-    hd = _validate(kv_gate, positions, req, row_valid, position_bias, norm_weight, cos, sin, rope_dim, kv_state,
-                   pool, page_table, page_size, ring_size, rows_per_request)
+    args = (
+        kv_gate,
+        positions,
+        req,
+        row_valid,
+        position_bias,
+        norm_weight,
+        eps,
+        cos,
+        sin,
+        rope_dim,
+        kv_state,
+        pool,
+        page_table,
+        page_size,
+        ring_size,
+        rows_per_request,
+    )
+    hd = _validate(
+        kv_gate,
+        positions,
+        req,
+        row_valid,
+        position_bias,
+        norm_weight,
+        cos,
+        sin,
+        rope_dim,
+        kv_state,
+        pool,
+        page_table,
+        page_size,
+        ring_size,
+        rows_per_request,
+    )
     tensors = [kv_gate, positions, req, row_valid, position_bias, norm_weight, cos, sin, kv_state, pool, page_table]
     if not use_triton(backend, tensors, _triton_guard(kv_gate, cos, sin, kv_state, pool)):
         c2_verify_reference(*args)
@@ -317,11 +452,33 @@ def c2_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, ep
     valid = row_valid if row_valid.dtype != torch.bool else row_valid.view(torch.uint8)
     bias = position_bias.contiguous()
     jit(_c2_verify_kernel, helpers=_HELPERS)[(n,)](
-        kv_gate, kv_gate.stride(0), positions, req, valid, bias, norm_weight.contiguous(), float(eps),
-        cos, sin, max(cos.stride(0), 1), max(sin.stride(0), 1), kv_state, kv_state.stride(0), pool, pool.stride(0),
-        page_table, page_table.stride(0), page_size, ring_size, rows_per_request,
-        HD=hd, ROPE=rope_dim, BLOCK=triton.next_power_of_2(hd),
-        C_BF16=kv_gate.dtype == torch.bfloat16, P_BF16=pool.dtype == torch.bfloat16,
+        kv_gate,
+        kv_gate.stride(0),
+        positions,
+        req,
+        valid,
+        bias,
+        norm_weight.contiguous(),
+        float(eps),
+        cos,
+        sin,
+        max(cos.stride(0), 1),
+        max(sin.stride(0), 1),
+        kv_state,
+        kv_state.stride(0),
+        pool,
+        pool.stride(0),
+        page_table,
+        page_table.stride(0),
+        page_size,
+        ring_size,
+        rows_per_request,
+        HD=hd,
+        ROPE=rope_dim,
+        BLOCK=triton.next_power_of_2(hd),
+        C_BF16=kv_gate.dtype == torch.bfloat16,
+        P_BF16=pool.dtype == torch.bfloat16,
         LIBDEVICE=kv_gate.is_cuda and not interpret_mode(),
-        num_warps=4 if hd >= 256 else 1, enable_fp_fusion=False,
+        num_warps=4 if hd >= 256 else 1,
+        enable_fp_fusion=False,
     )

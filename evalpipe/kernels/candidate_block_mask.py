@@ -15,7 +15,8 @@ block; a row with L = 0 keeps nothing. Consumer mode: out[r, c] = logits[r, c] i
 Fused path: kernel 1 writes masked logits, clears keep and writes block scores (newest forced) in one pass;
 torch.topk selects (same call as the reference, on bitwise-equal scores, so ties resolve identically); kernel 2
 scatters the selected blocks and expands them to tokens. When topk_blocks >= nblocks every block is selected and
-kernel 1 writes the final keep mask itself (score > -inf) -- the same result without a ranking. Consumer mode is one kernel. All outputs are exactly
+kernel 1 writes the final keep mask itself (score > -inf) -- the same result without a ranking. Consumer mode is one
+kernel. All outputs are exactly
 (equal_nan) the reference's. The -0.0 -> +0.0 canonicalisation matters because GPU topk ranks by float bits.
 """
 
@@ -71,7 +72,9 @@ def candidate_block_mask_reference(
 def _check_outputs(logits, published, masked_out, keep_out):
     for name, buf, dtype in (("masked_out", masked_out, torch.float32), ("keep_out", keep_out, torch.bool)):
         if buf is not None and (buf.shape != logits.shape or buf.dtype != dtype or buf.device != logits.device):
-            raise ValueError(f"{name} must be {dtype} {tuple(logits.shape)} on {logits.device}, got {buf.dtype}{tuple(buf.shape)}")
+            raise ValueError(
+                f"{name} must be {dtype} {tuple(logits.shape)} on {logits.device}, got {buf.dtype}{tuple(buf.shape)}"
+            )
     if keep_out is not None and published is not None:
         raise ValueError("keep_out is only written in source mode (published=None)")
 
@@ -103,10 +106,22 @@ def _reference_chain(logits, lens, topk_blocks, block_size, published):
 if triton is not None:
 
     def _mask_and_block_score_kernel(
-        logits_ptr, lens_ptr, masked_ptr, keep_ptr, bscore_ptr,
-        width, nblocks, block_size,
-        l_row, l_col, m_row, k_row, b_row,
-        ALL_SELECTED: tl.constexpr, BLOCKS: tl.constexpr, GP: tl.constexpr,
+        logits_ptr,
+        lens_ptr,
+        masked_ptr,
+        keep_ptr,
+        bscore_ptr,
+        width,
+        nblocks,
+        block_size,
+        l_row,
+        l_col,
+        m_row,
+        k_row,
+        b_row,
+        ALL_SELECTED: tl.constexpr,
+        BLOCKS: tl.constexpr,
+        GP: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         blocks = tl.program_id(1).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
@@ -133,10 +148,17 @@ if triton is not None:
             tl.store(bscore_ptr + row * b_row + blocks, score, mask=blocks < nblocks)
 
     def _scatter_keep_kernel(
-        sel_ptr, val_ptr, keep_ptr,
-        width, k, block_size,
-        s_row, v_row, k_row,
-        SEL: tl.constexpr, GP: tl.constexpr,
+        sel_ptr,
+        val_ptr,
+        keep_ptr,
+        width,
+        k,
+        block_size,
+        s_row,
+        v_row,
+        k_row,
+        SEL: tl.constexpr,
+        GP: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         picks = tl.program_id(1).to(tl.int64) * SEL + tl.arange(0, SEL)
@@ -150,9 +172,16 @@ if triton is not None:
         tl.store(keep_ptr + row * k_row + cols, kept[:, None] + tl.zeros_like(cols).to(tl.uint8), mask=mask)
 
     def _consumer_kernel(
-        logits_ptr, lens_ptr, published_ptr, out_ptr,
+        logits_ptr,
+        lens_ptr,
+        published_ptr,
+        out_ptr,
         width,
-        l_row, l_col, p_row, p_col, o_row,
+        l_row,
+        l_col,
+        p_row,
+        p_col,
+        o_row,
         TILE_W: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -225,19 +254,37 @@ def candidate_block_mask(
     bscore = torch.empty((rows, 1 if all_selected else nblocks), dtype=torch.float32, device=device)
     keep_bytes = keep.view(torch.uint8)
     jit(_mask_and_block_score_kernel)[(rows, triton.cdiv(nblocks, per_program))](
-        logits, lens, masked, keep_bytes, bscore,
-        width, nblocks, block_size,
-        *logits.stride(), masked.stride(0), keep_bytes.stride(0), bscore.stride(0),
-        ALL_SELECTED=all_selected, BLOCKS=per_program, GP=group,
+        logits,
+        lens,
+        masked,
+        keep_bytes,
+        bscore,
+        width,
+        nblocks,
+        block_size,
+        *logits.stride(),
+        masked.stride(0),
+        keep_bytes.stride(0),
+        bscore.stride(0),
+        ALL_SELECTED=all_selected,
+        BLOCKS=per_program,
+        GP=group,
     )
     if all_selected:  # every block is selected: no ranking needed, the single kernel wrote the final keep mask
         return masked, keep
     k = topk_blocks
     val, sel = torch.topk(bscore, k, dim=1, sorted=False)
     jit(_scatter_keep_kernel)[(rows, triton.cdiv(k, per_program))](
-        sel, val, keep_bytes,
-        width, k, block_size,
-        sel.stride(0), val.stride(0), keep_bytes.stride(0),
-        SEL=per_program, GP=group,
+        sel,
+        val,
+        keep_bytes,
+        width,
+        k,
+        block_size,
+        sel.stride(0),
+        val.stride(0),
+        keep_bytes.stride(0),
+        SEL=per_program,
+        GP=group,
     )
     return masked, keep

@@ -24,11 +24,37 @@ except Exception:  # pragma: no cover - triton is optional
 
 
 if tl is not None:
-    def _compress_kernel(proj_ptr, proj_stride, pos_ptr, slot_ptr, valid_ptr, ring_ptr, ring_stride, R,
-                         bias_ptr, normw_ptr, eps, cos_ptr, sin_ptr, rope_stride, ent_ptr, ent_stride,
-                         pt_ptr, pt_stride, page_tokens, n,
-                         RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, OVERLAP: tl.constexpr,
-                         ROPE: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+
+    def _compress_kernel(
+        proj_ptr,
+        proj_stride,
+        pos_ptr,
+        slot_ptr,
+        valid_ptr,
+        ring_ptr,
+        ring_stride,
+        R,
+        bias_ptr,
+        normw_ptr,
+        eps,
+        cos_ptr,
+        sin_ptr,
+        rope_stride,
+        ent_ptr,
+        ent_stride,
+        pt_ptr,
+        pt_stride,
+        page_tokens,
+        n,
+        RATIO: tl.constexpr,
+        D: tl.constexpr,
+        P: tl.constexpr,
+        OVERLAP: tl.constexpr,
+        ROPE: tl.constexpr,
+        SLOTS: tl.constexpr,
+        SLOTS_PAD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         i = tl.program_id(0)
         p = tl.load(pos_ptr + i).to(tl.int64)
         ok = (tl.load(valid_ptr + i) != 0) & ((p + 1) % RATIO == 0)
@@ -48,8 +74,9 @@ if tl is not None:
                 half = s * 0
                 bias_row = s
             live = (s < SLOTS) & (q >= 0)
-            src = tl.where(q >= first, proj_ptr + (i - (p - q)) * proj_stride,
-                           ring_ptr + (slot * R + q % R) * ring_stride)
+            src = tl.where(
+                q >= first, proj_ptr + (i - (p - q)) * proj_stride, ring_ptr + (slot * R + q % R) * ring_stride
+            )
             c = tl.arange(0, BLOCK_D)
             cm = c < D
             m2 = live[:, None] & cm[None, :]
@@ -100,10 +127,34 @@ def compress(comp, proj: torch.Tensor, batch, cpool, *, backend: str = "auto") -
     valid = batch.row_valid.view(torch.uint8) if batch.row_valid.dtype == torch.bool else batch.row_valid
     cos, sin = comp.rope.cos, comp.rope.sin
     jit(_compress_kernel, ("n",))[(T,)](
-        proj, proj.stride(0), batch.pos, batch.slot, valid, cpool.ring, cpool.ring.stride(0), cpool.ring_size,
-        comp.position_bias.contiguous(), comp.norm_w, float(comp.eps), cos, sin, cos.stride(0),
-        cpool.entries, cpool.entries.stride(0), table, table.stride(0), batch.pools.page_tokens,
+        proj,
+        proj.stride(0),
+        batch.pos,
+        batch.slot,
+        valid,
+        cpool.ring,
+        cpool.ring.stride(0),
+        cpool.ring_size,
+        comp.position_bias.contiguous(),
+        comp.norm_w,
+        float(comp.eps),
+        cos,
+        sin,
+        cos.stride(0),
+        cpool.entries,
+        cpool.entries.stride(0),
+        table,
+        table.stride(0),
+        batch.pools.page_tokens,
         batch.groups[0].n,
-        RATIO=comp.ratio, D=comp.dim, P=comp.proj_dim, OVERLAP=bool(comp.overlap), ROPE=cos.shape[-1],
-        SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots), BLOCK_D=triton.next_power_of_2(comp.dim),
-        num_warps=4, enable_fp_fusion=False)
+        RATIO=comp.ratio,
+        D=comp.dim,
+        P=comp.proj_dim,
+        OVERLAP=bool(comp.overlap),
+        ROPE=cos.shape[-1],
+        SLOTS=slots,
+        SLOTS_PAD=triton.next_power_of_2(slots),
+        BLOCK_D=triton.next_power_of_2(comp.dim),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )

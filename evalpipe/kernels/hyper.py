@@ -81,8 +81,13 @@ def _prep(obj) -> tuple:
     by their entry, so their id cannot be reused."""
     key = id(obj)
     if key not in _PREP:
-        _PREP[key] = (None, obj.fn.float().contiguous(), obj.base.float().contiguous(),
-                      obj.scale.float().reshape(-1).contiguous(), obj.fn.shape[0])
+        _PREP[key] = (
+            None,
+            obj.fn.float().contiguous(),
+            obj.base.float().contiguous(),
+            obj.scale.float().reshape(-1).contiguous(),
+            obj.fn.shape[0],
+        )
         try:
             weakref.finalize(obj, _PREP.pop, key, None)
         except TypeError:
@@ -93,9 +98,24 @@ def _prep(obj) -> tuple:
 # ---- kernel sources (built on first use by `jit`) -------------------------------------------------------------
 
 if tl is not None:
-    def _merge_mix_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, T, D,
-                          M: tl.constexpr, M_PAD: tl.constexpr, MERGE: tl.constexpr, HC: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+
+    def _merge_mix_kernel(
+        streams_ptr,
+        block_ptr,
+        post_ptr,
+        comb_ptr,
+        new_ptr,
+        fn_ptr,
+        part_ptr,
+        T,
+        D,
+        M: tl.constexpr,
+        M_PAD: tl.constexpr,
+        MERGE: tl.constexpr,
+        HC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         g = tl.program_id(0)
         b = tl.program_id(1)
         nb = tl.num_programs(1)
@@ -106,8 +126,11 @@ if tl is not None:
         ms = tl.arange(0, M_PAD)
         col = hs[:, None] * D + ks[None, :]  # [HC, BLOCK] offsets into one flattened row
         # this program's slice of fn [M_PAD, HC, BLOCK], read once and reused for each of its rows
-        f = tl.load(fn_ptr + ms[:, None, None].to(tl.int64) * K + col[None, :, :],
-                    mask=(ms[:, None, None] < M) & km[None, None, :], other=0.0)
+        f = tl.load(
+            fn_ptr + ms[:, None, None].to(tl.int64) * K + col[None, :, :],
+            mask=(ms[:, None, None] < M) & km[None, None, :],
+            other=0.0,
+        )
         for i in tl.static_range(ROWS):
             t = g * ROWS + i
             ok = t < T  # (masks are built from comparisons alone: the interpreter rejects bool & scalar bool)
@@ -119,8 +142,11 @@ if tl is not None:
             if MERGE:  # HyperConnection.merge accumulated in fp32, one rounding
                 y = tl.load(block_ptr + t64 * D + ks, mask=kr, other=0.0).to(tl.float32)
                 post = tl.load(post_ptr + t64 * HC + hs, mask=hr, other=0.0)
-                comb = tl.load(comb_ptr + t64 * HC * HC + hs[:, None] * HC + hs[None, :],
-                               mask=hr[:, None] & (hs[None, :] < HC), other=0.0)  # [j, h]
+                comb = tl.load(
+                    comb_ptr + t64 * HC * HC + hs[:, None] * HC + hs[None, :],
+                    mask=hr[:, None] & (hs[None, :] < HC),
+                    other=0.0,
+                )  # [j, h]
                 mixed = tl.sum(comb[:, :, None] * s[:, None, :], axis=0)  # [h, BLOCK]
                 out = (post[:, None] * y[None, :] + mixed).to(new_ptr.dtype.element_ty)
                 tl.store(new_ptr + t64 * K + col, out, mask=m2)
@@ -131,9 +157,24 @@ if tl is not None:
             tl.store(prow + ms, part, mask=ms < tl.where(ok, M, 0))
             tl.store(prow + M, ss, mask=ok)
 
-    def _merge_mix_dot_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, T, D,
-                              M: tl.constexpr, M_DOT: tl.constexpr, MERGE: tl.constexpr, HC: tl.constexpr,
-                              ROWS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    def _merge_mix_dot_kernel(
+        streams_ptr,
+        block_ptr,
+        post_ptr,
+        comb_ptr,
+        new_ptr,
+        fn_ptr,
+        part_ptr,
+        T,
+        D,
+        M: tl.constexpr,
+        M_DOT: tl.constexpr,
+        MERGE: tl.constexpr,
+        HC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SUB: tl.constexpr,
+    ):
         # the same partials as _merge_mix_kernel for ROWS rows at once: per stream h and SUB columns, the rows'
         # slice [ROWS, SUB] times fn's [SUB, M_DOT] on tl.dot (fp32, ieee), accumulated in registers, instead of
         # a cross-thread reduction per row (which left the per-row kernel at ~10x its byte time on prompt chunks)
@@ -157,8 +198,9 @@ if tl is not None:
                 if MERGE:  # HyperConnection.merge accumulated in fp32, one rounding
                     mixed = tl.zeros([ROWS, SUB], dtype=tl.float32)
                     for j in tl.static_range(HC):
-                        sj = tl.load(streams_ptr + t64[:, None] * K + j * D + ks[None, :], mask=m2,
-                                     other=0.0).to(tl.float32)
+                        sj = tl.load(streams_ptr + t64[:, None] * K + j * D + ks[None, :], mask=m2, other=0.0).to(
+                            tl.float32
+                        )
                         c = tl.load(comb_ptr + t64 * HC * HC + j * HC + h, mask=tm, other=0.0)
                         mixed += c[:, None] * sj
                     post = tl.load(post_ptr + t64 * HC + h, mask=tm, other=0.0)
@@ -166,20 +208,40 @@ if tl is not None:
                     tl.store(new_ptr + t64[:, None] * K + h * D + ks[None, :], out, mask=m2)
                     s = out.to(tl.float32)  # the next block sees the stored (rounded) streams
                 else:
-                    s = tl.load(streams_ptr + t64[:, None] * K + h * D + ks[None, :], mask=m2,
-                                other=0.0).to(tl.float32)
-                f = tl.load(fn_ptr + ms[None, :].to(tl.int64) * K + h * D + ks[:, None],
-                            mask=km[:, None] & (ms[None, :] < M), other=0.0)  # [SUB, M_DOT]
+                    s = tl.load(streams_ptr + t64[:, None] * K + h * D + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+                f = tl.load(
+                    fn_ptr + ms[None, :].to(tl.int64) * K + h * D + ks[:, None],
+                    mask=km[:, None] & (ms[None, :] < M),
+                    other=0.0,
+                )  # [SUB, M_DOT]
                 part += tl.dot(s, f, input_precision="ieee")
                 ss += tl.sum(s * s, axis=1)
         prow = part_ptr + (t64 * nb + b) * (M + 1)
         tl.store(prow[:, None] + ms[None, :], part, mask=tm[:, None] & (ms[None, :] < M))
         tl.store(prow + M, ss, mask=tm)
 
-    def _pre_norm_kernel(streams_ptr, part_ptr, base_ptr, scale_ptr, normw_ptr, post_ptr, comb_ptr, out_ptr,
-                         D, NB, norm_eps, eps, rms_eps,
-                         HEAD: tl.constexpr, M: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr,
-                         COMB_ROLE: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _pre_norm_kernel(
+        streams_ptr,
+        part_ptr,
+        base_ptr,
+        scale_ptr,
+        normw_ptr,
+        post_ptr,
+        comb_ptr,
+        out_ptr,
+        D,
+        NB,
+        norm_eps,
+        eps,
+        rms_eps,
+        HEAD: tl.constexpr,
+        M: tl.constexpr,
+        HC: tl.constexpr,
+        ITERS: tl.constexpr,
+        COMB_ROLE: tl.constexpr,
+        NB_PAD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         # program (t, 0) collapses + normalises; program (t, COMB_ROLE) works out post / comb (the serial
         # Sinkhorn): with COMB_ROLE 1 that is a second program, on another SM at the same time
         t = tl.program_id(0).to(tl.int64)
@@ -188,8 +250,9 @@ if tl is not None:
         ds = tl.arange(0, BLOCK_D)
         dm = ds < tl.where(role == 0, D, 0)
         # the row's streams first (role 0 only), so their loads are in flight while the mixes are worked out
-        s = tl.load(streams_ptr + t * HC * D + hs[:, None] * D + ds[None, :], mask=dm[None, :],
-                    other=0.0).to(tl.float32)
+        s = tl.load(streams_ptr + t * HC * D + hs[:, None] * D + ds[None, :], mask=dm[None, :], other=0.0).to(
+            tl.float32
+        )
         bs = tl.arange(0, NB_PAD)
         bm = bs < NB
         prow = part_ptr + (t * NB + bs) * (M + 1)  # [NB_PAD]: each column is summed over the blocks in one tree
@@ -199,8 +262,7 @@ if tl is not None:
             post_raw = tl.sum(tl.load(prow[:, None] + HC + hs[None, :], mask=bm[:, None], other=0.0), axis=0)
             post = 2.0 * tl.sigmoid(post_raw * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hs))
             cidx = 2 * HC + hs[:, None] * HC + hs[None, :]
-            c_raw = tl.sum(tl.load(prow[:, None, None] + cidx[None, :, :], mask=bm[:, None, None], other=0.0),
-                           axis=0)
+            c_raw = tl.sum(tl.load(prow[:, None, None] + cidx[None, :, :], mask=bm[:, None, None], other=0.0), axis=0)
             c = c_raw * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)
             c = tl.exp(c - tl.max(c, axis=1)[:, None])
             c = c / tl.sum(c, axis=1)[:, None] + eps
@@ -222,6 +284,7 @@ if tl is not None:
 
 
 # ---- references ------------------------------------------------------------------------------------------------
+
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Alternate column / row normalisation of [T, hc, hc] (column first, `iters` column passes in all).
@@ -285,19 +348,21 @@ def hc_mix_reference(streams: torch.Tensor, fn: torch.Tensor, block: int | None 
 
 def hc_merge_mix_reference(streams, block_out, post, comb, fn, block: int | None = None):
     """HyperConnection.merge's new streams (fp32 accumulate, one rounding) and their partials for fn."""
-    new = (post.unsqueeze(-1) * block_out.float().unsqueeze(-2)
-           + torch.matmul(comb.transpose(-1, -2), streams.float())).to(streams.dtype)
+    new = (
+        post.unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams.float())
+    ).to(streams.dtype)
     return new, hc_mix_reference(new, fn, block)
 
 
 def _scaled_mixes(streams, partials, M: int, norm_eps: float) -> torch.Tensor:
     sums = partials.sum(dim=1)
-    r = torch.rsqrt(sums[:, M:M + 1] / (streams.shape[1] * streams.shape[2]) + norm_eps)
+    r = torch.rsqrt(sums[:, M : M + 1] / (streams.shape[1] * streams.shape[2]) + norm_eps)
     return sums[:, :M] * r
 
 
-def hc_pre_norm_reference(streams, partials, base, scale, norm_w, rms_eps, *, hc: int, iters: int, eps: float,
-                          norm_eps: float):
+def hc_pre_norm_reference(
+    streams, partials, base, scale, norm_w, rms_eps, *, hc: int, iters: int, eps: float, norm_eps: float
+):
     """HyperConnection.__call__ (from the partials' mixes and sum of squares) followed by rms_norm_reference."""
     mixes = _scaled_mixes(streams, partials, 2 * hc + hc * hc, norm_eps)
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
@@ -320,22 +385,41 @@ def hc_head_norm_reference(streams, partials, base, scale, norm_w, rms_eps, *, e
 
 # ---- dispatchers -----------------------------------------------------------------------------------------------
 
+
 def _launch_mix(streams, block_out, post, comb, fn, M: int, new) -> torch.Tensor:
     T, hc, D = streams.shape
     block = mix_block(D, T)
     nb = _cdiv(D, block)
     parts = _empty(T, nb, M + 1, device=streams.device, dtype=torch.float32)
     merge = block_out is not None
-    args = (streams, block_out if merge else streams, post if merge else fn, comb if merge else fn,
-            new if merge else streams, fn, parts, T, D)
+    args = (
+        streams,
+        block_out if merge else streams,
+        post if merge else fn,
+        comb if merge else fn,
+        new if merge else streams,
+        fn,
+        parts,
+        T,
+        D,
+    )
     if T >= DOT_MIN_ROWS and block % DOT_SUB == 0:
         jit(_merge_mix_dot_kernel, ("T",))[(_cdiv(T, DOT_ROWS), nb)](
-            *args, M=M, M_DOT=max(16, _pow2(M)), MERGE=merge, HC=hc, ROWS=DOT_ROWS, BLOCK=block, SUB=DOT_SUB,
-            num_warps=DOT_WARPS)
+            *args,
+            M=M,
+            M_DOT=max(16, _pow2(M)),
+            MERGE=merge,
+            HC=hc,
+            ROWS=DOT_ROWS,
+            BLOCK=block,
+            SUB=DOT_SUB,
+            num_warps=DOT_WARPS,
+        )
     elif T:
         rows = _rows_per_program(T)
         jit(_merge_mix_kernel, ("T",))[(_cdiv(T, rows), nb)](
-            *args, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows, BLOCK=block, num_warps=MIX_WARPS)
+            *args, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows, BLOCK=block, num_warps=MIX_WARPS
+        )
     return parts
 
 
@@ -350,7 +434,8 @@ def hc_mix(streams: torch.Tensor, hc, *, backend: str = "auto") -> torch.Tensor:
 
 def hc_merge_mix(streams, block_out, post, comb, next_hc, *, backend: str = "auto"):
     """(new streams [T, hc, D] in streams' dtype, their partials [T, nb, M + 1] fp32 for `next_hc`): the merge
-    after a block (HyperConnection.merge, fp32 accumulation) and the next hyper-connection's mixing GEMV in one kernel."""
+    after a block (HyperConnection.merge, fp32 accumulation) and the next hyper-connection's mixing GEMV in one
+    kernel."""
     _, fn, _, _, M = _prep(next_hc)
     if not use_triton(backend, [streams, block_out, post, comb, fn]):
         return hc_merge_mix_reference(streams, block_out, post, comb, fn)
@@ -369,10 +454,28 @@ def _launch_norm(streams, partials, base, scale, norm_w, rms_eps, obj, head: boo
         block_d = _pow2(D)
         split = NORM_SPLIT and not head
         jit(_pre_norm_kernel)[(T, 2 if split else 1)](
-            streams, partials, base, scale, norm_w, post, comb, out, D, partials.shape[1], float(obj.norm_eps),
-            float(obj.eps), float(rms_eps), HEAD=head, M=M, HC=hc, ITERS=1 if head else int(obj.iters),
-            COMB_ROLE=-1 if head else int(split), NB_PAD=_pow2(partials.shape[1]), BLOCK_D=block_d,
-            num_warps=NORM_WARPS or (8 if hc * block_d >= 8192 else 4))
+            streams,
+            partials,
+            base,
+            scale,
+            norm_w,
+            post,
+            comb,
+            out,
+            D,
+            partials.shape[1],
+            float(obj.norm_eps),
+            float(obj.eps),
+            float(rms_eps),
+            HEAD=head,
+            M=M,
+            HC=hc,
+            ITERS=1 if head else int(obj.iters),
+            COMB_ROLE=-1 if head else int(split),
+            NB_PAD=_pow2(partials.shape[1]),
+            BLOCK_D=block_d,
+            num_warps=NORM_WARPS or (8 if hc * block_d >= 8192 else 4),
+        )
     return post, comb, out
 
 
@@ -392,8 +495,9 @@ def hc_pre_norm(streams, partials, hc, norm_w, eps: float, *, backend: str = "au
     if M != 2 * n + n * n:
         raise ValueError(f"{M} mixes is not a hyper-connection of {n} streams")
     if not use_triton(backend, [streams, partials, base, norm_w]) or n * _pow2(streams.shape[2]) > MAX_ROW:
-        return hc_pre_norm_reference(streams, partials, base, scale, norm_w, eps, hc=n, iters=hc.iters,
-                                     eps=hc.eps, norm_eps=hc.norm_eps)
+        return hc_pre_norm_reference(
+            streams, partials, base, scale, norm_w, eps, hc=n, iters=hc.iters, eps=hc.eps, norm_eps=hc.norm_eps
+        )
     return _launch_norm(streams.contiguous(), partials.contiguous(), base, scale, norm_w, eps, hc, False, M)
 
 
@@ -405,6 +509,5 @@ def hc_head_norm(streams, partials, head, norm_w, eps: float, *, backend: str = 
     if M != streams.shape[1]:
         raise ValueError(f"{M} mixes is not a head of {streams.shape[1]} streams")
     if not use_triton(backend, [streams, partials, base, norm_w]) or M * _pow2(streams.shape[2]) > MAX_ROW:
-        return hc_head_norm_reference(streams, partials, base, scale, norm_w, eps, eps=head.eps,
-                                      norm_eps=head.norm_eps)
+        return hc_head_norm_reference(streams, partials, base, scale, norm_w, eps, eps=head.eps, norm_eps=head.norm_eps)
     return _launch_norm(streams.contiguous(), partials.contiguous(), base, scale, norm_w, eps, head, True, M)[2]

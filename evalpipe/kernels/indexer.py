@@ -29,9 +29,27 @@ except Exception:  # pragma: no cover - triton is optional
 
 
 if tl is not None:
-    def _indexer_scores_kernel(q_ptr, w_ptr, w_stride, ent_ptr, ent_stride, rows_ptr, rows_stride, pos_ptr,
-                               out_ptr, E, n, ratio, softmax_scale, head_scale,
-                               H: tl.constexpr, DI: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr):
+
+    def _indexer_scores_kernel(
+        q_ptr,
+        w_ptr,
+        w_stride,
+        ent_ptr,
+        ent_stride,
+        rows_ptr,
+        rows_stride,
+        pos_ptr,
+        out_ptr,
+        E,
+        n,
+        ratio,
+        softmax_scale,
+        head_scale,
+        H: tl.constexpr,
+        DI: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         e0 = tl.program_id(1) * BLOCK_E
         es = e0 + tl.arange(0, BLOCK_E)
@@ -52,8 +70,18 @@ if tl is not None:
         score = tl.where(visible, score, float("-inf"))
         tl.store(out_ptr + t * E + es, score, mask=es < E)
 
-    def _csa_select_kernel(scores_ptr, rows_ptr, rows_stride, out_ptr, E, n, k, NEG_INF_KEY: tl.constexpr,
-                           BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    def _csa_select_kernel(
+        scores_ptr,
+        rows_ptr,
+        rows_stride,
+        out_ptr,
+        E,
+        n,
+        k,
+        NEG_INF_KEY: tl.constexpr,
+        BLOCK_I: tl.constexpr,
+        BLOCK_J: tl.constexpr,
+    ):
         # each program ranks BLOCK_I entries against all E (keys are unique, so ranks are a permutation) and
         # writes the ones ranked below k to their slot: parallel over entries, no sort
         t = tl.program_id(0).to(tl.int64)
@@ -79,8 +107,10 @@ if tl is not None:
 
 # ---- indexer_scores ----------------------------------------------------------------------------------------------
 
-def indexer_scores_reference(q, weight_logits, entries, rows, pos, n: int, ratio: int, softmax_scale: float,
-                             head_scale: float) -> torch.Tensor:
+
+def indexer_scores_reference(
+    q, weight_logits, entries, rows, pos, n: int, ratio: int, softmax_scale: float, head_scale: float
+) -> torch.Tensor:
     """The engine's `Indexer.scores` math (keys gathered by pool row, float32) with invisible entries at -inf."""
     T, H, _ = q.shape
     B, E = rows.shape
@@ -94,8 +124,19 @@ def indexer_scores_reference(q, weight_logits, entries, rows, pos, n: int, ratio
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def indexer_scores(q, weight_logits, entries, rows, pos, n: int, ratio: int, softmax_scale: float,
-                   head_scale: float, *, backend: str = "auto") -> torch.Tensor:
+def indexer_scores(
+    q,
+    weight_logits,
+    entries,
+    rows,
+    pos,
+    n: int,
+    ratio: int,
+    softmax_scale: float,
+    head_scale: float,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
     """[T, E] float32 scores of entries 0..E-1 for each query row (see module docstring). q [T, H, d] contiguous;
     weight_logits [T, H] (unit last stride); entries [N, d] pool; rows [T // n, E] pool rows of each request's
     entries; pos [T] positions; n rows per request."""
@@ -108,9 +149,26 @@ def indexer_scores(q, weight_logits, entries, rows, pos, n: int, ratio: int, sof
     out = torch.empty(T, E, device=q.device, dtype=torch.float32)
     block_e = 64 if H * DI <= 4096 else 32
     jit(_indexer_scores_kernel, ("E", "n"))[(T, triton.cdiv(E, block_e))](
-        q, weight_logits, weight_logits.stride(0), entries, entries.stride(0), rows, rows.stride(0), pos, out,
-        E, n, ratio, float(softmax_scale), float(head_scale),
-        H=H, DI=DI, BLOCK_E=block_e, IEEE=q.dtype == torch.float32, num_warps=4)
+        q,
+        weight_logits,
+        weight_logits.stride(0),
+        entries,
+        entries.stride(0),
+        rows,
+        rows.stride(0),
+        pos,
+        out,
+        E,
+        n,
+        ratio,
+        float(softmax_scale),
+        float(head_scale),
+        H=H,
+        DI=DI,
+        BLOCK_E=block_e,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
     return out
 
 
@@ -141,6 +199,16 @@ def csa_select(scores: torch.Tensor, rows: torch.Tensor, n: int, k: int, *, back
     if T and k:
         block_i = 64
         jit(_csa_select_kernel, ("E", "n"))[(T, triton.cdiv(E, block_i))](
-            scores.contiguous(), rows, rows.stride(0), out, E, n, k, NEG_INF_KEY=_NEG_INF_KEY, BLOCK_I=block_i,
-            BLOCK_J=128, num_warps=4)
+            scores.contiguous(),
+            rows,
+            rows.stride(0),
+            out,
+            E,
+            n,
+            k,
+            NEG_INF_KEY=_NEG_INF_KEY,
+            BLOCK_I=block_i,
+            BLOCK_J=128,
+            num_warps=4,
+        )
     return out

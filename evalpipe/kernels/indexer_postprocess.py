@@ -34,7 +34,9 @@ def _check(scores, indices, page_table, page_size):
         raise ValueError("scores [R, W], indices [R, K] and page_table [R, P] must all be 2-D")
     rows = scores.shape[0]
     if indices.shape[0] != rows or page_table.shape[0] != rows:
-        raise ValueError(f"row counts differ: scores {rows}, indices {indices.shape[0]}, page_table {page_table.shape[0]}")
+        raise ValueError(
+            f"row counts differ: scores {rows}, indices {indices.shape[0]}, page_table {page_table.shape[0]}"
+        )
     if indices.dtype not in INDEX_DTYPES:
         raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
     if page_table.dtype not in PAGE_TABLE_DTYPES:
@@ -61,7 +63,9 @@ def _outputs(indices, return_raw, page_out, raw_out):
     if raw_out is None:
         raw_out = torch.empty((rows, k), dtype=indices.dtype, device=indices.device)
     elif raw_out.shape != indices.shape or raw_out.dtype != indices.dtype:
-        raise ValueError(f"raw_out must be {indices.dtype} {tuple(indices.shape)}, got {raw_out.dtype} {tuple(raw_out.shape)}")
+        raise ValueError(
+            f"raw_out must be {indices.dtype} {tuple(indices.shape)}, got {raw_out.dtype} {tuple(raw_out.shape)}"
+        )
     return page_out, raw_out
 
 
@@ -101,10 +105,26 @@ def indexer_postprocess_reference(
 if triton is not None:
 
     def _indexer_postprocess_kernel(
-        scores_ptr, indices_ptr, page_table_ptr, page_out_ptr, raw_out_ptr,
-        width, k, page_size,
-        s_row, s_col, i_row, i_col, p_row, p_col, o_row, o_col, r_row, r_col,
-        WRITE_RAW: tl.constexpr, BLOCK: tl.constexpr,
+        scores_ptr,
+        indices_ptr,
+        page_table_ptr,
+        page_out_ptr,
+        raw_out_ptr,
+        width,
+        k,
+        page_size,
+        s_row,
+        s_col,
+        i_row,
+        i_col,
+        p_row,
+        p_col,
+        o_row,
+        o_col,
+        r_row,
+        r_col,
+        WRITE_RAW: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -122,7 +142,10 @@ if triton is not None:
 
 
 def _triton_guard(scores, indices, page_table) -> bool:
-    return scores.dtype in (torch.float32, torch.bfloat16, torch.float16) and scores.device == indices.device == page_table.device
+    return (
+        scores.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and scores.device == indices.device == page_table.device
+    )
 
 
 def indexer_postprocess(
@@ -158,9 +181,20 @@ def indexer_postprocess(
     raw_arg = raw_out if raw_out is not None else page_out
     grid = (rows, triton.cdiv(k, BLOCK_K))
     jit(_indexer_postprocess_kernel)[grid](
-        scores, indices, page_table, page_out, raw_arg,
-        scores.shape[1], k, page_size,
-        *scores.stride(), *indices.stride(), *page_table.stride(), *page_out.stride(), *raw_arg.stride(),
-        WRITE_RAW=raw_out is not None, BLOCK=BLOCK_K,
+        scores,
+        indices,
+        page_table,
+        page_out,
+        raw_arg,
+        scores.shape[1],
+        k,
+        page_size,
+        *scores.stride(),
+        *indices.stride(),
+        *page_table.stride(),
+        *page_out.stride(),
+        *raw_arg.stride(),
+        WRITE_RAW=raw_out is not None,
+        BLOCK=BLOCK_K,
     )
     return page_out, raw_out

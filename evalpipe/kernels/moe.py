@@ -34,7 +34,8 @@ Kernel shapes: few tokens (T=1 decode) stream each pick's weights with GEMV prog
 along the reduction dim, ~2+ programs per SM); from a few tokens on, expert-major tl.dot kernels read each picked
 expert once per token block of up to 32 tokens (MM_MIN_TOKENS). Their grids have E+1 expert programs per channel
 block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. First H200 run (hidden 4096, I 2048, bf16,
-4 layers per captured graph, benchmarks/step_moe_gpu.py, before the heuristics below were retuned from it): E 8 top-2 T=1 56 us vs 118 us for the StaticModel chain (27
+4 layers per captured graph, benchmarks/step_moe_gpu.py, before the heuristics below were retuned from it): E 8 top-2
+T=1 56 us vs 118 us for the StaticModel chain (27
 kernels -> 5 counted by the profiler: 3 Triton + the router GEMM, which cuBLAS presumably runs as split-K + reduce;
 the benchmark prints their names), 2.7 TB/s of picked weights; T=32 1.6x; E 16 top-6 T=32 4.2x.
 
@@ -66,9 +67,24 @@ TARGET_PROGRAMS = 264  # ~2 programs per H200 SM (132): enough loads in flight t
 # ---- kernel sources (built on first use by `jit`) -------------------------------------------------------------
 
 if tl is not None:
-    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, tid2eid_ptr, idx_ptr, w_ptr, E, scaling,
-                      K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, IS_HASH: tl.constexpr,
-                      ROUND: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+
+    def _route_kernel(
+        logits_ptr,
+        bias_ptr,
+        ids_ptr,
+        tid2eid_ptr,
+        idx_ptr,
+        w_ptr,
+        E,
+        scaling,
+        K: tl.constexpr,
+        SCORING: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        IS_HASH: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        K_PAD: tl.constexpr,
+    ):
         t = tl.program_id(0)
         es = tl.arange(0, BLOCK_E)
         em = es < E
@@ -116,9 +132,22 @@ if tl is not None:
         tl.store(idx_ptr + out + K, E)  # the shared expert, weight 1
         tl.store(w_ptr + out + K, 1.0)
 
-    def _gate_up_kernel(x_ptr, idx_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, R, E, limit,
-                        D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_kernel(
+        x_ptr,
+        idx_ptr,
+        gu_ptr,
+        sg_ptr,
+        su_ptr,
+        h_ptr,
+        R,
+        E,
+        limit,
+        D: tl.constexpr,
+        I: tl.constexpr,
+        KP1: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """One pick row r, BLOCK_N output channels: gate rows j and up rows I + j in the same program, so the
         SwiGLU happens in registers. Rows vary fastest over program ids: programs running together share a
         channel block, so rows that picked the same expert find its weights in L2."""
@@ -157,9 +186,21 @@ if tl is not None:
         h = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u
         tl.store(h_ptr + r.to(tl.int64) * I + ns, h.to(h_ptr.dtype.element_ty), mask=nm)
 
-    def _down_kernel(h_ptr, idx_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, T, E,
-                     D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_kernel(
+        h_ptr,
+        idx_ptr,
+        w_ptr,
+        dn_ptr,
+        sd_ptr,
+        y_ptr,
+        T,
+        E,
+        D: tl.constexpr,
+        I: tl.constexpr,
+        KP1: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """One token, BLOCK_N output channels, all K+1 picks summed in fp32 registers, one rounding."""
         pid = tl.program_id(0)
         t = pid % T
@@ -191,11 +232,26 @@ if tl is not None:
             acc += wj * part
         tl.store(y_ptr + t.to(tl.int64) * D + ns, acc.to(y_ptr.dtype.element_ty), mask=nm)
 
-
-    def _gate_up_mm_kernel(x_ptr, idx_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, T, E, limit,
-                           D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr, BLOCK_T: tl.constexpr,
-                           R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    def _gate_up_mm_kernel(
+        x_ptr,
+        idx_ptr,
+        gu_ptr,
+        sg_ptr,
+        su_ptr,
+        h_ptr,
+        T,
+        E,
+        limit,
+        D: tl.constexpr,
+        I: tl.constexpr,
+        KP1: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """Expert-major: program (e, channel block, token block) compacts the pick rows of its token block that
         chose expert e and multiplies them BLOCK_M at a time with tl.dot, so each expert's weights are read once
         per token block instead of once per pick. Experts nobody picked read nothing."""
@@ -238,13 +294,31 @@ if tl is not None:
                 g = tl.minimum(accg, limit)
                 u = tl.minimum(tl.maximum(accu, -limit), limit)
                 h = g / (1.0 + tl.exp(-g)) * u
-                tl.store(h_ptr + row.to(tl.int64)[:, None] * I + ns[None, :], h.to(h_ptr.dtype.element_ty),
-                         mask=mv[:, None] & nm[None, :])
+                tl.store(
+                    h_ptr + row.to(tl.int64)[:, None] * I + ns[None, :],
+                    h.to(h_ptr.dtype.element_ty),
+                    mask=mv[:, None] & nm[None, :],
+                )
 
-    def _down_mm_kernel(h_ptr, idx_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, T, E,
-                        D: tl.constexpr, I: tl.constexpr, KP1: tl.constexpr, BLOCK_T: tl.constexpr,
-                        R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    def _down_mm_kernel(
+        h_ptr,
+        idx_ptr,
+        w_ptr,
+        dn_ptr,
+        sd_ptr,
+        y_ptr,
+        T,
+        E,
+        D: tl.constexpr,
+        I: tl.constexpr,
+        KP1: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """Program (channel block, token block) walks the experts; for each, the compacted pick rows that chose
         it go through tl.dot, are scaled by their routing weight and added to their token's fp32 row through a
         one-hot [BLOCK_T, BLOCK_M] matrix (an exact fp32 dot) -- the sum over picks stays in registers."""
@@ -284,11 +358,15 @@ if tl is not None:
                     part = part * tl.load(w_ptr + r0 + lrow, mask=mv, other=0.0)[:, None]
                     onehot = (((lrow // KP1)[None, :] == ts[:, None]) & mv[None, :]).to(tl.float32)
                     acc = tl.dot(onehot, part, acc, input_precision="ieee")
-        tl.store(y_ptr + (t0 + ts).to(tl.int64)[:, None] * D + ns[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(t0 + ts < T)[:, None] & nm[None, :])
+        tl.store(
+            y_ptr + (t0 + ts).to(tl.int64)[:, None] * D + ns[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(t0 + ts < T)[:, None] & nm[None, :],
+        )
 
 
 # ---- per-MoE preparation ---------------------------------------------------------------------------------------
+
 
 class _Prepared:
     """What the kernels need from one engine MoE object, computed once."""
@@ -307,10 +385,14 @@ class _Prepared:
         sg, su, sd = self.shared
         probe = torch.linspace(-30.0, 30.0, 241)
         is_silu = torch.allclose(moe.act(probe), F.silu(probe), rtol=1e-6, atol=1e-6)  # hidden_act name is gone
-        self.kernel_ok = (is_silu and moe.scoring in SCORING
-                          and sg.shape == su.shape == (self.I, self.D) and sd.shape == (self.D, self.I)
-                          and self.down.shape == (self.E, self.D, self.I)
-                          and len({self.gate_up.dtype, self.down.dtype, sg.dtype, su.dtype, sd.dtype}) == 1)
+        self.kernel_ok = (
+            is_silu
+            and moe.scoring in SCORING
+            and sg.shape == su.shape == (self.I, self.D)
+            and sd.shape == (self.D, self.I)
+            and self.down.shape == (self.E, self.D, self.I)
+            and len({self.gate_up.dtype, self.down.dtype, sg.dtype, su.dtype, sd.dtype}) == 1
+        )
 
 
 # keyed by the MoE object's identity (MoE defines no __eq__/__hash__), weakly: an entry goes with its object, so a
@@ -327,6 +409,7 @@ def prepare(moe) -> _Prepared:
 
 
 # ---- references ------------------------------------------------------------------------------------------------
+
 
 def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     """The router scores in the logits' dtype: the engine MoE's chain."""
@@ -353,15 +436,14 @@ def route_reference(moe, logits: torch.Tensor, input_ids: torch.Tensor):
     w = scores.gather(1, idx)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * moe.scaling
     shared_idx = torch.full((T, 1), p.E, dtype=torch.long, device=idx.device)
-    return (torch.cat([idx, shared_idx], 1).to(torch.int32),
-            torch.cat([w, torch.ones(T, 1, device=w.device)], 1))
+    return (torch.cat([idx, shared_idx], 1).to(torch.int32), torch.cat([w, torch.ones(T, 1, device=w.device)], 1))
 
 
 def _expert(p: _Prepared, e: int):
     """(gate [I, D], up [I, D], down [D, I]) of expert e; e == E is the shared expert."""
     if e == p.E:
         return p.shared
-    return p.gate_up[e, : p.I], p.gate_up[e, p.I:], p.down[e]
+    return p.gate_up[e, : p.I], p.gate_up[e, p.I :], p.down[e]
 
 
 def gate_up_reference(moe, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -417,11 +499,23 @@ def route(moe, logits: torch.Tensor, input_ids: torch.Tensor, *, backend: str = 
     if T == 0:
         return idx, w
     jit(_route_kernel)[(T,)](
-        logits.contiguous(), p.bias if p.bias is not None else w, input_ids.contiguous(),
-        p.tid2eid if p.tid2eid is not None else idx, idx, w, E, float(moe.scaling),
-        K=p.K, SCORING=SCORING[moe.scoring], HAS_BIAS=p.bias is not None, IS_HASH=bool(moe.is_hash),
-        ROUND=logits.dtype != torch.float32, BLOCK_E=triton.next_power_of_2(E),
-        K_PAD=triton.next_power_of_2(p.K), num_warps=1)
+        logits.contiguous(),
+        p.bias if p.bias is not None else w,
+        input_ids.contiguous(),
+        p.tid2eid if p.tid2eid is not None else idx,
+        idx,
+        w,
+        E,
+        float(moe.scaling),
+        K=p.K,
+        SCORING=SCORING[moe.scoring],
+        HAS_BIAS=p.bias is not None,
+        IS_HASH=bool(moe.is_hash),
+        ROUND=logits.dtype != torch.float32,
+        BLOCK_E=triton.next_power_of_2(E),
+        K_PAD=triton.next_power_of_2(p.K),
+        num_warps=1,
+    )
     return idx, w
 
 
@@ -443,8 +537,10 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
 # picked expert once instead of twice, and 64-row dot tiles keep it bandwidth-bound. E 8 top-2, T=64: gate_up 139.9 ->
 # 71.6 us, down 175.4 -> 107.0 us; T=32: gate_up 82.6 -> 62.0 us (down unchanged: kept). E 16 top-6 alike. Below
 # these row counts (T=1..6: decode and verify at small batch) the shapes measured in the first sweep stay.
-MM_LARGE = {"gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
-            "down": (64, dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8))}
+MM_LARGE = {
+    "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
+    "down": (64, dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8)),
+}
 
 
 def _mm_shape(kernel: str, tokens: int, given: dict) -> dict:
@@ -455,9 +551,20 @@ def _mm_shape(kernel: str, tokens: int, given: dict) -> dict:
     return {**base, **{k: v for k, v in given.items() if v is not None}}
 
 
-def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", mode: str = "auto",
-            block_n: int | None = None, block_k: int | None = None, block_t: int | None = None,
-            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def gate_up(
+    moe,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    backend: str = "auto",
+    mode: str = "auto",
+    block_n: int | None = None,
+    block_k: int | None = None,
+    block_t: int | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert). mode "gemv": one program per
     (pick, channel block), weights streamed as coalesced rows (few picks); "mm": expert-major tl.dot over
     compacted picks per token block of `block_t` tokens (many picks); "auto" picks by T (MM_MIN_TOKENS)."""
@@ -476,26 +583,72 @@ def gate_up(moe, x: torch.Tensor, idx: torch.Tensor, *, backend: str = "auto", m
         bn = block_n or _pick_block_n(R, p.I)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
         jit(_gate_up_kernel, ("R",))[(R * triton.cdiv(p.I, bn),)](
-            x, idx, p.gate_up, sg, su, h, R, p.E, p.limit,
-            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or 4, **extra)
+            x,
+            idx,
+            p.gate_up,
+            sg,
+            su,
+            h,
+            R,
+            p.E,
+            p.limit,
+            D=p.D,
+            I=p.I,
+            KP1=KP1,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=num_warps or 4,
+            **extra,
+        )
         return h
-    cfg = _mm_shape("gate_up", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k,
-                                        num_warps=num_warps))
+    cfg = _mm_shape(
+        "gate_up", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps)
+    )
     bt = min(cfg.get("block_t", 32), max(1, triton.next_power_of_2(T)))
     bn = max(16, cfg.get("block_n", 32))
     bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.D)))
     grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
     jit(_gate_up_mm_kernel, ("T",))[grid](
-        x, idx, p.gate_up, sg, su, h, T, p.E, p.limit,
-        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1),
-        BLOCK_M=max(16, cfg.get("block_m", 16)), BLOCK_N=bn, BLOCK_K=bk, IEEE=p.gate_up.dtype == torch.float32,
-        num_warps=cfg.get("num_warps", 4), **extra)
+        x,
+        idx,
+        p.gate_up,
+        sg,
+        su,
+        h,
+        T,
+        p.E,
+        p.limit,
+        D=p.D,
+        I=p.I,
+        KP1=KP1,
+        BLOCK_T=bt,
+        R_PAD=triton.next_power_of_2(bt * KP1),
+        BLOCK_M=max(16, cfg.get("block_m", 16)),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE=p.gate_up.dtype == torch.float32,
+        num_warps=cfg.get("num_warps", 4),
+        **extra,
+    )
     return h
 
 
-def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=None, backend: str = "auto",
-         mode: str = "auto", block_n: int | None = None, block_k: int | None = None, block_t: int | None = None,
-         block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def down(
+    moe,
+    h: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    out_dtype=None,
+    backend: str = "auto",
+    mode: str = "auto",
+    block_n: int | None = None,
+    block_k: int | None = None,
+    block_t: int | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes as in
     `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
     p = prepare(moe)
@@ -511,26 +664,64 @@ def down(moe, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, out_dtype=
         bn = block_n or _pick_block_n(T, p.D)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
         jit(_down_kernel, ("T",))[(T * triton.cdiv(p.D, bn),)](
-            h, idx, w, p.down, p.shared[2], y, T, p.E,
-            D=p.D, I=p.I, KP1=KP1, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or 4, **extra)
+            h,
+            idx,
+            w,
+            p.down,
+            p.shared[2],
+            y,
+            T,
+            p.E,
+            D=p.D,
+            I=p.I,
+            KP1=KP1,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=num_warps or 4,
+            **extra,
+        )
         return y
-    cfg = _mm_shape("down", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k,
-                                     num_warps=num_warps))
+    cfg = _mm_shape(
+        "down", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps)
+    )
     bt = max(16, min(cfg.get("block_t", 32), triton.next_power_of_2(T)))
     bn = max(16, cfg.get("block_n", 16))
     # each program walks every expert serially, so fewer, longer k steps pay below MM_LARGE (H200, E 8 T=32: bn 32/bk
     # 64 113 us, bn 16/bk 128 81 us, bk 256 67.6 us)
     bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
     jit(_down_mm_kernel, ("T",))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
-        h, idx, w, p.down, p.shared[2], y, T, p.E,
-        D=p.D, I=p.I, KP1=KP1, BLOCK_T=bt, R_PAD=triton.next_power_of_2(bt * KP1),
-        BLOCK_M=max(16, cfg.get("block_m", 16)), BLOCK_N=bn, BLOCK_K=bk, IEEE=p.down.dtype == torch.float32,
-        num_warps=cfg.get("num_warps", 4), **extra)
+        h,
+        idx,
+        w,
+        p.down,
+        p.shared[2],
+        y,
+        T,
+        p.E,
+        D=p.D,
+        I=p.I,
+        KP1=KP1,
+        BLOCK_T=bt,
+        R_PAD=triton.next_power_of_2(bt * KP1),
+        BLOCK_M=max(16, cfg.get("block_m", 16)),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE=p.down.dtype == torch.float32,
+        num_warps=cfg.get("num_warps", 4),
+        **extra,
+    )
     return y
 
 
-def moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor, *, backend: str = "auto",
-                gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
+def moe_forward(
+    moe,
+    x: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    backend: str = "auto",
+    gate_up_cfg: dict | None = None,
+    down_cfg: dict | None = None,
+) -> torch.Tensor:
     """y [T, hidden] (x.dtype) = engine `MoE.__call__(x, input_ids)`: routed top-k (or hash) experts plus the
     shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down). `gate_up_cfg` /
     `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm", block_n, block_k, block_t, block_m,
@@ -538,8 +729,10 @@ def moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor, *, backend: str =
     p = prepare(moe)
     if not p.kernel_ok or not use_triton(backend, [x, input_ids, p.gate_up]):
         if backend == "triton" and not p.kernel_ok:
-            raise ValueError("backend='triton': this MoE (activation, scoring, shared-expert shape or dtypes) "
-                             "has no kernel; use backend='auto'")
+            raise ValueError(
+                "backend='triton': this MoE (activation, scoring, shared-expert shape or dtypes) "
+                "has no kernel; use backend='auto'"
+            )
         return moe_forward_reference(moe, x, input_ids)
     idx, w = route(moe, F.linear(x, p.router), input_ids, backend="triton")
     h = gate_up(moe, x, idx, backend="triton", **(gate_up_cfg or {}))

@@ -75,8 +75,9 @@ class Mxfp8Tensor:
 
     def __post_init__(self):
         if self.data.dtype != torch.float8_e4m3fn or self.data.dim() != 2 or self.data.shape[1] % GROUP:
-            raise ValueError(f"data must be float8_e4m3fn [M, N] with N % 32 == 0, got {self.data.dtype} "
-                             f"{tuple(self.data.shape)}")
+            raise ValueError(
+                f"data must be float8_e4m3fn [M, N] with N % 32 == 0, got {self.data.dtype} {tuple(self.data.shape)}"
+            )
         want = scale_buffer_size(*self.data.shape)
         if self.scales.dtype != torch.uint8 or self.scales.shape != (want,):
             raise ValueError(f"scales must be uint8 [{want}], got {self.scales.dtype} {tuple(self.scales.shape)}")
@@ -87,8 +88,10 @@ class Mxfp8Tensor:
 
     @staticmethod
     def empty(rows: int, cols: int, device=None) -> "Mxfp8Tensor":
-        return Mxfp8Tensor(torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device),
-                           torch.empty(scale_buffer_size(rows, cols), dtype=torch.uint8, device=device))
+        return Mxfp8Tensor(
+            torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(scale_buffer_size(rows, cols), dtype=torch.uint8, device=device),
+        )
 
     def scale_grid(self) -> torch.Tensor:
         """The E8M0 bytes un-swizzled: uint8 [M, N // 32]."""
@@ -144,8 +147,10 @@ def wo_a_partials_reference(x: torch.Tensor, w_a: torch.Tensor) -> torch.Tensor:
     """fp32 split-K partials [8, M, G*R]: partial[s, t, g*R + n] = sum over split s of x[t, g, k] * w_a[g, n, k]."""
     _check_wo_a(x, w_a)
     m, g, _ = x.shape
-    parts = [torch.einsum("tgk,gnk->tgn", x[..., k0:k1].float(), w_a[..., k0:k1].float()).reshape(m, -1)
-             for k0, k1 in wo_a_split_bounds(x.shape[2])]
+    parts = [
+        torch.einsum("tgk,gnk->tgn", x[..., k0:k1].float(), w_a[..., k0:k1].float()).reshape(m, -1)
+        for k0, k1 in wo_a_split_bounds(x.shape[2])
+    ]
     return torch.stack(parts)
 
 
@@ -224,8 +229,9 @@ if triton is not None:
         code = tl.where(a < 0.015625, sub, normal)
         return code | sign
 
-    def _quantize_tile(y, M, row0, col_group0, data_ptr, data_stride, scale_ptr, GP, N,
-                       BM: tl.constexpr, GB: tl.constexpr):
+    def _quantize_tile(
+        y, M, row0, col_group0, data_ptr, data_stride, scale_ptr, GP, N, BM: tl.constexpr, GB: tl.constexpr
+    ):
         """Quantize an fp32 tile [BM, GB*32] (rows row0.., groups col_group0..) and store data + swizzled scales.
 
         Scale bytes are written for every (row, group) of the tile inside the padded [Mp, GP] grid: 0 for padding.
@@ -248,16 +254,20 @@ if triton is not None:
         live_row = rows < M
         live_group = groups * 32 < N
         sf = tl.where(live_row[:, None] & live_group[None, :], sf, 0)
-        off = (((rows[:, None] // 128) * (GP // 4) + groups[None, :] // 4) * 512 + (rows[:, None] % 32) * 16
-               + ((rows[:, None] // 32) % 4) * 4 + groups[None, :] % 4)
+        off = (
+            ((rows[:, None] // 128) * (GP // 4) + groups[None, :] // 4) * 512
+            + (rows[:, None] % 32) * 16
+            + ((rows[:, None] // 32) % 4) * 4
+            + groups[None, :] % 4
+        )
         tl.store(scale_ptr + off, sf.to(tl.uint8))
         cols = col_group0 * 32 + tl.arange(0, GB * 32)
         dmask = live_row[:, None] & (cols < N)[None, :]
-        tl.store(data_ptr + rows[:, None].to(tl.int64) * data_stride + cols[None, :], codes.to(tl.uint8),
-                 mask=dmask)
+        tl.store(data_ptr + rows[:, None].to(tl.int64) * data_stride + cols[None, :], codes.to(tl.uint8), mask=dmask)
 
-    def _mxfp8_quantize_kernel(y_ptr, y_stride, data_ptr, data_stride, scale_ptr, M, N, GP,
-                               BM: tl.constexpr, GB: tl.constexpr):
+    def _mxfp8_quantize_kernel(
+        y_ptr, y_stride, data_ptr, data_stride, scale_ptr, M, N, GP, BM: tl.constexpr, GB: tl.constexpr
+    ):
         row0 = tl.program_id(0) * BM
         g0 = tl.program_id(1) * GB
         rows = row0 + tl.arange(0, BM)
@@ -266,8 +276,20 @@ if triton is not None:
         y = tl.load(y_ptr + rows[:, None].to(tl.int64) * y_stride + cols[None, :], mask=mask, other=0.0)
         _quantize_tile(y.to(tl.float32), M, row0, g0, data_ptr, data_stride, scale_ptr, GP, N, BM, GB)
 
-    def _reduce_quantize_kernel(p_ptr, p_split_stride, p_row_stride, data_ptr, data_stride, scale_ptr, M, N, GP,
-                                S: tl.constexpr, BM: tl.constexpr, GB: tl.constexpr):
+    def _reduce_quantize_kernel(
+        p_ptr,
+        p_split_stride,
+        p_row_stride,
+        data_ptr,
+        data_stride,
+        scale_ptr,
+        M,
+        N,
+        GP,
+        S: tl.constexpr,
+        BM: tl.constexpr,
+        GB: tl.constexpr,
+    ):
         """WO-A tail: y = bf16(sum_s partial[s]) summed s = 0..S-1 in order, then MXFP8 quantize."""
         row0 = tl.program_id(0) * BM
         g0 = tl.program_id(1) * GB
@@ -280,9 +302,25 @@ if triton is not None:
             acc = acc + tl.load(ptrs + s * p_split_stride, mask=mask, other=0.0)
         _quantize_tile(_rne_bf16(acc), M, row0, g0, data_ptr, data_stride, scale_ptr, GP, N, BM, GB)
 
-    def _wo_a_partials_kernel(x_ptr, sx_t, sx_g, w_ptr, sw_g, sw_n, p_ptr, M, R, Kg,
-                              SPLIT_LEN: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
+    def _wo_a_partials_kernel(
+        x_ptr,
+        sx_t,
+        sx_g,
+        w_ptr,
+        sw_g,
+        sw_n,
+        p_ptr,
+        M,
+        R,
+        Kg,
+        SPLIT_LEN: tl.constexpr,
+        G: tl.constexpr,
+        S: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
         """partial[s, t, g*R + n] = sum_{k in split s} x[t, g, k] * w[g, n, k]; fp32 accumulate (tl.dot).
 
         The split loop is unrolled (SPLIT_LEN is a compile-time constant) so all weight tiles of a program are
@@ -314,13 +352,35 @@ if triton is not None:
 
     def _gpu_fence(dep):
         """fence.acq_rel.gpu (CUDA's __threadfence) in every thread; `dep` only gives the asm an operand."""
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [dep.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [dep.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1
+        )
 
-    def _wo_a_fused_kernel(x_ptr, sx_t, sx_g, w_ptr, sw_g, sw_n, p_ptr, cnt_ptr, data_ptr, data_stride, scale_ptr,
-                           M, R, Kg, GP, SPLIT_LEN: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                           FENCE: tl.constexpr):
+    def _wo_a_fused_kernel(
+        x_ptr,
+        sx_t,
+        sx_g,
+        w_ptr,
+        sw_g,
+        sw_n,
+        p_ptr,
+        cnt_ptr,
+        data_ptr,
+        data_stride,
+        scale_ptr,
+        M,
+        R,
+        Kg,
+        GP,
+        SPLIT_LEN: tl.constexpr,
+        G: tl.constexpr,
+        S: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        FENCE: tl.constexpr,
+    ):
         """Single-launch WO-A for M <= BM: program (column tile c, split s) writes its fp32 partial; the last of
         the S programs of a column tile to arrive (atomic ticket) reduces s = 0..S-1 in order, rounds to bf16,
         quantizes, writes its scale column for all 128 padded rows and resets the ticket for the next call."""
@@ -364,14 +424,34 @@ if triton is not None:
             grp = col0 // 32 + tl.arange(0, BN // 32)
             for rb in tl.static_range(BM, 128, BM):  # padded scale rows of this column tile: 0 on every call
                 prow = rb + tl.arange(0, BM)
-                off = ((grp[None, :] // 4) * 512 + (prow[:, None] % 32) * 16 + ((prow[:, None] // 32) % 4) * 4
-                       + grp[None, :] % 4)
+                off = (
+                    (grp[None, :] // 4) * 512
+                    + (prow[:, None] % 32) * 16
+                    + ((prow[:, None] // 32) % 4) * 4
+                    + grp[None, :] % 4
+                )
                 tl.store(scale_ptr + off, tl.zeros((BM, BN // 32), dtype=tl.uint8))
             tl.store(cnt_ptr + c, 0)
 
-    def _mxfp8_linear_kernel(a_ptr, a_stride, scale_ptr, w_ptr, w_stride, o_ptr, o_stride, M, N, K, GP,
-                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                             OUT_BF16: tl.constexpr, STAGES: tl.constexpr = 3):
+    def _mxfp8_linear_kernel(
+        a_ptr,
+        a_stride,
+        scale_ptr,
+        w_ptr,
+        w_stride,
+        o_ptr,
+        o_stride,
+        M,
+        N,
+        K,
+        GP,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        STAGES: tl.constexpr = 3,
+    ):
         """out[t, n] = sum_k dequant(a)[t, k] * w[n, k]: e4m3 decoded from bits, times 2^(sf-127), bf16 dot."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -385,17 +465,25 @@ if triton is not None:
             code = code.to(tl.int32)
             ex = (code >> 3) & 0xF
             mt = code & 0x7
-            mag = tl.where(ex == 0, mt.to(tl.float32) * 0.001953125,
-                           ((ex + 120) << 23 | (mt << 20)).to(tl.float32, bitcast=True))
+            mag = tl.where(
+                ex == 0, mt.to(tl.float32) * 0.001953125, ((ex + 120) << 23 | (mt << 20)).to(tl.float32, bitcast=True)
+            )
             val = tl.where((code & 0x80) != 0, -mag, mag)
             grp = ks // 32
-            soff = (((rows[:, None] // 128) * (GP // 4) + grp[None, :] // 4) * 512 + (rows[:, None] % 32) * 16
-                    + ((rows[:, None] // 32) % 4) * 4 + grp[None, :] % 4)
+            soff = (
+                ((rows[:, None] // 128) * (GP // 4) + grp[None, :] // 4) * 512
+                + (rows[:, None] % 32) * 16
+                + ((rows[:, None] // 32) % 4) * 4
+                + grp[None, :] % 4
+            )
             sf = tl.load(scale_ptr + soff, mask=amask, other=127).to(tl.int32)
             scale = tl.where(sf == 0, 0x00400000, sf << 23).to(tl.float32, bitcast=True)
             a = val * scale
-            b = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + ks[:, None],
-                        mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+            b = tl.load(
+                w_ptr + cols[None, :].to(tl.int64) * w_stride + ks[:, None],
+                mask=(ks < K)[:, None] & (cols < N)[None, :],
+                other=0.0,
+            )
             if DOT_FP32:  # CPU interpreter: its dot reads bf16 operands as raw integers
                 b = b.to(tl.float32)
             else:
@@ -403,8 +491,11 @@ if triton is not None:
             acc = tl.dot(a, b, acc)
         if OUT_BF16:
             acc = _rne_bf16(acc)  # then the cast below is exact (the interpreter's cast would truncate)
-        tl.store(o_ptr + rows[:, None].to(tl.int64) * o_stride + cols[None, :], acc.to(o_ptr.dtype.element_ty),
-                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+        tl.store(
+            o_ptr + rows[:, None].to(tl.int64) * o_stride + cols[None, :],
+            acc.to(o_ptr.dtype.element_ty),
+            mask=(rows < M)[:, None] & (cols < N)[None, :],
+        )
 
 
 # device functions the kernels call, in dependency order (kernels._backend.jit gives each kernel them jitted)
@@ -425,13 +516,15 @@ def _launch_quantize(y_or_partials: torch.Tensor, out: Mxfp8Tensor, splits: int)
     data_u8 = out.data.view(torch.uint8)
     if splits == 0:
         kernel = jit(_mxfp8_quantize_kernel, helpers=_HELPERS)
-        kernel[grid](y_or_partials, y_or_partials.stride(0), data_u8, data_u8.stride(0), out.scales,
-                     m, n, gp, BM=bm, GB=gb)
+        kernel[grid](
+            y_or_partials, y_or_partials.stride(0), data_u8, data_u8.stride(0), out.scales, m, n, gp, BM=bm, GB=gb
+        )
     else:
         p = y_or_partials
         kernel = jit(_reduce_quantize_kernel, helpers=_HELPERS)
-        kernel[grid](p, p.stride(0), p.stride(1), data_u8, data_u8.stride(0), out.scales, m, n, gp,
-                     S=splits, BM=bm, GB=gb)
+        kernel[grid](
+            p, p.stride(0), p.stride(1), data_u8, data_u8.stride(0), out.scales, m, n, gp, S=splits, BM=bm, GB=gb
+        )
 
 
 def mxfp8_quantize(y: torch.Tensor, *, out: Mxfp8Tensor | None = None, backend: str = "auto") -> Mxfp8Tensor:
@@ -449,8 +542,9 @@ def mxfp8_quantize(y: torch.Tensor, *, out: Mxfp8Tensor | None = None, backend: 
     return out
 
 
-def mxfp8_reduce_quantize(partials: torch.Tensor, *, out: Mxfp8Tensor | None = None,
-                          backend: str = "auto") -> Mxfp8Tensor:
+def mxfp8_reduce_quantize(
+    partials: torch.Tensor, *, out: Mxfp8Tensor | None = None, backend: str = "auto"
+) -> Mxfp8Tensor:
     """Fused WO-A tail on fp32 partials [S, M, N]: sequential reduce, bf16 round, MXFP8. Byte-exact vs reference."""
     if partials.dim() != 3 or partials.dtype != torch.float32:
         raise ValueError(f"partials must be fp32 [S, M, N], got {partials.dtype} {tuple(partials.shape)}")
@@ -464,8 +558,13 @@ def mxfp8_reduce_quantize(partials: torch.Tensor, *, out: Mxfp8Tensor | None = N
 
 
 def _wo_a_guard(x: torch.Tensor, w_a: torch.Tensor) -> bool:
-    return (x.dtype == w_a.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.stride(2) == 1
-            and w_a.stride(2) == 1 and w_a.shape[1] >= 16)
+    return (
+        x.dtype == w_a.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(2) == 1
+        and w_a.stride(2) == 1
+        and w_a.shape[1] >= 16
+    )
 
 
 def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -489,9 +588,25 @@ def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") 
     bk = SPLIT_ALIGN
     grid = (triton.cdiv(m, bm), triton.cdiv(r, bn), g * SPLITS)
     kernel = jit(_wo_a_partials_kernel, helpers=_HELPERS)
-    kernel[grid](x, x.stride(0), x.stride(1), w_a, w_a.stride(0), w_a.stride(1), partials,
-                 m, r, kg, SPLIT_LEN=split_len, G=g, S=SPLITS, BM=bm, BN=bn, BK=bk,
-                 DOT_FP32=interpret_mode())
+    kernel[grid](
+        x,
+        x.stride(0),
+        x.stride(1),
+        w_a,
+        w_a.stride(0),
+        w_a.stride(1),
+        partials,
+        m,
+        r,
+        kg,
+        SPLIT_LEN=split_len,
+        G=g,
+        S=SPLITS,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        DOT_FP32=interpret_mode(),
+    )
     return partials
 
 
@@ -515,8 +630,14 @@ def _single_launch_ok(x: torch.Tensor, w_a: torch.Tensor, bn: int) -> bool:
     return x.shape[0] <= 16 and r % bn == 0 and (g * r // GROUP) % 4 == 0
 
 
-def wo_a_mxfp8(x: torch.Tensor, w_a: torch.Tensor, *, out: Mxfp8Tensor | None = None,
-               backend: str = "auto", single_launch: bool = True) -> Mxfp8Tensor:
+def wo_a_mxfp8(
+    x: torch.Tensor,
+    w_a: torch.Tensor,
+    *,
+    out: Mxfp8Tensor | None = None,
+    backend: str = "auto",
+    single_launch: bool = True,
+) -> Mxfp8Tensor:
     """Grouped output projection A fused with MXFP8 quantization of its bf16 output.
 
     x [M, G, Kg] bf16 (unit last stride), w_a [G, R, Kg] bf16 -> Mxfp8Tensor [M, G*R]. Two launches: the split-K
@@ -558,9 +679,30 @@ def _wo_a_single_launch(x: torch.Tensor, w_a: torch.Tensor, out: Mxfp8Tensor | N
     tickets = _tickets(x.device, n // bn)
     data_u8 = out.data.view(torch.uint8)
     jit(_wo_a_fused_kernel, helpers=_HELPERS)[(n // bn, SPLITS)](
-        x, x.stride(0), x.stride(1), w_a, w_a.stride(0), w_a.stride(1), partials, tickets, data_u8,
-        data_u8.stride(0), out.scales, m, r, kg, _ceil_to(n // GROUP, 4), SPLIT_LEN=split_len, G=g, S=SPLITS,
-        BM=16, BN=bn, BK=SPLIT_ALIGN, DOT_FP32=interpret_mode(), FENCE=not interpret_mode())
+        x,
+        x.stride(0),
+        x.stride(1),
+        w_a,
+        w_a.stride(0),
+        w_a.stride(1),
+        partials,
+        tickets,
+        data_u8,
+        data_u8.stride(0),
+        out.scales,
+        m,
+        r,
+        kg,
+        _ceil_to(n // GROUP, 4),
+        SPLIT_LEN=split_len,
+        G=g,
+        S=SPLITS,
+        BM=16,
+        BN=bn,
+        BK=SPLIT_ALIGN,
+        DOT_FP32=interpret_mode(),
+        FENCE=not interpret_mode(),
+    )
     return out
 
 
@@ -574,8 +716,12 @@ def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16,
     |kernel - reference| <= ~K * 2^-24 * sum_k |a_k w_k| before the final out_dtype rounding.
     """
     _check_linear(a, w_b)
-    guard = (w_b.dtype == torch.bfloat16 and w_b.stride(1) == 1 and a.data.stride(1) == 1
-             and out_dtype in (torch.bfloat16, torch.float32))
+    guard = (
+        w_b.dtype == torch.bfloat16
+        and w_b.stride(1) == 1
+        and a.data.stride(1) == 1
+        and out_dtype in (torch.bfloat16, torch.float32)
+    )
     if not use_triton(backend, [a.data, a.scales, w_b], guard):
         return mxfp8_linear_reference(a, w_b, out_dtype=out_dtype)
     m, k = a.shape
@@ -589,7 +735,22 @@ def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16,
     data_u8 = a.data.view(torch.uint8)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     kernel = jit(_mxfp8_linear_kernel, helpers=_HELPERS)
-    kernel[grid](data_u8, data_u8.stride(0), a.scales, w_b, w_b.stride(0), out, out.stride(0),
-                 m, n, k, gp, BM=bm, BN=bn, BK=bk, DOT_FP32=interpret_mode(),
-                 OUT_BF16=out_dtype == torch.bfloat16)
+    kernel[grid](
+        data_u8,
+        data_u8.stride(0),
+        a.scales,
+        w_b,
+        w_b.stride(0),
+        out,
+        out.stride(0),
+        m,
+        n,
+        k,
+        gp,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        DOT_FP32=interpret_mode(),
+        OUT_BF16=out_dtype == torch.bfloat16,
+    )
     return out

@@ -41,6 +41,7 @@ def unweighted_rms_norm_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if tl is not None:
+
     def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -82,22 +83,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backen
     out = torch.empty(xc.shape, device=x.device, dtype=x.dtype)
     rows = xc.numel() // D
     if rows:
-        jit(_rms_norm_kernel)[(rows,)](xc, xc.stride(0) if xc.dim() == 2 else D, weight if weight is not None else xc,
-                                       out, D, float(eps), HAS_WEIGHT=weight is not None,
-                                       BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 2048 else 8)
+        jit(_rms_norm_kernel)[(rows,)](
+            xc,
+            xc.stride(0) if xc.dim() == 2 else D,
+            weight if weight is not None else xc,
+            out,
+            D,
+            float(eps),
+            HAS_WEIGHT=weight is not None,
+            BLOCK=triton.next_power_of_2(D),
+            num_warps=4 if D <= 2048 else 8,
+        )
     return out
 
 
-def qkv_norm_reference(q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int,
-                       eps: float) -> torch.Tensor:
+def qkv_norm_reference(
+    q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int, eps: float
+) -> torch.Tensor:
     T, D = kv_src.shape
     q = unweighted_rms_norm_reference(q_src.reshape(T, heads, D), eps)
     kv = rms_norm_reference(kv_src, kv_w, eps)
     return torch.cat([q, kv.unsqueeze(1)], dim=1)
 
 
-def qkv_norm(q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int, eps: float, *,
-             backend: str = "auto") -> torch.Tensor:
+def qkv_norm(
+    q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, heads: int, eps: float, *, backend: str = "auto"
+) -> torch.Tensor:
     """[T, heads + 1, D]: normalised query heads then the normalised shared K=V head (see module docstring).
     q_src [T, heads * D] and kv_src [T, D] need unit stride on the last dim only."""
     if not use_triton(backend, [q_src, kv_src, kv_w]) or kv_src.shape[-1] > 16384:
@@ -107,6 +118,17 @@ def qkv_norm(q_src: torch.Tensor, kv_src: torch.Tensor, kv_w: torch.Tensor, head
         raise ValueError(f"q_src must be [T, {heads} * {D}] and kv_src [T, {D}] with unit last stride")
     out = torch.empty(T, heads + 1, D, device=kv_src.device, dtype=kv_src.dtype)
     if T:
-        jit(_qkv_norm_kernel)[(T, heads + 1)](q_src, q_src.stride(0), kv_src, kv_src.stride(0), kv_w, out, heads, D,
-                                              float(eps), BLOCK=triton.next_power_of_2(D), num_warps=4)
+        jit(_qkv_norm_kernel)[(T, heads + 1)](
+            q_src,
+            q_src.stride(0),
+            kv_src,
+            kv_src.stride(0),
+            kv_w,
+            out,
+            heads,
+            D,
+            float(eps),
+            BLOCK=triton.next_power_of_2(D),
+            num_warps=4,
+        )
     return out

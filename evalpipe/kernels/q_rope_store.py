@@ -31,9 +31,14 @@ def _check(q, out, cos, sin, positions):
     if q.dtype != out.dtype or q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"q and out must share one of {FLOAT_DTYPES}, got {q.dtype} / {out.dtype}")
     if cos.dim() != 2 or cos.shape != sin.shape or cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise ValueError(f"cos and sin must be float32 [max_pos, rope_dim/2], got {cos.dtype}{tuple(cos.shape)} / {sin.dtype}{tuple(sin.shape)}")
+        raise ValueError(
+            "cos and sin must be float32 [max_pos, rope_dim/2], "
+            f"got {cos.dtype}{tuple(cos.shape)} / {sin.dtype}{tuple(sin.shape)}"
+        )
     if positions.dim() != 1 or positions.shape[0] != q.shape[0] or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32/int64 [T={q.shape[0]}], got {positions.dtype}{tuple(positions.shape)}")
+        raise ValueError(
+            f"positions must be int32/int64 [T={q.shape[0]}], got {positions.dtype}{tuple(positions.shape)}"
+        )
     head_dim, rope_dim = q.shape[2], 2 * cos.shape[1]
     if rope_dim > head_dim or head_dim % 2:
         raise ValueError(f"rope_dim {rope_dim} must not exceed the even head_dim {head_dim}")
@@ -64,10 +69,20 @@ if triton is not None:
         return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     def _q_rope_store_kernel(
-        q_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr,
-        head_dim, nope_dim,
-        q_tok, q_head, o_tok, o_head, c_row,
-        OUT_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
+        q_ptr,
+        out_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        head_dim,
+        nope_dim,
+        q_tok,
+        q_head,
+        o_tok,
+        o_head,
+        c_row,
+        OUT_BF16: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -132,10 +147,20 @@ def q_rope_store(
     if tokens == 0 or heads == 0:
         return out
     jit(_q_rope_store_kernel, helpers=_HELPERS)[(tokens, heads)](
-        q, out, cos, sin, positions,
-        head_dim, head_dim - 2 * cos.shape[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        OUT_BF16=out.dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(head_dim),
+        q,
+        out,
+        cos,
+        sin,
+        positions,
+        head_dim,
+        head_dim - 2 * cos.shape[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0),
+        OUT_BF16=out.dtype == torch.bfloat16,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         enable_fp_fusion=False,
     )
     return out

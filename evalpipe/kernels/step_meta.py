@@ -2,11 +2,13 @@
 
 A step's layers address state through a handful of integer arrays: each row's position and slot, its ring cell in
 every ring (window, compressor and indexer rings), the pool rows of entries 0..E-1 of each request for every
-compression ratio (through its page table), and for HCA the [T, E] rows with -1 where an entry is not yet visible. Built with torch ops that is ~35 launches of 1-2 us integer kernels per step
+compression ratio (through its page table), and for HCA the [T, E] rows with -1 where an entry is not yet visible.
+Built with torch ops that is ~35 launches of 1-2 us integer kernels per step
 (arange, mul, floor_divide, remainder, clamp, index, where, ...); here it is one launch. The results are integers,
 so the kernel and the torch reference (the engine's own `entry_rows` arithmetic) agree exactly.
 
-Layout of the input buffer (engine/static/batch.py, pack_step_inputs): ids [B*n] | starts [B] | slots [B] | row_valid [B*n] |
+Layout of the input buffer (engine/static/batch.py, pack_step_inputs): ids [B*n] | starts [B] | slots [B] | row_valid
+[B*n] |
 page table [max_seqs, pages_per_seq]."""
 
 from __future__ import annotations
@@ -53,9 +55,29 @@ class StepMeta:
 
 
 if tl is not None:
-    def _step_meta_kernel(meta_ptr, out_ptr, T, B, n, page_tokens, P, E1, E2, off_rows1, off_rows2, off_hca,
-                          R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
-                          HCA: tl.constexpr, N_PAD: tl.constexpr, BLOCK: tl.constexpr):
+
+    def _step_meta_kernel(
+        meta_ptr,
+        out_ptr,
+        T,
+        B,
+        n,
+        page_tokens,
+        P,
+        E1,
+        E2,
+        off_rows1,
+        off_rows2,
+        off_hca,
+        R1: tl.constexpr,
+        R2: tl.constexpr,
+        R3: tl.constexpr,
+        Q1: tl.constexpr,
+        Q2: tl.constexpr,
+        HCA: tl.constexpr,
+        N_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         b = tl.program_id(0)
         j = tl.program_id(1)
         start = tl.load(meta_ptr + T + b)
@@ -99,8 +121,8 @@ if tl is not None:
 def step_meta_reference(meta: torch.Tensor, shape: MetaShape) -> StepMeta:
     """The torch chain (what StaticBatch computed before): the engine's entry-row arithmetic on device tensors."""
     B, n, T = shape.B, shape.n, shape.T
-    starts, slots = meta[T:T + B], meta[T + B:T + 2 * B]
-    table = meta[2 * T + 2 * B:].view(-1, shape.pages_per_seq)
+    starts, slots = meta[T : T + B], meta[T + B : T + 2 * B]
+    table = meta[2 * T + 2 * B :].view(-1, shape.pages_per_seq)
     pos = (starts[:, None] + torch.arange(n, device=meta.device)[None]).reshape(-1)
     slot = slots[:, None].expand(B, n).reshape(-1)
     cells = {R: slot * R + pos % R for R in shape.rings}
@@ -130,11 +152,33 @@ def step_meta(meta: torch.Tensor, shape: MetaShape, *, backend: str = "auto") ->
     ratios = list(shape.ratios) + [0] * (2 - len(shape.ratios))
     block = 1024
     grid = (B, max(1, triton.cdiv(max(E), block)))
-    jit(_step_meta_kernel)[grid](meta, out, T, B, n, shape.page_tokens, shape.pages_per_seq, E[0], E[1], off_rows1, off_rows2,
-                    off_hca, R1=rings[0], R2=rings[1], R3=rings[2], Q1=ratios[0], Q2=ratios[1],
-                    HCA=shape.hca_ratio, N_PAD=triton.next_power_of_2(n), BLOCK=block, num_warps=4)
-    cells = {R: out[(2 + k) * T:(3 + k) * T] for k, R in enumerate(shape.rings)}
-    rows = {q: out[(off_rows1, off_rows2)[k]:(off_rows1, off_rows2)[k] + B * E[k]].view(B, E[k])
-            for k, q in enumerate(shape.ratios)}
-    hca = out[off_hca:off_hca + T * he].view(T, he) if shape.hca_ratio else None
-    return StepMeta(out[:T], out[T:2 * T], cells, rows, hca)
+    jit(_step_meta_kernel)[grid](
+        meta,
+        out,
+        T,
+        B,
+        n,
+        shape.page_tokens,
+        shape.pages_per_seq,
+        E[0],
+        E[1],
+        off_rows1,
+        off_rows2,
+        off_hca,
+        R1=rings[0],
+        R2=rings[1],
+        R3=rings[2],
+        Q1=ratios[0],
+        Q2=ratios[1],
+        HCA=shape.hca_ratio,
+        N_PAD=triton.next_power_of_2(n),
+        BLOCK=block,
+        num_warps=4,
+    )
+    cells = {R: out[(2 + k) * T : (3 + k) * T] for k, R in enumerate(shape.rings)}
+    rows = {
+        q: out[(off_rows1, off_rows2)[k] : (off_rows1, off_rows2)[k] + B * E[k]].view(B, E[k])
+        for k, q in enumerate(shape.ratios)
+    }
+    hca = out[off_hca : off_hca + T * he].view(T, he) if shape.hca_ratio else None
+    return StepMeta(out[:T], out[T : 2 * T], cells, rows, hca)

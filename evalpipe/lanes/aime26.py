@@ -16,13 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256
 from evalpipe.digest import file_sha256
+from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256
 from evalpipe.lanes.data import check_pin, read_jsonl
 from evalpipe.lanes.sgl_eval_adapter import aime26_dataset, prompt_template, render_prompt
 
 PROMPT_NAME = "matharena-aime"
-PROMPT_NOTE = "NS-vendored MathArena AIME-2024 wording (sgl-eval 0.1.0 matharena-aime.yaml), not MathArena's 2026 prompt"
+PROMPT_NOTE = (
+    "NS-vendored MathArena AIME-2024 wording (sgl-eval 0.1.0 matharena-aime.yaml), not MathArena's 2026 prompt"
+)
 
 
 def build_messages(template_path: Path, problem: str) -> list[dict]:

@@ -12,8 +12,10 @@ LANE = skill_lane(
     grader="exact_text",
     max_tokens=192,
     seed="lane|copy|v1",
-    groups=[(label, 100, lambda rng, lo=lo, hi=hi: copy_text.generate(rng, length=rng.randint(lo, hi)))
-            for label, lo, hi in RANGES],
+    groups=[
+        (label, 100, lambda rng, lo=lo, hi=hi: copy_text.generate(rng, length=rng.randint(lo, hi)))
+        for label, lo, hi in RANGES
+    ],
     headline="accuracy = exact copies / 300 planned (by group: string length)",
     notes="held-out split of evalpipe.skills (identity hash); exact match after stripping whitespace",
 )

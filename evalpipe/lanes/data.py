@@ -19,7 +19,6 @@ class DataError(Exception):
     """A dataset could not be found, or its hash differs from the pin (message says what to do)."""
 
 
-
 def data_dir_candidates(data_dir: Optional[Path]) -> list[Path]:
     """--data-dir, then $EVALPIPE_DATA_DIR, then the checkout's sibling `../shared/data`; absolute, so that the path a
     manifest records still names the file when the run is resumed or audited from another directory."""
@@ -59,7 +58,8 @@ def find_gsm8k_test(data_dir: Optional[Path]) -> Path:
         return _download_gsm8k(cached)
     except Exception as exc:  # no network, no datasets: say where we looked
         raise DataError(
-            "GSM8K test.jsonl not found in " + ", ".join(tried)
+            "GSM8K test.jsonl not found in "
+            + ", ".join(tried)
             + f" and the `datasets` download failed ({type(exc).__name__}: {exc}). "
             "Pass --data-dir DIR (with gsm8k/test.jsonl inside) or set EVALPIPE_DATA_DIR."
         ) from exc

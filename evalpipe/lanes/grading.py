@@ -156,12 +156,16 @@ class GraderPool:
             if w.conn.poll(self.timeout_s):
                 status, ok, err = w.conn.recv()
                 self._idle.put(w)
-                return GradeResult(ok, "ok" if status == "ok" else "grader_error", err, 1e3 * (time.perf_counter() - t0))
+                return GradeResult(
+                    ok, "ok" if status == "ok" else "grader_error", err, 1e3 * (time.perf_counter() - t0)
+                )
             self.n_timeouts += 1
             self._retire(w)
             self._spawn()
             return GradeResult(
-                False, "grader_timeout", f"no verdict within {self.timeout_s:g}s; worker killed",
+                False,
+                "grader_timeout",
+                f"no verdict within {self.timeout_s:g}s; worker killed",
                 1e3 * (time.perf_counter() - t0),
             )
         except (EOFError, OSError, RuntimeError, BrokenPipeError) as exc:  # worker died: replace it
@@ -202,7 +206,9 @@ def grader_pool(grader: str, workers: int, timeout_s: float) -> Optional[GraderP
     return GraderPool(workers=workers, timeout_s=timeout_s) if grader == "ns_last_boxed" else None
 
 
-async def grade_text(grader: str, expected: Any, text: str, truncated: bool, pool: Optional[GraderPool]) -> tuple[Any, bool, str]:
+async def grade_text(
+    grader: str, expected: Any, text: str, truncated: bool, pool: Optional[GraderPool]
+) -> tuple[Any, bool, str]:
     """Shared by the runner and `evalpipe audit`: (extracted_answer, correct, grade_status)."""
     if grader == "legacy_last_int":
         value = legacy_answer_value(text)

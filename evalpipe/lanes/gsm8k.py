@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256, sha256_hex
 from evalpipe.digest import file_sha256
+from evalpipe.lanes import Item, Lane, LaneData, load_pins, prompt_sha256, sha256_hex
 from evalpipe.lanes.data import check_pin, find_gsm8k_test, read_jsonl
 from evalpipe.lanes.grading import legacy_answer_value
 

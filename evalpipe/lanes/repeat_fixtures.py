@@ -43,8 +43,14 @@ class Fixture:
         return got, got == self.expected
 
     def describe(self) -> dict:
-        return {"id": self.id, "kind": self.kind, "max_tokens": self.max_tokens, "expected": self.expected,
-                "prompt_chars": len(self.prompt), "prompt_sha256": hashlib.sha256(self.prompt.encode()).hexdigest()}
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "max_tokens": self.max_tokens,
+            "expected": self.expected,
+            "prompt_chars": len(self.prompt),
+            "prompt_sha256": hashlib.sha256(self.prompt.encode()).hexdigest(),
+        }
 
 
 def _last_int(text: str) -> Optional[str]:
@@ -83,16 +89,40 @@ COPY_TEXT = "k3v9x0pq"
 
 def fixtures(long_context_chars: int = DEFAULT_LONG_CONTEXT_CHARS, open_max_tokens: int = 64) -> list[Fixture]:
     return [
-        Fixture("arithmetic", "control", completion_prompt("What is 120 + 35?"),
-                max_tokens=96, expected="155", extract=_last_int),
-        Fixture("exact_copy", "control", completion_prompt(f"Copy the text exactly: {COPY_TEXT}"),
-                max_tokens=16, expected=COPY_TEXT, extract=_copy_prefix(COPY_TEXT)),
-        Fixture("regex_date", "format",
-                "Write a date in ISO format (YYYY-MM-DD).\nDate: 1999-12-31\n\nWrite another date in ISO format "
-                "(YYYY-MM-DD).\nDate:", max_tokens=12, expected=r"\d{4}-\d{2}-\d{2}", extract=_iso_date),
+        Fixture(
+            "arithmetic",
+            "control",
+            completion_prompt("What is 120 + 35?"),
+            max_tokens=96,
+            expected="155",
+            extract=_last_int,
+        ),
+        Fixture(
+            "exact_copy",
+            "control",
+            completion_prompt(f"Copy the text exactly: {COPY_TEXT}"),
+            max_tokens=16,
+            expected=COPY_TEXT,
+            extract=_copy_prefix(COPY_TEXT),
+        ),
+        Fixture(
+            "regex_date",
+            "format",
+            "Write a date in ISO format (YYYY-MM-DD).\nDate: 1999-12-31\n\nWrite another date in ISO format "
+            "(YYYY-MM-DD).\nDate:",
+            max_tokens=12,
+            expected=r"\d{4}-\d{2}-\d{2}",
+            extract=_iso_date,
+        ),
         Fixture("open_short", "open", OPEN_PROMPT, max_tokens=open_max_tokens, expected=None, extract=None),
-        Fixture("open_long_context", "open", padding(long_context_chars) + "\n\n" + OPEN_PROMPT,
-                max_tokens=open_max_tokens, expected=None, extract=None),
+        Fixture(
+            "open_long_context",
+            "open",
+            padding(long_context_chars) + "\n\n" + OPEN_PROMPT,
+            max_tokens=open_max_tokens,
+            expected=None,
+            extract=None,
+        ),
     ]
 
 

@@ -8,8 +8,13 @@ Greedy, max_tokens 16; exact match of the reply (stripped) with the 5-digit code
 from evalpipe.lanes.skill_lane import skill_lane
 from evalpipe.skills import retrieval
 
-DEPTHS = [("in-window", 0, None), ("d256", 150, None), ("d1024", 800, None), ("d2048", 1800, None),
-          ("deepest", 3780, 0)]
+DEPTHS = [
+    ("in-window", 0, None),
+    ("d256", 150, None),
+    ("d1024", 800, None),
+    ("d2048", 1800, None),
+    ("deepest", 3780, 0),
+]
 
 LANE = skill_lane(
     name="retrieval",
@@ -17,8 +22,10 @@ LANE = skill_lane(
     grader="exact_text",
     max_tokens=16,
     seed="lane|retrieval|v1",
-    groups=[(label, 50, lambda rng, a=after, b=before: retrieval.generate(rng, after=a, before=b))
-            for label, after, before in DEPTHS],
+    groups=[
+        (label, 50, lambda rng, a=after, b=before: retrieval.generate(rng, after=a, before=b))
+        for label, after, before in DEPTHS
+    ],
     headline="accuracy = exact codes / 250 planned (by group: depth)",
     notes="held-out split of evalpipe.skills (identity hash); exact match after stripping whitespace",
 )

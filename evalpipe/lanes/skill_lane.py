@@ -65,14 +65,32 @@ def lane_examples(lane: SkillLane) -> list[tuple[str, object]]:
 
 
 def _generate(lane: SkillLane) -> list[Item]:
-    return [Item(i, ex.prompt, ex.meta["expected"], prompt_sha256(ex.prompt), group=label)
-            for i, (label, ex) in enumerate(lane_examples(lane))]
+    return [
+        Item(i, ex.prompt, ex.meta["expected"], prompt_sha256(ex.prompt), group=label)
+        for i, (label, ex) in enumerate(lane_examples(lane))
+    ]
 
 
-def skill_lane(name: str, description: str, grader: str, max_tokens: int, seed: str,
-               groups: list[tuple[str, int, Callable]], headline: str, notes: str = "") -> SkillLane:
+def skill_lane(
+    name: str,
+    description: str,
+    grader: str,
+    max_tokens: int,
+    seed: str,
+    groups: list[tuple[str, int, Callable]],
+    headline: str,
+    notes: str = "",
+) -> SkillLane:
     return SkillLane(
-        name=name, description=description, api="completions",
+        name=name,
+        description=description,
+        api="completions",
         params={"temperature": 0.0, "top_p": 1.0, "seed": 0, "max_tokens": max_tokens, "stop": ["Question:"]},
-        concurrency=64, repeats=1, grader=grader, headline=headline, notes=notes, seed=seed, groups=tuple(groups),
+        concurrency=64,
+        repeats=1,
+        grader=grader,
+        headline=headline,
+        notes=notes,
+        seed=seed,
+        groups=tuple(groups),
     )

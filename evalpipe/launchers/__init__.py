@@ -7,7 +7,7 @@ launch (dry run, boot, serve until interrupted); env.py and receipts.py the envi
 
 from __future__ import annotations
 
-from evalpipe.launchers.base import LaunchOptions, Launcher
+from evalpipe.launchers.base import Launcher, LaunchOptions
 from evalpipe.launchers.errors import LaunchConfigError, ServerStartError
 
 ENGINES = ("native", "sglang", "vllm")

@@ -99,9 +99,15 @@ class LaunchOptions:
     @property
     def lossy_acceptance(self) -> dict | None:
         """The lossy acceptance settings these options ask for ({"topk": 3} or the thresholds), None when exact."""
-        given = {name: value for name, value in (
-            ("topk", self.spec_accept_topk), ("threshold_single", self.spec_accept_threshold_single),
-            ("threshold_acc", self.spec_accept_threshold_acc)) if value is not None}
+        given = {
+            name: value
+            for name, value in (
+                ("topk", self.spec_accept_topk),
+                ("threshold_single", self.spec_accept_threshold_single),
+                ("threshold_acc", self.spec_accept_threshold_acc),
+            )
+            if value is not None
+        }
         lossy = "topk" in given or any(v < 1.0 for k, v in given.items() if k != "topk")
         return given if lossy else None
 
@@ -131,7 +137,7 @@ def console_script_python(script: str) -> str | None:
             return first[0]
     for line in head[1:3]:  # pip: `#!/bin/sh` then `'''exec' '/long/path/python' "$0" "$@"`
         if line.startswith("'''exec'"):
-            parts = shlex.split(line[len("'''exec'"):])
+            parts = shlex.split(line[len("'''exec'") :])
             if parts:
                 return parts[0]
     sibling = Path(found).parent / "python"
@@ -211,7 +217,8 @@ class Launcher(ABC):
             raise ServerStartError(f"cannot run the engine interpreter {python!r}: {exc}") from exc
         if code != 0:
             raise ServerStartError(
-                f"{python} cannot import {self.engine_module}: install {self.engine} there, or pass --engine-python PATH "
+                f"{python} cannot import {self.engine_module}: install {self.engine} there, "
+                "or pass --engine-python PATH "
                 f"(the python of the environment where {self.engine} lives, e.g. .venv-vllm/bin/python)"
             )
 
@@ -284,8 +291,12 @@ class Launcher(ABC):
         except OSError as exc:
             log.close()
             raise ServerStartError(f"cannot start {self.argv[0]!r}: {exc}") from exc
-        self._log_copier = threading.Thread(target=_copy_redacted, args=(self.process.stdout, log, self.secret_values()),
-                                            name=f"{self.engine}-log", daemon=True)
+        self._log_copier = threading.Thread(
+            target=_copy_redacted,
+            args=(self.process.stdout, log, self.secret_values()),
+            name=f"{self.engine}-log",
+            daemon=True,
+        )
         self._log_copier.start()
         self.started_at = utc_now()
 
@@ -394,6 +405,7 @@ LOG_PIECE_MAX = 1 << 16  # a line longer than this (a progress bar that never en
 def _copy_redacted(pipe, log, secrets: list[str]) -> None:
     """Server output -> log file, secrets redacted (evalpipe.redact) one line at a time (CR ends a line too, for
     progress bars); flushed as it comes so a failed boot's log tail is current."""
+
     def write(piece: bytes) -> None:
         text = piece.decode("utf-8", "surrogateescape")
         log.write(redact_text(text, secrets).encode("utf-8", "surrogateescape"))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from evalpipe.launchers.errors import LaunchConfigError
+
 # The redaction rule lives in evalpipe.redact; these names are what the launchers import from here.
 from evalpipe.redact import REDACTED, is_secret_env_name, redact_argv, redact_env, scrub_values  # noqa: F401
 from evalpipe.redact import is_secret_name as is_secret_field  # noqa: F401

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+
 import click
 from click.core import ParameterSource
 
@@ -37,167 +38,370 @@ def _pos_int(ctx, param, value):
     return value
 
 
-O = click.option
+option = click.option
 COMMON = [
-    O("--engine", type=click.Choice(ENGINES), default="native", show_default=True,
-      help="Which server: native (this package's engine, served in this process), sglang or vllm (through a "
-           "launcher)."),
-    O("--model", "--model-path", "model", default=None, metavar="PATH|NAME",
-      help="native: a checkpoint directory (config.json + *.safetensors, DeepSeek-V4 format) or a built-in model: "
-           "evalpipe-skills-dsv4 (the default: 7.8 M parameters trained on evalpipe's synthetic skills, shipped in "
-           "the package) or evalpipe-tiny-dsv4 (random weights, nonsense answers; for tests). sglang/vllm: "
-           "required, the model path or id."),
-    O("--tokenizer", "--tokenizer-path", "tokenizer", default=None, metavar="PATH",
-      help="Tokenizer, when it differs from the model. native: a Hugging Face tokenizer directory (local files); "
-           "default: the model directory's tokenizer if it has one, else the built-in byte-level tokenizer."),
-    O("--host", default="127.0.0.1", show_default=True, help="Address the server binds."),
-    O("--port", default=30000, show_default=True, type=click.IntRange(0, 65535),
-      help="Port the server binds (native: 0 picks a free one; `ab` picks a free one unless given)."),
-    O("--dtype", default=None, help="Weight/activation dtype. native: float32 or bfloat16 "
-                                    f"[default: {D.dtype}]; sglang/vllm: passed to the engine."),
-    O("--device", default=None, help=f"native: where the model runs, cpu or cuda [default: {D.device}]."),
-    O("--max-batch", type=int, callback=_pos_int, default=None,
-      help=f"native: most sequences running at once (each choice of a request is one sequence) "
-           f"[default: {D.max_batch}]."),
-    O("--api-key", "api_key", multiple=True, metavar="KEY",
-      help="Require 'Authorization: Bearer KEY' (native: all routes but /health*; also read from "
-           "EVALPIPE_API_KEY). native: repeat it to accept any of several keys (key rotation, one key per "
-           "client); sglang/vllm take one. Redacted in every receipt and printout."),
-    O("--speculative", type=click.Choice(SPECULATION_PROFILES), default=None,
-      help=f"Speculation profile [default: {D.speculative}]. native: off | block (block speculative decoding: each "
-           "step drafts G tokens per sequence and verifies the last token plus the G drafts, G+1 rows, in one target "
-           "forward); sglang: off | dspark | eagle | eagle3 | nextn; vllm: the same plus ngram."),
-    O("--block-size", type=int, callback=_pos_int, default=None, metavar="G",
-      help=f"native: drafts per verify step with --speculative block, 1..16 [default: {D.block_size}]; sglang: "
-           "the dspark block size; vllm: dspark draft tokens."),
-    O("--drafter", default=None, metavar="SPEC",
-      help="native, with --speculative block: layerskip:N (the target's first N layers + final norm and head), "
-           "model:PATH (a separate small checkpoint, same tokenizer), ngram (prompt lookup), self (the target "
-           "itself; 100% greedy acceptance). Default: layerskip over three quarters of the layers (layerskip:3 "
-           "for the tiny model)."),
-    O("--simulate-acc-len", type=float, default=None, metavar="X",
-      help="PERFORMANCE ONLY: accept a floor/ceil mix of X-1 drafts per step (mean exactly X, bonus included) "
-           "without checking them (native flag, SGLANG_SIMULATE_ACC_LEN, vLLM's synthetic sampler). Reported in "
-           "/get_server_info and every response; output quality is meaningless, so `evalpipe run` refuses to "
-           "score against it."),
-    O("--spec-accept-topk", type=int, default=None, metavar="K",
-      help="LOSSY, evaluation only (proves an eval catches a lossy speculator), native only: accept a draft when "
-           "it is among the target's top K tokens at its row (K >= 2; K = 1 is the default exact greedy rule). "
-           "Greedy requests rank the logits; sampled requests keep a top-K draft without the rejection test. "
-           "Reported as lossy in /get_server_info, every `spec`, the ready line and the receipt. Default: exact."),
-    O("--spec-accept-threshold-single", type=float, default=None, metavar="P",
-      help="LOSSY below 1.0, evaluation only (native, sglang --speculative-accept-threshold-single): on sampled "
-           "requests accept a draft whose target probability is >= P (greedy requests stay exact, as in SGLang). "
-           "1.0 (with --spec-accept-threshold-acc 1.0) is lossless and keeps the exact rule."),
-    O("--spec-accept-threshold-acc", type=float, default=None, metavar="P",
-      help="LOSSY below 1.0, evaluation only (native, sglang --speculative-accept-threshold-acc): on sampled "
-           "requests accept a draft with probability min(1, p(draft) / P) instead of the exact test (SGLang's "
-           "target-only rule; greedy requests stay exact)."),
+    option(
+        "--engine",
+        type=click.Choice(ENGINES),
+        default="native",
+        show_default=True,
+        help="Which server: native (this package's engine, served in this process), sglang or vllm (through a "
+        "launcher).",
+    ),
+    option(
+        "--model",
+        "--model-path",
+        "model",
+        default=None,
+        metavar="PATH|NAME",
+        help="native: a checkpoint directory (config.json + *.safetensors, DeepSeek-V4 format) or a built-in model: "
+        "evalpipe-skills-dsv4 (the default: 7.8 M parameters trained on evalpipe's synthetic skills, shipped in "
+        "the package) or evalpipe-tiny-dsv4 (random weights, nonsense answers; for tests). sglang/vllm: "
+        "required, the model path or id.",
+    ),
+    option(
+        "--tokenizer",
+        "--tokenizer-path",
+        "tokenizer",
+        default=None,
+        metavar="PATH",
+        help="Tokenizer, when it differs from the model. native: a Hugging Face tokenizer directory (local files); "
+        "default: the model directory's tokenizer if it has one, else the built-in byte-level tokenizer.",
+    ),
+    option("--host", default="127.0.0.1", show_default=True, help="Address the server binds."),
+    option(
+        "--port",
+        default=30000,
+        show_default=True,
+        type=click.IntRange(0, 65535),
+        help="Port the server binds (native: 0 picks a free one; `ab` picks a free one unless given).",
+    ),
+    option(
+        "--dtype",
+        default=None,
+        help="Weight/activation dtype. native: float32 or bfloat16 "
+        f"[default: {D.dtype}]; sglang/vllm: passed to the engine.",
+    ),
+    option("--device", default=None, help=f"native: where the model runs, cpu or cuda [default: {D.device}]."),
+    option(
+        "--max-batch",
+        type=int,
+        callback=_pos_int,
+        default=None,
+        help=f"native: most sequences running at once (each choice of a request is one sequence) "
+        f"[default: {D.max_batch}].",
+    ),
+    option(
+        "--api-key",
+        "api_key",
+        multiple=True,
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' (native: all routes but /health*; also read from "
+        "EVALPIPE_API_KEY). native: repeat it to accept any of several keys (key rotation, one key per "
+        "client); sglang/vllm take one. Redacted in every receipt and printout.",
+    ),
+    option(
+        "--speculative",
+        type=click.Choice(SPECULATION_PROFILES),
+        default=None,
+        help=f"Speculation profile [default: {D.speculative}]. native: off | block (block speculative decoding: each "
+        "step drafts G tokens per sequence and verifies the last token plus the G drafts, G+1 rows, in one target "
+        "forward); sglang: off | dspark | eagle | eagle3 | nextn; vllm: the same plus ngram.",
+    ),
+    option(
+        "--block-size",
+        type=int,
+        callback=_pos_int,
+        default=None,
+        metavar="G",
+        help=f"native: drafts per verify step with --speculative block, 1..16 [default: {D.block_size}]; sglang: "
+        "the dspark block size; vllm: dspark draft tokens.",
+    ),
+    option(
+        "--drafter",
+        default=None,
+        metavar="SPEC",
+        help="native, with --speculative block: layerskip:N (the target's first N layers + final norm and head), "
+        "model:PATH (a separate small checkpoint, same tokenizer), ngram (prompt lookup), self (the target "
+        "itself; 100% greedy acceptance). Default: layerskip over three quarters of the layers (layerskip:3 "
+        "for the tiny model).",
+    ),
+    option(
+        "--simulate-acc-len",
+        type=float,
+        default=None,
+        metavar="X",
+        help="PERFORMANCE ONLY: accept a floor/ceil mix of X-1 drafts per step (mean exactly X, bonus included) "
+        "without checking them (native flag, SGLANG_SIMULATE_ACC_LEN, vLLM's synthetic sampler). Reported in "
+        "/get_server_info and every response; output quality is meaningless, so `evalpipe run` refuses to "
+        "score against it.",
+    ),
+    option(
+        "--spec-accept-topk",
+        type=int,
+        default=None,
+        metavar="K",
+        help="LOSSY, evaluation only (proves an eval catches a lossy speculator), native only: accept a draft when "
+        "it is among the target's top K tokens at its row (K >= 2; K = 1 is the default exact greedy rule). "
+        "Greedy requests rank the logits; sampled requests keep a top-K draft without the rejection test. "
+        "Reported as lossy in /get_server_info, every `spec`, the ready line and the receipt. Default: exact.",
+    ),
+    option(
+        "--spec-accept-threshold-single",
+        type=float,
+        default=None,
+        metavar="P",
+        help="LOSSY below 1.0, evaluation only (native, sglang --speculative-accept-threshold-single): on sampled "
+        "requests accept a draft whose target probability is >= P (greedy requests stay exact, as in SGLang). "
+        "1.0 (with --spec-accept-threshold-acc 1.0) is lossless and keeps the exact rule.",
+    ),
+    option(
+        "--spec-accept-threshold-acc",
+        type=float,
+        default=None,
+        metavar="P",
+        help="LOSSY below 1.0, evaluation only (native, sglang --speculative-accept-threshold-acc): on sampled "
+        "requests accept a draft with probability min(1, p(draft) / P) instead of the exact test (SGLang's "
+        "target-only rule; greedy requests stay exact).",
+    ),
 ]
 NATIVE = [
-    O("--max-tokens-per-step", default=None, type=click.IntRange(1),
-      help="native: rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size). Default: "
-           f"{DEFAULT_TOKENS_PER_STEP['cpu']} on the CPU, {DEFAULT_TOKENS_PER_STEP['cuda']} with --device cuda "
-           "(SGLang's chunked-prefill size on large GPUs: on the H200 a 3500-token prompt prefills 4.7x faster in one "
-           "chunk than in 512-row chunks)."),
-    O("--max-queue", default=D.max_queue, show_default=True, type=click.IntRange(0),
-      help="native: most sequences waiting for a slot; beyond it requests get 503 with Retry-After."),
-    O("--max-seq-len", default=D.max_seq_len, show_default=True, type=click.IntRange(2),
-      help="native: longest prompt + completion per sequence, in tokens."),
-    O("--docs", is_flag=True,
-      help="native: serve the interactive API docs (/docs, /redoc, /openapi.json); off by default. With "
-           "--api-key they need the key like every other route."),
-    O("--fused", default=D.fused, show_default=True, type=click.Choice(["on", "off"]),
-      help="native, with --device cuda: route the verify (and decode) steps through the fused Triton kernels of "
-           "evalpipe.kernels (on) or the engine's reference PyTorch chains (off), to A/B fusion in one build. On "
-           "the CPU the reference chains always run."),
-    O("--cuda-graphs", default=D.cuda_graphs, show_default=True, type=click.Choice(["on", "off"]),
-      help="native, with --device cuda: capture the decode and (G+1)-row verify steps as CUDA graphs per batch "
-           "bucket at start-up and replay them (off: run the same static steps eagerly)."),
-    O("--prefix-cache", default=D.prefix_cache, show_default=True, type=click.Choice(["on", "off"]),
-      help="native: reuse the state of shared prompt prefixes across requests (full pages of compressed-KV entries "
-           "and indexer keys shared by reference count, sliding-window and compressor rows restored at the page "
-           "edge; LRU eviction when pages run short). Exact: greedy outputs equal those with it off. Hits show in "
-           "usage.prompt_tokens_details.cached_tokens; POST /flush_cache drops it."),
-    O("--overlap-schedule", default=D.overlap_schedule, show_default=True, type=click.Choice(["on", "off"]),
-      help="native, with --device cuda: queue each greedy decode step before the previous step's tokens reach the "
-           "host (fed on the device), so stop checks, detokenizing and streaming run while the GPU computes "
-           "(SGLang's overlap scheduler). Exact: the same tokens as off; a stop is seen one step late and its extra "
-           "row discarded. Steps with prompt chunks, sampling, grammars, logprobs or speculation run as before."),
-    O("--prefill-delay-factor", default=D.prefill_delay_factor, show_default=True, type=click.FloatRange(0),
-      metavar="F",
-      help="native: while sequences decode, admit new prompts only once F x (the last prompt step's time) has passed "
-           "since it ended, or when a full --max-tokens-per-step chunk of them is waiting (vLLM's "
-           "--scheduler-delay-factor). Fewer, larger prompt chunks: each prompt step stalls every decoding "
-           "sequence, and on a GPU a small chunk costs nearly as much as a large one. Trades time to first token "
-           "for throughput; 0 admits at every step."),
-    O("--stream-interval", default=D.stream_interval, show_default=True, type=click.IntRange(1), metavar="N",
-      help="native: after a sequence's first token, send its tokens in events of N (the last one may be shorter; "
-           "SGLang's --stream-interval). A stream then has about N times fewer chunks for the server and the "
-           "client to handle, at N steps between chunks; tokens, text and usage are the same. Non-streamed "
-           "responses are unchanged."),
-    O("--wo-quant", default=D.wo_quant, show_default=True, type=click.Choice(["none", "mxfp8"]),
-      help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
-           "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "
-           "once at load. LOSSY: outputs differ from the unquantized model (and from the transformers oracle). "
-           "Triton on CUDA where the kernels' guards pass (bf16), their PyTorch references elsewhere (CPU). "
-           "Reported in /get_server_info (wo_quant, fused_sites)."),
-    O("--threads", default=D.threads, show_default=True, type=click.IntRange(1), metavar="N",
-      help="native: torch intra-op threads of the engine process for --device cpu (the HTTP process runs no torch "
-           "op). One by default: the tiny model is op-overhead bound "
-           "(2 threads gave the same prefill speed here) and extra OpenMP threads fight the client and other "
-           "processes on small machines (a request took 20-50x longer under contention)."),
-    O("--debug-fault", "debug_faults", multiple=True, default=D.debug_faults, type=click.Choice(list(DEBUG_FAULTS)),
-      metavar="NAME",
-      help="native, EVALUATION OF EVALUATIONS ONLY (never on by default; repeatable): plant a known "
-           "speculative-decoding bug to show which check notices it. greedy-sampling (verify takes the argmax for "
-           "sampled requests), residual-from-target (on rejection resample from p, not max(0, p - q)), "
-           "stale-kv-after-reject (rejected drafts stay in the target's cache): these three need --speculative "
-           "block. batch-variant (the LM head's reduction is split by the batch's row count, bfloat16 partial "
-           "sums: tokens change with concurrency; --device cpu only). Reported as debug_faults in "
-           "/get_server_info, every choice's `spec`, the ready line and the receipt; `evalpipe run` warns."),
-    O("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]),
-      help="native: server log verbosity. info adds the engine's rates every 10 s of work (steps, steps with "
-           "prompt chunks and their rows, generated and prefilled tok/s, time per loop beside Engine.step's)."),
+    option(
+        "--max-tokens-per-step",
+        default=None,
+        type=click.IntRange(1),
+        help="native: rows per forward: decode rows plus prompt-chunk rows (the prefill chunk size). Default: "
+        f"{DEFAULT_TOKENS_PER_STEP['cpu']} on the CPU, {DEFAULT_TOKENS_PER_STEP['cuda']} with --device cuda "
+        "(SGLang's chunked-prefill size on large GPUs: on the H200 a 3500-token prompt prefills 4.7x faster in one "
+        "chunk than in 512-row chunks).",
+    ),
+    option(
+        "--max-queue",
+        default=D.max_queue,
+        show_default=True,
+        type=click.IntRange(0),
+        help="native: most sequences waiting for a slot; beyond it requests get 503 with Retry-After.",
+    ),
+    option(
+        "--max-seq-len",
+        default=D.max_seq_len,
+        show_default=True,
+        type=click.IntRange(2),
+        help="native: longest prompt + completion per sequence, in tokens.",
+    ),
+    option(
+        "--docs",
+        is_flag=True,
+        help="native: serve the interactive API docs (/docs, /redoc, /openapi.json); off by default. With "
+        "--api-key they need the key like every other route.",
+    ),
+    option(
+        "--fused",
+        default=D.fused,
+        show_default=True,
+        type=click.Choice(["on", "off"]),
+        help="native, with --device cuda: route the verify (and decode) steps through the fused Triton kernels of "
+        "evalpipe.kernels (on) or the engine's reference PyTorch chains (off), to A/B fusion in one build. On "
+        "the CPU the reference chains always run.",
+    ),
+    option(
+        "--cuda-graphs",
+        default=D.cuda_graphs,
+        show_default=True,
+        type=click.Choice(["on", "off"]),
+        help="native, with --device cuda: capture the decode and (G+1)-row verify steps as CUDA graphs per batch "
+        "bucket at start-up and replay them (off: run the same static steps eagerly).",
+    ),
+    option(
+        "--prefix-cache",
+        default=D.prefix_cache,
+        show_default=True,
+        type=click.Choice(["on", "off"]),
+        help="native: reuse the state of shared prompt prefixes across requests (full pages of compressed-KV entries "
+        "and indexer keys shared by reference count, sliding-window and compressor rows restored at the page "
+        "edge; LRU eviction when pages run short). Exact: greedy outputs equal those with it off. Hits show in "
+        "usage.prompt_tokens_details.cached_tokens; POST /flush_cache drops it.",
+    ),
+    option(
+        "--overlap-schedule",
+        default=D.overlap_schedule,
+        show_default=True,
+        type=click.Choice(["on", "off"]),
+        help="native, with --device cuda: queue each greedy decode step before the previous step's tokens reach the "
+        "host (fed on the device), so stop checks, detokenizing and streaming run while the GPU computes "
+        "(SGLang's overlap scheduler). Exact: the same tokens as off; a stop is seen one step late and its extra "
+        "row discarded. Steps with prompt chunks, sampling, grammars, logprobs or speculation run as before.",
+    ),
+    option(
+        "--prefill-delay-factor",
+        default=D.prefill_delay_factor,
+        show_default=True,
+        type=click.FloatRange(0),
+        metavar="F",
+        help="native: while sequences decode, admit new prompts only once F x (the last prompt step's time) has passed "
+        "since it ended, or when a full --max-tokens-per-step chunk of them is waiting (vLLM's "
+        "--scheduler-delay-factor). Fewer, larger prompt chunks: each prompt step stalls every decoding "
+        "sequence, and on a GPU a small chunk costs nearly as much as a large one. Trades time to first token "
+        "for throughput; 0 admits at every step.",
+    ),
+    option(
+        "--stream-interval",
+        default=D.stream_interval,
+        show_default=True,
+        type=click.IntRange(1),
+        metavar="N",
+        help="native: after a sequence's first token, send its tokens in events of N (the last one may be shorter; "
+        "SGLang's --stream-interval). A stream then has about N times fewer chunks for the server and the "
+        "client to handle, at N steps between chunks; tokens, text and usage are the same. Non-streamed "
+        "responses are unchanged.",
+    ),
+    option(
+        "--wo-quant",
+        default=D.wo_quant,
+        show_default=True,
+        type=click.Choice(["none", "mxfp8"]),
+        help="native: output projection of every attention layer. mxfp8: WO-A through the fused wo_a_mxfp8 kernel "
+        "(bf16 rounding, MXFP8 activations) and WO-B through mxfp8_linear on o_b weights quantized to MXFP8 "
+        "once at load. LOSSY: outputs differ from the unquantized model (and from the transformers oracle). "
+        "Triton on CUDA where the kernels' guards pass (bf16), their PyTorch references elsewhere (CPU). "
+        "Reported in /get_server_info (wo_quant, fused_sites).",
+    ),
+    option(
+        "--threads",
+        default=D.threads,
+        show_default=True,
+        type=click.IntRange(1),
+        metavar="N",
+        help="native: torch intra-op threads of the engine process for --device cpu (the HTTP process runs no torch "
+        "op). One by default: the tiny model is op-overhead bound "
+        "(2 threads gave the same prefill speed here) and extra OpenMP threads fight the client and other "
+        "processes on small machines (a request took 20-50x longer under contention).",
+    ),
+    option(
+        "--debug-fault",
+        "debug_faults",
+        multiple=True,
+        default=D.debug_faults,
+        type=click.Choice(list(DEBUG_FAULTS)),
+        metavar="NAME",
+        help="native, EVALUATION OF EVALUATIONS ONLY (never on by default; repeatable): plant a known "
+        "speculative-decoding bug to show which check notices it. greedy-sampling (verify takes the argmax for "
+        "sampled requests), residual-from-target (on rejection resample from p, not max(0, p - q)), "
+        "stale-kv-after-reject (rejected drafts stay in the target's cache): these three need --speculative "
+        "block. batch-variant (the LM head's reduction is split by the batch's row count, bfloat16 partial "
+        "sums: tokens change with concurrency; --device cpu only). Reported as debug_faults in "
+        "/get_server_info, every choice's `spec`, the ready line and the receipt; `evalpipe run` warns.",
+    ),
+    option(
+        "--log-level",
+        default="warning",
+        show_default=True,
+        type=click.Choice(["debug", "info", "warning", "error"]),
+        help="native: server log verbosity. info adds the engine's rates every 10 s of work (steps, steps with "
+        "prompt chunks and their rows, generated and prefilled tok/s, time per loop beside Engine.step's).",
+    ),
 ]
 LAUNCH = [
-    O("--tp", "--tp-size", "tp", type=int, callback=_pos_int,
-      help="Tensor-parallel size (sglang --tp-size, vllm --tensor-parallel-size)."),
-    O("--ep", "--ep-size", "ep", type=int, callback=_pos_int,
-      help="Expert-parallel size (sglang --ep-size; vllm: must equal TP x DP, enables expert parallel)."),
-    O("--dp", "--dp-size", "dp", type=int, callback=_pos_int,
-      help="Data-parallel size (sglang --dp-size, vllm --data-parallel-size)."),
-    O("--draft-model", help="sglang/vllm draft model path (--speculative-draft-model-path / speculative-config "
-                            "model)."),
-    O("--spec-steps", type=int, callback=_pos_int,
-      help="eagle/eagle3/nextn: draft depth (--speculative-num-steps); vllm ngram: draft tokens per step."),
-    O("--spec-topk", type=int, callback=_pos_int, help="eagle/eagle3/nextn: branching (--speculative-eagle-topk)."),
-    O("--spec-draft-tokens", type=int, callback=_pos_int,
-      help="eagle/eagle3/nextn: tokens verified per step (--speculative-num-draft-tokens)."),
-    O("--deterministic", is_flag=True, help="sglang --enable-deterministic-inference; vllm VLLM_BATCH_INVARIANT=1."),
-    O("--keep-env", multiple=True, help="Keep an inherited SGLANG_*/VLLM_* variable (name or glob; repeatable)."),
-    O("--set-env", multiple=True, help="Set NAME=VALUE in the server environment on purpose (repeatable), e.g. "
-                                       "SGLANG_ENABLE_SPEC_V2=True."),
-    O("--engine-python", type=click.Path(dir_okay=False),
-      help="sglang/vllm: the python of the environment where the engine lives, e.g. .venv-vllm/bin/python "
-           "[default: this one if it imports the engine, else the one behind `sglang`/`vllm` on PATH]."),
-    O("--engine-command", help="Replace the program prefix, e.g. 'srun -N2 ./sglang_node.sh' (shell-split); not "
-                               "with --engine-python."),
-    O("--ngram-min", type=int, callback=_pos_int,
-      help="vllm ngram: shortest prompt n-gram to match (prompt_lookup_min) [default: vLLM's]."),
-    O("--ngram-max", type=int, callback=_pos_int,
-      help="vllm ngram: longest prompt n-gram to match (prompt_lookup_max) [default: vLLM's]."),
+    option(
+        "--tp",
+        "--tp-size",
+        "tp",
+        type=int,
+        callback=_pos_int,
+        help="Tensor-parallel size (sglang --tp-size, vllm --tensor-parallel-size).",
+    ),
+    option(
+        "--ep",
+        "--ep-size",
+        "ep",
+        type=int,
+        callback=_pos_int,
+        help="Expert-parallel size (sglang --ep-size; vllm: must equal TP x DP, enables expert parallel).",
+    ),
+    option(
+        "--dp",
+        "--dp-size",
+        "dp",
+        type=int,
+        callback=_pos_int,
+        help="Data-parallel size (sglang --dp-size, vllm --data-parallel-size).",
+    ),
+    option(
+        "--draft-model",
+        help="sglang/vllm draft model path (--speculative-draft-model-path / speculative-config model).",
+    ),
+    option(
+        "--spec-steps",
+        type=int,
+        callback=_pos_int,
+        help="eagle/eagle3/nextn: draft depth (--speculative-num-steps); vllm ngram: draft tokens per step.",
+    ),
+    option(
+        "--spec-topk", type=int, callback=_pos_int, help="eagle/eagle3/nextn: branching (--speculative-eagle-topk)."
+    ),
+    option(
+        "--spec-draft-tokens",
+        type=int,
+        callback=_pos_int,
+        help="eagle/eagle3/nextn: tokens verified per step (--speculative-num-draft-tokens).",
+    ),
+    option(
+        "--deterministic", is_flag=True, help="sglang --enable-deterministic-inference; vllm VLLM_BATCH_INVARIANT=1."
+    ),
+    option("--keep-env", multiple=True, help="Keep an inherited SGLANG_*/VLLM_* variable (name or glob; repeatable)."),
+    option(
+        "--set-env",
+        multiple=True,
+        help="Set NAME=VALUE in the server environment on purpose (repeatable), e.g. SGLANG_ENABLE_SPEC_V2=True.",
+    ),
+    option(
+        "--engine-python",
+        type=click.Path(dir_okay=False),
+        help="sglang/vllm: the python of the environment where the engine lives, e.g. .venv-vllm/bin/python "
+        "[default: this one if it imports the engine, else the one behind `sglang`/`vllm` on PATH].",
+    ),
+    option(
+        "--engine-command",
+        help="Replace the program prefix, e.g. 'srun -N2 ./sglang_node.sh' (shell-split); not with --engine-python.",
+    ),
+    option(
+        "--ngram-min",
+        type=int,
+        callback=_pos_int,
+        help="vllm ngram: shortest prompt n-gram to match (prompt_lookup_min) [default: vLLM's].",
+    ),
+    option(
+        "--ngram-max",
+        type=int,
+        callback=_pos_int,
+        help="vllm ngram: longest prompt n-gram to match (prompt_lookup_max) [default: vLLM's].",
+    ),
 ]
 RUN = [
-    O("--dry-run", is_flag=True, help="Print the command and environment, start nothing (the only way to exercise "
-                                      "sglang/vllm where they are not installed)."),
-    O("--json", "as_json", is_flag=True, help="With --dry-run: print it as JSON."),
-    O("--ready-timeout", type=float, default=900.0, show_default=True,
-      help="Launcher: seconds to wait for the health check."),
-    O("--receipt", type=click.Path(dir_okay=False),
-      help="Launcher: receipt JSON path [default: results/receipts/ENGINE-TIME.json]."),
-    O("--log-file", type=click.Path(dir_okay=False),
-      help="Launcher: server log path [default: next to the receipt, .log]."),
+    option(
+        "--dry-run",
+        is_flag=True,
+        help="Print the command and environment, start nothing (the only way to exercise "
+        "sglang/vllm where they are not installed).",
+    ),
+    option("--json", "as_json", is_flag=True, help="With --dry-run: print it as JSON."),
+    option(
+        "--ready-timeout",
+        type=float,
+        default=900.0,
+        show_default=True,
+        help="Launcher: seconds to wait for the health check.",
+    ),
+    option(
+        "--receipt",
+        type=click.Path(dir_okay=False),
+        help="Launcher: receipt JSON path [default: results/receipts/ENGINE-TIME.json].",
+    ),
+    option(
+        "--log-file",
+        type=click.Path(dir_okay=False),
+        help="Launcher: server log path [default: next to the receipt, .log].",
+    ),
 ]
 EXTRA = click.argument("extra_args", nargs=-1, type=click.UNPROCESSED)
 CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
@@ -248,10 +452,13 @@ def options_from_params(params: dict, given_names: set[str]) -> LaunchOptions:
     keys = tuple(params.get("api_key") or ())
     values.update(api_key=keys[0] if keys else None, more_api_keys=keys[1:])
     command = params["engine_command"]
-    values.update(keep_env=tuple(params["keep_env"]), set_env=parse_assignments(params["set_env"]),
-                  engine_command=tuple(shlex.split(command)) if command else None,
-                  extra_args=tuple(native_argv(params, given_names)) + tuple(params["extra_args"]),
-                  native=EngineConfig.from_values(params) if params["engine"] == "native" else None)
+    values.update(
+        keep_env=tuple(params["keep_env"]),
+        set_env=parse_assignments(params["set_env"]),
+        engine_command=tuple(shlex.split(command)) if command else None,
+        extra_args=tuple(native_argv(params, given_names)) + tuple(params["extra_args"]),
+        native=EngineConfig.from_values(params) if params["engine"] == "native" else None,
+    )
     return LaunchOptions(**values)
 
 

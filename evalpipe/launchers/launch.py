@@ -17,8 +17,15 @@ from evalpipe.launchers import LaunchConfigError, LaunchOptions, ServerStartErro
 from evalpipe.launchers.receipts import build_receipt, effective_problems, server_report, write_receipt
 
 
-def run(options: LaunchOptions, *, dry_run: bool, as_json: bool, ready_timeout: float, receipt: str | None,
-        log_file: str | None) -> None:
+def run(
+    options: LaunchOptions,
+    *,
+    dry_run: bool,
+    as_json: bool,
+    ready_timeout: float,
+    receipt: str | None,
+    log_file: str | None,
+) -> None:
     """Print the dry run, or serve through the launcher until interrupted; refusals are usage errors."""
     if "--dry-run" in options.extra_args:
         raise click.UsageError("--dry-run after `--` would go to the engine and start it; put it before `--`")
@@ -39,8 +46,10 @@ def run(options: LaunchOptions, *, dry_run: bool, as_json: bool, ready_timeout: 
             if plan["performance_only"]:
                 click.echo("# PERFORMANCE ONLY: simulated acceptance, never score this server")
             if plan["lossy_acceptance"]:
-                click.echo(f"# LOSSY ACCEPTANCE {json.dumps(plan['lossy_acceptance'])}: accepts drafts the target "
-                           "did not choose; for measuring that cost only")
+                click.echo(
+                    f"# LOSSY ACCEPTANCE {json.dumps(plan['lossy_acceptance'])}: accepts drafts the target "
+                    "did not choose; for measuring that cost only"
+                )
             click.echo(plan["command"])
             click.echo(f"# ready when GET {plan['health_url']} returns 200")
         return

@@ -48,8 +48,10 @@ class NativeLauncher(Launcher):
             argv += ["--simulate-acc-len", fmt_number(o.simulate_acc_len)]
         if o.spec_accept_topk is not None:
             argv += ["--spec-accept-topk", str(o.spec_accept_topk)]
-        for flag, value in (("--spec-accept-threshold-single", o.spec_accept_threshold_single),
-                            ("--spec-accept-threshold-acc", o.spec_accept_threshold_acc)):
+        for flag, value in (
+            ("--spec-accept-threshold-single", o.spec_accept_threshold_single),
+            ("--spec-accept-threshold-acc", o.spec_accept_threshold_acc),
+        ):
             if value is not None:
                 argv += [flag, fmt_number(value)]
         return argv + list(o.extra_args)

@@ -131,7 +131,9 @@ def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
     for key, value in flatten(info or {}).items():
         leaf = key.rsplit(".", 1)[-1].lower()
         threshold = _number(value) if "accept_threshold" in leaf else None
-        lossy = (threshold is not None and threshold != 1.0) or (leaf == "lossy" and "accept" in key.lower() and value is True)
+        lossy = (threshold is not None and threshold != 1.0) or (
+            leaf == "lossy" and "accept" in key.lower() and value is True
+        )
         reported = reported or lossy
         if lossy and requested is None:
             problems.append(f"server reports {key}={value}: lossy acceptance (accuracy runs need 1.0)")

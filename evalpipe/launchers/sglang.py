@@ -25,10 +25,27 @@ ACCEPT_THRESHOLD_FLAGS = ("--speculative-accept-threshold-single", "--speculativ
 
 # Flags the launcher itself owns; giving them as extra args would bypass validation or the free port.
 OWNED_FLAGS = {
-    "--model-path", "--model", "--host", "--port", "--tokenizer-path", "--tp-size", "--tp", "--ep-size", "--ep",
-    "--dp-size", "--dp", "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft",
-    "--speculative-dspark-block-size", "--speculative-num-steps", "--speculative-eagle-topk",
-    "--speculative-num-draft-tokens", "--enable-deterministic-inference", "--api-key", "--dtype",
+    "--model-path",
+    "--model",
+    "--host",
+    "--port",
+    "--tokenizer-path",
+    "--tp-size",
+    "--tp",
+    "--ep-size",
+    "--ep",
+    "--dp-size",
+    "--dp",
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
+    "--speculative-draft",
+    "--speculative-dspark-block-size",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+    "--enable-deterministic-inference",
+    "--api-key",
+    "--dtype",
 }
 
 
@@ -75,7 +92,9 @@ class SGLangLauncher(Launcher):
         require(not o.more_api_keys, "sglang takes one --api-key; several keys are a native-server feature")
         require(not (o.engine_command and o.engine_python), "give --engine-command or --engine-python, not both")
         require(o.ngram_min is None and o.ngram_max is None, "--ngram-min/--ngram-max are vllm ngram settings")
-        require(profile in PROFILES, f"sglang speculation profile must be one of {', '.join(PROFILES)}; got {profile!r}")
+        require(
+            profile in PROFILES, f"sglang speculation profile must be one of {', '.join(PROFILES)}; got {profile!r}"
+        )
         require(bool(o.model), "sglang needs --model (a local path or a Hugging Face id)")
         require(o.drafter is None, "--drafter is for the native engine; sglang takes --draft-model")
         require(o.device in (None, "cuda"), "sglang runs on CUDA devices; drop --device")
@@ -102,14 +121,20 @@ class SGLangLauncher(Launcher):
             )
             require(o.simulate_acc_len is None, "--simulate-acc-len needs a speculation profile")
         elif profile == "dspark":
-            require(bool(o.draft_model), "--speculative dspark needs --draft-model (e.g. deepseek-ai/DeepSeek-V4-Flash-DSpark)")
+            require(
+                bool(o.draft_model),
+                "--speculative dspark needs --draft-model (e.g. deepseek-ai/DeepSeek-V4-Flash-DSpark)",
+            )
             require(
                 all(v is None for v in tree),
                 "dspark fixes the tree itself (steps 1, top-k 1, draft tokens = block size + 1); use --block-size",
             )
             require(o.block_size is None or o.block_size >= 1, "--block-size must be >= 1")
         else:
-            require(o.block_size is None, f"--block-size is for dspark; {profile} takes --spec-steps/--spec-topk/--spec-draft-tokens")
+            require(
+                o.block_size is None,
+                f"--block-size is for dspark; {profile} takes --spec-steps/--spec-topk/--spec-draft-tokens",
+            )
             require(profile == "nextn" or bool(o.draft_model), f"--speculative {profile} needs --draft-model")
             given = [v is not None for v in tree]
             require(
@@ -146,9 +171,12 @@ class SGLangLauncher(Launcher):
                 argv += ["--speculative-dspark-block-size", str(o.block_size)]
             if o.spec_steps is not None:
                 argv += [
-                    "--speculative-num-steps", str(o.spec_steps),
-                    "--speculative-eagle-topk", str(o.spec_topk),
-                    "--speculative-num-draft-tokens", str(o.spec_draft_tokens),
+                    "--speculative-num-steps",
+                    str(o.spec_steps),
+                    "--speculative-eagle-topk",
+                    str(o.spec_topk),
+                    "--speculative-num-draft-tokens",
+                    str(o.spec_draft_tokens),
                 ]
             chosen = (o.spec_accept_threshold_single, o.spec_accept_threshold_acc)
             for flag, value in zip(ACCEPT_THRESHOLD_FLAGS, chosen):

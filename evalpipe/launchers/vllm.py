@@ -24,8 +24,18 @@ PROFILES = ("off", "dspark", "eagle", "eagle3", "nextn", "ngram")
 METHOD = {"dspark": "dspark", "eagle": "eagle", "eagle3": "eagle3", "nextn": "mtp", "ngram": "ngram"}
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 OWNED_FLAGS = {
-    "--host", "--port", "--model", "--tokenizer", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
-    "--enable-expert-parallel", "--speculative-config", "--api-key", "--dtype",
+    "--host",
+    "--port",
+    "--model",
+    "--tokenizer",
+    "--tensor-parallel-size",
+    "-tp",
+    "--data-parallel-size",
+    "-dp",
+    "--enable-expert-parallel",
+    "--speculative-config",
+    "--api-key",
+    "--dtype",
 }
 
 
@@ -57,12 +67,16 @@ class VLLMLauncher(Launcher):
         if o.ep is not None:
             require(
                 o.ep == (o.tp or 1) * (o.dp or 1),
-                f"vllm sizes expert parallelism as TP x DP = {(o.tp or 1) * (o.dp or 1)}; --ep {o.ep} cannot be honoured",
+                f"vllm sizes expert parallelism as TP x DP = {(o.tp or 1) * (o.dp or 1)}; "
+                f"--ep {o.ep} cannot be honoured",
             )
         if profile == "off":
             require(
-                o.block_size is None and o.draft_model is None
-                and o.spec_steps is None and o.spec_topk is None and o.spec_draft_tokens is None,
+                o.block_size is None
+                and o.draft_model is None
+                and o.spec_steps is None
+                and o.spec_topk is None
+                and o.spec_draft_tokens is None,
                 "speculation flags given with --speculative off",
             )
             require(o.simulate_acc_len is None, "--simulate-acc-len needs a speculation profile")
@@ -70,21 +84,31 @@ class VLLMLauncher(Launcher):
             return
         if profile == "ngram":
             require(o.draft_model is None, "ngram drafts from the prompt itself; drop --draft-model")
-            require(o.ngram_min is None or o.ngram_max is None or o.ngram_min <= o.ngram_max,
-                    f"--ngram-min {o.ngram_min} is above --ngram-max {o.ngram_max}")
+            require(
+                o.ngram_min is None or o.ngram_max is None or o.ngram_min <= o.ngram_max,
+                f"--ngram-min {o.ngram_min} is above --ngram-max {o.ngram_max}",
+            )
         else:
-            require(o.ngram_min is None and o.ngram_max is None, f"--ngram-min/--ngram-max are for ngram, not {profile}")
+            require(
+                o.ngram_min is None and o.ngram_max is None, f"--ngram-min/--ngram-max are for ngram, not {profile}"
+            )
         require(profile in ("nextn", "ngram") or bool(o.draft_model), f"--speculative {profile} needs --draft-model")
         require(o.spec_topk in (None, 1), "vllm drafts a linear chain: --spec-topk must be 1")
         if profile == "dspark":
-            require(o.block_size is not None and o.block_size >= 1, "vllm dspark needs --block-size (draft tokens per step)")
+            require(
+                o.block_size is not None and o.block_size >= 1, "vllm dspark needs --block-size (draft tokens per step)"
+            )
             require(o.spec_steps is None and o.spec_draft_tokens is None, "dspark takes --block-size only")
         else:
             require(o.block_size is None, f"--block-size is for dspark; {profile} takes --spec-steps")
-            require(o.spec_steps is not None and o.spec_steps >= 1, f"vllm {profile} needs --spec-steps (draft tokens per step)")
+            require(
+                o.spec_steps is not None and o.spec_steps >= 1,
+                f"vllm {profile} needs --spec-steps (draft tokens per step)",
+            )
             require(
                 o.spec_draft_tokens in (None, o.spec_steps + 1),
-                f"a linear chain verifies steps + 1 = {o.spec_steps + 1} tokens; got --spec-draft-tokens {o.spec_draft_tokens}",
+                f"a linear chain verifies steps + 1 = {o.spec_steps + 1} tokens; "
+                f"got --spec-draft-tokens {o.spec_draft_tokens}",
             )
 
     def speculative_config(self) -> dict | None:

@@ -70,8 +70,10 @@ class PromptMaker:
             if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
                 self.ids = ids
             else:
-                self.problem = ("cannot build prompts of exact token lengths: the server reports no byte-level "
-                                "tokenizer and has no /tokenize")
+                self.problem = (
+                    "cannot build prompts of exact token lengths: the server reports no byte-level "
+                    "tokenizer and has no /tokenize"
+                )
 
     def prompt(self, length: int) -> Any:
         if self.byte_level:
@@ -101,8 +103,11 @@ def greedy(ep: Endpoint, prompt: Any, max_tokens: int, stream: bool = False, **e
 
 def _length_check(out: Outcome, length: int) -> dict:
     got = (out.usage or {}).get("prompt_tokens")
-    return check("prompt length", got is None or got == length,
-                 f"usage.prompt_tokens {got}, asked for {length}" if got is not None else "the server reports no usage")
+    return check(
+        "prompt length",
+        got is None or got == length,
+        f"usage.prompt_tokens {got}, asked for {length}" if got is not None else "the server reports no usage",
+    )
 
 
 async def solo_runs(ep: Endpoint, bodies: list[dict]) -> tuple[list[Outcome], Optional[str]]:
@@ -122,8 +127,10 @@ async def run_boundaries(ep: Endpoint) -> GateResult:
     t0 = time.perf_counter()
     sizes = boundary_sizes(ep)
     if not sizes:
-        result.problem = ("no boundary sizes: the server reports none of chunk, page, window, compression ratio; "
-                          "give --chunk-size, --page-size, --sliding-window or --compress-ratio")
+        result.problem = (
+            "no boundary sizes: the server reports none of chunk, page, window, compression ratio; "
+            "give --chunk-size, --page-size, --sliding-window or --compress-ratio"
+        )
         return result
     longest_wanted = max(max(v) for v in sizes.values()) + 1
     limit = cfg.max_context - cfg.max_tokens
@@ -142,9 +149,11 @@ async def run_boundaries(ep: Endpoint) -> GateResult:
     bodies = [greedy(ep, maker.prompt(n), cfg.max_tokens) for n in order]
     solos, route = await solo_runs(ep, bodies)
     if route is None:
-        result.problem = ("the server cannot flush its prefix cache (no /flush_cache or /reset_prefix_cache), so a "
-                          "solo run on a fresh cache is impossible; vLLM offers /reset_prefix_cache with "
-                          "VLLM_SERVER_DEV_MODE=1")
+        result.problem = (
+            "the server cannot flush its prefix cache (no /flush_cache or /reset_prefix_cache), so a "
+            "solo run on a fresh cache is impossible; vLLM offers /reset_prefix_cache with "
+            "VLLM_SERVER_DEV_MODE=1"
+        )
         return result
     together = await gather_limited([ep.send(b, chat=False) for b in bodies], len(bodies))
     for n, body, solo, out in zip(order, bodies, solos, together):
@@ -155,10 +164,23 @@ async def run_boundaries(ep: Endpoint) -> GateResult:
                 if phase == "together" and solo.ok:
                     same, detail = same_output(solo, o)
                     checks.append(check("same as solo", same, detail))
-            result.records.append(exchange(f"{phase} len {n} ({', '.join(lengths[n])})", f"boundaries-{phase}",
-                                           body, o, checks, length=n, boundaries=lengths[n]))
-    result.notes = {"sizes": sizes, "lengths": order, "flush_route": route,
-                    "prompts": "text (byte-level tokenizer)" if maker.byte_level else "token ids from /tokenize"}
+            result.records.append(
+                exchange(
+                    f"{phase} len {n} ({', '.join(lengths[n])})",
+                    f"boundaries-{phase}",
+                    body,
+                    o,
+                    checks,
+                    length=n,
+                    boundaries=lengths[n],
+                )
+            )
+    result.notes = {
+        "sizes": sizes,
+        "lengths": order,
+        "flush_route": route,
+        "prompts": "text (byte-level tokenizer)" if maker.byte_level else "token ids from /tokenize",
+    }
     result.wall_s = time.perf_counter() - t0
     return result
 
@@ -176,16 +198,18 @@ async def run_mixed(ep: Endpoint) -> GateResult:
     decode_tokens = max(2 * cfg.max_tokens, 16)  # long enough to be still decoding when the long prompt lands
     shorts = [greedy(ep, p, decode_tokens, stream=True, ignore_eos=True) for p in short_prompts(n_short)]
     budget = cfg.max_context - needles.REPLY_ROOM - 220
-    long_ex = needles.generate(random.Random("qualify|mixed|long"), after=budget // 2, before=budget - budget // 2,
-                               context=cfg.max_context)
+    long_ex = needles.generate(
+        random.Random("qualify|mixed|long"), after=budget // 2, before=budget - budget // 2, context=cfg.max_context
+    )
     long_body = greedy(ep, long_ex.prompt, 16, stream=True)
     solos, route = await solo_runs(ep, shorts + [long_body])
     if route is None:
         result.problem = "the server cannot flush its prefix cache, so a solo run on a fresh cache is impossible"
         return result
     started = [asyncio.Event() for _ in shorts]
-    tasks = [asyncio.create_task(ep.stream(b, chat=False, hang_s=cfg.hang_s, on_first=e))
-             for b, e in zip(shorts, started)]
+    tasks = [
+        asyncio.create_task(ep.stream(b, chat=False, hang_s=cfg.hang_s, on_first=e)) for b, e in zip(shorts, started)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), cfg.timeout_s)
     sent_at = time.time()
     long_out = await ep.stream(long_body, chat=False, hang_s=cfg.hang_s)
@@ -199,10 +223,20 @@ async def run_mixed(ep: Endpoint) -> GateResult:
             same, detail = same_output(solo, out)
             checks.append(check("same as solo", same, detail))
         if i == n_short:
-            checks.append(check("arrived during decodes", still_running > 0,
-                                f"{still_running} of {n_short} short decodes were still running when it was sent"))
+            checks.append(
+                check(
+                    "arrived during decodes",
+                    still_running > 0,
+                    f"{still_running} of {n_short} short decodes were still running when it was sent",
+                )
+            )
         result.records.append(exchange(f"mixed {name}", "mixed", body, out, checks))
-    result.notes = {"short_decodes": n_short, "decode_tokens": decode_tokens, "long_prompt_bytes": len(long_ex.prompt),
-                    "still_running_at_arrival": still_running, "flush_route": route}
+    result.notes = {
+        "short_decodes": n_short,
+        "decode_tokens": decode_tokens,
+        "long_prompt_bytes": len(long_ex.prompt),
+        "still_running_at_arrival": still_running,
+        "flush_route": route,
+    }
     result.wall_s = time.perf_counter() - t0
     return result

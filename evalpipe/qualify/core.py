@@ -23,8 +23,18 @@ from evalpipe.harness.client import Server
 
 # Text of the chat template's tool protocol (evalpipe's byte-level template, and the common ones of open models):
 # none of it may reach a reply's content or a call's arguments.
-PROTOCOL_MARKERS = ("<|tool_call|>", "<|end|>", "<|assistant|>", "<|tool|>", "<|user|>", "<|system|>",
-                    "<tool_call>", "</tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁call▁begin｜>")
+PROTOCOL_MARKERS = (
+    "<|tool_call|>",
+    "<|end|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|user|>",
+    "<|system|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|tool_calls_section_begin|>",
+    "<｜tool▁call▁begin｜>",
+)
 
 
 @dataclass
@@ -62,11 +72,16 @@ class QualifyConfig:
 
 
 def check(name: str, ok: bool, detail: Any = "") -> dict:
-    return {"name": name, "ok": bool(ok), "detail": detail if isinstance(detail, (str, int, float)) else json.dumps(detail, default=str)[:500]}
+    return {
+        "name": name,
+        "ok": bool(ok),
+        "detail": detail if isinstance(detail, (str, int, float)) else json.dumps(detail, default=str)[:500],
+    }
 
 
-def exchange(rid: str, kind: str, body: Optional[dict], outcome: Optional["Outcome"], checks: list[dict],
-             **extra: Any) -> dict:
+def exchange(
+    rid: str, kind: str, body: Optional[dict], outcome: Optional["Outcome"], checks: list[dict], **extra: Any
+) -> dict:
     """One request's record. A request that failed in transport or status gets that as its first check."""
     record: dict[str, Any] = {"id": rid, "kind": kind, "body": body}
     if outcome is not None:
@@ -112,9 +127,17 @@ class GateResult:
         return "" if self.records else "no requests"
 
     def to_json(self) -> dict:
-        return {"gate": self.name, "verdict": self.verdict, "reason": self.reason, "requests": len(self.records),
-                "passed": self.passed, "failed": self.failed, "wall_s": round(self.wall_s, 3), "notes": self.notes,
-                "records": self.records}
+        return {
+            "gate": self.name,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "requests": len(self.records),
+            "passed": self.passed,
+            "failed": self.failed,
+            "wall_s": round(self.wall_s, 3),
+            "notes": self.notes,
+            "records": self.records,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -143,9 +166,20 @@ class Outcome:
     ended_at: float = 0.0
 
     def record(self) -> dict:
-        out = {"ok": self.ok, "status": self.status, "error": self.error, "latency_s": round(self.latency_s, 4),
-               "output": {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                          "tool_calls": self.tool_calls, "logprobs": self.logprobs}, "usage": self.usage}
+        out = {
+            "ok": self.ok,
+            "status": self.status,
+            "error": self.error,
+            "latency_s": round(self.latency_s, 4),
+            "output": {
+                "text": self.text,
+                "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason,
+                "tool_calls": self.tool_calls,
+                "logprobs": self.logprobs,
+            },
+            "usage": self.usage,
+        }
         if self.n_events is not None:
             out.update(n_events=self.n_events, max_gap_s=round(self.max_gap_s or 0.0, 4), hung=self.hung)
         return out
@@ -160,8 +194,11 @@ def _logprob_lists(lp: Any, chat: bool) -> tuple[Optional[list], Optional[list],
         return None, None, None
     if chat:
         content = lp.get("content") or []
-        return ([c.get("token") for c in content], [c.get("logprob") for c in content],
-                [{t.get("token"): t.get("logprob") for t in c.get("top_logprobs") or []} for c in content])
+        return (
+            [c.get("token") for c in content],
+            [c.get("logprob") for c in content],
+            [{t.get("token"): t.get("logprob") for t in c.get("top_logprobs") or []} for c in content],
+        )
     return lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
 
 
@@ -178,8 +215,7 @@ def _calls(raw: Any) -> Optional[list]:
 def outcome_of_reply(reply: http.Reply, chat: bool) -> Outcome:
     if reply.data is None:
         err = reply.error or {}
-        return Outcome(False, err.get("status"), f"{err.get('type')}: {str(err.get('message'))[:300]}",
-                       reply.latency_s)
+        return Outcome(False, err.get("status"), f"{err.get('type')}: {str(err.get('message'))[:300]}", reply.latency_s)
     choice = reply.data["choices"][0]
     if chat:
         msg = choice.get("message") or {}
@@ -187,8 +223,20 @@ def outcome_of_reply(reply: http.Reply, chat: bool) -> Outcome:
     else:
         text, calls = choice.get("text") or "", None
     tokens, lps, tops = _logprob_lists(choice.get("logprobs"), chat)
-    return Outcome(True, 200, None, reply.latency_s, text, choice.get("token_ids"), choice.get("finish_reason"),
-                   lps, tops, tokens, calls, reply.data.get("usage"))
+    return Outcome(
+        True,
+        200,
+        None,
+        reply.latency_s,
+        text,
+        choice.get("token_ids"),
+        choice.get("finish_reason"),
+        lps,
+        tops,
+        tokens,
+        calls,
+        reply.data.get("usage"),
+    )
 
 
 def same_output(a: Outcome, b: Outcome) -> tuple[bool, str]:
@@ -197,7 +245,10 @@ def same_output(a: Outcome, b: Outcome) -> tuple[bool, str]:
         if a.token_ids != b.token_ids:
             return False, f"token ids differ from position {first_divergence(a.token_ids, b.token_ids)}"
     if a.text != b.text:
-        return False, f"text differs from character {first_divergence(a.text, b.text)}: {a.text[:60]!r} vs {b.text[:60]!r}"
+        return (
+            False,
+            f"text differs from character {first_divergence(a.text, b.text)}: {a.text[:60]!r} vs {b.text[:60]!r}",
+        )
     if a.finish_reason != b.finish_reason:
         return False, f"finish reason {a.finish_reason} vs {b.finish_reason}"
     return True, f"{len(a.token_ids or a.text)} {'tokens' if a.token_ids is not None else 'characters'} agree"
@@ -232,8 +283,9 @@ class Endpoint:
         return self.facts.get("server_info")
 
     async def __aenter__(self) -> "Endpoint":
-        self._clients = http.openai_clients(self.base_url, self.cfg.api_key, self.cfg.timeout_s,
-                                            max(self.cfg.concurrency, 9))
+        self._clients = http.openai_clients(
+            self.base_url, self.cfg.api_key, self.cfg.timeout_s, max(self.cfg.concurrency, 9)
+        )
         self._streamer = http.streaming_client(self.cfg.api_key, self.cfg.timeout_s, max(self.cfg.concurrency, 9))
         return self
 
@@ -252,14 +304,22 @@ class Endpoint:
         self._n += 1
         client = self._clients[self._n % len(self._clients)]
         started = time.time()
-        reply = await http.send(client, "/chat/completions" if chat else "/completions", body, chat=chat,
-                                max_retries=0, backoff_s=0.0, secrets=self.cfg.api_keys)
+        reply = await http.send(
+            client,
+            "/chat/completions" if chat else "/completions",
+            body,
+            chat=chat,
+            max_retries=0,
+            backoff_s=0.0,
+            secrets=self.cfg.api_keys,
+        )
         out = outcome_of_reply(reply, chat)
         out.started_at, out.ended_at = started, time.time()
         return out
 
-    async def stream(self, body: dict, chat: bool, hang_s: Optional[float] = None,
-                     on_first: Optional[asyncio.Event] = None) -> Outcome:
+    async def stream(
+        self, body: dict, chat: bool, hang_s: Optional[float] = None, on_first: Optional[asyncio.Event] = None
+    ) -> Outcome:
         """A streamed request read to `[DONE]`; `hung` when no event came for `hang_s` seconds (then it is closed).
         `on_first` is set when the first output arrives (a decode is running)."""
         url = self.base_url + ("/chat/completions" if chat else "/completions")
@@ -276,7 +336,9 @@ class Endpoint:
             async with contextlib.aclosing(http.sse_json(self._streamer, url, body)) as events:
                 while True:
                     try:
-                        event = await asyncio.wait_for(events.__anext__(), hang_s) if hang_s else await events.__anext__()
+                        event = (
+                            await asyncio.wait_for(events.__anext__(), hang_s) if hang_s else await events.__anext__()
+                        )
                     except StopAsyncIteration:
                         done = True
                         break
@@ -305,11 +367,11 @@ class Endpoint:
                         if choice.get("token_ids") is not None:
                             got_ids = True
                             ids += choice["token_ids"]
-                        t, l, tp = _logprob_lists(choice.get("logprobs"), chat)
-                        if l is not None:
+                        t, chunk_lps, tp = _logprob_lists(choice.get("logprobs"), chat)
+                        if chunk_lps is not None:
                             got_lp = True
                             tokens += t or []
-                            lps += l
+                            lps += chunk_lps
                             tops += tp or []
                         if choice.get("finish_reason"):
                             out.finish_reason = choice["finish_reason"]

@@ -51,10 +51,21 @@ def body_for(ep: Endpoint, prompt: str) -> dict:
 
 def entry(fid: str, body: dict, out: Outcome) -> dict:
     tokens = out.tokens or []
-    first = {"id": (out.token_ids or [None])[0], "text": tokens[0] if tokens else out.text[:1],
-             "logprob": (out.logprobs or [None])[0]}
-    return {"id": fid, "body": body, "first_token": first, "token_ids": out.token_ids, "text": out.text,
-            "tokens": out.tokens, "logprobs": out.logprobs, "finish_reason": out.finish_reason}
+    first = {
+        "id": (out.token_ids or [None])[0],
+        "text": tokens[0] if tokens else out.text[:1],
+        "logprob": (out.logprobs or [None])[0],
+    }
+    return {
+        "id": fid,
+        "body": body,
+        "first_token": first,
+        "token_ids": out.token_ids,
+        "text": out.text,
+        "tokens": out.tokens,
+        "logprobs": out.logprobs,
+        "finish_reason": out.finish_reason,
+    }
 
 
 def load(path: Path) -> dict:
@@ -83,14 +94,20 @@ def compare_one(ref: dict, out: Outcome) -> dict:
             new_lp = out.logprobs[pos]
         if ref.get("logprobs") and pos < len(ref["logprobs"]):
             ref_lp = ref["logprobs"][pos]
-        tops = (out.top_logprobs or [])
+        tops = out.top_logprobs or []
         ref_tokens = ref.get("tokens") or []
         if pos < len(tops) and pos < len(ref_tokens) and isinstance(tops[pos], dict) and new_lp is not None:
             lp_of_ref = tops[pos].get(ref_tokens[pos])
             gap = None if lp_of_ref is None else new_lp - lp_of_ref
-    return {"first_token_agrees": pos is None or pos > 0, "continuation_agrees": same,
-            "first_divergence": pos, "compared": "token ids" if use_ids else "token texts",
-            "reference_logprob": ref_lp, "new_logprob": new_lp, "logprob_gap": gap}
+    return {
+        "first_token_agrees": pos is None or pos > 0,
+        "continuation_agrees": same,
+        "first_divergence": pos,
+        "compared": "token ids" if use_ids else "token texts",
+        "reference_logprob": ref_lp,
+        "new_logprob": new_lp,
+        "logprob_gap": gap,
+    }
 
 
 async def record(ep: Endpoint, path: Path) -> GateResult:
@@ -107,8 +124,14 @@ async def record(ep: Endpoint, path: Path) -> GateResult:
             entries.append(entry(fid, body, out))
         result.records.append(exchange(f"record {fid}", "reference-record", body, out, checks))
     if result.failed == 0:
-        ref = {"schema": SCHEMA, "created_at": time.time(), "evalpipe_version": __version__, "model": ep.model,
-               "receipt": ep.facts, "fixtures": entries}
+        ref = {
+            "schema": SCHEMA,
+            "created_at": time.time(),
+            "evalpipe_version": __version__,
+            "model": ep.model,
+            "receipt": ep.facts,
+            "fixtures": entries,
+        }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(ref, indent=1, ensure_ascii=False, default=str) + "\n")
         result.notes = {"recorded": str(path), "fixtures": len(entries)}
@@ -133,17 +156,33 @@ async def compare(ep: Endpoint, ref: dict, path: Path) -> GateResult:
             n_first += agreement["first_token_agrees"]
             n_cont += agreement["continuation_agrees"]
             where = agreement["first_divergence"]
-            checks.append(check("first token agrees", agreement["first_token_agrees"],
-                                f"reference {f['first_token']['text']!r}, now {(out.tokens or [out.text[:1]])[0]!r}"))
-            checks.append(check("continuation agrees", agreement["continuation_agrees"],
-                                "identical" if where is None else
-                                f"diverges at token {where} (logprob gap {agreement['logprob_gap']})"))
-        result.records.append(exchange(f"compare {f['id']}", "reference-compare", body, out, checks,
-                                       agreement=agreement))
-    result.notes = {"reference": str(path), "reference_model": ref.get("model"), "model": ep.model,
-                    "first_token_agreement": f"{n_first}/{len(fixtures)}",
-                    "continuation_agreement": f"{n_cont}/{len(fixtures)}",
-                    "reference_server": (ref.get("receipt") or {}).get("server_info_path")}
+            checks.append(
+                check(
+                    "first token agrees",
+                    agreement["first_token_agrees"],
+                    f"reference {f['first_token']['text']!r}, now {(out.tokens or [out.text[:1]])[0]!r}",
+                )
+            )
+            checks.append(
+                check(
+                    "continuation agrees",
+                    agreement["continuation_agrees"],
+                    "identical"
+                    if where is None
+                    else f"diverges at token {where} (logprob gap {agreement['logprob_gap']})",
+                )
+            )
+        result.records.append(
+            exchange(f"compare {f['id']}", "reference-compare", body, out, checks, agreement=agreement)
+        )
+    result.notes = {
+        "reference": str(path),
+        "reference_model": ref.get("model"),
+        "model": ep.model,
+        "first_token_agreement": f"{n_first}/{len(fixtures)}",
+        "continuation_agreement": f"{n_cont}/{len(fixtures)}",
+        "reference_server": (ref.get("receipt") or {}).get("server_info_path"),
+    }
     if len(fixtures) < N_FIXTURES:
         result.problem = f"{path} holds {len(fixtures)} fixtures, not {N_FIXTURES}"
     result.wall_s = time.perf_counter() - t0

@@ -34,8 +34,10 @@ def fixtures(max_context: int, n_depths: int, per_depth: int) -> list:
     budget = max_context - needles.REPLY_ROOM - FRAME
     for after in depths(max_context, n_depths):
         rng = random.Random(f"qualify|retrieval|{max_context}|{after}")
-        out += [(after, needles.generate(rng, after=after, before=max(0, budget - after), context=max_context))
-                for _ in range(per_depth)]
+        out += [
+            (after, needles.generate(rng, after=after, before=max(0, budget - after), context=max_context))
+            for _ in range(per_depth)
+        ]
     return out
 
 
@@ -47,8 +49,9 @@ async def run(ep: Endpoint) -> GateResult:
         result.problem = f"--max-context {cfg.max_context} leaves no room for a needle in notes (at least 300)"
         return result
     cases = fixtures(cfg.max_context, cfg.retrieval_depths, cfg.needles_per_depth)
-    bodies = [ep.body(prompt=ex.prompt, max_tokens=REPLY_TOKENS, temperature=0.0, return_token_ids=True)
-              for _, ex in cases]
+    bodies = [
+        ep.body(prompt=ex.prompt, max_tokens=REPLY_TOKENS, temperature=0.0, return_token_ids=True) for _, ex in cases
+    ]
     outcomes = await gather_limited([ep.send(b, chat=False) for b in bodies], cfg.concurrency)
     for (after, ex), body, out in zip(cases, bodies, outcomes):
         checks = [out.transport_check()]
@@ -56,9 +59,18 @@ async def run(ep: Endpoint) -> GateResult:
             reply = out.text.strip()
             checks.append(check("exact answer", reply == ex.answer, f"replied {reply!r}, expected {ex.answer!r}"))
             checks.append(check("normal stop", out.finish_reason == "stop", f"finish_reason {out.finish_reason}"))
-        result.records.append(exchange(f"depth {ex.meta['depth']} {ex.meta['key']}", "retrieval", body, out, checks,
-                                       depth=ex.meta["depth"], prompt_bytes=len(ex.prompt.encode()),
-                                       expected=ex.answer))
+        result.records.append(
+            exchange(
+                f"depth {ex.meta['depth']} {ex.meta['key']}",
+                "retrieval",
+                body,
+                out,
+                checks,
+                depth=ex.meta["depth"],
+                prompt_bytes=len(ex.prompt.encode()),
+                expected=ex.answer,
+            )
+        )
     result.notes = {"max_context": cfg.max_context, "depths": sorted({r["depth"] for r in result.records})}
     result.wall_s = time.perf_counter() - t0
     return result

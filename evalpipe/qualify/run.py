@@ -18,9 +18,22 @@ from evalpipe.harness import client as http
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness.client import EndpointError, Server
 from evalpipe.harness.records import MANIFEST_FILE, write_json
-from evalpipe.qualify import (EXIT_BAD_INPUT, EXIT_CANNOT_CONNECT, EXIT_GATE_FAILED, EXIT_INTERRUPTED, EXIT_PASS,
-                              GATES, auth, consistency, reference, report, retrieval, sampling, soak,
-                              structured)
+from evalpipe.qualify import (
+    EXIT_BAD_INPUT,
+    EXIT_CANNOT_CONNECT,
+    EXIT_GATE_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PASS,
+    GATES,
+    auth,
+    consistency,
+    reference,
+    report,
+    retrieval,
+    sampling,
+    soak,
+    structured,
+)
 from evalpipe.qualify.core import Endpoint, GateResult, QualifyConfig
 from evalpipe.redact import redact_text, scrub_values
 
@@ -43,8 +56,9 @@ def check_input(cfg: QualifyConfig) -> Optional[dict]:
     if "reference" in cfg.gates and not (cfg.record_reference or cfg.reference):
         raise QualifyError("gate reference needs --record-reference FILE or --reference FILE", EXIT_BAD_INPUT)
     if (Path(cfg.out_dir) / RESULT_FILE).exists():
-        raise QualifyError(f"{cfg.out_dir} already holds a qualification ({RESULT_FILE}); choose another --out",
-                           EXIT_BAD_INPUT)
+        raise QualifyError(
+            f"{cfg.out_dir} already holds a qualification ({RESULT_FILE}); choose another --out", EXIT_BAD_INPUT
+        )
     if cfg.reference and "reference" in cfg.gates:
         try:
             return reference.load(cfg.reference)
@@ -61,27 +75,38 @@ def connect(cfg: QualifyConfig) -> tuple[str, dict, Optional[int]]:
         except EndpointError as exc:
             text = str(exc)
             if " returned HTTP 401" in text or " returned HTTP 403" in text:
-                raise QualifyError(f"{text} (the --api-key given is refused, or none was given)", EXIT_BAD_INPUT) from None
+                raise QualifyError(
+                    f"{text} (the --api-key given is refused, or none was given)", EXIT_BAD_INPUT
+                ) from None
             raise QualifyError(text, EXIT_CANNOT_CONNECT) from None
         served = [m["id"] for m in models["data"]]
         model = cfg.model or served[0]
         if model not in served:
-            raise QualifyError(f"--model {model!r} is not served by {cfg.base_url} (it lists: {', '.join(served)})",
-                               EXIT_BAD_INPUT)
+            raise QualifyError(
+                f"--model {model!r} is not served by {cfg.base_url} (it lists: {', '.join(served)})", EXIT_BAD_INPUT
+            )
         path, info = server.server_info()
     listed = next((m.get("max_model_len") for m in models["data"] if m["id"] == model), None)
     return model, {"models": models, "server_info_path": path, "server_info": info}, listed
 
 
 def _snapshot(cfg: QualifyConfig, model: str, facts: dict) -> dict:
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
-                if k not in ("api_keys", "command_line", "base_url")}
+    settings = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in ("api_keys", "command_line", "base_url")
+    }
     settings["api_keys"] = len(cfg.api_keys)
     return manifest_mod.capture(
-        lane_desc={"name": "qualify", "gates": list(cfg.gates)}, overrides={}, effective=settings,
+        lane_desc={"name": "qualify", "gates": list(cfg.gates)},
+        overrides={},
+        effective=settings,
         transport={"timeout_s": cfg.timeout_s, "max_retries": 0, "retry_policy": "none: every failure counts"},
-        data_facts={}, prompt_facts={}, endpoint={"base_url": redact_text(cfg.base_url), "model": model},
-        server=facts)
+        data_facts={},
+        prompt_facts={},
+        endpoint={"base_url": redact_text(cfg.base_url), "model": model},
+        server=facts,
+    )
 
 
 async def run_gates(ep: Endpoint, ref: Optional[dict], say) -> list[GateResult]:
@@ -93,10 +118,15 @@ async def run_gates(ep: Endpoint, ref: Optional[dict], say) -> list[GateResult]:
         try:
             result = await _gate(name, ep, ref)
         except Exception as exc:  # a gate that breaks is a failed gate with its reason, never a lost run
-            result = GateResult(name, problem=f"the gate stopped on an error: {type(exc).__name__}: {exc}"[:400],
-                                wall_s=time.perf_counter() - t0)
-        say(f"gate {name}: {result.verdict} ({result.passed}/{len(result.records)} requests passed, "
-            f"{result.wall_s:.1f} s){'' if result.verdict == 'pass' else ': ' + result.reason[:200]}")
+            result = GateResult(
+                name,
+                problem=f"the gate stopped on an error: {type(exc).__name__}: {exc}"[:400],
+                wall_s=time.perf_counter() - t0,
+            )
+        say(
+            f"gate {name}: {result.verdict} ({result.passed}/{len(result.records)} requests passed, "
+            f"{result.wall_s:.1f} s){'' if result.verdict == 'pass' else ': ' + result.reason[:200]}"
+        )
         results.append(result)
     return results
 
@@ -106,8 +136,11 @@ async def _gate(name: str, ep: Endpoint, ref: Optional[dict]) -> GateResult:
     if name == "auth":
         return await asyncio.to_thread(auth.run, ep)
     if name == "reference":
-        return await (reference.record(ep, cfg.record_reference) if cfg.record_reference
-                      else reference.compare(ep, ref, cfg.reference))
+        return await (
+            reference.record(ep, cfg.record_reference)
+            if cfg.record_reference
+            else reference.compare(ep, ref, cfg.reference)
+        )
     if name == "retrieval":
         return await retrieval.run(ep)
     if name == "boundaries":
@@ -121,7 +154,9 @@ async def _gate(name: str, ep: Endpoint, ref: Optional[dict]) -> GateResult:
     return await soak.run(ep)
 
 
-def execute(cfg: QualifyConfig, say=lambda line: print(f"evalpipe qualify: {line}", file=sys.stderr)) -> tuple[int, dict]:
+def execute(
+    cfg: QualifyConfig, say=lambda line: print(f"evalpipe qualify: {line}", file=sys.stderr)
+) -> tuple[int, dict]:
     """Run the qualification; (exit code, the qualify.json content). QualifyError when it cannot start."""
     ref = check_input(cfg)
     model, facts, listed_context = connect(cfg)
@@ -129,8 +164,14 @@ def execute(cfg: QualifyConfig, say=lambda line: print(f"evalpipe qualify: {line
         cfg = dataclasses.replace(cfg, max_context=int(listed_context or 4096))
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = {"schema_version": SCHEMA, "kind": "qualify", "command_line": cfg.command_line,
-                "started_at": time.time(), "start": _snapshot(cfg, model, facts), "end": None}
+    manifest = {
+        "schema_version": SCHEMA,
+        "kind": "qualify",
+        "command_line": cfg.command_line,
+        "started_at": time.time(),
+        "start": _snapshot(cfg, model, facts),
+        "end": None,
+    }
     keys = list(cfg.api_keys)
     write_json(out_dir / MANIFEST_FILE, scrub_values(manifest, keys))
     ep = Endpoint(cfg, model, facts)
@@ -148,16 +189,28 @@ def execute(cfg: QualifyConfig, say=lambda line: print(f"evalpipe qualify: {line
     with Server(cfg.base_url, cfg.api_key) as server:
         end = _snapshot(cfg, model, server.describe())
     protocol, warnings = manifest_mod.differences(manifest["start"], end)
-    manifest.update(end=end, finished_at=time.time(), consistent=not protocol, differences=protocol,
-                    code_changes_during_run=warnings)
+    manifest.update(
+        end=end,
+        finished_at=time.time(),
+        consistent=not protocol,
+        differences=protocol,
+        code_changes_during_run=warnings,
+    )
     failed = [r.name for r in results if r.verdict not in ("pass", "skipped")]
     code = EXIT_INTERRUPTED if interrupted else (EXIT_GATE_FAILED if failed or protocol else EXIT_PASS)
     result = {
-        "schema": SCHEMA, "verdict": "pass" if code == EXIT_PASS else ("interrupted" if interrupted else "fail"),
-        "exit_code": code, "failed_gates": failed, "manifest_changed": bool(protocol),
-        "manifest_changes": protocol, "out_dir": str(out_dir),
-        "endpoint": {"base_url": redact_text(cfg.base_url), "model": model,
-                     "server_info_path": facts.get("server_info_path")},
+        "schema": SCHEMA,
+        "verdict": "pass" if code == EXIT_PASS else ("interrupted" if interrupted else "fail"),
+        "exit_code": code,
+        "failed_gates": failed,
+        "manifest_changed": bool(protocol),
+        "manifest_changes": protocol,
+        "out_dir": str(out_dir),
+        "endpoint": {
+            "base_url": redact_text(cfg.base_url),
+            "model": model,
+            "server_info_path": facts.get("server_info_path"),
+        },
         "settings": manifest["start"]["lane"]["effective"],
         "gates": [r.to_json() for r in results],
         "retry_policy": http.RETRY_POLICY + " (qualify sends no retries)",

@@ -73,8 +73,12 @@ class PitSample:
         an entry present only because it was sampled would break the transform (it is put back in the tail).
         Returns what the statistics used, per position (`TOKENS_FILE`'s line): the tokens, their logprobs, the
         top-K dicts kept and the U(0, 1) draws, with None for a position without top logprobs (not tested)."""
-        used: dict = {"tokens": list(tokens), "logprobs": list(logprobs) if logprobs else None,
-                      "top_logprobs": [], "v": []}
+        used: dict = {
+            "tokens": list(tokens),
+            "logprobs": list(logprobs) if logprobs else None,
+            "top_logprobs": [],
+            "v": [],
+        }
         for j, (tok, top) in enumerate(zip(tokens, tops)):
             if not top:
                 used["top_logprobs"].append(None)
@@ -123,9 +127,9 @@ def lookup_candidate(history: list, max_ngram: int = LOOKUP_NGRAM):
     of its longest suffix (up to max_ngram tokens); the last token when nothing matches; None for no history."""
     n_hist = len(history)
     for n in range(min(max_ngram, n_hist - 1), 0, -1):
-        suffix = history[n_hist - n:]
+        suffix = history[n_hist - n :]
         for start in range(n_hist - n - 1, -1, -1):
-            if history[start:start + n] == suffix:
+            if history[start : start + n] == suffix:
                 return history[start + n]
     return history[-1] if history else None
 
@@ -151,10 +155,19 @@ def pit_tests(sample: PitSample, bins: int) -> dict:
     expected, z, p = hit_test(sample.argmax_hits, sample.p_max)
     r_expected, r_z, r_p = hit_test(sample.repeat_hits, sample.repeat_p)
     return {
-        "tokens": n, "bins": bins, "chi2": float(chi2.statistic), "chi2_p": float(chi2.pvalue),
-        "argmax_hits": int(sample.argmax_hits), "argmax_expected": expected, "collapse_z": z, "collapse_p": p,
-        "repeat_positions": len(sample.repeat_p), "repeat_hits": int(sample.repeat_hits),
-        "repeat_expected": r_expected, "repeat_z": r_z, "repeat_p": r_p,
+        "tokens": n,
+        "bins": bins,
+        "chi2": float(chi2.statistic),
+        "chi2_p": float(chi2.pvalue),
+        "argmax_hits": int(sample.argmax_hits),
+        "argmax_expected": expected,
+        "collapse_z": z,
+        "collapse_p": p,
+        "repeat_positions": len(sample.repeat_p),
+        "repeat_hits": int(sample.repeat_hits),
+        "repeat_expected": r_expected,
+        "repeat_z": r_z,
+        "repeat_p": r_p,
         "ks_p": float(stats.kstest(np.asarray(sample.u), "uniform").pvalue),
     }
 
@@ -162,18 +175,25 @@ def pit_tests(sample: PitSample, bins: int) -> dict:
 def verdict(tests: dict, informative: float, alpha: float = ALPHA) -> str | None:
     """None when the sampler passes, else why not."""
     if informative < MIN_INFORMATIVE:
-        return (f"only {informative:.1f} informative tokens (sum of 1 - p_max) were tested, fewer than "
-                f"{MIN_INFORMATIVE:g}: raise --sampling-tokens or use higher-entropy prompts")
+        return (
+            f"only {informative:.1f} informative tokens (sum of 1 - p_max) were tested, fewer than "
+            f"{MIN_INFORMATIVE:g}: raise --sampling-tokens or use higher-entropy prompts"
+        )
     failed = [f"{name} p = {tests[key]:.3g}" for name, key in GATED if tests[key] is not None and tests[key] < alpha]
     if failed:
-        return (f"{', '.join(failed)} < alpha {alpha:g}: the sampled tokens do not follow the distribution the "
-                f"server reports (argmax {tests['argmax_hits']} vs {tests['argmax_expected']:.1f} expected, "
-                f"context repeats {tests['repeat_hits']} vs {tests['repeat_expected']:.1f})")
+        return (
+            f"{', '.join(failed)} < alpha {alpha:g}: the sampled tokens do not follow the distribution the "
+            f"server reports (argmax {tests['argmax_hits']} vs {tests['argmax_expected']:.1f} expected, "
+            f"context repeats {tests['repeat_hits']} vs {tests['repeat_expected']:.1f})"
+        )
     return None
 
 
-GATED = (("PIT uniformity chi-square", "chi2_p"), ("greedy collapse", "collapse_p"),
-         ("context-repeat bias", "repeat_p"))
+GATED = (
+    ("PIT uniformity chi-square", "chi2_p"),
+    ("greedy collapse", "collapse_p"),
+    ("context-repeat bias", "repeat_p"),
+)
 
 
 def prompts(seed: int, n: int) -> list[str]:
@@ -209,8 +229,18 @@ async def run(ep: Endpoint) -> GateResult:
         while len(sample.u) < budget:
             n_req = max(1, min(cfg.concurrency * 4, math.ceil((budget - len(sample.u)) / MAX_TOKENS)))
             texts = prompts(seed * 1_000_003 + wave, n_req)
-            bodies = [ep.body(prompt=p, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, logprobs=TOP_K,
-                              seed=seed * 1_000_003 + wave * 10_000 + i, **id_keys) for i, p in enumerate(texts)]
+            bodies = [
+                ep.body(
+                    prompt=p,
+                    max_tokens=MAX_TOKENS,
+                    temperature=1.0,
+                    top_p=1.0,
+                    logprobs=TOP_K,
+                    seed=seed * 1_000_003 + wave * 10_000 + i,
+                    **id_keys,
+                )
+                for i, p in enumerate(texts)
+            ]
             outcomes = await gather_limited([ep.send(b, chat=False) for b in bodies], cfg.concurrency)
             tested_before = len(sample.u)
             for i, (body, out) in enumerate(zip(bodies, outcomes)):
@@ -218,9 +248,15 @@ async def run(ep: Endpoint) -> GateResult:
                 checks = [out.transport_check()]
                 have = out.ok and out.tokens is not None and out.top_logprobs is not None
                 if out.ok:
-                    checks.append(check("logprobs", have and len(out.tokens) == len(out.top_logprobs) > 0,
-                                        f"{len(out.tokens or [])} tokens with top logprobs" if have else
-                                        "the response carries no per-token top logprobs"))
+                    checks.append(
+                        check(
+                            "logprobs",
+                            have and len(out.tokens) == len(out.top_logprobs) > 0,
+                            f"{len(out.tokens or [])} tokens with top logprobs"
+                            if have
+                            else "the response carries no per-token top logprobs",
+                        )
+                    )
                 if have:
                     used = sample.add_response(out.tokens, out.logprobs, out.top_logprobs, v_rng, k=TOP_K)
                     line = scrub_values({"id": rid, **used}, cfg.api_keys)
@@ -233,15 +269,22 @@ async def run(ep: Endpoint) -> GateResult:
     tests = pit_tests(sample, bins)
     histogram = np.histogram(np.asarray(sample.u or [0.0]), bins=HIST_BINS, range=(0.0, 1.0))[0].tolist()
     result.notes = {
-        **tests, "alpha_per_test": ALPHA, "gated_on": [key for _, key in GATED],
-        "informative_tokens": round(sample.informative, 2), "tokens_in_tail_bin": sample.in_tail,
-        "logprob_mismatches": sample.logprob_mismatches, "positions_with_extra_entries": sample.extra_entries_dropped,
-        "top_k": TOP_K, "token_budget": budget, "seed": seed,
+        **tests,
+        "alpha_per_test": ALPHA,
+        "gated_on": [key for _, key in GATED],
+        "informative_tokens": round(sample.informative, 2),
+        "tokens_in_tail_bin": sample.in_tail,
+        "logprob_mismatches": sample.logprob_mismatches,
+        "positions_with_extra_entries": sample.extra_entries_dropped,
+        "top_k": TOP_K,
+        "token_budget": budget,
+        "seed": seed,
         "pit_histogram": histogram if sample.u else [],
         "request": {"temperature": 1.0, "top_p": 1.0, "logprobs": TOP_K, "max_tokens": MAX_TOKENS},
         "server_logprobs_mode": logprobs_mode(ep.info),
         "token_identity": "token ids (return_tokens_as_token_ids)" if id_keys else "token texts",
-        "positions_with_fewer_entries": sample.short_tops, "tokens_file": TOKENS_FILE,
+        "positions_with_fewer_entries": sample.short_tops,
+        "tokens_file": TOKENS_FILE,
     }
     if not result.records:
         result.problem = "no requests were sent"
@@ -249,9 +292,11 @@ async def run(ep: Endpoint) -> GateResult:
         result.problem = "no response carried top logprobs: the sampling gate needs logprobs"
     else:
         result.problem = verdict(tests, sample.informative)
-    result.notes["summary"] = (f"{tests['tokens']} tokens ({sample.informative:.0f} informative): chi-square p = "
-                               f"{_fmt(tests['chi2_p'])}, collapse p = {_fmt(tests['collapse_p'])}, repeat p = "
-                               f"{_fmt(tests.get('repeat_p'))}")
+    result.notes["summary"] = (
+        f"{tests['tokens']} tokens ({sample.informative:.0f} informative): chi-square p = "
+        f"{_fmt(tests['chi2_p'])}, collapse p = {_fmt(tests['collapse_p'])}, repeat p = "
+        f"{_fmt(tests.get('repeat_p'))}"
+    )
     result.wall_s = time.perf_counter() - t0
     return result
 

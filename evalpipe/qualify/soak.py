@@ -89,8 +89,13 @@ async def run(ep: Endpoint) -> GateResult:
     async def sampler() -> None:
         while not stop.is_set():
             rss = rss_mb(pid) if pid is not None else await asyncio.to_thread(reported_rss_mb, ep)
-            samples.append({"t_s": round(time.perf_counter() - t0, 2), "mem_available_mb": mem_available_mb(),
-                            "server_rss_mb": rss})
+            samples.append(
+                {
+                    "t_s": round(time.perf_counter() - t0, 2),
+                    "mem_available_mb": mem_available_mb(),
+                    "server_rss_mb": rss,
+                }
+            )
             try:
                 await asyncio.wait_for(stop.wait(), cfg.sample_every_s)
             except asyncio.TimeoutError:
@@ -101,22 +106,35 @@ async def run(ep: Endpoint) -> GateResult:
         i = 0
         while time.monotonic() < deadline:
             sampled = rng.random() < 0.3
-            body = ep.body(prompt=prompt(rng), max_tokens=cfg.soak_max_tokens, temperature=0.8 if sampled else 0.0,
-                           seed=rng.randint(0, 1 << 30), return_token_ids=True, stream=True,
-                           stream_options={"include_usage": True})
+            body = ep.body(
+                prompt=prompt(rng),
+                max_tokens=cfg.soak_max_tokens,
+                temperature=0.8 if sampled else 0.0,
+                seed=rng.randint(0, 1 << 30),
+                return_token_ids=True,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             out = await ep.stream(body, chat=False, hang_s=cfg.hang_s)
             checks = [out.transport_check(), check("no hang", not out.hung, f"longest gap {out.max_gap_s or 0:.2f} s")]
-            result.records.append(exchange(f"worker {w} #{i}", "soak", body, out, checks,
-                                           output_cap_hit=out.finish_reason == "length"))
+            result.records.append(
+                exchange(f"worker {w} #{i}", "soak", body, out, checks, output_cap_hit=out.finish_reason == "length")
+            )
             i += 1
 
     async def progress() -> None:
         """A time bar with the request count (stderr; rich draws nothing when it is not a terminal)."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        with Progress(TextColumn("soak"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
-                      TextColumn("{task.fields[n]} requests"), TimeRemainingColumn(), console=stderr_console(),
-                      transient=True) as bar:
+        with Progress(
+            TextColumn("soak"),
+            BarColumn(),
+            TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
+            TextColumn("{task.fields[n]} requests"),
+            TimeRemainingColumn(),
+            console=stderr_console(),
+            transient=True,
+        ) as bar:
             task = bar.add_task("soak", total=cfg.soak_s, n=0)
             while not stop.is_set():
                 bar.update(task, completed=min(cfg.soak_s, time.perf_counter() - t0), n=len(result.records))
@@ -132,14 +150,22 @@ async def run(ep: Endpoint) -> GateResult:
     mem = [s["mem_available_mb"] for s in samples if s["mem_available_mb"] is not None]
     rss = [s["server_rss_mb"] for s in samples if s["server_rss_mb"] is not None]
     result.notes = {
-        "duration_s": cfg.soak_s, "concurrency": cfg.concurrency, "hang_timeout_s": cfg.hang_s,
+        "duration_s": cfg.soak_s,
+        "concurrency": cfg.concurrency,
+        "hang_timeout_s": cfg.hang_s,
         "failures": sum(not r["ok"] and not r.get("hung") for r in result.records),
         "hangs": sum(bool(r.get("hung")) for r in result.records),
         "output_cap_hits": sum(bool(r.get("output_cap_hit")) for r in result.records),
         "max_event_gap_s": max((r.get("max_gap_s") or 0.0 for r in result.records), default=None),
         "mem_available_mb": {"first": mem[0], "min": min(mem), "last": mem[-1]} if mem else None,
-        "server_rss_mb": {"source": f"/proc/{pid}" if pid is not None else "server report (peak)",
-                          "first": rss[0], "max": max(rss), "last": rss[-1]} if rss else None,
+        "server_rss_mb": {
+            "source": f"/proc/{pid}" if pid is not None else "server report (peak)",
+            "first": rss[0],
+            "max": max(rss),
+            "last": rss[-1],
+        }
+        if rss
+        else None,
         "samples": samples,
     }
     result.wall_s = time.perf_counter() - t0

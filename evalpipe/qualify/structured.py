@@ -28,7 +28,7 @@ RELIABLE_TOOL = "count_items"
 
 
 def _call_of(ex: chat.ChatExample) -> dict:
-    return json.loads(ex.reply[len("<|tool_call|>"):])
+    return json.loads(ex.reply[len("<|tool_call|>") :])
 
 
 def cases(seed: str) -> list[dict]:
@@ -41,15 +41,29 @@ def cases(seed: str) -> list[dict]:
             ex = chat.tool_call(rng)
         call = _call_of(ex)
         tool_choice: Any = choice if choice != "named" else {"type": "function", "function": {"name": call["name"]}}
-        out.append({"name": f"tool_choice {choice}", "body": {"messages": ex.messages, "tools": ex.tools,
-                                                              "tool_choice": tool_choice},
-                    "expect": {"call": call}})
+        out.append(
+            {
+                "name": f"tool_choice {choice}",
+                "body": {"messages": ex.messages, "tools": ex.tools, "tool_choice": tool_choice},
+                "expect": {"call": call},
+            }
+        )
     ex = chat.tool_result(rng)
-    out.append({"name": "tool result", "body": {"messages": ex.messages, "tools": ex.tools, "tool_choice": "auto"},
-                "expect": {"value": ex.meta["expected"]}})
+    out.append(
+        {
+            "name": "tool result",
+            "body": {"messages": ex.messages, "tools": ex.tools, "tool_choice": "auto"},
+            "expect": {"value": ex.meta["expected"]},
+        }
+    )
     ex = chat.json_reply(rng)
-    out.append({"name": "json_schema", "body": {"messages": ex.messages, "response_format": SCHEMA_FORMAT},
-                "expect": {"json": ex.meta["expected"]}})
+    out.append(
+        {
+            "name": "json_schema",
+            "body": {"messages": ex.messages, "response_format": SCHEMA_FORMAT},
+            "expect": {"json": ex.meta["expected"]},
+        }
+    )
     return out
 
 
@@ -75,25 +89,44 @@ def checks_for(expect: dict, out: Outcome) -> list[dict]:
         checks.append(check("one tool call", len(calls) == 1, f"{len(calls)} calls"))
         if calls:
             got = calls[0]
-            checks.append(check("tool name", got.get("name") == want["name"], f"{got.get('name')!r}, expected {want['name']!r}"))
+            checks.append(
+                check("tool name", got.get("name") == want["name"], f"{got.get('name')!r}, expected {want['name']!r}")
+            )
             args = _arguments(got.get("arguments"))
-            checks.append(check("arguments", args == want["arguments"],
-                                f"{got.get('arguments')!r}, expected {json.dumps(want['arguments'])}"))
-        checks.append(check("finish tool_calls", out.finish_reason == "tool_calls", f"finish_reason {out.finish_reason}"))
+            checks.append(
+                check(
+                    "arguments",
+                    args == want["arguments"],
+                    f"{got.get('arguments')!r}, expected {json.dumps(want['arguments'])}",
+                )
+            )
+        checks.append(
+            check("finish tool_calls", out.finish_reason == "tool_calls", f"finish_reason {out.finish_reason}")
+        )
         checks.append(check("no text beside the call", not out.text.strip(), repr(out.text[:80])))
     else:
         checks.append(check("no tool call", not calls, f"{len(calls)} calls"))
         checks.append(check("normal stop", out.finish_reason == "stop", f"finish_reason {out.finish_reason}"))
         if "value" in expect:
-            checks.append(check("states the result", expect["value"] in out.text,
-                                f"replied {out.text[:80]!r}, expected it to hold {expect['value']!r}"))
+            checks.append(
+                check(
+                    "states the result",
+                    expect["value"] in out.text,
+                    f"replied {out.text[:80]!r}, expected it to hold {expect['value']!r}",
+                )
+            )
         else:
             try:
                 parsed = json.loads(out.text)
             except ValueError:
                 parsed = None
-            checks.append(check("schema JSON", parsed == expect["json"],
-                                f"replied {out.text[:120]!r}, expected {json.dumps(expect['json'])}"))
+            checks.append(
+                check(
+                    "schema JSON",
+                    parsed == expect["json"],
+                    f"replied {out.text[:120]!r}, expected {json.dumps(expect['json'])}",
+                )
+            )
     return checks
 
 
@@ -121,13 +154,24 @@ async def run(ep: Endpoint) -> GateResult:
     together = [(m, c, s) for m, c, s in plan if m != "serial"]
     outcomes += await gather_limited([ep.send(body_of(c, s), chat=True) for _, c, s in together], cfg.concurrency)
     for (mode, case, stream), out in zip(serial + together, outcomes):
-        result.records.append(exchange(f"{mode} {case['name']} {'streamed' if stream else 'plain'}", "structured",
-                                       body_of(case, stream), out, checks_for(case["expect"], out),
-                                       expect=case["expect"], mode=mode, stream=stream))
+        result.records.append(
+            exchange(
+                f"{mode} {case['name']} {'streamed' if stream else 'plain'}",
+                "structured",
+                body_of(case, stream),
+                out,
+                checks_for(case["expect"], out),
+                expect=case["expect"],
+                mode=mode,
+                stream=stream,
+            )
+        )
     refused = [r for r in result.records if r.get("status") == 400]
     if refused and len(refused) == len(result.records):
-        result.problem = ("the server refuses tool calling / response_format (HTTP 400 on every request): "
-                          + str(refused[0].get("error"))[:200])
+        result.problem = (
+            "the server refuses tool calling / response_format (HTTP 400 on every request): "
+            + str(refused[0].get("error"))[:200]
+        )
     result.notes = {"cases": len(result.records), "concurrency": cfg.concurrency}
     result.wall_s = time.perf_counter() - t0
     return result

@@ -3,7 +3,8 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (server/tokenization.py), GET /health, GET /health_generate,
 GET /get_server_info (alias /server_info), GET /get_model_info (SGLang's fields), GET|POST /flush_cache,
-GET /version. With API keys configured (any one of them is accepted), every route except /health and /health_generate needs
+GET /version. With API keys configured (any one of them is accepted), every route except /health and /health_generate
+needs
 `Authorization: Bearer <key>`, checked before the body is read (`middleware.RequireAPIKey`). The interactive
 docs (/docs, /redoc, /openapi.json) exist only with `serve --docs`.
 """
@@ -19,11 +20,10 @@ from fastapi.responses import JSONResponse
 
 from evalpipe import __version__
 from evalpipe.engine.sampling_params import SamplingParams
-from evalpipe.server import generation, validation
+from evalpipe.server import generation, tokenization, validation
 from evalpipe.server.engine_client import ENGINE_DEAD, EngineCallError, EngineDead
 from evalpipe.server.errors import APIError, SafeJSONResponse, install_error_handlers
 from evalpipe.server.middleware import ContainErrors, RequireAPIKey
-from evalpipe.server import tokenization
 from evalpipe.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from evalpipe.server.state import ServerState
 
@@ -38,9 +38,15 @@ def create_app(state: ServerState) -> FastAPI:
         state.shutdown()
 
     docs = state.settings.docs
-    app = FastAPI(title="evalpipe native server", version=__version__, lifespan=lifespan,
-                  default_response_class=SafeJSONResponse, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    app = FastAPI(
+        title="evalpipe native server",
+        version=__version__,
+        lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(RequireAPIKey, api_keys=state.settings.api_keys())
@@ -50,11 +56,13 @@ def create_app(state: ServerState) -> FastAPI:
         if state.load_error:
             raise APIError(503, f"model failed to load: {state.load_error}", type="server_error")
         if state.engine_error:
-            raise APIError(503, f"the engine process died: {state.engine_error}", type="server_error",
-                           code="engine_dead")
+            raise APIError(
+                503, f"the engine process died: {state.engine_error}", type="server_error", code="engine_dead"
+            )
         if not state.ready.is_set():
-            raise APIError(503, "The model is still loading. Retry later.", code="model_loading",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503, "The model is still loading. Retry later.", code="model_loading", headers={"Retry-After": "1"}
+            )
 
     def not_serving() -> JSONResponse | None:
         if state.engine_error:
@@ -81,10 +89,19 @@ def create_app(state: ServerState) -> FastAPI:
     async def models():
         require_ready()
         limit = state.max_seq_len
-        return {"object": "list", "data": [{
-            "id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "evalpipe",
-            "root": state.settings.engine.model or state.model_id, "max_model_len": limit,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_id,
+                    "object": "model",
+                    "created": int(state.started_at),
+                    "owned_by": "evalpipe",
+                    "root": state.settings.engine.model or state.model_id,
+                    "max_model_len": limit,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -122,9 +139,12 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/model_info")
     async def model_info():
         require_ready()
-        return {"model_path": state.settings.engine.model or state.engine.info.static_info.get("model_path"),
-                "tokenizer_path": state.settings.engine.tokenizer, "is_generation": True,
-                "served_model_name": state.model_id}
+        return {
+            "model_path": state.settings.engine.model or state.engine.info.static_info.get("model_path"),
+            "tokenizer_path": state.settings.engine.tokenizer,
+            "is_generation": True,
+            "served_model_name": state.model_id,
+        }
 
     @app.get("/flush_cache")
     @app.post("/flush_cache")
@@ -135,15 +155,22 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             result = await state.engine.call("flush_cache")
         except TimeoutError as exc:
-            raise APIError(503, f"cache flush timed out: {exc}", type="server_error",
-                           headers={"Retry-After": "1"}) from None
+            raise APIError(
+                503, f"cache flush timed out: {exc}", type="server_error", headers={"Retry-After": "1"}
+            ) from None
         except EngineDead as exc:
             raise APIError(503, f"the engine process died: {exc}", type="server_error", code="engine_dead") from None
         if not result.get("enabled"):
-            return {"flushed": True, "flushed_pages": 0,
-                    "message": "the prefix cache is off (--prefix-cache off); nothing to flush"}
-        return {"flushed": True, "flushed_pages": result["flushed_pages"],
-                "message": f"prefix cache flushed ({result['flushed_pages']} pages)"}
+            return {
+                "flushed": True,
+                "flushed_pages": 0,
+                "message": "the prefix cache is off (--prefix-cache off); nothing to flush",
+            }
+        return {
+            "flushed": True,
+            "flushed_pages": result["flushed_pages"],
+            "message": f"prefix cache flushed ({result['flushed_pages']} pages)",
+        }
 
     @app.get("/version")
     async def version():

@@ -47,8 +47,13 @@ class EngineCallError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, settings: EngineConfig, build: Callable, tokenizer_factory: Callable,
-                 on_dead: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        settings: EngineConfig,
+        build: Callable,
+        tokenizer_factory: Callable,
+        on_dead: Callable[[str], None] | None = None,
+    ):
         self.settings = settings
         self._build = build
         self._tokenizer_factory = tokenizer_factory
@@ -78,9 +83,19 @@ class EngineClient:
         self._pull.bind(outbox)
         self._ready = loop.create_future()
         spawn = multiprocessing.get_context("spawn")
-        self._proc = spawn.Process(target=process.main, name="evalpipe-engine", daemon=True,
-                                   args=(self.settings, self._build, self._tokenizer_factory, inbox, outbox,
-                                         logging.getLogger().getEffectiveLevel()))
+        self._proc = spawn.Process(
+            target=process.main,
+            name="evalpipe-engine",
+            daemon=True,
+            args=(
+                self.settings,
+                self._build,
+                self._tokenizer_factory,
+                inbox,
+                outbox,
+                logging.getLogger().getEffectiveLevel(),
+            ),
+        )
         self._proc.start()
         self._reader = loop.create_task(self._read())
         self.info = await self._ready

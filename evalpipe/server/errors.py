@@ -19,8 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("evalpipe.server")
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_overloaded"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    503: "server_overloaded",
+}
 
 
 # Characters that JSON allows raw inside strings but that line-splitting readers (str.splitlines, httpx's
@@ -47,8 +52,16 @@ class SafeJSONResponse(JSONResponse):
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -75,11 +88,14 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                           code="invalid_json")
+        return bad_request(
+            f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+            code="invalid_json",
+        )
     if loc == [] and isinstance(first.get("input"), (bytes, str)) and first.get("type") in ("model_type", "dict_type"):
-        return bad_request("the request body must be a JSON object sent with 'Content-Type: application/json'",
-                           code="invalid_json")
+        return bad_request(
+            "the request body must be a JSON object sent with 'Content-Type: application/json'", code="invalid_json"
+        )
     if first.get("type") == "lone_surrogate":
         return bad_request(first["msg"], param=first["ctx"]["param"], code="invalid_unicode")
     param = loc[0] if loc else None  # the top-level field, as OpenAI reports it

@@ -16,12 +16,19 @@ async def respond(state, job: Job, request: Request):
     await compile_grammar(state, job)
     await submit(state, job)
     if job.stream:
-        return StreamingResponse(sse_stream(state, job, request), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            sse_stream(state, job, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     async for ev in events(state, job, request):
         if ev.error:
             raise APIError(500, f"generation failed: {ev.error}", type="server_error")
     if job.disconnected:  # nobody is listening; uvicorn drops what is sent to a closed connection
-        return APIError(499, "client closed the connection; generation aborted", type="invalid_request_error",
-                        code="client_disconnected").response()
+        return APIError(
+            499,
+            "client closed the connection; generation aborted",
+            type="invalid_request_error",
+            code="client_disconnected",
+        ).response()
     return SafeJSONResponse(full_response(state, job))

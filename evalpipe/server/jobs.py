@@ -74,15 +74,20 @@ class Job:
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens()}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
+        }
 
     def cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache, counted once per prompt like prompt_tokens (the best of its
         n choices: a later choice may hit the pages an earlier one just computed)."""
         n = max(1, self.n)
-        return sum(max((c.cached_tokens for c in self.choices[i:i + n]), default=0)
-                   for i in range(0, len(self.choices), n))
+        return sum(
+            max((c.cached_tokens for c in self.choices[i : i + n]), default=0) for i in range(0, len(self.choices), n)
+        )
 
 
 def engine_gone(exc: Exception) -> APIError:
@@ -102,8 +107,11 @@ async def compile_grammar(state, job: Job) -> None:
     except EngineCallError as exc:
         if exc.kind != "grammar":
             raise
-        raise bad_request(f"the {job.grammar_param} schema cannot be used for constrained decoding: {exc}",
-                          param=job.grammar_param, code="invalid_schema") from None
+        raise bad_request(
+            f"the {job.grammar_param} schema cannot be used for constrained decoding: {exc}",
+            param=job.grammar_param,
+            code="invalid_schema",
+        ) from None
 
 
 async def submit(state, job: Job) -> None:
@@ -113,11 +121,18 @@ async def submit(state, job: Job) -> None:
         raise engine_gone(exc) from None
     except EngineCallError as exc:
         if exc.kind == "queue_full":
-            raise APIError(503, f"The server is overloaded: {exc}. Retry later.", code="queue_full",
-                           headers={"Retry-After": RETRY_AFTER_S}) from None
+            raise APIError(
+                503,
+                f"The server is overloaded: {exc}. Retry later.",
+                code="queue_full",
+                headers={"Retry-After": RETRY_AFTER_S},
+            ) from None
         if exc.kind == "grammar":
-            raise bad_request(f"the {job.grammar_param} schema cannot be used for constrained decoding: {exc}",
-                              param=job.grammar_param, code="invalid_schema") from None
+            raise bad_request(
+                f"the {job.grammar_param} schema cannot be used for constrained decoding: {exc}",
+                param=job.grammar_param,
+                code="invalid_schema",
+            ) from None
         raise
 
 
@@ -148,8 +163,12 @@ async def events(state, job: Job, request: Request | None) -> AsyncIterator[SeqE
                 event, held = held, None
             else:
                 event = job.queue.get_nowait() if not job.queue.empty() else await job.queue.get()
-            while isinstance(event, SeqEvent) and event.finish_reason is None and not event.error \
-                    and not job.queue.empty():
+            while (
+                isinstance(event, SeqEvent)
+                and event.finish_reason is None
+                and not event.error
+                and not job.queue.empty()
+            ):
                 nxt = job.queue.get_nowait()
                 if isinstance(nxt, SeqEvent) and nxt.index == event.index and not nxt.error:
                     event = event.then(nxt)

@@ -46,8 +46,9 @@ class RequireAPIKey:
                 break
         token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
         if not token:
-            return await _send_error(send, APIError(
-                401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
+            return await _send_error(
+                send, APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+            )
         matches = [hmac.compare_digest(token, key) for key in self.keys]
         if not any(matches):
             return await _send_error(send, APIError(401, "Incorrect API key provided.", code="invalid_api_key"))

@@ -53,8 +53,11 @@ def refuse_surrogates(data: Any) -> Any:
     if where is not None:
         # the message names the place, never repeats the string (it cannot be encoded)
         raise PydanticCustomError(
-            "lone_surrogate", "{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which "
-            "is not valid Unicode text", {"where": where, "param": re.split(r"[.\[]", where)[0]})
+            "lone_surrogate",
+            "{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which "
+            "is not valid Unicode text",
+            {"where": where, "param": re.split(r"[.\[]", where)[0]},
+        )
     return data
 
 
@@ -264,8 +267,14 @@ STRUCTURED_OUTPUT_FIELDS: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     # vLLM / SGLang constrained-decoding extensions
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structural_tag": (None,), "regex": (None,), "ebnf": (None,), "json_schema": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
 }
 
 
@@ -282,7 +291,7 @@ UNHONOURED_FIELDS: dict[str, tuple[tuple, str]] = {
     "logprob_token_ids": ((None, []), "logprobs of chosen token ids are not implemented"),
     "skip_special_tokens": ((True, None), "special tokens are always skipped in the text (only true)"),
     "spaces_between_special_tokens": ((True, None), "only true is supported"),
-    "truncation_side": ((None, "left"), "truncate_prompt_tokens keeps the prompt's last tokens (only \"left\")"),
+    "truncation_side": ((None, "left"), 'truncate_prompt_tokens keeps the prompt\'s last tokens (only "left")'),
     "return_tokens_as_token_ids": ((False, None), "use return_token_ids instead"),
     "prompt_embeds": ((None,), "prompt embeddings are not supported"),
     "stop_regex": ((None, []), "regular-expression stops are not implemented"),
@@ -296,8 +305,12 @@ UNHONOURED_FIELDS: dict[str, tuple[tuple, str]] = {
     "vllm_xargs": ((None, {}), "custom sampling arguments are not supported"),
 }
 # fields that only /v1/completions honours: on chat they are refused when non-neutral
-COMPLETION_ONLY_FIELDS: dict[str, tuple] = {"echo": (False, None), "prompt_logprobs": (None,), "suffix": (None, ""),
-                                            "add_special_tokens": (False, None)}
+COMPLETION_ONLY_FIELDS: dict[str, tuple] = {
+    "echo": (False, None),
+    "prompt_logprobs": (None,),
+    "suffix": (None, ""),
+    "add_special_tokens": (False, None),
+}
 
 
 def check_structured_output(req: _Sampling) -> tuple[str, str] | None:
@@ -307,10 +320,15 @@ def check_structured_output(req: _Sampling) -> tuple[str, str] | None:
         if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in neutral):
             if name in CHAT_ONLY_FIELDS:
                 return name, f"{name} is only supported on /v1/chat/completions (tool calls and response formats)"
-            what = "logit biasing" if name == "logit_bias" else (
-                "tool calling" if "tool" in name or "function" in name else "constrained output")
-            return name, (f"{name} is not supported by this engine ({what} is not implemented); "
-                          "remove the field or send a neutral value")
+            what = (
+                "logit biasing"
+                if name == "logit_bias"
+                else ("tool calling" if "tool" in name or "function" in name else "constrained output")
+            )
+            return name, (
+                f"{name} is not supported by this engine ({what} is not implemented); "
+                "remove the field or send a neutral value"
+            )
     return None
 
 

@@ -45,7 +45,8 @@ def choice_body(state, job: Job, part: ChoicePart, splitter: ToolCallSplitter | 
             content, calls = splitter.feed(c.token_ids, c.text, final=not stream or part.finish_reason is not None)
             if stream:
                 message = ({"content": content} if content or not splitter.has_calls else {}) | (
-                    {"tool_calls": calls} if calls else {})
+                    {"tool_calls": calls} if calls else {}
+                )
             elif splitter.calls():
                 message = {"role": "assistant", "content": content or None, "tool_calls": splitter.calls()}
             if splitter.calls() and finish == "stop":
@@ -84,11 +85,18 @@ def whole_choice(job: Job, index: int) -> ChoicePart:
 
 
 def full_response(state, job: Job) -> dict:
-    choices = [choice_body(state, job, whole_choice(job, i), _splitter(state, job), stream=False)
-               for i in range(len(job.choices))]
+    choices = [
+        choice_body(state, job, whole_choice(job, i), _splitter(state, job), stream=False)
+        for i in range(len(job.choices))
+    ]
     return {
-        "id": job.id, "object": "chat.completion" if job.chat else "text_completion", "created": job.created,
-        "model": job.model, "system_fingerprint": fingerprint(state), "choices": choices, "usage": job.usage(),
+        "id": job.id,
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "system_fingerprint": fingerprint(state),
+        "choices": choices,
+        "usage": job.usage(),
     }
 
 
@@ -99,8 +107,14 @@ async def sse_stream(state, job: Job, request: Request) -> AsyncIterator[bytes]:
     with_usage = job.include_usage or job.continuous_usage
 
     def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        body = {"id": job.id, "object": obj, "created": job.created, "model": job.model,
-                "system_fingerprint": fingerprint(state), "choices": choices}
+        body = {
+            "id": job.id,
+            "object": obj,
+            "created": job.created,
+            "model": job.model,
+            "system_fingerprint": fingerprint(state),
+            "choices": choices,
+        }
         if with_usage:
             body["usage"] = usage if usage is not None else (job.usage() if job.continuous_usage else None)
         return _data(body)
@@ -132,8 +146,17 @@ async def sse_stream(state, job: Job, request: Request) -> AsyncIterator[bytes]:
             if not ev.token_ids and ev.finish_reason is None:
                 continue
             c = job.choices[ev.index]
-            part = ChoicePart(ev.index, ev.text, ev.token_ids, ev.logprobs or [], ev.finish_reason, ev.matched_stop,
-                              ev.spec, text_offset=len(c.text) - len(ev.text), first=ev.index not in started)
+            part = ChoicePart(
+                ev.index,
+                ev.text,
+                ev.token_ids,
+                ev.logprobs or [],
+                ev.finish_reason,
+                ev.matched_stop,
+                ev.spec,
+                text_offset=len(c.text) - len(ev.text),
+                first=ev.index not in started,
+            )
             started.add(ev.index)
             yield chunk([choice_body(state, job, part, splitters[ev.index], stream=True)])
     finally:
@@ -170,10 +193,16 @@ def _chat_logprobs(state, entries: list[dict]) -> dict:
     text = state.tokenizer.token_text
     content = []
     for e in entries:
-        content.append({
-            "token": text(e["id"]), "logprob": e["logprob"], "bytes": _token_bytes(state, e["id"]),
-            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": _token_bytes(state, t)} for t, lp in e["top"]],
-        })
+        content.append(
+            {
+                "token": text(e["id"]),
+                "logprob": e["logprob"],
+                "bytes": _token_bytes(state, e["id"]),
+                "top_logprobs": [
+                    {"token": text(t), "logprob": lp, "bytes": _token_bytes(state, t)} for t, lp in e["top"]
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -194,8 +223,10 @@ def _legacy_logprobs(state, entries: list[dict], offset: int) -> dict:
 def _prompt_entries(c: Choice, top_k: int) -> list[dict]:
     """The echoed prompt's logprob entries with their top `top_k`: the first token's logprob is None."""
     scored = c.prompt_logprobs or [None] * len(c.prompt_ids)
-    return [{"id": t, "logprob": None, "top": []} if e is None else {**e, "top": e["top"][:top_k]}
-            for t, e in zip(c.prompt_ids, scored)]
+    return [
+        {"id": t, "logprob": None, "top": []} if e is None else {**e, "top": e["top"][:top_k]}
+        for t, e in zip(c.prompt_ids, scored)
+    ]
 
 
 def _vllm_prompt_logprobs(state, scored: list[dict | None], top_k: int) -> list[dict | None]:

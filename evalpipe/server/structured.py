@@ -37,24 +37,33 @@ def plan(req: ChatCompletionRequest, tokenizer) -> StructuredPlan:
     named = None if choice is None or isinstance(choice, str) else choice.function.name
     mode = "named" if named is not None else (choice or ("auto" if tools else "none"))
     if mode in ("required", "named") and not tools:
-        raise bad_request(f"tool_choice {'required' if mode == 'required' else 'naming a function'} needs tools",
-                          param="tool_choice")
+        raise bad_request(
+            f"tool_choice {'required' if mode == 'required' else 'naming a function'} needs tools", param="tool_choice"
+        )
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools must have distinct function names", param="tools")
     if named is not None and named not in names:
-        raise bad_request(f"tool_choice names the function {named!r}, which is not among the tools "
-                          f"({', '.join(names)})", param="tool_choice")
+        raise bad_request(
+            f"tool_choice names the function {named!r}, which is not among the tools ({', '.join(names)})",
+            param="tool_choice",
+        )
     fmt = req.response_format
     wants_json = fmt is not None and fmt.type != "text"
     marker = getattr(tokenizer, "tool_call_token_id", None)
     calls_possible = bool(tools) and mode != "none"
     if calls_possible and marker is None:
-        raise bad_request("tool calling needs a chat template with a tool-call token; this server's tokenizer has "
-                          "none (the built-in byte tokenizer has <|tool_call|>)", param="tools")
+        raise bad_request(
+            "tool calling needs a chat template with a tool-call token; this server's tokenizer has "
+            "none (the built-in byte tokenizer has <|tool_call|>)",
+            param="tools",
+        )
     if calls_possible and wants_json:
-        raise bad_request(f"response_format {fmt.type!r} cannot be combined with tool_choice {mode!r}: send "
-                          'tool_choice "none" or no response_format', param="response_format")
+        raise bad_request(
+            f"response_format {fmt.type!r} cannot be combined with tool_choice {mode!r}: send "
+            'tool_choice "none" or no response_format',
+            param="response_format",
+        )
     parallel = req.parallel_tool_calls is not False
     grammar = None
     if wants_json:
@@ -65,5 +74,6 @@ def plan(req: ChatCompletionRequest, tokenizer) -> StructuredPlan:
         grammar = GrammarConstraint.tool_calls(marker, calls, parallel)
     elif tools and mode == "none" and marker is not None:
         grammar = GrammarConstraint.forbid([marker])
-    return StructuredPlan(grammar=grammar, tools=tools or None, tool_marker=marker if calls_possible else None,
-                          parallel=parallel)
+    return StructuredPlan(
+        grammar=grammar, tools=tools or None, tool_marker=marker if calls_possible else None, parallel=parallel
+    )

@@ -9,8 +9,8 @@ SGLang's list of prompts each is a list. /detokenize gives vLLM's `prompt` and S
 from __future__ import annotations
 
 from evalpipe.server.errors import bad_request
-from evalpipe.server.validation import template_message
 from evalpipe.server.protocol import DetokenizeRequest, TokenizeRequest
+from evalpipe.server.validation import template_message
 
 
 def tokenize(state, req: TokenizeRequest) -> dict:
@@ -35,18 +35,25 @@ def tokenize(state, req: TokenizeRequest) -> dict:
         return _answer(state, encode(req.prompt), req.return_token_strs)
     answers = [_answer(state, encode(p), req.return_token_strs) for p in req.prompt]
     return {key: [a[key] for a in answers] for key in ("tokens", "count", "token_strs")} | {
-        "max_model_len": state.max_seq_len}
+        "max_model_len": state.max_seq_len
+    }
 
 
 def _answer(state, ids: list[int], strs: bool) -> dict:
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len,
-            "token_strs": [state.tokenizer.token_text(t) for t in ids] if strs else None}
+    return {
+        "tokens": ids,
+        "count": len(ids),
+        "max_model_len": state.max_seq_len,
+        "token_strs": [state.tokenizer.token_text(t) for t in ids] if strs else None,
+    }
 
 
 def detokenize(state, req: DetokenizeRequest) -> dict:
     if not req.skip_special_tokens:
-        raise bad_request("skip_special_tokens: false is not supported (special tokens are always skipped)",
-                          param="skip_special_tokens")
+        raise bad_request(
+            "skip_special_tokens: false is not supported (special tokens are always skipped)",
+            param="skip_special_tokens",
+        )
     vocab = state.vocab_size
     batches = req.tokens if req.tokens and isinstance(req.tokens[0], list) else [req.tokens]
     if any(not 0 <= t < vocab for ids in batches for t in ids):

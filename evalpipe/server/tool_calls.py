@@ -61,7 +61,7 @@ class ToolCallSplitter:
         for k, start in enumerate(self._marks):
             if not self.parallel and k > 0:
                 break  # parallel_tool_calls false: only the first call is returned
-            segment = text[start:bounds[k + 1]]
+            segment = text[start : bounds[k + 1]]
             done = final or k + 1 < len(self._marks)
             while len(self._calls) <= k:
                 self._calls.append(_Call(id="call_" + uuid.uuid4().hex[:24]))
@@ -72,7 +72,7 @@ class ToolCallSplitter:
                     content_extra += segment  # no call could be read: the text stays content
                 continue
             deltas += self._advance(call, segment, done)
-        content = text[self._content_sent:content_end] if content_end > self._content_sent else ""
+        content = text[self._content_sent : content_end] if content_end > self._content_sent else ""
         self._content_sent = max(self._content_sent, content_end)
         return content + content_extra, deltas
 
@@ -104,12 +104,18 @@ class ToolCallSplitter:
         out = []
         if call.index < 0:
             call.index = len(self._announced())
-            out.append({"index": call.index, "id": call.id, "type": "function",
-                        "function": {"name": call.name, "arguments": ""}})
+            out.append(
+                {
+                    "index": call.index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+            )
         args = arguments_text(call, segment, done)
         if done:
             call.final = args
-        piece = args[call.sent:]
+        piece = args[call.sent :]
         if piece:
             call.sent = len(args)
             out.append({"index": call.index, "function": {"arguments": piece}})
@@ -117,8 +123,11 @@ class ToolCallSplitter:
 
     def calls(self) -> list[dict]:
         """The finished calls as `message.tool_calls` (after the final feed)."""
-        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.final}}
-                for c in self._announced() if c.final is not None]
+        return [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.final}}
+            for c in self._announced()
+            if c.final is not None
+        ]
 
 
 def arguments_text(call: _Call, segment: str, done: bool) -> str:
@@ -127,14 +136,14 @@ def arguments_text(call: _Call, segment: str, done: bool) -> str:
     if call.args_start < 0:  # parsed whole, in another key order
         return call.whole or ""
     elif done:
-        body = segment[call.args_start:]
+        body = segment[call.args_start :]
         try:
             _, end = json.JSONDecoder().raw_decode(body)
             text = body[:end] if _TAIL.fullmatch(body[end:]) else body
         except ValueError:
             text = body
     else:
-        body = segment[call.args_start:]
+        body = segment[call.args_start :]
         last = body.rfind("}")
-        text = body[:len(body[:last].rstrip())] if last >= 0 else ""
+        text = body[: len(body[:last].rstrip())] if last >= 0 else ""
     return text

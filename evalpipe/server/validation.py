@@ -25,22 +25,37 @@ def check_model(state, requested: str | None) -> None:
     if requested is None or requested in (state.model_id, state.settings.engine.model):
         return
     shown = requested if len(requested) <= 200 else requested[:200] + "..."
-    raise APIError(404, f"The model `{shown}` does not exist (this server serves `{state.model_id}`).",
-                   param="model", code="model_not_found")
+    raise APIError(
+        404,
+        f"The model `{shown}` does not exist (this server serves `{state.model_id}`).",
+        param="model",
+        code="model_not_found",
+    )
 
 
-def _sampling(state, req, max_tokens: int, logprobs: int | None, grammar=None,
-              prompt_logprobs: int | None = None) -> SamplingParams:
+def _sampling(
+    state, req, max_tokens: int, logprobs: int | None, grammar=None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     vocab = state.vocab_size
     stop_ids = tuple(req.stop_token_ids or ())
     bad = [t for t in stop_ids if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", param="stop_token_ids")
     return SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-        min_p=req.min_p, seed=req.seed, stop=tuple(req.stop_list()), stop_token_ids=stop_ids,
-        ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar, min_tokens=req.min_output_tokens(),
-        include_stop_str_in_output=req.keep_stop_text(), prompt_logprobs=prompt_logprobs,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=tuple(req.stop_list()),
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        grammar=grammar,
+        min_tokens=req.min_output_tokens(),
+        include_stop_str_in_output=req.keep_stop_text(),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -53,8 +68,11 @@ def _check_min_tokens(req, requested_max: int | None, grammar) -> None:
     if requested_max is not None and least > requested_max:
         raise bad_request(f"{param} ({least}) must not exceed max_tokens ({requested_max})", param=param)
     if grammar is not None:
-        raise bad_request(f"{param} cannot be combined with tools or response_format (a constrained answer ends "
-                          "where its grammar does)", param=param)
+        raise bad_request(
+            f"{param} cannot be combined with tools or response_format (a constrained answer ends "
+            "where its grammar does)",
+            param=param,
+        )
 
 
 def _truncate(state, ids: list[int], keep: int | None) -> list[int]:
@@ -63,8 +81,10 @@ def _truncate(state, ids: list[int], keep: int | None) -> list[int]:
         return ids
     limit = state.max_seq_len
     if keep > limit:
-        raise bad_request(f"truncate_prompt_tokens ({keep}) exceeds the model's context of {limit} tokens",
-                          param="truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens ({keep}) exceeds the model's context of {limit} tokens",
+            param="truncate_prompt_tokens",
+        )
     keep = limit - 1 if keep == -1 else keep
     return ids[-keep:]
 
@@ -78,7 +98,8 @@ def _check_length(state, prompt: list[int], max_tokens: int | None, param: str) 
             400,
             f"This model's maximum context length is {limit} tokens. However, your {param} has {len(prompt)} "
             "tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
-            param=param, code="context_length_exceeded",
+            param=param,
+            code="context_length_exceeded",
         )
     room = limit - len(prompt)
     return room if max_tokens is None else min(max_tokens, room)
@@ -88,9 +109,12 @@ def _check_batch(state, n_sequences: int, param: str) -> None:
     """A request is queued whole or not at all: one with more sequences than the queue holds can never run."""
     limit = state.engine.info.max_queue
     if n_sequences > limit:
-        raise bad_request(f"this request needs {n_sequences} sequences (prompts x n) but the server queues at most "
-                          f"{limit} (--max-queue); split it into smaller requests", param=param,
-                          code="batch_too_large")
+        raise bad_request(
+            f"this request needs {n_sequences} sequences (prompts x n) but the server queues at most "
+            f"{limit} (--max-queue); split it into smaller requests",
+            param=param,
+            code="batch_too_large",
+        )
 
 
 def _common(req) -> tuple[bool, bool]:
@@ -109,8 +133,10 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     if plan.grammar is not None:
         blocker = state.engine.info.grammar_blocker
         if blocker:
-            raise bad_request(f"constrained output (tools/response_format) is not available on this server: {blocker}",
-                              param="response_format" if req.response_format else "tool_choice")
+            raise bad_request(
+                f"constrained output (tools/response_format) is not available on this server: {blocker}",
+                param="response_format" if req.response_format else "tool_choice",
+            )
     try:
         messages = [template_message(m) for m in req.messages]
     except ValueError as exc:
@@ -121,7 +147,9 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     if plan.tools:
         kwargs["tools"] = plan.tools
     try:
-        prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+        prompt = state.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, **kwargs
+        )
     except Exception as exc:
         raise bad_request(f"chat template failed: {exc}", param="messages") from None
     prompt = _truncate(state, prompt, req.truncate_prompt_tokens)
@@ -129,10 +157,17 @@ def chat_job(state, req: ChatCompletionRequest) -> Job:
     max_tokens = _check_length(state, prompt, req.max_completion_tokens or req.max_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Job(
-        chat=True, model=state.model_id, prompts=[prompt],
+        chat=True,
+        model=state.model_id,
+        prompts=[prompt],
         params=[_sampling(state, req, max_tokens, logprobs, plan.grammar)],
-        n=req.n, stream=req.stream, include_usage=include_usage, continuous_usage=continuous,
-        return_token_ids=req.return_token_ids, want_logprobs=req.logprobs, tool_marker=plan.tool_marker,
+        n=req.n,
+        stream=req.stream,
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        return_token_ids=req.return_token_ids,
+        want_logprobs=req.logprobs,
+        tool_marker=plan.tool_marker,
         parallel_tool_calls=plan.parallel,
         grammar_param="response_format" if req.response_format and req.response_format.type != "text" else "tools",
     )
@@ -142,9 +177,10 @@ def template_message(m) -> dict:
     """One message as the chat template reads it (an assistant's tool calls and a tool turn's call id included)."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                             for c in m.tool_calls]
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in m.tool_calls
+        ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out
@@ -176,11 +212,25 @@ def completion_job(state, req: CompletionRequest) -> Job:
     _check_min_tokens(req, max_tokens, None)
     generate = max_tokens > 0
     scored = req.scored_prompt_top()
-    params = [_sampling(state, req, _check_length(state, p, max(max_tokens, 1), "prompt"), req.logprobs,
-                        prompt_logprobs=scored) for p in prompts]
+    params = [
+        _sampling(
+            state, req, _check_length(state, p, max(max_tokens, 1), "prompt"), req.logprobs, prompt_logprobs=scored
+        )
+        for p in prompts
+    ]
     return Job(
-        chat=False, model=state.model_id, prompts=prompts, params=params, n=req.n, stream=req.stream,
-        include_usage=include_usage, continuous_usage=continuous, return_token_ids=req.return_token_ids,
-        want_logprobs=req.logprobs is not None, echo=req.echo, prompt_texts=texts, generate=generate,
+        chat=False,
+        model=state.model_id,
+        prompts=prompts,
+        params=params,
+        n=req.n,
+        stream=req.stream,
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        return_token_ids=req.return_token_ids,
+        want_logprobs=req.logprobs is not None,
+        echo=req.echo,
+        prompt_texts=texts,
+        generate=generate,
         prompt_logprobs=req.prompt_logprobs,
     )

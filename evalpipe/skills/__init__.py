@@ -52,8 +52,9 @@ def split_of(identity: str) -> str:
     return "heldout" if bucket == 0 else "train"
 
 
-def draw(generator: Callable[[random.Random], Example], rng: random.Random, split: str,
-         max_tries: int = 1000) -> Example:
+def draw(
+    generator: Callable[[random.Random], Example], rng: random.Random, split: str, max_tries: int = 1000
+) -> Example:
     """The next example of `split` from `generator` (rejecting the other split's identities)."""
     for _ in range(max_tries):
         ex = generator(rng)

@@ -102,7 +102,7 @@ def generate(rng: random.Random, n_ops: int | None = None) -> Example:
     item = rng.choice(ITEMS)
     start = rng.randint(10, 999)
     first_day = rng.randint(0, len(DAYS) - n_ops)
-    days = DAYS[first_day:first_day + n_ops]
+    days = DAYS[first_day : first_day + n_ops]
     steps, value = [], start
     for _ in range(n_ops):
         op, x = _next_op(value, rng)
@@ -112,8 +112,7 @@ def generate(rng: random.Random, n_ops: int | None = None) -> Example:
 
     story = [f"On {day}, {_op_sentence(op, x, pron.lower(), item, rng)}" for day, (op, _, x, _) in zip(days, steps)]
     question = f"How many {item} does {name} have at the end?"
-    lines = [f"On {day}, {name} has {worked_line(op, a, x)} {item}."
-             for day, (op, a, x, r) in zip(days, steps)]
+    lines = [f"On {day}, {name} has {worked_line(op, a, x)} {item}." for day, (op, a, x, r) in zip(days, steps)]
     answer = "\n".join(lines) + f"\n#### {value}"
 
     fillers = list(FILLER_SENTENCES)
@@ -124,8 +123,14 @@ def generate(rng: random.Random, n_ops: int | None = None) -> Example:
     while _min_operand_distance(_body(sentences, question), lines, steps, days) <= WINDOW:
         sentences.append(fillers.pop())  # more distractors before the question push every operand further
     identity = f"arith|{name}|{item}|{start}|{days[0]}|" + "|".join(f"{op}{x}" for op, _, x, _ in steps)
-    return Example("arith", identity, _body(sentences, question), answer, group=f"{n_ops}ops",
-                   meta={"n_ops": n_ops, "ops": [OPS[s[0]] for s in steps], "expected": value})
+    return Example(
+        "arith",
+        identity,
+        _body(sentences, question),
+        answer,
+        group=f"{n_ops}ops",
+        meta={"n_ops": n_ops, "ops": [OPS[s[0]] for s in steps], "expected": value},
+    )
 
 
 def drill(rng: random.Random) -> Example:
@@ -134,9 +139,14 @@ def drill(rng: random.Random) -> Example:
     value = rng.randint(10, 999)
     op, x = _next_op(value, rng)
     result = _apply(op, value, x)
-    return Example("calc", f"calc|{value}{op}{x}", f"What is {value} {op} {x}?",
-                   f"{worked_line(op, value, x)}\n#### {result}", group="1ops",
-                   meta={"n_ops": 1, "ops": [OPS[op]], "expected": result})
+    return Example(
+        "calc",
+        f"calc|{value}{op}{x}",
+        f"What is {value} {op} {x}?",
+        f"{worked_line(op, value, x)}\n#### {result}",
+        group="1ops",
+        meta={"n_ops": 1, "ops": [OPS[op]], "expected": result},
+    )
 
 
 def _body(sentences: list[str], question: str) -> str:

@@ -28,13 +28,19 @@ COUNT_TOOL = {
     "function": {
         "name": "count_items",
         "description": "Count how many items of a kind a person has.",
-        "parameters": {"type": "object", "properties": {"person": {"type": "string"}, "item": {"type": "string"}},
-                       "required": ["person", "item"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"person": {"type": "string"}, "item": {"type": "string"}},
+            "required": ["person", "item"],
+        },
     },
 }
 TOOLS = [CODE_TOOL, COUNT_TOOL]
-JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
-               "required": ["name", "count"]}
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+    "required": ["name", "count"],
+}
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,9 @@ def tool_call_text(name: str, arguments: dict) -> str:
 
 def from_example(ex: Example) -> ChatExample:
     """A completion skill as one user turn and one assistant reply."""
-    return ChatExample(f"chat-{ex.skill}", ex.identity, [{"role": "user", "content": ex.body}], ex.answer,
-                       meta=dict(ex.meta))
+    return ChatExample(
+        f"chat-{ex.skill}", ex.identity, [{"role": "user", "content": ex.body}], ex.answer, meta=dict(ex.meta)
+    )
 
 
 def tool_call(rng: random.Random) -> ChatExample:
@@ -78,28 +85,47 @@ def tool_result(rng: random.Random) -> ChatExample:
     base = tool_call(rng)
     ask = base.messages[0]["content"]
     value = str(rng.randint(10000, 99999)) if "code" in base.identity else str(rng.randint(0, 999))
-    call = json.loads(base.reply[len("<|tool_call|>"):])
+    call = json.loads(base.reply[len("<|tool_call|>") :])
     messages = [
         {"role": "user", "content": ask},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": call["name"],
-                                                               "arguments": json.dumps(call["arguments"])}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_0",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_0", "content": value},
     ]
     subject = ask[:-1].replace("What is", "").replace("How many", "").strip()
     reply = f"The answer is {value}." if rng.random() < 0.5 else value
-    return ChatExample("tool_result", base.identity + f"|{value}", messages, reply, tools=base.tools,
-                       meta={"expected": value, "subject": subject})
+    return ChatExample(
+        "tool_result",
+        base.identity + f"|{value}",
+        messages,
+        reply,
+        tools=base.tools,
+        meta={"expected": value, "subject": subject},
+    )
 
 
 def json_reply(rng: random.Random) -> ChatExample:
     """A fact in the user's text, asked back as a JSON object with the keys name and count."""
-    (person, pron), item = rng.choice(NAMES), rng.choice(ITEMS)
+    (person, _), item = rng.choice(NAMES), rng.choice(ITEMS)
     count = rng.randint(0, 999)
     text = f"{person} has {count} {item}. Reply in JSON with the keys name and count."
     reply = json.dumps({"name": person, "count": count})
-    return ChatExample("json", f"json|{person}|{item}|{count}", [{"role": "user", "content": text}], reply,
-                       meta={"expected": {"name": person, "count": count}})
+    return ChatExample(
+        "json",
+        f"json|{person}|{item}|{count}",
+        [{"role": "user", "content": text}],
+        reply,
+        meta={"expected": {"name": person, "count": count}},
+    )
 
 
 def retrieval_key(rng: random.Random) -> str:

@@ -20,5 +20,11 @@ def generate(rng: random.Random, length: int | None = None) -> Example:
     length = length or rng.randint(*LENGTHS)
     text = "".join(rng.choice(ALPHABET) for _ in range(length))
     group = next(label for bound, label in LENGTH_GROUPS if length <= bound)
-    return Example("copy", f"copy|{text}", f"Copy the text exactly: {text}", text, group=group,
-                   meta={"length": length, "expected": text})
+    return Example(
+        "copy",
+        f"copy|{text}",
+        f"Copy the text exactly: {text}",
+        text,
+        group=group,
+        meta={"length": length, "expected": text},
+    )

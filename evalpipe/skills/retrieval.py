@@ -32,8 +32,9 @@ def _notes(n_bytes: int, rng: random.Random, first: int) -> list[str]:
     return out
 
 
-def generate(rng: random.Random, after: int | None = None, before: int | None = None,
-             context: int = MAX_CONTEXT) -> Example:
+def generate(
+    rng: random.Random, after: int | None = None, before: int | None = None, context: int = MAX_CONTEXT
+) -> Example:
     """after: bytes of filler between the needle and the question (default log-uniform up to the context);
     before: bytes of filler ahead of the needle (default random, within the context); context: the prompt and
     reply budget in bytes (a longer-context server is qualified with longer prompts)."""
@@ -50,12 +51,21 @@ def generate(rng: random.Random, after: int | None = None, before: int | None = 
     notes_after = _notes(after, rng, len(notes_before))
     while notes_before and len("\n".join(notes_before + notes_after)) > limit:
         notes_before.pop(0)  # whole notes past the context go from the front
-    body = "Read the notes.\n" + "\n".join(notes_before + [needle] + notes_after) + \
-        f"\nWhat is the secret code of the {key}?"
+    body = (
+        "Read the notes.\n"
+        + "\n".join(notes_before + [needle] + notes_after)
+        + f"\nWhat is the secret code of the {key}?"
+    )
     ex = Example("retrieval", f"retrieval|{key}|{value}", body, value, group="", meta={"key": key})
     depth = len(ex.prompt) - ex.prompt.index(f" is {value}.") - 4
-    return Example(ex.skill, ex.identity, body, value, group=depth_group(depth),
-                   meta={"key": key, "depth": depth, "expected": value})
+    return Example(
+        ex.skill,
+        ex.identity,
+        body,
+        value,
+        group=depth_group(depth),
+        meta={"key": key, "depth": depth, "expected": value},
+    )
 
 
 def depth_group(depth: int) -> str:

@@ -67,15 +67,27 @@ def test_arm_order_and_pairs():
 
 def test_common_and_arm_arguments_merge_around_passthrough():
     assert merge_args(["--engine", "sglang", "--", "--nnodes", "2"], ["--speculative", "off", "--", "--x", "1"]) == [
-        "--engine", "sglang", "--speculative", "off", "--", "--nnodes", "2", "--x", "1"]
+        "--engine",
+        "sglang",
+        "--speculative",
+        "off",
+        "--",
+        "--nnodes",
+        "2",
+        "--x",
+        "1",
+    ]
     assert merge_args(["--tp", "8"], ["--speculative", "off"]) == ["--tp", "8", "--speculative", "off"]
 
 
 def test_declared_flags_are_what_differs_between_the_arms():
     a, _ = parse_serve_args(shlex.split("--engine sglang --model M --tp 8 --speculative off --mem-fraction-static 0.8"))
-    b, given = parse_serve_args(shlex.split(
-        "--engine sglang --model M --tp 8 --speculative dspark --draft-model D --mem-fraction-static 0.7 "
-        "--set-env SGLANG_ENABLE_SPEC_V2=True"))
+    b, given = parse_serve_args(
+        shlex.split(
+            "--engine sglang --model M --tp 8 --speculative dspark --draft-model D --mem-fraction-static 0.7 "
+            "--set-env SGLANG_ENABLE_SPEC_V2=True"
+        )
+    )
     assert declared_flags(a, b) == ["speculative", "draft_model", "--mem-fraction-static", "SGLANG_ENABLE_SPEC_V2"]
     assert declared_flags(a, a) == []
     assert {"engine", "model", "tp", "speculative", "draft_model", "set_env", "extra_args"} <= given
@@ -109,8 +121,23 @@ def test_preflight_refuses_an_undeclared_difference_and_stops_both_servers(tmp_p
     a = _fake_arm({"mem_fraction_static": 0.8, "speculative_algorithm": None})
     b = _fake_arm({"mem_fraction_static": 0.7, "speculative_algorithm": "DSPARK"})
     out = tmp_path / "ab"
-    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", a, "--b", b, "--preflight",
-                      "--out", str(out), "--ready-timeout", "60", timeout=120)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "gsm8k",
+        "--common",
+        common,
+        "--a",
+        a,
+        "--b",
+        b,
+        "--preflight",
+        "--out",
+        str(out),
+        "--ready-timeout",
+        "60",
+        timeout=120,
+    )
     assert result.returncode == 1, result.stderr
     assert "receipt differs beyond the declared flags ['engine_command']" in result.stderr
     assert "server setting mem_fraction_static: A=0.8 B=0.7" in result.stderr
@@ -125,9 +152,27 @@ def test_preflight_refuses_an_undeclared_difference_and_stops_both_servers(tmp_p
 
     # The same pair passes when the differences are allowed explicitly.
     out2 = tmp_path / "ab2"
-    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", a, "--b", b, "--preflight",
-                      "--allow-diff", "mem_fraction_static", "--allow-diff", "speculative_*",
-                      "--out", str(out2), "--ready-timeout", "60", timeout=120)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "gsm8k",
+        "--common",
+        common,
+        "--a",
+        a,
+        "--b",
+        b,
+        "--preflight",
+        "--allow-diff",
+        "mem_fraction_static",
+        "--allow-diff",
+        "speculative_*",
+        "--out",
+        str(out2),
+        "--ready-timeout",
+        "60",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     index = json.loads((out2 / "ab.json").read_text())
     assert index["status"] == "done" and index["preflight"] is True
@@ -199,7 +244,12 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
     assert len(set(pids)) == 4 and not any(_alive(pid) for pid in pids)  # four fresh servers, all gone
     # B1 vs A1; B2 vs B1 and A1; A2 vs A1 and B1
     assert [(c["arm"], c["against"]) for c in index["receipt_checks"]] == [
-        ("B1", "A1"), ("B2", "B1"), ("B2", "A1"), ("A2", "A1"), ("A2", "B1")]
+        ("B1", "A1"),
+        ("B2", "B1"),
+        ("B2", "A1"),
+        ("A2", "A1"),
+        ("A2", "B1"),
+    ]
     assert all(check["ok"] for check in index["receipt_checks"]), index["receipt_checks"]
     pairs = {(c["a"], c["b"]): c for c in index["comparisons"]}
     assert set(pairs) == {("A1", "B1"), ("A2", "B2"), ("A1", "A2"), ("B1", "B2")}
@@ -238,12 +288,29 @@ def test_readme_dspark_ab_preflight_against_stand_in_servers(tmp_path):
     """The README's SGLang DSpark A/B, preflight only, against a stand-in that reports its arguments as SGLang
     does: the speculation settings are explained by the declared flags; an unpinned random seed is not."""
     engine_command = f"--engine-command {shlex.quote(f'{shlex.quote(PY)} {shlex.quote(FAKE)}')}"
-    common = (f"--engine sglang --model deepseek-ai/DeepSeek-V4-Flash --tp 8 --ep 8 --mem-fraction-static 0.8 "
-              f"{engine_command}")
+    common = (
+        f"--engine sglang --model deepseek-ai/DeepSeek-V4-Flash --tp 8 --ep 8 --mem-fraction-static 0.8 "
+        f"{engine_command}"
+    )
     a = "--speculative off"
     b = "--speculative dspark --draft-model deepseek-ai/DeepSeek-V4-Flash-DSpark --block-size 7"
-    result = evalpipe("ab", "--lanes", "gsm8k,aime26", "--common", common + " --random-seed 0", "--a", a, "--b", b,
-                      "--preflight", "--out", str(tmp_path / "ok"), "--ready-timeout", "60", timeout=120)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "gsm8k,aime26",
+        "--common",
+        common + " --random-seed 0",
+        "--a",
+        a,
+        "--b",
+        b,
+        "--preflight",
+        "--out",
+        str(tmp_path / "ok"),
+        "--ready-timeout",
+        "60",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     index = json.loads((tmp_path / "ok" / "ab.json").read_text())
     assert index["declared_flags"] == ["speculative", "block_size", "draft_model"]
@@ -252,8 +319,23 @@ def test_readme_dspark_ab_preflight_against_stand_in_servers(tmp_path):
     assert receipt_b["server_info"]["speculative_algorithm"] == "DSPARK"
     assert receipt_b["server_info"]["speculative_accept_threshold_acc"] == "1.0"
 
-    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", a, "--b", b, "--preflight",
-                      "--out", str(tmp_path / "seed"), "--ready-timeout", "60", timeout=120)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "gsm8k",
+        "--common",
+        common,
+        "--a",
+        a,
+        "--b",
+        b,
+        "--preflight",
+        "--out",
+        str(tmp_path / "seed"),
+        "--ready-timeout",
+        "60",
+        timeout=120,
+    )
     assert result.returncode == 1 and "server setting random_seed" in result.stderr, result.stderr
 
 
@@ -263,9 +345,23 @@ def test_lossy_sglang_thresholds_only_on_purpose_and_recorded(tmp_path):
     engine_command = f"--engine-command {shlex.quote(f'{shlex.quote(PY)} {shlex.quote(FAKE)}')}"
     common = f"--engine sglang --model M --speculative dspark --draft-model D --random-seed 0 {engine_command}"
     out = tmp_path / "ab"
-    result = evalpipe("ab", "--lanes", "gsm8k", "--common", common, "--a", "", "--b",
-                      "--spec-accept-threshold-single 0.5", "--preflight", "--out", str(out), "--ready-timeout", "60",
-                      timeout=120)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "gsm8k",
+        "--common",
+        common,
+        "--a",
+        "",
+        "--b",
+        "--spec-accept-threshold-single 0.5",
+        "--preflight",
+        "--out",
+        str(out),
+        "--ready-timeout",
+        "60",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     index = json.loads((out / "ab.json").read_text())
     assert index["lossy_acceptance"] == {"A": None, "B": {"threshold_single": 0.5}}
@@ -287,21 +383,48 @@ def test_compare_by_hand_of_two_arms_of_one_ab_plan_takes_its_declared_flags(tmp
     its ab.json) mark the intended difference, in one line; the same folders copied out of the plan get no such
     line."""
     out = tmp_path / "ab"
-    result = evalpipe("ab", "--lanes", "arith", "--common", "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
-                      "--a", "--speculative off", "--b", "--speculative block", "--order", "AB", "--num-examples", "4",
-                      "--max-tokens", "16", "--out", str(out), "--ready-timeout", "300", timeout=900)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "arith",
+        "--common",
+        "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
+        "--a",
+        "--speculative off",
+        "--b",
+        "--speculative block",
+        "--order",
+        "AB",
+        "--num-examples",
+        "4",
+        "--max-tokens",
+        "16",
+        "--out",
+        str(out),
+        "--ready-timeout",
+        "300",
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     index = json.loads((out / "ab.json").read_text())
     runs = {arm["label"]: out / arm["runs"]["arith"] for arm in index["arms"]}
     by_hand = evalpipe("compare", str(runs["A1"]), str(runs["B1"]), "--no-html", "--out", str(tmp_path / "cmp"))
     assert by_hand.returncode == 0, by_hand.stderr
-    assert f"both folders come from one `evalpipe ab` plan ({out / 'ab.json'}): its declared flags (speculative)" \
+    assert (
+        f"both folders come from one `evalpipe ab` plan ({out / 'ab.json'}): its declared flags (speculative)"
         in " ".join(by_hand.stdout.split())
+    )
     md = json.loads((tmp_path / "cmp" / "compare.json").read_text())["manifest_diff"]
     assert md["n_unintended"] == 0 and md["n_intended"] > 0 and md["intended_patterns"][0] == "*speculative*"
     for label in ("A1", "B1"):
         shutil.copytree(runs[label], tmp_path / "loose" / label)
-    loose = evalpipe("compare", str(tmp_path / "loose" / "A1"), str(tmp_path / "loose" / "B1"), "--no-html",
-                     "--out", str(tmp_path / "cmp2"))
+    loose = evalpipe(
+        "compare",
+        str(tmp_path / "loose" / "A1"),
+        str(tmp_path / "loose" / "B1"),
+        "--no-html",
+        "--out",
+        str(tmp_path / "cmp2"),
+    )
     assert loose.returncode == 0 and "evalpipe ab` plan" not in loose.stdout
     assert "differ only in speculation settings" in " ".join(loose.stdout.split())

@@ -13,8 +13,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("kernels", "engine", "serving", "harness", "model")
-SCRIPTS = sorted(p.relative_to(REPO / "benchmarks").as_posix() for p in (REPO / "benchmarks").glob("*/*.py")
-                 if p.name != "__init__.py")
+SCRIPTS = sorted(
+    p.relative_to(REPO / "benchmarks").as_posix()
+    for p in (REPO / "benchmarks").glob("*/*.py")
+    if p.name != "__init__.py"
+)
 
 
 def table_rows(text: str) -> int:
@@ -49,11 +52,15 @@ def test_every_script_sits_in_a_question_folder():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_smoke(script, tmp_path):
     module = "benchmarks." + script[: -len(".py")].replace("/", ".")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OUT": str(tmp_path)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OUT": str(tmp_path),
+    }
     env.pop("TRITON_INTERPRET", None)  # a script's CPU path sets it itself, before triton loads
-    proc = subprocess.run([sys.executable, "-m", module, "--smoke"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--smoke"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]).strip()
     assert proc.returncode == 0, f"{module} --smoke exited {proc.returncode}:\n{tail}"
     assert table_rows(proc.stdout) >= 2, f"{module} --smoke printed no table:\n{tail}"

@@ -23,6 +23,10 @@ def test_every_command_and_option_has_help():
     commands = dict(leaf_commands())
     assert {"evalpipe run", "evalpipe compare", "evalpipe import lm-eval", "evalpipe import sgl-eval"} <= set(commands)
     missing = [f"{name}: no description" for name, cmd in commands.items() if not (cmd.help or "").strip()]
-    missing += [f"{name} {'/'.join(p.opts)}" for name, cmd in commands.items() for p in cmd.params
-                if isinstance(p, click.Option) and not (p.help or "").strip()]
+    missing += [
+        f"{name} {'/'.join(p.opts)}"
+        for name, cmd in commands.items()
+        for p in cmd.params
+        if isinstance(p, click.Option) and not (p.help or "").strip()
+    ]
     assert missing == [], missing

@@ -44,30 +44,95 @@ def written(served, tmp_path_factory):
     url = served.base + "/v1"
     runs = root / "runs"
     printed = [
-        cli("run", "arith", "--base-url", url, "--api-key", KEY, "--num-examples", "2", "--max-tokens", "4",
-            "--arm", "flag_key", "--out", runs, "--no-progress"),
-        cli("run", "arith", "--base-url", url, "--num-examples", "2", "--max-tokens", "4", "--arm", "env_key",
-            "--out", runs, "--no-progress", env_key=True),
-        cli("bench", "--base-url", url, "--api-key", KEY, "--input-len", "8", "--output-len", "4", "--rounds", "1",
-            "--warmup", "0", "--out", root / "bench"),
-        cli("ab", "--lanes", "arith", "--order", "AB", "--num-examples", "2", "--max-tokens", "4",
-            "--common", f"--api-key {KEY}", "--a", "--speculative off", "--b", "--speculative block",
-            "--out", root / "ab"),
+        cli(
+            "run",
+            "arith",
+            "--base-url",
+            url,
+            "--api-key",
+            KEY,
+            "--num-examples",
+            "2",
+            "--max-tokens",
+            "4",
+            "--arm",
+            "flag_key",
+            "--out",
+            runs,
+            "--no-progress",
+        ),
+        cli(
+            "run",
+            "arith",
+            "--base-url",
+            url,
+            "--num-examples",
+            "2",
+            "--max-tokens",
+            "4",
+            "--arm",
+            "env_key",
+            "--out",
+            runs,
+            "--no-progress",
+            env_key=True,
+        ),
+        cli(
+            "bench",
+            "--base-url",
+            url,
+            "--api-key",
+            KEY,
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            root / "bench",
+        ),
+        cli(
+            "ab",
+            "--lanes",
+            "arith",
+            "--order",
+            "AB",
+            "--num-examples",
+            "2",
+            "--max-tokens",
+            "4",
+            "--common",
+            f"--api-key {KEY}",
+            "--a",
+            "--speculative off",
+            "--b",
+            "--speculative block",
+            "--out",
+            root / "ab",
+        ),
     ]
     a, b = sorted((runs / "arith").iterdir())
     printed.append(cli("compare", a, b, "--out", root / "compare-runs", "--resamples", "200"))
     ab_a = next((root / "ab" / "arms" / "A1" / "runs" / "arith").iterdir())
     ab_b = next((root / "ab" / "arms" / "B1" / "runs" / "arith").iterdir())
-    printed.append(cli("compare", ab_a, ab_b, "--out", root / "compare-ab", "--resamples", "200",
-                       "--intended", "server.*spec*"))
+    printed.append(
+        cli("compare", ab_a, ab_b, "--out", root / "compare-ab", "--resamples", "200", "--intended", "server.*spec*")
+    )
     return root, printed
 
 
 def test_no_response_carries_the_key(served):
     with httpx.Client(base_url=served.base, headers=AUTH, timeout=60) as client:
         responses = [
-            client.get("/get_server_info"), client.get("/server_info"), client.get("/get_model_info"),
-            client.get("/v1/models"), client.get("/version"), client.get("/flush_cache"),
+            client.get("/get_server_info"),
+            client.get("/server_info"),
+            client.get("/get_model_info"),
+            client.get("/v1/models"),
+            client.get("/version"),
+            client.get("/flush_cache"),
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}),
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}),
             client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": KEY}], "max_tokens": 2}),
@@ -86,8 +151,17 @@ def test_the_key_is_in_no_file_and_no_output(served, written):
     root, printed = written
     files = [p for p in root.rglob("*") if p.is_file()]
     kinds = {p.name for p in files}
-    for expected in ("responses.jsonl", "manifest.json", "summary.json", "bench.json", "receipt.json", "server.log",
-                     "ab.json", "report.html", "compare.json"):
+    for expected in (
+        "responses.jsonl",
+        "manifest.json",
+        "summary.json",
+        "bench.json",
+        "receipt.json",
+        "server.log",
+        "ab.json",
+        "report.html",
+        "compare.json",
+    ):
         assert expected in kinds, f"{expected} was not written: {sorted(kinds)}"
     leaked = [str(p.relative_to(root)) for p in files if KEY.encode() in p.read_bytes()]
     assert not leaked, f"the key is in {leaked}"

@@ -32,8 +32,13 @@ TRUNCATED_B = [5, 7]  # wrong in both arms, B ran out of tokens
 DIVERGE_AT = {3: 4, 8: 2, 12: 6, 17: 1, 21: 3, 25: 5, 30: 2, 33: 7, 5: 8, 7: 8}
 
 
-def snapshot(prompt_stream="ab" * 32, dataset="cd" * 32, packages=("numpy==2.4.6", "torch==2.13.0"),
-             server_spec=None, max_tokens=64):
+def snapshot(
+    prompt_stream="ab" * 32,
+    dataset="cd" * 32,
+    packages=("numpy==2.4.6", "torch==2.13.0"),
+    server_spec=None,
+    max_tokens=64,
+):
     return {
         "captured_at": 1.0,
         "code": {"evalpipe_version": "0.1.0", "git_commit": "deadbeef", "git_dirty": False},
@@ -41,8 +46,11 @@ def snapshot(prompt_stream="ab" * 32, dataset="cd" * 32, packages=("numpy==2.4.6
         "python": {"python": "3.11.2"},
         "dataset": {"path": "/data/gsm8k/test.jsonl", "sha256": dataset, "selected_id_list_sha256": "ef" * 32},
         "prompts": {"template_sha256": "01" * 32, "prompt_stream_sha256_selected": prompt_stream},
-        "lane": {"spec": {"name": "gsm8k", "api": "completions"}, "overrides": {"max_tokens": max_tokens},
-                 "effective": {"params": {"temperature": 0.0, "max_tokens": max_tokens}, "repeats": 1, "arm": "x"}},
+        "lane": {
+            "spec": {"name": "gsm8k", "api": "completions"},
+            "overrides": {"max_tokens": max_tokens},
+            "effective": {"params": {"temperature": 0.0, "max_tokens": max_tokens}, "repeats": 1, "arm": "x"},
+        },
         "endpoint": {"base_url": "http://127.0.0.1:1/v1", "api": "completions", "model": "tiny"},
         "server": {"server_info": {"speculative": server_spec}},
     }
@@ -52,14 +60,28 @@ def record(arm, qid, rep, correct, *, truncated=False, tokens=None, spec=None, l
     rec = {k: None for k in REQUIRED_KEYS}
     toks = tokens if tokens is not None else [100 + qid, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     rec.update(
-        schema_version=1, run_id=f"run-{arm}", arm=arm, lane="gsm8k", question_id=qid, repeat_index=rep,
-        request_seq=qid, prompt_sha256=f"{qid:064x}", request={"max_tokens": 64},
-        response_text=" ".join(map(str, toks)), finish_reason="length" if truncated else "stop", truncated=truncated,
-        error=None, attempts=[{"start": 0, "end": 1, "error": None}],
-        usage={"prompt_tokens": 50, "completion_tokens": len(toks)}, latency_s=0.1 + 0.01 * qid,
-        spec=spec, output_token_ids=toks, logprobs=logprobs,
+        schema_version=1,
+        run_id=f"run-{arm}",
+        arm=arm,
+        lane="gsm8k",
+        question_id=qid,
+        repeat_index=rep,
+        request_seq=qid,
+        prompt_sha256=f"{qid:064x}",
+        request={"max_tokens": 64},
+        response_text=" ".join(map(str, toks)),
+        finish_reason="length" if truncated else "stop",
+        truncated=truncated,
+        error=None,
+        attempts=[{"start": 0, "end": 1, "error": None}],
+        usage={"prompt_tokens": 50, "completion_tokens": len(toks)},
+        latency_s=0.1 + 0.01 * qid,
+        spec=spec,
+        output_token_ids=toks,
+        logprobs=logprobs,
         extracted_answer=answer if answer is not None else (qid if correct else -9999999 if truncated else qid + 1),
-        expected_answer=qid, correct=bool(correct) and not truncated,
+        expected_answer=qid,
+        correct=bool(correct) and not truncated,
         grade_status="truncated" if truncated else "ok",
     )
     return rec
@@ -72,12 +94,25 @@ def write_run(path: Path, arm: str, records: list[dict], *, n_planned=None, part
             fh.write(json.dumps(r) + "\n")
     n_planned = n_planned if n_planned is not None else len(records)
     n_correct = sum(r["correct"] for r in records)
-    (path / "summary.json").write_text(json.dumps({
-        "lane": "gsm8k", "arm": arm, "n_planned": n_planned, "n_records": len(records), "n_correct": n_correct,
-        "accuracy": n_correct / n_planned, "partial": partial}))
+    (path / "summary.json").write_text(
+        json.dumps(
+            {
+                "lane": "gsm8k",
+                "arm": arm,
+                "n_planned": n_planned,
+                "n_records": len(records),
+                "n_correct": n_correct,
+                "accuracy": n_correct / n_planned,
+                "partial": partial,
+            }
+        )
+    )
     snap = snapshot(**snap_kw)
-    (path / "manifest.json").write_text(json.dumps(
-        {"run_id": f"run-{arm}", "arm": arm, "lane": "gsm8k", "start": snap, "end": snap, "consistent": True}))
+    (path / "manifest.json").write_text(
+        json.dumps(
+            {"run_id": f"run-{arm}", "arm": arm, "lane": "gsm8k", "start": snap, "end": snap, "consistent": True}
+        )
+    )
     return path
 
 
@@ -91,26 +126,33 @@ def greedy_records(arm: str) -> list[dict]:
         if arm == "B":
             if q in DIVERGE_AT:
                 pos = DIVERGE_AT[q]
-                toks = toks[:pos] + [999] + toks[pos + 1:]
-            spec = {"verify_steps": 4, "accepted_drafts": 6, "accept_length": len(toks) / 4,
-                    "accept_histogram": [1, 1, 1, 1]}  # drafts 0..3 once each -> lengths 1..4
+                toks = toks[:pos] + [999] + toks[pos + 1 :]
+            spec = {
+                "verify_steps": 4,
+                "accepted_drafts": 6,
+                "accept_length": len(toks) / 4,
+                "accept_histogram": [1, 1, 1, 1],
+            }  # drafts 0..3 once each -> lengths 1..4
         if q == 3:  # logprobs on both arms: A chose token 4 (pos 4) with -0.10; B's 999 had -0.15 in A's top list
-            lps = {"tokens": [str(t) for t in toks],
-                   "token_logprobs": [-0.01] * len(toks),
-                   "top_logprobs": [{str(t): -0.01} for t in toks]}
+            lps = {
+                "tokens": [str(t) for t in toks],
+                "token_logprobs": [-0.01] * len(toks),
+                "top_logprobs": [{str(t): -0.01} for t in toks],
+            }
             if arm == "A":
                 lps["token_logprobs"][4] = -0.10
                 lps["top_logprobs"][4] = {"4": -0.10, "999": -0.15}
             else:
                 lps["token_logprobs"][4] = -0.12
-        recs.append(record(arm, q, 0, right, truncated=(arm == "B" and q in TRUNCATED_B), tokens=toks, spec=spec,
-                           logprobs=lps))
+        recs.append(
+            record(arm, q, 0, right, truncated=(arm == "B" and q in TRUNCATED_B), tokens=toks, spec=spec, logprobs=lps)
+        )
     return recs
 
 
 def hand_mcnemar(b: int, c: int) -> float:
     n, k = b + c, min(b, c)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
 def hand_percentile(values: list[float], q: float) -> float:
@@ -134,11 +176,17 @@ def hand_bootstrap(d: list[float], seed: int, n_resamples: int) -> tuple[float, 
 def greedy_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("greedy")
     a = write_run(root / "A", "spec_off", greedy_records("A"))
-    b = write_run(root / "B", "spec_on", greedy_records("B"), packages=("numpy==2.4.6", "torch==2.14.0"),
-                  server_spec={"algorithm": "block", "block_size": 3})
+    b = write_run(
+        root / "B",
+        "spec_on",
+        greedy_records("B"),
+        packages=("numpy==2.4.6", "torch==2.14.0"),
+        server_spec={"algorithm": "block", "block_size": 3},
+    )
     out = root / "cmp"
-    res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(out), "--margin", "5",
-                                          "--intended", "server.*"])
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(b), "--out", str(out), "--margin", "5", "--intended", "server.*"]
+    )
     assert res.exit_code == 0, res.output
     return a, b, out, res.output, json.loads((out / "compare.json").read_text())
 
@@ -237,9 +285,22 @@ def test_report_renders_in_headless_chromium(greedy_pair, tmp_path):
         pytest.skip("Chromium is not installed (Debian package `chromium`); the HTML render check needs it")
     report = greedy_pair[2] / "report.html"
     env = dict(os.environ, HOME=str(tmp_path))
-    proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", report.as_uri()],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            report.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     dom = proc.stdout
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert dom.count('src="data:image/png;base64,') >= 3, dom[:2000]
@@ -257,9 +318,13 @@ def _set_server(run: Path, server: dict, captured_at: float) -> None:
 def _native_server(spec: str, port: int) -> dict:
     """A server section as `evalpipe run` records it from `evalpipe serve` (spec off or block)."""
     argv = ["evalpipe", "serve", "--port", str(port), "--speculative", spec]
-    return {"server_info": {"launch": {"argv": argv, "command": " ".join(argv)},
-                            "server_args": {"argv": argv, "speculative": spec, "port": port},
-                            "speculative": {"mode": spec, "drafter": "layerskip:3" if spec == "block" else None}}}
+    return {
+        "server_info": {
+            "launch": {"argv": argv, "command": " ".join(argv)},
+            "server_args": {"argv": argv, "speculative": spec, "port": port},
+            "speculative": {"mode": spec, "drafter": "layerskip:3" if spec == "block" else None},
+        }
+    }
 
 
 @pytest.fixture(scope="module")
@@ -298,10 +363,17 @@ def test_restating_command_lines_are_volatile_not_unintended(all_wrong_pair):
     md = cmp["manifest_diff"]
     assert md["n_unintended"] == 0, md["differences"]
     assert {d["key"] for d in md["differences"]} == {
-        "server.server_info.server_args.speculative", "server.server_info.speculative.mode",
-        "server.server_info.speculative.drafter"}
-    for key in ("server.server_info.launch.argv", "server.server_info.launch.command",
-                "server.server_info.server_args.argv", "server.server_info.server_args.port", "captured_at"):
+        "server.server_info.server_args.speculative",
+        "server.server_info.speculative.mode",
+        "server.server_info.speculative.drafter",
+    }
+    for key in (
+        "server.server_info.launch.argv",
+        "server.server_info.launch.command",
+        "server.server_info.server_args.argv",
+        "server.server_info.server_args.port",
+        "captured_at",
+    ):
         assert key in md["volatile_keys_ignored"], md["volatile_keys_ignored"]
         assert key in html and key not in output  # the report lists them; the terminal folds them into a count
     assert f"{len(md['volatile_keys_ignored'])} volatile key(s) ignored (listed in compare.json)" in output
@@ -389,6 +461,7 @@ def repeated_records(arm: str, outcomes: dict) -> list[dict]:
 
 def exact_permutation_p(oa: dict, ob: dict) -> float:
     """Enumerate every within-question relabelling (equally likely under the null)."""
+
     def stat(split):
         return np.mean([sum(bb) / len(bb) - sum(aa) / len(aa) for aa, bb in split])
 
@@ -432,8 +505,9 @@ def test_repeated_lane_statistics(tmp_path):
     assert iv["df"] == 2
     assert iv["ci_low"] == pytest.approx(d.mean() - 4.302653 * r["se_clustered"], abs=1e-5)
     assert iv["ci_high"] == pytest.approx(d.mean() + 4.302653 * r["se_clustered"], abs=1e-5)
-    assert iv["verdict"] == ("non-inferior" if iv["ci_low"] > -0.01 else "inferior" if iv["ci_high"] < -0.01
-                             else "inconclusive")
+    assert iv["verdict"] == (
+        "non-inferior" if iv["ci_low"] > -0.01 else "inferior" if iv["ci_high"] < -0.01 else "inconclusive"
+    )
     assert iv["verdict"] == "inconclusive"  # 3 questions: a wide interval
     assert f"non-inferiority at -1.0 pt: {iv['verdict']}" in res.output
     assert f"smallest detectable drop {r['power']['mde_pts']:.2f} pt" in res.output
@@ -447,15 +521,30 @@ def test_repeated_lane_statistics(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- bench folders
 
+
 def write_bench(path: Path, values: list[float], input_sha: str = "aa") -> Path:
     path.mkdir(parents=True)
     reqs = [{"round": -1, "warmup": True, "decode_tokens_per_s": 1.0, "ttft_s": 9.0, "total_s": 9.0}]
-    reqs += [{"round": i, "warmup": False, "decode_tokens_per_s": v, "ttft_s": 0.1 * (i + 1), "total_s": 1.0 + i}
-             for i, v in enumerate(values)]
-    (path / "bench.json").write_text(json.dumps({
-        "kind": "bench", "config": {"input_len": 16, "output_len": 32, "concurrency": 1, "input_ids_sha256": input_sha,
-                                    "temperature": 0.0, "ignore_eos": True},
-        "requests": reqs}))
+    reqs += [
+        {"round": i, "warmup": False, "decode_tokens_per_s": v, "ttft_s": 0.1 * (i + 1), "total_s": 1.0 + i}
+        for i, v in enumerate(values)
+    ]
+    (path / "bench.json").write_text(
+        json.dumps(
+            {
+                "kind": "bench",
+                "config": {
+                    "input_len": 16,
+                    "output_len": 32,
+                    "concurrency": 1,
+                    "input_ids_sha256": input_sha,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+                "requests": reqs,
+            }
+        )
+    )
     return path
 
 
@@ -483,8 +572,9 @@ def test_bench_ratio_of_medians(tmp_path):
     assert f"{m['mde_pct']:.1f}%" in res.output and "overlap" not in res.output
     # overlapping samples: no measurable change, and the call for a fixed-input, warmed, repeated comparison
     near = [99.0, 103.0, 97.0, 102.0, 101.0]
-    res = CliRunner().invoke(compare_cmd, [str(a), str(write_bench(tmp_path / "B4", near)),
-                                          "--out", str(tmp_path / "o4"), "--no-html"])
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(write_bench(tmp_path / "B4", near)), "--out", str(tmp_path / "o4"), "--no-html"]
+    )
     m = json.loads((tmp_path / "o4" / "compare.json").read_text())["metrics"]["decode_tokens_per_s"]
     assert m["verdict"] == "no measurable change" and m["samples_overlap"] is True
     assert "no measurable change" in res.output
@@ -511,6 +601,7 @@ def test_bench_ratio_of_medians(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- real run folders
 
+
 def test_compare_on_folders_written_by_evalpipe_run(tmp_path):
     """Two real `evalpipe run` subprocesses against scripted peers (always right vs. mixed), then compare."""
     from tests.support.scripted_server import answer_table, scripted_server
@@ -518,19 +609,57 @@ def test_compare_on_folders_written_by_evalpipe_run(tmp_path):
     answers = answer_table("gsm8k")
     dirs = {}
     for arm, mode in (("spec_off", "correct"), ("spec_on", "mixed")):
-        with scripted_server(mode=mode, answers=answers, fail_first=0,
-                             spec={"verify_steps": 2, "accept_histogram": [0, 2]} if mode == "mixed" else None) as url:
-            proc = subprocess.run([sys.executable, "-m", "evalpipe.cli", "run", "gsm8k", "--base-url", url,
-                                   "--num-examples", "30", "--arm", arm, "--out", str(tmp_path), "--max-retries", "0"],
-                                  capture_output=True, text=True, timeout=300)
+        with scripted_server(
+            mode=mode,
+            answers=answers,
+            fail_first=0,
+            spec={"verify_steps": 2, "accept_histogram": [0, 2]} if mode == "mixed" else None,
+        ) as url:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "evalpipe.cli",
+                    "run",
+                    "gsm8k",
+                    "--base-url",
+                    url,
+                    "--num-examples",
+                    "30",
+                    "--arm",
+                    arm,
+                    "--out",
+                    str(tmp_path),
+                    "--max-retries",
+                    "0",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
         dirs[arm] = next((tmp_path / "gsm8k").glob(f"{arm}-*"))
-    res = CliRunner().invoke(compare_cmd, [str(dirs["spec_off"]), str(dirs["spec_on"]), "--out", str(tmp_path / "c"),
-                                          "--resamples", "1000", "--intended", "server.*", "--intended", "base_url"])
+    res = CliRunner().invoke(
+        compare_cmd,
+        [
+            str(dirs["spec_off"]),
+            str(dirs["spec_on"]),
+            "--out",
+            str(tmp_path / "c"),
+            "--resamples",
+            "1000",
+            "--intended",
+            "server.*",
+            "--intended",
+            "base_url",
+        ],
+    )
     assert res.exit_code == 0, res.output
     cmp = json.loads((tmp_path / "c" / "compare.json").read_text())
-    recs = {arm: {r["question_id"]: r for r in map(json.loads, (d / "responses.jsonl").read_text().splitlines())}
-            for arm, d in dirs.items()}
+    recs = {
+        arm: {r["question_id"]: r for r in map(json.loads, (d / "responses.jsonl").read_text().splitlines())}
+        for arm, d in dirs.items()
+    }
     summary_b = json.loads((dirs["spec_on"] / "summary.json").read_text())
     assert cmp["accuracy"]["b"] == pytest.approx(summary_b["accuracy"])
     assert cmp["accuracy"]["a"] == 1.0
@@ -563,8 +692,9 @@ def test_refuses_a_run_or_bench_compared_with_itself(tmp_path):
         res = CliRunner().invoke(compare_cmd, [str(x), str(y), "--out", str(tmp_path / "o"), "--no-html"])
         assert res.exit_code == 1 and "refusing to compare" in res.output and why in res.output, res.output
     assert not (tmp_path / "o").exists()
-    res = CliRunner().invoke(compare_cmd, [str(a), str(a), "--out", str(tmp_path / "o"), "--no-html", "--force",
-                                          "--resamples", "200"])
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(a), "--out", str(tmp_path / "o"), "--no-html", "--force", "--resamples", "200"]
+    )
     assert res.exit_code == 0, res.output
     assert any("same run" in r for r in json.loads((tmp_path / "o" / "compare.json").read_text())["forced_over"])
 
@@ -603,12 +733,16 @@ def test_speculation_only_difference_is_taken_as_intended_without_flags(tmp_path
     b = write_run(tmp_path / "block", "block", [record("B", q, 0, q % 2) for q in range(10)], packages=packages)
     _set_server(a, _native_server("off", 30001), 1.0)
     _set_server(b, _native_server("block", 30002), 2.0)
-    res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--resamples", "200", "--no-html",
-                                           "--out", str(tmp_path / "cmp")])
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(b), "--resamples", "200", "--no-html", "--out", str(tmp_path / "cmp")]
+    )
     assert res.exit_code == 0, res.output
     md = json.loads((tmp_path / "cmp" / "compare.json").read_text())["manifest_diff"]
-    spec_keys = {"server.server_info.server_args.speculative", "server.server_info.speculative.mode",
-                 "server.server_info.speculative.drafter"}
+    spec_keys = {
+        "server.server_info.server_args.speculative",
+        "server.server_info.speculative.mode",
+        "server.server_info.speculative.drafter",
+    }
     assert spec_keys <= {d["key"] for d in md["differences"]}
     if other_difference:
         assert md["intended_implied"] is None and md["n_unintended"] == len(spec_keys) + 1

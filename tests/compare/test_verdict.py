@@ -33,8 +33,11 @@ Z = 1.959963984540054
 #    proportions, Statistics in Medicine 33:2850-2875 (Bentur et al. airway data): (-0.517, -0.026), 3 decimals;
 #  - Tang M.-L. et al. (2010) worked example: (-0.1670, 0.4327), 4 decimals;
 #  - Chang P. et al. (2024), Journal of Applied Statistics 51:139-152: (0.139, 0.321), 3 decimals.
-PUBLISHED_TANGO = [((1, 1, 7, 12), (-0.517, -0.026), 3), ((8, 3, 1, 2), (-0.1670, 0.4327), 4),
-                   ((7, 25, 2, 68), (0.139, 0.321), 3)]
+PUBLISHED_TANGO = [
+    ((1, 1, 7, 12), (-0.517, -0.026), 3),
+    ((8, 3, 1, 2), (-0.1670, 0.4327), 4),
+    ((7, 25, 2, 68), (0.139, 0.321), 3),
+]
 
 
 @pytest.mark.parametrize("table,expected,digits", PUBLISHED_TANGO)
@@ -49,8 +52,8 @@ def test_tango_interval_matches_published_values(table, expected, digits):
 def test_zero_flip_bounds_are_z2_over_n_plus_z2(n):
     """Solving Z(delta) = +-z at gained = lost = 0 gives +-z^2 / (n + z^2) (docs/statistics.md section 1)."""
     lo, hi = intervals.tango_interval(0, 0, n)
-    assert float(hi) == pytest.approx(Z ** 2 / (n + Z ** 2), rel=1e-9)
-    assert float(lo) == pytest.approx(-Z ** 2 / (n + Z ** 2), rel=1e-9)
+    assert float(hi) == pytest.approx(Z**2 / (n + Z**2), rel=1e-9)
+    assert float(lo) == pytest.approx(-(Z**2) / (n + Z**2), rel=1e-9)
 
 
 def test_restricted_mle_and_bounds_solve_the_score_equation():
@@ -109,8 +112,10 @@ def test_tango_interval_covers_at_least_94_percent_in_every_cell():
     for n, psi, d, cov in rows:
         print(f"{n:>5}  {100 * psi:>10.0f}%  {100 * d:>+8.0f} pt  {100 * cov:>7.2f}%")
     worst = min(rows, key=lambda r: r[3])
-    print(f"worst cell: n={worst[0]}, discordance {100 * worst[1]:.0f}%, diff {100 * worst[2]:+.0f} pt: "
-          f"{100 * worst[3]:.2f}%")
+    print(
+        f"worst cell: n={worst[0]}, discordance {100 * worst[1]:.0f}%, diff {100 * worst[2]:+.0f} pt: "
+        f"{100 * worst[3]:.2f}%"
+    )
     assert len(rows) == 4 * (1 + 2 + 3 + 3)  # every feasible (discordance, difference) at each n
     assert worst[3] >= 0.94, worst
 
@@ -135,8 +140,11 @@ def test_repeated_t_interval_covers_with_30_questions_where_the_normal_one_does_
 
 # ----------------------------------------------------------------------------- zero flips and both-all-right
 
-@pytest.mark.parametrize("n,expected", [(4, "inconclusive"), (60, "inconclusive"), (380, "inconclusive"),
-                                        (381, "non-inferior"), (1314, "non-inferior")])
+
+@pytest.mark.parametrize(
+    "n,expected",
+    [(4, "inconclusive"), (60, "inconclusive"), (380, "inconclusive"), (381, "non-inferior"), (1314, "non-inferior")],
+)
 def test_zero_flips_is_non_inferior_at_one_point_only_from_381_questions(n, expected):
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     right = rng.random(n) < 0.7
@@ -160,6 +168,7 @@ def test_both_arms_all_right_is_informative_and_all_wrong_is_not():
 
 # ----------------------------------------------------------------------------- MDE and the planner
 
+
 @pytest.mark.parametrize("n,psi", [(60, 0.0487), (300, 0.05), (1314, 0.02), (1314, 0.2)])
 def test_greedy_mde_is_the_margin_reached_with_80_percent_power(n, psi):
     """Simulate equal arms at the MDE's design: the verdict's interval excludes -MDE (a hair above it) in about
@@ -171,7 +180,7 @@ def test_greedy_mde_is_the_margin_reached_with_80_percent_power(n, psi):
     reached = np.mean(lo > -(mde + 1e-9))
     assert reached >= 0.79
     assert np.mean(lo > -0.9 * mde) < reached
-    assert mde >= Z ** 2 / (n + Z ** 2) - 1e-12  # never narrower than the zero-flip interval
+    assert mde >= Z**2 / (n + Z**2) - 1e-12  # never narrower than the zero-flip interval
 
 
 @pytest.mark.parametrize("margin_pts,discordance", [(1, "0.01"), (2, "0.1"), (3, "0.2")])
@@ -184,8 +193,10 @@ def test_plan_recommendation_has_80_percent_power_in_simulation(margin_pts, disc
     draws = rng.multinomial(n, [psi / 2, psi / 2, 1 - psi], size=8000)
     lo, _ = intervals.tango_interval(draws[:, 0], draws[:, 1], n)
     simulated = float(np.mean(lo > -margin))
-    print(f"\nplan margin {margin_pts} pt, discordance {psi:.0%}: n = {n}, exact power "
-          f"{plan['greedy']['power_at_questions_needed']:.4f}, simulated {simulated:.4f}")
+    print(
+        f"\nplan margin {margin_pts} pt, discordance {psi:.0%}: n = {n}, exact power "
+        f"{plan['greedy']['power_at_questions_needed']:.4f}, simulated {simulated:.4f}"
+    )
     assert abs(simulated - 0.80) <= 0.03
     assert abs(simulated - plan["greedy"]["power_at_questions_needed"]) <= 0.02
     lanes = {row["lane"]: row for row in plan["lanes"]}
@@ -197,8 +208,9 @@ def test_plan_repeated_recommendation_has_80_percent_power_in_simulation():
     """Questions drawn with accuracy 0.5 and intra-question correlation 0.3 (Beta(0.5 s, 0.5 s), s = 1/0.3 - 1),
     16 responses per arm, equal arms: the clustered t interval excludes -5 pt in about 80% of draws at the planned
     number of questions."""
-    res = CliRunner().invoke(plan_cmd, ["--margin", "5", "--accuracy", "0.5", "--icc", "0.3", "--repeats", "16",
-                                        "--json"])
+    res = CliRunner().invoke(
+        plan_cmd, ["--margin", "5", "--accuracy", "0.5", "--icc", "0.3", "--repeats", "16", "--json"]
+    )
     assert res.exit_code == 0, res.output
     q = json.loads(res.output)["repeated"]["questions_needed"]
     s = 1 / 0.3 - 1
@@ -231,6 +243,7 @@ def test_plan_reads_two_pilot_folders_and_refuses_bad_input(tmp_path):
 
 # ----------------------------------------------------------------------------- the terminal line and the gate
 
+
 def identical_pair(tmp_path, n: int):
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     right = rng.random(n) < 0.75
@@ -245,16 +258,30 @@ def numbers(text: str) -> list[str]:
 
 def test_every_number_in_the_greedy_lines_is_in_compare_json(tmp_path):
     a, b = identical_pair(tmp_path, 60)
-    res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--resamples", "200",
-                                          "--no-html"])
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--resamples", "200", "--no-html"]
+    )
     assert res.exit_code == 0, res.output
     g = json.loads((tmp_path / "o" / "compare.json").read_text())["greedy"]
     lines = [x for x in res.output.splitlines() if x.startswith(("outputs ", "greedy"))]
     assert lines[0].startswith("outputs token-identical in all 60 pairs")  # identity first
     text = " ".join(lines)
     ident, iv, plan, bs = g["output_identity"], g["interval"], g["planning_discordance"], g["bootstrap"]
-    allowed = {str(x) for x in (60, g["b_only"], g["a_only"], g["n"], g["n_needed_for_margin"],
-                                g["n_needed_if_no_flips"], bs["n_resamples"], bs["seed"], 95, 80)}
+    allowed = {
+        str(x)
+        for x in (
+            60,
+            g["b_only"],
+            g["a_only"],
+            g["n"],
+            g["n_needed_for_margin"],
+            g["n_needed_if_no_flips"],
+            bs["n_resamples"],
+            bs["seed"],
+            95,
+            80,
+        )
+    }
     allowed |= {
         f"{g['mcnemar_p']:.4g}",
         f"{g['margin_pts']}",
@@ -288,8 +315,9 @@ def test_fail_on_exits_4_on_a_listed_verdict_and_0_otherwise(tmp_path):
     assert (tmp_path / "1" / "compare.json").is_file()  # the comparison is written in full first
     res = CliRunner().invoke(compare_cmd, base + ["--out", str(tmp_path / "2"), "--fail-on", "inferior"])
     assert res.exit_code == 0, res.output
-    res = CliRunner().invoke(compare_cmd, base + ["--out", str(tmp_path / "3"), "--margin", "10",
-                                                  "--fail-on", "inferior,inconclusive"])
+    res = CliRunner().invoke(
+        compare_cmd, base + ["--out", str(tmp_path / "3"), "--margin", "10", "--fail-on", "inferior,inconclusive"]
+    )
     assert res.exit_code == 0, res.output  # 60 identical questions do support -10 pt
     res = CliRunner().invoke(compare_cmd, base + ["--out", str(tmp_path / "4")])
     assert res.exit_code == 0, res.output  # no flag: a finished comparison exits 0
@@ -299,6 +327,7 @@ def test_fail_on_exits_4_on_a_listed_verdict_and_0_otherwise(tmp_path):
 
 
 # ----------------------------------------------------------------------------- bench verdicts
+
 
 def test_bench_verdict_no_measurable_change_when_samples_overlap_and_mde_in_percent():
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
@@ -371,13 +400,18 @@ def test_plan_from_two_repeated_pilots_uses_compares_variances(tmp_path):
         for r in recs:
             r["lane"] = "gsm8k"
         write_run(tmp_path / arm, arm, recs)
-    res = CliRunner().invoke(plan_cmd, ["--margin", "5", "--pilot", str(tmp_path / "A"), "--pilot", str(tmp_path / "B"),
-                                        "--json"])
+    res = CliRunner().invoke(
+        plan_cmd, ["--margin", "5", "--pilot", str(tmp_path / "A"), "--pilot", str(tmp_path / "B"), "--json"]
+    )
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)["repeated"]
-    direct = compare_repeated({q: np.array(v, float) for q, v in runs["A"].items()},
-                              {q: np.array(v, float) for q, v in runs["B"].items()}, n_permutations=10)["power"]
+    direct = compare_repeated(
+        {q: np.array(v, float) for q, v in runs["A"].items()},
+        {q: np.array(v, float) for q, v in runs["B"].items()},
+        n_permutations=10,
+    )["power"]
     assert rep["within_variance"] == pytest.approx(direct["within_variance"])
     assert rep["between_variance"] == pytest.approx(direct["between_variance"])
-    assert rep["questions_needed"] == power.repeated_questions_needed(0.05, 16, direct["within_variance"],
-                                                                      direct["between_variance"])
+    assert rep["questions_needed"] == power.repeated_questions_needed(
+        0.05, 16, direct["within_variance"], direct["between_variance"]
+    )

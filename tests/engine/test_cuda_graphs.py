@@ -104,7 +104,7 @@ def test_mixed_forward_sends_decode_rows_through_the_static_step(tiny_runner, al
     new_prompt = prompt(45, 9)
     a = None  # the previous step's logits: the fourth step decodes the prompt's first sampled token
     for step in range(4):  # the fourth request's prompt arrives in chunks while the others decode
-        chunk = new_prompt[step * 15:(step + 1) * 15] if step < 3 else [int(a[0].argmax())]
+        chunk = new_prompt[step * 15 : (step + 1) * 15] if step < 3 else [int(a[0].argmax())]
         # order as the engine sends it, prompt chunk first, and once interleaved (a chunk between decode rows)
         order = [3, 0, 1, 2] if step % 2 == 0 else [0, 3, 1, 2]
         rows = {0: [last[0]], 1: [last[1]], 2: [last[2]], 3: chunk}
@@ -115,7 +115,7 @@ def test_mixed_forward_sends_decode_rows_through_the_static_step(tiny_runner, al
         assert (a - b).abs().max().item() < LOGIT_TOL
         # the prompt chunk went to the wrapped runner alone (the last step is all decode rows: no eager call)
         assert calls == ([1] if step < 3 else [])
-        a = a if not all_logits else a[[sum(len(rows[j]) for j in order[:k + 1]) - 1 for k in range(4)]]
+        a = a if not all_logits else a[[sum(len(rows[j]) for j in order[: k + 1]) - 1 for k in range(4)]]
         last = [int(a[order.index(i)].argmax()) for i in range(3)]
     assert (4, 1) in graph.steps and (2, 1) not in graph.steps  # 3 decode rows: bucket 4; then all 4 together
     for sp, sg in pairs:
@@ -163,9 +163,11 @@ def test_baseline_and_static_references_match_engine_hyper_and_moe(tiny_runner):
         assert (lyr.mlp(x, ids) - sm.moe(lyr.mlp, x, ids)).abs().max().item() < 1e-5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="CUDA-graph capture/replay needs a CUDA GPU (none here); the dry path above covers the "
-                           "step logic, benchmarks/gpu_serving.py runs the captured graphs on the H200")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA-graph capture/replay needs a CUDA GPU (none here); the dry path above covers the "
+    "step logic, benchmarks/gpu_serving.py runs the captured graphs on the H200",
+)
 def test_captured_graph_replays_equal_eager(tiny_runner):
     plain = tiny_runner(**SMALL, device="cuda")
     base = tiny_runner(**SMALL, device="cuda")
@@ -193,8 +195,15 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner, cache_dir
     from evalpipe.engine.spec.decoder import decoder_from_settings
 
     monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(cache_dir))
-    plain, served_decoder = build(EngineConfig(model=TINY_MODEL_NAME, max_batch=5, max_seq_len=SMALL["max_seq_len"],
-                                               speculative="block", drafter="layerskip:2"))
+    plain, served_decoder = build(
+        EngineConfig(
+            model=TINY_MODEL_NAME,
+            max_batch=5,
+            max_seq_len=SMALL["max_seq_len"],
+            speculative="block",
+            drafter="layerskip:2",
+        )
+    )
     assert isinstance(plain, ModelRunner) and plain.max_seqs == 5
     assert not capture_drafter(served_decoder, plain)  # nothing to capture on the CPU
     graph = GraphRunner(tiny_runner(**SMALL), widths=(1, 3), buckets=(1, 2), fused=True)

@@ -60,12 +60,14 @@ def test_the_check_fails_for_a_missing_flag_or_a_drifted_default():
     assert flag_mismatches(without) == ["prefix_cache: no serve flag"]
     drifted = dict(params)
     drifted["max_queue"] = click.Option(["--max-queue"], default=ENGINE_DEFAULTS.max_queue + 1)
-    assert flag_mismatches(drifted) == [f"max_queue: flag default {ENGINE_DEFAULTS.max_queue + 1}, "
-                                        f"field default {ENGINE_DEFAULTS.max_queue}"]
+    assert flag_mismatches(drifted) == [
+        f"max_queue: flag default {ENGINE_DEFAULTS.max_queue + 1}, field default {ENGINE_DEFAULTS.max_queue}"
+    ]
     silent = dict(params)
     silent["block_size"] = click.Option(["--block-size"], default=None, help="drafts per verify")
-    assert flag_mismatches(silent) == [f"block_size: flag default None and its help does not state "
-                                       f"[default: {ENGINE_DEFAULTS.block_size}]"]
+    assert flag_mismatches(silent) == [
+        f"block_size: flag default None and its help does not state [default: {ENGINE_DEFAULTS.block_size}]"
+    ]
 
 
 def test_max_tokens_per_step_follows_the_device_unless_given():
@@ -77,9 +79,22 @@ def test_max_tokens_per_step_follows_the_device_unless_given():
 
 
 def test_serve_flags_become_the_engine_config():
-    options, _ = parse_serve_args(["--speculative", "block", "--block-size", "3", "--max-queue", "9",
-                                   "--debug-fault", "stale-kv-after-reject", "--debug-fault", "greedy-sampling",
-                                   "--prefix-cache", "off"])
+    options, _ = parse_serve_args(
+        [
+            "--speculative",
+            "block",
+            "--block-size",
+            "3",
+            "--max-queue",
+            "9",
+            "--debug-fault",
+            "stale-kv-after-reject",
+            "--debug-fault",
+            "greedy-sampling",
+            "--prefix-cache",
+            "off",
+        ]
+    )
     config = options.native
     assert (config.speculative, config.block_size, config.max_queue, config.prefix_cache) == ("block", 3, 9, "off")
     assert config.debug_faults == ("greedy-sampling", "stale-kv-after-reject")  # sorted, as faults_of reads them

@@ -21,8 +21,9 @@ SMALL = {"max_seqs": 3, "max_seq_len": 128}
 
 def runner_surface_missing(obj) -> list[str]:
     """Names of the Runner protocol's members `obj` lacks (the protocol's annotations and methods)."""
-    names = set(Runner.__annotations__) | {n for n, v in vars(Runner).items()
-                                          if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    names = set(Runner.__annotations__) | {
+        n for n, v in vars(Runner).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
     return sorted(n for n in names if not hasattr(obj, n))
 
 
@@ -88,8 +89,12 @@ def test_check_rows_refuses_what_forward_refuses(tiny_runner):
 
 def test_decoders_say_what_the_engine_needs_to_know(tiny_runner):
     target = tiny_runner(**SMALL)
-    plain, spec = PlainDecoder(), SpeculativeDecoder(target, NgramDrafter(vocab_size=target.config.vocab_size),
-                                                     block_size=3, simulate_acc_len=2.0)
+    plain, spec = (
+        PlainDecoder(),
+        SpeculativeDecoder(
+            target, NgramDrafter(vocab_size=target.config.vocab_size), block_size=3, simulate_acc_len=2.0
+        ),
+    )
     assert isinstance(plain, Decoder) and isinstance(spec, Decoder)
     assert (plain.one_row_greedy, spec.one_row_greedy) == (True, False)
     assert plain.grammar_blocker() is None and "simulated" in spec.grammar_blocker()
@@ -97,4 +102,3 @@ def test_decoders_say_what_the_engine_needs_to_know(tiny_runner):
     plain.prepare([seq])  # the default hooks do nothing
     plain.release(0)
     assert seq.spec is None and plain.propose(seq) == [3]
-

@@ -83,8 +83,9 @@ def test_candidate_budget_is_wired_and_default_is_exact(checkpoint):
 
     ids = prompt(101, seed=11)  # 25 entries per CSA layer: 7 blocks of 4
     default = prefill_logits(runner(), ids)
-    assert torch.equal(prefill_logits(runner(candidate_blocks=10_000), ids), default), \
+    assert torch.equal(prefill_logits(runner(candidate_blocks=10_000), ids), default), (
         "a budget covering every block must be the default"
+    )
     narrowed = prefill_logits(runner(candidate_blocks=1, candidate_block_size=1), ids)
     # rows that see more than one entry now attend to a single (newest) entry instead of the top-3
     assert float((narrowed - default).abs().max()) > 1e-3

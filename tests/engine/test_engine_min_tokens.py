@@ -24,9 +24,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 def engines(runner, tokenizer, max_tokens_per_step=512):
     plain = Engine(runner, tokenizer, max_batch=8, max_tokens_per_step=max_tokens_per_step)
-    specs = [Engine(runner, tokenizer, max_batch=8, max_tokens_per_step=max_tokens_per_step,
-                    decoder=SpeculativeDecoder(runner, build_drafter(d, runner), block_size=b))
-             for d, b in (("self", 6), ("layerskip:2", 4))]
+    specs = [
+        Engine(
+            runner,
+            tokenizer,
+            max_batch=8,
+            max_tokens_per_step=max_tokens_per_step,
+            decoder=SpeculativeDecoder(runner, build_drafter(d, runner), block_size=b),
+        )
+        for d, b in (("self", 6), ("layerskip:2", 4))
+    ]
     return [plain, *specs]
 
 
@@ -34,14 +41,17 @@ def test_min_tokens_holds_stop_tokens_back_in_plain_and_speculative_decoding(run
     prompt = tokenizer.encode_prompt("Once upon a time")
     base = run(Engine(runner, tokenizer), [(prompt, GREEDY)])[0]["token_ids"]
     stop_ids = (base[0], base[3])  # stops the model produces at once and inside the first block
-    requests = [(prompt, replace(GREEDY, stop_token_ids=stop_ids)),
-                (prompt, replace(GREEDY, stop_token_ids=stop_ids, min_tokens=7)),
-                (prompt, replace(GREEDY, stop_token_ids=stop_ids, min_tokens=7, include_stop_str_in_output=True)),
-                (prompt, replace(GREEDY, stop_token_ids=stop_ids, min_tokens=20))]
+    requests = [
+        (prompt, replace(GREEDY, stop_token_ids=stop_ids)),
+        (prompt, replace(GREEDY, stop_token_ids=stop_ids, min_tokens=7)),
+        (prompt, replace(GREEDY, stop_token_ids=stop_ids, min_tokens=7, include_stop_str_in_output=True)),
+        (prompt, replace(GREEDY, stop_token_ids=stop_ids, min_tokens=20)),
+    ]
     results = [run(engine, requests) for engine in engines(runner, tokenizer)]
     for other in results[1:]:
-        assert [(r["token_ids"], r["text"], r["finish_reason"]) for r in other] == \
-               [(r["token_ids"], r["text"], r["finish_reason"]) for r in results[0]]
+        assert [(r["token_ids"], r["text"], r["finish_reason"]) for r in other] == [
+            (r["token_ids"], r["text"], r["finish_reason"]) for r in results[0]
+        ]
     unheld, held, kept, full = results[0]
     stops = {*stop_ids, tokenizer.eos_token_id}
     assert unheld["token_ids"] == [base[0]] and unheld["finish_reason"] == "stop"

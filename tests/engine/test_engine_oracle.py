@@ -23,29 +23,74 @@ PREFILL_LOGIT_BOUND = 1e-4  # max |engine - oracle| over every prefill row's log
 TIE_MARGIN = 1e-4
 NEW_TOKENS = 40
 
-_BASE = dict(vocab_size=512, bos_token_id=0, eos_token_id=1, hidden_size=128, num_attention_heads=4,
-             num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=64, o_groups=2,
-             o_lora_rank=32, index_n_heads=8, index_head_dim=16, n_routed_experts=6, num_experts_per_tok=2,
-             n_shared_experts=1, moe_intermediate_size=64, hc_mult=4, hc_sinkhorn_iters=20,
-             max_position_embeddings=4096)
+_BASE = dict(
+    vocab_size=512,
+    bos_token_id=0,
+    eos_token_id=1,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=32,
+    index_n_heads=8,
+    index_head_dim=16,
+    n_routed_experts=6,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=64,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    max_position_embeddings=4096,
+)
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 CONFIGS = {
     # the default model's schedule: every attention type, HCA ratio 2, YaRN compress rope
-    "mixed-hca2": dict(seed=1, num_hidden_layers=4, layer_types=[S, C, H, C], sliding_window=16, index_topk=4,
-                       compress_rates={C: 4, H: 2}, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-                       rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256}),
+    "mixed-hca2": dict(
+        seed=1,
+        num_hidden_layers=4,
+        layer_types=[S, C, H, C],
+        sliding_window=16,
+        index_topk=4,
+        compress_rates={C: 4, H: 2},
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256},
+    ),
     # larger HCA ratio, HCA first, plain compress rope, sigmoid router
-    "hca8-csa": dict(seed=2, num_hidden_layers=3, layer_types=[H, C, S], sliding_window=12, index_topk=6,
-                     compress_rates={C: 4, H: 8}, mlp_layer_types=["moe", "hash_moe", "moe"],
-                     scoring_func="sigmoid"),
+    "hca8-csa": dict(
+        seed=2,
+        num_hidden_layers=3,
+        layer_types=[H, C, S],
+        sliding_window=12,
+        index_topk=6,
+        compress_rates={C: 4, H: 8},
+        mlp_layer_types=["moe", "hash_moe", "moe"],
+        scoring_func="sigmoid",
+    ),
     # CSA-heavy with a small top-k and a short window
-    "csa-only": dict(seed=3, num_hidden_layers=3, layer_types=[C, C, H], sliding_window=8, index_topk=3,
-                     compress_rates={C: 4, H: 16}, mlp_layer_types=["hash_moe", "moe", "moe"],
-                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+    "csa-only": dict(
+        seed=3,
+        num_hidden_layers=3,
+        layer_types=[C, C, H],
+        sliding_window=8,
+        index_topk=3,
+        compress_rates={C: 4, H: 16},
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    ),
     # ratio-2 HCA everywhere but one sliding layer
-    "hca2-sliding": dict(seed=4, num_hidden_layers=3, layer_types=[H, S, H], sliding_window=20, index_topk=4,
-                         compress_rates={C: 4, H: 2}, mlp_layer_types=["moe", "moe", "hash_moe"]),
+    "hca2-sliding": dict(
+        seed=4,
+        num_hidden_layers=3,
+        layer_types=[H, S, H],
+        sliding_window=20,
+        index_topk=4,
+        compress_rates={C: 4, H: 2},
+        mlp_layer_types=["moe", "moe", "hash_moe"],
+    ),
 }
 PROMPT_LENGTHS = (7, 45, 101)  # below / above every window; decodes cross more window and ratio boundaries
 
@@ -141,11 +186,14 @@ def test_greedy_and_prefill_match_transformers(checkpoints, name, capsys):
         ties, selecting = indexer_boundary_ties(oracle, prompt + ref)
         tie_note = f"indexer top-k boundary ties {ties}/{selecting} selecting rows"
         if first is None:
-            report.append(f"{name} L={length}: {NEW_TOKENS}/{NEW_TOKENS} greedy tokens equal, prefill diff "
-                          f"{diff:.2e}, {tie_note}")
+            report.append(
+                f"{name} L={length}: {NEW_TOKENS}/{NEW_TOKENS} greedy tokens equal, prefill diff {diff:.2e}, {tie_note}"
+            )
         else:
-            report.append(f"{name} L={length}: first difference at new token {first}, oracle top-2 margin "
-                          f"{margins[first]:.3g} (tie bound {TIE_MARGIN}), {tie_note}")
+            report.append(
+                f"{name} L={length}: first difference at new token {first}, oracle top-2 margin "
+                f"{margins[first]:.3g} (tie bound {TIE_MARGIN}), {tie_note}"
+            )
             assert margins[first] < TIE_MARGIN, report[-1]
     with capsys.disabled():
         print("\n" + "\n".join(report))
@@ -177,7 +225,9 @@ def test_shipped_default_model_matches_transformers_on_lane_prompts(capsys):
         ref, margins = oracle_greedy(oracle, prompt, steps)
         first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
         assert first is None or margins[first] < TIE_MARGIN, (lane, first, margins[first])
-        report.append(f"shipped model, {lane}[{index}] ({len(prompt)} tokens): {steps}/{steps} greedy tokens "
-                      f"{'equal' if first is None else f'equal up to a tie at {first}'}, prefill diff {diff:.2e}")
+        report.append(
+            f"shipped model, {lane}[{index}] ({len(prompt)} tokens): {steps}/{steps} greedy tokens "
+            f"{'equal' if first is None else f'equal up to a tie at {first}'}, prefill diff {diff:.2e}"
+        )
     with capsys.disabled():
         print("\n" + "\n".join(report))

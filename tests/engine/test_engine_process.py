@@ -39,8 +39,13 @@ def test_a_dead_engine_is_a_503_in_flight_and_serve_exits_1():
     try:
         pid = server.engine_pid()
         client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=60)
-        body = dict(model="evalpipe-tiny-dsv4", prompt="keep going", max_tokens=3000, temperature=0,
-                    extra_body={"ignore_eos": True})
+        body = dict(
+            model="evalpipe-tiny-dsv4",
+            prompt="keep going",
+            max_tokens=3000,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         results: dict = {}
 
         def plain():
@@ -51,9 +56,12 @@ def test_a_dead_engine_is_a_503_in_flight_and_serve_exits_1():
 
         def streamed():
             events = []
-            with httpx.stream("POST", server.base + "/v1/completions", timeout=60,
-                              json={**{k: v for k, v in body.items() if k != "extra_body"}, "ignore_eos": True,
-                                    "stream": True}) as resp:
+            with httpx.stream(
+                "POST",
+                server.base + "/v1/completions",
+                timeout=60,
+                json={**{k: v for k, v in body.items() if k != "extra_body"}, "ignore_eos": True, "stream": True},
+            ) as resp:
                 results["stream_status"] = resp.status_code
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
@@ -114,8 +122,9 @@ def test_log_level_info_logs_the_engines_throughput():
     server = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--log-level", "info")
     try:
         for srv in (quiet, server):
-            r = httpx.post(srv.base + "/v1/completions", timeout=60,
-                           json={"prompt": "hi", "max_tokens": 12, "ignore_eos": True})
+            r = httpx.post(
+                srv.base + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 12, "ignore_eos": True}
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
         deadline = time.monotonic() + 10
         while "generated tok/s" not in server.output() and time.monotonic() < deadline:
@@ -125,8 +134,11 @@ def test_log_level_info_logs_the_engines_throughput():
         quiet.stop(signal.SIGTERM)
     # the request's window: its prompt's step + 11 decode steps (the first token comes from the prompt's step); the
     # CPU runner has no overlap schedule, so none of them was queued ahead
-    lines = [line for line in server.output().splitlines()
-             if "generated tok/s" in line and ": 12 steps (0 overlapped, 1 with" in line]
+    lines = [
+        line
+        for line in server.output().splitlines()
+        if "generated tok/s" in line and ": 12 steps (0 overlapped, 1 with" in line
+    ]
     assert len(lines) == 1, server.output()
     assert "0 running, 0 waiting" in lines[0] and "ms per loop of which Engine.step" in lines[0], lines[0]
     assert " 0 generated tok/s" not in lines[0] and " 0 prefilled tok/s" not in lines[0], lines[0]

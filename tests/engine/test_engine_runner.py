@@ -36,8 +36,11 @@ def test_default_checkpoint_is_seeded_cached_and_loadable_by_transformers(runner
     config = tiny_config()
     assert runner.model_name == TINY_MODEL_NAME
     assert runner.config.vocab_size == 512 and runner.config.bos_token_id == 0 and runner.config.eos_token_id == 1
-    assert set(runner.config.layer_types) == {"sliding_attention", "compressed_sparse_attention",
-                                              "heavily_compressed_attention"}
+    assert set(runner.config.layer_types) == {
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    }
     assert set(runner.config.mlp_layer_types) == {"moe", "hash_moe"}
     assert runner.config.compress_rates["heavily_compressed_attention"] == 2
     path = runner.model_path
@@ -97,7 +100,7 @@ def test_chunked_prefill_equals_one_shot(runner):
     one_shot = runner.forward([a], [ids], all_logits=True)
     chunks, rows, at = [13, 1, 30, 2, 54], [], 0
     for c in chunks:
-        rows.append(runner.forward([b], [ids[at:at + c]], all_logits=True))
+        rows.append(runner.forward([b], [ids[at : at + c]], all_logits=True))
         at += c
     chunked = torch.cat(rows)
     assert chunked.shape == one_shot.shape
@@ -191,9 +194,13 @@ def test_forward_is_causal_under_exact_indexer_ties(tmp_path):
     from evalpipe.engine.model.weights import init_tiny_weights, save_checkpoint
 
     data = tiny_config().to_dict()
-    data.update(index_n_heads=1, index_topk=2, num_hidden_layers=2,
-                layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
-                mlp_layer_types=["hash_moe", "moe"])
+    data.update(
+        index_n_heads=1,
+        index_topk=2,
+        num_hidden_layers=2,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+    )
     for key in ("transformers_version", "architectures", "model_type", "qk_rope_head_dim"):
         data.pop(key, None)
     config = load_config(data)
@@ -237,8 +244,13 @@ def test_checkpoint_names_both_schemes_and_quantized_refused(runner, tmp_path):
     assert all(torch.equal(renamed[k], original[k]) for k in original)
 
     (tmp_path / "fp8").mkdir()
-    save_file({"layers.0.attn.wq_a.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn),
-               "layers.0.attn.wq_a.scale": torch.ones(1, 1)}, str(tmp_path / "fp8" / "model.safetensors"))
+    save_file(
+        {
+            "layers.0.attn.wq_a.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn),
+            "layers.0.attn.wq_a.scale": torch.ones(1, 1),
+        },
+        str(tmp_path / "fp8" / "model.safetensors"),
+    )
     with pytest.raises(ValueError, match="quantized"):
         load_state_dict(tmp_path / "fp8")
 

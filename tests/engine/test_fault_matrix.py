@@ -43,8 +43,21 @@ T1_MARGIN_PTS = 10.0
 
 
 def sampling_gate(server: ServerProcess, out: Path, tokens: int) -> dict:
-    proc = run_cli("qualify", "--base-url", server.base + "/v1", "--gates", "sampling", "--sampling-tokens",
-                   str(tokens), "--sampling-seed", "1", "--out", out, "--no-progress", timeout=300)
+    proc = run_cli(
+        "qualify",
+        "--base-url",
+        server.base + "/v1",
+        "--gates",
+        "sampling",
+        "--sampling-tokens",
+        str(tokens),
+        "--sampling-seed",
+        "1",
+        "--out",
+        out,
+        "--no-progress",
+        timeout=300,
+    )
     assert proc.returncode in (0, 4), proc.stderr
     notes = json.loads((out / "qualify.json").read_text())["gates"][0]["notes"]
     return {
@@ -72,18 +85,39 @@ def compare(a: Path, b: Path, out: Path, *extra: str) -> dict:
 
 
 def batch_shape(server: ServerProcess, out: Path) -> dict:
-    proc = run_cli("repeat", "--base-url", server.base + "/v1", "--repeats", "2", "--fixtures", "open_short",
-                   "--conditions", "batch_shape", "--max-tokens", "40", "--out", out, timeout=300)
+    proc = run_cli(
+        "repeat",
+        "--base-url",
+        server.base + "/v1",
+        "--repeats",
+        "2",
+        "--fixtures",
+        "open_short",
+        "--conditions",
+        "batch_shape",
+        "--max-tokens",
+        "40",
+        "--out",
+        out,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(next((out / "repeat").glob("*/repeat.json")).read_text())
     groups = result["groups"]["open_short"]
     group = groups["batch_shape"]
     modes = [groups[c]["mode_text"] for c in ("batch_1", "batch_8", "batch_64")]
     labels = "/".join("ABC"[modes.index(m)] for m in modes)  # same letter: the same modal output
-    return {"flagged": group["distinct"] > 1, "distinct": group["distinct"], "n": group["n"],
-            "statistic": f"{group['distinct']} distinct of {group['n']} (outputs alone/8/64: {labels})"
-                         + (f", diverge at {group['first_divergence_from_mode']} (gap "
-                            f"{group['logprob_gap_at_first_divergence']:.3g})" if group["distinct"] > 1 else "")}
+    return {
+        "flagged": group["distinct"] > 1,
+        "distinct": group["distinct"],
+        "n": group["n"],
+        "statistic": f"{group['distinct']} distinct of {group['n']} (outputs alone/8/64: {labels})"
+        + (
+            f", diverge at {group['first_divergence_from_mode']} (gap {group['logprob_gap_at_first_divergence']:.3g})"
+            if group["distinct"] > 1
+            else ""
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +130,9 @@ def matrix(tmp_path_factory) -> dict:
         server = ServerProcess(*args, model=MODEL)
         try:
             row = {"sampling": sampling_gate(server, work / "qualify", tokens)} if tokens else {}
-            saves = ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
+            saves = (
+                ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
+            )
             greedy = arith(server, work / "greedy", "greedy", "--num-examples", str(GREEDY_QUESTIONS), *saves)
             row["batch_shape"] = batch_shape(server, work / "repeat")
             t1 = second = None
@@ -110,23 +146,32 @@ def matrix(tmp_path_factory) -> dict:
             baseline, greedy = {"greedy": greedy, "t1": t1}, second
         agreement = compare(baseline["greedy"], greedy, work / "compare-greedy")
         share = agreement["agreement"]["share_identical"]
-        row["greedy_agreement"] = {"flagged": share < 1.0, "share": share,
-                                   "statistic": f"{agreement['agreement']['n_identical']}/"
-                                                f"{agreement['agreement']['n_pairs']} identical, "
-                                                f"{len(agreement['flips'])} flips",
-                                   "manifest_keys": [d["key"] for d in agreement["manifest_diff"]["differences"]]}
+        row["greedy_agreement"] = {
+            "flagged": share < 1.0,
+            "share": share,
+            "statistic": f"{agreement['agreement']['n_identical']}/"
+            f"{agreement['agreement']['n_pairs']} identical, "
+            f"{len(agreement['flips'])} flips",
+            "manifest_keys": [d["key"] for d in agreement["manifest_diff"]["differences"]],
+        }
         if "--speculative" in args and "--drafter" not in args and name != "clean, spec block":
-            check = compare(baseline["greedy"], greedy, work / "compare-accept", "--accept-baseline",
-                            root / "accept-baseline.json")
+            check = compare(
+                baseline["greedy"], greedy, work / "compare-accept", "--accept-baseline", root / "accept-baseline.json"
+            )
             rates = " ".join(f"{r['measured']:.2f}/{r['baseline']:.2f}" for r in check["accept_baseline"]["positions"])
-            row["accept_baseline"] = {"flagged": check["exit_code"] == 4,
-                                      "statistic": f"position 1..5 measured/baseline {rates}"}
+            row["accept_baseline"] = {
+                "flagged": check["exit_code"] == 4,
+                "statistic": f"position 1..5 measured/baseline {rates}",
+            }
         if t1 is not None and name != "clean, spec off":
             verdict = compare(baseline["t1"], t1, work / "compare-t1", "--margin", str(T1_MARGIN_PTS))["greedy"]
-            row["t1_accuracy"] = {"verdict": verdict["verdict"], "diff_pts": 100 * verdict["diff"],
-                                  "statistic": f"{100 * verdict['n_correct_a'] / verdict['n']:.0f}% -> "
-                                               f"{100 * verdict['n_correct_b'] / verdict['n']:.0f}%, "
-                                               f"{verdict['verdict']} at -{T1_MARGIN_PTS:g} pt"}
+            row["t1_accuracy"] = {
+                "verdict": verdict["verdict"],
+                "diff_pts": 100 * verdict["diff"],
+                "statistic": f"{100 * verdict['n_correct_a'] / verdict['n']:.0f}% -> "
+                f"{100 * verdict['n_correct_b'] / verdict['n']:.0f}%, "
+                f"{verdict['verdict']} at -{T1_MARGIN_PTS:g} pt",
+            }
         row["faults_in_summary"] = json.loads((greedy / "summary.json").read_text())["server_debug_faults"]
         rows[name] = row
     print_matrix(rows)
@@ -134,13 +179,18 @@ def matrix(tmp_path_factory) -> dict:
 
 
 def print_matrix(rows: dict) -> None:
-    print("\n| server | sampling gate | greedy agreement vs clean spec off | batch shape (alone, 8, 64) | "
-          "acceptance baseline (clean layerskip:4, rtol 0.05) |")
+    print(
+        "\n| server | sampling gate | greedy agreement vs clean spec off | batch shape (alone, 8, 64) | "
+        "acceptance baseline (clean layerskip:4, rtol 0.05) |"
+    )
     print("|---|---|---|---|---|")
     for name, row in rows.items():
-        cells = [(("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"]) if d in row else
-                 ("the baseline" if name == "clean, spec block" else "not run" if d == "sampling" else "n/a")
-                 for d in ("sampling", "greedy_agreement", "batch_shape", "accept_baseline")]
+        cells = [
+            (("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"])
+            if d in row
+            else ("the baseline" if name == "clean, spec block" else "not run" if d == "sampling" else "n/a")
+            for d in ("sampling", "greedy_agreement", "batch_shape", "accept_baseline")
+        ]
         print(f"| {name} | " + " | ".join(cells) + " |")
     for name, row in rows.items():
         if "t1_accuracy" in row:
@@ -160,19 +210,32 @@ def test_every_fault_is_recorded_in_the_run_summary(matrix):
         assert matrix[name]["faults_in_summary"] == planted, name
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--debug-fault", "greedy-sampling"], "needs --speculative block"),
-    (["--debug-fault", "batch-variant", "--device", "cuda"], "--device cpu only"),
-    (["--debug-fault", "no-such-fault"], "Invalid value for '--debug-fault'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--debug-fault", "greedy-sampling"], "needs --speculative block"),
+        (["--debug-fault", "batch-variant", "--device", "cuda"], "--device cpu only"),
+        (["--debug-fault", "no-such-fault"], "Invalid value for '--debug-fault'"),
+    ],
+)
 def test_debug_fault_flag_rules_are_usage_errors(args, message):
     proc = run_cli("serve", "--port", "0", *args, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_a_launched_native_server_gets_its_faults_passed_on():
-    proc = run_cli("serve", "--dry-run", "--json", "--speculative", "block", "--debug-fault", "stale-kv-after-reject",
-                   "--debug-fault", "batch-variant", timeout=60)
+    proc = run_cli(
+        "serve",
+        "--dry-run",
+        "--json",
+        "--speculative",
+        "block",
+        "--debug-fault",
+        "stale-kv-after-reject",
+        "--debug-fault",
+        "batch-variant",
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(proc.stdout)["argv"]
     assert argv[-4:] == ["--debug-fault", "stale-kv-after-reject", "--debug-fault", "batch-variant"]

@@ -39,8 +39,10 @@ def tokenizer():
 def prompts(tokenizer):
     """Tool questions (answered by a call), a JSON question, and an arithmetic one that the grammar must bend."""
     rng = random.Random(16)
-    examples = [chat.tool_call(rng) for _ in range(2)] + [chat.json_reply(rng), chat.from_example(
-        chat.arith.generate(rng))]
+    examples = [chat.tool_call(rng) for _ in range(2)] + [
+        chat.json_reply(rng),
+        chat.from_example(chat.arith.generate(rng)),
+    ]
     return [tokenizer.apply_chat_template(ex.messages, tools=chat.TOOLS) for ex in examples]
 
 
@@ -54,10 +56,12 @@ GRAMMARS = {
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
     results = [{"ids": [], "finish": None} for _ in prompts]
     for i, prompt in enumerate(prompts):
+
         def on_event(ev, r=results[i]):
             r["ids"] += ev.token_ids
             if ev.finish_reason is not None:
                 r["finish"] = ev.finish_reason
+
         engine.submit(make_sequences(prompt, params, 1, on_event))
     for _ in range(5000):
         if all(r["finish"] for r in results):
@@ -69,8 +73,10 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> lis
 @pytest.fixture(scope="module")
 def engines(runner, tokenizer):
     drafter = build_drafter(default_drafter(runner), runner)
-    return (Engine(runner, tokenizer, max_batch=8),
-            Engine(runner, tokenizer, max_batch=8, decoder=SpeculativeDecoder(runner, drafter, block_size=5)))
+    return (
+        Engine(runner, tokenizer, max_batch=8),
+        Engine(runner, tokenizer, max_batch=8, decoder=SpeculativeDecoder(runner, drafter, block_size=5)),
+    )
 
 
 def replays(grammars: Grammars, spec: GrammarConstraint, ids: list[int]) -> bool:
@@ -118,9 +124,11 @@ def test_lossy_or_simulated_acceptance_refuses_grammars(runner, tokenizer):
 
     drafter = build_drafter("ngram", runner)
     exact = Engine(runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3))
-    lossy = Engine(runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3,
-                                                                 accept_rule=AcceptRule(topk=2)))
-    simulated = Engine(runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3,
-                                                                     simulate_acc_len=2.0))
+    lossy = Engine(
+        runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3, accept_rule=AcceptRule(topk=2))
+    )
+    simulated = Engine(
+        runner, tokenizer, decoder=SpeculativeDecoder(runner, drafter, block_size=3, simulate_acc_len=2.0)
+    )
     assert exact.grammar_blocker() is None
     assert "lossy" in lossy.grammar_blocker() and "simulate" in simulated.grammar_blocker()

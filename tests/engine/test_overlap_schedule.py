@@ -31,8 +31,10 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-DEVICES = pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+DEVICES = pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
 
 
 def make_engine(tiny_runner, tokenizer, overlap: bool, device: str = "cpu", **runner_kwargs) -> Engine:
@@ -40,8 +42,9 @@ def make_engine(tiny_runner, tokenizer, overlap: bool, device: str = "cpu", **ru
     from evalpipe.engine.model.fused_sites import SiteSettings
 
     cuda = device == "cuda"
-    base = tiny_runner(max_seqs=6, max_seq_len=MAX_SEQ_LEN, device=device, sites=SiteSettings() if cuda else None,
-                       **runner_kwargs)
+    base = tiny_runner(
+        max_seqs=6, max_seq_len=MAX_SEQ_LEN, device=device, sites=SiteSettings() if cuda else None, **runner_kwargs
+    )
     graph = GraphRunner(base, widths=(1,), buckets=(1, 2, 4), fused=True, use_graphs=cuda)
     return Engine(graph, tokenizer, max_batch=4, max_tokens_per_step=64, overlap=overlap)
 
@@ -70,19 +73,34 @@ def drive(engine: Engine, script: dict[int, list], aborts: dict[int, int], log: 
 def workload(stop_token: int | None, stop_text: str | None) -> tuple[dict[int, list], dict[int, int]]:
     greedy = dict(temperature=0.0, ignore_eos=True)
     script = {
-        0: [Sequence(prompt=prompt(37, 1), params=SamplingParams(max_tokens=30, **greedy)),
+        0: [
+            Sequence(prompt=prompt(37, 1), params=SamplingParams(max_tokens=30, **greedy)),
             Sequence(prompt=prompt(50, 2), params=SamplingParams(max_tokens=1, **greedy)),
-            Sequence(prompt=prompt(29, 3), params=SamplingParams(max_tokens=2, **greedy))],
+            Sequence(prompt=prompt(29, 3), params=SamplingParams(max_tokens=2, **greedy)),
+        ],
         # decodes to max_seq_len (160): 150 + 10 tokens, max_tokens is larger
         4: [Sequence(prompt=prompt(150, 4), params=SamplingParams(max_tokens=40, **greedy))],
-        9: [Sequence(prompt=prompt(33, 5), params=SamplingParams(
-                max_tokens=40, stop_token_ids=(stop_token,) if stop_token is not None else (), **greedy))],
-        14: [Sequence(prompt=prompt(41, 6), params=SamplingParams(
-                 max_tokens=40, stop=(stop_text,) if stop_text else (), **greedy)),
-             Sequence(prompt=prompt(20, 7), params=SamplingParams(max_tokens=25, temperature=0.8, seed=11,
-                                                                 ignore_eos=True))],
-        30: [Sequence(prompt=prompt(25, 8), params=SamplingParams(max_tokens=12, logprobs=2, **greedy)),
-             Sequence(prompt=prompt(26, 9), params=SamplingParams(max_tokens=100, **greedy))],
+        9: [
+            Sequence(
+                prompt=prompt(33, 5),
+                params=SamplingParams(
+                    max_tokens=40, stop_token_ids=(stop_token,) if stop_token is not None else (), **greedy
+                ),
+            )
+        ],
+        14: [
+            Sequence(
+                prompt=prompt(41, 6),
+                params=SamplingParams(max_tokens=40, stop=(stop_text,) if stop_text else (), **greedy),
+            ),
+            Sequence(
+                prompt=prompt(20, 7), params=SamplingParams(max_tokens=25, temperature=0.8, seed=11, ignore_eos=True)
+            ),
+        ],
+        30: [
+            Sequence(prompt=prompt(25, 8), params=SamplingParams(max_tokens=12, logprobs=2, **greedy)),
+            Sequence(prompt=prompt(26, 9), params=SamplingParams(max_tokens=100, **greedy)),
+        ],
     }
     return script, {20: 0, 75: 8}  # abort the first request mid-decode, and the last one
 
@@ -116,7 +134,7 @@ def test_overlap_gives_the_same_outputs_and_events(tiny_runner, tokenizer, devic
         assert engine.runner.runner.describe()["live_sequences"] == 1  # the pad slot
     for on, off in zip(results[True], results[False]):
         if off[1] == "abort":  # the token in flight when the abort arrives is dropped: at most one token fewer
-            assert on[1] == "abort" and off[0][:len(on[0])] == on[0] and len(off[0]) - len(on[0]) in (0, 1)
+            assert on[1] == "abort" and off[0][: len(on[0])] == on[0] and len(off[0]) - len(on[0]) in (0, 1)
         else:
             assert on == off
     reasons = [r[1] for r in results[True]]
@@ -140,8 +158,7 @@ def test_rows_fed_on_the_device_are_recorded_as_their_tokens(tiny_runner, tokeni
     and decodes what it decodes with the overlap off."""
     out = {}
     for overlap in (False, True):
-        engine = make_engine(tiny_runner, tokenizer, overlap=overlap, device=device, prefix_cache=True,
-                             page_tokens=8)
+        engine = make_engine(tiny_runner, tokenizer, overlap=overlap, device=device, prefix_cache=True, page_tokens=8)
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         a = Sequence(prompt=prompt(60, 21), params=params)
         engine.submit([a])
@@ -165,7 +182,7 @@ def test_decode_async_refuses_a_token_nobody_chose(tiny_runner):
     with pytest.raises(ValueError, match="no token chosen"):
         graph.decode_async([seq], [None])
     with pytest.raises(ValueError, match="out of range"):
-        graph.decode_async([seq], [10 ** 6])
+        graph.decode_async([seq], [10**6])
     pending = graph.decode_async([seq], [5])
     nxt = graph.decode_async([seq], [None])  # fed step 1's choice on the device
     assert graph.tokens(seq)[-1] == -1  # a placeholder until step 1 is settled
@@ -185,9 +202,12 @@ def test_a_sequence_ending_by_length_does_not_break_the_chain(tiny_runner, token
     out = {}
     for overlap in (False, True):
         engine = make_engine(tiny_runner, tokenizer, overlap=overlap, device=device, prefix_cache=True, page_tokens=8)
-        seqs = [Sequence(prompt=prompt(30 + i, 40 + i), params=SamplingParams(temperature=0.0, max_tokens=n,
-                                                                                ignore_eos=True))
-                for i, n in enumerate((10, 30))]
+        seqs = [
+            Sequence(
+                prompt=prompt(30 + i, 40 + i), params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            )
+            for i, n in enumerate((10, 30))
+        ]
         engine.submit(seqs)
         while engine.busy:
             engine.step()
@@ -233,8 +253,15 @@ def test_prefill_delay_gathers_prompts_and_changes_no_token(tiny_runner, tokeniz
     for factor in (0.0, 20.0):
         base = tiny_runner(max_seqs=6, max_seq_len=MAX_SEQ_LEN)
         runner = GraphRunner(base, widths=(1,), buckets=(1, 2, 4), fused=True)
-        engine = Engine(runner, tokenizer, max_batch=4, max_tokens_per_step=64, overlap=overlap,
-                        prefill_delay_factor=factor, clock=Ticks())
+        engine = Engine(
+            runner,
+            tokenizer,
+            max_batch=4,
+            max_tokens_per_step=64,
+            overlap=overlap,
+            prefill_delay_factor=factor,
+            clock=Ticks(),
+        )
         first = Sequence(prompt=prompt(40, 61), params=SamplingParams(**greedy))
         late = Sequence(prompt=prompt(20, 62), params=SamplingParams(**greedy))
         engine.submit([first])

@@ -26,10 +26,19 @@ WINDOW, CSA_RATIO, HCA_RATIO, PAGE = 24, 4, 2, 64  # tiny_config.json; PAGE is t
 def shared_prefix_lengths() -> dict[str, int]:
     """Where each variant leaves the base prompt, relative to the cached boundary 128 (two pages of 64)."""
     edge = 2 * PAGE
-    return {"page-1": edge - 1, "page": edge, "page+1": edge + 1,
-            "window-1": edge + WINDOW - 1, "window": edge + WINDOW, "window+1": edge + WINDOW + 1,
-            "csa-1": edge + CSA_RATIO - 1, "csa": edge + CSA_RATIO, "csa+1": edge + CSA_RATIO + 1,
-            "hca+1": edge + HCA_RATIO + 1, "mid-chunk": 3 * CHUNK + CHUNK // 2}
+    return {
+        "page-1": edge - 1,
+        "page": edge,
+        "page+1": edge + 1,
+        "window-1": edge + WINDOW - 1,
+        "window": edge + WINDOW,
+        "window+1": edge + WINDOW + 1,
+        "csa-1": edge + CSA_RATIO - 1,
+        "csa": edge + CSA_RATIO,
+        "csa+1": edge + CSA_RATIO + 1,
+        "hca+1": edge + HCA_RATIO + 1,
+        "mid-chunk": 3 * CHUNK + CHUNK // 2,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +49,8 @@ def prompts() -> dict[str, list[int]]:
     out = {"base": base}
     for name, shared in shared_prefix_lengths().items():
         out[name] = base[:shared] + rand(20)
-    out["prefix-of-base"] = base[:3 * PAGE + 1]  # a full hit, capped so the last row is computed
-    out["base-page-edge"] = base[:3 * PAGE]  # ends at a page edge: the hit stops one page short
+    out["prefix-of-base"] = base[: 3 * PAGE + 1]  # a full hit, capped so the last row is computed
+    out["base-page-edge"] = base[: 3 * PAGE]  # ends at a page edge: the hit stops one page short
     return out
 
 
@@ -67,17 +76,25 @@ def run(engine: Engine, prompts: list[list[int]], *, together: bool) -> list[Seq
 
 
 def spec_decoder(runner):
-    return SpeculativeDecoder(runner, build_drafter("layerskip:2", getattr(runner, "eager_runner", runner)),
-                              block_size=3)
+    return SpeculativeDecoder(
+        runner, build_drafter("layerskip:2", getattr(runner, "eager_runner", runner)), block_size=3
+    )
 
 
-def serve(tiny_runner, tokenizer, prompts, *, cache: bool, spec: bool, page_tokens=None, num_pages=None,
-          max_batch=4) -> tuple[list[Sequence], Engine]:
+def serve(
+    tiny_runner, tokenizer, prompts, *, cache: bool, spec: bool, page_tokens=None, num_pages=None, max_batch=4
+) -> tuple[list[Sequence], Engine]:
     """The base prompt alone, then every other prompt queued at once, through a fresh engine."""
-    runner = tiny_runner(max_seqs=max_batch, max_seq_len=512, prefix_cache=cache, page_tokens=page_tokens,
-                         num_pages=num_pages)
-    engine = Engine(runner, tokenizer, max_batch=max_batch, max_tokens_per_step=CHUNK,
-                    decoder=spec_decoder(runner) if spec else None)
+    runner = tiny_runner(
+        max_seqs=max_batch, max_seq_len=512, prefix_cache=cache, page_tokens=page_tokens, num_pages=num_pages
+    )
+    engine = Engine(
+        runner,
+        tokenizer,
+        max_batch=max_batch,
+        max_tokens_per_step=CHUNK,
+        decoder=spec_decoder(runner) if spec else None,
+    )
     names = list(prompts)
     first = run(engine, [prompts[names[0]]], together=False)
     rest = run(engine, [prompts[n] for n in names[1:]], together=True)
@@ -138,8 +155,10 @@ def test_reference_matches_transformers(tiny_runner, prompts, reference):
     assert len(report) == len(prompts)
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
 def test_static_step_pages_are_cached_and_reused(tiny_runner, tokenizer, device):
     """Decode and verify rows on the static step (the CUDA-graph path; on the CPU its dry run) write no tails
     themselves; the pages they complete get them from the rings. A follow-up prompt = prompt + completion (a chat's
@@ -152,8 +171,14 @@ def test_static_step_pages_are_cached_and_reused(tiny_runner, tokenizer, device)
     out = {}
     cuda = device == "cuda"
     for cache in (False, True):
-        base = tiny_runner(max_seqs=3, max_seq_len=512, prefix_cache=cache, page_tokens=8, device=device,
-                           sites=SiteSettings() if cuda else None)
+        base = tiny_runner(
+            max_seqs=3,
+            max_seq_len=512,
+            prefix_cache=cache,
+            page_tokens=8,
+            device=device,
+            sites=SiteSettings() if cuda else None,
+        )
         runner = GraphRunner(base, widths=(1, 4), buckets=(1, 2), fused=cuda, use_graphs=cuda)
         engine = Engine(runner, tokenizer, max_batch=2, max_tokens_per_step=CHUNK, decoder=spec_decoder(runner))
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -175,8 +200,11 @@ def test_eviction_under_pressure_loses_nothing_and_corrupts_no_shared_page(tiny_
     are evicted all along, every request completes with the cache-off tokens, and every page comes back."""
     gen = torch.Generator().manual_seed(7)
     families = [torch.randint(2, 500, (70,), generator=gen).tolist() for _ in range(4)]
-    prompts = {f"f{i}-{j}": families[i][:40 + 9 * j] + torch.randint(2, 500, (5,), generator=gen).tolist()
-               for j in range(4) for i in range(4)}
+    prompts = {
+        f"f{i}-{j}": families[i][: 40 + 9 * j] + torch.randint(2, 500, (5,), generator=gen).tolist()
+        for j in range(4)
+        for i in range(4)
+    }
     off, _ = serve(tiny_runner, tokenizer, prompts, cache=False, spec=False, page_tokens=8, num_pages=40)
     on, engine = serve(tiny_runner, tokenizer, prompts, cache=True, spec=False, page_tokens=8, num_pages=40)
     runner = engine.runner
@@ -257,8 +285,13 @@ def test_page_finished_by_an_eager_forward_after_static_steps_has_a_whole_tail(t
     other = torch.randint(2, 500, (30,), generator=gen).tolist()
     out = {}
     for cache in (False, True):
-        g = GraphRunner(tiny_runner(max_seqs=3, max_seq_len=256, prefix_cache=cache, page_tokens=8),
-                        widths=(1,), buckets=(1, 2), fused=False, use_graphs=False)
+        g = GraphRunner(
+            tiny_runner(max_seqs=3, max_seq_len=256, prefix_cache=cache, page_tokens=8),
+            widths=(1,),
+            buckets=(1, 2),
+            fused=False,
+            use_graphs=False,
+        )
         a, b = g.allocate(), g.allocate()
         tokens = list(prompt)
         logits = g.forward([a], [prompt])  # eager prefill: 0..58

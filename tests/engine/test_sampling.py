@@ -134,8 +134,16 @@ def test_seq_event_then_concatenates_a_lagging_reader_s_events():
     from evalpipe.engine.ipc import SeqEvent
 
     a = SeqEvent(index=1, token_ids=[5, 6], text="ab", logprobs=None, completion_tokens=2, cached_tokens=64)
-    b = SeqEvent(index=1, token_ids=[7], text="c", logprobs=[{"id": 7, "logprob": -0.1, "top": []}],
-                 completion_tokens=3, finish_reason="length", spec={"accept_length": 2.0}, cached_tokens=64)
+    b = SeqEvent(
+        index=1,
+        token_ids=[7],
+        text="c",
+        logprobs=[{"id": 7, "logprob": -0.1, "top": []}],
+        completion_tokens=3,
+        finish_reason="length",
+        spec={"accept_length": 2.0},
+        cached_tokens=64,
+    )
     m = a.then(b)
     assert (m.token_ids, m.text, m.completion_tokens, m.finish_reason) == ([5, 6, 7], "abc", 3, "length")
     assert m.logprobs == b.logprobs and m.spec == b.spec and m.index == 1 and m.cached_tokens == 64

@@ -31,8 +31,8 @@ from evalpipe.engine.spec.accept import (
 )
 from evalpipe.engine.spec.settings import AcceptRule
 
-V = 5           # vocabulary
-K = 3           # tokens per generated sequence whose joint law is tested
+V = 5  # vocabulary
+K = 3  # tokens per generated sequence whose joint law is tested
 SAMPLES = 6000
 P_THRESHOLD = 1e-3
 
@@ -60,7 +60,7 @@ def _exact_law(target: torch.Tensor, start: int) -> np.ndarray:
 def _speculative_sequences(target, draft, block, seed, accept=rejection_accept) -> np.ndarray:
     """Generate SAMPLES sequences of K tokens by block speculation; return counts over the V**K cells."""
     g = torch.Generator().manual_seed(seed)
-    counts = np.zeros(V ** K, dtype=np.int64)
+    counts = np.zeros(V**K, dtype=np.int64)
     for _ in range(SAMPLES):
         out, prev = [], 0
         while len(out) < K:
@@ -190,6 +190,7 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
 
 # ----------------------------------------------------------------------------------------- lossy rules
 
+
 def _ranked_logits(rankings: list[list[int]], vocab: int = 6) -> torch.Tensor:
     """[len(rankings), vocab] logits where row i orders its tokens as rankings[i] (best first) by clear gaps."""
     logits = torch.full((len(rankings), vocab), -10.0)
@@ -247,8 +248,9 @@ def test_topk_under_sampling_keeps_a_top_k_draft_the_exact_test_would_replace():
     q = torch.tensor([[0.0, 0.01, 0.99, 0.0]], dtype=torch.float64)  # draft 2: p/q = 0.2 / 0.99
     kept = exact_kept = 0
     for seed in range(200):
-        lossy = rejection_accept(p, q, [2], torch.Generator().manual_seed(seed),
-                                 keep=in_top_k(p[:1], [2], 3, require_positive=True))
+        lossy = rejection_accept(
+            p, q, [2], torch.Generator().manual_seed(seed), keep=in_top_k(p[:1], [2], 3, require_positive=True)
+        )
         exact = rejection_accept(p, q, [2], torch.Generator().manual_seed(seed))
         kept += lossy[1]
         exact_kept += exact[1]
@@ -273,6 +275,7 @@ def test_threshold_single_and_acc_follow_sglangs_test():
 def _sglang_rule(single, acc):
     def accept(p_rows, q_rows, drafts, g):
         return threshold_accept(p_rows, drafts, single, acc, g)
+
     return accept
 
 

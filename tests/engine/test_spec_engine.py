@@ -30,15 +30,21 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    texts = ["The capital of France is", "1 + 1 = ", "Once upon a time, in a land far away, there lived",
-             "def fib(n):\n    return"]
+    texts = [
+        "The capital of France is",
+        "1 + 1 = ",
+        "Once upon a time, in a land far away, there lived",
+        "def fib(n):\n    return",
+    ]
     return [tokenizer.encode(t) for t in texts]
 
 
 def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[dict]:
     """Submit every request, step the engine until all finish, return per-request results."""
-    results = [{"token_ids": [], "text": "", "finish_reason": None, "matched_stop": None, "spec": None,
-                "logprobs": []} for _ in requests]
+    results = [
+        {"token_ids": [], "text": "", "finish_reason": None, "matched_stop": None, "spec": None, "logprobs": []}
+        for _ in requests
+    ]
 
     def collect(i):
         def on_event(ev):
@@ -48,6 +54,7 @@ def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> lis
             r["logprobs"] += ev.logprobs or []
             if ev.finish_reason is not None:
                 r.update(finish_reason=ev.finish_reason, matched_stop=ev.matched_stop, spec=ev.spec)
+
         return on_event
 
     for i, (prompt, params) in enumerate(requests):
@@ -76,18 +83,21 @@ def check_stats(spec: dict, n_tokens: int, block: int) -> None:
 
 @pytest.mark.parametrize("drafter,block", [("layerskip:2", 5), ("ngram", 2), ("self", 6)])
 def test_engine_speculation_equals_plain_decoding(runner, tokenizer, prompts, drafter, block):
-    requests = [(p, replace(GREEDY, max_tokens=m, logprobs=lp))
-                for p, m, lp in zip(prompts, (24, 7, 19, 1), (None, 2, None, 0))]
+    requests = [
+        (p, replace(GREEDY, max_tokens=m, logprobs=lp)) for p, m, lp in zip(prompts, (24, 7, 19, 1), (None, 2, None, 0))
+    ]
     plain = run(Engine(runner, tokenizer, max_batch=8), requests)
     engine = spec_engine(runner, tokenizer, drafter, block)
     spec = run(engine, requests)
     for a, b in zip(plain, spec):
-        assert {k: v for k, v in a.items() if k not in ("spec", "logprobs")} == \
-            {k: v for k, v in b.items() if k not in ("spec", "logprobs")}
+        assert {k: v for k, v in a.items() if k not in ("spec", "logprobs")} == {
+            k: v for k, v in b.items() if k not in ("spec", "logprobs")
+        }
         check_stats(b["spec"], len(b["token_ids"]), block)
         # logprobs of committed tokens come from the verify rows: same ids, same values up to float32 rounding
-        assert [(x["id"], [t for t, _ in x["top"]]) for x in a["logprobs"]] == \
-            [(x["id"], [t for t, _ in x["top"]]) for x in b["logprobs"]]
+        assert [(x["id"], [t for t, _ in x["top"]]) for x in a["logprobs"]] == [
+            (x["id"], [t for t, _ in x["top"]]) for x in b["logprobs"]
+        ]
         for x, y in zip(a["logprobs"], b["logprobs"]):
             assert y["logprob"] == pytest.approx(x["logprob"], abs=1e-4)
     assert len(spec[1]["logprobs"]) == 7
@@ -107,8 +117,9 @@ def test_stops_inside_an_accepted_block_cut_at_the_right_token(runner, tokenizer
     ref = run(Engine(runner, tokenizer), [(prompt, replace(GREEDY, max_tokens=30))])[0]
     tokens, text = ref["token_ids"], ref["text"]
     k = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i] and tokens[i] >= 16 + 33)
-    stop_text = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and
-                     text.find(text[i:i + 2]) == i)
+    stop_text = next(
+        text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].strip() and text.find(text[i : i + 2]) == i
+    )
     cases = [
         replace(GREEDY, max_tokens=8),
         replace(GREEDY, max_tokens=30, stop_token_ids=(tokens[k],)),

@@ -42,8 +42,11 @@ def draft_model_path(tmp_path_factory):
     config.num_hidden_layers = keep
     config.layer_types = list(config.layer_types[:keep])
     config.mlp_layer_types = list(config.mlp_layer_types[:keep])
-    state = {k: v for k, v in load_state_dict(source).items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < keep}
+    state = {
+        k: v
+        for k, v in load_state_dict(source).items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < keep
+    }
     out = tmp_path_factory.mktemp("draft") / "tiny-first-2-layers"
     return str(save_checkpoint(config, state, out))
 
@@ -88,13 +91,17 @@ def test_greedy_speculation_is_lossless(target, draft_model_path, prompts, refer
             seqs = spec_generate(target, decoder, [prompts[i] for i in mix], NEW_TOKENS)
             for i, s in zip(mix, seqs):
                 tokens, margins = reference[i]
-                lines.append(compare_with_tie_rule(
-                    s.output[:NEW_TOKENS], tokens, margins, f"{drafter_name} G={block} mix={mix} prompt {i}"))
+                lines.append(
+                    compare_with_tie_rule(
+                        s.output[:NEW_TOKENS], tokens, margins, f"{drafter_name} G={block} mix={mix} prompt {i}"
+                    )
+                )
                 stats = decoder.stats(s)
                 assert sum(stats["accept_histogram"]) == stats["verify_steps"]
                 if drafter_name == "self":
-                    assert stats["accept_histogram"][block] == stats["verify_steps"], \
+                    assert stats["accept_histogram"][block] == stats["verify_steps"], (
                         f"self drafter G={block}: histogram {stats['accept_histogram']}"
+                    )
             hist = [sum(h) for h in zip(*(decoder.stats(s)["accept_histogram"] for s in seqs))]
             lines.append(f"{drafter_name} G={block} mix={mix}: accepted-drafts histogram {hist}")
             finish(target, decoder, seqs)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, decoder_from_settings
 from evalpipe.engine.spec.drafters import build_drafter
-from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.spec.settings import AcceptRule
 from evalpipe.server.state import ServerSettings
 from tests.support.spec_helpers import compare_with_tie_rule, finish, plain_greedy, spec_generate, start
@@ -42,7 +42,7 @@ def _ranks(target, prompt: list[int], output: list[int]) -> list[int]:
     """The target's rank (0 = argmax) of every output token given the prompt and the output before it."""
     seq = target.allocate()
     try:
-        logits = target.forward([seq], [prompt + output[:-1]], all_logits=True)[len(prompt) - 1:]
+        logits = target.forward([seq], [prompt + output[:-1]], all_logits=True)[len(prompt) - 1 :]
     finally:
         target.free(seq)
     own = logits.gather(1, torch.tensor(output).unsqueeze(1))
@@ -66,8 +66,10 @@ def test_topk_accepts_more_than_exact_and_emits_only_top_k_tokens(target, drafte
     for s in exact_seqs:
         assert exact.stats(s)["accept"] == {"rule": "exact", "lossy": False} and exact.stats(s)["lossy"] is False
     with capsys.disabled():
-        print(f"\naccepted drafts per step: exact {accepted['exact']:.2f}, topk k={K} {accepted['topk']:.2f}; "
-              f"target ranks of the top-k output: {ranks}")
+        print(
+            f"\naccepted drafts per step: exact {accepted['exact']:.2f}, topk k={K} {accepted['topk']:.2f}; "
+            f"target ranks of the top-k output: {ranks}"
+        )
     assert all(r < K for row in ranks for r in row), "top-k emitted a token outside the target's top K"
     assert any(r > 0 for row in ranks for r in row), "top-k never accepted a non-argmax draft: the rule did not act"
     assert accepted["topk"] > accepted["exact"]
@@ -78,8 +80,9 @@ def test_topk_accepts_more_than_exact_and_emits_only_top_k_tokens(target, drafte
 
 def test_thresholds_leave_greedy_requests_exact(target, drafter, prompts):
     """SGLang verifies greedy requests exactly whatever its thresholds: so does the native engine."""
-    decoder = SpeculativeDecoder(target, drafter, block_size=BLOCK,
-                                 accept_rule=AcceptRule(threshold_single=0.05, threshold_acc=0.05))
+    decoder = SpeculativeDecoder(
+        target, drafter, block_size=BLOCK, accept_rule=AcceptRule(threshold_single=0.05, threshold_acc=0.05)
+    )
     seqs = spec_generate(target, decoder, prompts, NEW_TOKENS)
     for prompt, s in zip(prompts, seqs):
         tokens, margins = plain_greedy(target, prompt, NEW_TOKENS)
@@ -112,15 +115,19 @@ def test_thresholds_act_on_sampled_requests(target, drafter, prompts):
 def test_server_settings_build_the_rule_and_default_is_exact(target):
     exact = decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2"), target)
     assert exact.describe()["accept"] == {"rule": "exact", "lossy": False}
-    lossless = decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2",
-                                                  spec_accept_threshold_single=1.0, spec_accept_threshold_acc=1.0),
-                                     target)
+    lossless = decoder_from_settings(
+        EngineConfig(
+            speculative="block", drafter="layerskip:2", spec_accept_threshold_single=1.0, spec_accept_threshold_acc=1.0
+        ),
+        target,
+    )
     assert lossless.accept_rule.name == "exact"  # thresholds of 1.0 are SGLang's lossless default
     topk = decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2", spec_accept_topk=4), target)
     assert topk.describe()["accept"]["k"] == 4
     with pytest.raises(ValueError, match="nothing to decide"):
-        decoder_from_settings(EngineConfig(speculative="block", drafter="layerskip:2", spec_accept_topk=2,
-                                           simulate_acc_len=3.0), target)
+        decoder_from_settings(
+            EngineConfig(speculative="block", drafter="layerskip:2", spec_accept_topk=2, simulate_acc_len=3.0), target
+        )
     info_before_load = ServerSettings(EngineConfig(speculative="block", spec_accept_threshold_acc=0.5))
     import asyncio
 
@@ -132,13 +139,16 @@ def test_server_settings_build_the_rule_and_default_is_exact(target):
     assert info["speculative"]["accept"]["rule"] == "threshold" and info["speculative"]["accept"]["lossy"] is True
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--spec-accept-topk", "3"], "needs --speculative block"),
-    (["--speculative", "block", "--spec-accept-topk", "1"], "K >= 2"),
-    (["--speculative", "block", "--spec-accept-topk", "3", "--spec-accept-threshold-single", "0.5"], "not both"),
-    (["--speculative", "block", "--spec-accept-threshold-acc", "1.5"], "0.0<=x<=1.0"),
-    (["--speculative", "block", "--spec-accept-topk", "2", "--simulate-acc-len", "3"], "nothing to decide"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--spec-accept-topk", "3"], "needs --speculative block"),
+        (["--speculative", "block", "--spec-accept-topk", "1"], "K >= 2"),
+        (["--speculative", "block", "--spec-accept-topk", "3", "--spec-accept-threshold-single", "0.5"], "not both"),
+        (["--speculative", "block", "--spec-accept-threshold-acc", "1.5"], "0.0<=x<=1.0"),
+        (["--speculative", "block", "--spec-accept-topk", "2", "--simulate-acc-len", "3"], "nothing to decide"),
+    ],
+)
 def test_serve_refuses_impossible_acceptance_flags(args, message):
     """Usage errors (exit 2) before anything loads, never a traceback."""
     from click.testing import CliRunner

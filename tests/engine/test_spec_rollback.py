@@ -41,7 +41,7 @@ class ScriptedDrafter:
             ref = self.references[seq.slot]
             pos = len(seq.output)
             assert seq.output == ref[:pos], "the scripted drafter assumes lossless decoding so far"
-            d = list(ref[pos:pos + w])
+            d = list(ref[pos : pos + w])
             step = self.steps.get(seq.slot, 0)
             self.steps[seq.slot] = step + 1
             a = self.schedules[seq.slot][step % len(self.schedules[seq.slot])]
@@ -60,7 +60,7 @@ class ScriptedDrafter:
 def _twin_catch_up(runner, twin, seq) -> None:
     """Feed the twin, one row per forward, every committed token but the pending last one."""
     hist = history(seq)
-    for tok in hist[runner.seq_len(twin): len(hist) - 1]:
+    for tok in hist[runner.seq_len(twin) : len(hist) - 1]:
         runner.forward([twin], [[tok]])
 
 
@@ -85,8 +85,11 @@ def test_every_accepted_length_rolls_back_to_plain_decode_state(target, block, c
     refs = [plain_greedy(target, p, new_tokens)[0] for p in prompts]
     seqs = start(target, prompts)
     up = list(range(block + 1))
-    drafter = ScriptedDrafter({seqs[0].slot: refs[0], seqs[1].slot: refs[1]},
-                              {seqs[0].slot: up, seqs[1].slot: up[::-1]}, target.config.vocab_size)
+    drafter = ScriptedDrafter(
+        {seqs[0].slot: refs[0], seqs[1].slot: refs[1]},
+        {seqs[0].slot: up, seqs[1].slot: up[::-1]},
+        target.config.vocab_size,
+    )
     decoder = SpeculativeDecoder(target, drafter, block_size=block)
     twins = [target.allocate() for _ in seqs]
     for twin, p in zip(twins, prompts):
@@ -108,8 +111,10 @@ def test_every_accepted_length_rolls_back_to_plain_decode_state(target, block, c
         for twin in twins:
             target.free(twin)
     with capsys.disabled():
-        print(f"\nG={block}: {steps} steps x 2 sequences, state equal to plain decoding (max |diff| {worst:.2e}), "
-              f"histograms {[decoder.stats(s)['accept_histogram'] for s in seqs]}")
+        print(
+            f"\nG={block}: {steps} steps x 2 sequences, state equal to plain decoding (max |diff| {worst:.2e}), "
+            f"histograms {[decoder.stats(s)['accept_histogram'] for s in seqs]}"
+        )
 
 
 def test_layerskip_drafter_state_follows_the_accepted_prefix(target):

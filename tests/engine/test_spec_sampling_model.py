@@ -57,7 +57,9 @@ def test_first_emitted_token_follows_the_target_distribution(capsys):
     keep = exp > 0
     p = float(scipy.stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
     with capsys.disabled():
-        print(f"\nmodel-level speculative sampling: chi-square p = {p:.3f} over {int(counts.sum())} samples, "
-              f"{accepted} drafts accepted of {BATCH * ROUNDS * 3}")
+        print(
+            f"\nmodel-level speculative sampling: chi-square p = {p:.3f} over {int(counts.sum())} samples, "
+            f"{accepted} drafts accepted of {BATCH * ROUNDS * 3}"
+        )
     assert accepted > 0, "the test must exercise acceptance, not only rejection"
     assert p > P_THRESHOLD

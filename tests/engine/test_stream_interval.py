@@ -16,11 +16,18 @@ from tests.support.server_harness import ServerProcess
 
 
 def run(tiny_runner, interval: int, jobs: list[tuple[list[int], dict]]) -> list[list]:
-    engine = Engine(tiny_runner(max_seqs=4, max_seq_len=256), load_tokenizer(None), max_batch=4,
-                    max_tokens_per_step=64, stream_interval=interval)
+    engine = Engine(
+        tiny_runner(max_seqs=4, max_seq_len=256),
+        load_tokenizer(None),
+        max_batch=4,
+        max_tokens_per_step=64,
+        stream_interval=interval,
+    )
     logs: list[list] = [[] for _ in jobs]
-    seqs = [Sequence(prompt=prompt, params=SamplingParams(**params), on_event=logs[i].append)
-            for i, (prompt, params) in enumerate(jobs)]
+    seqs = [
+        Sequence(prompt=prompt, params=SamplingParams(**params), on_event=logs[i].append)
+        for i, (prompt, params) in enumerate(jobs)
+    ]
     engine.submit(seqs)
     while engine.busy:
         engine.step()
@@ -28,8 +35,12 @@ def run(tiny_runner, interval: int, jobs: list[tuple[list[int], dict]]) -> list[
 
 
 def merged(events: list) -> tuple:
-    return ([t for ev in events for t in ev.token_ids], "".join(ev.text for ev in events),
-            events[-1].finish_reason, events[-1].completion_tokens)
+    return (
+        [t for ev in events for t in ev.token_ids],
+        "".join(ev.text for ev in events),
+        events[-1].finish_reason,
+        events[-1].completion_tokens,
+    )
 
 
 def test_events_carry_the_interval_and_the_same_output(tiny_runner):
@@ -57,7 +68,7 @@ def test_a_stop_string_inside_a_held_group_ends_it_with_the_same_text(tiny_runne
     jobs = [([40, 41, 42] * 6, dict(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]))]
     one, eight = run(tiny_runner, 1, jobs)[0], run(tiny_runner, 8, jobs)[0]
     assert merged(one) == merged(eight)
-    assert merged(eight)[1] == text[:text.find(stop)] and eight[-1].finish_reason == "stop"
+    assert merged(eight)[1] == text[: text.find(stop)] and eight[-1].finish_reason == "stop"
     assert len(eight) < len(one)
 
 
@@ -70,8 +81,13 @@ def test_served_streams_come_in_chunks_of_the_interval():
     server = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--stream-interval", "5")
     try:
         client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
-        body = dict(model=client.models.list().data[0].id, prompt="2 + 3 =", max_tokens=17, temperature=0.0,
-                    extra_body={"ignore_eos": True, "return_token_ids": True})
+        body = dict(
+            model=client.models.list().data[0].id,
+            prompt="2 + 3 =",
+            max_tokens=17,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         whole = client.completions.create(**body)
         chunks = [c for c in client.completions.create(stream=True, **body) if c.choices]
         sizes = [len(c.choices[0].model_extra["token_ids"]) for c in chunks]

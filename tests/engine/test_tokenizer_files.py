@@ -64,19 +64,31 @@ def test_chat_template_renders_the_engine_prompt(hf):
     ]
     conversations = [
         [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "system", "content": "Be brief. ünïcode"}, {"role": "user", "content": "hi <think>"},
-         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again 🙂"}],
-        [{"role": "user", "content": "find x"},
-         {"role": "assistant", "content": "", "tool_calls": [
-             {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"é\"}"}}]},
-         {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+        [
+            {"role": "system", "content": "Be brief. ünïcode"},
+            {"role": "user", "content": "hi <think>"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again 🙂"},
+        ],
+        [
+            {"role": "user", "content": "find x"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "é"}'}}
+                ],
+            },
+            {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        ],
     ]
     for messages in conversations:
         for kwargs in ({}, {"tools": tools}, {"enable_thinking": True}):
             for gen in (True, False):
                 want = byte.apply_chat_template(messages, add_generation_prompt=gen, **kwargs)
-                got = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True, return_dict=False,
-                                             **kwargs)
+                got = hf.apply_chat_template(
+                    messages, add_generation_prompt=gen, tokenize=True, return_dict=False, **kwargs
+                )
                 assert list(got) == want, (messages, kwargs, gen)
 
 

@@ -40,9 +40,11 @@ def test_profile_matches_a_direct_count_on_random_records():
             assert got["per_position"][j - 1] == pytest.approx(want / steps)
         assert all(a >= b for a, b in zip(got["per_position"], got["per_position"][1:]))
         assert got["token_weighted_accept_length"] == pytest.approx(
-            sum(r["usage"]["completion_tokens"] for r in recs) / steps)
+            sum(r["usage"]["completion_tokens"] for r in recs) / steps
+        )
         assert got["request_weighted_accept_length"] == pytest.approx(
-            sum(r["spec"]["accept_length"] for r in recs) / len(recs))
+            sum(r["spec"]["accept_length"] for r in recs) / len(recs)
+        )
         assert sum(b["responses"] for b in got["by_context_tokens"].values()) == len(recs)
         assert set(got["by_context_tokens"]) <= {"0-256", "256-1024", "1024-4096", "4096-16384"}
 
@@ -54,7 +56,8 @@ def test_profile_edge_cases_and_baseline_check():
     assert vllm["source"] == "metrics (run-level)" and vllm["per_position"] == [0.8, 0.5]
     base = {"per_position": [0.8, 0.5], "token_weighted_accept_length": 2.3}
     assert not check_baseline({"per_position": [0.77, 0.48], "token_weighted_accept_length": 2.2}, base, 0.05)[
-        "regressed"]
+        "regressed"
+    ]
     low = check_baseline({"per_position": [0.8, 0.47], "token_weighted_accept_length": 2.3}, base, 0.05)
     assert low["regressed"] and "[2]" in low["reason"]
     assert check_baseline({"per_position": [0.9], "token_weighted_accept_length": 2.5}, base, 0.05)["regressed"]
@@ -63,8 +66,11 @@ def test_profile_edge_cases_and_baseline_check():
 
 def test_bad_baseline_files_are_usage_errors(tmp_path):
     bad = tmp_path / "bad.json"
-    for text in ("not json", json.dumps({"schema": "other"}),
-                 json.dumps({"schema": "evalpipe-accept-baseline/1", "per_position": []})):
+    for text in (
+        "not json",
+        json.dumps({"schema": "other"}),
+        json.dumps({"schema": "evalpipe-accept-baseline/1", "per_position": []}),
+    ):
         bad.write_text(text)
         with pytest.raises(ValueError):
             read_baseline(bad)
@@ -128,9 +134,11 @@ def test_context_buckets_on_a_real_run_with_prompts_of_several_lengths(tmp_path)
         for j, rate in enumerate(buckets[name]["per_position"], start=1):
             assert rate == pytest.approx(sum(h for hist in hists for h in hist[j:]) / steps)
         assert buckets[name]["token_weighted_accept_length"] == pytest.approx(
-            sum(r["usage"]["completion_tokens"] for r in mine) / steps)
+            sum(r["usage"]["completion_tokens"] for r in mine) / steps
+        )
         assert buckets[name]["request_weighted_accept_length"] == pytest.approx(
-            sum(r["spec"]["accept_length"] for r in mine) / len(mine))
+            sum(r["spec"]["accept_length"] for r in mine) / len(mine)
+        )
 
 
 # SGLang's per-response speculative fields, as its tokenizer manager fills `meta_info` (`fill_spec_decoding_meta`
@@ -145,9 +153,14 @@ def test_sglang_meta_info_is_a_per_response_source(tmp_path, histogram_key):
     rng = random.Random()
     hist = [rng.randint(0, 9) for _ in range(4)]  # G = 3 (a topk-1 EAGLE chain of 3 steps)
     steps = sum(hist)
-    meta = {"spec_verify_ct": steps, "spec_accept_length": rng.uniform(1.0, 4.0), "spec_accept_rate": 0.5,
-            "spec_num_correct_drafts": sum(i * h for i, h in enumerate(hist)), "spec_num_proposed_drafts": 3 * steps,
-            histogram_key: hist}
+    meta = {
+        "spec_verify_ct": steps,
+        "spec_accept_length": rng.uniform(1.0, 4.0),
+        "spec_accept_rate": 0.5,
+        "spec_num_correct_drafts": sum(i * h for i, h in enumerate(hist)),
+        "spec_num_proposed_drafts": 3 * steps,
+        histogram_key: hist,
+    }
     with scripted_server(mode="skills", meta_info=meta) as base_url:
         proc = run_lane("retrieval", base_url, tmp_path / "r", "--num-examples", "4", timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -158,5 +171,6 @@ def test_sglang_meta_info_is_a_per_response_source(tmp_path, histogram_key):
         assert rate == pytest.approx(sum(hist[j:]) / steps)
     assert got["request_weighted_accept_length"] == pytest.approx(meta["spec_accept_length"])
     assert got["token_weighted_accept_length"] == pytest.approx(
-        sum(r["usage"]["completion_tokens"] for r in records) / (4 * steps))
+        sum(r["usage"]["completion_tokens"] for r in records) / (4 * steps)
+    )
     assert set(got["by_context_tokens"]) == {"0-256", "256-1024", "1024-4096"}

@@ -55,11 +55,14 @@ def assert_bad_input(result, *needles):
 LAST_LINE = N + 1  # the records are lines 1..N; the appended line is N + 1, then one more record follows it
 
 
-@pytest.mark.parametrize("garbage, why", [
-    (b"\xff\xfe\x00not utf-8\n", "not UTF-8 (byte 0xff at column 1)"),
-    (b'{"question_id": 5, "broken\n', "not valid JSON"),
-    (b"[1, 2, 3]\n", "a JSON list, not an object"),
-])
+@pytest.mark.parametrize(
+    "garbage, why",
+    [
+        (b"\xff\xfe\x00not utf-8\n", "not UTF-8 (byte 0xff at column 1)"),
+        (b'{"question_id": 5, "broken\n', "not valid JSON"),
+        (b"[1, 2, 3]\n", "a JSON list, not an object"),
+    ],
+)
 def test_a_bad_line_in_responses_is_named_by_audit_compare_and_resume(runs, tmp_path, server, garbage, why):
     first_record = (runs["a"] / "responses.jsonl").read_bytes().split(b"\n")[0] + b"\n"
     bad = damaged(runs["a"], tmp_path, "responses.jsonl", garbage + first_record)
@@ -79,8 +82,13 @@ def test_a_torn_last_line_is_still_a_partial_run_not_bad_input(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "summary.json"])
-@pytest.mark.parametrize("data, why", [(b'{"run_id": "x",\n  "lane": \xe9\n}', "2: not UTF-8 (byte 0xe9)"),
-                                       (b'{"run_id": "x",\n  "lane": }', "2: not valid JSON (Expecting value")])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (b'{"run_id": "x",\n  "lane": \xe9\n}', "2: not UTF-8 (byte 0xe9)"),
+        (b'{"run_id": "x",\n  "lane": }', "2: not valid JSON (Expecting value"),
+    ],
+)
 def test_a_malformed_manifest_or_summary_is_named(runs, tmp_path, name, data, why):
     bad = damaged(runs["a"], tmp_path, name, data, append=False)
     where = f"{bad / name}:{why}"
@@ -101,12 +109,17 @@ def test_missing_and_foreign_folders_are_not_run_folders(runs, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "metrics.json").write_text("{}")
-    assert_bad_input(run_cli("compare", runs["a"], foreign, "--no-html", "--out", tmp_path / "cmp"),
-                     f"{foreign} is not a run folder (no manifest.json and no responses.jsonl)")
-    assert_bad_input(run_cli("import", "sgl-eval", foreign, "--out", tmp_path / "imp"),
-                     f"{foreign}: no output-rs<r>.jsonl")
-    assert_bad_input(run_cli("import", "lm-eval", runs["a"], "--out", tmp_path / "imp"),
-                     f"{runs['a']}: no lm-eval results_*.json here")
+    assert_bad_input(
+        run_cli("compare", runs["a"], foreign, "--no-html", "--out", tmp_path / "cmp"),
+        f"{foreign} is not a run folder (no manifest.json and no responses.jsonl)",
+    )
+    assert_bad_input(
+        run_cli("import", "sgl-eval", foreign, "--out", tmp_path / "imp"), f"{foreign}: no output-rs<r>.jsonl"
+    )
+    assert_bad_input(
+        run_cli("import", "lm-eval", runs["a"], "--out", tmp_path / "imp"),
+        f"{runs['a']}: no lm-eval results_*.json here",
+    )
 
 
 def test_resume_takes_the_data_folder_from_the_manifest(server, tmp_path):
@@ -118,9 +131,28 @@ def test_resume_takes_the_data_folder_from_the_manifest(server, tmp_path):
     env = dict(os.environ, EVALPIPE_DATA_DIR=str(tmp_path / "nowhere"))
     set_config(server, mode="error500")
     try:
-        first = subprocess.run(evalpipe_cmd("run", "gsm8k", "--base-url", server, "--data-dir", "mydata",
-                                            "--num-examples", 3, "--max-retries", 0, "--out", "out", "--no-progress"),
-                               cwd=made_in, env=env, capture_output=True, text=True, timeout=120)
+        first = subprocess.run(
+            evalpipe_cmd(
+                "run",
+                "gsm8k",
+                "--base-url",
+                server,
+                "--data-dir",
+                "mydata",
+                "--num-examples",
+                3,
+                "--max-retries",
+                0,
+                "--out",
+                "out",
+                "--no-progress",
+            ),
+            cwd=made_in,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert first.returncode == 4, first.stderr
     finally:
         set_config(server, mode="correct")
@@ -129,8 +161,14 @@ def test_resume_takes_the_data_folder_from_the_manifest(server, tmp_path):
     assert manifest["start"]["dataset"]["path"] == str(made_in / "mydata" / "gsm8k" / "test.jsonl")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    again = subprocess.run(evalpipe_cmd("run", "--resume", run_dir, "--no-progress"), cwd=elsewhere, env=env,
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        evalpipe_cmd("run", "--resume", run_dir, "--no-progress"),
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0, again.stderr
     _, summary, manifest = load_run(run_dir)
     assert summary["n_errors"] == 0 and summary["accuracy"] == 1.0
@@ -154,5 +192,7 @@ def test_a_malformed_bench_json_is_named(tmp_path):
     for name, data in (("a", b'{"requests": [],\n "x": \xff}'), ("b", b'{"requests": []}')):
         (tmp_path / name).mkdir()
         (tmp_path / name / "bench.json").write_bytes(data)
-    assert_bad_input(run_cli("compare", tmp_path / "a", tmp_path / "b", "--no-html", "--out", tmp_path / "cmp"),
-                     f"{tmp_path / 'a' / 'bench.json'}:2: not UTF-8 (byte 0xff)")
+    assert_bad_input(
+        run_cli("compare", tmp_path / "a", tmp_path / "b", "--no-html", "--out", tmp_path / "cmp"),
+        f"{tmp_path / 'a' / 'bench.json'}:2: not UTF-8 (byte 0xff)",
+    )

@@ -25,9 +25,25 @@ def formula(req: dict) -> float:
 
 def test_bench_against_scripted_peer(tmp_path):
     with start_peer(stream_groups=GROUPS, event_delay_s=0.03, accept_length=2.5) as (base_url, stats):
-        res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "12", "--output-len", "16",
-                                             "--rounds", "3", "--warmup", "1", "--concurrency", "2",
-                                             "--out", str(tmp_path / "b")])
+        res = CliRunner().invoke(
+            bench_cmd,
+            [
+                "--base-url",
+                base_url,
+                "--input-len",
+                "12",
+                "--output-len",
+                "16",
+                "--rounds",
+                "3",
+                "--warmup",
+                "1",
+                "--concurrency",
+                "2",
+                "--out",
+                str(tmp_path / "b"),
+            ],
+        )
         assert res.exit_code == 0, res.output
         peer = stats()
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
@@ -53,7 +69,8 @@ def test_bench_against_scripted_peer(tmp_path):
         assert rnd["aggregate_tokens_per_s"] == pytest.approx(rnd["completion_tokens"] / rnd["wall_s"])
     cfg = bench["config"]
     assert cfg["token_id_range"] == [100, 512] and cfg["input_ids_sha256"] == inputs_sha256(
-        make_inputs(0, 2, 12, 100, 512))
+        make_inputs(0, 2, 12, 100, 512)
+    )
     assert bench["server"]["flush_cache_offered"] is True
     assert peer["flushes"] == 1 + 4  # the probe, then one before each of the 4 rounds
     assert "decode_tokens_per_s" in res.output
@@ -62,15 +79,36 @@ def test_bench_against_scripted_peer(tmp_path):
 def test_bench_refuses_a_stream_without_token_counts(tmp_path):
     """A server whose chunks carry neither token_ids nor cumulative usage cannot be measured honestly."""
     with start_peer(stream_groups=[2, 2]) as (base_url, _):
-        res = CliRunner().invoke(bench_cmd, ["--base-url", base_url, "--input-len", "4", "--output-len", "4",
-                                             "--rounds", "1", "--warmup", "0", "--out", str(tmp_path / "b")])
+        res = CliRunner().invoke(
+            bench_cmd,
+            [
+                "--base-url",
+                base_url,
+                "--input-len",
+                "4",
+                "--output-len",
+                "4",
+                "--rounds",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(tmp_path / "b"),
+            ],
+        )
         assert res.exit_code == 0, res.output  # token_ids present: fine
         import asyncio
 
         from evalpipe.harness.bench import BenchConfig, BenchError, run_bench
 
-        cfg = BenchConfig(base_url=base_url, input_len=4, output_len=4, rounds=1, warmup=0,
-                          extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}})
+        cfg = BenchConfig(
+            base_url=base_url,
+            input_len=4,
+            output_len=4,
+            rounds=1,
+            warmup=0,
+            extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}},
+        )
         with pytest.raises(BenchError, match="exact per-event token counts"):
             asyncio.run(run_bench(cfg))
 
@@ -105,9 +143,23 @@ def native_server():
 
 
 def test_bench_against_native_engine(native_server, tmp_path):
-    res = CliRunner().invoke(bench_cmd, ["--base-url", native_server.base + "/v1", "--input-len", "8",
-                                         "--output-len", "4", "--rounds", "1", "--warmup", "1",
-                                         "--out", str(tmp_path / "b")])
+    res = CliRunner().invoke(
+        bench_cmd,
+        [
+            "--base-url",
+            native_server.base + "/v1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--rounds",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     kept = [r for r in bench["requests"] if not r["warmup"]]
@@ -125,9 +177,21 @@ def test_repeat_against_native_engine(native_server, tmp_path):
 
     from evalpipe.commands.repeat import command as repeat_cmd
 
-    res = CliRunner().invoke(repeat_cmd, ["--base-url", native_server.base + "/v1", "--repeats", "2",
-                                          "--fixtures", "arithmetic", "--conditions", "serial,burst,logprobs",
-                                          "--out", str(tmp_path)])
+    res = CliRunner().invoke(
+        repeat_cmd,
+        [
+            "--base-url",
+            native_server.base + "/v1",
+            "--repeats",
+            "2",
+            "--fixtures",
+            "arithmetic",
+            "--conditions",
+            "serial,burst,logprobs",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 0, res.output
     run_dir = next((tmp_path / "repeat").iterdir())
     result = json.loads((run_dir / "repeat.json").read_text())
@@ -153,9 +217,26 @@ def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
     from tests.support.core_helpers import interruptible_evalpipe_cmd
 
     with start_peer(stream_groups=[1, 1, 1, 1], event_delay_s=0.1) as (base_url, stats):
-        proc = subprocess.Popen(interruptible_evalpipe_cmd("bench", "--base-url", base_url, "--input-len",
-                                 "4", "--output-len", "4", "--rounds", "100", "--warmup", "0", "--out",
-                                 str(tmp_path / "b")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            interruptible_evalpipe_cmd(
+                "bench",
+                "--base-url",
+                base_url,
+                "--input-len",
+                "4",
+                "--output-len",
+                "4",
+                "--rounds",
+                "100",
+                "--warmup",
+                "0",
+                "--out",
+                str(tmp_path / "b"),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.time() + 60
         while stats()["requests"] < 3 and time.time() < deadline:
             time.sleep(0.1)
@@ -174,8 +255,19 @@ def test_bench_refuses_clearly_before_any_request(tmp_path):
         args = ["--input-len", "12", "--output-len", "16", "--rounds", "1", "--out", str(tmp_path / "b")]
         no_v1 = CliRunner().invoke(bench_cmd, ["--base-url", base_url[: -len("/v1")], *args])
         too_long = CliRunner().invoke(bench_cmd, ["--base-url", base_url, *args])
-        run_no_v1 = CliRunner().invoke(run_cmd, ["gsm8k", "--base-url", base_url[: -len("/v1")], "--num-examples", "1",
-                                                 "--out", str(tmp_path / "r"), "--no-progress"])
+        run_no_v1 = CliRunner().invoke(
+            run_cmd,
+            [
+                "gsm8k",
+                "--base-url",
+                base_url[: -len("/v1")],
+                "--num-examples",
+                "1",
+                "--out",
+                str(tmp_path / "r"),
+                "--no-progress",
+            ],
+        )
         peer = stats()
     assert run_no_v1.exit_code == 1 and f"did you mean --base-url {base_url} ?" in run_no_v1.output, run_no_v1.output
     assert no_v1.exit_code == 1 and f"did you mean --base-url {base_url} ?" in no_v1.output, no_v1.output
@@ -187,8 +279,8 @@ def test_defaults_and_readme_example_fit_the_default_server():
     """`evalpipe bench` with no length flags, and README's example, work against a default `evalpipe serve`."""
     import re
 
-    from evalpipe.harness.bench import BenchConfig
     from evalpipe.engine.config import ENGINE_DEFAULTS
+    from evalpipe.harness.bench import BenchConfig
 
     limit = ENGINE_DEFAULTS.max_seq_len
     defaults = {p.name: p.default for p in bench_cmd.params}

@@ -173,8 +173,23 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path):
 def test_server_change_during_the_run_is_flagged(srv, tmp_path):
     url = srv(mode="correct", delay_s=0.05, server_info={"version": "1"})
     proc = subprocess.Popen(
-        evalpipe_cmd("run", "gsm8k", "--base-url", url, "--out", tmp_path, "--num-examples", 60, "--concurrency", 1,
-                     "--no-progress"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        evalpipe_cmd(
+            "run",
+            "gsm8k",
+            "--base-url",
+            url,
+            "--out",
+            tmp_path,
+            "--num-examples",
+            60,
+            "--concurrency",
+            1,
+            "--no-progress",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not list(tmp_path.glob("gsm8k/*/responses.jsonl")):
         time.sleep(0.02)
@@ -259,8 +274,24 @@ def test_data_drift_is_refused_unless_allowed(srv, tmp_path):
 
 def test_overrides_are_sent_and_recorded(srv, tmp_path):
     url = srv(mode="correct", spec={"verify_steps": 3, "accept_length": 2.5, "simulated": False})
-    r = run_lane("gsm8k", url, tmp_path, "--num-examples", 2, "--max-tokens", 64, "--temperature", 0.5,
-                 "--seed", "none", "--top-p", 0.9, "--no-token-ids", "--api-key", "sk-secret-123")
+    r = run_lane(
+        "gsm8k",
+        url,
+        tmp_path,
+        "--num-examples",
+        2,
+        "--max-tokens",
+        64,
+        "--temperature",
+        0.5,
+        "--seed",
+        "none",
+        "--top-p",
+        0.9,
+        "--no-token-ids",
+        "--api-key",
+        "sk-secret-123",
+    )
     assert r.returncode == 0, r.stderr
     records, summary, manifest = load_run(only_run_dir(tmp_path, "gsm8k"))
     body = records[0]["request"]
@@ -300,8 +331,18 @@ def test_prepare_returns_a_frozen_plan_that_execute_consumes(srv, tmp_path):
 
     url = srv(mode="correct")
     n, repeats, seed = random.randint(1, 4), random.randint(1, 3), random.randint(0, 1000)
-    run = LaneRun(RunConfig(lane=get_lane("arith"), base_url=url, out_dir=tmp_path, num_examples=n, repeats=repeats,
-                            overrides={"seed": seed}, data_dir=DATA_DIR, progress=False))
+    run = LaneRun(
+        RunConfig(
+            lane=get_lane("arith"),
+            base_url=url,
+            out_dir=tmp_path,
+            num_examples=n,
+            repeats=repeats,
+            overrides={"seed": seed},
+            data_dir=DATA_DIR,
+            progress=False,
+        )
+    )
     plan = run.prepare()
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.repeats = repeats + 1
@@ -486,8 +527,11 @@ def test_aime_grader_timeout_is_recorded_not_hung(server, tmp_path):
     """A pathological boxed answer makes math-verify work ~10 s; the hard timeout (1 s) records grader_timeout."""
     table = answer_table("aime26")
     first_problem = next(iter(table))
-    set_config(server, **{k: v for k, v in DEFAULT_CONFIG.items() if k != "answers"},
-               answers={**table, first_problem: "9^{9^{9^{9}}}"})
+    set_config(
+        server,
+        **{k: v for k, v in DEFAULT_CONFIG.items() if k != "answers"},
+        answers={**table, first_problem: "9^{9^{9^{9}}}"},
+    )
     try:
         r = run_lane("aime26", server, tmp_path, "--num-examples", 2, "--grader-timeout", 1, "--grader-workers", 1)
         assert r.returncode == 0, r.stderr

@@ -20,9 +20,29 @@ N, REPEATS = 8, 2
 
 
 def sgl_eval_run(base_url: str, out: Path, *extra: str) -> Path:
-    done = subprocess.run([SGL_EVAL, "run", "aime26", "--base-url", base_url, "--num-examples", str(N),
-                           "--n-repeats", str(REPEATS), "--max-tokens", "64", "--seed", "0", "--out-dir", str(out),
-                           *extra], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            SGL_EVAL,
+            "run",
+            "aime26",
+            "--base-url",
+            base_url,
+            "--num-examples",
+            str(N),
+            "--n-repeats",
+            str(REPEATS),
+            "--max-tokens",
+            "64",
+            "--seed",
+            "0",
+            "--out-dir",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (run,) = out.iterdir()
     return run
@@ -35,8 +55,11 @@ def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("sgl")
     base_url, proc = start_scripted_server(mode="mixed", answers=answer_table("aime26"))
     try:
-        return {"a": sgl_eval_run(base_url, root / "a"), "b": sgl_eval_run(base_url, root / "b"),
-                "other": sgl_eval_run(base_url, root / "other", "--max-tokens", "48")}
+        return {
+            "a": sgl_eval_run(base_url, root / "a"),
+            "b": sgl_eval_run(base_url, root / "b"),
+            "other": sgl_eval_run(base_url, root / "other", "--max-tokens", "48"),
+        }
     finally:
         stop_scripted_server(proc)
 
@@ -58,8 +81,12 @@ def test_import_keeps_what_sgl_eval_recorded_and_audit_regrades_it(sources, tmp_
     assert {(rec["question_id"], rec["repeat_index"]) for rec in records} == set(rows) and len(rows) == N * REPEATS
     for rec in records:
         row = rows[(rec["question_id"], rec["repeat_index"])]
-        assert (rec["response_text"], rec["extracted_answer"], rec["correct"], rec["finish_reason"]) == \
-            (row["generation"], row["predicted_answer"], row["symbolic_correct"], row["finish_reason"])
+        assert (rec["response_text"], rec["extracted_answer"], rec["correct"], rec["finish_reason"]) == (
+            row["generation"],
+            row["predicted_answer"],
+            row["symbolic_correct"],
+            row["finish_reason"],
+        )
         assert rec["usage"]["completion_tokens"] == row["num_generated_tokens"] and rec["latency_s"] >= 0
         assert rec["lane"] == "sgl-eval/aime26" and rec["output_token_ids"] is None
     buckets = {mixed_bucket(row["problem"]) for row in rows.values()}

@@ -20,8 +20,20 @@ V2 = [11, 12, 13, 14, 77, 16]  # leaves V0 at position 4
 
 def run_repeat(tmp_path: Path, variants, n: int, extra=()) -> tuple[dict, list[dict], str]:
     with start_peer(variants=variants) as (base_url, stats):
-        res = CliRunner().invoke(repeat_cmd, ["--base-url", base_url, "--repeats", str(n), "--out", str(tmp_path),
-                                              "--fixtures", "arithmetic,open_short", *extra])
+        res = CliRunner().invoke(
+            repeat_cmd,
+            [
+                "--base-url",
+                base_url,
+                "--repeats",
+                str(n),
+                "--out",
+                str(tmp_path),
+                "--fixtures",
+                "arithmetic,open_short",
+                *extra,
+            ],
+        )
         assert res.exit_code == 0, res.output
         peer = stats()
     run_dir = next((tmp_path / "repeat").iterdir())
@@ -84,9 +96,24 @@ def test_ctrl_c_keeps_records_and_writes_partial_summary(tmp_path):
     from tests.support.core_helpers import interruptible_evalpipe_cmd
 
     with start_peer(variants=[V0, V1], completion_delay_s=0.2) as (base_url, stats):
-        proc = subprocess.Popen(interruptible_evalpipe_cmd("repeat", "--base-url", base_url, "--repeats",
-                                 "50", "--fixtures", "open_short", "--conditions", "serial", "--out", str(tmp_path)),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            interruptible_evalpipe_cmd(
+                "repeat",
+                "--base-url",
+                base_url,
+                "--repeats",
+                "50",
+                "--fixtures",
+                "open_short",
+                "--conditions",
+                "serial",
+                "--out",
+                str(tmp_path),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.time() + 60
         while stats()["requests"] < 3 and time.time() < deadline:
             time.sleep(0.1)
@@ -106,8 +133,10 @@ def test_error_cells_get_a_visible_reason():
     from evalpipe.commands.repeat import error_lines
 
     msg = "Error code: 400 - maximum context length is 4096 tokens"
-    recs = [{"fixture": "open_long_context", "condition": c, "error": {"type": "BadRequestError", "message": msg}}
-            for c in ("serial", "serial", "burst")] + [{"fixture": "arithmetic", "condition": "serial", "error": None}]
+    recs = [
+        {"fixture": "open_long_context", "condition": c, "error": {"type": "BadRequestError", "message": msg}}
+        for c in ("serial", "serial", "burst")
+    ] + [{"fixture": "arithmetic", "condition": "serial", "error": None}]
     assert error_lines(recs) == [f"error in open_long_context (serial, burst): {msg}"]
 
 
@@ -119,9 +148,21 @@ def test_controls_on_the_default_model(tmp_path):
 
     srv = ServerProcess("--max-batch", "8", model="evalpipe-skills-dsv4")
     try:
-        res = CliRunner().invoke(repeat_cmd, ["--base-url", srv.base + "/v1", "--repeats", "2", "--fixtures",
-                                              "arithmetic,exact_copy", "--conditions", "serial,burst",
-                                              "--out", str(tmp_path)])
+        res = CliRunner().invoke(
+            repeat_cmd,
+            [
+                "--base-url",
+                srv.base + "/v1",
+                "--repeats",
+                "2",
+                "--fixtures",
+                "arithmetic,exact_copy",
+                "--conditions",
+                "serial,burst",
+                "--out",
+                str(tmp_path),
+            ],
+        )
     finally:
         srv.stop()
     assert res.exit_code == 0, res.output
@@ -139,8 +180,9 @@ def test_prefix_conditions_are_skipped_with_the_reason_where_the_cache_cannot_be
     from tests.support.scripted_server import scripted_server
 
     with scripted_server() as base_url:
-        res = CliRunner().invoke(repeat_cmd, ["--base-url", base_url, "--repeats", "2", "--out", str(tmp_path),
-                                              "--fixtures", "arithmetic"])
+        res = CliRunner().invoke(
+            repeat_cmd, ["--base-url", base_url, "--repeats", "2", "--out", str(tmp_path), "--fixtures", "arithmetic"]
+        )
         assert res.exit_code == 0, res.output
     result = json.loads(next((tmp_path / "repeat").glob("*/repeat.json")).read_text())
     skipped = result["config"]["conditions_skipped"]

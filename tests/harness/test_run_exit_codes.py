@@ -65,10 +65,28 @@ def test_server_killed_mid_run_exits_4_and_resumes_on_a_new_address(tmp_path):
     n = 40
     out = tmp_path / "out"
     try:
-        run = subprocess.Popen(evalpipe_cmd("run", "gsm8k", "--base-url", base_url, "--out", out, "--num-examples", n,
-                                            "--concurrency", 2, "--max-retries", 1, "--retry-backoff", "0.01",
-                                            "--no-progress"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        run = subprocess.Popen(
+            evalpipe_cmd(
+                "run",
+                "gsm8k",
+                "--base-url",
+                base_url,
+                "--out",
+                out,
+                "--num-examples",
+                n,
+                "--concurrency",
+                2,
+                "--max-retries",
+                1,
+                "--retry-backoff",
+                "0.01",
+                "--no-progress",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.time() + 60
         while time.time() < deadline:
             found = list(out.glob("gsm8k/*/responses.jsonl"))
@@ -104,8 +122,11 @@ def test_server_killed_mid_run_exits_4_and_resumes_on_a_new_address(tmp_path):
 def test_new_run_defaults_to_the_address_serve_listens_on(tmp_path):
     from evalpipe.harness.client import DEFAULT_BASE_URL
 
-    serve_help = " ".join(subprocess.run([sys.executable, "-m", "evalpipe.cli", "serve", "--help"],
-                                         capture_output=True, text=True).stdout.split())
+    serve_help = " ".join(
+        subprocess.run(
+            [sys.executable, "-m", "evalpipe.cli", "serve", "--help"], capture_output=True, text=True
+        ).stdout.split()
+    )
     port = DEFAULT_BASE_URL.rsplit(":", 1)[1].split("/")[0]
     assert DEFAULT_BASE_URL == f"http://127.0.0.1:{port}/v1"
     assert f"[default: {port};" in serve_help and "binds. [default: 127.0.0.1]" in serve_help
@@ -113,13 +134,17 @@ def test_new_run_defaults_to_the_address_serve_listens_on(tmp_path):
     # whether or not a server listens there on this machine, the run went to that address
     said = r.stdout + r.stderr + "".join(p.read_text() for p in tmp_path.rglob("manifest.json"))
     assert DEFAULT_BASE_URL in said or f"127.0.0.1:{port}" in said, said
-    help_text = subprocess.run([sys.executable, "-m", "evalpipe.cli", "run", "--help"], capture_output=True,
-                               text=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "evalpipe.cli", "run", "--help"], capture_output=True, text=True
+    ).stdout
     assert DEFAULT_BASE_URL in help_text
     for lane in ("gsm8k 64", "aime26 1", "aime26-x16 64", "arith 64", "retrieval", "copy"):
         assert lane in " ".join(help_text.split()), help_text  # every lane's concurrency default
-    for line in ("0    every planned item has a non-error record", "4    finished, but some items ended as error",
-                 "130  interrupted by Ctrl-C"):
+    for line in (
+        "0    every planned item has a non-error record",
+        "4    finished, but some items ended as error",
+        "130  interrupted by Ctrl-C",
+    ):
         assert line in help_text, help_text
 
 

@@ -29,9 +29,13 @@ def counts_of_summary(summary: dict) -> dict:
 
 def counts_of_compare(result: dict, side: str) -> dict:
     rates = result["rates"]
-    return {"n_correct": result["arms"][side]["n_correct"], "n_errors": rates["error"][f"n_{side}"],
-            "n_truncated": rates["truncated"][f"n_{side}"], "n_no_answer": rates["invalid"][f"n_{side}"],
-            "n_duplicate_records": result["arms"][side]["n_duplicate_records"]}
+    return {
+        "n_correct": result["arms"][side]["n_correct"],
+        "n_errors": rates["error"][f"n_{side}"],
+        "n_truncated": rates["truncated"][f"n_{side}"],
+        "n_no_answer": rates["invalid"][f"n_{side}"],
+        "n_duplicate_records": result["arms"][side]["n_duplicate_records"],
+    }
 
 
 def counts_everywhere(run_dir, tmp_path, tag: str) -> tuple[dict, dict, dict, object]:
@@ -55,17 +59,20 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
     buckets = [mixed_bucket(q) for q in list(table)[:N]]
     assert {"correct", "wrong", "truncated", "error500", "no_answer"} <= set(buckets)
     with scripted_server(mode="mixed", answers=table) as url:
-        r = run_lane("aime26", url, tmp_path / "runs", "--num-examples", N, "--max-retries", 0,
-                     "--grader-workers", 1)
+        r = run_lane("aime26", url, tmp_path / "runs", "--num-examples", N, "--max-retries", 0, "--grader-workers", 1)
         assert r.returncode == 4, r.stderr  # the error record remains
         run_dir = only_run_dir(tmp_path / "runs", "aime26")
         records, _, _ = load_run(run_dir)
         recs = by_id(records)
         # a truncated response whose cut text lost its box has no extracted answer; it is truncated, not no-answer
         assert any(r["truncated"] and r["extracted_answer"] is None for r in records)
-        expected = {"n_correct": buckets.count("correct"), "n_errors": buckets.count("error500"),
-                    "n_truncated": buckets.count("truncated"), "n_no_answer": buckets.count("no_answer"),
-                    "n_duplicate_records": 0}
+        expected = {
+            "n_correct": buckets.count("correct"),
+            "n_errors": buckets.count("error500"),
+            "n_truncated": buckets.count("truncated"),
+            "n_no_answer": buckets.count("no_answer"),
+            "n_duplicate_records": 0,
+        }
         summary, audited, compared, report = counts_everywhere(run_dir, tmp_path, "clean")
         assert summary == audited == compared == expected
         assert report.ok, [(c.name, c.problems) for c in report.checks if not c.ok]
@@ -77,19 +84,38 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
         )
 
         def failed(rec):
-            return {**rec, "response_text": "", "reasoning_text": None, "finish_reason": None, "truncated": False,
-                    "error": {"type": "APIConnectionError", "status": None, "message": "Connection error."},
-                    "extracted_answer": None, "correct": False, "grade_status": "request_error", "usage": None}
+            return {
+                **rec,
+                "response_text": "",
+                "reasoning_text": None,
+                "finish_reason": None,
+                "truncated": False,
+                "error": {"type": "APIConnectionError", "status": None, "message": "Connection error."},
+                "extracted_answer": None,
+                "correct": False,
+                "grade_status": "request_error",
+                "usage": None,
+            }
 
         def answered(rec):
             text = f"Working it out step by step. The answer is \\boxed{{{rec['expected_answer']}}}."
-            return {**rec, "response_text": text, "finish_reason": "stop", "truncated": False, "error": None,
-                    "extracted_answer": rec["expected_answer"], "correct": True, "grade_status": "ok"}
+            return {
+                **rec,
+                "response_text": text,
+                "finish_reason": "stop",
+                "truncated": False,
+                "error": None,
+                "extracted_answer": rec["expected_answer"],
+                "correct": True,
+                "grade_status": "ok",
+            }
 
-        appended = [failed(recs[correct_q]),  # a later failure never replaces an answer
-                    answered(recs[wrong_q]),  # nor does a later answer: the first non-error record counts
-                    failed(recs[trunc_q]),
-                    answered(recs[error_q])]  # but a later answer does replace an error
+        appended = [
+            failed(recs[correct_q]),  # a later failure never replaces an answer
+            answered(recs[wrong_q]),  # nor does a later answer: the first non-error record counts
+            failed(recs[trunc_q]),
+            answered(recs[error_q]),
+        ]  # but a later answer does replace an error
         with open(run_dir / "responses.jsonl", "a") as fh:
             fh.writelines(json.dumps(x) + "\n" for x in appended)
         all_records, _, _ = load_run(run_dir)
@@ -100,8 +126,14 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
         expected_dups = dict(expected, n_correct=expected["n_correct"] + 1, n_errors=0, n_duplicate_records=4)
         stale, audited, compared, report = counts_everywhere(run_dir, tmp_path, "dups")
         assert audited == compared == expected_dups
-        again = compute_summary(lane_name="aime26", grader="ns_last_boxed", repeats=1, planned_question_ids=ids,
-                                records=all_records, meta={})  # what `evalpipe run` writes from these records
+        again = compute_summary(
+            lane_name="aime26",
+            grader="ns_last_boxed",
+            repeats=1,
+            planned_question_ids=ids,
+            records=all_records,
+            meta={},
+        )  # what `evalpipe run` writes from these records
         assert counts_of_summary(again) == expected_dups
         assert stale == expected  # summary.json predates the second writer, and audit says so:
         assert not report.ok and any("4 keys have more than one record" in p for c in report.checks for p in c.problems)
@@ -111,7 +143,8 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
         assert r.returncode == 0, r.stderr
     kept, _, manifest = load_run(run_dir)
     assert {(x["question_id"], x["correct"], bool(x["error"])) for x in kept} == {
-        (k[1], v["correct"], bool(v["error"])) for k, v in counted.by_key.items()}
+        (k[1], v["correct"], bool(v["error"])) for k, v in counted.by_key.items()
+    }
     assert len([line for line in (run_dir / SUPERSEDED_FILE).read_text().splitlines() if line]) == 4
     assert manifest["resumes"][-1]["superseded_error_records"] == 4
     summary, audited, compared, report = counts_everywhere(run_dir, tmp_path, "resumed")
@@ -119,15 +152,26 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
     assert report.ok, [(c.name, c.problems) for c in report.checks if not c.ok]
 
 
-@pytest.mark.parametrize("order, counted", [
-    (["ok", "error"], "ok"),  # first non-error; a later failure is superseded
-    (["error", "ok"], "ok"),  # an error is replaced by a later non-error
-    (["ok:first", "ok:second"], "ok:first"),  # among non-errors the first
-    (["error:first", "error:second"], "error:second"),  # a key with only errors counts its latest failure
-])
+@pytest.mark.parametrize(
+    "order, counted",
+    [
+        (["ok", "error"], "ok"),  # first non-error; a later failure is superseded
+        (["error", "ok"], "ok"),  # an error is replaced by a later non-error
+        (["ok:first", "ok:second"], "ok:first"),  # among non-errors the first
+        (["error:first", "error:second"], "error:second"),  # a key with only errors counts its latest failure
+    ],
+)
 def test_the_duplicate_rule(order, counted):
-    recs = [{"lane": "l", "question_id": 1, "repeat_index": 0, "tag": tag,
-             "error": {"type": "x"} if tag.startswith("error") else None} for tag in order]
+    recs = [
+        {
+            "lane": "l",
+            "question_id": 1,
+            "repeat_index": 0,
+            "tag": tag,
+            "error": {"type": "x"} if tag.startswith("error") else None,
+        }
+        for tag in order
+    ]
     result = counted_records(recs)
     assert result.by_key[("l", 1, 0)]["tag"] == counted
     assert result.superseded == [r for r in recs if r["tag"] != counted]

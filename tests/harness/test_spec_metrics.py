@@ -13,18 +13,24 @@ from evalpipe.harness import spec_metrics
 
 
 def vllm_text(drafts: float, draft_tokens: float, accepted: float, per_pos: list[float], engines: int = 1) -> str:
-    lines = ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
-             "# TYPE vllm:num_requests_running gauge",
-             'vllm:num_requests_running{engine="0",model_name="/m/tiny"} 0.0']
+    lines = [
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="/m/tiny"} 0.0',
+    ]
     for name, value in (("drafts", drafts), ("draft_tokens", draft_tokens), ("accepted_tokens", accepted)):
         lines += [f"# HELP vllm:spec_decode_num_{name}_total x", f"# TYPE vllm:spec_decode_num_{name}_total counter"]
         lines += [
             f'vllm:spec_decode_num_{name}_total{{engine="{e}",model_name="/m/tiny"}} {value}' for e in range(engines)
         ]
-        lines += [f"# TYPE vllm:spec_decode_num_{name}_created gauge",
-                  f'vllm:spec_decode_num_{name}_created{{engine="0",model_name="/m/tiny"}} 1.796117807694e+09']
-    lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.",
-              "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
+        lines += [
+            f"# TYPE vllm:spec_decode_num_{name}_created gauge",
+            f'vllm:spec_decode_num_{name}_created{{engine="0",model_name="/m/tiny"}} 1.796117807694e+09',
+        ]
+    lines += [
+        "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.",
+        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter",
+    ]
     lines += [
         f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="/m/tiny",position="{i}"}} {v}'
         for i, v in enumerate(per_pos)
@@ -35,8 +41,11 @@ def vllm_text(drafts: float, draft_tokens: float, accepted: float, per_pos: list
 def test_vllm_counters_are_summed_and_subtracted():
     before = spec_metrics.parse(vllm_text(8, 22, 22, [8, 8, 6]))
     after = spec_metrics.parse(vllm_text(78, 222, 222, [78, 78, 66]))
-    assert before == {"engine": "vllm", "counters": {"drafts": 8.0, "draft_tokens": 22.0, "accepted_tokens": 22.0},
-                      "accepted_per_position": {"0": 8.0, "1": 8.0, "2": 6.0}}
+    assert before == {
+        "engine": "vllm",
+        "counters": {"drafts": 8.0, "draft_tokens": 22.0, "accepted_tokens": 22.0},
+        "accepted_per_position": {"0": 8.0, "1": 8.0, "2": 6.0},
+    }
     block = spec_metrics.run_level(before, after)
     assert block["level"] == "run" and "not one request" in block["scope"]
     assert (block["drafts"], block["draft_tokens"], block["accepted_tokens"]) == (70, 200, 200)
@@ -51,7 +60,7 @@ def test_vllm_counters_are_summed_and_subtracted():
 
 
 def test_no_speculation_no_drafts_no_snapshot_and_restarts():
-    off = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
+    off = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 0.0\n'
     assert spec_metrics.parse(off) is None
     assert spec_metrics.run_level(None, None) is None
     idle = spec_metrics.parse(vllm_text(8, 22, 22, [8, 8, 6]))

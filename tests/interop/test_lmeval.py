@@ -85,8 +85,11 @@ def test_two_lmeval_runs_imported_audited_and_compared(lmeval_runs, tmp_path):
         samples = {s["doc_id"]: s for s in samples_of(lmeval_runs[arm])}
         for rec in records:
             s = samples[rec["question_id"]]
-            assert (rec["response_text"], rec["extracted_answer"], rec["correct"]) == \
-                (s["resps"][0][0], s["filtered_resps"][0], bool(s["exact_match"]))
+            assert (rec["response_text"], rec["extracted_answer"], rec["correct"]) == (
+                s["resps"][0][0],
+                s["filtered_resps"][0],
+                bool(s["exact_match"]),
+            )
             assert rec["finish_reason"] is None and rec["usage"] is None
         assert summary["accuracy"] == manifest["imported"]["source_score"]
     cmp = run_cli("compare", runs["off"], runs["block"], "--out", tmp_path / "cmp", "--no-html")
@@ -127,8 +130,9 @@ def test_two_lmeval_runs_imported_audited_and_compared(lmeval_runs, tmp_path):
 
 
 def test_lmeval_chat_completions_generate(servers, tmp_path):
-    out = run_lmeval(servers["off"], tmp_path / "chat", model="local-chat-completions", limit=10,
-                     extra=("--apply_chat_template",))
+    out = run_lmeval(
+        servers["off"], tmp_path / "chat", model="local-chat-completions", limit=10, extra=("--apply_chat_template",)
+    )
     samples = samples_of(out)
     assert len(samples) == 10 and all(s["resps"][0][0].strip() for s in samples)
     (results_file,) = out.rglob("results_*.json")  # the results file itself names the run as well as its folder
@@ -199,9 +203,27 @@ def test_a_multiple_choice_run_is_imported_and_its_acc_re_derived(tmp_path):
     shutil.copy(TASKS / "evalpipe_lanes.py", tasks)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     env.update(PYTHONPATH=str(REPO), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([lm_eval, "--model", "dummy", "--include_path", str(tasks), "--tasks", "evalpipe_mc_probe",
-                           "--limit", "24", "--output_path", str(tmp_path / "out"), "--log_samples"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    done = subprocess.run(
+        [
+            lm_eval,
+            "--model",
+            "dummy",
+            "--include_path",
+            str(tasks),
+            "--tasks",
+            "evalpipe_mc_probe",
+            "--limit",
+            "24",
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     r = run_cli("import", "lm-eval", tmp_path / "out", "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr

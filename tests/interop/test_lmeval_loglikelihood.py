@@ -40,8 +40,23 @@ def server():
 
 def lm_eval(out: Path, task: str, model: str, model_args: str, limit: int, *extra: str) -> tuple[dict, list[dict]]:
     """Run lm_eval on one task with --log_samples; (its results for the task, its samples)."""
-    cmd = [require_lmeval(), "--include_path", str(TASKS), "--tasks", task, "--model", model,
-           "--model_args", model_args, "--limit", str(limit), "--log_samples", "--output_path", str(out), *extra]
+    cmd = [
+        require_lmeval(),
+        "--include_path",
+        str(TASKS),
+        "--tasks",
+        task,
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--limit",
+        str(limit),
+        "--log_samples",
+        "--output_path",
+        str(out),
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # lm-eval's own Python
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out)
@@ -71,7 +86,7 @@ def test_multiple_choice_scores_above_chance_with_the_models_own_loglikelihoods(
                 logp = torch.log_softmax(runner.forward([slot], [ids], all_logits=True).float(), dim=-1)
             finally:
                 runner.free(slot)
-            rows = logp[len(context) - 1: len(ids) - 1]
+            rows = logp[len(context) - 1 : len(ids) - 1]
             want = rows.gather(-1, torch.tensor(continuation).view(-1, 1)).sum().item()
             greedy = bool((rows.argmax(-1) == torch.tensor(continuation)).all())
             assert abs(float(resp[0]) - want) < 2e-3, (sample["doc_id"], k, resp, want)
@@ -80,15 +95,25 @@ def test_multiple_choice_scores_above_chance_with_the_models_own_loglikelihoods(
 
 def test_chat_generate_matches_the_servers_own_answers(server, tmp_path):
     args = f"base_url={server.base}/v1/chat/completions,model={MODEL}"
-    results, samples = lm_eval(tmp_path, "evalpipe_arith_chat", "local-chat-completions", args, CHAT_ITEMS,
-                               "--apply_chat_template")
+    results, samples = lm_eval(
+        tmp_path, "evalpipe_arith_chat", "local-chat-completions", args, CHAT_ITEMS, "--apply_chat_template"
+    )
     assert len(samples) == CHAT_ITEMS
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     right = 0
     for sample in sorted(samples, key=lambda s: s["doc_id"]):
         doc = sample["doc"]
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": doc["body"]}],
-                                               max_tokens=512, temperature=0, stop=["\n\n"]).choices[0].message.content
+        reply = (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": doc["body"]}],
+                max_tokens=512,
+                temperature=0,
+                stop=["\n\n"],
+            )
+            .choices[0]
+            .message.content
+        )
         assert sample["resps"][0][0] == reply, sample["doc_id"]
         numbers = re.findall(r"[0-9][0-9,]*", reply)
         right += bool(numbers) and numbers[-1].replace(",", "") == doc["expected_answer"]

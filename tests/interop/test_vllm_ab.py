@@ -27,10 +27,30 @@ def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
     model = make_model(tmp_path / "tiny-llama")
     common = shlex.join([*ENGINE_ARGS, "--model", str(model), "--", *PASSTHROUGH])
     out = tmp_path / "ab"
-    result = evalpipe("ab", "--lanes", "gsm8k", "--order", "ABBA", "--common", common,
-                      "--a", "--speculative off", "--b", "--speculative ngram --spec-steps 3",
-                      "--num-examples", str(N_QUESTIONS), "--max-tokens", str(MAX_TOKENS), "--out", str(out),
-                      "--data-dir", str(DATA_DIR), "--ready-timeout", str(BOOT_TIMEOUT_S), timeout=1500)
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "gsm8k",
+        "--order",
+        "ABBA",
+        "--common",
+        common,
+        "--a",
+        "--speculative off",
+        "--b",
+        "--speculative ngram --spec-steps 3",
+        "--num-examples",
+        str(N_QUESTIONS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--out",
+        str(out),
+        "--data-dir",
+        str(DATA_DIR),
+        "--ready-timeout",
+        str(BOOT_TIMEOUT_S),
+        timeout=1500,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     index = json.loads((out / "ab.json").read_text())
     assert index["status"] == "done" and index["warnings"] == [], index
@@ -55,7 +75,12 @@ def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
     assert len(set(pids)) == 4 and not any(alive(pid) for pid in pids)  # four fresh servers, all gone
 
     assert [(c["arm"], c["against"]) for c in index["receipt_checks"]] == [
-        ("B1", "A1"), ("B2", "B1"), ("B2", "A1"), ("A2", "A1"), ("A2", "B1")]
+        ("B1", "A1"),
+        ("B2", "B1"),
+        ("B2", "A1"),
+        ("A2", "A1"),
+        ("A2", "B1"),
+    ]
     assert all(check["ok"] for check in index["receipt_checks"]), index["receipt_checks"]
 
     lines = []
@@ -66,9 +91,16 @@ def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
         accept = {side: pair["spec"][side]["accept_length_run_level"] for side in ("a", "b")}
         for side, label in (("a", pair["a"]), ("b", pair["b"])):
             assert (accept[side] is not None and accept[side] > 1.0) == label.startswith("B")
-        lines.append(f"{pair['a']} vs {pair['b']} ({pair['kind']}): identical {ties['n_identical']}/{ties['n_pairs']}, "
-                     "accept length (run-level /metrics) "
-                     + " vs ".join("off" if accept[s] is None else f"{accept[s]:.3f}" for s in ("a", "b")))
+        lines.append(
+            f"{pair['a']} vs {pair['b']} ({pair['kind']}): identical {ties['n_identical']}/{ties['n_pairs']}, "
+            "accept length (run-level /metrics) "
+            + " vs ".join("off" if accept[s] is None else f"{accept[s]:.3f}" for s in ("a", "b"))
+        )
     with capsys.disabled():
-        print("\nvLLM 0.32 CPU ABBA, gsm8k x", N_QUESTIONS, "max_tokens", MAX_TOKENS, "spec off vs ngram 3:\n  "
-              + "\n  ".join(lines))
+        print(
+            "\nvLLM 0.32 CPU ABBA, gsm8k x",
+            N_QUESTIONS,
+            "max_tokens",
+            MAX_TOKENS,
+            "spec off vs ngram 3:\n  " + "\n  ".join(lines),
+        )

@@ -43,17 +43,37 @@ def serve_vllm(root, *speculation: str):
     receipt = root / "receipt.json"
     stderr = open(root / "serve.err", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "evalpipe.cli", "serve", *ENGINE_ARGS, "--model", str(model), "--port", str(port),
-         *speculation, "--receipt", str(receipt),
-         "--ready-timeout", str(BOOT_TIMEOUT_S), "--", *PASSTHROUGH],
-        stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=root,
+        [
+            sys.executable,
+            "-m",
+            "evalpipe.cli",
+            "serve",
+            *ENGINE_ARGS,
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            *speculation,
+            "--receipt",
+            str(receipt),
+            "--ready-timeout",
+            str(BOOT_TIMEOUT_S),
+            "--",
+            *PASSTHROUGH,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        cwd=root,
     )
     try:
         line = proc.stdout.readline()  # "ready: URL" once the health check passes; "" when serve gave up
         if not line.startswith("ready: "):
             proc.wait(timeout=60)
-            pytest.fail(f"evalpipe serve --engine vllm did not start (exit {proc.returncode}):\n"
-                        + (root / "serve.err").read_text()[-4000:])
+            pytest.fail(
+                f"evalpipe serve --engine vllm did not start (exit {proc.returncode}):\n"
+                + (root / "serve.err").read_text()[-4000:]
+            )
         yield f"http://127.0.0.1:{port}/v1", receipt, python
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -87,13 +107,31 @@ def test_serve_starts_the_cpu_build_through_the_module_and_records_its_environme
 
 
 def _run(base_url: str, out, arm: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    result = evalpipe("run", "gsm8k", "--base-url", base_url, "--num-examples", str(N_QUESTIONS), "--max-tokens",
-                      str(MAX_TOKENS), "--arm", arm, "--out", str(out), "--data-dir", str(DATA_DIR), "--no-progress",
-                      *extra)
+    result = evalpipe(
+        "run",
+        "gsm8k",
+        "--base-url",
+        base_url,
+        "--num-examples",
+        str(N_QUESTIONS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--arm",
+        arm,
+        "--out",
+        str(out),
+        "--data-dir",
+        str(DATA_DIR),
+        "--no-progress",
+        *extra,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (out / "gsm8k").glob(f"{arm}-*")
-    return result, {"dir": run_dir, "summary": json.loads((run_dir / "summary.json").read_text()),
-                    "manifest": json.loads((run_dir / "manifest.json").read_text())}
+    return result, {
+        "dir": run_dir,
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+        "manifest": json.loads((run_dir / "manifest.json").read_text()),
+    }
 
 
 def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
@@ -105,8 +143,9 @@ def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
     runs = []
     baseline = tmp_path / "accept-baseline.json"
     for arm in ("spec_a", "spec_b"):
-        result, run = _run(base_url, tmp_path, arm, *(["--save-accept-baseline", str(baseline)] if arm == "spec_a"
-                                                      else []))
+        result, run = _run(
+            base_url, tmp_path, arm, *(["--save-accept-baseline", str(baseline)] if arm == "spec_a" else [])
+        )
         summary = run["summary"]
         assert "manifest changed" not in result.stdout
         assert summary["manifest_changed"] is False and run["manifest"]["consistent"] is True
@@ -120,8 +159,9 @@ def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
         # acceptance per position from the run's /metrics counters: accepted at position j / drafts
         acceptance = summary["acceptance"]
         assert acceptance["source"] == "metrics (run-level)" and acceptance["by_context_tokens"] == {}
-        assert acceptance["per_position"] == pytest.approx([n / metrics["drafts"]
-                                                            for n in metrics["accepted_per_position"]])
+        assert acceptance["per_position"] == pytest.approx(
+            [n / metrics["drafts"] for n in metrics["accepted_per_position"]]
+        )
         assert all(a >= b for a, b in zip(acceptance["per_position"], acceptance["per_position"][1:]))
         audit = evalpipe("audit", str(run["dir"]), "--no-progress")
         assert audit.returncode == 0 and "audit passed" in audit.stdout, audit.stdout
@@ -140,8 +180,16 @@ def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
     # the baseline saved from spec_a's /metrics rates accepts spec_b: the same greedy outputs drafted the same way
     saved = json.loads(baseline.read_text())
     assert saved["source"] == "metrics (run-level)" and len(saved["per_position"]) == 3
-    result = evalpipe("compare", str(runs[0]["dir"]), str(runs[1]["dir"]), "--out", str(tmp_path / "compare-accept"),
-                      "--no-html", "--accept-baseline", str(baseline))
+    result = evalpipe(
+        "compare",
+        str(runs[0]["dir"]),
+        str(runs[1]["dir"]),
+        "--out",
+        str(tmp_path / "compare-accept"),
+        "--no-html",
+        "--accept-baseline",
+        str(baseline),
+    )
     check = json.loads((tmp_path / "compare-accept" / "compare.json").read_text())["accept_baseline"]
     assert result.returncode == 0 and not check["regressed"], check
     assert [r["measured"] for r in check["positions"]] == runs[1]["summary"]["acceptance"]["per_position"]
@@ -149,8 +197,21 @@ def test_run_audit_and_compare_pass_against_vllm(vllm_server, tmp_path):
 
 def test_bench_draws_ids_from_the_servers_tokenizer_and_resets_its_prefix_cache(vllm_server, tmp_path):
     base_url, _, _ = vllm_server
-    result = evalpipe("bench", "--base-url", base_url, "--input-len", "64", "--output-len", "32", "--rounds", "2",
-                      "--warmup", "1", "--out", str(tmp_path / "b"))
+    result = evalpipe(
+        "bench",
+        "--base-url",
+        base_url,
+        "--input-len",
+        "64",
+        "--output-len",
+        "32",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path / "b"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     low, high = bench["config"]["token_id_range"]
@@ -165,8 +226,17 @@ def test_bench_draws_ids_from_the_servers_tokenizer_and_resets_its_prefix_cache(
 
 def test_repeat_runs_the_prefix_conditions_through_reset_prefix_cache(vllm_server, tmp_path):
     base_url, _, _ = vllm_server
-    result = evalpipe("repeat", "--base-url", base_url, "--repeats", "3", "--fixtures", "arithmetic,open_long_context",
-                      "--out", str(tmp_path))
+    result = evalpipe(
+        "repeat",
+        "--base-url",
+        base_url,
+        "--repeats",
+        "3",
+        "--fixtures",
+        "arithmetic,open_long_context",
+        "--out",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "repeat").glob("*/repeat.json")
     repeat = json.loads(path.read_text())
@@ -196,8 +266,18 @@ def test_sampling_gate_passes_against_vllm_with_and_without_ngram_speculation(an
     reports. The dummy weights give a near-uniform distribution whose byte tokens share texts, so the gate keys
     logprobs by token id."""
     base_url, _, _ = any_vllm
-    result = evalpipe("qualify", "--base-url", base_url, "--gates", "sampling", "--sampling-tokens", "2000",
-                      "--out", str(tmp_path / "q"), "--no-progress")
+    result = evalpipe(
+        "qualify",
+        "--base-url",
+        base_url,
+        "--gates",
+        "sampling",
+        "--sampling-tokens",
+        "2000",
+        "--out",
+        str(tmp_path / "q"),
+        "--no-progress",
+    )
     gate = json.loads((tmp_path / "q" / "qualify.json").read_text())["gates"][0]
     notes = gate["notes"]
     assert result.returncode == 0 and gate["verdict"] == "pass", (gate["reason"], result.stderr[-2000:])

@@ -15,8 +15,9 @@ from evalpipe.kernels import attention as sa
 TOL = 1e-5
 
 
-def make_case(gen, *, B=3, n=6, H=4, D=64, W=8, margin=4, starts=(0, 40, 3), K=5, n_entries=50, pad_last=False,
-              all_hidden=False):
+def make_case(
+    gen, *, B=3, n=6, H=4, D=64, W=8, margin=4, starts=(0, 40, 3), K=5, n_entries=50, pad_last=False, all_hidden=False
+):
     """Random rows of B requests of n rows (request b starts at starts[b], slot b); the last request optionally a
     padding request (positions 0.., the spare slot S-1, entry rows -1)."""
     R = W - 1 + margin
@@ -32,16 +33,41 @@ def make_case(gen, *, B=3, n=6, H=4, D=64, W=8, margin=4, starts=(0, 40, 3), K=5
         rows[-n:] = -1
     if all_hidden:
         rows[:] = -1
-    return dict(q=torch.randn(T, H, D, generator=gen), kv=torch.randn(T, D, generator=gen),
-                window_ring=torch.randn(S * R, D, generator=gen), ring_size=R, window=W, pos=pos, slot=slot, n=n,
-                entries=torch.randn(n_entries, D, generator=gen), entry_rows=rows,
-                sinks=torch.randn(H, generator=gen), scale=D**-0.5)
+    return dict(
+        q=torch.randn(T, H, D, generator=gen),
+        kv=torch.randn(T, D, generator=gen),
+        window_ring=torch.randn(S * R, D, generator=gen),
+        ring_size=R,
+        window=W,
+        pos=pos,
+        slot=slot,
+        n=n,
+        entries=torch.randn(n_entries, D, generator=gen),
+        entry_rows=rows,
+        sinks=torch.randn(H, generator=gen),
+        scale=D**-0.5,
+    )
 
 
 def call(args, **over):
     a = dict(args, **over)
-    return [a[k] for k in ("q", "kv", "window_ring", "ring_size", "window", "pos", "slot", "n", "entries",
-                           "entry_rows", "sinks", "scale")]
+    return [
+        a[k]
+        for k in (
+            "q",
+            "kv",
+            "window_ring",
+            "ring_size",
+            "window",
+            "pos",
+            "slot",
+            "n",
+            "entries",
+            "entry_rows",
+            "sinks",
+            "scale",
+        )
+    ]
 
 
 def brute_force(q, kv, ring, R, W, pos, slot, n, entries, rows, sinks, scale):
@@ -96,13 +122,14 @@ def test_kernel_unaligned_rows():
     args = make_case(gen)
     T, H, D = args["q"].shape
     wide = torch.randn(T, D + 3, generator=gen)
-    wide[:, 1:D + 1] = args["kv"]
+    wide[:, 1 : D + 1] = args["kv"]
     qkv = torch.randn(T, H + 1, D, generator=gen)
     qkv[:, :H] = args["q"]
     ref = sa.fused_attention_reference(*call(args))
     pos_slot = torch.stack([args["pos"], args["slot"]], dim=1)  # strided views
-    got = sa._launch(*call(args, kv=wide[:, 1:D + 1], q=qkv[:, :H], pos=pos_slot[:, 0], slot=pos_slot[:, 1]),
-                     splits=2)
+    got = sa._launch(
+        *call(args, kv=wide[:, 1 : D + 1], q=qkv[:, :H], pos=pos_slot[:, 0], slot=pos_slot[:, 1]), splits=2
+    )
     assert (got - ref).abs().max().item() < TOL
 
 
@@ -156,11 +183,23 @@ def test_index_helpers():
     rows = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
     pos = torch.tensor([0, 1, 2, 6, 7, 8])  # request 0 at 0..2, request 1 at 6..8
     got = sa.hca_entry_rows(rows, pos, 3, 2)  # visible: w < (t + 1) // 2
-    assert got.tolist() == [[-1] * 4, [10, -1, -1, -1], [10, -1, -1, -1],
-                            [20, 21, 22, -1], [20, 21, 22, 23], [20, 21, 22, 23]]
+    assert got.tolist() == [
+        [-1] * 4,
+        [10, -1, -1, -1],
+        [10, -1, -1, -1],
+        [20, 21, 22, -1],
+        [20, 21, 22, 23],
+        [20, 21, 22, 23],
+    ]
     picked = torch.tensor([[2, -1], [0, 1], [3, 3], [-1, -1], [1, 0], [2, 3]])
-    assert sa.picked_entry_rows(rows, picked, 3).tolist() == [[12, -1], [10, 11], [13, 13], [-1, -1], [21, 20],
-                                                              [22, 23]]
+    assert sa.picked_entry_rows(rows, picked, 3).tolist() == [
+        [12, -1],
+        [10, 11],
+        [13, 13],
+        [-1, -1],
+        [21, 20],
+        [22, 23],
+    ]
 
 
 def test_dispatch_and_guards():
@@ -177,6 +216,7 @@ def test_dispatch_and_guards():
 
 # ---- against the engine's _attend ---------------------------------------------------------------------------
 
+
 def _fused_inputs(attn, q, kv, group, batch, pool, idx_q):
     """fused_attention's arguments for one engine group (rows flattened request-major, as the static step has them)."""
     n = group.n
@@ -191,8 +231,20 @@ def _fused_inputs(attn, q, kv, group, batch, pool, idx_q):
             entry_rows = sa.picked_entry_rows(rows, picked, n)
         else:
             entry_rows = sa.hca_entry_rows(rows, pos, n, attn.ratio)
-    return (q[flat], kv[flat], pool.window, batch.pools.window_ring, attn.window, pos,
-            group.slots.repeat_interleave(n), n, entries, entry_rows, attn.sinks, attn.head_dim**-0.5)
+    return (
+        q[flat],
+        kv[flat],
+        pool.window,
+        batch.pools.window_ring,
+        attn.window,
+        pos,
+        group.slots.repeat_interleave(n),
+        n,
+        entries,
+        entry_rows,
+        attn.sinks,
+        attn.head_dim**-0.5,
+    )
 
 
 def test_matches_engine_attend(tiny_runner, monkeypatch):

@@ -20,7 +20,7 @@ def test_qkv_norm_on_gemm_column_slices(T):
     H, D = 3, 40
     proj = 4 * torch.randn(T, H * D + 7 + D, generator=gen)
     proj[0, :D] = 0.0  # an all-zero head: finite (eps)
-    q_src, kv_src = proj[:, 7:7 + H * D], proj[:, 7 + H * D:]
+    q_src, kv_src = proj[:, 7 : 7 + H * D], proj[:, 7 + H * D :]
     w = 1 + 0.1 * torch.randn(D, generator=gen)
     got = qkv_norm(q_src, kv_src, w, H, 1e-6, backend="triton")
     assert got.shape == (T, H + 1, D) and torch.isfinite(got).all()
@@ -47,8 +47,8 @@ def _engine_scores(q, wlog, entries, rows, pos, n, ratio, dim, heads):
     B, E = rows.shape
     keys = entries[rows].float()
     s = torch.matmul(q.float().view(B, n, heads, dim), keys.transpose(1, 2).unsqueeze(1))
-    s = torch.relu(s) * dim ** -0.5
-    s = (s * (wlog.float() * heads ** -0.5).view(B, n, heads).unsqueeze(-1)).sum(dim=2).view(B * n, E)
+    s = torch.relu(s) * dim**-0.5
+    s = (s * (wlog.float() * heads**-0.5).view(B, n, heads).unsqueeze(-1)).sum(dim=2).view(B * n, E)
     visible = torch.arange(E)[None] < ((pos + 1) // ratio)[:, None]
     return s.masked_fill(~visible, float("-inf"))
 
@@ -65,10 +65,10 @@ def test_indexer_scores_kernel(n, E):
     starts = torch.tensor([E * ratio - n - 1, 1])  # request 1: first positions, no visible entry for a while
     pos = (starts[:, None] + torch.arange(n)[None]).reshape(-1)
     q = torch.randn(T, H, d, generator=gen)
-    wlog = torch.randn(T, H + 5, generator=gen)[:, 2:2 + H]  # strided view, as a GEMM column slice
-    got = indexer_scores(q, wlog, pool, rows, pos, n, ratio, d ** -0.5, H ** -0.5, backend="triton")
+    wlog = torch.randn(T, H + 5, generator=gen)[:, 2 : 2 + H]  # strided view, as a GEMM column slice
+    got = indexer_scores(q, wlog, pool, rows, pos, n, ratio, d**-0.5, H**-0.5, backend="triton")
     want = _engine_scores(q, wlog, pool, rows, pos, n, ratio, d, H)
-    ref = indexer_scores_reference(q, wlog, pool, rows, pos, n, ratio, d ** -0.5, H ** -0.5)
+    ref = indexer_scores_reference(q, wlog, pool, rows, pos, n, ratio, d**-0.5, H**-0.5)
     assert got.shape == (T, E)
     hidden = torch.isinf(want)
     assert torch.equal(torch.isinf(got), hidden) and torch.equal(torch.isinf(ref), hidden)

@@ -35,16 +35,34 @@ class C2State:
         return other
 
     def launch(self, kv_gate, positions, req, valid, rows_per_request, backend="triton"):
-        c2_verify(kv_gate, positions, req, valid, self.bias, self.norm_w, 1e-6, self.cos, self.sin, ROPE,
-                  self.ring, self.pool, self.page_table, PAGE, self.ring_size, rows_per_request, backend=backend)
+        c2_verify(
+            kv_gate,
+            positions,
+            req,
+            valid,
+            self.bias,
+            self.norm_w,
+            1e-6,
+            self.cos,
+            self.sin,
+            ROPE,
+            self.ring,
+            self.pool,
+            self.page_table,
+            PAGE,
+            self.ring_size,
+            rows_per_request,
+            backend=backend,
+        )
 
     def slot(self, req: int, pos: int) -> int:
         entry = pos // 2
         return int(self.page_table[req, entry // PAGE]) * PAGE + entry % PAGE
 
 
-def make_batch(pos0: list[int], reqs: list[int], d: int, padded: list[bool], seed: int, dtype=torch.bfloat16,
-               pos_dtype=torch.int64):
+def make_batch(
+    pos0: list[int], reqs: list[int], d: int, padded: list[bool], seed: int, dtype=torch.bfloat16, pos_dtype=torch.int64
+):
     """Request-major verify rows; padded requests get position 0, a live request slot and valid = False."""
     g = torch.Generator().manual_seed(seed)
     kv_gate = torch.randn(len(pos0) * d, 2 * HD, generator=g).to(dtype)
@@ -68,8 +86,16 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str):
 # (D, batch, padded requests, kv|gate dtype): subsample of {2, 5, 6, 9} x {1, 3, 8} x {0, 1}, never all padded;
 # fp32 rows (ring fp32, bf16 pool) are the production layout, bf16 rows the model-dtype one
 BF, F32 = torch.bfloat16, torch.float32
-MATRIX = [(2, 1, 0, BF), (2, 8, 1, BF), (5, 3, 1, F32), (6, 1, 0, F32), (6, 3, 0, BF), (6, 8, 1, F32),
-          (9, 3, 1, BF), (9, 1, 0, F32)]
+MATRIX = [
+    (2, 1, 0, BF),
+    (2, 8, 1, BF),
+    (5, 3, 1, F32),
+    (6, 1, 0, F32),
+    (6, 3, 0, BF),
+    (6, 8, 1, F32),
+    (9, 3, 1, BF),
+    (9, 1, 0, F32),
+]
 
 
 @pytest.mark.parametrize("d,batch,n_pad,dtype", MATRIX)
@@ -156,8 +182,9 @@ def test_rejected_suffix_needs_no_undo(pos_dtype, backend):
     pos0, reqs = [31, 32, 45], [3, 1, 2]  # both head parities; 31..36 and 45.. wrap the 8-wide ring
     kv1, positions1, req1, valid1 = make_batch(pos0, reqs, d, [False] * 3, seed=22, pos_dtype=pos_dtype)
     for accepted in range(1, d + 1):
-        kv2, positions2, req2, valid2 = make_batch([p + accepted for p in pos0], reqs, d, [False] * 3,
-                                                  seed=23 + accepted, pos_dtype=pos_dtype)
+        kv2, positions2, req2, valid2 = make_batch(
+            [p + accepted for p in pos0], reqs, d, [False] * 3, seed=23 + accepted, pos_dtype=pos_dtype
+        )
         kv2 = -kv2  # flipped inputs for the second launch
         verify = state.clone()
         verify.launch(kv1, positions1, req1, valid1, d, backend=backend)
@@ -195,9 +222,14 @@ def test_reference_chain_matches_transformers_hca_compressor_rate_2(dtype):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HCACompressor
 
     torch.manual_seed(0)
-    cfg = DeepseekV4Config(hidden_size=48, head_dim=HD, partial_rotary_factor=ROPE / HD, num_attention_heads=2,
-                           num_hidden_layers=2,
-                           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 2})
+    cfg = DeepseekV4Config(
+        hidden_size=48,
+        head_dim=HD,
+        partial_rotary_factor=ROPE / HD,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 2},
+    )
     comp = DeepseekV4HCACompressor(cfg)
     with torch.no_grad():
         comp.position_bias.normal_()
@@ -218,14 +250,29 @@ def test_reference_chain_matches_transformers_hca_compressor_rate_2(dtype):
     pool = torch.zeros(batch * pages * PAGE, HD, dtype=dtype)
     page_table = torch.arange(batch * pages).view(batch, pages).to(torch.int32)
     for start in range(0, seq, d):
-        rows = kv_gate[:, start:start + d].reshape(batch * d, 2 * HD)
+        rows = kv_gate[:, start : start + d].reshape(batch * d, 2 * HD)
         positions = torch.arange(start, start + d).repeat(batch)
         req = torch.arange(batch).repeat_interleave(d)
-        c2_verify_reference(rows, positions, req, torch.ones(batch * d, dtype=torch.bool), comp.position_bias.data,
-                            comp.kv_norm.weight.data, cfg.rms_norm_eps, cos, sin, ROPE, ring_buf, pool, page_table,
-                            PAGE, ring, d)
+        c2_verify_reference(
+            rows,
+            positions,
+            req,
+            torch.ones(batch * d, dtype=torch.bool),
+            comp.position_bias.data,
+            comp.kv_norm.weight.data,
+            cfg.rms_norm_eps,
+            cos,
+            sin,
+            ROPE,
+            ring_buf,
+            pool,
+            page_table,
+            PAGE,
+            ring,
+            d,
+        )
     got = pool.view(batch, pages * PAGE, HD)[:, : seq // 2].float()
-    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-6, 2.0 ** -7)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-6, 2.0**-7)
     torch.testing.assert_close(got, expected[:, 0].float(), atol=atol, rtol=rtol)
 
 

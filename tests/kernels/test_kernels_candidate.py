@@ -128,8 +128,14 @@ def test_persistent_output_buffers_fully_rewritten_and_nothing_else():
         keep_buf = torch.ones((6, 211), dtype=torch.bool)  # poison: everything "kept"
         masked_out, keep_out = masked_buf[:, 4:207], keep_buf[:, 4:207]  # row-strided views
         got = candidate_block_mask(
-            logits, lens, topk, 8, published, masked_out=masked_out,
-            keep_out=keep_out if published is None else None, backend="triton",
+            logits,
+            lens,
+            topk,
+            8,
+            published,
+            masked_out=masked_out,
+            keep_out=keep_out if published is None else None,
+            backend="triton",
         )
         assert got[0].data_ptr() == masked_out.data_ptr()
         assert_same((masked_out, keep_out if published is None else None), want)

@@ -19,8 +19,13 @@ HC, D, EPS = 4, 64, 1e-6
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
     """Every output buffer starts as NaN, so an element a kernel forgets to write fails the comparisons."""
-    monkeypatch.setattr(step_hyper, "_empty", lambda *shape, **kw: torch.full(
-        shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape, float("nan"), **kw))
+    monkeypatch.setattr(
+        step_hyper,
+        "_empty",
+        lambda *shape, **kw: torch.full(
+            shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape, float("nan"), **kw
+        ),
+    )
 
 
 def config():
@@ -31,13 +36,21 @@ def config():
 
 def make_conn(gen, cfg):
     M = 2 * HC + HC * HC
-    return HyperConnection(torch.randn(M, HC * D, generator=gen) / 8, 0.5 * torch.randn(M, generator=gen),
-                           1 + 0.1 * torch.randn(3, generator=gen), cfg)
+    return HyperConnection(
+        torch.randn(M, HC * D, generator=gen) / 8,
+        0.5 * torch.randn(M, generator=gen),
+        1 + 0.1 * torch.randn(3, generator=gen),
+        cfg,
+    )
 
 
 def make_head(gen, cfg):
-    return HyperHead(torch.randn(HC, HC * D, generator=gen) / 8, 0.5 * torch.randn(HC, generator=gen),
-                     1 + 0.1 * torch.randn(1, generator=gen), cfg)
+    return HyperHead(
+        torch.randn(HC, HC * D, generator=gen) / 8,
+        0.5 * torch.randn(HC, generator=gen),
+        1 + 0.1 * torch.randn(1, generator=gen),
+        cfg,
+    )
 
 
 def close(got, want, tol, name=""):
@@ -76,8 +89,12 @@ def test_mix_and_pre_norm_match_reference_and_engine(T):
     rows_close(parts, want, 1e-5, "partials")
     # the partials' dot products add up to the engine's mixing GEMV, the last column to the sum of squares
     x = s.flatten(1)
-    rows_close(torch.cat([parts.sum(1)[:, :-1], parts.sum(1)[:, -1:]], -1).unsqueeze(1),
-               torch.cat([F.linear(x, conn.fn), x.square().sum(-1, keepdim=True)], -1).unsqueeze(1), 1e-5, "sums")
+    rows_close(
+        torch.cat([parts.sum(1)[:, :-1], parts.sum(1)[:, -1:]], -1).unsqueeze(1),
+        torch.cat([F.linear(x, conn.fn), x.square().sum(-1, keepdim=True)], -1).unsqueeze(1),
+        1e-5,
+        "sums",
+    )
 
     got = step_hyper.hc_pre_norm(s, parts, conn, w, EPS, backend="triton")
     ref = step_hyper.hc_pre_norm(s, parts, conn, w, EPS, backend="reference")

@@ -19,18 +19,21 @@ D, INTER, E, K, VOCAB, LIMIT = 64, 32, 8, 2, 50, 10.0
 def make_moe(*, scoring="sqrtsoftplus", is_hash=False, bias=True, seed=0, act="silu", E=E, K=K):
     """An engine MoE over a random state dict (the checkpoint's key names)."""
     g = torch.Generator().manual_seed(seed)
-    sd = {"gate.weight": torch.randn(E, D, generator=g) / D**0.5,
-          "experts.gate_up_proj": torch.randn(E, 2 * INTER, D, generator=g) / D**0.5,
-          "experts.down_proj": torch.randn(E, D, INTER, generator=g) / INTER**0.5,
-          "shared_experts.gate_proj.weight": torch.randn(INTER, D, generator=g) / D**0.5,
-          "shared_experts.up_proj.weight": torch.randn(INTER, D, generator=g) / D**0.5,
-          "shared_experts.down_proj.weight": torch.randn(D, INTER, generator=g) / INTER**0.5}
+    sd = {
+        "gate.weight": torch.randn(E, D, generator=g) / D**0.5,
+        "experts.gate_up_proj": torch.randn(E, 2 * INTER, D, generator=g) / D**0.5,
+        "experts.down_proj": torch.randn(E, D, INTER, generator=g) / INTER**0.5,
+        "shared_experts.gate_proj.weight": torch.randn(INTER, D, generator=g) / D**0.5,
+        "shared_experts.up_proj.weight": torch.randn(INTER, D, generator=g) / D**0.5,
+        "shared_experts.down_proj.weight": torch.randn(D, INTER, generator=g) / INTER**0.5,
+    }
     if bias:
         sd["gate.e_score_correction_bias"] = 0.5 * torch.randn(E, generator=g)
     if is_hash:
         sd["gate.tid2eid"] = torch.randint(0, E, (VOCAB, K), generator=g)
-    cfg = SimpleNamespace(num_experts_per_tok=K, scoring_func=scoring, routed_scaling_factor=1.5,
-                          swiglu_limit=LIMIT, hidden_act=act)
+    cfg = SimpleNamespace(
+        num_experts_per_tok=K, scoring_func=scoring, routed_scaling_factor=1.5, swiglu_limit=LIMIT, hidden_act=act
+    )
     return MoE(sd, "", cfg, is_hash)
 
 
@@ -101,15 +104,21 @@ def test_gate_up_and_down_kernels_match_references(T):
     moe = make_moe(seed=6)
     x = 12 * torch.randn(T, D, generator=gen)
     idx = picks(T, gen)
-    gate = torch.stack([torch.stack([step_moe._expert(step_moe.prepare(moe), int(e))[0] @ x[t]
-                                     for e in idx[t]]) for t in range(T)])
+    gate = torch.stack(
+        [torch.stack([step_moe._expert(step_moe.prepare(moe), int(e))[0] @ x[t] for e in idx[t]]) for t in range(T)]
+    )
     assert (gate > LIMIT).any() and (gate < -LIMIT).any()  # the clamps matter for this input
     hr = step_moe.gate_up_reference(moe, x, idx)
     w = torch.rand(T, K + 1, generator=gen)
     w[:, K] = 1.0
     yr = step_moe.down_reference(moe, hr, idx, w)
-    cfgs = [dict(), dict(mode="gemv", block_n=16, block_k=16), dict(mode="gemv", block_n=64, block_k=32),
-            dict(mode="mm"), dict(mode="mm", block_t=8, block_n=16, block_k=16)]
+    cfgs = [
+        dict(),
+        dict(mode="gemv", block_n=16, block_k=16),
+        dict(mode="gemv", block_n=64, block_k=32),
+        dict(mode="mm"),
+        dict(mode="mm", block_t=8, block_n=16, block_k=16),
+    ]
     for cfg in cfgs:
         h = step_moe.gate_up(moe, x, idx, backend="triton", **cfg)
         assert h.shape == (T, K + 1, INTER) and torch.isfinite(h).all()
@@ -124,8 +133,7 @@ def test_gate_up_and_down_kernels_match_references(T):
 def test_moe_forward_matches_engine_moe(T, kind):
     """moe_forward (4 launches, Triton interpreted) == engine MoE.__call__ on the same object, with activations
     large enough that swiglu_limit clamps."""
-    moe = make_moe(scoring="sigmoid" if kind == "sigmoid" else "sqrtsoftplus", is_hash=kind == "hash",
-                   seed=7 + T)
+    moe = make_moe(scoring="sigmoid" if kind == "sigmoid" else "sqrtsoftplus", is_hash=kind == "hash", seed=7 + T)
     gen = torch.Generator().manual_seed(100 + T)
     x = 8 * torch.randn(T, D, generator=gen)
     ids = torch.randint(0, VOCAB, (T,), generator=gen)
@@ -180,6 +188,7 @@ def test_static_step_with_moe_forward_equals_plain_runner(tiny_runner, monkeypat
     """The integration as StaticModel will call it: a GraphRunner decode step (dry path, bucket 2) whose MoE blocks
     run moe_forward's Triton kernels (interpreted) gives the plain runner's logits."""
     from evalpipe.engine.static.graphs import GraphRunner, StaticModel
+
     calls = []
 
     def moe(self, moe_obj, x, input_ids):

@@ -41,8 +41,9 @@ def magnitude_rows(rows: int, seed: int, splits: int = 0) -> torch.Tensor:
     cols = 32 * len(MAGNITUDES) * 2
     shape = (splits, rows, cols) if splits else (rows, cols)
     x = torch.randn(*shape, generator=g)
-    mags = torch.tensor([MAGNITUDES[(j + r) % len(MAGNITUDES)] for r in range(rows)
-                         for j in range(cols // 32)]).view(rows, cols // 32)
+    mags = torch.tensor([MAGNITUDES[(j + r) % len(MAGNITUDES)] for r in range(rows) for j in range(cols // 32)]).view(
+        rows, cols // 32
+    )
     return x * mags.repeat_interleave(32, dim=1)
 
 
@@ -81,13 +82,13 @@ def test_scale_padding_rewritten_to_zero(backend):
 def test_e8m0_and_e4m3_rounding_hand_checked():
     """Scale bytes and codes worked out by hand from the rule in the module docstring."""
     y = torch.zeros(1, 32 * 6)
-    y[0, 0] = 448.0                    # n = 1 exactly -> sf 127 (scale 1)
+    y[0, 0] = 448.0  # n = 1 exactly -> sf 127 (scale 1)
     y[0, 1], y[0, 2] = 1.0625, 1.1875  # ties at scale 1: 1.0625 -> 1.0 (0x38), 1.1875 -> 1.25 (0x3A)
-    y[0, 32] = 449.0                   # n just above 1 -> bumped to sf 128 (scale 2); 449/2 = 224.5 -> 224 (0x76)
-    y[0, 64] = 1.0                     # n = 2^-9 * 8/7 -> e 118 + bump = sf 119; 1 * 2^8 = 256 -> 0x78
-    y[0, 96] = 448 * 2.0 ** -130       # n = 2^-130, subnormal with mantissa <= 0x400000 -> sf 0, flushed to 0
-    y[0, 128] = 320 * 2.0 ** -126     # n = (5/7) 2^-126 subnormal, mantissa 0x5B6DB6 > 0x400000 -> sf 1; 320 (0x7A)
-    y[0, 160] = -3e-3                  # n = 1.755 * 2^-18 -> sf 110 (inv 2^17); -393.2 -> -384 = sign | 0x7C
+    y[0, 32] = 449.0  # n just above 1 -> bumped to sf 128 (scale 2); 449/2 = 224.5 -> 224 (0x76)
+    y[0, 64] = 1.0  # n = 2^-9 * 8/7 -> e 118 + bump = sf 119; 1 * 2^8 = 256 -> 0x78
+    y[0, 96] = 448 * 2.0**-130  # n = 2^-130, subnormal with mantissa <= 0x400000 -> sf 0, flushed to 0
+    y[0, 128] = 320 * 2.0**-126  # n = (5/7) 2^-126 subnormal, mantissa 0x5B6DB6 > 0x400000 -> sf 1; 320 (0x7A)
+    y[0, 160] = -3e-3  # n = 1.755 * 2^-18 -> sf 110 (inv 2^17); -393.2 -> -384 = sign | 0x7C
     for q in (mxfp8_quantize(y, backend="triton"), mxfp8_quantize_reference(y)):
         assert q.scale_grid()[0].tolist() == [127, 128, 119, 0, 1, 110]
         codes = u8(q.data)[0]
@@ -100,14 +101,15 @@ def test_dequantize_round_trip_bounds(rows):
     """|deq - y| <= half an e4m3 step: 2^-4 |y| for normal codes, 2^-10 * scale for subnormal ones; groups whose
     scale byte is 0 (amax < 448 * 2^-127 roughly) dequantize to 0."""
     g = torch.Generator().manual_seed(rows)
-    y = torch.randn(rows, 256, generator=g) * torch.exp2(torch.randint(-40, 40, (rows, 8), generator=g)
-                                                         .float()).repeat_interleave(32, dim=1)
+    y = torch.randn(rows, 256, generator=g) * torch.exp2(
+        torch.randint(-40, 40, (rows, 8), generator=g).float()
+    ).repeat_interleave(32, dim=1)
     q = mxfp8_quantize_reference(y)
     deq = q.dequantize()
     scale = torch.exp2(q.scale_grid().float() - 127).repeat_interleave(32, dim=1)
     assert (deq.abs() <= 448 * scale).all()
     err = (deq - y).abs()
-    assert (err <= torch.maximum(y.abs() * 2.0 ** -4, scale * 2.0 ** -10)).all()
+    assert (err <= torch.maximum(y.abs() * 2.0**-4, scale * 2.0**-10)).all()
     assert mxfp8_quantize_reference(torch.full((1, 32), 1e-39)).dequantize().eq(0).all()
 
 
@@ -117,8 +119,8 @@ def test_wo_a_mxfp8(rows):
     g, r, kg = 2, 64, 320
     gen = torch.Generator().manual_seed(rows)
     attn = torch.randn(rows, 2 * g + 1, kg, generator=gen).bfloat16()  # padded attention output, 2 heads per group
-    x = attn[:, 1: 1 + 2 * g: 2]  # [M, G, Kg] view: stride(1) = 2 * Kg, unit last stride
-    w_a = (torch.randn(g, r, kg, generator=gen) * kg ** -0.5).bfloat16()
+    x = attn[:, 1 : 1 + 2 * g : 2]  # [M, G, Kg] view: stride(1) = 2 * Kg, unit last stride
+    w_a = (torch.randn(g, r, kg, generator=gen) * kg**-0.5).bfloat16()
     assert [hi - lo for lo, hi in wo_a_split_bounds(kg)] == [128, 128, 64, 0, 0, 0, 0, 0]
 
     part = wo_a_partials(x, w_a, backend="triton")
@@ -131,9 +133,9 @@ def test_wo_a_mxfp8(rows):
     y_ref = reduce_partials_bf16(ref_part).float()
     # the reference WO-A is the grouped projection itself (bf16 output within one bf16 rounding of fp32 einsum)
     exact = torch.einsum("tgk,gnk->tgn", x.double(), w_a.double()).reshape(rows, -1)
-    assert ((y_ref - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+    assert ((y_ref - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
     scale = torch.exp2(ref.scale_grid().float() - 127).repeat_interleave(32, dim=1)
-    assert ((fused.dequantize() - y_ref).abs() <= y_ref.abs() * 2.0 ** -3 + scale * 2.0 ** -9).all()
+    assert ((fused.dequantize() - y_ref).abs() <= y_ref.abs() * 2.0**-3 + scale * 2.0**-9).all()
 
 
 def test_wo_a_prefilled_out_and_guard():
@@ -171,11 +173,11 @@ def test_mxfp8_linear_matches_dequantized_reference(rows):
     w_b = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
     got = mxfp8_linear(a, w_b, out_dtype=torch.float32, backend="triton")
     ref = mxfp8_linear_reference(a, w_b, out_dtype=torch.float32)
-    bound = k * 2.0 ** -24 * (a.dequantize().abs() @ w_b.float().abs().t())  # products exact, order may differ
+    bound = k * 2.0**-24 * (a.dequantize().abs() @ w_b.float().abs().t())  # products exact, order may differ
     assert ((got - ref).abs() <= bound).all()
     bf16 = mxfp8_linear(a, w_b, backend="triton")
     assert bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(bf16.float(), ref, rtol=2.0 ** -8, atol=1e-6)
+    torch.testing.assert_close(bf16.float(), ref, rtol=2.0**-8, atol=1e-6)
     with pytest.raises(TypeError, match="Mxfp8Tensor"):
         mxfp8_linear((a.data, a.scales), w_b)  # a legacy (fp8, scale) tuple is not MXFP8
 

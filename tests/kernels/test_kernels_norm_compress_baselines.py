@@ -21,9 +21,15 @@ def test_baseline_kernels_match_references(T):
 
     gen = torch.Generator().manual_seed(T)
     hc, D = 4, 200
-    m = SimpleNamespace(fn=torch.randn(2 * hc + hc * hc, hc * D, generator=gen) / 10,
-                        base=0.5 * torch.randn(2 * hc + hc * hc, generator=gen),
-                        scale=1 + 0.1 * torch.randn(3, generator=gen), hc=hc, iters=20, eps=1e-6, norm_eps=1e-6)
+    m = SimpleNamespace(
+        fn=torch.randn(2 * hc + hc * hc, hc * D, generator=gen) / 10,
+        base=0.5 * torch.randn(2 * hc + hc * hc, generator=gen),
+        scale=1 + 0.1 * torch.randn(3, generator=gen),
+        hc=hc,
+        iters=20,
+        eps=1e-6,
+        norm_eps=1e-6,
+    )
     s = torch.randn(T, hc, D, generator=gen)
     got = baseline_ops.hc_pre(m, s, backend="triton")
     ref = baseline_ops.hc_pre(m, s, backend="reference")
@@ -75,6 +81,7 @@ def test_compress_kernel_matches_engine_compressor(tiny_runner):
 
     n = 6  # rows per request: windows complete inside the forward and straddle the ring (decode is the n=1 case)
     from evalpipe.engine.static.graphs import GraphRunner, StaticBatch, pack_step_inputs
+
     runner = tiny_runner(max_seqs=5, max_seq_len=160)
     graph = GraphRunner(runner, widths=(n,), buckets=(4,))
     gen = torch.Generator().manual_seed(n)

@@ -21,18 +21,29 @@ def _buffer(B, n, max_seqs, pages_per_seq, gen):
     return torch.cat([ids, starts, slots, valid, table.reshape(-1)])
 
 
-@pytest.mark.parametrize("B,n,rings,ratios,hca", [
-    (1, 1, (26, 30), (4, 2), 2),
-    (3, 6, (26, 30, 34), (4, 2), 2),
-    (2, 10, (40,), (4,), 0),
-    (4, 3, (26, 30), (2, 4), 4),
-])
+@pytest.mark.parametrize(
+    "B,n,rings,ratios,hca",
+    [
+        (1, 1, (26, 30), (4, 2), 2),
+        (3, 6, (26, 30, 34), (4, 2), 2),
+        (2, 10, (40,), (4,), 0),
+        (4, 3, (26, 30), (2, 4), 4),
+    ],
+)
 def test_step_meta_kernel_equals_reference(B, n, rings, ratios, hca):
     gen = torch.Generator().manual_seed(B * 100 + n)
     page_tokens, pages_per_seq, max_seqs, max_seq_len = 16, 24, 6, 384
     meta = _buffer(B, n, max_seqs, pages_per_seq, gen)
-    shape = MetaShape(B=B, n=n, rings=rings, ratios=ratios, entries=tuple(max_seq_len // r for r in ratios),
-                      hca_ratio=hca, page_tokens=page_tokens, pages_per_seq=pages_per_seq)
+    shape = MetaShape(
+        B=B,
+        n=n,
+        rings=rings,
+        ratios=ratios,
+        entries=tuple(max_seq_len // r for r in ratios),
+        hca_ratio=hca,
+        page_tokens=page_tokens,
+        pages_per_seq=pages_per_seq,
+    )
     got = step_meta(meta, shape, backend="triton")
     ref = step_meta_reference(meta, shape)
     assert torch.equal(got.pos, ref.pos) and torch.equal(got.slot, ref.slot)
@@ -47,8 +58,8 @@ def test_step_meta_kernel_equals_reference(B, n, rings, ratios, hca):
         assert got.hca_rows is None
     # the reference is the engine's own arithmetic: entry rows through the page table, ring cells by position
     T = B * n
-    starts, slots = meta[T:T + B], meta[T + B:T + 2 * B]
-    table = meta[2 * T + 2 * B:].view(max_seqs, pages_per_seq)
+    starts, slots = meta[T : T + B], meta[T + B : T + 2 * B]
+    table = meta[2 * T + 2 * B :].view(max_seqs, pages_per_seq)
     for r in ratios:
         per = page_tokens // r
         for b in range(B):

@@ -24,8 +24,11 @@ def test_gsm8k_lane_matches_issue_hashes_and_pins():
     assert data.template_sha256 == PREFIX_SHA and data.extra["prefix_chars"] == 2212
     assert [it.question_id for it in data.items] == list(range(5, 1319))  # demos 0-4 never scored
     first = data.items[0]
-    assert first.prompt.endswith("Question: " + json.loads(
-        (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[5])["question"] + "\nAnswer:")
+    assert first.prompt.endswith(
+        "Question: "
+        + json.loads((DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[5])["question"]
+        + "\nAnswer:"
+    )
     assert first.prompt_sha256 == hashlib.sha256(first.prompt.encode()).hexdigest()
     pins = computed_pins(lane, data)
     assert pins["prompt_stream_sha256"].startswith("23c9eb5e8819755f")  # value in eval-protocol.md
@@ -44,7 +47,8 @@ def test_aime_lanes_match_pins(name):
     assert len(msg) == 1 and msg[0]["role"] == "user"
     assert msg[0]["content"].startswith(
         "Please reason step by step, and put your final answer within \\boxed{}.\n"
-        "The answer is an integer between 0 and 999 inclusive.\n\n")
+        "The answer is an integer between 0 and 999 inclusive.\n\n"
+    )
     assert "2024 wording" in data.extra["prompt_wording"]
     pins = computed_pins(lane, data)
     assert {k: pins[k] for k in pins if k != "lane"} == {
@@ -80,10 +84,19 @@ def test_lanes_cli_lists_and_checks_pins():
     assert all(o["differences"] == [] for o in out)
 
 
-@pytest.mark.parametrize("text,value", [
-    (" 16 - 3 - 4 = 9 eggs.\n#### 18", 18), ("It costs 1,234 dollars", 1234), ("-10", 10), ("3.5", 5),
-    ("answer 07", INVALID), ("no digits here", INVALID), ("", INVALID), ("0", 0),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        (" 16 - 3 - 4 = 9 eggs.\n#### 18", 18),
+        ("It costs 1,234 dollars", 1234),
+        ("-10", 10),
+        ("3.5", 5),
+        ("answer 07", INVALID),
+        ("no digits here", INVALID),
+        ("", INVALID),
+        ("0", 0),
+    ],
+)
 def test_legacy_scorer(text, value):
     assert legacy_answer_value(text) == value
 
@@ -110,13 +123,36 @@ def test_repeated_lane_metrics_formulas():
     recs = []
     # q0: 2 of 4 correct, answers 5,5,7,None -> majority "5" (correct); q1: 0 correct, all None
     for r, (ans, ok) in enumerate([("5", True), ("5", True), ("7", False), (None, False)]):
-        recs.append({"lane": "L", "question_id": "q0", "repeat_index": r, "extracted_answer": ans, "correct": ok,
-                     "grade_status": "ok" if ans else "no_answer", "error": None, "truncated": False, "usage": None})
+        recs.append(
+            {
+                "lane": "L",
+                "question_id": "q0",
+                "repeat_index": r,
+                "extracted_answer": ans,
+                "correct": ok,
+                "grade_status": "ok" if ans else "no_answer",
+                "error": None,
+                "truncated": False,
+                "usage": None,
+            }
+        )
     for r in range(3):  # q1 repeat 3 is missing (partial run)
-        recs.append({"lane": "L", "question_id": "q1", "repeat_index": r, "extracted_answer": None, "correct": False,
-                     "grade_status": "no_answer", "error": None, "truncated": False, "usage": None})
-    s = compute_summary(lane_name="L", grader="ns_last_boxed", repeats=4, planned_question_ids=["q0", "q1"],
-                        records=recs, meta={})
+        recs.append(
+            {
+                "lane": "L",
+                "question_id": "q1",
+                "repeat_index": r,
+                "extracted_answer": None,
+                "correct": False,
+                "grade_status": "no_answer",
+                "error": None,
+                "truncated": False,
+                "usage": None,
+            }
+        )
+    s = compute_summary(
+        lane_name="L", grader="ns_last_boxed", repeats=4, planned_question_ids=["q0", "q1"], records=recs, meta={}
+    )
     assert s["n_planned"] == 8 and s["n_records"] == 7 and s["n_missing"] == 1 and s["partial"] is True
     assert s["accuracy"] == s["pass@1"] == 2 / 8
     assert s["pass@4"] == 0.5 and s["majority@4"] == 0.5

@@ -23,22 +23,33 @@ def test_the_matharena_prompt_is_the_pinned_one_and_renders_with_str_format():
     assert file_sha256(template) == load_pins("aime26")["template_sha256"]
     assert sgl_eval_adapter.render_prompt(template, problem="Find {x}.") == (
         "Please reason step by step, and put your final answer within \\boxed{}.\n"
-        "The answer is an integer between 0 and 999 inclusive.\n\nFind {x}.")
+        "The answer is an integer between 0 and 999 inclusive.\n\nFind {x}."
+    )
 
 
-@pytest.mark.parametrize("text, boxed", [
-    ("so \\boxed{12} and then \\boxed{\\frac{1}{2}} end", "\\frac{1}{2}"),  # the last box counts
-    ("\\boxed{a{b}c}", "a{b}c"),  # braces matched, not the first closing one
-    ("no box here: 12", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, boxed",
+    [
+        ("so \\boxed{12} and then \\boxed{\\frac{1}{2}} end", "\\frac{1}{2}"),  # the last box counts
+        ("\\boxed{a{b}c}", "a{b}c"),  # braces matched, not the first closing one
+        ("no box here: 12", None),
+        ("", None),
+    ],
+)
 def test_search_boxed_takes_the_last_brace_matched_box(text, boxed):
     assert sgl_eval_adapter.search_boxed(text) == boxed
 
 
-@pytest.mark.parametrize("gold, pred, equal", [
-    ("12", "12", True), ("12", "12.0", True), ("1/2", "\\frac{1}{2}", True), ("12", "13", False), ("12", None, False),
-])
+@pytest.mark.parametrize(
+    "gold, pred, equal",
+    [
+        ("12", "12", True),
+        ("12", "12.0", True),
+        ("1/2", "\\frac{1}{2}", True),
+        ("12", "13", False),
+        ("12", None, False),
+    ],
+)
 def test_math_equal_verdicts(gold, pred, equal):
     math_equal = sgl_eval_adapter.math_equal()
     assert math_equal(gold, pred, numeric_precision=15, timeout_seconds=10) is equal
@@ -48,15 +59,17 @@ def test_math_metrics_names_the_figures_summary_reads():
     """summary.repeated_metrics reads pass@k, majority@k and pass@1[avg-of-k] (symbolic_correct, no_answer, the
     spread across repeats), in percent. Two questions x two samples: right+none, wrong+wrong."""
     metrics = sgl_eval_adapter.math_metrics()
-    metrics.update([{"predicted_answer": "1", "symbolic_correct": True},
-                    {"predicted_answer": None, "symbolic_correct": False}])
-    metrics.update([{"predicted_answer": "2", "symbolic_correct": False},
-                    {"predicted_answer": "2", "symbolic_correct": False}])
+    metrics.update(
+        [{"predicted_answer": "1", "symbolic_correct": True}, {"predicted_answer": None, "symbolic_correct": False}]
+    )
+    metrics.update(
+        [{"predicted_answer": "2", "symbolic_correct": False}, {"predicted_answer": "2", "symbolic_correct": False}]
+    )
     got = metrics.get_metrics()
     assert got["pass@2"]["symbolic_correct"] == pytest.approx(50.0)
     assert got["majority@2"]["symbolic_correct"] == pytest.approx(50.0)
     avg = got["pass@1[avg-of-2]"]
     assert avg["symbolic_correct"] == pytest.approx(25.0)
     assert avg["no_answer"] == pytest.approx(25.0)  # NeMo-Skills counts a sample without an answer, whatever why
-    assert avg["symbolic_correct_statistics"]["std_dev_across_runs"] == pytest.approx(0.5 ** 0.5 / 2)
+    assert avg["symbolic_correct_statistics"]["std_dev_across_runs"] == pytest.approx(0.5**0.5 / 2)
     assert avg["symbolic_correct_statistics"]["std_err_across_runs"] == pytest.approx(0.25)

@@ -54,81 +54,345 @@ DRY_RUN_CASES = {
         [*SGL, "--model-path", "M", "--host", "127.0.0.1", "--port", "31000", "--tp-size", "8"],
     ),
     "sglang-dspark-multinode": (
-        ["--engine", "sglang", "--model", "deepseek-ai/DeepSeek-V4-Flash", "--tp", "16", "--ep", "16", "--dp", "2",
-         "--speculative", "dspark", "--draft-model", "deepseek-ai/DeepSeek-V4-Flash-DSpark", "--block-size", "7",
-         "--deterministic", "--host", "0.0.0.0", "--", "--nnodes", "2", "--node-rank", "0",
-         "--dist-init-addr", "10.0.0.1:5000", "--mem-fraction-static", "0.8"],
-        [*SGL, "--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--host", "0.0.0.0", "--port", "30000",
-         "--tp-size", "16", "--ep-size", "16", "--dp-size", "2", "--speculative-algorithm", "DSPARK",
-         "--speculative-draft-model-path", "deepseek-ai/DeepSeek-V4-Flash-DSpark",
-         "--speculative-dspark-block-size", "7", *T1, "--enable-deterministic-inference",
-         "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "10.0.0.1:5000", "--mem-fraction-static", "0.8"],
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "deepseek-ai/DeepSeek-V4-Flash",
+            "--tp",
+            "16",
+            "--ep",
+            "16",
+            "--dp",
+            "2",
+            "--speculative",
+            "dspark",
+            "--draft-model",
+            "deepseek-ai/DeepSeek-V4-Flash-DSpark",
+            "--block-size",
+            "7",
+            "--deterministic",
+            "--host",
+            "0.0.0.0",
+            "--",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--dist-init-addr",
+            "10.0.0.1:5000",
+            "--mem-fraction-static",
+            "0.8",
+        ],
+        [
+            *SGL,
+            "--model-path",
+            "deepseek-ai/DeepSeek-V4-Flash",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "30000",
+            "--tp-size",
+            "16",
+            "--ep-size",
+            "16",
+            "--dp-size",
+            "2",
+            "--speculative-algorithm",
+            "DSPARK",
+            "--speculative-draft-model-path",
+            "deepseek-ai/DeepSeek-V4-Flash-DSpark",
+            "--speculative-dspark-block-size",
+            "7",
+            *T1,
+            "--enable-deterministic-inference",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--dist-init-addr",
+            "10.0.0.1:5000",
+            "--mem-fraction-static",
+            "0.8",
+        ],
     ),
     "sglang-dspark-checkpoint-block": (
         ["--engine", "sglang", "--model", "M", "--speculative", "dspark", "--draft-model", "D"],
-        [*SGL, "--model-path", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-algorithm", "DSPARK",
-         "--speculative-draft-model-path", "D", *T1],
+        [
+            *SGL,
+            "--model-path",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--speculative-algorithm",
+            "DSPARK",
+            "--speculative-draft-model-path",
+            "D",
+            *T1,
+        ],
     ),
     "sglang-eagle-tree": (
-        ["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-         "--spec-steps", "5", "--spec-topk", "4", "--spec-draft-tokens", "8"],
-        [*SGL, "--model-path", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-algorithm", "EAGLE",
-         "--speculative-draft-model-path", "D", "--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
-         "--speculative-num-draft-tokens", "8", *T1],
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--speculative",
+            "eagle",
+            "--draft-model",
+            "D",
+            "--spec-steps",
+            "5",
+            "--spec-topk",
+            "4",
+            "--spec-draft-tokens",
+            "8",
+        ],
+        [
+            *SGL,
+            "--model-path",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-draft-model-path",
+            "D",
+            "--speculative-num-steps",
+            "5",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-draft-tokens",
+            "8",
+            *T1,
+        ],
     ),
     "sglang-eagle3-auto": (
         ["--engine", "sglang", "--model", "M", "--speculative", "eagle3", "--draft-model", "D"],
-        [*SGL, "--model-path", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-algorithm", "EAGLE3",
-         "--speculative-draft-model-path", "D", *T1],
+        [
+            *SGL,
+            "--model-path",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            "D",
+            *T1,
+        ],
     ),
     "sglang-nextn-mtp": (
-        ["--engine", "sglang", "--model", "M", "--speculative", "nextn", "--spec-steps", "3", "--spec-topk", "1",
-         "--spec-draft-tokens", "4", "--api-key", "sk-secret"],
-        [*SGL, "--model-path", "M", "--host", "127.0.0.1", "--port", "30000", "--api-key", "<redacted>",
-         "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-         "--speculative-num-draft-tokens", "4", *T1],
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--speculative",
+            "nextn",
+            "--spec-steps",
+            "3",
+            "--spec-topk",
+            "1",
+            "--spec-draft-tokens",
+            "4",
+            "--api-key",
+            "sk-secret",
+        ],
+        [
+            *SGL,
+            "--model-path",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--api-key",
+            "<redacted>",
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+            *T1,
+        ],
     ),
     "vllm-off-parallel": (
         ["--engine", "vllm", "--model", "M", "--tp", "8", "--dp", "2", "--ep", "16", *EP],
-        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--tensor-parallel-size", "8",
-         "--data-parallel-size", "2", "--enable-expert-parallel"],
+        [
+            *VLLM,
+            "--model",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--tensor-parallel-size",
+            "8",
+            "--data-parallel-size",
+            "2",
+            "--enable-expert-parallel",
+        ],
     ),
     "vllm-dspark": (
         ["--engine", "vllm", "--model", "M", "--speculative", "dspark", "--draft-model", "D", "--block-size", "7", *EP],
-        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
-         '{"method":"dspark","model":"D","num_speculative_tokens":7}'],
+        [
+            *VLLM,
+            "--model",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--speculative-config",
+            '{"method":"dspark","model":"D","num_speculative_tokens":7}',
+        ],
     ),
     "vllm-eagle3": (
-        ["--engine", "vllm", "--model", "M", "--speculative", "eagle3", "--draft-model", "D", "--spec-steps", "3",
-         "--spec-topk", "1", "--spec-draft-tokens", "4", *EP, "--max-num-seqs", "64"],
-        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
-         '{"method":"eagle3","model":"D","num_speculative_tokens":3}', "--max-num-seqs", "64"],
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            "M",
+            "--speculative",
+            "eagle3",
+            "--draft-model",
+            "D",
+            "--spec-steps",
+            "3",
+            "--spec-topk",
+            "1",
+            "--spec-draft-tokens",
+            "4",
+            *EP,
+            "--max-num-seqs",
+            "64",
+        ],
+        [
+            *VLLM,
+            "--model",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--speculative-config",
+            '{"method":"eagle3","model":"D","num_speculative_tokens":3}',
+            "--max-num-seqs",
+            "64",
+        ],
     ),
     "vllm-nextn-mtp": (
         ["--engine", "vllm", "--model", "M", "--speculative", "nextn", "--spec-steps", "1", *EP],
-        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
-         '{"method":"mtp","num_speculative_tokens":1}'],
+        [
+            *VLLM,
+            "--model",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--speculative-config",
+            '{"method":"mtp","num_speculative_tokens":1}',
+        ],
     ),
     "vllm-ngram": (
-        ["--engine", "vllm", "--model", "M", "--speculative", "ngram", "--spec-steps", "3", "--ngram-min", "2",
-         "--ngram-max", "4", *EP, "--", "--load-format", "dummy"],
-        [*VLLM, "--model", "M", "--host", "127.0.0.1", "--port", "30000", "--speculative-config",
-         '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,"prompt_lookup_min":2}',
-         "--load-format", "dummy"],
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            "M",
+            "--speculative",
+            "ngram",
+            "--spec-steps",
+            "3",
+            "--ngram-min",
+            "2",
+            "--ngram-max",
+            "4",
+            *EP,
+            "--",
+            "--load-format",
+            "dummy",
+        ],
+        [
+            *VLLM,
+            "--model",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--speculative-config",
+            '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,"prompt_lookup_min":2}',
+            "--load-format",
+            "dummy",
+        ],
     ),
     "sglang-other-env": (
         ["--engine", "sglang", "--model", "M", "--engine-python", "/opt/sgl/bin/python"],
-        ["/opt/sgl/bin/python", "-m", "sglang.launch_server", "--model-path", "M", "--host", "127.0.0.1",
-         "--port", "30000"],
+        [
+            "/opt/sgl/bin/python",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "M",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+        ],
     ),
     "native-default": ([], [*NATIVE, "--host", "127.0.0.1", "--port", "30000"]),
-    "native-off": (["--speculative", "off", "--port", "0"],
-                   [*NATIVE, "--host", "127.0.0.1", "--port", "0", "--speculative", "off"]),
+    "native-off": (
+        ["--speculative", "off", "--port", "0"],
+        [*NATIVE, "--host", "127.0.0.1", "--port", "0", "--speculative", "off"],
+    ),
     "native-block": (
-        ["--engine", "native", "--speculative", "block", "--block-size", "5", "--drafter", "layerskip:2",
-         "--dtype", "float32", "--max-batch", "16", "--some-future-flag", "x"],
-        [*NATIVE, "--host", "127.0.0.1", "--port", "30000", "--dtype", "float32", "--max-batch", "16",
-         "--speculative", "block", "--block-size", "5", "--drafter", "layerskip:2", "--some-future-flag", "x"],
+        [
+            "--engine",
+            "native",
+            "--speculative",
+            "block",
+            "--block-size",
+            "5",
+            "--drafter",
+            "layerskip:2",
+            "--dtype",
+            "float32",
+            "--max-batch",
+            "16",
+            "--some-future-flag",
+            "x",
+        ],
+        [
+            *NATIVE,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--dtype",
+            "float32",
+            "--max-batch",
+            "16",
+            "--speculative",
+            "block",
+            "--block-size",
+            "5",
+            "--drafter",
+            "layerskip:2",
+            "--some-future-flag",
+            "x",
+        ],
     ),
 }
 
@@ -143,11 +407,38 @@ def test_dry_run_argv_is_exact(case):
 
 
 def test_dry_run_simulation_only_through_its_flag():
-    sgl = dry_run(["--engine", "sglang", "--model", "M", "--speculative", "dspark", "--draft-model", "D",
-                   "--simulate-acc-len", "3.5"])
+    sgl = dry_run(
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--speculative",
+            "dspark",
+            "--draft-model",
+            "D",
+            "--simulate-acc-len",
+            "3.5",
+        ]
+    )
     assert sgl["env_set"] == {"SGLANG_SIMULATE_ACC_LEN": "3.5"} and sgl["performance_only"] is True
-    vllm = dry_run(["--engine", "vllm", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-                    "--spec-steps", "3", "--simulate-acc-len", "2.5", *EP])
+    vllm = dry_run(
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            "M",
+            "--speculative",
+            "eagle",
+            "--draft-model",
+            "D",
+            "--spec-steps",
+            "3",
+            "--simulate-acc-len",
+            "2.5",
+            *EP,
+        ]
+    )
     config = json.loads(vllm["argv"][vllm["argv"].index("--speculative-config") + 1])
     assert config["rejection_sample_method"] == "synthetic" and config["synthetic_acceptance_length"] == 2.5
     native = dry_run(["--speculative", "block", "--simulate-acc-len", "5.5"])
@@ -159,29 +450,125 @@ def test_dry_run_simulation_only_through_its_flag():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-          "--", "--speculative-accept-threshold-single", "0.9"], "lossy"),
-        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-          "--speculative-accept-threshold-acc=0.5"], "lossy"),
-        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3"],
-         "together"),
-        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3",
-          "--spec-topk", "1", "--spec-draft-tokens", "8"], "steps + 1"),
+        (
+            [
+                "--engine",
+                "sglang",
+                "--model",
+                "M",
+                "--speculative",
+                "eagle",
+                "--draft-model",
+                "D",
+                "--",
+                "--speculative-accept-threshold-single",
+                "0.9",
+            ],
+            "lossy",
+        ),
+        (
+            [
+                "--engine",
+                "sglang",
+                "--model",
+                "M",
+                "--speculative",
+                "eagle",
+                "--draft-model",
+                "D",
+                "--speculative-accept-threshold-acc=0.5",
+            ],
+            "lossy",
+        ),
+        (
+            ["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3"],
+            "together",
+        ),
+        (
+            [
+                "--engine",
+                "sglang",
+                "--model",
+                "M",
+                "--speculative",
+                "eagle",
+                "--draft-model",
+                "D",
+                "--spec-steps",
+                "3",
+                "--spec-topk",
+                "1",
+                "--spec-draft-tokens",
+                "8",
+            ],
+            "steps + 1",
+        ),
         (["--engine", "sglang", "--model", "M", "--speculative", "dspark"], "--draft-model"),
-        (["--engine", "sglang", "--model", "M", "--speculative", "dspark", "--draft-model", "D", "--spec-steps", "2",
-          "--spec-topk", "1", "--spec-draft-tokens", "3"], "dspark fixes the tree"),
+        (
+            [
+                "--engine",
+                "sglang",
+                "--model",
+                "M",
+                "--speculative",
+                "dspark",
+                "--draft-model",
+                "D",
+                "--spec-steps",
+                "2",
+                "--spec-topk",
+                "1",
+                "--spec-draft-tokens",
+                "3",
+            ],
+            "dspark fixes the tree",
+        ),
         (["--engine", "sglang", "--model", "M", "--block-size", "4"], "--speculative off"),
         (["--engine", "sglang", "--model", "M", "--", "--port", "1"], "--port is set by evalpipe"),
         (["--engine", "sglang", "--model", "M", "--speculative", "block"], "one of"),
         (["--engine", "sglang"], "needs --model"),
-        (["--engine", "vllm", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3",
-          "--spec-topk", "2", "--spec-draft-tokens", "4"], "linear chain"),
+        (
+            [
+                "--engine",
+                "vllm",
+                "--model",
+                "M",
+                "--speculative",
+                "eagle",
+                "--draft-model",
+                "D",
+                "--spec-steps",
+                "3",
+                "--spec-topk",
+                "2",
+                "--spec-draft-tokens",
+                "4",
+            ],
+            "linear chain",
+        ),
         (["--engine", "vllm", "--model", "M", "--tp", "8", "--ep", "4"], "TP x DP"),
         (["--engine", "vllm", "--model", "M", "--speculative", "dspark", "--draft-model", "D"], "--block-size"),
-        (["--engine", "vllm", "--model", "M", "--speculative", "ngram", "--spec-steps", "3", "--draft-model", "D"],
-         "drafts from the prompt itself"),
-        (["--engine", "vllm", "--model", "M", "--speculative", "ngram", "--spec-steps", "3", "--ngram-min", "5",
-          "--ngram-max", "2"], "above --ngram-max"),
+        (
+            ["--engine", "vllm", "--model", "M", "--speculative", "ngram", "--spec-steps", "3", "--draft-model", "D"],
+            "drafts from the prompt itself",
+        ),
+        (
+            [
+                "--engine",
+                "vllm",
+                "--model",
+                "M",
+                "--speculative",
+                "ngram",
+                "--spec-steps",
+                "3",
+                "--ngram-min",
+                "5",
+                "--ngram-max",
+                "2",
+            ],
+            "above --ngram-max",
+        ),
         (["--engine", "vllm", "--model", "M", "--ngram-max", "2"], "need --speculative ngram"),
         (["--engine", "vllm", "--model", "M", "--device", "cpu"], "takes its device from its build"),
         (["--engine", "vllm", "--model", "M", "--engine-python", "/x/python", "--engine-command", "wrap"], "not both"),
@@ -199,12 +586,56 @@ def test_dry_run_simulation_only_through_its_flag():
         (["--speculative", "block", "--spec-accept-topk", "3", "--spec-accept-threshold-acc", "0.5"], "choose one"),
         (["--speculative", "block", "--spec-accept-threshold-single", "1.5"], "[0, 1]"),
         (["--speculative", "block", "--spec-accept-topk", "3", "--simulate-acc-len", "3"], "nothing to decide"),
-        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-          "--spec-accept-topk", "3"], "no top-k acceptance"),
-        (["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-          "--spec-accept-threshold-acc", "0.5", "--", "--speculative-accept-threshold-acc", "1.0"], "given twice"),
-        (["--engine", "vllm", "--model", "M", "--speculative", "eagle", "--draft-model", "D", "--spec-steps", "3",
-          "--spec-accept-threshold-single", "0.5"], "no acceptance thresholds"),
+        (
+            [
+                "--engine",
+                "sglang",
+                "--model",
+                "M",
+                "--speculative",
+                "eagle",
+                "--draft-model",
+                "D",
+                "--spec-accept-topk",
+                "3",
+            ],
+            "no top-k acceptance",
+        ),
+        (
+            [
+                "--engine",
+                "sglang",
+                "--model",
+                "M",
+                "--speculative",
+                "eagle",
+                "--draft-model",
+                "D",
+                "--spec-accept-threshold-acc",
+                "0.5",
+                "--",
+                "--speculative-accept-threshold-acc",
+                "1.0",
+            ],
+            "given twice",
+        ),
+        (
+            [
+                "--engine",
+                "vllm",
+                "--model",
+                "M",
+                "--speculative",
+                "eagle",
+                "--draft-model",
+                "D",
+                "--spec-steps",
+                "3",
+                "--spec-accept-threshold-single",
+                "0.5",
+            ],
+            "no acceptance thresholds",
+        ),
     ],
 )
 def test_refusals_are_usage_errors(args, message):
@@ -218,24 +649,51 @@ def test_lossy_acceptance_only_on_purpose_and_recorded():
     native_thr = dry_run(["--speculative", "block", "--spec-accept-threshold-single", "0.4"])
     assert native_thr["argv"][-2:] == ["--spec-accept-threshold-single", "0.4"]
     assert native_thr["lossy_acceptance"] == {"threshold_single": 0.4}
-    args = ["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-            "--spec-accept-threshold-single", "0.5"]
+    args = [
+        "--engine",
+        "sglang",
+        "--model",
+        "M",
+        "--speculative",
+        "eagle",
+        "--draft-model",
+        "D",
+        "--spec-accept-threshold-single",
+        "0.5",
+    ]
     sgl = dry_run(args)
     i = sgl["argv"].index("--speculative-accept-threshold-single")
-    assert sgl["argv"][i: i + 4] == ["--speculative-accept-threshold-single", "0.5",
-                                     "--speculative-accept-threshold-acc", "1.0"]
+    assert sgl["argv"][i : i + 4] == [
+        "--speculative-accept-threshold-single",
+        "0.5",
+        "--speculative-accept-threshold-acc",
+        "1.0",
+    ]
     assert sgl["lossy_acceptance"] == {"threshold_single": 0.5}
     text = CliRunner().invoke(launch_command, ["--dry-run", *args]).output
     assert "# LOSSY ACCEPTANCE" in text
-    lossless = dry_run(["--engine", "sglang", "--model", "M", "--speculative", "eagle", "--draft-model", "D",
-                        "--spec-accept-threshold-single", "1.0"])
+    lossless = dry_run(
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--speculative",
+            "eagle",
+            "--draft-model",
+            "D",
+            "--spec-accept-threshold-single",
+            "1.0",
+        ]
+    )
     assert lossless["lossy_acceptance"] is None  # 1.0 is SGLang's lossless default
 
 
 def test_server_reported_acceptance_must_match_the_request():
     exact = make_launcher(LaunchOptions(engine="sglang", model="M", speculative="eagle", draft_model="D"))
-    asked = make_launcher(LaunchOptions(engine="sglang", model="M", speculative="eagle", draft_model="D",
-                                        spec_accept_threshold_acc=0.7))
+    asked = make_launcher(
+        LaunchOptions(engine="sglang", model="M", speculative="eagle", draft_model="D", spec_accept_threshold_acc=0.7)
+    )
     lossy_info = {"speculative_accept_threshold_single": 1.0, "speculative_accept_threshold_acc": 0.7}
     exact_info = {"speculative_accept_threshold_single": 1.0, "speculative_accept_threshold_acc": 1.0}
     assert any("lossy acceptance" in p for p in effective_problems(exact, lossy_info))
@@ -249,18 +707,36 @@ def test_server_reported_acceptance_must_match_the_request():
 
 
 def test_env_hygiene_rules():
-    parent = {"PATH": "/bin", "SGLANG_FOO": "1", "VLLM_BAR": "2", "SGLANG_SIMULATE_ACC_LEN": "3", "VLLM_KEEP": "k",
-              "SGLANG_ENABLE_SPEC_V2": "True"}
+    parent = {
+        "PATH": "/bin",
+        "SGLANG_FOO": "1",
+        "VLLM_BAR": "2",
+        "SGLANG_SIMULATE_ACC_LEN": "3",
+        "VLLM_KEEP": "k",
+        "SGLANG_ENABLE_SPEC_V2": "True",
+    }
     child = build_child_env(parent, keep=["VLLM_KEEP"], set_vars={"SGLANG_ENABLE_SPEC_V2": "False"})
     assert child.env == {"PATH": "/bin", "VLLM_KEEP": "k", "SGLANG_ENABLE_SPEC_V2": "False"}
     assert child.removed == ["SGLANG_ENABLE_SPEC_V2", "SGLANG_FOO", "SGLANG_SIMULATE_ACC_LEN", "VLLM_BAR"]
     assert child.kept == ["VLLM_KEEP"]
     env = {"HF_TOKEN": "t", "OPENAI_API_KEY": "k", "DB_PASSWORD": "p", "AWS_SECRET": "s", "HOME": "/h"}
     assert redact_env(env) == {
-        "AWS_SECRET": "<redacted>", "DB_PASSWORD": "<redacted>", "HF_TOKEN": "<redacted>",
-        "HOME": "/h", "OPENAI_API_KEY": "<redacted>"}
+        "AWS_SECRET": "<redacted>",
+        "DB_PASSWORD": "<redacted>",
+        "HF_TOKEN": "<redacted>",
+        "HOME": "/h",
+        "OPENAI_API_KEY": "<redacted>",
+    }
     assert redact_argv(["x", "--api-key", "k", "--hf-token=t", "--tokenizer-path", "tok", "--max-num-tokens", "5"]) == [
-        "x", "--api-key", "<redacted>", "--hf-token=<redacted>", "--tokenizer-path", "tok", "--max-num-tokens", "5"]
+        "x",
+        "--api-key",
+        "<redacted>",
+        "--hf-token=<redacted>",
+        "--tokenizer-path",
+        "tok",
+        "--max-num-tokens",
+        "5",
+    ]
 
 
 def wants_launcher(args: list[str]) -> bool:
@@ -277,28 +753,48 @@ def test_dispatch_rule_for_serve_hook():
 
 
 def test_receipt_differences_explained_only_by_declared_flags():
-    base = {"engine": "sglang", "engine_version": "0.5.23", "gpus": ["GPU 0"], "env": {"PATH": "/bin"},
-            "models": {"data": [{"id": "m", "created": 1}]},
-            "server_info": {"port": 1, "tp_size": 8, "speculative_algorithm": None, "speculative_num_steps": None,
-                            "internal_states": [{"avg_spec_accept_length": 1.0}], "mem_fraction_static": 0.8}}
+    base = {
+        "engine": "sglang",
+        "engine_version": "0.5.23",
+        "gpus": ["GPU 0"],
+        "env": {"PATH": "/bin"},
+        "models": {"data": [{"id": "m", "created": 1}]},
+        "server_info": {
+            "port": 1,
+            "tp_size": 8,
+            "speculative_algorithm": None,
+            "speculative_num_steps": None,
+            "internal_states": [{"avg_spec_accept_length": 1.0}],
+            "mem_fraction_static": 0.8,
+        },
+    }
     other = json.loads(json.dumps(base))
     other["models"]["data"][0]["created"] = 2
-    other["server_info"].update(port=2, speculative_algorithm="DSPARK", speculative_num_steps=1,
-                                internal_states=[{"avg_spec_accept_length": 3.2}])
+    other["server_info"].update(
+        port=2,
+        speculative_algorithm="DSPARK",
+        speculative_num_steps=1,
+        internal_states=[{"avg_spec_accept_length": 3.2}],
+    )
     assert receipt_differences(base, base) == []
     assert receipt_differences(base, other, declared=["speculative", "draft_model"]) == []
     problems = receipt_differences(base, other, declared=[])
-    assert problems == ["server setting speculative_algorithm: A=None B='DSPARK'",
-                        "server setting speculative_num_steps: A=None B=1"]
+    assert problems == [
+        "server setting speculative_algorithm: A=None B='DSPARK'",
+        "server setting speculative_num_steps: A=None B=1",
+    ]
     other["server_info"]["mem_fraction_static"] = 0.7
     other["engine_version"] = "0.5.24"
     problems = receipt_differences(base, other, declared=["speculative"])
     assert problems == ["engine_version: A='0.5.23' B='0.5.24'", "server setting mem_fraction_static: A=0.8 B=0.7"]
     assert receipt_differences(base, other, declared=["speculative"], allow=["mem_fraction*", "engine_version"]) == [
-        "engine_version: A='0.5.23' B='0.5.24'"]
+        "engine_version: A='0.5.23' B='0.5.24'"
+    ]
     # another engine build (--engine-command pointing at another venv) is a declared difference
     assert receipt_differences(base, other, declared=["engine_command"], allow=["mem_fraction*"]) == [
-        "server setting speculative_algorithm: A=None B='DSPARK'", "server setting speculative_num_steps: A=None B=1"]
+        "server setting speculative_algorithm: A=None B='DSPARK'",
+        "server setting speculative_num_steps: A=None B=1",
+    ]
 
 
 # ----- real processes -------------------------------------------------------------------------------------
@@ -308,7 +804,11 @@ def _launch(args: list[str], env_extra: dict, tmp_path: Path) -> subprocess.Pope
     env = {**os.environ, **env_extra}
     return subprocess.Popen(
         [PY, "-m", "evalpipe.cli", "serve", *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
     )
 
 
@@ -323,13 +823,37 @@ def _alive(pid: int) -> bool:
 def test_polluted_environment_never_reaches_a_real_server_and_receipt_is_complete(tmp_path):
     port = free_port()
     receipt = tmp_path / "receipt.json"
-    polluted = {"SGLANG_FOO": "1", "VLLM_BAR": "2", "SGLANG_SIMULATE_ACC_LEN": "3", "VLLM_KEEP": "kept",
-                "MY_API_KEY": "s3cret", "HF_TOKEN": "hf_s3cret"}
+    polluted = {
+        "SGLANG_FOO": "1",
+        "VLLM_BAR": "2",
+        "SGLANG_SIMULATE_ACC_LEN": "3",
+        "VLLM_KEEP": "kept",
+        "MY_API_KEY": "s3cret",
+        "HF_TOKEN": "hf_s3cret",
+    }
     proc = _launch(
-        ["--engine", "sglang", "--model", "some/model", "--port", str(port), "--api-key", "sk-s3cret",
-         "--keep-env", "VLLM_KEEP", "--set-env", "SGLANG_ENABLE_SPEC_V2=True", "--receipt", str(receipt),
-         "--engine-command", f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-mode ready", "--ready-timeout", "60"],
-        polluted, tmp_path,
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "some/model",
+            "--port",
+            str(port),
+            "--api-key",
+            "sk-s3cret",
+            "--keep-env",
+            "VLLM_KEEP",
+            "--set-env",
+            "SGLANG_ENABLE_SPEC_V2=True",
+            "--receipt",
+            str(receipt),
+            "--engine-command",
+            f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-mode ready",
+            "--ready-timeout",
+            "60",
+        ],
+        polluted,
+        tmp_path,
     )
     try:
         line = proc.stdout.readline()
@@ -370,10 +894,22 @@ def test_server_that_never_becomes_ready_fails_with_log_tail_and_no_orphan(tmp_p
     pidfile = tmp_path / "pids.json"
     start = time.monotonic()
     proc = _launch(
-        ["--engine", "sglang", "--model", "M", "--port", str(free_port()), "--receipt", str(tmp_path / "r.json"),
-         "--engine-command", f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-mode 503 --fake-pidfile {pidfile}",
-         "--ready-timeout", "4"],
-        {}, tmp_path,
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--port",
+            str(free_port()),
+            "--receipt",
+            str(tmp_path / "r.json"),
+            "--engine-command",
+            f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-mode 503 --fake-pidfile {pidfile}",
+            "--ready-timeout",
+            "4",
+        ],
+        {},
+        tmp_path,
     )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, (out, err)
@@ -389,9 +925,22 @@ def test_server_that_never_becomes_ready_fails_with_log_tail_and_no_orphan(tmp_p
 
 def test_server_that_exits_early_and_one_that_never_listens(tmp_path):
     proc = _launch(
-        ["--engine", "vllm", "--model", "M", "--port", str(free_port()), "--receipt", str(tmp_path / "r.json"),
-         "--engine-command", f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-mode exit", "--ready-timeout", "30"],
-        {}, tmp_path,
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            "M",
+            "--port",
+            str(free_port()),
+            "--receipt",
+            str(tmp_path / "r.json"),
+            "--engine-command",
+            f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-mode exit",
+            "--ready-timeout",
+            "30",
+        ],
+        {},
+        tmp_path,
     )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "exited with code 3" in err and "cannot load model weights" in err
@@ -409,10 +958,22 @@ def test_server_that_exits_early_and_one_that_never_listens(tmp_path):
 def test_server_reporting_lossy_settings_is_refused(tmp_path):
     info = json.dumps({"speculative_accept_threshold_acc": 0.7})
     proc = _launch(
-        ["--engine", "sglang", "--model", "M", "--port", str(free_port()), "--receipt", str(tmp_path / "r.json"),
-         "--engine-command", f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-info-json {shlex.quote(info)}",
-         "--ready-timeout", "30"],
-        {}, tmp_path,
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--port",
+            str(free_port()),
+            "--receipt",
+            str(tmp_path / "r.json"),
+            "--engine-command",
+            f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-info-json {shlex.quote(info)}",
+            "--ready-timeout",
+            "30",
+        ],
+        {},
+        tmp_path,
     )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "lossy acceptance" in err, err
@@ -424,18 +985,37 @@ def test_evalpipe_serve_hook_routes_engines_and_dry_run():
     """Through the real console entry: `evalpipe serve --engine sglang --dry-run` never starts anything."""
     env = {**os.environ, "SGLANG_FOO": "1"}
     out = subprocess.run(
-        [PY, "-m", "evalpipe.cli", "serve", "--engine", "sglang", "--model", "M", "--speculative", "dspark",
-         "--draft-model", "D", "--dry-run", "--json"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            PY,
+            "-m",
+            "evalpipe.cli",
+            "serve",
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--speculative",
+            "dspark",
+            "--draft-model",
+            "D",
+            "--dry-run",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["argv"][:3] == SGL and "DSPARK" in plan["argv"] and plan["env_removed"] == ["SGLANG_FOO"]
-    help_text = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--help"], capture_output=True, text=True,
-                               timeout=120).stdout
+    help_text = subprocess.run(
+        [PY, "-m", "evalpipe.cli", "serve", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
     assert "--engine [native|sglang|vllm]" in help_text and "--dry-run" in help_text
-    engine_help = subprocess.run([PY, "-m", "evalpipe.cli", "serve", "--engine", "vllm", "--help"],
-                                 capture_output=True, text=True, timeout=120).stdout
+    engine_help = subprocess.run(
+        [PY, "-m", "evalpipe.cli", "serve", "--engine", "vllm", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
     assert "only way to exercise those engines" in " ".join(engine_help.split())
 
 
@@ -443,9 +1023,22 @@ def test_server_dies_with_a_launcher_killed_by_sigkill(tmp_path):
     """A launcher that cannot clean up (SIGKILL) still leaves no server behind: the kernel's parent-death signal."""
     receipt = tmp_path / "r.json"
     proc = _launch(
-        ["--engine", "sglang", "--model", "M", "--port", str(free_port()), "--receipt", str(receipt),
-         "--engine-command", f"{shlex.quote(PY)} {shlex.quote(FAKE)}", "--ready-timeout", "60"],
-        {}, tmp_path,
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--port",
+            str(free_port()),
+            "--receipt",
+            str(receipt),
+            "--engine-command",
+            f"{shlex.quote(PY)} {shlex.quote(FAKE)}",
+            "--ready-timeout",
+            "60",
+        ],
+        {},
+        tmp_path,
     )
     try:
         assert proc.stdout.readline().startswith("ready: ")
@@ -464,13 +1057,17 @@ def test_server_dies_with_a_launcher_killed_by_sigkill(tmp_path):
 
 
 def test_native_receipts_differ_when_the_engine_code_changed_between_boots():
-    a = {"engine": "native", "engine_version": "0.1.0",
-         "evalpipe_source": {"git_commit": "abc", "git_diff_sha256": None}}
+    a = {
+        "engine": "native",
+        "engine_version": "0.1.0",
+        "evalpipe_source": {"git_commit": "abc", "git_diff_sha256": None},
+    }
     b = {**a, "evalpipe_source": {"git_commit": "def", "git_diff_sha256": None}}
     assert receipt_differences(a, a) == []
     assert receipt_differences(a, b, declared=["speculative"]) == [
         "evalpipe source (the native engine's code): A={'git_commit': 'abc', 'git_diff_sha256': None} "
-        "B={'git_commit': 'def', 'git_diff_sha256': None}"]
+        "B={'git_commit': 'def', 'git_diff_sha256': None}"
+    ]
     sglang = {**a, "engine": "sglang"}
     assert receipt_differences(sglang, {**b, "engine": "sglang"}) == []  # launcher code, not the engine's
 
@@ -494,7 +1091,8 @@ def test_engine_interpreter_default_follows_the_console_script_on_path(tmp_path)
     assert dry_run(vllm, env={"PATH": str(long_form)})["argv"][0] == "/opt/a very long/path/bin/python"
     assert dry_run(["--engine", "vllm", "--model", "M"], env={"PATH": str(empty)})["argv"][0] == PY
     assert dry_run(["--engine", "vllm", "--model", "M", "--engine-python", "rel/bin/python"])["engine_python"] == str(
-        Path.cwd() / "rel" / "bin" / "python")
+        Path.cwd() / "rel" / "bin" / "python"
+    )
 
 
 def test_an_interpreter_without_the_engine_is_refused_before_anything_starts(tmp_path):
@@ -502,8 +1100,22 @@ def test_an_interpreter_without_the_engine_is_refused_before_anything_starts(tmp
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("this interpreter imports vllm")
-    proc = _launch(["--engine", "vllm", "--model", "M", "--port", str(free_port()), "--engine-python", PY,
-                    "--receipt", str(tmp_path / "r.json")], {}, tmp_path)
+    proc = _launch(
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            "M",
+            "--port",
+            str(free_port()),
+            "--engine-python",
+            PY,
+            "--receipt",
+            str(tmp_path / "r.json"),
+        ],
+        {},
+        tmp_path,
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, (out, err)
     assert f"{PY} cannot import vllm" in err and "--engine-python" in err and "Traceback" not in err

@@ -22,8 +22,13 @@ from tests.support.server_harness import ServerProcess
 
 KEYS = ("qualify-key-one", "qualify-key-two")
 KEY_ARGS = [a for k in KEYS for a in ("--api-key", k)]
-SCRIPTED_INFO = {"tokenizer": {"kind": "byte"}, "engine": {"max_tokens_per_step": 32}, "page_size": 16,
-                 "sliding_window": 8, "compress_rates": {"csa": 4}}
+SCRIPTED_INFO = {
+    "tokenizer": {"kind": "byte"},
+    "engine": {"max_tokens_per_step": 32},
+    "page_size": 16,
+    "sliding_window": 8,
+    "compress_rates": {"csa": 4},
+}
 FAST = ["--max-context", "600", "--soak-duration", "0.5", "--retrieval-depths", "3", "--needles-per-depth", "1"]
 
 
@@ -43,8 +48,9 @@ def native():
 
 def qualify(base_url: str, out: Path, *args: str) -> tuple[int, dict | None, str]:
     """In-process `evalpipe qualify` (the real command); (exit code, qualify.json or None, output)."""
-    result = CliRunner().invoke(main, ["qualify", "--base-url", base_url, "--out", str(out), *args],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        main, ["qualify", "--base-url", base_url, "--out", str(out), *args], catch_exceptions=False
+    )
     path = out / "qualify.json"
     return result.exit_code, json.loads(path.read_text()) if path.exists() else None, result.output
 
@@ -75,13 +81,16 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
     assert json.loads((tmp_path / "q" / "manifest.json").read_text())["consistent"] is True
 
 
-@pytest.mark.parametrize("fault, gate, reason", [
-    ("any_key", "auth", "wrong GET /v1/models: refused: HTTP 200 with a wrong key"),
-    ("open_route", "auth", "missing GET /get_server_info: refused: HTTP 200 without a key"),
-    ("lose_needle", "retrieval", "exact answer: replied"),
-    ("early_stop", "retrieval", "exact answer"),
-    ("leak_tool_protocol", "structured", "no leaked tool protocol: found ['<|tool_call|>']"),
-])
+@pytest.mark.parametrize(
+    "fault, gate, reason",
+    [
+        ("any_key", "auth", "wrong GET /v1/models: refused: HTTP 200 with a wrong key"),
+        ("open_route", "auth", "missing GET /get_server_info: refused: HTTP 200 without a key"),
+        ("lose_needle", "retrieval", "exact answer: replied"),
+        ("early_stop", "retrieval", "exact answer"),
+        ("leak_tool_protocol", "structured", "no leaked tool protocol: found ['<|tool_call|>']"),
+    ],
+)
 def test_each_fault_fails_its_gate_with_exit_4(scripted, tmp_path, fault, gate, reason):
     set_config(scripted, faults=[fault])
     try:
@@ -164,15 +173,17 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     try:
         assert len(servers) == 2, [b.exception() for b in booting]
         fresh, other = servers
-        code, result, output = qualify(fresh.base + "/v1", tmp_path / "boot2", *KEY_ARGS, "--reference", str(ref),
-                                       "--gates", "reference")
+        code, result, output = qualify(
+            fresh.base + "/v1", tmp_path / "boot2", *KEY_ARGS, "--reference", str(ref), "--gates", "reference"
+        )
         notes = gates(result)["reference"]["notes"]
         assert code == 0 and notes["first_token_agreement"] == "20/20" and notes["continuation_agreement"] == "20/20", (
             output
         )
 
-        code, result, output = qualify(other.base + "/v1", tmp_path / "other", *KEY_ARGS, "--reference", str(ref),
-                                       "--gates", "reference")
+        code, result, output = qualify(
+            other.base + "/v1", tmp_path / "other", *KEY_ARGS, "--reference", str(ref), "--gates", "reference"
+        )
     finally:
         for server in servers:
             server.stop()
@@ -199,8 +210,9 @@ def test_auth_gate_is_skipped_with_its_reason_when_no_key_is_given(tmp_path):
 
 
 def test_the_sampling_gate_s_token_file_carries_no_key(native, tmp_path):
-    code, result, output = qualify(native.base + "/v1", tmp_path / "s", *KEY_ARGS, "--gates", "sampling",
-                                   "--sampling-tokens", "200")
+    code, result, output = qualify(
+        native.base + "/v1", tmp_path / "s", *KEY_ARGS, "--gates", "sampling", "--sampling-tokens", "200"
+    )
     assert code in (0, 4) and gates(result)["sampling"]["notes"]["tokens"] >= 200, output
     lines = (tmp_path / "s" / "sampling_tokens.jsonl").read_text().splitlines()
     assert len(lines) == gates(result)["sampling"]["requests"]

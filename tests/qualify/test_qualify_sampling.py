@@ -94,8 +94,13 @@ def test_pit_edge_cases():
     assert s.u == [1.0] and s.logprob_mismatches == 1
     # a sampled token a server adds beyond the top k (vLLM does) goes back to the tail, and is counted
     s = PitSample()
-    s.add_response(["z"], [math.log(0.01)], [{"a": math.log(0.5), "b": math.log(0.25), "z": math.log(0.01)}],
-                   np.random.default_rng(0), k=2)
+    s.add_response(
+        ["z"],
+        [math.log(0.01)],
+        [{"a": math.log(0.5), "b": math.log(0.25), "z": math.log(0.01)}],
+        np.random.default_rng(0),
+        k=2,
+    )
     assert s.in_tail == 1 and s.extra_entries_dropped == 1 and 0.75 <= s.u[0] <= 1.0
     # no variance (p_max = 1 everywhere): z = 0, p = 1; nothing sampled: no p-values
     assert hit_test(3, [1.0, 1.0, 1.0]) == (3.0, 0.0, 1.0)
@@ -119,9 +124,24 @@ def test_lookup_candidate_is_what_the_native_ngram_drafter_proposes():
 
 
 def qualify_sampling(server: ServerProcess, out: Path, tokens: int, seed: int) -> tuple[int, dict]:
-    result = CliRunner().invoke(main, ["qualify", "--base-url", server.base + "/v1", "--gates", "sampling",
-                                       "--sampling-tokens", str(tokens), "--sampling-seed", str(seed),
-                                       "--out", str(out), "--no-progress"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        [
+            "qualify",
+            "--base-url",
+            server.base + "/v1",
+            "--gates",
+            "sampling",
+            "--sampling-tokens",
+            str(tokens),
+            "--sampling-seed",
+            str(seed),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        catch_exceptions=False,
+    )
     gate = json.loads((out / "qualify.json").read_text())["gates"][0]
     assert gate["gate"] == "sampling"
     return result.exit_code, gate
@@ -129,8 +149,9 @@ def qualify_sampling(server: ServerProcess, out: Path, tokens: int, seed: int) -
 
 @pytest.fixture(scope="module", params=["off", "block"])
 def clean_server(request):
-    server = ServerProcess(*(["--speculative", "block"] if request.param == "block" else []),
-                           model="evalpipe-skills-dsv4")
+    server = ServerProcess(
+        *(["--speculative", "block"] if request.param == "block" else []), model="evalpipe-skills-dsv4"
+    )
     yield server
     server.stop()
 
@@ -145,8 +166,6 @@ def test_gate_passes_on_the_default_server_with_speculation_off_and_on(clean_ser
     assert sum(notes["pit_histogram"]) == notes["tokens"] and notes["logprob_mismatches"] == 0
     assert notes["server_logprobs_mode"] == "raw_logprobs"
     assert "PIT histogram" in (tmp_path / "q" / "report.html").read_text()
-
-
 
 
 def recompute_from_files(folder: Path) -> dict:
@@ -177,8 +196,13 @@ def recompute_from_files(folder: Path) -> dict:
         return 2 * stats.norm.sf(abs((k - ps.sum()) / math.sqrt((ps * (1 - ps)).sum())))
 
     counts = np.histogram(u, bins=notes["bins"], range=(0, 1))[0]
-    return {"tokens": len(u), "chi2_p": stats.chisquare(counts).pvalue, "collapse_p": z_p(hits, p_max),
-            "repeat_p": z_p(rep_hits, rep_p), "notes": notes}
+    return {
+        "tokens": len(u),
+        "chi2_p": stats.chisquare(counts).pvalue,
+        "collapse_p": z_p(hits, p_max),
+        "repeat_p": z_p(rep_hits, rep_p),
+        "notes": notes,
+    }
 
 
 def test_p_values_are_recomputed_from_the_folder_alone(clean_server, tmp_path):
@@ -244,9 +268,22 @@ def test_the_residual_fault_power_benchmark_runs_in_smoke_mode(tmp_path):
     import sys
 
     out = tmp_path / "power.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.residual_fault_power", "--smoke", "--drafter", "ngram",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.harness.residual_fault_power",
+            "--smoke",
+            "--drafter",
+            "ngram",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     pred = data["prediction"]

@@ -44,8 +44,11 @@ def extra(**kw):
 
 
 def stream_chunks(client, **kw):
-    return list(client.completions.create(stream=True, **kw) if "prompt" in kw else
-                client.chat.completions.create(stream=True, **kw))
+    return list(
+        client.completions.create(stream=True, **kw)
+        if "prompt" in kw
+        else client.chat.completions.create(stream=True, **kw)
+    )
 
 
 # -- agreement and exact usage ---------------------------------------------------------------------------
@@ -100,8 +103,10 @@ def test_chat_stream_matches_non_stream_and_prompt_count_is_template_length(clie
     assert all(c.usage is None for c in chunks[:-1])
 
     thinking = client.chat.completions.create(
-        **{**kw, "max_tokens": 1}, **extra(chat_template_kwargs={"thinking": True}, return_token_ids=True),
-        reasoning_effort="low")
+        **{**kw, "max_tokens": 1},
+        **extra(chat_template_kwargs={"thinking": True}, return_token_ids=True),
+        reasoning_effort="low",
+    )
     assert thinking.choices[0].prompt_token_ids == TOK.apply_chat_template(messages, thinking=True)
 
 
@@ -114,8 +119,14 @@ def test_token_id_prompt_equals_text_prompt(client, model):
 
 # -- sampling knobs --------------------------------------------------------------------------------------
 def test_seed_reproducible_alone_and_under_load(client, model):
-    kw = dict(model=model, prompt="Once upon a time", max_tokens=6, temperature=1.0, top_p=0.95,
-              **extra(return_token_ids=True, ignore_eos=True, top_k=100))
+    kw = dict(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=1.0,
+        top_p=0.95,
+        **extra(return_token_ids=True, ignore_eos=True, top_k=100),
+    )
 
     def run(seed):
         return client.completions.create(seed=seed, **kw).choices[0].token_ids
@@ -141,8 +152,13 @@ GREEDY_LEN = 16
 def greedy_base(client, model):
     """(prompt, choice) of a greedy 16-token output with visible text; several prompts in one batched request."""
     prompts = ["Hello", "Numbers: 1 2 3", "Question:", "abc", "zzz", "The end"]
-    r = client.completions.create(model=model, prompt=prompts, max_tokens=GREEDY_LEN, temperature=0,
-                                  **extra(return_token_ids=True, ignore_eos=True))
+    r = client.completions.create(
+        model=model,
+        prompt=prompts,
+        max_tokens=GREEDY_LEN,
+        temperature=0,
+        **extra(return_token_ids=True, ignore_eos=True),
+    )
     assert len(r.choices) == len(prompts)
     for choice in r.choices:
         if len(choice.text) >= 4:
@@ -167,52 +183,94 @@ def test_stop_token_ids(client, model, greedy_base):
     prompt, base = greedy_base
     stop_id = base.token_ids[3]
     first = base.token_ids.index(stop_id)
-    r = client.completions.create(model=model, prompt=prompt, max_tokens=GREEDY_LEN, temperature=0,
-                                  **extra(return_token_ids=True, ignore_eos=True, stop_token_ids=[stop_id]))
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=GREEDY_LEN,
+        temperature=0,
+        **extra(return_token_ids=True, ignore_eos=True, stop_token_ids=[stop_id]),
+    )
     assert r.choices[0].token_ids == base.token_ids[: first + 1]
     assert r.choices[0].finish_reason == "stop" and r.choices[0].matched_stop == stop_id
 
 
 def test_batched_prompts_give_one_choice_each(client, model):
-    alone = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
-                                      **extra(return_token_ids=True, ignore_eos=True))
-    batch = client.completions.create(model=model, prompt=["Hi", "Hello"], max_tokens=4, temperature=0,
-                                      **extra(return_token_ids=True, ignore_eos=True))
+    alone = client.completions.create(
+        model=model, prompt="Hello", max_tokens=4, temperature=0, **extra(return_token_ids=True, ignore_eos=True)
+    )
+    batch = client.completions.create(
+        model=model,
+        prompt=["Hi", "Hello"],
+        max_tokens=4,
+        temperature=0,
+        **extra(return_token_ids=True, ignore_eos=True),
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[1].token_ids == alone.choices[0].token_ids
     assert batch.usage.prompt_tokens == len(TOK.encode_prompt("Hi")) + len(TOK.encode_prompt("Hello"))
 
 
 def test_n_choices(client, model):
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=3,
-                                       max_tokens=6, temperature=1.0, seed=5, **extra(return_token_ids=True))
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        **extra(return_token_ids=True),
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
     assert len({tuple(c.token_ids) for c in r.choices}) > 1
-    chunks = stream_chunks(client, model=model, prompt="hi", n=2, max_tokens=5, temperature=0,
-                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = stream_chunks(
+        client,
+        model=model,
+        prompt="hi",
+        n=2,
+        max_tokens=5,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
     assert finished == {0, 1} and chunks[-1].usage.completion_tokens == 10
 
 
 def test_logprobs_shapes(client, model):
-    r = client.completions.create(model=model, prompt="Hi", max_tokens=5, temperature=0, logprobs=3,
-                                  **extra(ignore_eos=True))
+    r = client.completions.create(
+        model=model, prompt="Hi", max_tokens=5, temperature=0, logprobs=3, **extra(ignore_eos=True)
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and 1 <= len(top) <= 3
         assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the top token
 
-    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=2, **extra(ignore_eos=True))
+    c = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        **extra(ignore_eos=True),
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
         assert len(entry.top_logprobs) == 2 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
-    chunks = stream_chunks(client, model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                           temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    chunks = stream_chunks(
+        client,
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
 
@@ -233,8 +291,9 @@ def test_health_info_flush(server, model):
     # outside internal_states the info is configuration only: serving a request does not change it
     httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
     again = httpx.get(server.base + "/get_server_info").json()
-    assert {k: v for k, v in again.items() if k != "internal_states"} == \
-        {k: v for k, v in info.items() if k != "internal_states"}
+    assert {k: v for k, v in again.items() if k != "internal_states"} == {
+        k: v for k, v in info.items() if k != "internal_states"
+    }
     assert again["internal_states"]["stats"]["requests"] > info["internal_states"]["stats"]["requests"]
 
 
@@ -246,8 +305,14 @@ def test_disconnect_mid_stream_frees_slots(server, model):
     assert before["allocated_slots"] == 0
     prompt = "stream me"
     max_tokens = MAX_SEQ_LEN - len(TOK.encode_prompt(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as resp:
         got = 0
         for line in resp.iter_lines():
@@ -284,58 +349,75 @@ def assert_error(resp, status, param=None, code=None):
     return err
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": 42}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [1, 2, 100000]}, "prompt"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "repetition_penalty": 1.3}, "repetition_penalty"),
-    ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": 42}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, 2, 100000]}, "prompt"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
 def test_bad_completion_params_are_400(server, model, body, param):
     assert_error(post(server, "/v1/completions", {"model": model, **body}), 400, param=param)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": []}, "messages"),
-    ({"messages": "hello"}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
 def test_bad_chat_params_are_400(server, model, body, param):
     assert_error(post(server, "/v1/chat/completions", {"model": model, **body}), 400, param=param)
 
 
 def test_neutral_penalties_are_accepted(client, model):
-    r = client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0, frequency_penalty=0,
-                                  **extra(repetition_penalty=1.0))
+    r = client.completions.create(
+        model=model, prompt="x", max_tokens=2, temperature=0, frequency_penalty=0, **extra(repetition_penalty=1.0)
+    )
     assert r.usage.completion_tokens >= 1
 
 
 def test_unknown_model_404(server, client):
-    assert_error(post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, param="model",
-                 code="model_not_found")
+    assert_error(
+        post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, param="model", code="model_not_found"
+    )
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
 
 
 def test_over_long_prompt_is_context_length_exceeded(server, client, model):
-    err = assert_error(post(server, "/v1/completions", {"model": model, "prompt": "a" * (MAX_SEQ_LEN + 10)}), 400,
-                       code="context_length_exceeded")
+    err = assert_error(
+        post(server, "/v1/completions", {"model": model, "prompt": "a" * (MAX_SEQ_LEN + 10)}),
+        400,
+        code="context_length_exceeded",
+    )
     assert str(MAX_SEQ_LEN) in err["message"]
-    assert_error(post(server, "/v1/completions", {"model": model, "prompt": [5] * MAX_SEQ_LEN}), 400,
-                 code="context_length_exceeded")
+    assert_error(
+        post(server, "/v1/completions", {"model": model, "prompt": [5] * MAX_SEQ_LEN}),
+        400,
+        code="context_length_exceeded",
+    )
     # a prompt that fits gets what the context leaves: max_tokens is capped, the finish reason says "length"
-    capped = post(server, "/v1/completions", {"model": model, "prompt": [5] * (MAX_SEQ_LEN - 3), "max_tokens": 100,
-                                              "temperature": 0, "ignore_eos": True}).json()
+    capped = post(
+        server,
+        "/v1/completions",
+        {"model": model, "prompt": [5] * (MAX_SEQ_LEN - 3), "max_tokens": 100, "temperature": 0, "ignore_eos": True},
+    ).json()
     assert capped["usage"]["completion_tokens"] == 3 and capped["choices"][0]["finish_reason"] == "length"
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "b" * 400}])
@@ -362,8 +444,9 @@ def test_prefix_cache_reports_cached_tokens_and_flush_drops_them(server, client,
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     hit = client.completions.create(prompt=shared + " two", **kw)
     assert hit.usage.prompt_tokens_details.cached_tokens == 128
-    chunks = list(client.completions.create(prompt=shared + " two", stream=True,
-                                            stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.completions.create(prompt=shared + " two", stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 128
     assert "".join(c.choices[0].text for c in chunks if c.choices) == hit.choices[0].text
     flushed = httpx.post(server.base + "/flush_cache").json()
@@ -381,16 +464,30 @@ def test_repeat_prefix_conditions_see_the_cache(server, model, tmp_path):
 
     from evalpipe.commands.repeat import command as repeat_cmd
 
-    res = CliRunner().invoke(repeat_cmd, ["--base-url", server.base + "/v1", "--repeats", "2", "--fixtures",
-                                          "regex_date", "--conditions", "prefix_fresh,prefix_reused",
-                                          "--out", str(tmp_path)])
+    res = CliRunner().invoke(
+        repeat_cmd,
+        [
+            "--base-url",
+            server.base + "/v1",
+            "--repeats",
+            "2",
+            "--fixtures",
+            "regex_date",
+            "--conditions",
+            "prefix_fresh,prefix_reused",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 0, res.output
     run_dir = next((tmp_path / "repeat").iterdir())
     result = json.loads((run_dir / "repeat.json").read_text())
     assert result["server"]["reports_cached_tokens"] is True and not result["config"]["conditions_skipped"]
     recs = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
-    cached = {c: [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in recs if r["condition"] == c]
-              for c in ("prefix_fresh", "prefix_reused")}
+    cached = {
+        c: [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in recs if r["condition"] == c]
+        for c in ("prefix_fresh", "prefix_reused")
+    }
     assert cached["prefix_fresh"] == [0, 0] and all(n > 0 for n in cached["prefix_reused"]), cached
     assert len({tuple(r["output_token_ids"]) for r in recs if r["condition"].startswith("prefix_")}) == 1
 

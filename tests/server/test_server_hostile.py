@@ -34,8 +34,9 @@ DROP_WITHIN_S = 1.0
 def server():
     # short engine steps (128 rows): "aborted within one step" is then well inside a second even on a loaded
     # 2-core machine, where a 512-row prefill step of six GSM8K prompts alone can take longer
-    srv = ServerProcess("--api-key", KEY, "--max-batch", "8", "--max-queue", str(MAX_QUEUE),
-                        "--max-tokens-per-step", "128")
+    srv = ServerProcess(
+        "--api-key", KEY, "--max-batch", "8", "--max-queue", str(MAX_QUEUE), "--max-tokens-per-step", "128"
+    )
     yield srv
     rc = srv.stop()
     assert rc == 0, srv.output()
@@ -62,9 +63,9 @@ SAMPLING_FIELDS = {
     "top_p": FLOAT_BAD + [None, 0, -1, 1.5],
     "top_k": INT_BAD + [-2],
     "min_p": FLOAT_BAD + [None, -0.1, 1.1],
-    "n": INT_BAD + [0, -1, 65, 10 ** 9],
+    "n": INT_BAD + [0, -1, 65, 10**9],
     "stop": [1, [1], {}, True, [["a"]], 1.5],
-    "stop_token_ids": ["1", [1.5], ["a"], [-1], [VOCAB], [2 ** 40], 5, {}],
+    "stop_token_ids": ["1", [1.5], ["a"], [-1], [VOCAB], [2**40], 5, {}],
     "seed": ["1", 1.5, True, [], {}],
     "stream": BOOL_BAD,
     "stream_options": ["x", [], 5, True],
@@ -79,12 +80,12 @@ SAMPLING_FIELDS = {
     "min_new_tokens": ["1", 1.5, True, -1, 3],
     "include_stop_str_in_output": BOOL_BAD,
     "no_stop_trim": BOOL_BAD,
-    "truncate_prompt_tokens": ["1", 1.5, True, -2, 0, 10 ** 6],
+    "truncate_prompt_tokens": ["1", 1.5, True, -2, 0, 10**6],
     "use_beam_search": [True],
     "skip_special_tokens": [False],
 }
 COMPLETION_FIELDS = {
-    "prompt": [1, True, {}, [], [[]], [1.5], ["a", 1], [-1], [VOCAB], [2 ** 40], [[1], "a"], None, [[[1]]]],
+    "prompt": [1, True, {}, [], [[]], [1.5], ["a", 1], [-1], [VOCAB], [2**40], [[1], "a"], None, [[[1]]]],
     "logprobs": ["1", 1.5, True, [], -1, 21],
     "echo": ["x", 1],
     "prompt_logprobs": ["1", 1.5, True, -1, 21],
@@ -93,10 +94,21 @@ COMPLETION_FIELDS = {
     "best_of": ["1", 1.5, 3],
 }
 CHAT_FIELDS = {
-    "messages": ["x", [], {}, [{}], [5], [{"role": "bot", "content": "x"}], [{"role": "user", "content": 5}],
-                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                 [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [5]}],
-                 [{"role": 1, "content": "x"}], [{"role": "user", "content": "x", "name": 5}], None],
+    "messages": [
+        "x",
+        [],
+        {},
+        [{}],
+        [5],
+        [{"role": "bot", "content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+        [{"role": "user", "content": [5]}],
+        [{"role": 1, "content": "x"}],
+        [{"role": "user", "content": "x", "name": 5}],
+        None,
+    ],
     "max_completion_tokens": ["1", 1.5, 0, -1],
     "logprobs": ["yes", 1, []],
     "top_logprobs": ["1", -1, 21],
@@ -155,8 +167,10 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
     def add(name, path, body, status=400, code=None, headers=JSON, method="POST"):
         cases.append((name, f"{method} {path}", headers, body if isinstance(body, bytes) else raw(body), status, code))
 
-    for path, base, fields in (("/v1/completions", BASE_COMPLETION, {**SAMPLING_FIELDS, **COMPLETION_FIELDS}),
-                               ("/v1/chat/completions", BASE_CHAT, {**SAMPLING_FIELDS, **CHAT_FIELDS})):
+    for path, base, fields in (
+        ("/v1/completions", BASE_COMPLETION, {**SAMPLING_FIELDS, **COMPLETION_FIELDS}),
+        ("/v1/chat/completions", BASE_CHAT, {**SAMPLING_FIELDS, **CHAT_FIELDS}),
+    ):
         for field, values in fields.items():
             for value in values:
                 body = {**base, field: value}
@@ -196,9 +210,19 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
         ):
             add(f"{path} content-type {ctype}", path, base, headers={"content-type": ctype})
         # broken JSON
-        for text in (b"{", b"{'prompt': 'x'}", b"", b"\xff\xfe\x00", b'{"prompt": "x",}', b'{"prompt": "x"} trailing',
-                     b'{"prompt": NaN}', b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "\\ud800', b"[" * 100_000,
-                     b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}"):
+        for text in (
+            b"{",
+            b"{'prompt': 'x'}",
+            b"",
+            b"\xff\xfe\x00",
+            b'{"prompt": "x",}',
+            b'{"prompt": "x"} trailing',
+            b'{"prompt": NaN}',
+            b'{"prompt": "x", "temperature": NaN}',
+            b'{"prompt": "\\ud800',
+            b"[" * 100_000,
+            b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}",
+        ):
             add(f"{path} bad json {text[:20]!r}", path, text)
         # wrong methods
         add(f"{path} GET", path, b"", 405, headers={}, method="GET")
@@ -216,8 +240,13 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
     )
     add("surrogate suffix", prompt, {**BASE_COMPLETION, "suffix": SURROGATE})
     add("1 MB prompt", prompt, {**BASE_COMPLETION, "prompt": "a" * 1_000_000}, 400, "context_length_exceeded")
-    add("1 MB prompt ending in a surrogate", prompt, {**BASE_COMPLETION, "prompt": "a" * 1_000_000 + SURROGATE}, 400,
-        "invalid_unicode")
+    add(
+        "1 MB prompt ending in a surrogate",
+        prompt,
+        {**BASE_COMPLETION, "prompt": "a" * 1_000_000 + SURROGATE},
+        400,
+        "invalid_unicode",
+    )
     add("200k token ids", prompt, {**BASE_COMPLETION, "prompt": [5] * 200_000}, 400, "context_length_exceeded")
     add("out-of-vocabulary id among many", prompt, {**BASE_COMPLETION, "prompt": [5] * 100 + [VOCAB]})
     add(
@@ -235,18 +264,38 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
     add("temperature Infinity", prompt, b'{"prompt": "x", "max_tokens": 2, "temperature": Infinity}')
     add("top_p -Infinity", prompt, b'{"prompt": "x", "max_tokens": 2, "top_p": -Infinity}')
     chat = "/v1/chat/completions"
-    add("surrogate content", chat, {**BASE_CHAT, "messages": [{"role": "user", "content": SURROGATE}]}, 400,
-        "invalid_unicode")
-    add("surrogate in a text part", chat, {**BASE_CHAT, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a" + SURROGATE}]}]}, 400, "invalid_unicode")
+    add(
+        "surrogate content",
+        chat,
+        {**BASE_CHAT, "messages": [{"role": "user", "content": SURROGATE}]},
+        400,
+        "invalid_unicode",
+    )
+    add(
+        "surrogate in a text part",
+        chat,
+        {**BASE_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a" + SURROGATE}]}]},
+        400,
+        "invalid_unicode",
+    )
     add(
         "surrogate role", chat, {**BASE_CHAT, "messages": [{"role": SURROGATE, "content": "x"}]}, 400, "invalid_unicode"
     )
-    add("surrogate template kwarg", chat, {**BASE_CHAT, "chat_template_kwargs": {"thinking": SURROGATE}}, 400,
-        "invalid_unicode")
+    add(
+        "surrogate template kwarg",
+        chat,
+        {**BASE_CHAT, "chat_template_kwargs": {"thinking": SURROGATE}},
+        400,
+        "invalid_unicode",
+    )
     add("surrogate reasoning_effort", chat, {**BASE_CHAT, "reasoning_effort": SURROGATE}, 400, "invalid_unicode")
-    add("chat over the context", chat, {**BASE_CHAT, "messages": [{"role": "user", "content": "b" * 5000}]}, 400,
-        "context_length_exceeded")
+    add(
+        "chat over the context",
+        chat,
+        {**BASE_CHAT, "messages": [{"role": "user", "content": "b" * 5000}]},
+        400,
+        "context_length_exceeded",
+    )
     # routes: unknown ones and the documentation routes (off by default)
     for path in ("/v1/nope", "/v1/completions/x", "/docs", "/redoc", "/openapi.json", "/%FF%FE", "/v1/模型"):
         add(f"GET {path}", path, b"", 404, headers={}, method="GET")
@@ -259,9 +308,14 @@ def generated_cases() -> list[tuple[str, str, dict, bytes, int, str | None]]:
         ("key without scheme", {"Authorization": KEY}),
         ("key with suffix", {"Authorization": f"Bearer {KEY}x"}),
     ):
-        for path, body in (("/v1/completions", raw(BASE_COMPLETION)), ("/v1/completions", b"{not json"),
-                           ("/v1/chat/completions", raw({**BASE_CHAT, "model": SURROGATE})),
-                           ("/get_server_info", b""), ("/docs", b""), ("/v1/nope", b"")):
+        for path, body in (
+            ("/v1/completions", raw(BASE_COMPLETION)),
+            ("/v1/completions", b"{not json"),
+            ("/v1/chat/completions", raw({**BASE_CHAT, "model": SURROGATE})),
+            ("/get_server_info", b""),
+            ("/docs", b""),
+            ("/v1/nope", b""),
+        ):
             method = "POST" if path.startswith("/v1/c") else "GET"
             cases.append(
                 (
@@ -317,8 +371,11 @@ def test_generated_malformed_requests_get_openai_4xx_and_keep_the_connection(ser
         elapsed = time.monotonic() - t0
         assert len(addresses) == 1, f"the server dropped the connection {len(addresses) - 1} time(s)"
         # a real generation on that same connection, then the server is healthy
-        gen = client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 3, "temperature": 0,
-                                                   "ignore_eos": True}, headers=AUTH)
+        gen = client.post(
+            "/v1/completions",
+            json={"prompt": "ok", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+            headers=AUTH,
+        )
         assert gen.status_code == 200 and gen.json()["usage"]["completion_tokens"] == 3
         assert client_address(gen) in addresses
     assert httpx.get(server.base + "/health_generate", timeout=30).status_code == 200
@@ -330,8 +387,7 @@ def test_generated_malformed_requests_get_openai_4xx_and_keep_the_connection(ser
 
 def test_neutral_values_of_refused_fields_are_accepted(server):
     neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}}
-    r = httpx.post(server.base + "/v1/chat/completions", headers=AUTH, timeout=60,
-                   json={**BASE_CHAT, **neutral})
+    r = httpx.post(server.base + "/v1/chat/completions", headers=AUTH, timeout=60, json={**BASE_CHAT, **neutral})
     assert r.status_code == 200, r.text
 
 
@@ -352,8 +408,11 @@ def open_request(server, body: dict) -> socket.socket:
     """A raw HTTP/1.1 request on a socket we can close at the moment we choose."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -396,10 +455,27 @@ def test_disconnect_aborts_generation_within_a_second(server, stream):
 def test_interrupted_run_aborts_every_in_flight_request(server, tmp_path):
     """Ctrl-C of `evalpipe run`: exit 130 with the resume command, and nothing keeps generating on the server."""
     env = dict(os.environ, EVALPIPE_DATA_DIR=str(DATA_DIR), EVALPIPE_API_KEY=KEY)
-    proc = subprocess.Popen(evalpipe_cmd("run", "gsm8k", "--base-url", server.base + "/v1", "--out", tmp_path,
-                                         "--num-examples", "6", "--concurrency", "6", "--max-tokens", "1000",
-                                         "--no-progress"),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        evalpipe_cmd(
+            "run",
+            "gsm8k",
+            "--base-url",
+            server.base + "/v1",
+            "--out",
+            tmp_path,
+            "--num-examples",
+            "6",
+            "--concurrency",
+            "6",
+            "--max-tokens",
+            "1000",
+            "--no-progress",
+        ),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: internal(server)["running"] + internal(server)["waiting"] >= 6, 60, "six requests in")
         time.sleep(0.3)

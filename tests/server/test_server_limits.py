@@ -19,8 +19,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--api-key", KEY, "--max-batch", "1", "--max-queue", "1", "--max-seq-len", "512",
-                        "--prefix-cache", "off")
+    srv = ServerProcess(
+        "--api-key", KEY, "--max-batch", "1", "--max-queue", "1", "--max-seq-len", "512", "--prefix-cache", "off"
+    )
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.output()
     assert "evalpipe serve: stopped" in srv.output()
@@ -51,8 +52,12 @@ def test_full_queue_answers_503_with_retry_after(server):
     queued: dict = {}
 
     def queued_request():
-        queued["resp"] = httpx.post(server.base + "/v1/completions", headers=AUTH, timeout=120,
-                                    json={"prompt": "b", "max_tokens": 2, "temperature": 0})
+        queued["resp"] = httpx.post(
+            server.base + "/v1/completions",
+            headers=AUTH,
+            timeout=120,
+            json={"prompt": "b", "max_tokens": 2, "temperature": 0},
+        )
 
     with httpx.stream("POST", server.base + "/v1/completions", json=long_body, headers=AUTH, timeout=60) as running:
         lines = running.iter_lines()
@@ -63,8 +68,9 @@ def test_full_queue_answers_503_with_retry_after(server):
         while info(server)["internal_states"]["waiting"] != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert info(server)["internal_states"]["waiting"] == 1  # the second request fills the one-place queue
-        full = httpx.post(server.base + "/v1/completions", headers=AUTH, timeout=30,
-                          json={"prompt": "c", "max_tokens": 2})
+        full = httpx.post(
+            server.base + "/v1/completions", headers=AUTH, timeout=30, json={"prompt": "c", "max_tokens": 2}
+        )
         assert full.status_code == 503
         assert full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "queue_full"

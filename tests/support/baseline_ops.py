@@ -22,9 +22,22 @@ except Exception:  # pragma: no cover - triton is optional
 # ---- kernel sources (built on first use by `jit`) -------------------------------------------------------------
 
 if tl is not None:
-    def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
-                       D, norm_eps, eps, iters,
-                       HC: tl.constexpr, BLOCK: tl.constexpr):
+
+    def _hc_pre_kernel(
+        streams_ptr,
+        mixes_ptr,
+        base_ptr,
+        scale_ptr,
+        post_ptr,
+        comb_ptr,
+        out_ptr,
+        D,
+        norm_eps,
+        eps,
+        iters,
+        HC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         t = tl.program_id(0)
         K = HC * D
         hs = tl.arange(0, HC)
@@ -58,9 +71,7 @@ if tl is not None:
             y = tl.sum(pre[:, None] * tile, axis=0)
             tl.store(out_ptr + t.to(tl.int64) * D + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=dm)
 
-
-    def _hc_merge_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, out_ptr, D,
-                         HC: tl.constexpr, BLOCK: tl.constexpr):
+    def _hc_merge_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         d0 = tl.program_id(1) * BLOCK
         hs = tl.arange(0, HC)
@@ -75,9 +86,19 @@ if tl is not None:
         out = post[:, None] * y[None, :] + mixed
         tl.store(out_ptr + base + hs[:, None] * D + offs[None, :], out.to(out_ptr.dtype.element_ty), mask=dm[None, :])
 
-
-    def _expert_gemv_kernel(x_ptr, idx_ptr, w_ptr, scale_ptr, out_ptr, N, K, x_div,
-                            HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_gemv_kernel(
+        x_ptr,
+        idx_ptr,
+        w_ptr,
+        scale_ptr,
+        out_ptr,
+        N,
+        K,
+        x_div,
+        HAS_SCALE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         r = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
         e = tl.load(idx_ptr + r).to(tl.int64)
@@ -96,10 +117,22 @@ if tl is not None:
             acc = acc * tl.load(scale_ptr + r)
         tl.store(out_ptr + r.to(tl.int64) * N + ns, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
-
-    def _expert_mm_kernel(x_ptr, idx_ptr, w_ptr, scale_ptr, out_ptr, R, N, K, x_div,
-                          HAS_SCALE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    def _expert_mm_kernel(
+        x_ptr,
+        idx_ptr,
+        w_ptr,
+        scale_ptr,
+        out_ptr,
+        R,
+        N,
+        K,
+        x_div,
+        HAS_SCALE: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         e = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
         rs = tl.arange(0, R_PAD)
@@ -122,11 +155,15 @@ if tl is not None:
                     acc += tl.dot(x.to(w.dtype), w, out_dtype=tl.float32)
             if HAS_SCALE:
                 acc = acc * tl.load(scale_ptr + rs, mask=sel, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + rs.to(tl.int64)[:, None] * N + ns[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=sel[:, None] & nm[None, :])
+            tl.store(
+                out_ptr + rs.to(tl.int64)[:, None] * N + ns[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=sel[:, None] & nm[None, :],
+            )
 
 
 # ---- hc_pre ----------------------------------------------------------------------------------------------------
+
 
 def hc_pre_reference(streams, mixes_raw, base, scale, *, hc: int, iters: int, eps: float, norm_eps: float):
     """Same math as `engine.hyper.HyperConnection.__call__`, from the un-normalised mixes F.linear(x.float(), fn)
@@ -153,25 +190,39 @@ def hc_pre(hc_module, streams: torch.Tensor, *, backend: str = "auto"):
     m = hc_module
     mixes_raw = F.linear(streams.flatten(1).float(), m.fn)
     if not use_triton(backend, [streams, mixes_raw]):
-        return hc_pre_reference(streams, mixes_raw, m.base, m.scale, hc=m.hc, iters=m.iters, eps=m.eps,
-                                norm_eps=m.norm_eps)
+        return hc_pre_reference(
+            streams, mixes_raw, m.base, m.scale, hc=m.hc, iters=m.iters, eps=m.eps, norm_eps=m.norm_eps
+        )
     T, hc, D = streams.shape
     streams = streams.contiguous()
     post = torch.empty(T, hc, device=streams.device, dtype=torch.float32)
     comb = torch.empty(T, hc, hc, device=streams.device, dtype=torch.float32)
     out = torch.empty(T, D, device=streams.device, dtype=streams.dtype)
-    jit(_hc_pre_kernel)[(T,)](streams, mixes_raw, m.base, m.scale, post, comb, out, D,
-                                       float(m.norm_eps), float(m.eps), int(m.iters), HC=hc, BLOCK=512,
-                                       num_warps=4)
+    jit(_hc_pre_kernel)[(T,)](
+        streams,
+        mixes_raw,
+        m.base,
+        m.scale,
+        post,
+        comb,
+        out,
+        D,
+        float(m.norm_eps),
+        float(m.eps),
+        int(m.iters),
+        HC=hc,
+        BLOCK=512,
+        num_warps=4,
+    )
     return post, comb, out
 
 
 # ---- hc_merge --------------------------------------------------------------------------------------------------
 
+
 def hc_merge_reference(streams, block_out, post, comb):
     """Same math as `engine.hyper.HyperConnection.merge`, accumulated in fp32 and rounded once."""
-    out = post.unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2),
-                                                                                streams.float())
+    out = post.unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams.float())
     return out.to(streams.dtype)
 
 
@@ -182,13 +233,14 @@ def hc_merge(streams, block_out, post, comb, *, backend: str = "auto"):
     streams, block_out = streams.contiguous(), block_out.contiguous()
     out = torch.empty_like(streams)
     block = 256
-    jit(_hc_merge_kernel)[(T, triton.cdiv(D, block))](streams, block_out, post.contiguous(),
-                                                                comb.contiguous(), out, D, HC=hc, BLOCK=block,
-                                                                num_warps=4)
+    jit(_hc_merge_kernel)[(T, triton.cdiv(D, block))](
+        streams, block_out, post.contiguous(), comb.contiguous(), out, D, HC=hc, BLOCK=block, num_warps=4
+    )
     return out
 
 
 # ---- expert_gemv -----------------------------------------------------------------------------------------------
+
 
 def expert_gemv_reference(x, idx, weight, scale=None, *, x_div: int = 1, out_dtype=None):
     rows = x.repeat_interleave(x_div, dim=0) if x_div > 1 else x
@@ -211,12 +263,36 @@ def expert_gemv(x, idx, weight, scale=None, *, x_div: int = 1, out_dtype=None, b
     if r_pad <= 64:  # few rows (small-batch decode/verify): expert-major, each picked expert's weights read once
         block_n = 16
         jit(_expert_mm_kernel)[(E, triton.cdiv(N, block_n))](
-            x.contiguous(), idx.contiguous(), weight, scale if scale is not None else out, out, R, N, K, x_div,
-            HAS_SCALE=scale is not None, R_PAD=r_pad, BLOCK_N=block_n, BLOCK_K=256,
-            IEEE=weight.dtype == torch.float32, num_warps=4)
+            x.contiguous(),
+            idx.contiguous(),
+            weight,
+            scale if scale is not None else out,
+            out,
+            R,
+            N,
+            K,
+            x_div,
+            HAS_SCALE=scale is not None,
+            R_PAD=r_pad,
+            BLOCK_N=block_n,
+            BLOCK_K=256,
+            IEEE=weight.dtype == torch.float32,
+            num_warps=4,
+        )
         return out
     block_n = 32
     jit(_expert_gemv_kernel)[(R, triton.cdiv(N, block_n))](
-        x.contiguous(), idx.contiguous(), weight, scale if scale is not None else out, out, N, K, x_div,
-        HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+        x.contiguous(),
+        idx.contiguous(),
+        weight,
+        scale if scale is not None else out,
+        out,
+        N,
+        K,
+        x_div,
+        HAS_SCALE=scale is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=256,
+        num_warps=4,
+    )
     return out

@@ -47,9 +47,21 @@ def start_peer(**config):
     """Yield (base_url ending in /v1, stats getter) for a peer process started with `config`."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.bench_peer", "--port", str(port),
-                             "--config", json.dumps(dict(DEFAULT, **config))],
-                            cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.bench_peer",
+            "--port",
+            str(port),
+            "--config",
+            json.dumps(dict(DEFAULT, **config)),
+        ],
+        cwd=str(REPO),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     root = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -119,13 +131,25 @@ def build_app(cfg: dict):
             toks = [f"<{i}>" for i in ids]
             # variant v scores its token at position p with -0.1*(v+1); the runner-up sits 0.25 below
             lp = [-0.1 * (1 + k % len(cfg["variants"]))] * len(ids)
-            choice["logprobs"] = {"tokens": toks, "token_logprobs": lp,
-                                  "top_logprobs": [{t: x, "<0>": x - 0.25} for t, x in zip(toks, lp)]}
-        return JSONResponse({"id": f"cmpl-{state['requests']}", "object": "text_completion", "model": cfg["model"],
-                             "choices": [choice],
-                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(ids),
-                                       "total_tokens": n_prompt + len(ids),
-                                       "prompt_tokens_details": {"cached_tokens": cached}}})
+            choice["logprobs"] = {
+                "tokens": toks,
+                "token_logprobs": lp,
+                "top_logprobs": [{t: x, "<0>": x - 0.25} for t, x in zip(toks, lp)],
+            }
+        return JSONResponse(
+            {
+                "id": f"cmpl-{state['requests']}",
+                "object": "text_completion",
+                "model": cfg["model"],
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": len(ids),
+                    "total_tokens": n_prompt + len(ids),
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
+            }
+        )
 
     async def _stream(body: dict, n_prompt: int):
         groups = list(cfg["stream_groups"])
@@ -162,8 +186,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--config", default="{}")
     args = ap.parse_args()
-    uvicorn.run(build_app(dict(DEFAULT, **json.loads(args.config))), host="127.0.0.1", port=args.port,
-                log_level="warning")
+    uvicorn.run(
+        build_app(dict(DEFAULT, **json.loads(args.config))), host="127.0.0.1", port=args.port, log_level="warning"
+    )
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ def evalpipe_cmd(*args: str) -> list[str]:
 # A child inherits its parent's SIGINT disposition and mask, and Python keeps an inherited "ignore": were a test
 # worker ever to run with SIGINT ignored or blocked, a child it interrupts would never see the signal, and the test
 # would measure the worker, not evalpipe. This prelude gives the child Python's own handler, as under a terminal.
-_INTERRUPTIBLE = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                  "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); sys.argv[0] = 'evalpipe'; "
-                  "runpy.run_module('evalpipe.cli', run_name='__main__', alter_sys=True)")
+_INTERRUPTIBLE = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); sys.argv[0] = 'evalpipe'; "
+    "runpy.run_module('evalpipe.cli', run_name='__main__', alter_sys=True)"
+)
 
 
 def interruptible_evalpipe_cmd(*args: str) -> list[str]:
@@ -36,8 +38,19 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def run_lane(lane: str, base_url: str, out: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return run_cli("run", lane, "--base-url", base_url, "--out", out, "--no-progress",
-                   "--retry-backoff", "0.01", *extra, timeout=timeout)
+    return run_cli(
+        "run",
+        lane,
+        "--base-url",
+        base_url,
+        "--out",
+        out,
+        "--no-progress",
+        "--retry-backoff",
+        "0.01",
+        *extra,
+        timeout=timeout,
+    )
 
 
 def only_run_dir(out: Path, lane: str) -> Path:

@@ -27,13 +27,36 @@ def require_lmeval() -> str:
     pytest.skip(reason)
 
 
-def run_lmeval(base_url: str, out: Path, *, model: str = "local-completions", task: str = "evalpipe_arith_gen",
-               limit: int = 30, extra: tuple[str, ...] = (), timeout: float = 300) -> Path:
+def run_lmeval(
+    base_url: str,
+    out: Path,
+    *,
+    model: str = "local-completions",
+    task: str = "evalpipe_arith_gen",
+    limit: int = 30,
+    extra: tuple[str, ...] = (),
+    timeout: float = 300,
+) -> Path:
     """`lm_eval --log_samples` of `task` against `base_url` (…/v1), offline; returns its --output_path."""
     route = "/completions" if model == "local-completions" else "/chat/completions"
     model_args = f"base_url={base_url}{route},model=evalpipe-skills-dsv4,tokenizer_backend=None,num_concurrent=32"
-    cmd = [require_lmeval(), "--model", model, "--model_args", model_args, "--include_path", str(TASKS),
-           "--tasks", task, "--limit", str(limit), "--output_path", str(out), "--log_samples", *extra]
+    cmd = [
+        require_lmeval(),
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--include_path",
+        str(TASKS),
+        "--tasks",
+        task,
+        "--limit",
+        str(limit),
+        "--output_path",
+        str(out),
+        "--log_samples",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(out.parent))

@@ -96,7 +96,7 @@ def question_of(body: dict) -> str:
     of the last user message (chat prompts: instruction, blank line, problem)."""
     if "prompt" in body:
         p = body["prompt"] if isinstance(body["prompt"], str) else str(body["prompt"])
-        q = p[p.rfind("Question: ") + len("Question: "):] if "Question: " in p else p
+        q = p[p.rfind("Question: ") + len("Question: ") :] if "Question: " in p else p
         return q[: -len("\nAnswer:")] if q.endswith("\nAnswer:") else q
     content = body.get("messages", [{}])[-1].get("content", "")
     if not isinstance(content, str):
@@ -141,7 +141,10 @@ def start_scripted_server(
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.support.scripted_server", "--port", str(port), "--config", cfg_path],
-        cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=str(REPO),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + startup_timeout_s
@@ -214,8 +217,9 @@ class ScriptedApp:
         if path == "/health" or path == "/health_generate":
             return await self._send(send, 200, b"{}")
         if not path.startswith("/scripted/") and not self._authorized(scope):
-            return await self._json(send, 401, {"error": {"message": "Incorrect API key provided.",
-                                                          "code": "invalid_api_key"}})
+            return await self._json(
+                send, 401, {"error": {"message": "Incorrect API key provided.", "code": "invalid_api_key"}}
+            )
         if path == "/flush_cache" and self.cfg["mode"] == "skills":  # other modes stand in for a server without one
             return await self._json(send, 200, {"flushed": True})
         if path == "/v1/models":
@@ -226,8 +230,11 @@ class ScriptedApp:
                 return await self._json(send, 404, {"detail": "not found"})
             return await self._json(send, 200, self.cfg["server_info"])
         if path == "/scripted/stats":
-            return await self._json(send, 200, {"n_requests": self.n_requests, "per_question": self.per_question,
-                                                "bodies": self.bodies[-50:]})
+            return await self._json(
+                send,
+                200,
+                {"n_requests": self.n_requests, "per_question": self.per_question, "bodies": self.bodies[-50:]},
+            )
         if path == "/scripted/config" and method == "POST":
             self.cfg.update(json.loads(raw))
             self.per_question = {}  # fail_first counts restart with every new configuration
@@ -302,7 +309,7 @@ class ScriptedApp:
         if cfg["token_ids"] and body.get("return_token_ids"):
             choice["token_ids"] = list(range(100, 100 + n_out))
         if body.get("logprobs"):  # fake but well-formed: one entry per 4-char "token"
-            toks = [text[i:i + 4] for i in range(0, len(text), 4)]
+            toks = [text[i : i + 4] for i in range(0, len(text), 4)]
             k = body.get("top_logprobs", body.get("logprobs")) if chat else body.get("logprobs")
             if chat:
                 choice["logprobs"] = {
@@ -316,8 +323,11 @@ class ScriptedApp:
                     ]
                 }
             else:
-                choice["logprobs"] = {"tokens": toks, "token_logprobs": [-0.1] * len(toks),
-                                      "top_logprobs": [{t + str(j): -0.1 - j for j in range(int(k))} for t in toks]}
+                choice["logprobs"] = {
+                    "tokens": toks,
+                    "token_logprobs": [-0.1] * len(toks),
+                    "top_logprobs": [{t + str(j): -0.1 - j for j in range(int(k))} for t in toks],
+                }
         prompt_len = len(body.get("prompt", "")) if not chat else len(json.dumps(body.get("messages", [])))
         resp = {
             "id": f"cmpl-{self.n_requests}",
@@ -337,26 +347,45 @@ class ScriptedApp:
 
     async def _answer(self, send, body: dict, chat: bool, choice: dict, n_prompt: int):
         text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(text.encode()),
-                 "total_tokens": n_prompt + len(text.encode())}
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(text.encode()),
+            "total_tokens": n_prompt + len(text.encode()),
+        }
         if body.get("return_token_ids"):
             choice["token_ids"] = [b + 16 for b in text.encode()]
         if body.get("stream"):
             return await self._stream(send, body, chat, choice, usage)
-        resp = {"id": f"cmpl-{self.n_requests}", "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": body.get("model"), "choices": [choice], "usage": usage}
+        resp = {
+            "id": f"cmpl-{self.n_requests}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": [choice],
+            "usage": usage,
+        }
         return await self._json(send, 200, resp)
 
     async def _stream(self, send, body: dict, chat: bool, choice: dict, usage: dict):
         """The choice as SSE chunks: its text a few characters at a time (token ids alongside), tool calls as a
         name then their arguments in two pieces, the finish reason last, usage when asked for, then [DONE]."""
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def event(payload: dict) -> None:
-            data = {"id": f"cmpl-{self.n_requests}", "object": obj, "created": int(time.time()),
-                    "model": body.get("model"), **payload}
+            data = {
+                "id": f"cmpl-{self.n_requests}",
+                "object": obj,
+                "created": int(time.time()),
+                "model": body.get("model"),
+                **payload,
+            }
             await send(
                 {"type": "http.response.body", "body": f"data: {json.dumps(data)}\n\n".encode(), "more_body": True}
             )
@@ -368,11 +397,11 @@ class ScriptedApp:
         ids = choice.get("token_ids")
         raw = text.encode()
         for i in range(0, len(raw), 2):
-            piece = raw[i:i + 2].decode(errors="ignore")
+            piece = raw[i : i + 2].decode(errors="ignore")
             c: dict[str, Any] = {"index": 0, "finish_reason": None}
             c.update({"delta": {"content": piece}} if chat else {"text": piece})
             if ids is not None:
-                c["token_ids"] = ids[i:i + 2]
+                c["token_ids"] = ids[i : i + 2]
             await event({"choices": [c]})
         for k, call in enumerate(msg.get("tool_calls") or []):
             args = call["function"]["arguments"]
@@ -396,9 +425,18 @@ class ScriptedApp:
                     ]
                 }
             )
-            for part in (args[: len(args) // 2], args[len(args) // 2:]):
-                await event({"choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
-                    {"index": k, "function": {"arguments": part}}]}}]})
+            for part in (args[: len(args) // 2], args[len(args) // 2 :]):
+                await event(
+                    {
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": None,
+                                "delta": {"tool_calls": [{"index": k, "function": {"arguments": part}}]},
+                            }
+                        ]
+                    }
+                )
         last: dict[str, Any] = {"index": 0, "finish_reason": choice.get("finish_reason")}
         last.update({"delta": {}} if chat else {"text": ""})
         await event({"choices": [last]})
@@ -459,8 +497,11 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
         if last.get("role") == "tool":
             text = f"The answer is {last.get('content')}."
         elif wants_tools and (needle or count):
-            name, args = (("get_secret_code", {"place": needle.group(1)}) if needle else
-                          ("count_items", {"person": count.group(2), "item": count.group(1)}))
+            name, args = (
+                ("get_secret_code", {"place": needle.group(1)})
+                if needle
+                else ("count_items", {"person": count.group(2), "item": count.group(1)})
+            )
             text, finish = "", "tool_calls"
             calls = [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]
             if "leak_tool_protocol" in faults:
@@ -486,7 +527,7 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
             finish = "length" if n == max_tokens else "stop"
     if "early_stop" in faults and text:
         text, finish = text[: max(1, len(text) // 2)], "length"
-    text = text[: max_tokens] if not calls else text
+    text = text[:max_tokens] if not calls else text
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if chat:
         choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": calls}

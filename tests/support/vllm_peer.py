@@ -25,11 +25,24 @@ VLLM_PYTHON = os.environ.get("EVALPIPE_VLLM_PYTHON") or str(REPO / ".venv-vllm" 
 # does not read): each process imports vLLM for ~18 s on this CPU, and the default spawns three.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE_ARGS = [
-    "--engine", "vllm", "--engine-python", VLLM_PYTHON, "--dtype", "float32",
+    "--engine",
+    "vllm",
+    "--engine-python",
+    VLLM_PYTHON,
+    "--dtype",
+    "float32",
     *(arg for name, value in VLLM_ENV.items() for arg in ("--set-env", f"{name}={value}")),
 ]
-PASSTHROUGH = ["--load-format", "dummy", "--gpu-memory-utilization", "0.3", "--enforce-eager",
-               "--enable-prompt-tokens-details", "--distributed-executor-backend", "uni"]
+PASSTHROUGH = [
+    "--load-format",
+    "dummy",
+    "--gpu-memory-utilization",
+    "0.3",
+    "--enforce-eager",
+    "--enable-prompt-tokens-details",
+    "--distributed-executor-backend",
+    "uni",
+]
 BOOT_TIMEOUT_S = 600
 
 

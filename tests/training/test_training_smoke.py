@@ -26,8 +26,14 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def train(*extra):
-        return subprocess.run([sys.executable, "training/train_default_model.py", "--out", str(out), "--smoke", *extra],
-                              cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+        return subprocess.run(
+            [sys.executable, "training/train_default_model.py", "--out", str(out), "--smoke", *extra],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
 
     first = train("--stop-after", "0")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -40,8 +40,13 @@ def plot_per_question(result: dict) -> str:
         xs = np.array([float(q["correct_a"]) for q in pq])
         ys = np.array([float(q["correct_b"]) for q in pq])
         rng = np.random.default_rng(0)
-        ax.scatter(xs + rng.uniform(-0.12, 0.12, xs.size), ys + rng.uniform(-0.12, 0.12, ys.size), s=10, alpha=0.5,
-                   color=COLORS["b"])
+        ax.scatter(
+            xs + rng.uniform(-0.12, 0.12, xs.size),
+            ys + rng.uniform(-0.12, 0.12, ys.size),
+            s=10,
+            alpha=0.5,
+            color=COLORS["b"],
+        )
         for x in (0, 1):
             for y in (0, 1):
                 n = int(np.sum((xs == x) & (ys == y)))
@@ -67,8 +72,13 @@ def plot_accept_lengths(result: dict) -> str | None:
     for i, arm in enumerate(("a", "b")):
         h = sp[arm]["histogram"]
         total = sum(h.values()) or 1
-        ax.bar(np.array(keys) + (i - 0.5) * width, [h.get(str(k), 0) / total for k in keys], width=width,
-               label=f"{label(result, arm)} (mean {num(sp[arm]['accept_length_mean'], 2)})", color=COLORS[arm])
+        ax.bar(
+            np.array(keys) + (i - 0.5) * width,
+            [h.get(str(k), 0) / total for k in keys],
+            width=width,
+            label=f"{label(result, arm)} (mean {num(sp[arm]['accept_length_mean'], 2)})",
+            color=COLORS[arm],
+        )
     ax.set_xlabel("accept length (tokens per verify step)")
     ax.set_ylabel("share")
     ax.set_title("accept-length distribution")
@@ -101,8 +111,12 @@ def plot_bench(result: dict) -> str:
     for ax, (name, m) in zip(np.atleast_1d(axes), metrics.items()):
         for i, arm in enumerate(("a", "b")):
             vals = m.get(f"values_{arm}") or []
-            ax.scatter(np.full(len(vals), i) + np.linspace(-0.1, 0.1, len(vals)) if vals else [], vals,
-                       color=COLORS[arm], alpha=0.8)
+            ax.scatter(
+                np.full(len(vals), i) + np.linspace(-0.1, 0.1, len(vals)) if vals else [],
+                vals,
+                color=COLORS[arm],
+                alpha=0.8,
+            )
             if vals:
                 ax.hlines(np.median(vals), i - 0.2, i + 0.2, color="black")
         ax.set_xticks([0, 1], ["A", "B"])

@@ -46,8 +46,10 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
     for arm in ("a", "b"):
         sp = (result.get("spec") or {}).get(arm) or {}
         if sp.get("lossy"):
-            lines.append(f"[bold yellow]LOSSY acceptance[/] in {escape(label(result, arm))}: "
-                         f"{escape(lossy_detail(sp))}; its accuracy measures that rule")
+            lines.append(
+                f"[bold yellow]LOSSY acceptance[/] in {escape(label(result, arm))}: "
+                f"{escape(lossy_detail(sp))}; its accuracy measures that rule"
+            )
     g = result.get("greedy")
     if g:
         lines.extend(greedy_lines(g))
@@ -60,10 +62,13 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
         lines.append(
             f"output agreement: {ag['n_identical']}/{ag['n_pairs']} identical ({pct(ag['share_identical'])}) by "
             f"{bases}; first divergence median "
-            f"{num(ag['first_divergence_median'], 1)}; logprob gap median {num(ag['logprob_gap_median'])}")
+            f"{num(ag['first_divergence_median'], 1)}; logprob gap median {num(ag['logprob_gap_median'])}"
+        )
         if ag.get("n_identical_tokens_but_text_differs"):
-            lines.append(f"[bold red]warning[/]: {ag['n_identical_tokens_but_text_differs']} pair(s) have identical "
-                         "token ids but different text (server detokenization or record fault)")
+            lines.append(
+                f"[bold red]warning[/]: {ag['n_identical_tokens_but_text_differs']} pair(s) have identical "
+                "token ids but different text (server detokenization or record fault)"
+            )
     overlap = speed_overlap_line(result)
     if overlap:
         lines.append(overlap)
@@ -76,8 +81,10 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
         if md.get("intended_implied"):
             lines.append(escape(f"manifest: {md['intended_implied']}"))
         unintended = f"[bold]{md['n_unintended']} not marked intended[/]" if md["n_unintended"] else "none unmarked"
-        lines.append(f"manifest: {len(md['differences'])} difference(s), {md['n_intended']} marked intended, "
-                     f"{unintended}" + escape(folded) + (":" if details else " (see Manifest differences)"))
+        lines.append(
+            f"manifest: {len(md['differences'])} difference(s), {md['n_intended']} marked intended, "
+            f"{unintended}" + escape(folded) + (":" if details else " (see Manifest differences)")
+        )
         if details:
             for d in md["differences"]:
                 tag = "intended" if d["intended"] else "UNINTENDED?"
@@ -96,17 +103,21 @@ def greedy_lines(g: dict) -> list[str]:
         lines.append(
             f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs: the rate of differing outputs is at "
             f"most {pct(ident['discordance_upper_bound'])} (exact one-sided {int(100 * ident['confidence'])}% bound), "
-            f"so B - A is at least {pts(-ident['discordance_upper_bound'])}")
+            f"so B - A is at least {pts(-ident['discordance_upper_bound'])}"
+        )
     iv, bs = g["interval"], g["bootstrap"]
     lines.append(
         f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
         f"exact McNemar p = {g['mcnemar_p']:.4g}; {int(100 * iv['confidence'])}% CI of B - A by {iv['method']} "
         f"[{pts(iv['low'])}, {pts(iv['high'])}]; "
         f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]"
-        + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else ""))
-    lines.append(f"greedy power: {mde_sentence(g)}; paired bootstrap {int(100 * bs['confidence'])}% CI "
-                 f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}] ({bs['n_resamples']} resamples, seed {bs['seed']}; "
-                 "secondary: it collapses to a point when nothing flips)")
+        + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else "")
+    )
+    lines.append(
+        f"greedy power: {mde_sentence(g)}; paired bootstrap {int(100 * bs['confidence'])}% CI "
+        f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}] ({bs['n_resamples']} resamples, seed {bs['seed']}; "
+        "secondary: it collapses to a point when nothing flips)"
+    )
     return lines
 
 
@@ -117,9 +128,11 @@ def mde_sentence(g: dict) -> str:
         return "smallest detectable drop n/a (no pairs)"
     needed = g.get("n_needed_for_margin")
     needed = "n/a" if needed is None else needed
-    return (f"smallest detectable drop {g['mde_pts']:.2f} pt (80% power, alpha 0.05, {g['n']} questions, "
-            f"discordance {pct(plan['rate'])}: {plan['basis']}); -{g['margin_pts']:g} pt needs "
-            f"{needed} questions at that discordance, {g['n_needed_if_no_flips']} if none flips")
+    return (
+        f"smallest detectable drop {g['mde_pts']:.2f} pt (80% power, alpha 0.05, {g['n']} questions, "
+        f"discordance {pct(plan['rate'])}: {plan['basis']}); -{g['margin_pts']:g} pt needs "
+        f"{needed} questions at that discordance, {g['n_needed_if_no_flips']} if none flips"
+    )
 
 
 def verdict_summary(g: dict) -> str:
@@ -128,11 +141,15 @@ def verdict_summary(g: dict) -> str:
     iv, plan, ident = g["interval"], g["planning_discordance"], g.get("output_identity") or {}
     parts = []
     if ident.get("all_identical"):
-        parts.append(f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs (differing-output rate "
-                     f"<= {pct(ident['discordance_upper_bound'])}, exact one-sided {int(100 * ident['confidence'])}%)")
+        parts.append(
+            f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs (differing-output rate "
+            f"<= {pct(ident['discordance_upper_bound'])}, exact one-sided {int(100 * ident['confidence'])}%)"
+        )
     margin = f"-{g['margin_pts']:g} pt"
-    parts.append(f"Tango {int(100 * iv['confidence'])}% CI of B - A [{pts(iv['low'])}, {pts(iv['high'])}]: "
-                 f"{g['verdict']} at {margin}")
+    parts.append(
+        f"Tango {int(100 * iv['confidence'])}% CI of B - A [{pts(iv['low'])}, {pts(iv['high'])}]: "
+        f"{g['verdict']} at {margin}"
+    )
     if g.get("verdict_note"):
         return "; ".join(parts + [f"no information: {g['verdict_note']}"])
     if g.get("mde_pts") is None:
@@ -142,11 +159,15 @@ def verdict_summary(g: dict) -> str:
     if g["verdict"] == "non-inferior" or needed is None or needed <= g["n"]:
         parts[-1] += f" ({mde})"
     elif plan["basis"] == "observed":
-        parts.append(f"{g['n']} questions cannot support {margin} ({mde}): that needs {needed} questions at the "
-                     f"observed {pct(plan['rate'])} discordance")
+        parts.append(
+            f"{g['n']} questions cannot support {margin} ({mde}): that needs {needed} questions at the "
+            f"observed {pct(plan['rate'])} discordance"
+        )
     else:
-        parts.append(f"{g['n']} questions cannot support {margin} ({mde}): that needs {g['n_needed_if_no_flips']} "
-                     f"questions if none flips, {needed} at the {pct(plan['rate'])} discordance bound")
+        parts.append(
+            f"{g['n']} questions cannot support {margin} ({mde}): that needs {g['n_needed_if_no_flips']} "
+            f"questions if none flips, {needed} at the {pct(plan['rate'])} discordance bound"
+        )
     return "; ".join(parts)
 
 
@@ -163,9 +184,13 @@ def repeated_line(r: dict) -> str:
         f"non-inferiority at -{iv['margin_pts']} pt: [bold]{iv['verdict']}[/]; smallest detectable drop {mde} "
         f"(80% power, alpha 0.05, {pw.get('repeats_per_question', 'n/a')} repeats per question); "
         f"-{iv['margin_pts']:g} pt needs {need_q if need_q is not None else 'n/a'} questions at these repeats, or "
-        + (f"{need_k} repeats per question at these questions" if need_k is not None
-           else "more questions (no number of repeats suffices at these questions)")
-        + (f"; [bold red]no information[/]: {escape(r['note'])}" if r.get("note") else ""))
+        + (
+            f"{need_k} repeats per question at these questions"
+            if need_k is not None
+            else "more questions (no number of repeats suffices at these questions)"
+        )
+        + (f"; [bold red]no information[/]: {escape(r['note'])}" if r.get("note") else "")
+    )
 
 
 def run_level_cell(metrics: dict | None) -> str:
@@ -177,8 +202,10 @@ def run_level_cell(metrics: dict | None) -> str:
     parts = [num(metrics.get("mean_accept_length"))]
     if "drafts" in metrics:
         per_pos = metrics.get("acceptance_per_position") or []
-        parts.append(f"({metrics['accepted_tokens']} accepted of {metrics['draft_tokens']} draft tokens in "
-                     f"{metrics['drafts']} drafts; per position " + ", ".join(f"{x:.2f}" for x in per_pos) + ")")
+        parts.append(
+            f"({metrics['accepted_tokens']} accepted of {metrics['draft_tokens']} draft tokens in "
+            f"{metrics['drafts']} drafts; per position " + ", ".join(f"{x:.2f}" for x in per_pos) + ")"
+        )
     elif "verify_calls" in metrics:
         parts.append(f"({metrics['generation_tokens']} tokens / {metrics['verify_calls']} verify calls)")
     return " ".join(parts)
@@ -191,8 +218,10 @@ def speed_overlap_line(result: dict) -> str | None:
     va, vb = (sd.get("a") or {}).get("tokens_per_s") or [], (sd.get("b") or {}).get("tokens_per_s") or []
     if not (va and vb) or min(va) > max(vb) or min(vb) > max(va):
         return None
-    return ("speed: the tokens/s samples of A and B overlap; attributing a gain needs a fixed-input, warmed, repeated "
-            "comparison (evalpipe bench on each arm, then evalpipe compare on the two bench folders)")
+    return (
+        "speed: the tokens/s samples of A and B overlap; attributing a gain needs a fixed-input, warmed, repeated "
+        "comparison (evalpipe bench on each arm, then evalpipe compare on the two bench folders)"
+    )
 
 
 def acceptance(sp: dict) -> str:
@@ -210,10 +239,11 @@ def lossy_detail(sp: dict) -> str:
     """'topk (k=3): 3/3 responses report a lossy decision' for an arm whose acceptance was lossy."""
     server = sp.get("server_lossy_acceptance")
     rule = server.get("rule") if isinstance(server, dict) else "/".join(sp.get("accept_rules") or [])
-    params = ", ".join(f"{k}={v}" for k, v in (server or {}).items()
-                       if k not in ("rule", "lossy", "applies_to"))
-    return (f"{rule}{f' ({params})' if params else ''}: "
-            f"{sp.get('n_records_lossy', 0)}/{sp.get('n_records_with_spec', 0)} responses report a lossy decision")
+    params = ", ".join(f"{k}={v}" for k, v in (server or {}).items() if k not in ("rule", "lossy", "applies_to"))
+    return (
+        f"{rule}{f' ({params})' if params else ''}: "
+        f"{sp.get('n_records_lossy', 0)}/{sp.get('n_records_with_spec', 0)} responses report a lossy decision"
+    )
 
 
 def _short(v: Any, n: int = 80) -> str:
@@ -226,10 +256,20 @@ THROUGHPUT = "decode_tokens_per_s"
 
 
 def bench_rows(result: dict) -> list[list]:
-    return [[name, num(m.get("median_a")), num(m.get("median_b")), num(m.get("ratio")),
-             f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]", m.get("verdict", "n/a"),
-             "n/a" if m.get("mde_pct") is None else f"{m['mde_pct']:.1f}%", m.get("n_a"), m.get("n_b")]
-            for name, m in result["metrics"].items()]
+    return [
+        [
+            name,
+            num(m.get("median_a")),
+            num(m.get("median_b")),
+            num(m.get("ratio")),
+            f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]",
+            m.get("verdict", "n/a"),
+            "n/a" if m.get("mde_pct") is None else f"{m['mde_pct']:.1f}%",
+            m.get("n_a"),
+            m.get("n_b"),
+        ]
+        for name, m in result["metrics"].items()
+    ]
 
 
 def bench_headline(result: dict) -> list[str]:
@@ -238,13 +278,17 @@ def bench_headline(result: dict) -> list[str]:
     if not m:
         return []
     mde = "n/a (fewer than 2 values in an arm)" if m.get("mde_pct") is None else f"{m['mde_pct']:.1f}%"
-    lines = [f"throughput ({THROUGHPUT}): B / A = {num(m.get('ratio'))}, {int(100 * m.get('confidence', 0.95))}% CI "
-             f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]: [bold]{m.get('verdict')}[/]; smallest detectable "
-             f"change {mde} (80% power, alpha 0.05)"]
+    lines = [
+        f"throughput ({THROUGHPUT}): B / A = {num(m.get('ratio'))}, {int(100 * m.get('confidence', 0.95))}% CI "
+        f"[{num(m.get('ci_low'))}, {num(m.get('ci_high'))}]: [bold]{m.get('verdict')}[/]; smallest detectable "
+        f"change {mde} (80% power, alpha 0.05)"
+    ]
     if m.get("samples_overlap"):
-        lines.append("the throughput samples of A and B overlap: attributing a gain needs a fixed-input, warmed, "
-                     "repeated comparison (same --seed inputs, warm-up rounds dropped, --rounds 5 or more per arm, "
-                     "arms interleaved)")
+        lines.append(
+            "the throughput samples of A and B overlap: attributing a gain needs a fixed-input, warmed, "
+            "repeated comparison (same --seed inputs, warm-up rounds dropped, --rounds 5 or more per arm, "
+            "arms interleaved)"
+        )
     return lines
 
 

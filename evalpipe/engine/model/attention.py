@@ -26,8 +26,15 @@ def visible_hca_rows(group, pool_rows: torch.Tensor, pos: torch.Tensor, ratio: i
 
 
 class Attention:
-    def __init__(self, sd: dict, prefix: str, config, layer_type: str, ropes: dict[str, RopeTable],
-                 sites: fused_sites.SiteSettings | None = None):
+    def __init__(
+        self,
+        sd: dict,
+        prefix: str,
+        config,
+        layer_type: str,
+        ropes: dict[str, RopeTable],
+        sites: fused_sites.SiteSettings | None = None,
+    ):
         self.layer_type = layer_type
         self.heads, self.head_dim, self.eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
         self.window = config.sliding_window
@@ -46,8 +53,15 @@ class Attention:
         self.ratio = compress_ratio(config, layer_type)
         self.compressor = self.indexer = None
         if layer_type != SLIDING:
-            self.compressor = Compressor(sd, prefix + "compressor.", ratio=self.ratio, dim=self.head_dim,
-                                         overlap=layer_type == CSA, eps=self.eps, rope=ropes["compress"])
+            self.compressor = Compressor(
+                sd,
+                prefix + "compressor.",
+                ratio=self.ratio,
+                dim=self.head_dim,
+                overlap=layer_type == CSA,
+                eps=self.eps,
+                rope=ropes["compress"],
+            )
             if layer_type == CSA:
                 self.indexer = Indexer(sd, prefix + "compressor.indexer.", config, ropes["compress"])
         # every projection of the block input x in one GEMM: q_a | kv | compressor kv,gate | indexer kv,gate,weights
@@ -84,7 +98,7 @@ class Attention:
         if self.indexer is not None:
             idx_proj = projected[3]
             self.indexer.compressor.pool(idx_proj, batch, pool.indexer)
-            idx_q = self.indexer.queries_from(qb[:, self.heads * self.head_dim:], projected[4], cos, sin)
+            idx_q = self.indexer.queries_from(qb[:, self.heads * self.head_dim :], projected[4], cos, sin)
 
         if len(batch.groups) == 1:
             out = self._attend(q, kv, batch.groups[0], batch, pool, idx_q).view(T, self.heads, self.head_dim)
@@ -132,8 +146,9 @@ class Attention:
         keys by address, so neither the [G, n, k, D] entry gather nor the unfolded window is materialised (on the
         H200 the eager chain's strided attention GEMMs and gathers were ~40 of the 93 ms of a 3500-row chunk)."""
         settings = self.site_settings
-        if settings is not None and fused_attention_applies(settings.backend, q, kv, pool.window,
-                                                            self._entries(pool), self.sinks):
+        if settings is not None and fused_attention_applies(
+            settings.backend, q, kv, pool.window, self._entries(pool), self.sinks
+        ):
             return self._attend_kernel(q, kv, group, batch, pool, idx_q, settings.backend)
         scale = self.head_dim**-0.5
         qg = q[group.rows]  # [G, n, H, D]
@@ -169,7 +184,7 @@ class Attention:
             probs = probs.to(win.dtype)
         out = torch.matmul(probs[..., : self.window], win.transpose(-1, -2))
         if comp is not None:
-            out = out + torch.matmul(probs[..., self.window: -1], comp)
+            out = out + torch.matmul(probs[..., self.window : -1], comp)
         return out
 
     def _entries(self, pool: LayerPool) -> torch.Tensor | None:
@@ -189,10 +204,27 @@ class Attention:
             else:
                 scores, visible, k = self.indexer.scores(*idx_q, group, batch.pools, pool.indexer)  # [G, n, E]
                 E = scores.shape[-1]
-                entry_rows = (fused_sites.csa_rows(self, scores.masked_fill(~visible, float("-inf")).reshape(G * n, E),
-                                                   group, batch, k) if k else pool_rows.new_empty(G * n, 0))
+                entry_rows = (
+                    fused_sites.csa_rows(
+                        self, scores.masked_fill(~visible, float("-inf")).reshape(G * n, E), group, batch, k
+                    )
+                    if k
+                    else pool_rows.new_empty(G * n, 0)
+                )
         fused_sites.count("eager_attention_kernel")
-        out = fused_attention(q[rows], kv[rows], pool.window, batch.pools.window_ring, self.window, pos,
-                              group.slots.repeat_interleave(n), n, entries, entry_rows, self.sinks,
-                              self.head_dim**-0.5, backend=backend)
+        out = fused_attention(
+            q[rows],
+            kv[rows],
+            pool.window,
+            batch.pools.window_ring,
+            self.window,
+            pos,
+            group.slots.repeat_interleave(n),
+            n,
+            entries,
+            entry_rows,
+            self.sinks,
+            self.head_dim**-0.5,
+            backend=backend,
+        )
         return out.view(G, n, self.heads, self.head_dim)

@@ -39,12 +39,12 @@ class Compressor:
             rows = torch.cat([pool.ring[plan.past_cells], proj[group.rows]], dim=1)  # [G, lookback + n, 2P]
             g = torch.arange(group.size, device=rows.device)[:, None, None]
             cur = rows[g, plan.cur]  # [G, nw, ratio, 2P]
-            kv, gate = cur[..., : self.proj_dim], cur[..., self.proj_dim:] + self.position_bias
+            kv, gate = cur[..., : self.proj_dim], cur[..., self.proj_dim :] + self.position_bias
             if self.overlap:
                 d = self.dim
                 prev = rows[g, plan.prev]
                 prev_kv = prev[..., :d]
-                prev_gate = prev[..., self.proj_dim: self.proj_dim + d] + self.position_bias[:, :d]
+                prev_gate = prev[..., self.proj_dim : self.proj_dim + d] + self.position_bias[:, :d]
                 keep = plan.has_prev[..., None, None]
                 prev_kv = torch.where(keep, prev_kv, torch.zeros_like(prev_kv))
                 prev_gate = torch.where(keep, prev_gate, torch.full_like(prev_gate, float("-inf")))
@@ -68,8 +68,9 @@ class Indexer:
     def __init__(self, sd: dict, prefix: str, config, rope: RopeTable):
         self.ratio = config.compress_rates["compressed_sparse_attention"]
         self.heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
-        self.compressor = Compressor(sd, prefix, ratio=self.ratio, dim=self.dim, overlap=True,
-                                     eps=config.rms_norm_eps, rope=rope)
+        self.compressor = Compressor(
+            sd, prefix, ratio=self.ratio, dim=self.dim, overlap=True, eps=config.rms_norm_eps, rope=rope
+        )
         self.q_b = sd[prefix + "q_b_proj.weight"]
         self.weights_proj = sd[prefix + "scorer.weights_proj.weight"]
         self.rope = rope
@@ -85,16 +86,18 @@ class Indexer:
         q = apply_rope(q_proj.view(q_proj.shape[0], self.heads, self.dim), cos, sin, self.rope.rot)
         return q, weight_logits.float() * self.heads**-0.5
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
-               pool: CompressorPool) -> torch.Tensor:
+    def select(
+        self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools, pool: CompressorPool
+    ) -> torch.Tensor:
         """[G, n, k] selected entry indices per query (-1 = none), k = min(index_topk, entries in the group)."""
         scores, visible, k = self.scores(q, weights, group, pools, pool)
         if k == 0:
             return torch.empty(group.size, group.n, 0, dtype=torch.long, device=scores.device)
         return causal_topk(scores, visible, k)
 
-    def scores(self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools,
-               pool: CompressorPool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def scores(
+        self, q: torch.Tensor, weights: torch.Tensor, group, pools: StatePools, pool: CompressorPool
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """([G, n, E] float32 scores of every entry, [G, n, E] causal visibility, k): what `select` ranks (also
         the input of the fused CSA sites in engine/model/fused_sites.py)."""
         rows, visible = entry_index(group, pools, self.ratio)

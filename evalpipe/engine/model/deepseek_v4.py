@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from evalpipe.engine.cache import StatePools
 from evalpipe.engine.forward_batch import ForwardBatch
+from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.attention import Attention
 from evalpipe.engine.model.config import rope_tables
-from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.model.hyper import HyperConnection, HyperHead
 from evalpipe.engine.model.moe import MoE
@@ -34,8 +34,9 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> di
     out = {}
     for name, t in state.items():
         keep = any(m in name for m in _FP32_MARKERS) or not t.is_floating_point()
-        out[name] = t.to(device=device, dtype=t.dtype if not t.is_floating_point() else
-                         (torch.float32 if keep else dtype))
+        out[name] = t.to(
+            device=device, dtype=t.dtype if not t.is_floating_point() else (torch.float32 if keep else dtype)
+        )
     return out
 
 
@@ -52,24 +53,34 @@ class DecoderLayer:
 
     def __call__(self, streams, batch: ForwardBatch, pool):
         post, comb, x = self.attn_hc(streams)
-        streams = HyperConnection.merge(streams, self.attn(rms_norm(x, self.attn_norm, self.eps), batch, pool),
-                                        post, comb)
+        streams = HyperConnection.merge(
+            streams, self.attn(rms_norm(x, self.attn_norm, self.eps), batch, pool), post, comb
+        )
         post, comb, x = self.ffn_hc(streams)
         y = self.mlp(rms_norm(x, self.mlp_norm, self.eps), batch.input_ids)
         return HyperConnection.merge(streams, y, post, comb)
 
 
 class DeepseekV4Model:
-    def __init__(self, config, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device, max_positions: int,
-                 sites: SiteSettings | None = None):
+    def __init__(
+        self,
+        config,
+        state: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device,
+        max_positions: int,
+        sites: SiteSettings | None = None,
+    ):
         sd = cast_state(state, dtype, device)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         ropes = rope_tables(config, max_positions, device)
         self.embed = sd["model.embed_tokens.weight"]
         self.lm_head = sd["lm_head.weight"] if "lm_head.weight" in sd else self.embed
         self.norm = sd["model.norm.weight"].float()
-        self.head = HyperHead(sd["model.hc_head.hc_fn"], sd["model.hc_head.hc_base"], sd["model.hc_head.hc_scale"],
-                              config)
+        self.head = HyperHead(
+            sd["model.hc_head.hc_fn"], sd["model.hc_head.hc_base"], sd["model.hc_head.hc_scale"], config
+        )
         self.layers = [DecoderLayer(sd, i, config, ropes, sites) for i in range(config.num_hidden_layers)]
         self.num_parameters = sum(t.numel() for t in state.values())
         self.sites = sites
@@ -88,8 +99,11 @@ class DeepseekV4Model:
         if self.sites is not None and use_triton(self.sites.backend, [x]):  # the server's build, on CUDA
             fused_sites.count("eager_mhc_kernels")
             h = self.hidden_through_kernels(
-                x, lambda i, layer, hx: layer.attn(hx, batch, pools.layers[i]),
-                lambda layer, hx: layer.mlp(hx, batch.input_ids), self.sites.backend)
+                x,
+                lambda i, layer, hx: layer.attn(hx, batch, pools.layers[i]),
+                lambda layer, hx: layer.mlp(hx, batch.input_ids),
+                self.sites.backend,
+            )
             return self.head_linear(h[logit_rows], self.lm_head).float()
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer, pool in zip(self.layers, pools.layers):

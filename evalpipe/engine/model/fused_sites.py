@@ -54,9 +54,12 @@ class SiteSettings:
     def describe(self, model) -> dict:
         """The settings of `model` (built with them) as /get_server_info reports them under "fused_sites"."""
         quantized = sum(layer.attn.wo_b_mxfp8 is not None for layer in model.layers)
-        return {"wo_quant": self.wo_quant, "wo_quant_layers": quantized,
-                "candidate_block_size": self.candidate_block_size,
-                "candidate_blocks": self.candidate_blocks if self.candidate_blocks is not None else "all"}
+        return {
+            "wo_quant": self.wo_quant,
+            "wo_quant_layers": quantized,
+            "candidate_block_size": self.candidate_block_size,
+            "candidate_blocks": self.candidate_blocks if self.candidate_blocks is not None else "all",
+        }
 
 
 DEFAULT_SETTINGS = SiteSettings()
@@ -112,8 +115,7 @@ def csa_entries(attn, idx_q, group, batch, pool) -> tuple[torch.Tensor, torch.Te
     G, n, E = scores.shape
     entries = pool.compressor.entries
     if k == 0:
-        return entries.new_empty(G, n, 0, entries.shape[1]), torch.ones(G, n, 0, dtype=torch.bool,
-                                                                         device=scores.device)
+        return entries.new_empty(G, n, 0, entries.shape[1]), torch.ones(G, n, 0, dtype=torch.bool, device=scores.device)
     rows = csa_rows(attn, scores.masked_fill(~visible, float("-inf")).reshape(G * n, E), group, batch, k)
     rows = rows.view(G, n, k)
     return entries[rows.clamp(min=0).long()], rows < 0
@@ -140,7 +142,8 @@ def csa_rows(attn, scores: torch.Tensor, group, batch, k: int) -> torch.Tensor:
     pools = batch.pools
     table = pools.page_table_on_device()[group.slots]  # [G, P]: rows of one request share its page table
     table = table.unsqueeze(1).expand(G, n, table.shape[1]).reshape(G * n, -1)
-    rows, _ = indexer_postprocess(masked, picked.reshape(G * n, k), table, pools.page_tokens // attn.ratio,
-                                  backend=settings.backend)
+    rows, _ = indexer_postprocess(
+        masked, picked.reshape(G * n, k), table, pools.page_tokens // attn.ratio, backend=settings.backend
+    )
     count("indexer_postprocess")
     return rows

@@ -13,8 +13,12 @@ from evalpipe.kernels.hyper import sinkhorn
 class HyperConnection:
     def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, config):
         self.fn, self.base, self.scale = fn.float(), base.float(), scale.float()
-        self.hc, self.iters, self.eps, self.norm_eps = (config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps,
-                                                        config.rms_norm_eps)
+        self.hc, self.iters, self.eps, self.norm_eps = (
+            config.hc_mult,
+            config.hc_sinkhorn_iters,
+            config.hc_eps,
+            config.rms_norm_eps,
+        )
         hc = self.hc
         self.pre_b, self.post_b, comb_b = self.base.split([hc, hc, hc * hc])
         self.comb_b = comb_b.view(hc, hc)
@@ -24,15 +28,19 @@ class HyperConnection:
         """streams [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed [T, D])."""
         hc = self.hc
         flat = streams.flatten(1)
-        mixes = F.linear(unweighted_rms_norm(flat if flat.dtype == torch.float32 else flat.float(), self.norm_eps),
-                         self.fn)
+        mixes = F.linear(
+            unweighted_rms_norm(flat if flat.dtype == torch.float32 else flat.float(), self.norm_eps), self.fn
+        )
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre = torch.sigmoid(pre_w * self.pre_s + self.pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * self.post_s + self.post_b)
         comb = torch.softmax(comb_w.reshape(-1, hc, hc) * self.comb_s + self.comb_b, dim=-1) + self.eps
         comb = sinkhorn(comb, self.iters, self.eps)
-        collapsed = torch.matmul(pre.unsqueeze(1), streams).squeeze(1) if streams.dtype == torch.float32 else \
-            (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        collapsed = (
+            torch.matmul(pre.unsqueeze(1), streams).squeeze(1)
+            if streams.dtype == torch.float32
+            else (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        )
         return post, comb, collapsed
 
     @staticmethod

@@ -85,9 +85,9 @@ class MoE:
         for e, c in enumerate(counts.tolist()):
             if c == 0:
                 continue
-            tok = token_of[start:start + c]
+            tok = token_of[start : start + c]
             gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(self._swiglu(gate, up), self.down[e]) * weight_of[start:start + c, None]
+            y = F.linear(self._swiglu(gate, up), self.down[e]) * weight_of[start : start + c, None]
             routed.index_add_(0, tok, y.to(x.dtype))
             start += c
         return routed

@@ -80,7 +80,7 @@ def module_name(key: str) -> str | tuple[int, int, str]:
         return key
     m = _LAYER_KEY.match(key)
     if m is None:
-        bare = key[len("model."):] if key.startswith("model.") else key
+        bare = key[len("model.") :] if key.startswith("model.") else key
         return _TOP_RENAMES.get(bare, key)
     layer, rest = int(m.group(1)), m.group(2)
     expert = _EXPERT_KEY.match(rest)
@@ -88,7 +88,7 @@ def module_name(key: str) -> str | tuple[int, int, str]:
         return layer, int(expert.group(1)), expert.group(2)
     for old, new in _LAYER_RENAMES:
         if rest.startswith(old):
-            rest = new + rest[len(old):]
+            rest = new + rest[len(old) :]
             break
     return f"model.layers.{layer}.{rest}"
 
@@ -123,8 +123,11 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-_QUANTIZED_DTYPES = {torch.int8, torch.uint8} | {getattr(torch, n) for n in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n)}
+_QUANTIZED_DTYPES = {torch.int8, torch.uint8} | {
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    if hasattr(torch, n)
+}
 
 
 def _refuse_quantized(state: dict, experts: dict) -> None:
@@ -133,8 +136,10 @@ def _refuse_quantized(state: dict, experts: dict) -> None:
     tensors = list(state.items()) + [(f"experts.{k}", t) for k, d in experts.items() for t in d.values()]
     bad = [name for name, t in tensors if t.dtype in _QUANTIZED_DTYPES or "scale_inv" in name]
     if bad:
-        raise ValueError(f"quantized checkpoint tensors are not supported ({len(bad)}, e.g. {bad[0]}): "
-                         "convert the checkpoint to bfloat16/float32 weights first")
+        raise ValueError(
+            f"quantized checkpoint tensors are not supported ({len(bad)}, e.g. {bad[0]}): "
+            "convert the checkpoint to bfloat16/float32 weights first"
+        )
 
 
 def cache_root() -> Path:
@@ -219,7 +224,6 @@ PACKAGED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MODEL_PINS = Path(__file__).resolve().parents[3] / "manifests" / "default_model.json"
 
 
-
 def packaged_checkpoint(name: str = DEFAULT_MODEL_NAME) -> Path:
     """The shipped checkpoint folder, after checking every pinned file's sha256 (a corrupted or edited copy would
     silently change every number measured with it)."""
@@ -232,8 +236,10 @@ def packaged_checkpoint(name: str = DEFAULT_MODEL_NAME) -> Path:
     for fname, want in pins.items():
         got = file_sha256(folder / fname) if (folder / fname).is_file() else "missing"
         if got != want:
-            raise ValueError(f"{folder / fname}: sha256 {got} differs from the pin {want} in {MODEL_PINS}; "
-                             "reinstall evalpipe (a git checkout may need `git lfs`-free plain files)")
+            raise ValueError(
+                f"{folder / fname}: sha256 {got} differs from the pin {want} in {MODEL_PINS}; "
+                "reinstall evalpipe (a git checkout may need `git lfs`-free plain files)"
+            )
     return folder
 
 

@@ -43,8 +43,9 @@ from typing import Callable
 import torch
 
 
-def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor | list[int],
-                  target: list[int] | None = None) -> tuple[list[int], int]:
+def greedy_accept(
+    target_logits: torch.Tensor, drafts: torch.Tensor | list[int], target: list[int] | None = None
+) -> tuple[list[int], int]:
     """Greedy acceptance of one request's block.
 
     target_logits: [G+1, V], row i scores the token after draft i (row 0: after the last committed token).
@@ -85,8 +86,9 @@ def rejection_accept(
     p = target_probs.to(torch.float64)
     q = draft_probs.to(device=p.device, dtype=torch.float64)
     if p.shape[0] != len(drafts) + 1 or q.shape[0] != len(drafts):
-        raise ValueError(f"need G+1 target rows and G draft rows for G={len(drafts)} drafts, "
-                         f"got {p.shape[0]} and {q.shape[0]}")
+        raise ValueError(
+            f"need G+1 target rows and G draft rows for G={len(drafts)} drafts, got {p.shape[0]} and {q.shape[0]}"
+        )
     emitted: list[int] = []
     uniforms = torch.rand(len(drafts), generator=generator, dtype=torch.float64, device=p.device).tolist()
     for i, d in enumerate(drafts):
@@ -187,7 +189,9 @@ class SimulatedAcceptLengths:
         return self._floor
 
 
-def simulated_accept(drafts: list[int], accept_length: int, target_token: Callable[[int], int]) -> tuple[list[int], int]:
+def simulated_accept(
+    drafts: list[int], accept_length: int, target_token: Callable[[int], int]
+) -> tuple[list[int], int]:
     """Simulated acceptance: commit the first accept_length-1 drafts unchecked, then the target's token after them.
 
     target_token(row) gives the target's choice (argmax or sample) at a verify row, so the bonus is a real target

@@ -26,6 +26,7 @@ from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.faults import faults_of
 from evalpipe.engine.sampling import sample, sampling_probs
+from evalpipe.engine.scheduler import Sequence
 from evalpipe.engine.spec.accept import (
     ServerSpecTotals,
     SimulatedAcceptLengths,
@@ -37,7 +38,6 @@ from evalpipe.engine.spec.accept import (
     threshold_accept,
     topk_accept,
 )
-from evalpipe.engine.scheduler import Sequence
 from evalpipe.engine.spec.drafters import Drafter, build_drafter
 from evalpipe.engine.spec.settings import AcceptRule, accept_rule_from_settings
 from evalpipe.engine.spec.state import SeqSpec
@@ -46,8 +46,16 @@ from evalpipe.engine.spec.state import SeqSpec
 class SpeculativeDecoder(Decoder):
     all_logits = True
 
-    def __init__(self, target: Runner, drafter: Drafter, *, block_size: int = 5, simulate_acc_len: float | None = None,
-                 accept_rule: AcceptRule | None = None, debug_faults: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        target: Runner,
+        drafter: Drafter,
+        *,
+        block_size: int = 5,
+        simulate_acc_len: float | None = None,
+        accept_rule: AcceptRule | None = None,
+        debug_faults: tuple[str, ...] = (),
+    ):
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
         self.accept_rule = accept_rule or AcceptRule()
@@ -95,13 +103,15 @@ class SpeculativeDecoder(Decoder):
             raise ValueError(f"expected {len(drafts) + 1} verify rows, got {logits.shape[0]}")
         if spec.sim is not None:
             tokens, n = simulated_accept(
-                drafts, spec.sim.next_length(),
+                drafts,
+                spec.sim.next_length(),
                 lambda row: int(sample(sampling_probs(logits[row], params), seq.generator)),
             )
         elif params.greedy or "greedy-sampling" in self.debug_faults:
             rule = self.accept_rule
-            tokens, n = (topk_accept(logits, drafts, rule.topk) if rule.name == "topk"
-                         else greedy_accept(logits, drafts, argmax))
+            tokens, n = (
+                topk_accept(logits, drafts, rule.topk) if rule.name == "topk" else greedy_accept(logits, drafts, argmax)
+            )
         else:
             tokens, n = self._sampled_accept(sampling_probs(logits, params), spec, seq.generator)
         if "stale-kv-after-reject" not in self.debug_faults:
@@ -111,22 +121,28 @@ class SpeculativeDecoder(Decoder):
         spec.drafts, spec.q = [], None
         return tokens
 
-    def _sampled_accept(self, p: torch.Tensor, spec: SeqSpec,
-                        generator: torch.Generator | None) -> tuple[list[int], int]:
+    def _sampled_accept(
+        self, p: torch.Tensor, spec: SeqSpec, generator: torch.Generator | None
+    ) -> tuple[list[int], int]:
         rule, drafts = self.accept_rule, spec.drafts
         if rule.name == "threshold":
             return threshold_accept(p, drafts, rule.threshold_single, rule.threshold_acc, generator)
         keep = in_top_k(p[: len(drafts)], drafts, rule.topk, require_positive=True) if rule.name == "topk" else None
         q = spec.q if spec.q is not None else p[:0]
-        return rejection_accept(p, q, drafts, generator, keep=keep,
-                                residual_from_target="residual-from-target" in self.debug_faults)
+        return rejection_accept(
+            p, q, drafts, generator, keep=keep, residual_from_target="residual-from-target" in self.debug_faults
+        )
 
     def stats(self, seq: Sequence) -> dict | None:
         stats = seq.spec.stats if seq.spec is not None else SpecStats(self.block_size)
         # simulate_acc_len and the acceptance rule ride on every response so that no consumer can mistake a simulated
         # or lossy run for an exact one; `lossy` says whether the rule decided THIS request lossily
-        out = {**stats.to_dict(completion_tokens=len(seq.output)), "simulate_acc_len": self.simulate_acc_len,
-               "accept": self.accept_rule.describe(), "lossy": self.accept_rule.lossy_for(seq.params.greedy)}
+        out = {
+            **stats.to_dict(completion_tokens=len(seq.output)),
+            "simulate_acc_len": self.simulate_acc_len,
+            "accept": self.accept_rule.describe(),
+            "lossy": self.accept_rule.lossy_for(seq.params.greedy),
+        }
         return {**out, "debug_faults": list(self.debug_faults)} if self.debug_faults else out
 
     def release(self, slot: int) -> None:
@@ -140,8 +156,10 @@ class SpeculativeDecoder(Decoder):
         if self.simulate_acc_len:
             return "simulated speculative acceptance (--simulate-acc-len) commits drafts unchecked"
         if self.accept_rule.lossy:
-            return (f"the lossy speculative acceptance rule ({self.accept_rule.label()}) may accept drafts the "
-                    "grammar forbids")
+            return (
+                f"the lossy speculative acceptance rule ({self.accept_rule.label()}) may accept drafts the "
+                "grammar forbids"
+            )
         return None
 
     def describe(self) -> dict:
@@ -165,7 +183,7 @@ class SpeculativeDecoder(Decoder):
         logits = self.target.forward([seq.slot for seq in seqs], rows, all_logits=True)
         out, offset = [], 0
         for seq, r in zip(seqs, rows):
-            tokens = self.accept(seq, logits[offset: offset + len(r)])
+            tokens = self.accept(seq, logits[offset : offset + len(r)])
             seq.output.extend(tokens)
             out.append(tokens)
             offset += len(r)
@@ -199,5 +217,11 @@ def decoder_from_settings(config: EngineConfig, runner: Runner) -> SpeculativeDe
     if config.speculative == "off":
         return None
     drafter = build_drafter(config.drafter or default_drafter(runner), runner.eager_runner)
-    return SpeculativeDecoder(runner, drafter, block_size=config.block_size, simulate_acc_len=config.simulate_acc_len,
-                              accept_rule=accept_rule_from_settings(config), debug_faults=faults_of(config))
+    return SpeculativeDecoder(
+        runner,
+        drafter,
+        block_size=config.block_size,
+        simulate_acc_len=config.simulate_acc_len,
+        accept_rule=accept_rule_from_settings(config),
+        debug_faults=faults_of(config),
+    )

@@ -39,8 +39,7 @@ from evalpipe.engine.spec.settings import parse_drafter_spec
 class Drafter(Protocol):
     name: str
 
-    def propose(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        ...
+    def propose(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]: ...
 
     def rollback(self, seq: Sequence, committed_before: int, accepted: int) -> None: ...
 
@@ -91,7 +90,7 @@ class RunnerDrafter:
             feed[i] = hist[fed:]  # never empty: the last committed token is never fed before drafting
             while len(feed[i]) > self.catch_up_chunk:  # a long prompt is fed in chunks, like a prefill
                 self.runner.forward([handles[i]], [feed[i][: self.catch_up_chunk]], **self.forward_kwargs)
-                feed[i] = feed[i][self.catch_up_chunk:]
+                feed[i] = feed[i][self.catch_up_chunk :]
         while active:
             logits = self.runner.forward([handles[i] for i in active], [feed[i] for i in active], **self.forward_kwargs)
             argmax = logits.argmax(-1).tolist()  # greedy rows need nothing else (one op for the whole batch)
@@ -153,13 +152,13 @@ class NgramDrafter:
         histories of tens of thousands of tokens are scanned in C, not Python)."""
         length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), 0, -1):
-            suffix = tokens[length - n:]
+            suffix = tokens[length - n :]
             starts = np.flatnonzero(tokens[: length - n] == suffix[0])  # earlier starts, suffix itself excluded
             for k in range(1, n):
                 starts = starts[tokens[starts + k] == suffix[k]]
             if starts.size:
                 begin = int(starts[-1]) + n
-                return tokens[begin: begin + count].tolist()
+                return tokens[begin : begin + count].tolist()
         return []
 
     def propose(self, seqs: list[Sequence], widths: list[int]):
@@ -191,8 +190,13 @@ def build_drafter(spec: str, target: ModelRunner) -> Drafter:
     vocab = int(target.config.vocab_size)
     if kind == "ngram":
         return NgramDrafter(vocab_size=vocab)
-    common = dict(device=target.device, dtype=target.dtype, max_seqs=target.max_seqs, max_seq_len=target.max_seq_len,
-                  prefix_cache=target.prefix_cache is not None)
+    common = dict(
+        device=target.device,
+        dtype=target.dtype,
+        max_seqs=target.max_seqs,
+        max_seq_len=target.max_seq_len,
+        prefix_cache=target.prefix_cache is not None,
+    )
     if kind == "model":
         runner = ModelRunner(arg, **common)
         if int(runner.config.vocab_size) != vocab:
@@ -204,4 +208,3 @@ def build_drafter(spec: str, target: ModelRunner) -> Drafter:
     if arg >= layers:
         raise ValueError(f"layerskip:{arg} needs fewer layers than the target's {layers}")
     return RunnerDrafter(spec, target.eager_runner.view(num_layers=arg))
-

@@ -23,8 +23,10 @@ class AcceptRule:
 
     def __post_init__(self):
         if self.topk is not None and self.topk < 2:
-            raise ValueError(f"top-k acceptance needs K >= 2: K = {self.topk} accepts only the target's argmax, "
-                             "which is the default exact greedy rule")
+            raise ValueError(
+                f"top-k acceptance needs K >= 2: K = {self.topk} accepts only the target's argmax, "
+                "which is the default exact greedy rule"
+            )
         for name, value in (("threshold_single", self.threshold_single), ("threshold_acc", self.threshold_acc)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1] (1.0 = lossless), got {value}")
@@ -34,8 +36,11 @@ class AcceptRule:
     @classmethod
     def from_flags(cls, topk: int | None, threshold_single: float | None, threshold_acc: float | None) -> "AcceptRule":
         """From the serve flags, where None means "not given" (thresholds then default to SGLang's 1.0)."""
-        return cls(topk=topk, threshold_single=1.0 if threshold_single is None else float(threshold_single),
-                   threshold_acc=1.0 if threshold_acc is None else float(threshold_acc))
+        return cls(
+            topk=topk,
+            threshold_single=1.0 if threshold_single is None else float(threshold_single),
+            threshold_acc=1.0 if threshold_acc is None else float(threshold_acc),
+        )
 
     @property
     def name(self) -> str:
@@ -57,8 +62,13 @@ class AcceptRule:
             return {"rule": "exact", "lossy": False}
         if self.name == "topk":
             return {"rule": "topk", "k": self.topk, "lossy": True, "applies_to": "greedy and sampled requests"}
-        return {"rule": "threshold", "threshold_single": self.threshold_single, "threshold_acc": self.threshold_acc,
-                "lossy": True, "applies_to": "sampled requests (greedy requests are verified exactly, as in SGLang)"}
+        return {
+            "rule": "threshold",
+            "threshold_single": self.threshold_single,
+            "threshold_acc": self.threshold_acc,
+            "lossy": True,
+            "applies_to": "sampled requests (greedy requests are verified exactly, as in SGLang)",
+        }
 
     def label(self) -> str:
         """One short phrase for the serve ready line."""
@@ -66,15 +76,17 @@ class AcceptRule:
             return "accept exact"
         if self.name == "topk":
             return f"accept topk k={self.topk} (LOSSY)"
-        return (f"accept threshold single={self.threshold_single:g} acc={self.threshold_acc:g} "
-                "(LOSSY on sampled requests)")
+        return (
+            f"accept threshold single={self.threshold_single:g} acc={self.threshold_acc:g} (LOSSY on sampled requests)"
+        )
 
 
 def accept_rule_from_settings(config: EngineConfig) -> AcceptRule:
     """The acceptance rule of the engine config (`spec_accept_topk`, `spec_accept_threshold_single/acc`);
     exact when none is set. Raises ValueError for a rule that cannot be built (AcceptRule says why)."""
-    return AcceptRule.from_flags(config.spec_accept_topk, config.spec_accept_threshold_single,
-                                 config.spec_accept_threshold_acc)
+    return AcceptRule.from_flags(
+        config.spec_accept_topk, config.spec_accept_threshold_single, config.spec_accept_threshold_acc
+    )
 
 
 DRAFTER_KINDS = ("layerskip:N", "model:PATH", "ngram", "self")

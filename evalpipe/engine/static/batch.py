@@ -18,8 +18,9 @@ from evalpipe.engine.forward_batch import Group, RowRope
 from evalpipe.kernels.step_meta import step_meta
 
 
-def pack_step_inputs(tokens: list[list[int]], starts: list[int], slots: list[int], bucket: int, pad_slot: int,
-                     page_table: torch.Tensor) -> torch.Tensor:
+def pack_step_inputs(
+    tokens: list[list[int]], starts: list[int], slots: list[int], bucket: int, pad_slot: int, page_table: torch.Tensor
+) -> torch.Tensor:
     """The step's one input buffer (int64, on the host): ids [B*n] | starts [B] | slots [B] | row_valid [B*n] |
     page table. Requests past len(tokens) are padding: token 0, start 0, `pad_slot`, row_valid 0."""
     n = len(tokens[0])
@@ -29,8 +30,10 @@ def pack_step_inputs(tokens: list[list[int]], starts: list[int], slots: list[int
     if pad < 0:
         raise ValueError(f"{len(tokens)} requests do not fit bucket {bucket}")
     ids = [t for toks in tokens for t in toks] + [0] * (pad * n)
-    head = torch.tensor(ids + list(starts) + [0] * pad + list(slots) + [pad_slot] * pad
-                        + [1] * (len(tokens) * n) + [0] * (pad * n), dtype=torch.long)
+    head = torch.tensor(
+        ids + list(starts) + [0] * pad + list(slots) + [pad_slot] * pad + [1] * (len(tokens) * n) + [0] * (pad * n),
+        dtype=torch.long,
+    )
     return torch.cat([head, page_table.reshape(-1).to(torch.long)])
 
 
@@ -41,8 +44,8 @@ class StaticBatch(RowRope):
         T = B * n
         self.pools, self.num_rows = pools, T
         self.input_ids = meta[:T]
-        starts, slots = meta[T:T + B], meta[T + B:T + 2 * B]
-        self.row_valid = meta[T + 2 * B:2 * T + 2 * B] != 0
+        starts, slots = meta[T : T + B], meta[T + B : T + 2 * B]
+        self.row_valid = meta[T + 2 * B : 2 * T + 2 * B] != 0
         # positions, slots, ring cells, entry rows: one kernel (step_meta) from the input buffer
         info = step_meta(meta, consts["meta_shape"], backend=backend)
         self.pos, self.slot = info.pos, info.slot

@@ -31,7 +31,6 @@ from evalpipe.engine.static.batch import StaticBatch, pack_step_inputs
 from evalpipe.engine.static.model import StaticModel
 from evalpipe.kernels.step_meta import MetaShape
 
-
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -51,19 +50,30 @@ class _Step:
         pools, dev = owner.runner.pools, owner.runner.device
         size = 2 * B * n + 2 * B + pools.page_table.numel()
         self.meta = torch.zeros(size, dtype=torch.long, device=dev)
-        self.page_table = self.meta[2 * B * n + 2 * B:].view_as(pools.page_table)
+        self.page_table = self.meta[2 * B * n + 2 * B :].view_as(pools.page_table)
         ratios = sorted({c.ratio for p in pools.layers for c in (p.compressor, p.indexer) if c is not None})
-        rings = sorted({pools.window_ring} | {c.ring_size for p in pools.layers for c in (p.compressor, p.indexer)
-                                              if c is not None})
+        rings = sorted(
+            {pools.window_ring}
+            | {c.ring_size for p in pools.layers for c in (p.compressor, p.indexer) if c is not None}
+        )
         model = owner.static_model.model
-        hca = {layer.attn.ratio for layer in model.layers
-               if layer.attn.compressor is not None and layer.attn.indexer is None}
+        hca = {
+            layer.attn.ratio
+            for layer in model.layers
+            if layer.attn.compressor is not None and layer.attn.indexer is None
+        }
         self.consts = {
             "rows": torch.arange(B * n, device=dev).view(B, n),
-            "meta_shape": MetaShape(B=B, n=n, rings=tuple(rings), ratios=tuple(ratios),
-                                    entries=tuple(pools.max_seq_len // r for r in ratios),
-                                    hca_ratio=min(hca) if len(hca) == 1 else 0, page_tokens=pools.page_tokens,
-                                    pages_per_seq=pools.pages_per_seq),
+            "meta_shape": MetaShape(
+                B=B,
+                n=n,
+                rings=tuple(rings),
+                ratios=tuple(ratios),
+                entries=tuple(pools.max_seq_len // r for r in ratios),
+                hca_ratio=min(hca) if len(hca) == 1 else 0,
+                page_tokens=pools.page_tokens,
+                pages_per_seq=pools.pages_per_seq,
+            ),
         }
         self.graph = None
         self.staging: torch.Tensor | None = None
@@ -79,10 +89,11 @@ class _Step:
     def fill_padding(self) -> None:
         """Inputs that address only the pad slot: what warm-up and capture run on."""
         runner = self.owner.runner
-        host = pack_step_inputs([[0] * self.n], [0], [self.owner.pad_slot], self.B, self.owner.pad_slot,
-                                runner.pools.page_table)
+        host = pack_step_inputs(
+            [[0] * self.n], [0], [self.owner.pad_slot], self.B, self.owner.pad_slot, runner.pools.page_table
+        )
         T = self.B * self.n
-        host[T + 2 * self.B:2 * T + 2 * self.B] = 0  # row_valid: no live row at all
+        host[T + 2 * self.B : 2 * T + 2 * self.B] = 0  # row_valid: no live row at all
         self.meta.copy_(host)
 
     @torch.inference_mode()
@@ -135,8 +146,16 @@ class GraphRunner:
 
     decodes_async = True
 
-    def __init__(self, runner: ModelRunner, *, widths=(1,), buckets=DEFAULT_BUCKETS, fused: bool = True,
-                 use_graphs: bool | None = None, kernel_backend: str = "auto"):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        widths=(1,),
+        buckets=DEFAULT_BUCKETS,
+        fused: bool = True,
+        use_graphs: bool | None = None,
+        kernel_backend: str = "auto",
+    ):
         self.runner = runner
         self.config, self.device, self.dtype = runner.config, runner.device, runner.dtype
         self.max_seq_len, self.model_name, self.model_path = runner.max_seq_len, runner.model_name, runner.model_path
@@ -151,8 +170,9 @@ class GraphRunner:
         self.use_graphs = runner.device.type == "cuda" if use_graphs is None else bool(use_graphs)
         if self.use_graphs and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need device cuda")
-        for ring in [runner.pools.window_ring] + [c.ring_size for p in runner.pools.layers
-                                                   for c in (p.compressor, p.indexer) if c is not None]:
+        for ring in [runner.pools.window_ring] + [
+            c.ring_size for p in runner.pools.layers for c in (p.compressor, p.indexer) if c is not None
+        ]:
             if max(self.widths) > ring:
                 raise ValueError(f"width {max(self.widths)} exceeds ring size {ring}; raise rollback_margin")
         self.pad_slot = runner.allocate()  # never reserves pages: its page-table row stays the trash page
@@ -202,8 +222,13 @@ class GraphRunner:
                 self.step_for(b, w)
 
     def graphable(self, seqs: list[int], tokens: list[list[int]]) -> bool:
-        return (bool(seqs) and len(seqs) == len(tokens) and len(seqs) <= self.buckets[-1]
-                and len({len(t) for t in tokens}) == 1 and len(tokens[0]) in self.widths)
+        return (
+            bool(seqs)
+            and len(seqs) == len(tokens)
+            and len(seqs) <= self.buckets[-1]
+            and len({len(t) for t in tokens}) == 1
+            and len(tokens[0]) in self.widths
+        )
 
     def graph_part(self, tokens: list[list[int]]) -> list[int]:
         """Indices of the requests of a mixed forward that the static step takes: those feeding the graph width
@@ -217,8 +242,7 @@ class GraphRunner:
         return max(by_width.values(), key=len)[: self.buckets[-1]]
 
     @torch.inference_mode()
-    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False,
-                **kwargs) -> torch.Tensor:
+    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False, **kwargs) -> torch.Tensor:
         if kwargs or self.pad_slot in seqs:
             return self.runner.forward(seqs, tokens, all_logits=all_logits, **kwargs)
         if len(set(seqs)) != len(seqs):
@@ -254,14 +278,15 @@ class GraphRunner:
         r.pools.reserve({seq: s + 1 for seq, s in zip(seqs, starts)})
         step = self.step_for(len(seqs), 1)
         B = step.B
-        host = pack_step_inputs([[-1 if t is None else t] for t in tokens], starts, seqs, B, self.pad_slot,
-                                r.pools.page_table)
+        host = pack_step_inputs(
+            [[-1 if t is None else t] for t in tokens], starts, seqs, B, self.pad_slot, r.pools.page_table
+        )
         fed_from_device = sum(t is None for t in tokens)
         self.async_stats["steps"] += 1
         self.async_stats["rows_fed_on_device"] += fed_from_device
         logits = step(host, before_replay=self._feed_chosen if fed_from_device else None)
         chosen = logits.view(B, -1).argmax(-1)  # ties to the lowest id, as StepArgmax
-        self._chosen.index_copy_(0, step.meta[2 * B:3 * B], chosen)  # slots; the pad slot's entry is never read
+        self._chosen.index_copy_(0, step.meta[2 * B : 3 * B], chosen)  # slots; the pad slot's entry is never read
         n = len(seqs)
         if chosen.is_cuda:
             host_ids = torch.empty(n, dtype=torch.long, pin_memory=True)
@@ -293,11 +318,12 @@ class GraphRunner:
     def _feed_chosen(self, step: _Step) -> None:
         """Rows whose token is -1 take their slot's last chosen token, on the device."""
         B = step.B
-        ids, slots = step.meta[:B], step.meta[2 * B:3 * B]
+        ids, slots = step.meta[:B], step.meta[2 * B : 3 * B]
         ids.copy_(torch.where(ids < 0, self._chosen[slots], ids))
 
-    def _split_forward(self, seqs: list[int], tokens: list[list[int]], all_logits: bool,
-                       part: set[int]) -> torch.Tensor:
+    def _split_forward(
+        self, seqs: list[int], tokens: list[list[int]], all_logits: bool, part: set[int]
+    ) -> torch.Tensor:
         rest = [i for i in range(len(seqs)) if i not in part]
         fast = sorted(part)
         eager = self.runner.forward([seqs[i] for i in rest], [tokens[i] for i in rest], all_logits=all_logits)
@@ -325,7 +351,12 @@ class GraphRunner:
 
     def describe(self) -> dict:
         d = self.runner.describe()
-        d["cuda_graphs"] = {"enabled": self.use_graphs, "buckets": list(self.buckets), "widths": list(self.widths),
-                            "captured": sorted(f"{b}x{w}" for b, w in self.steps), "fused": self.fused,
-                            "pad_slot": self.pad_slot}
+        d["cuda_graphs"] = {
+            "enabled": self.use_graphs,
+            "buckets": list(self.buckets),
+            "widths": list(self.widths),
+            "captured": sorted(f"{b}x{w}" for b, w in self.steps),
+            "fused": self.fused,
+            "pad_slot": self.pad_slot,
+        }
         return d

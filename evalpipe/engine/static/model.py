@@ -60,7 +60,9 @@ class StaticModel:
         h = m.hidden_through_kernels(
             F.embedding(batch.input_ids, m.embed),
             lambda i, layer, x: self.attention(layer.attn, x, batch, pools.layers[i]),
-            lambda layer, x: self.moe(layer.mlp, x, batch.input_ids), self.backend)
+            lambda layer, x: self.moe(layer.mlp, x, batch.input_ids),
+            self.backend,
+        )
         return F.linear(h, m.lm_head).float()
 
     def _rotate(self, x: torch.Tensor, table: RopeTable, batch: StaticBatch, inverse: bool = False) -> torch.Tensor:
@@ -71,8 +73,9 @@ class StaticModel:
             return apply_rope(x, cos, neg_sin if inverse else sin, table.rot)
         r = self._rope(table)
         x3 = x if x.dim() == 3 else x.unsqueeze(1)
-        out = q_rope_store(x3, torch.empty_like(x3), r.cos, r.neg_sin if inverse else r.sin, batch.pos,
-                           backend=self.backend)
+        out = q_rope_store(
+            x3, torch.empty_like(x3), r.cos, r.neg_sin if inverse else r.sin, batch.pos, backend=self.backend
+        )
         return out if x.dim() == 3 else out.squeeze(1)
 
     def attention(self, attn, x: torch.Tensor, batch: StaticBatch, pool) -> torch.Tensor:
@@ -87,8 +90,7 @@ class StaticModel:
         projected = F.linear(x, attn.w_in).split(attn.in_splits, dim=-1)
         q_residual = norm.rms_norm(projected[0], attn.q_a_norm, attn.eps, backend=self.backend)
         qb = F.linear(q_residual, attn.w_qb)
-        qkv = norm.qkv_norm(qb[:, : H * D], projected[1], attn.kv_norm, H, attn.eps,
-                                        backend=self.backend)
+        qkv = norm.qkv_norm(qb[:, : H * D], projected[1], attn.kv_norm, H, attn.eps, backend=self.backend)
         qkv = self._rotate(qkv, attn.rope, batch)
         q, kv = qkv[:, :H], qkv[:, H]
 
@@ -102,14 +104,36 @@ class StaticModel:
             else:  # CSA: the indexer's top-k
                 idx = attn.indexer
                 self.compress(idx.compressor, projected[3], batch, pool.indexer)
-                iq = self._rotate(qb[:, H * D:].view(T, idx.heads, idx.dim), idx.rope, batch)
-                scores = indexer.indexer_scores(iq, projected[4], pool.indexer.entries, rows, batch.pos,
-                                                         group.n, attn.ratio, idx.dim ** -0.5, idx.heads ** -0.5,
-                                                         backend=self.backend)
+                iq = self._rotate(qb[:, H * D :].view(T, idx.heads, idx.dim), idx.rope, batch)
+                scores = indexer.indexer_scores(
+                    iq,
+                    projected[4],
+                    pool.indexer.entries,
+                    rows,
+                    batch.pos,
+                    group.n,
+                    attn.ratio,
+                    idx.dim**-0.5,
+                    idx.heads**-0.5,
+                    backend=self.backend,
+                )
                 entry_rows = self.csa_rows(attn, scores, rows, batch)
 
-        out = fused_attention(q, kv, pool.window, batch.pools.window_ring, attn.window, batch.pos, batch.slot,
-                              group.n, entries, entry_rows, attn.sinks, attn.head_dim ** -0.5, backend=self.backend)
+        out = fused_attention(
+            q,
+            kv,
+            pool.window,
+            batch.pools.window_ring,
+            attn.window,
+            batch.pos,
+            batch.slot,
+            group.n,
+            entries,
+            entry_rows,
+            attn.sinks,
+            attn.head_dim**-0.5,
+            backend=self.backend,
+        )
         # rings last: the reads above must see the pre-forward history
         attn._store_ring(pool.window, kv, batch, batch.pools.window_ring)
         if attn.compressor is not None:
@@ -145,9 +169,25 @@ class StaticModel:
             return
         r = self._rope(comp.rope)
         pools = batch.pools
-        c2_verify(proj, batch.pos, batch.slot, batch.row_valid, comp.position_bias, comp.norm_w, comp.eps,
-                  r.cos, r.sin, comp.rope.rope_dim, cpool.ring, cpool.entries, pools.page_table_on_device(),
-                  pools.page_tokens // 2, cpool.ring_size, batch.groups[0].n, backend=self.backend)
+        c2_verify(
+            proj,
+            batch.pos,
+            batch.slot,
+            batch.row_valid,
+            comp.position_bias,
+            comp.norm_w,
+            comp.eps,
+            r.cos,
+            r.sin,
+            comp.rope.rope_dim,
+            cpool.ring,
+            cpool.entries,
+            pools.page_table_on_device(),
+            pools.page_tokens // 2,
+            cpool.ring_size,
+            batch.groups[0].n,
+            backend=self.backend,
+        )
 
     def moe(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Routed experts read by device-side index (no sort, no host counts) plus the shared expert as one more

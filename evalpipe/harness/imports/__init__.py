@@ -92,15 +92,42 @@ def full_records(imp: Imported, arm: str) -> list[dict]:
     """evalpipe records (REQUIRED_KEYS, with nulls for what the source lacks) plus `source` (where each came from)."""
     out = []
     for seq, r in enumerate(imp.records, 1):
-        rec = {"schema_version": SCHEMA_VERSION, "run_id": imp.run_id, "arm": arm, "lane": imp.lane,
-               "question_id": r["question_id"], "repeat_index": r["repeat_index"], "request_seq": seq,
-               "endpoint": imp.base_url, "model": imp.model, "prompt_sha256": r.get("prompt_sha256")}
-        rec.update({k: r.get(k) for k in ("request", "response_text", "reasoning_text", "finish_reason",
-                                           "matched_stop", "truncated")})
+        rec = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": imp.run_id,
+            "arm": arm,
+            "lane": imp.lane,
+            "question_id": r["question_id"],
+            "repeat_index": r["repeat_index"],
+            "request_seq": seq,
+            "endpoint": imp.base_url,
+            "model": imp.model,
+            "prompt_sha256": r.get("prompt_sha256"),
+        }
+        rec.update(
+            {
+                k: r.get(k)
+                for k in ("request", "response_text", "reasoning_text", "finish_reason", "matched_stop", "truncated")
+            }
+        )
         rec["error"] = r.get("error")
         rec["attempts"] = []
-        rec.update({k: r.get(k) for k in ("usage", "latency_s", "spec", "output_token_ids", "logprobs",
-                                           "extracted_answer", "expected_answer", "correct", "grade_status")})
+        rec.update(
+            {
+                k: r.get(k)
+                for k in (
+                    "usage",
+                    "latency_s",
+                    "spec",
+                    "output_token_ids",
+                    "logprobs",
+                    "extracted_answer",
+                    "expected_answer",
+                    "correct",
+                    "grade_status",
+                )
+            }
+        )
         rec["created_at"] = imp.created_at
         if r.get("group") is not None:
             rec["group"] = r["group"]
@@ -115,11 +142,17 @@ def snapshot(imp: Imported) -> dict:
     return {
         "captured_at": imp.created_at,
         "imported": True,
-        "dataset": {"sha256": imp.dataset_sha256,
-                    "selected_id_list_sha256": id_list_sha256(qids), "selected_n_items": len(qids)},
+        "dataset": {
+            "sha256": imp.dataset_sha256,
+            "selected_id_list_sha256": id_list_sha256(qids),
+            "selected_n_items": len(qids),
+        },
         "prompts": {"prompt_stream_sha256_selected": stream_of(imp.records)},
-        "lane": {"spec": imp.task_config, "overrides": {},
-                 "effective": {"params": imp.params, "repeats": imp.repeats, "model": imp.model}},
+        "lane": {
+            "spec": imp.task_config,
+            "overrides": {},
+            "effective": {"params": imp.params, "repeats": imp.repeats, "model": imp.model},
+        },
         "endpoint": {"base_url": imp.base_url, "model": imp.model},
         "server": None,
         "packages": [f"{imp.tool}=={imp.version}"] if imp.version else [],
@@ -137,18 +170,40 @@ def write_run_folder(imp: Imported, out: Path, arm: Optional[str] = None) -> dic
     with RecordWriter(out / RESPONSES_FILE) as writer:
         for rec in records:
             writer.write(rec)
-    summary = compute_summary(lane_name=imp.lane, grader=imp.grader or "imported", repeats=imp.repeats,
-                              planned_question_ids=question_ids(records), records=records,
-                              meta={"arm": arm, "run_id": imp.run_id, "model": imp.model, "endpoint": imp.base_url,
-                                    # a source that says it stopped early is partial, as is a missing repeat
-                                    **({"partial": True} if imp.source.get("partial") else {})})
+    summary = compute_summary(
+        lane_name=imp.lane,
+        grader=imp.grader or "imported",
+        repeats=imp.repeats,
+        planned_question_ids=question_ids(records),
+        records=records,
+        meta={
+            "arm": arm,
+            "run_id": imp.run_id,
+            "model": imp.model,
+            "endpoint": imp.base_url,
+            # a source that says it stopped early is partial, as is a missing repeat
+            **({"partial": True} if imp.source.get("partial") else {}),
+        },
+    )
     write_json(out / SUMMARY_FILE, summary)
     snap = snapshot(imp)
     manifest = {
-        "schema_version": SCHEMA_VERSION, "run_id": imp.run_id, "arm": arm, "lane": imp.lane,
-        "imported": {"tool": imp.tool, "version": imp.version, "grader": imp.grader, "not_recorded": imp.not_recorded,
-                     "imported_at": time.time(), **imp.source},
-        "start": snap, "end": snap, "consistent": True, "differences": [],
+        "schema_version": SCHEMA_VERSION,
+        "run_id": imp.run_id,
+        "arm": arm,
+        "lane": imp.lane,
+        "imported": {
+            "tool": imp.tool,
+            "version": imp.version,
+            "grader": imp.grader,
+            "not_recorded": imp.not_recorded,
+            "imported_at": time.time(),
+            **imp.source,
+        },
+        "start": snap,
+        "end": snap,
+        "consistent": True,
+        "differences": [],
         "counts": {k: summary.get(k) for k in ("n_planned", "n_records", "n_errors", "n_truncated")},
         "responses_sha256": file_sha256(out / RESPONSES_FILE),
     }

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from evalpipe.digest import file_sha256
-from evalpipe.harness.imports import question_ids, stream_of
 from evalpipe.harness.imports import lm_eval as lm_eval_import
+from evalpipe.harness.imports import question_ids, stream_of
 from evalpipe.harness.imports import sgl_eval as sgl_eval_import
 from evalpipe.harness.records import RESPONSES_FILE, missing_keys, read_records
 from evalpipe.harness.summary import RECOMPUTABLE_KEYS, close_values, compute_summary
@@ -27,8 +27,16 @@ from evalpipe.lanes import id_list_sha256, prompt_sha256, sha256_hex
 from evalpipe.lanes.grading import legacy_answer_value
 
 
-def audit_imported(run_dir: Path, man: dict, summ: Optional[dict], checks: dict, warnings: list,
-                   regrade: Callable[..., list], grader_workers: int, progress: bool) -> Optional[dict]:
+def audit_imported(
+    run_dir: Path,
+    man: dict,
+    summ: Optional[dict],
+    checks: dict,
+    warnings: list,
+    regrade: Callable[..., list],
+    grader_workers: int,
+    progress: bool,
+) -> Optional[dict]:
     """Fill `checks` (name -> Check) for the imported folder; returns the recomputed summary."""
     info = man["imported"]
     snap = man.get("start") or {}
@@ -78,22 +86,35 @@ def audit_imported(run_dir: Path, man: dict, summ: Optional[dict], checks: dict,
     if grader:
         gradable = [r for r in records if not r.get("error")]
         # the source graded whatever text came back (no truncation rule); gold as the grader reads it
-        as_graded = [{**r, "finish_reason": None,
-                      "expected_answer": legacy_answer_value(str(r["expected_answer"]))
-                      if grader == "legacy_last_int" else r["expected_answer"]} for r in gradable]
+        as_graded = [
+            {
+                **r,
+                "finish_reason": None,
+                "expected_answer": legacy_answer_value(str(r["expected_answer"]))
+                if grader == "legacy_last_int"
+                else r["expected_answer"],
+            }
+            for r in gradable
+        ]
         for r, (_, correct, status) in zip(gradable, regrade(grader, as_graded, 30.0, grader_workers, progress)):
             if bool(correct) != bool(r["correct"]):
-                c["grades"].problems.append(f"{r['question_id']}/{r['repeat_index']}: the source says correct="
-                                            f"{r['correct']}, evalpipe's {grader} grader says {correct} ({status})")
+                c["grades"].problems.append(
+                    f"{r['question_id']}/{r['repeat_index']}: the source says correct="
+                    f"{r['correct']}, evalpipe's {grader} grader says {correct} ({status})"
+                )
     elif info.get("tool") == lm_eval_import.TOOL and info.get("metric") == "acc":
         for r in records:  # multiple choice: right when the best-scoring choice is the target's index
             best = lm_eval_import.best_choice(r.get("logprobs"))
             target = str(r.get("expected_answer"))
             if best is None or not target.isdigit():
-                c["grades"].problems.append(f"{r['question_id']}: no choice loglikelihoods or no target index to re-derive acc")
+                c["grades"].problems.append(
+                    f"{r['question_id']}: no choice loglikelihoods or no target index to re-derive acc"
+                )
             elif (best == int(target)) != bool(r["correct"]) or best != r.get("extracted_answer"):
-                c["grades"].problems.append(f"{r['question_id']}: the source says correct={r['correct']}, the best of "
-                                            f"the recorded loglikelihoods is choice {best}, the target {target}")
+                c["grades"].problems.append(
+                    f"{r['question_id']}: the source says correct={r['correct']}, the best of "
+                    f"the recorded loglikelihoods is choice {best}, the target {target}"
+                )
     else:
         c["grades"].notes.append("the source's grader is not one evalpipe has; grades are the source's")
 
@@ -114,9 +135,14 @@ def audit_imported(run_dir: Path, man: dict, summ: Optional[dict], checks: dict,
     # ---- summary
     again = None
     if summ is not None:
-        again = compute_summary(lane_name=man.get("lane"), grader=grader or "imported", repeats=repeats,
-                                planned_question_ids=question_ids(records), records=records,
-                                meta={k: summ.get(k) for k in ("arm", "run_id", "model", "endpoint")})
+        again = compute_summary(
+            lane_name=man.get("lane"),
+            grader=grader or "imported",
+            repeats=repeats,
+            planned_question_ids=question_ids(records),
+            records=records,
+            meta={k: summ.get(k) for k in ("arm", "run_id", "model", "endpoint")},
+        )
         for k in RECOMPUTABLE_KEYS:
             if (k in again or k in summ) and not close_values(summ.get(k), again.get(k)):
                 c["summary"].problems.append(f"{k}: summary.json says {summ.get(k)!r}, records give {again.get(k)!r}")
@@ -129,10 +155,15 @@ def audit_imported(run_dir: Path, man: dict, summ: Optional[dict], checks: dict,
             c["manifest"].notes.append(f"source file {path} not present here; its records are checked alone")
         elif file_sha256(path) != sha:
             c["manifest"].problems.append(f"source file {path} changed since the import")
-    if info.get("tool") == lm_eval_import.TOOL and len(info.get("filters_in_file") or []) == 1 \
-            and info.get("source_task_hash"):
+    if (
+        info.get("tool") == lm_eval_import.TOOL
+        and len(info.get("filters_in_file") or []) == 1
+        and info.get("source_task_hash")
+    ):
         if lm_eval_import.task_hash(records) != info["source_task_hash"]:
-            c["manifest"].problems.append("lm-eval's task hash re-computed from the records differs from its results file")
+            c["manifest"].problems.append(
+                "lm-eval's task hash re-computed from the records differs from its results file"
+            )
     if info.get("not_recorded"):
         warnings.append(f"not recorded by {info.get('tool')}: {', '.join(info['not_recorded'])}")
     return again

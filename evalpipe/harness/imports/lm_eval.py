@@ -19,14 +19,30 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from evalpipe.harness.imports import (Imported, ImportSourceError, config_sha256, files_sha256, id_order, read_jsonl,
-                                      record_prompt_sha256)
+from evalpipe.harness.imports import (
+    Imported,
+    ImportSourceError,
+    config_sha256,
+    files_sha256,
+    id_order,
+    read_jsonl,
+    record_prompt_sha256,
+)
 from evalpipe.harness.records import MalformedFile, read_json_object
 from evalpipe.lanes import canonical_json, sha256_hex
 
 TOOL = "lm-eval"
-NOT_RECORDED = ["finish_reason", "usage", "latency_s", "spec", "output_token_ids", "reasoning_text", "matched_stop",
-                "request body (the prompt and generation kwargs are kept)", "server facts"]
+NOT_RECORDED = [
+    "finish_reason",
+    "usage",
+    "latency_s",
+    "spec",
+    "output_token_ids",
+    "reasoning_text",
+    "matched_stop",
+    "request body (the prompt and generation kwargs are kept)",
+    "server facts",
+]
 SAMPLE_KEYS = ("doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics")
 _NUMBER = re.compile(r"\s*[(\[]?\s*(-?(?:inf|[0-9.]+(?:e[-+]?[0-9]+)?))")
 # lm-eval names its results `results_<date>.json`, or `<stem>_<date>.json` when --output_path is `<stem>.json`
@@ -44,11 +60,16 @@ def find_run(source: Path, task: Optional[str]) -> tuple[Path, dict, Path, str]:
     else:
         raise ImportSourceError(f"{source}: no such file or folder")
     if not results_files:
-        raise ImportSourceError(f"{source}: no lm-eval results_*.json here (run lm_eval with --output_path DIR "
-                                "--log_samples, then import DIR)")
+        raise ImportSourceError(
+            f"{source}: no lm-eval results_*.json here (run lm_eval with --output_path DIR "
+            "--log_samples, then import DIR)"
+        )
     if len(results_files) > 1:
-        raise ImportSourceError(f"{source} holds {len(results_files)} lm-eval runs ("
-                                + ", ".join(str(p) for p in results_files[:5]) + "); import one results_*.json file")
+        raise ImportSourceError(
+            f"{source} holds {len(results_files)} lm-eval runs ("
+            + ", ".join(str(p) for p in results_files[:5])
+            + "); import one results_*.json file"
+        )
     results_path = results_files[0]
     match = _RESULTS.search(results_path.name)
     if not match:
@@ -60,18 +81,27 @@ def find_run(source: Path, task: Optional[str]) -> tuple[Path, dict, Path, str]:
         raise ImportSourceError(str(exc)) from None
     if not isinstance(results.get("configs"), dict) or not isinstance(results.get("results"), dict):
         raise ImportSourceError(f"{results_path}: not an lm-eval results file (no 'results' and 'configs')")
-    samples = {m.group(1): p for p in results_path.parent.glob(f"samples_*_{date_id}.jsonl")
-               if (m := _SAMPLES.search(p.name)) and m.group(2) == date_id}
+    samples = {
+        m.group(1): p
+        for p in results_path.parent.glob(f"samples_*_{date_id}.jsonl")
+        if (m := _SAMPLES.search(p.name)) and m.group(2) == date_id
+    }
     if not samples:
-        raise ImportSourceError(f"{results_path.parent}: no samples_<task>_{date_id}.jsonl beside {results_path.name} "
-                                "(lm_eval writes them only with --log_samples)")
+        raise ImportSourceError(
+            f"{results_path.parent}: no samples_<task>_{date_id}.jsonl beside {results_path.name} "
+            "(lm_eval writes them only with --log_samples)"
+        )
     if task is None:
         if len(samples) > 1:
-            raise ImportSourceError(f"{results_path.parent} has samples of {len(samples)} tasks ({', '.join(sorted(samples))}); "
-                                    "choose one with --task")
+            raise ImportSourceError(
+                f"{results_path.parent} has samples of {len(samples)} tasks ({', '.join(sorted(samples))}); "
+                "choose one with --task"
+            )
         task = next(iter(samples))
     if task not in samples:
-        raise ImportSourceError(f"no samples of task {task!r} beside {results_path} (it has: {', '.join(sorted(samples))})")
+        raise ImportSourceError(
+            f"no samples of task {task!r} beside {results_path} (it has: {', '.join(sorted(samples))})"
+        )
     if task not in results["configs"]:
         raise ImportSourceError(f"{results_path}: no config of task {task!r}")
     return results_path, results, samples[task], task
@@ -107,35 +137,59 @@ def _record(n: int, s: dict, path: Path, metric: str, lm_fallback: str) -> dict:
     if isinstance(value, bool) or value in (0, 1):
         correct = bool(value)
     else:
-        raise ImportSourceError(f"{path}:{n}: metric {metric!r} is {value!r}, not 0 or 1 per document; evalpipe's "
-                                "paired statistics need a right/wrong outcome (choose another with --metric)")
+        raise ImportSourceError(
+            f"{path}:{n}: metric {metric!r} is {value!r}, not 0 or 1 per document; evalpipe's "
+            "paired statistics need a right/wrong outcome (choose another with --metric)"
+        )
     args = s["arguments"]
     first = args.get("gen_args_0") or {}
     prompt = first.get("arg_0")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # a chat request: lm-eval logs the messages as one JSON string in a list (and hashes it)
-    source = {"file": path.name, "line": n, "filter": s["filter"], "metrics": {m: s.get(m) for m in s["metrics"]},
-              "doc": s["doc"], "target": s["target"], "doc_hash": s.get("doc_hash"),
-              "prompt_hash": s.get("prompt_hash"), "target_hash": s.get("target_hash")}
-    rec: dict[str, Any] = {"question_id": s["doc_id"], "repeat_index": 0, "prompt_sha256": record_prompt_sha256(prompt),
-                           "expected_answer": s["target"], "correct": correct, "source": source}
+    source = {
+        "file": path.name,
+        "line": n,
+        "filter": s["filter"],
+        "metrics": {m: s.get(m) for m in s["metrics"]},
+        "doc": s["doc"],
+        "target": s["target"],
+        "doc_hash": s.get("doc_hash"),
+        "prompt_hash": s.get("prompt_hash"),
+        "target_hash": s.get("target_hash"),
+    }
+    rec: dict[str, Any] = {
+        "question_id": s["doc_id"],
+        "repeat_index": 0,
+        "prompt_sha256": record_prompt_sha256(prompt),
+        "expected_answer": s["target"],
+        "correct": correct,
+        "source": source,
+    }
     if _generation(s):
         gens = s["resps"][0] if s["resps"] else []
         if len(gens) != 1:
-            raise ImportSourceError(f"{path}:{n}: {len(gens)} generations for one document (task repeats); "
-                                    "evalpipe import takes one generation per document")
+            raise ImportSourceError(
+                f"{path}:{n}: {len(gens)} generations for one document (task repeats); "
+                "evalpipe import takes one generation per document"
+            )
         filtered = s["filtered_resps"][0] if s["filtered_resps"] else None
-        rec.update(request={"prompt": prompt, "generation_kwargs": first.get("arg_1")}, response_text=gens[0],
-                   extracted_answer=filtered,
-                   grade_status="no_answer" if filtered in (None, "", lm_fallback) else "ok")
+        rec.update(
+            request={"prompt": prompt, "generation_kwargs": first.get("arg_1")},
+            response_text=gens[0],
+            extracted_answer=filtered,
+            grade_status="no_answer" if filtered in (None, "", lm_fallback) else "ok",
+        )
     else:  # loglikelihood: one (context, continuation) per choice; the answer is the best-scoring choice
         choices = [args[k].get("arg_1") for k in sorted(args, key=lambda k: int(k.rsplit("_", 1)[-1]))]
         lls = [_loglikelihood(x) for x in s["filtered_resps"]]
         best = best_choice({"choice_loglikelihoods": lls})
-        rec.update(request={"prompt": prompt, "choices": choices},
-                   response_text=choices[best] if best is not None else "", extracted_answer=best,
-                   logprobs={"choice_loglikelihoods": lls},
-                   grade_status="ok" if best is not None else "no_answer")
+        rec.update(
+            request={"prompt": prompt, "choices": choices},
+            response_text=choices[best] if best is not None else "",
+            extracted_answer=best,
+            logprobs={"choice_loglikelihoods": lls},
+            grade_status="ok" if best is not None else "no_answer",
+        )
     return rec
 
 
@@ -161,8 +215,9 @@ def _loglikelihood(resp: Any) -> Optional[float]:
         return None
 
 
-def load(source: Path, *, task: Optional[str] = None, filter_name: Optional[str] = None,
-         metric: Optional[str] = None) -> Imported:
+def load(
+    source: Path, *, task: Optional[str] = None, filter_name: Optional[str] = None, metric: Optional[str] = None
+) -> Imported:
     results_path, results, samples_path, task = find_run(source, task)
     lines = read_jsonl(samples_path)
     if not lines:
@@ -174,33 +229,57 @@ def load(source: Path, *, task: Optional[str] = None, filter_name: Optional[str]
     seen: dict = {}
     for (n, _), r in zip(chosen, records):
         if r["question_id"] in seen:
-            raise ImportSourceError(f"{samples_path}:{n}: doc_id {r['question_id']!r} again (first on line "
-                                    f"{seen[r['question_id']]})")
+            raise ImportSourceError(
+                f"{samples_path}:{n}: doc_id {r['question_id']!r} again (first on line {seen[r['question_id']]})"
+            )
         seen[r["question_id"]] = n
     model_args = (results.get("config") or {}).get("model_args")
     base_url = model_args.get("base_url") if isinstance(model_args, dict) else None
-    lane_meta = (config.get("metadata") or {}).get("evalpipe_lane") if isinstance(config.get("metadata"), dict) else None
+    lane_meta = (
+        (config.get("metadata") or {}).get("evalpipe_lane") if isinstance(config.get("metadata"), dict) else None
+    )
     grader = _grader_of(lane_meta) if config.get("output_type") == "generate_until" else None
     score_key = f"{metric},{filter_name}"
-    first_gen = next((r["request"].get("generation_kwargs") for r in records if "generation_kwargs" in r["request"]), None)
+    first_gen = next(
+        (r["request"].get("generation_kwargs") for r in records if "generation_kwargs" in r["request"]), None
+    )
     return Imported(
-        tool=TOOL, version=results.get("lm_eval_version"), lane=f"{TOOL}/{task}",
+        tool=TOOL,
+        version=results.get("lm_eval_version"),
+        lane=f"{TOOL}/{task}",
         run_id=f"{TOOL}-{task}-{_RESULTS.match(results_path.name).group(1)}",
         model=results.get("model_name") or (model_args.get("model") if isinstance(model_args, dict) else None),
-        base_url=base_url, records=records,
-        task_config={"task": task, "config": task_protocol(config, model_args), "filter": filter_name, "metric": metric,
-                     "n_shot": (results.get("n-shot") or {}).get(task),
-                     "version": (results.get("versions") or {}).get(task)},
-        params=first_gen or {}, repeats=1, grader=grader,
+        base_url=base_url,
+        records=records,
+        task_config={
+            "task": task,
+            "config": task_protocol(config, model_args),
+            "filter": filter_name,
+            "metric": metric,
+            "n_shot": (results.get("n-shot") or {}).get(task),
+            "version": (results.get("versions") or {}).get(task),
+        },
+        params=first_gen or {},
+        repeats=1,
+        grader=grader,
         created_at=_number(results.get("date")),
-        source={"source_dir": str(results_path.parent.resolve()), "results_file": results_path.name,
-                "samples_file": samples_path.name, "files_sha256": files_sha256([results_path, samples_path]),
-                "task": task, "filter": filter_name, "filters_in_file": filters, "metric": metric,
-                "model": results.get("model_source") or (results.get("config") or {}).get("model"),
-                "model_args": model_args, "task_config_sha256": config_sha256(config),
-                "source_score": (results["results"].get(task) or {}).get(score_key),
-                "source_task_hash": (results.get("task_hashes") or {}).get(task),
-                "n_samples": (results.get("n-samples") or {}).get(task), "limit": (results.get("config") or {}).get("limit")},
+        source={
+            "source_dir": str(results_path.parent.resolve()),
+            "results_file": results_path.name,
+            "samples_file": samples_path.name,
+            "files_sha256": files_sha256([results_path, samples_path]),
+            "task": task,
+            "filter": filter_name,
+            "filters_in_file": filters,
+            "metric": metric,
+            "model": results.get("model_source") or (results.get("config") or {}).get("model"),
+            "model_args": model_args,
+            "task_config_sha256": config_sha256(config),
+            "source_score": (results["results"].get(task) or {}).get(score_key),
+            "source_task_hash": (results.get("task_hashes") or {}).get(task),
+            "n_samples": (results.get("n-samples") or {}).get(task),
+            "limit": (results.get("config") or {}).get("limit"),
+        },
         not_recorded=list(NOT_RECORDED),
         dataset_sha256=dataset_sha256(records),
     )

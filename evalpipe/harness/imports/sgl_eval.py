@@ -18,19 +18,43 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from evalpipe.harness.imports import (Imported, ImportSourceError, config_sha256, files_sha256, read_jsonl,
-                                      record_prompt_sha256)
+from evalpipe.harness.imports import (
+    Imported,
+    ImportSourceError,
+    config_sha256,
+    files_sha256,
+    read_jsonl,
+    record_prompt_sha256,
+)
 from evalpipe.harness.records import MalformedFile, read_json_object
 from evalpipe.lanes import canonical_json, sha256_hex
 
 TOOL = "sgl-eval"
-NOT_RECORDED = ["rendered prompt (the problem text is kept)", "request body", "usage.prompt_tokens", "spec",
-                "output_token_ids", "logprobs", "reasoning_text", "matched_stop", "server facts"]
+NOT_RECORDED = [
+    "rendered prompt (the problem text is kept)",
+    "request body",
+    "usage.prompt_tokens",
+    "spec",
+    "output_token_ids",
+    "logprobs",
+    "reasoning_text",
+    "matched_stop",
+    "server facts",
+]
 SCORE_FIELDS = ("symbolic_correct", "is_correct")
 _OUTPUT = re.compile(r"^output-rs(\d+)\.jsonl$")
 # the metrics.json keys that describe what was asked (compared between arms); the rest are results or volatile
-PROTOCOL_KEYS = ("name", "num_examples", "n_repeats", "gen", "prompt", "bench_args", "preset", "model_preset",
-                 "ns_commit_sha")
+PROTOCOL_KEYS = (
+    "name",
+    "num_examples",
+    "n_repeats",
+    "gen",
+    "prompt",
+    "bench_args",
+    "preset",
+    "model_preset",
+    "ns_commit_sha",
+)
 
 
 def _record(n: int, row: dict, path: Path, rep: int) -> dict:
@@ -41,21 +65,33 @@ def _record(n: int, row: dict, path: Path, rep: int) -> dict:
     if field is None:
         raise ImportSourceError(f"{path}:{n}: no score field ({' or '.join(SCORE_FIELDS)})")
     if not isinstance(row[field], bool) and row[field] not in (0, 1):
-        raise ImportSourceError(f"{path}:{n}: {field} is {row[field]!r}, not 0 or 1; evalpipe's paired statistics "
-                                "need a right/wrong outcome")
+        raise ImportSourceError(
+            f"{path}:{n}: {field} is {row[field]!r}, not 0 or 1; evalpipe's paired statistics "
+            "need a right/wrong outcome"
+        )
     finish = row.get("finish_reason")
     start, end = row.get("generation_start_time"), row.get("generation_end_time")
     usage = {"completion_tokens": row.get("num_generated_tokens"), "reasoning_tokens": row.get("num_reasoning_tokens")}
     predicted = row.get("predicted_answer")
-    error = {"type": "source_error", "status": None, "message": "sgl-eval recorded finish_reason 'error'"} \
-        if finish == "error" else None
+    error = (
+        {"type": "source_error", "status": None, "message": "sgl-eval recorded finish_reason 'error'"}
+        if finish == "error"
+        else None
+    )
     return {
-        "question_id": row["id"], "repeat_index": rep, "prompt_sha256": record_prompt_sha256(row.get("problem")),
-        "request": None, "response_text": row.get("generation") or "", "finish_reason": finish,
-        "truncated": finish == "length", "error": error,
+        "question_id": row["id"],
+        "repeat_index": rep,
+        "prompt_sha256": record_prompt_sha256(row.get("problem")),
+        "request": None,
+        "response_text": row.get("generation") or "",
+        "finish_reason": finish,
+        "truncated": finish == "length",
+        "error": error,
         "usage": usage if any(v is not None for v in usage.values()) else None,
         "latency_s": end - start if isinstance(start, (int, float)) and isinstance(end, (int, float)) else None,
-        "extracted_answer": predicted, "expected_answer": row["expected_answer"], "correct": bool(row[field]),
+        "extracted_answer": predicted,
+        "expected_answer": row["expected_answer"],
+        "correct": bool(row[field]),
         "grade_status": "request_error" if error else ("ok" if predicted is not None else "no_answer"),
         "source": {"file": path.name, "line": n, "score_field": field, "problem": row.get("problem")},
     }
@@ -70,8 +106,9 @@ def load(source: Path) -> Imported:
     if not outputs:
         raise ImportSourceError(f"{source}: no output-rs<r>.jsonl (sgl-eval writes them unless --no-dump-predictions)")
     if not metrics_path.is_file():
-        raise ImportSourceError(f"{source}: no metrics.json beside the output-rs*.jsonl files (an interrupted sgl-eval "
-                                "run writes it last)")
+        raise ImportSourceError(
+            f"{source}: no metrics.json beside the output-rs*.jsonl files (an interrupted sgl-eval run writes it last)"
+        )
     try:
         meta = read_json_object(metrics_path)
     except MalformedFile as exc:
@@ -96,18 +133,33 @@ def load(source: Path) -> Imported:
 
     grader = "ns_last_boxed" if eval_category(name) == "math" else None
     return Imported(
-        tool=TOOL, version=meta.get("sgl_eval_version"), lane=f"{TOOL}/{name}",
-        run_id=f"{TOOL}-{name}-{meta.get('timestamp') or source.name}", model=meta.get("model"),
-        base_url=meta.get("base_url"), records=records, task_config=protocol,
-        params=meta.get("gen") if isinstance(meta.get("gen"), dict) else {}, repeats=len(outputs), grader=grader,
+        tool=TOOL,
+        version=meta.get("sgl_eval_version"),
+        lane=f"{TOOL}/{name}",
+        run_id=f"{TOOL}-{name}-{meta.get('timestamp') or source.name}",
+        model=meta.get("model"),
+        base_url=meta.get("base_url"),
+        records=records,
+        task_config=protocol,
+        params=meta.get("gen") if isinstance(meta.get("gen"), dict) else {},
+        repeats=len(outputs),
+        grader=grader,
         created_at=None,
-        source={"source_dir": str(source.resolve()),
-                "files_sha256": files_sha256([metrics_path] + [p for _, p in outputs]),
-                "benchmark": name, "model_args": {"base_url": meta.get("base_url"), "model": meta.get("model"),
-                                                  "num_threads": meta.get("num_threads")},
-                "task_config_sha256": config_sha256(protocol), "source_score": _score(meta.get("aggregate")),
-                "source_aggregate": meta.get("aggregate"), "partial": bool(meta.get("partial")),
-                "planned_examples": meta.get("planned_examples")},
+        source={
+            "source_dir": str(source.resolve()),
+            "files_sha256": files_sha256([metrics_path] + [p for _, p in outputs]),
+            "benchmark": name,
+            "model_args": {
+                "base_url": meta.get("base_url"),
+                "model": meta.get("model"),
+                "num_threads": meta.get("num_threads"),
+            },
+            "task_config_sha256": config_sha256(protocol),
+            "source_score": _score(meta.get("aggregate")),
+            "source_aggregate": meta.get("aggregate"),
+            "partial": bool(meta.get("partial")),
+            "planned_examples": meta.get("planned_examples"),
+        },
         not_recorded=list(NOT_RECORDED),
         dataset_sha256=dataset_sha256(records),
     )
@@ -115,8 +167,11 @@ def load(source: Path) -> Imported:
 
 def dataset_sha256(records: list[dict]) -> str:
     """Identity of the problems asked: (id, problem sha256) pairs, sorted."""
-    return sha256_hex(canonical_json(sorted((str(r["question_id"]), r.get("prompt_sha256") or "")
-                                            for r in records if r["repeat_index"] == 0)))
+    return sha256_hex(
+        canonical_json(
+            sorted((str(r["question_id"]), r.get("prompt_sha256") or "") for r in records if r["repeat_index"] == 0)
+        )
+    )
 
 
 def _score(aggregate: Any) -> Optional[float]:
