@@ -18,7 +18,7 @@ and a data stream of its own, so no example repeats the earlier call's. The rece
 
 On CUDA training uses transformers' `grouped_mm` experts (one grouped GEMM, no host sync per expert): the same
 function as the eager experts the oracle runs, 1.42x faster per step at the default batch on the H200
-(`python benchmarks/training_step.py`). At this size the run is limited by optimizer steps, not tokens: tripling
+(`python benchmarks/model/training_step.py`). At this size the run is limited by optimizer steps, not tokens: tripling
 the batch (131,072 tokens, with lr 2e-3 and a reweighted mixture) for 771 s reached only the loss the default batch
 reaches in 429 s (benchmarks/README.md).
 

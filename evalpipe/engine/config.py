@@ -2,7 +2,7 @@
 
 Torch-free (the HTTP process and the flag table import it). `ServerSettings` (server/state.py) holds one beside the
 HTTP settings, the engine process receives only this object, and the `evalpipe serve` flags of every field take
-their defaults from `ENGINE_DEFAULTS` (launchers/flags.py; tests/test_engine_config.py holds the two together).
+their defaults from `ENGINE_DEFAULTS` (launchers/flags.py; tests/engine/test_engine_config.py holds the two together).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 # Rows per forward when --max-tokens-per-step is not given: the prefill chunk. On the CPU a chunk's cost grows
 # with its rows, so 512 keeps decode steps short beside it; on a GPU a chunk is launch-bound until thousands of rows
-# (H200, v4-top2 eager prefill: 5,600 tok/s at 512, 26,600 at one 3500-row chunk; benchmarks/gpu_real_job.py).
+# (H200, v4-top2 eager prefill: 5,600 tok/s at 512, 26,600 at one 3500-row chunk; benchmarks/serving/gpu_real_job.py).
 DEFAULT_TOKENS_PER_STEP = {"cpu": 512, "cuda": 8192}
 
 

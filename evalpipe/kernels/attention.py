@@ -25,7 +25,8 @@ Launch (`plan`): programs (row, key split, head block), 64-key chunks, 16- or 32
 split a merge kernel combines the partial (max, sum, output) states. The key rows are gathered through element
 offsets from one base pointer with an 8-element alignment hint: that is what lets Triton vectorise and
 software-pipeline the gather (checked offline with ptxas for sm_90a: no spills, cp.async row loads, 199-240
-registers at the production shapes). The first H200 measurement (benchmarks/step_attention_gpu.py) was of an earlier
+registers at the production shapes). The first H200 measurement (benchmarks/kernels/step_attention_gpu.py) was of an
+earlier
 version that selected between three base pointers, which compiled to scalar, unpipelined 2-byte loads: even so
 1.2x-2.8x faster than `_attend` with 1-2 kernels instead of 14-28.
 
@@ -310,7 +311,8 @@ def plan(
     gather and two small dots per key chunk), so the rule is: chunks of 64 keys, at most one wave of programs, each
     taking >= `min_keys` keys (a split writes an fp32 [H, D] partial). Heads go in blocks of 32 when T rows x key
     splits already fill the SMs (keys read once per row), else in blocks of 16 (twice the programs). Every split is
-    non-empty. From an H200 sweep (32 x 512 heads, bf16; benchmarks/step_attention_gpu.py --sweep): 64-key chunks
+    non-empty. From an H200 sweep (32 x 512 heads, bf16; benchmarks/kernels/step_attention_gpu.py --sweep): 64-key
+    chunks
     and 8 warps won at every shape (bf16; fp32 rows of 512 take 32-key chunks: shared memory); 16-head blocks at T=1
     and for sliding-only layers, 32-head blocks with 4 splits
     at T=32 (CSA, HCA). Keyword overrides are for that sweep."""

@@ -34,7 +34,8 @@ Kernel shapes: few tokens (T=1 decode) stream each pick's weights with GEMV prog
 along the reduction dim, ~2+ programs per SM); from a few tokens on, expert-major tl.dot kernels read each picked
 expert once per token block of up to 32 tokens (MM_MIN_TOKENS). Their grids have E+1 expert programs per channel
 block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. First H200 run (hidden 4096, I 2048, bf16,
-4 layers per captured graph, benchmarks/step_moe_gpu.py, before the heuristics below were retuned from it): E 8 top-2
+4 layers per captured graph, benchmarks/kernels/step_moe_gpu.py, before the heuristics below were retuned from it): E
+8 top-2
 T=1 56 us vs 118 us for the StaticModel chain (27
 kernels -> 5 counted by the profiler: 3 Triton + the router GEMM, which cuBLAS presumably runs as split-K + reduce;
 the benchmark prints their names), 2.7 TB/s of picked weights; T=32 1.6x; E 16 top-6 T=32 4.2x.
@@ -477,7 +478,8 @@ def moe_forward_reference(moe, x: torch.Tensor, input_ids: torch.Tensor) -> torc
 
 # ---- Triton launches -------------------------------------------------------------------------------------------
 
-# GEMV reduction block: 1024 measured best at T=1 in the integrated H200 run of benchmarks/step_moe_gpu.py (E8 top-2:
+# GEMV reduction block: 1024 measured best at T=1 in the integrated H200 run of benchmarks/kernels/step_moe_gpu.py
+# (E8 top-2:
 # 52.1 vs 55.7 us at 512; E16 top-6: 100.6 vs 113.9 us), for gate_up and down alike
 GEMV_BLOCK_K = 1024
 
@@ -532,7 +534,8 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
     return mode if mode != "auto" else ("mm" if tokens >= MM_MIN_TOKENS[kernel] else "gemv")
 
 
-# Expert-major tl.dot launch shapes for the larger graph buckets, from the H200 sweep of benchmarks/step_moe_gpu.py
+# Expert-major tl.dot launch shapes for the larger graph buckets, from the H200 sweep of
+# benchmarks/kernels/step_moe_gpu.py
 # (hidden 4096, I 2048, bf16; gpu_results/2026-12-02/step_moe.log): one token block of up to 64 rows reads each
 # picked expert once instead of twice, and 64-row dot tiles keep it bandwidth-bound. E 8 top-2, T=64: gate_up 139.9 ->
 # 71.6 us, down 175.4 -> 107.0 us; T=32: gate_up 82.6 -> 62.0 us (down unchanged: kept). E 16 top-6 alike. Below

@@ -650,7 +650,8 @@ def wo_a_mxfp8(
     single_launch=True (Triton, M <= 16, R % 32 == 0, G*R % 128 == 0; otherwise the two launches): one kernel in
     which the last split to finish a 32-column tile (atomic ticket) does the reduce+quantize for that tile; same
     partials and the same byte-exact tail. Saves a launch at small M. The default since the H200 run of
-    benchmarks/kernels_gpu.py: bytes equal to the two-launch path for M 1..8 and 16 (twice each) and under CUDA-graph
+    benchmarks/kernels/kernels_gpu.py: bytes equal to the two-launch path for M 1..8 and 16 (twice each) and under
+    CUDA-graph
     replay; 8.2-8.4 us against 8.9-9.3 us for two launches at [2, 1024, 4096]. Two concurrent calls on different
     streams must not share the ticket counters (they live per device), so keep it on one stream.
     """

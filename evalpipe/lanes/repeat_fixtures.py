@@ -2,7 +2,8 @@
 
 Two controls with checkable answers tell a broken server from a merely non-deterministic one. They are asked in the
 formats of evalpipe.skills (`arith`'s one-operation drill and `copy`). The default model answers the arithmetic
-control, so against it a wrong one is a server fault, not a weak model (tests/test_repeat.py checks it); it does not
+control, so against it a wrong one is a server fault, not a weak model (tests/harness/test_repeat.py checks it); it
+does not
 copy, so there the copy control only shows whether repeats agree (a model that copies makes it a control too); a
 regex-shaped answer checks format; a short open prompt shows where greedy outputs fork (the classic
 "Tell me about Richard Feynman" probe); the same prompt behind a long padding exercises long-context

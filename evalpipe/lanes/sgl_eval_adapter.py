@@ -3,7 +3,7 @@
 sgl-eval vendors NeMo-Skills' AIME 2026 data, its MathArena prompt, the `\\boxed{}` extractor, the `math_equal`
 grader and the pass@k metrics under private names (`sgl_eval._vendored...`, `sgl_eval.evals._prompts`). Reusing
 them keeps evalpipe's AIME protocol identical to sgl-eval's; keeping them here means an sgl-eval upgrade that moves
-them breaks this module only, and tests/test_sgl_eval_adapter.py pins what each one is relied on to do.
+them breaks this module only, and tests/lanes/test_sgl_eval_adapter.py pins what each one is relied on to do.
 The imports are lazy: sympy and math-verify load only where an AIME lane needs them.
 """
 

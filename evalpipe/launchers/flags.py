@@ -10,7 +10,7 @@ arms of `evalpipe ab` (`parse_serve_args`) parse this one table. Four groups:
 The rules the flags obey are in rules.py, one place each, for a native in-process server and the launchers alike.
 Every field of the native engine's `EngineConfig` (engine/config.py) is a flag of the same name whose default is the
 field's (`ENGINE_DEFAULTS`), or None ("not given": each engine's own default) for the flags all engines share, whose
-help then states the native default; tests/test_engine_config.py checks both.
+help then states the native default; tests/engine/test_engine_config.py checks both.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def default_tokenizer_factory(settings: EngineConfig) -> Any:
 
 def build_in_engine_process(settings: EngineConfig) -> tuple[Any, Any]:
     """engine.build.build, imported where it runs: the HTTP process never builds a model and never imports torch
-    (seconds of start-up; `test_the_http_process_never_imports_torch` in tests/test_server_api.py)."""
+    (seconds of start-up; `test_the_http_process_never_imports_torch` in tests/server/test_server_api.py)."""
     from evalpipe.engine.build import build
 
     return build(settings)

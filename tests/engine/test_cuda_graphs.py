@@ -3,7 +3,7 @@
 On the CPU the static step runs un-captured (the dry path): same buffers, same padding, same fixed entry count, so
 these tests check the logic a captured graph replays -- logits and every pool equal to the plain runner's, padding
 requests never touching live state, fused (kernel routes) and unfused alike. Capture/replay itself needs a GPU
-(test at the bottom, skipped without CUDA); benchmarks/gpu_serving.py exercises it on the H200."""
+(test at the bottom, skipped without CUDA); benchmarks/serving/gpu_serving.py exercises it on the H200."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_baseline_and_static_references_match_engine_hyper_and_moe(tiny_runner):
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="CUDA-graph capture/replay needs a CUDA GPU (none here); the dry path above covers the "
-    "step logic, benchmarks/gpu_serving.py runs the captured graphs on the H200",
+    "step logic, benchmarks/serving/gpu_serving.py runs the captured graphs on the H200",
 )
 def test_captured_graph_replays_equal_eager(tiny_runner):
     plain = tiny_runner(**SMALL, device="cuda")
