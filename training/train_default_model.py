@@ -72,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--rewarmup", type=int, default=20, help="warm-up steps of the fresh moments after --resume")
     p.add_argument("--experts", default=None, choices=["eager", "grouped_mm"],
                    help="transformers' experts implementation (default: grouped_mm on CUDA, eager elsewhere)")
+    p.add_argument("--step", default=None, choices=["compiled", "fast", "eager"],
+                   help="training forward: training/fast_forward.py through torch.compile (compiled), the same "
+                        "uncompiled (fast), or transformers' own forward with hooks (eager); evaluation always runs "
+                        "transformers' forward (default: compiled on CUDA, eager elsewhere)")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     return p.parse_args(argv)
