@@ -197,7 +197,9 @@ def _moe(mlp, hidden, input_ids, out: Outputs, index: int):
         picks = gate.tid2eid[input_ids.reshape(-1)].long()
     else:
         picks = torch.topk(scores + gate.e_score_correction_bias, gate.top_k, dim=-1, sorted=False).indices
-        out.router_counts[index] = torch.bincount(picks.detach().reshape(-1), minlength=gate.num_experts)
+        picked = picks.detach().reshape(-1)  # counted by scatter, not bincount: a fixed shape, no graph break
+        out.router_counts[index] = torch.zeros(gate.num_experts, dtype=torch.long, device=picked.device).scatter_add_(
+            0, picked, torch.ones_like(picked))
     weights = scores.gather(1, picks)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
     dense = torch.zeros_like(scores).scatter(1, picks, weights)  # [N, E]
