@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--step", default=None, choices=["compiled", "fast", "eager"],
                    help="training forward: training/fast_forward.py through torch.compile (compiled), the same "
                         "uncompiled (fast), or transformers' own forward with hooks (eager); evaluation always runs "
-                        "transformers' forward (default: compiled on CUDA, eager elsewhere)")
+                        "transformers' forward (default: fast on CUDA, eager elsewhere; compiled is 3.8x faster per step "
+                        "than transformers' forward but compiles once per batch shape, about a minute each)")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     return p.parse_args(argv)

@@ -247,7 +247,7 @@ def train(args, prior: dict | None) -> None:
     exit_layers = [int(x) for x in args.exit_layers.split(",") if x]
     taps = objectives.Taps(model, exit_layers)
     opt = optimizer(model, args)
-    step_kind = args.step or ("compiled" if device.type == "cuda" else "eager")
+    step_kind = args.step or ("fast" if device.type == "cuda" else "eager")
     losses = None if step_kind == "eager" else step_losses(model, args, exit_layers, device, step_kind == "compiled")
     call = len(prior["calls"]) if prior else 0
     stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every, call=call)
