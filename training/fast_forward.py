@@ -5,8 +5,8 @@ oracle's path), computed in fewer bytes:
 - sliding attention over blocks of `sliding_window` queries against their own and the previous block's keys, not
   an S x S mask; the compressed entries and the per-head sink are extra logit columns of the same softmax;
 - the compressed entries' mask built from the indexer's picks without an [B, 1, S, S + T] float bias;
-- the experts as two dense matrix products with zero routing weight on unselected experts: no host sync, so the
-  whole model compiles as one graph (transformers' grouped_mm path reads group sizes on the host);
+- the experts as two dense matrix products with zero routing weight on unselected experts: no host sync
+  (transformers' grouped_mm path reads group sizes on the host, which breaks a compiled graph at every MoE);
 - the streams' `comb` mixing as a fused multiply-add instead of a batched 4 x 4 matrix product.
 
 It also returns what the trainer's extra objectives read (`training/objectives.py`), so no forward hook is needed:

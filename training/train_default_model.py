@@ -16,7 +16,8 @@ and `--resume DIR` continues that state's schedule (same planned steps, same cos
 AdamW moments warmed up again over `--rewarmup` steps (the moments are not saved: they would double the checkpoint)
 and a data stream of its own, so no example repeats the earlier call's. The receipt lists every call.
 
-On CUDA training uses transformers' `grouped_mm` experts (one grouped GEMM, no host sync per expert): the same
+On CUDA the training step runs training/fast_forward.py (`--step`; benchmarks/README.md has its speed) and evaluation
+uses transformers' `grouped_mm` experts (one grouped GEMM, no host sync per expert): the same
 function as the eager experts the oracle runs, 1.42x faster per step at the default batch on the H200
 (`python benchmarks/training_step.py`). At this size the run is limited by optimizer steps, not tokens: tripling
 the batch (131,072 tokens, with lr 2e-3 and a reweighted mixture) for 771 s reached only the loss the default batch
