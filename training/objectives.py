@@ -82,27 +82,38 @@ def exit_logits(model, streams: torch.Tensor) -> torch.Tensor:
 
 def indexer_kl(taps: Taps, ratio: int, seq_len: int) -> torch.Tensor:
     """Mean over CSA layers and query rows of KL(attention over compressed entries || indexer softmax)."""
-    losses = []
+    pairs = []
     for i in taps.csa_layers:
         scores = taps.index_scores.get(i)
         probs = taps.attn_probs.get(i)
         if scores is None or probs is None or scores.shape[-1] == 0:
             continue
+        pairs.append((scores, probs[..., seq_len : seq_len + scores.shape[-1]].sum(dim=1)))  # [B, S, T]
+    return compressed_kl(pairs, ratio, taps.model.device)
+
+
+def compressed_kl(pairs: list[tuple[torch.Tensor, torch.Tensor]], ratio: int, device) -> torch.Tensor:
+    """`indexer_kl` over (indexer scores [B, S, T], attention mass on the compressed entries summed over heads
+    [B, S, T]) pairs, one per CSA layer; rows (and layers) with no mass on them are left out. No boolean indexing,
+    so it compiles without a host sync."""
+    losses, counted = [], []
+    for scores, mass_per_entry in pairs:
         n_entries = scores.shape[-1]
-        target = probs[..., seq_len : seq_len + n_entries].detach().float().sum(dim=1)  # [B, S, T]
+        target = mass_per_entry.detach().float()
         mass = target.sum(-1, keepdim=True)
         rows = mass.squeeze(-1) > 1e-6
-        if not rows.any():
-            continue
         target = target / mass.clamp_min(1e-12)
         positions = torch.arange(scores.shape[1], device=scores.device)
         visible = torch.arange(n_entries, device=scores.device)[None, :] < ((positions + 1) // ratio)[:, None]
         logq = torch.log_softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1)
         kl = torch.xlogy(target, target) - torch.where(target > 0, target * logq, torch.zeros_like(logq))
-        losses.append(kl.sum(-1)[rows].mean())
+        kl = kl.sum(-1)
+        losses.append((kl * rows).sum() / rows.sum().clamp_min(1))
+        counted.append(rows.any())
     if not losses:
-        return torch.zeros((), device=taps.model.device)
-    return torch.stack(losses).mean()
+        return torch.zeros((), device=device)
+    counted = torch.stack(counted).float()
+    return (torch.stack(losses) * counted).sum() / counted.sum().clamp_min(1)
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from evalpipe.engine.model.config import load_config
-from training import data, objectives
+from training import data, fast_forward, objectives
 
 
 def build_model(args, device):
@@ -63,29 +63,59 @@ def optimizer(model, args):
     )
 
 
-def train_step(model, taps, batch, args, device, autocast):
+def train_step(model, taps, batch, args, device, autocast, losses=None):
+    """One forward and backward. `losses` (from `step_losses`): the fast forward's losses, compiled on CUDA;
+    without it, transformers' own forward with the objectives' hooks."""
     ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     prompt_labels = batch["prompt_labels"].to(device, non_blocking=True)
     taps.clear()
-    with autocast():
-        out = model(input_ids=ids)
-        loss_final = objectives.answer_loss(out.logits, labels)
-        loss_prompt = objectives.answer_loss(out.logits, prompt_labels)
-        exits = {
-            n: objectives.answer_loss(objectives.exit_logits(model, taps.hidden[n]), labels) for n in taps.exit_layers
-        }
-        kl = objectives.indexer_kl(taps, model.config.compress_rates["compressed_sparse_attention"], ids.shape[1])
-    loss = loss_final + args.exit_weight * sum(exits.values()) + args.kl_weight * kl + args.prompt_weight * loss_prompt
+    if losses is not None:
+        loss, parts, counts = losses(model, ids, labels, prompt_labels)
+        taps.router_counts.update(counts)
+    else:
+        with autocast():
+            loss, parts = _hooked_losses(model, taps, ids, labels, prompt_labels, args)
     loss.backward()
     return {
-        "loss": loss_final.detach(),
-        "kl": kl.detach(),
-        "prompt": loss_prompt.detach(),
-        **{f"exit{n}": v.detach() for n, v in exits.items()},
+        **{k: v.detach() for k, v in parts.items()},
         "tokens": ids.numel(),
         "answer_tokens": int((labels != -100).sum()),
     }
+
+
+def _hooked_losses(model, taps, ids, labels, prompt_labels, args):
+    out = model(input_ids=ids)
+    exits = {n: objectives.answer_loss(objectives.exit_logits(model, taps.hidden[n]), labels) for n in taps.exit_layers}
+    kl = objectives.indexer_kl(taps, model.config.compress_rates["compressed_sparse_attention"], ids.shape[1])
+    return _total(out.logits, labels, prompt_labels, exits, kl, args)
+
+
+def _total(logits, labels, prompt_labels, exits, kl, args):
+    loss_final = objectives.answer_loss(logits, labels)
+    loss_prompt = objectives.answer_loss(logits, prompt_labels)
+    loss = loss_final + args.exit_weight * sum(exits.values()) + args.kl_weight * kl + args.prompt_weight * loss_prompt
+    return loss, {"loss": loss_final, "kl": kl, "prompt": loss_prompt, **{f"exit{n}": v for n, v in exits.items()}}
+
+
+def step_losses(model, args, exit_layers, device, compiled: bool):
+    """The training losses through `training/fast_forward.py` (bf16 autocast on CUDA), as one function of
+    (model, ids, labels, prompt_labels) -> (loss, parts, router counts); `compiled`: through torch.compile, one
+    graph for forward and losses."""
+    ratio = model.config.compress_rates["compressed_sparse_attention"]
+    exit_layers = tuple(exit_layers)
+
+    def losses(model, ids, labels, prompt_labels):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = fast_forward.forward(model, ids, exit_layers)
+            exits = {
+                n: objectives.answer_loss(objectives.exit_logits(model, s), labels) for n, s in out.exit_streams.items()
+            }
+            kl = objectives.compressed_kl(out.index_pairs, ratio, ids.device)
+            loss, parts = _total(out.logits, labels, prompt_labels, exits, kl, args)
+        return loss, parts, out.router_counts
+
+    return torch.compile(losses) if compiled else losses
 
 
 def optimizer_step(model, taps, opt, args) -> None:
@@ -241,6 +271,8 @@ def train(args, prior: dict | None) -> None:
     exit_layers = [int(x) for x in args.exit_layers.split(",") if x]
     taps = objectives.Taps(model, exit_layers)
     opt = optimizer(model, args)
+    step_kind = args.step or ("fast" if device.type == "cuda" else "eager")
+    losses = None if step_kind == "eager" else step_losses(model, args, exit_layers, device, step_kind == "compiled")
     call = len(prior["calls"]) if prior else 0
     stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every, call=call)
     loader = torch.utils.data.DataLoader(
@@ -253,7 +285,7 @@ def train(args, prior: dict | None) -> None:
     )
     sets = data.eval_sets(per_group=args.eval_per_group, max_after=256 if args.smoke else 4096)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f} M parameters on {device}; exits {exit_layers}", flush=True)
+    print(f"model: {n_params / 1e6:.2f} M parameters on {device}; exits {exit_layers}; {step_kind} step", flush=True)
 
     total = prior["planned_steps"] if prior else args.steps
     step = first_step = prior["steps"] if prior else 0
@@ -306,7 +338,7 @@ def train(args, prior: dict | None) -> None:
         rewarm = min(1.0, (local + 1) / args.rewarmup) if prior else 1.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total or 10**9, args) * g["lr_mult"] * rewarm
-        stats = train_step(model, taps, batch, args, device, autocast)
+        stats = train_step(model, taps, batch, args, device, autocast, losses)
         optimizer_step(model, taps, opt, args)
         tokens += stats.pop("tokens")
         answer_tokens += stats.pop("answer_tokens")

@@ -1,6 +1,8 @@
 """Step time of the default model's training (`training/trainer.py`, run by `training/train_default_model.py`) under
-each experts implementation, side by side in one process: transformers' eager experts vs `grouped_mm`, at each
-batch size. Same model, same batches, same losses (the options change kernels, not the function).
+each option, side by side in one process, at each batch size: transformers' forward with its eager or `grouped_mm`
+experts (optionally through `model.compile()`), or the trainer's fast forward (`training/fast_forward.py`) plain
+(`fast`) or compiled whole with its losses (`compiled`, the trainer's default on CUDA). Same model, same batches,
+same losses (the options change kernels, not the function).
 
     python -m benchmarks.model.training_step [--batch-tokens 40960,131072] [--steps 6] [--width 512] [--stream 40]
 
@@ -22,15 +24,20 @@ import torch
 from training import data, objectives, trainer
 from training.train_default_model import parse_args
 
-# an option is an experts implementation, "+compile" runs the model's forward through torch.compile
-OPTIONS = ["eager", "grouped_mm", "grouped_mm+compile"]
+# an option is an experts implementation of transformers' forward ("+compile": through model.compile()), or the
+# trainer's fast forward: "fast" (plain) or "compiled" (forward and losses through torch.compile)
+OPTIONS = ["grouped_mm", "grouped_mm+compile", "fast", "compiled"]
+FAST = ("fast", "compiled")
 
 
 def parse_option(option: str) -> tuple[str, bool]:
+    if option in FAST:
+        return option, option == "compiled"
     experts, _, extra = option.partition("+")
     if experts not in ("eager", "grouped_mm") or extra not in ("", "compile"):
         raise SystemExit(
-            f"unknown option {option!r}: an experts implementation (eager, grouped_mm), optionally +compile"
+            f"unknown option {option!r}: fast, compiled, or an experts implementation (eager, "
+            "grouped_mm), optionally +compile"
         )
     return experts, extra == "compile"
 
@@ -47,13 +54,16 @@ def batch_of(tokens: int, width: int, seed: int) -> dict:
 
 def make_step(experts: str, device, compiled: bool = False):
     """A fresh model and optimizer as the training script builds them, its step (the loop's train_step and
-    optimizer_step) and a device sync. `compiled`: the model's forward through `torch.compile` (`model.compile()`)."""
-    args = parse_args(["--out", "/dev/null", "--experts", experts])
+    optimizer_step) and a device sync. `experts` "fast"/"compiled": the trainer's fast forward; otherwise
+    transformers' forward with that experts implementation, `compiled`: through `model.compile()`."""
+    fast = experts in FAST
+    args = parse_args(["--out", "/dev/null", "--experts", "eager" if fast else experts])
     model = trainer.build_model(args, device)
-    if compiled:
+    if compiled and not fast:
         model.compile()
     taps = objectives.Taps(model, [3, 4])
     opt = trainer.optimizer(model, args)
+    losses = trainer.step_losses(model, args, [3, 4], device, compiled) if fast else None
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
         if device.type == "cuda"
@@ -61,7 +71,7 @@ def make_step(experts: str, device, compiled: bool = False):
     )
 
     def step(batch):
-        stats = trainer.train_step(model, taps, batch, args, device, autocast)
+        stats = trainer.train_step(model, taps, batch, args, device, autocast, losses)
         trainer.optimizer_step(model, taps, opt, args)
         return stats
 
@@ -85,7 +95,7 @@ def time_option(experts: str, batch: dict, steps: int, device, compiled: bool = 
     return {"ms": per_step * 1e3, "tok_s": batch["input_ids"].numel() / per_step, "mem": mem, "loss": first_loss}
 
 
-def profile_option(option: str, batch: dict, device, top: int = 30) -> str:
+def profile_option(option: str, batch: dict, device, top: int = 45) -> str:
     """torch.profiler over two steps after two warm-up steps: the ops with the most device time, as a table."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,9 +113,9 @@ def profile_option(option: str, batch: dict, device, top: int = 30) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
 
 
-def time_stream(experts: str, batches: list[dict], device, profiled: int = 6) -> dict:
+def time_stream(option: str, batches: list[dict], device, profiled: int = 6) -> dict:
     """The loop's step over the stream's batches: mean ms per step, and kernel time / wall over the last ones."""
-    step, sync = make_step(experts, device)
+    step, sync = make_step(*parse_option(option), device)
     for batch in batches[:3]:  # warm-up: allocator, autotuning
         step(batch)
     timed = batches[3:]
@@ -163,7 +173,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.batch_tokens, args.width, args.steps, args.options, args.device = "512", 128, 1, "eager", "cpu"
+        args.batch_tokens, args.width, args.steps, args.options, args.device = "512", 128, 1, "eager,fast", "cpu"
     options = args.options.split(",")
     for option in options:
         parse_option(option)
@@ -192,11 +202,11 @@ def main() -> None:
         print(
             f"\ntraining stream, {args.stream} timed batches (the loop's buckets, every 8th long), full optimizer step"
         )
-        print(f"{'experts':<11} {'mean tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'GPU busy':>9}")
-        for experts in ("eager", "grouped_mm"):
-            r = time_stream(experts, batches, device)
+        print(f"{'option':<19} {'mean tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'GPU busy':>9}")
+        for option in options:
+            r = time_stream(option, batches, device)
             busy = f"{r['busy']:.0%}" if r["busy"] is not None else "n/a"
-            print(f"{experts:<11} {r['tokens']:>12.0f} {r['ms']:>9.1f} {r['tok_s']:>10.0f} {busy:>9}", flush=True)
+            print(f"{option:<19} {r['tokens']:>12.0f} {r['ms']:>9.1f} {r['tok_s']:>10.0f} {busy:>9}", flush=True)
             for (rows, width), times in sorted(r["by_shape"].items(), key=lambda kv: kv[0][1]):
                 print(f"  {rows:>4} x {width:<5} {len(times):>3} steps {1e3 * sum(times) / len(times):>8.1f} ms/step")
 
