@@ -16,7 +16,7 @@ import torch
 
 from training import objectives, trainer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ARGS = SimpleNamespace(
     config=REPO / "training" / "default_model_config.json",
     experts="eager",
