@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from evalpipe.engine.model.config import load_config
-from training import data, objectives
+from training import curriculum, data, objectives
 
 
 def build_model(args, device):
@@ -203,8 +203,9 @@ def train(args, prior: dict | None) -> None:
         args.steps, args.batch_tokens, args.long_tokens, args.long_every = 3, 1024, 1536, 3
         args.eval_per_group, args.workers, args.warmup, args.eval_every = 2, 0, 1, 1e9
         data.LONG_AFTER = (128, 256)  # a long batch in the smallest long bucket (1536), not the next (2560)
+    recipe = curriculum.RECIPES[args.recipe]
     if args.mix:
-        data.set_mix(args.mix)
+        recipe = recipe.reweighted(args.mix)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     random.seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -215,7 +216,8 @@ def train(args, prior: dict | None) -> None:
     taps = objectives.Taps(model, exit_layers)
     opt = optimizer(model, args)
     call = len(prior["calls"]) if prior else 0
-    stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every, call=call)
+    stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every, call=call,
+                              recipe=recipe, progress=prior["steps"] / prior["planned_steps"] if prior else 0.0)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
                                          persistent_workers=bool(args.workers))
@@ -243,7 +245,7 @@ def train(args, prior: dict | None) -> None:
         return {"seed": args.seed, "data_streams": f"train|{args.seed}|<worker> of {max(1, args.workers)}[|call<k>]",
                 "eval_seed": "train-eval|1234 (held-out split)", "steps": step, "planned_steps": total,
                 "tokens": tokens, "answer_tokens": answer_tokens, "wall_s": round(earlier_wall + call_wall, 1),
-                "device": device_name,
+                "device": device_name, "curriculum": recipe.describe(),
                 "calls": calls + [{**this_call, "last_step": step, "wall_s": call_wall}]}
 
     for batch in loader:
@@ -256,6 +258,7 @@ def train(args, prior: dict | None) -> None:
         if local == 10:
             t_cal = time.time()
         planned = total or 10 ** 9
+        stream.set_progress(step / total if total else 0.0)
         dense = total is None or step < args.dense_fraction * total
         taps.set_index_topk(10 ** 9 if dense else topk)
         rewarm = min(1.0, (local + 1) / args.rewarmup) if prior else 1.0
