@@ -6,7 +6,8 @@ of the copy strings, the retrieval depths and codes, and the long (deep retrieva
 the models trained before the curriculum (one stage: the mixture and ranges they used, drawn in the same order, so a
 v1 data stream repeats theirs); `v2` teaches copying from the window outwards:
 
-1. copy strings inside the sliding window (64 tokens) and needles near the question, short codes;
+1. copy strings inside the sliding window (64 tokens); needles inside the window (half of them) or a few notes
+   before the question; short codes;
 2. strings that cross the window and the compressed blocks (CSA every 4 tokens, HCA every 16; a random lead-in moves
    the string across block boundaries), needles up to 2,048 tokens deep (in long batches), codes of 3-8 digits;
 3. everything: strings of 8-256 characters, needles at every depth to the full 4,096-token context (drawn uniformly
@@ -35,6 +36,7 @@ class Stage:
     copy_lead: int = 0  # largest lead-in before a copy question (0: none)
     retrieval_after: tuple = (8, 630)  # filler bytes after the needle in short batches
     retrieval_spacing: str = "log"  # "log": log-uniform in [lo, hi]; "linear": uniform
+    retrieval_in_window: float = 0.0  # share of short-batch needles with no filler after them (inside the window)
     code_digits: tuple = (5, 5)  # retrieval code lengths
     long_after: tuple = (512, 3900)  # filler bytes after the needle in long batches
     long_spacing: str = "log"
@@ -64,8 +66,8 @@ PARTS: dict[str, Callable[[Stage], Callable[[random.Random], object]]] = {
     "retrieval": lambda st: (
         (lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)), before=rng.randint(0, 256)))
         if st.code_digits == (5, 5) and st.retrieval_after == (8, 630) else
-        lambda rng: _retrieval(rng, st, _draw_after(rng, st.retrieval_after, st.retrieval_spacing),
-                               before=rng.randint(0, 256))),
+        lambda rng: _retrieval(rng, st, 0 if rng.random() < st.retrieval_in_window else
+                               _draw_after(rng, st.retrieval_after, st.retrieval_spacing), before=rng.randint(0, 256))),
     "chat": lambda st: chat.generate,
     "boxed": lambda st: boxed.generate,
     "boxed-think": lambda st: boxed.generate_thinking,
@@ -136,13 +138,14 @@ _V2_CHAT = {"boxed": 0.08, "boxed-think": 0.06, "tools": 0.08, "chat": 0.10}
 V2 = Recipe("v2", (
     Stage(0.2, {"arith": 0.14, "calc": 0.06, "copy-window": 0.26, "copy": 0.04, "retrieval": 0.18, **_V2_CHAT},
           copy_window=(4, WINDOW - 4), copy_length=(WINDOW - 16, WINDOW + 32), copy_lead=16,
-          retrieval_after=(0, WINDOW), retrieval_spacing="linear", code_digits=(3, 6), long_after=(64, 1024)),
+          retrieval_after=(0, 2 * WINDOW), retrieval_spacing="linear", retrieval_in_window=0.5, code_digits=(3, 6),
+          long_after=(64, 1024)),
     Stage(0.5, {"arith": 0.16, "calc": 0.05, "copy-window": 0.08, "copy": 0.22, "retrieval": 0.17, **_V2_CHAT},
           copy_window=(4, WINDOW - 4), copy_length=(WINDOW - 16, 3 * WINDOW), copy_lead=48,
-          retrieval_after=(0, 700), code_digits=(3, 8), long_after=(256, 2048), long_spacing="linear"),
+          retrieval_after=(0, 600), retrieval_in_window=0.15, code_digits=(3, 8), long_after=(256, 2048), long_spacing="linear"),
     Stage(1.0, {"arith": 0.18, "calc": 0.04, "copy-window": 0.04, "copy": 0.18, "retrieval": 0.16, **_V2_CHAT},
           copy_window=(4, WINDOW - 4), copy_length=(8, 4 * WINDOW), copy_lead=48,
-          retrieval_after=(0, 1024), code_digits=(3, 10), long_after=(8 * WINDOW, 3900), long_spacing="linear"),
+          retrieval_after=(0, 600), retrieval_in_window=0.15, code_digits=(3, 10), long_after=(8 * WINDOW, 3900), long_spacing="linear"),
 ), note="copy curriculum: in-window strings first, then across the window and compressed blocks, then every depth")
 
 RECIPES = {r.name: r for r in (V1, V2)}

@@ -1,6 +1,6 @@
 """Skill `tools`: a tool call whose tool and arguments are drawn per example, the arguments taken from the ask.
 
-Each example offers two to four tools named `<verb>_<noun>` with one to three parameters (strings or integers); the
+Each example offers two or three tools named `<verb>_<noun>` with one to three parameters (strings or integers); the
 user asks to `<verb> the <noun>` with each parameter's value spelled in the ask. The reply is the chat skill's call
 form (`<|tool_call|>{"name": ..., "arguments": {...}}`, arguments in the schema's order), so the server's tool-call
 parser reads it. String values are words or random codes of 1 to 24 characters, so a call copies text exactly.
@@ -44,7 +44,7 @@ def tool_spec(name: str, params: list[str]) -> dict:
 
 
 def generate(rng: random.Random) -> ChatExample:
-    names, n_tools = set(), rng.randint(2, 4)
+    names, n_tools = set(), rng.randint(2, 3)
     while len(names) < n_tools:
         names.add(f"{rng.choice(VERBS)}_{rng.choice(NOUNS)}")
     names = sorted(names)
