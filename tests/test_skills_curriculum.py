@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from evalpipe.engine.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 from evalpipe.lanes import get_lane, sgl_eval_adapter
@@ -172,3 +173,23 @@ def test_reweighting_checks_the_parts():
         curriculum.RECIPES["v1"].reweighted("tools=1")
     with pytest.raises(ValueError, match="more than 0"):
         curriculum.RECIPES["v2"].reweighted("copy=0")
+
+
+class _StageProbe(data.BatchStream):
+    """Yields the stage a data worker sees, instead of batches."""
+
+    def __iter__(self):
+        while True:
+            yield torch.tensor(self.stage().until, dtype=torch.float64)
+
+
+def test_forked_data_workers_see_the_progress_the_trainer_sets():
+    import time
+
+    stream = _StageProbe(0, 1024, 1024, 0, recipe="v2")
+    loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1, prefetch_factor=1))
+    assert float(next(loader)) == 0.2
+    stream.set_progress(0.6)
+    deadline = time.monotonic() + 30
+    while float(next(loader)) != 1.0:  # batches already queued keep their stage; later ones follow the trainer
+        assert time.monotonic() < deadline

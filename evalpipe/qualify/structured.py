@@ -9,8 +9,8 @@ Every reply is also checked for leaked or repeated tool protocol: no template ma
 in any content or arguments, and exactly one call where one is expected. Each case is sent plain and streamed,
 serially, then all of them again with C in flight.
 
-Drawn tools (evalpipe.skills.tools: tool names, parameters and argument values drawn per case, arguments copied
-from the ask) are sent beside them and checked the same way, exact arguments included. Until a default model
+Drawn tools (evalpipe.skills.tools, held-out split: tool names, parameters and argument values drawn per case,
+arguments copied from the ask) are sent beside them and checked the same way, exact arguments included. Until a default model
 trained on them ships (issue 30) their result is reported in the gate's notes (`drawn_tools`: exact calls of
 those sent, the first miss), not counted in its verdict: DRAWN_TOOLS_ENFORCED turns them into ordinary cases.
 """
@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from evalpipe.qualify.core import Endpoint, GateResult, Outcome, check, exchange, gather_limited, leaked_protocol
-from evalpipe.skills import chat, tools
+from evalpipe.skills import chat, draw, tools
 
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "fact", "schema": chat.JSON_SCHEMA, "strict": True}}
 MAX_TOKENS = 128  # a call with its JSON arguments is about 80 byte-level tokens
@@ -56,7 +56,7 @@ def cases(seed: str) -> list[dict]:
     ex = chat.json_reply(rng)
     out.append({"name": "json_schema", "body": {"messages": ex.messages, "response_format": SCHEMA_FORMAT},
                 "expect": {"json": ex.meta["expected"]}})
-    ex = tools.generate(rng)
+    ex = draw(tools.generate, rng, "heldout")
     out.append({"name": "drawn tool", "body": {"messages": ex.messages, "tools": ex.tools, "tool_choice": "auto"},
                 "expect": {"call": ex.meta["expected"]}, "advisory": not DRAWN_TOOLS_ENFORCED})
     return out
