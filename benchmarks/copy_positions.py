@@ -8,7 +8,8 @@ their reference answer; an answer position counts as right when its argmax is th
 reference before it (so the greedy reply is exact when every position is right: the `exact` column).
 
 - copy: random strings inside the sliding window (4-60 characters), of the copy lane's lengths (72-160) and longer
-  (161-256), accuracy per block of 16 copied characters (the HCA block; a block past the string's end is blank);
+  (161-256), accuracy per block of 16 answer tokens (the HCA block; the leading space, then the characters; a
+  block past the string's end is blank);
 - retrieval: a five-digit code at each depth (bytes from the code to the end of the prompt, up to the full
   context), accuracy per answer position (the leading space, then each digit).
 
@@ -104,8 +105,9 @@ def main(argv=None) -> None:
     model = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     result = measure(model, n, args.seed, depths)
     print(f"teacher-forced argmax accuracy per answer position, {n} held-out items per row, {args.model.name}")
-    print(table(f"copy: share right per block of {BLOCK} characters", result["copy"],
-                [f"{BLOCK * k}-" for k in range(256 // BLOCK)]))
+    blocks = max(len(row["positions"]) for row in result["copy"].values())
+    print(table(f"copy: share right per block of {BLOCK} answer tokens (the leading space, then the characters)",
+                result["copy"], [f"{BLOCK * k}-" for k in range(blocks)]))
     print(table("retrieval (five-digit code): share right per answer position, by depth", result["retrieval"],
                 ["space"] + [f"digit{k}" for k in range(1, 6)]))
     if args.json:
