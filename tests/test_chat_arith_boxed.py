@@ -78,18 +78,28 @@ def test_sgl_eval_scores_the_dataset_as_the_lane_scores_it_on_right_wrong_and_tr
     rows = sgl_eval_rows()[:n]
     buckets = [mixed_bucket(r["problem"]) for r in rows]
     assert {"correct", "wrong", "truncated"} <= set(buckets) and "error500" not in buckets
-    base_url, proc = start_scripted_server(mode="mixed", answers={r["problem"]: str(r["expected_answer"])
-                                                                  for r in rows})
+    x16_problems = [it.prompt[0]["content"].split("\n\n", 1)[1]
+                    for it in get_lane("chat-arith-boxed-think-x16").items()[:3]]
+    answers = {r["problem"]: str(r["expected_answer"]) for r in rows}
+    answers.update({p: str(it.expected_answer) for p, it in
+                    zip(x16_problems, get_lane("chat-arith-boxed-think-x16").items())})
+    base_url, proc = start_scripted_server(mode="mixed", answers=answers)
     try:
         ours = evalpipe_run("chat-arith-boxed", base_url, n, tmp_path / "evalpipe")
         theirs = sgl_eval_score(base_url, n, tmp_path / "sgl")
         think = evalpipe_run("chat-arith-boxed-think", base_url, n, tmp_path / "think")
+        x16 = evalpipe_run("chat-arith-boxed-think-x16", base_url, 3, tmp_path / "x16")
     finally:
         stop_scripted_server(proc)
     expected = buckets.count("correct") / n
     assert ours["accuracy"] == pytest.approx(expected) and abs(theirs - ours["accuracy"]) <= 0.01
     assert ours["n_truncated"] == think["n_truncated"] == buckets.count("truncated")
     assert think["accuracy"] == pytest.approx(expected)
+    # x16: every one of a question's 16 responses shares its scripted fate, so pass@1 = pass@16 = the right share
+    right = [mixed_bucket(p) == "correct" for p in x16_problems]
+    assert x16["n_planned"] == 48 and x16["pass@1"] == pytest.approx(sum(right) / 3)
+    assert x16["pass@16"] == pytest.approx(sum(right) / 3)
+    assert x16["n_truncated"] == 16 * sum(mixed_bucket(p) == "truncated" for p in x16_problems)
 
 
 def test_sgl_eval_runs_the_dataset_against_evalpipe_serve(tmp_path):
