@@ -7,7 +7,7 @@ Held-out items of the checkout's `evalpipe.skills` are run once through transfor
 their reference answer; an answer position counts as right when its argmax is the reference token, given the
 reference before it (so the greedy reply is exact when every position is right: the `exact` column).
 
-- copy: random strings inside the sliding window (4-60 characters), of the copy lane's lengths (72-160) and longer
+- copy: random strings shorter than the sliding window (4-60 characters), of the copy lane's lengths (72-160) and longer
   (161-256), accuracy per block of 16 answer tokens (the HCA block; the leading space, then the characters; a
   block past the string's end is blank);
 - retrieval: a five-digit code at each depth (bytes from the code to the end of the prompt, up to the full
@@ -34,7 +34,7 @@ from training.data import encode  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "evalpipe" / "models" / "evalpipe-skills-dsv4"
 BLOCK = 16  # copy positions are reported per block of this many characters
-COPY_ROWS = [("copy 4-60 (in window)", 4, 60), ("copy 72-160 (lane)", 72, 160), ("copy 161-256", 161, 256)]
+COPY_ROWS = [("copy 4-60 (< window)", 4, 60), ("copy 72-160 (lane)", 72, 160), ("copy 161-256", 161, 256)]
 DEPTHS = [("in-window", 0), ("~256", 200), ("~1024", 950), ("~2048", 1950), ("~3000", 2900), ("~3800", 3750)]
 
 

@@ -136,7 +136,9 @@ def test_v2_schedule_starts_inside_the_window_and_reaches_every_depth():
     in_window = 0
     for _ in range(300):
         ex = v2.generator(first, "copy-window")(rng)
-        assert len(ex.answer) < WINDOW
+        source = 1 + ex.prompt.rindex(ex.answer)  # token position of the first source character (after BOS)
+        # character i is predicted at position n_prompt + i (the reply starts with a space): its source is in view
+        assert data.encode(ex).n_prompt - source < WINDOW
         r = v2.generator(first, "retrieval")(rng)
         assert r.meta["depth"] <= 5 * WINDOW and 3 <= len(r.answer) <= 6
         in_window += r.group == "in-window"

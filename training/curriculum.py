@@ -6,8 +6,8 @@ of the copy strings, the retrieval depths and codes, and the long (deep retrieva
 the models trained before the curriculum (one stage: the mixture and ranges they used, drawn in the same order, so a
 v1 data stream repeats theirs); `v2` teaches copying from the window outwards:
 
-1. copy strings inside the sliding window (64 tokens); needles inside the window (half of them) or a few notes
-   before the question; short codes;
+1. copy strings inside the sliding window (up to 52 characters, so each copied character is within 64 tokens of
+   its source); needles inside the window (half of them) or a few notes before the question; short codes;
 2. strings that cross the window and the compressed blocks (CSA every 4 tokens, HCA every 16; a random lead-in moves
    the string across block boundaries), needles up to 2,048 tokens deep (in long batches), codes of 3-8 digits;
 3. everything: strings of 8-256 characters, needles at every depth to the full 4,096-token context (drawn uniformly
@@ -137,14 +137,14 @@ V1 = Recipe("v1", (Stage(1.0, {"arith": 0.30, "calc": 0.08, "copy-short": 0.07, 
 _V2_CHAT = {"boxed": 0.08, "boxed-think": 0.06, "tools": 0.08, "chat": 0.10}
 V2 = Recipe("v2", (
     Stage(0.2, {"arith": 0.14, "calc": 0.06, "copy-window": 0.26, "copy": 0.04, "retrieval": 0.18, **_V2_CHAT},
-          copy_window=(4, WINDOW - 4), copy_length=(WINDOW - 16, WINDOW + 32), copy_lead=16,
+          copy_window=(4, WINDOW - 12), copy_length=(WINDOW - 16, WINDOW + 32), copy_lead=16,
           retrieval_after=(0, 2 * WINDOW), retrieval_spacing="linear", retrieval_in_window=0.5, code_digits=(3, 6),
           long_after=(64, 1024)),
     Stage(0.5, {"arith": 0.16, "calc": 0.05, "copy-window": 0.08, "copy": 0.22, "retrieval": 0.17, **_V2_CHAT},
-          copy_window=(4, WINDOW - 4), copy_length=(WINDOW - 16, 3 * WINDOW), copy_lead=48,
+          copy_window=(4, WINDOW - 12), copy_length=(WINDOW - 16, 3 * WINDOW), copy_lead=48,
           retrieval_after=(0, 600), retrieval_in_window=0.15, code_digits=(3, 8), long_after=(256, 2048), long_spacing="linear"),
     Stage(1.0, {"arith": 0.18, "calc": 0.04, "copy-window": 0.04, "copy": 0.18, "retrieval": 0.16, **_V2_CHAT},
-          copy_window=(4, WINDOW - 4), copy_length=(8, 4 * WINDOW), copy_lead=48,
+          copy_window=(4, WINDOW - 12), copy_length=(8, 4 * WINDOW), copy_lead=48,
           retrieval_after=(0, 600), retrieval_in_window=0.15, code_digits=(3, 10), long_after=(8 * WINDOW, 3900), long_spacing="linear"),
 ), note="copy curriculum: in-window strings first, then across the window and compressed blocks, then every depth")
 
