@@ -1,51 +1,28 @@
 """Training batches from the skill generators: token ids, the answer-token loss mask, and the held-out eval sets.
 
-A batch is either *short* (the skill mixture below, every example under ~1k tokens) or *long* (retrieval reaching to
-the far end of the context), of examples of similar length padded on the right. Only answer tokens (the reply and
+A batch is either *short* (the skill mixture of the recipe's stage in force, every example under ~1k tokens) or *long*
+(retrieval reaching to the far end of the context), of examples of similar length padded on the right. The recipes
+and their schedule over training progress are training/curriculum.py's. Only answer tokens (the reply and
 its closing `<|eos|>`) carry loss. Each worker draws from its own seeded stream, and only identities of the training
 split are used (`evalpipe.skills.split_of`).
 """
 
 from __future__ import annotations
 
-import math
+import multiprocessing
 import random
 from dataclasses import dataclass
 
 import torch
 
 from evalpipe.engine.tokenizer import ByteTokenizer
-from evalpipe.skills import Example, arith, chat, copy_text, draw, retrieval
+from evalpipe.skills import Example, arith, boxed, chat, copy_text, draw, retrieval, tools
+from training.curriculum import DEFAULT_RECIPE, RECIPES, Recipe, Stage
 
 TOKENIZER = ByteTokenizer()
 PAD_ID = 7  # <|pad|>; right padding is never attended to by real tokens (causal) and carries no loss
 
-# name -> (weight, generator) of the short mixture (`--mix` can change the weights)
-SHORT_MIX = {
-    "arith": (0.30, arith.generate),
-    "calc": (0.08, arith.drill),
-    "copy-short": (0.07, lambda rng: copy_text.generate(rng, length=rng.randint(8, copy_text.LENGTHS[0]))),
-    "copy": (0.08, copy_text.generate),
-    "retrieval": (
-        0.15,
-        lambda rng: retrieval.generate(rng, after=int(2 ** rng.uniform(3, 9.3)), before=rng.randint(0, 256)),
-    ),
-    "chat": (0.32, chat.generate),
-}
-
-
-def set_mix(spec: str) -> None:
-    """Reweight the short mixture from `name=weight,...` (weights are normalised)."""
-    weights = {k: float(v) for k, v in (part.split("=") for part in spec.split(",") if part)}
-    unknown = set(weights) - set(SHORT_MIX)
-    if unknown:
-        raise ValueError(f"unknown mixture parts {sorted(unknown)}; known: {sorted(SHORT_MIX)}")
-    total = sum(weights.get(k, 0.0) for k in SHORT_MIX)
-    for k, (_, gen) in list(SHORT_MIX.items()):
-        SHORT_MIX[k] = (weights.get(k, 0.0) / total, gen)
-
-
-LONG_AFTER = (512, 3900)  # filler bytes after the needle in long batches (log-uniform)
+LONG_AFTER = (512, 3900)  # filler bytes after the needle in long batches: the top caps every recipe's long range
 
 
 @dataclass
@@ -62,7 +39,9 @@ class Encoded:
 def encode(ex: Example | chat.ChatExample) -> Encoded:
     """Prompt ids exactly as the server builds them (BOS + text, or the chat template), then reply + <|eos|>."""
     if isinstance(ex, chat.ChatExample):
-        prompt = TOKENIZER.apply_chat_template(ex.messages, add_generation_prompt=True, tools=ex.tools)
+        prompt = TOKENIZER.apply_chat_template(
+            ex.messages, add_generation_prompt=True, tools=ex.tools, **ex.template_kwargs
+        )
         reply = TOKENIZER.encode(ex.reply)
         group = ex.skill
     else:
@@ -72,19 +51,22 @@ def encode(ex: Example | chat.ChatExample) -> Encoded:
     return Encoded(ex.skill, group, prompt + reply + [TOKENIZER.eos_token_id], len(prompt))
 
 
-def sample_short(rng: random.Random, split: str = "train") -> Encoded:
-    r, acc = rng.random(), 0.0
-    for weight, gen in SHORT_MIX.values():
-        acc += weight
-        if r < acc:
-            break
-    return encode(draw(gen, rng, split))
+def sample_short(
+    rng: random.Random, split: str = "train", recipe: Recipe | None = None, stage: Stage | None = None
+) -> Encoded:
+    """One short example of `stage` (default: the recipe's last stage; recipe default: the default recipe)."""
+    recipe = recipe or RECIPES[DEFAULT_RECIPE]
+    stage = stage or recipe.stages[-1]
+    return encode(draw(recipe.sample_part(rng, stage), rng, split))
 
 
-def sample_long(rng: random.Random, split: str = "train") -> Encoded:
-    lo, hi = LONG_AFTER
-    after = int(round(2 ** rng.uniform(math.log2(lo), math.log2(hi))))
-    return encode(draw(lambda r: retrieval.generate(r, after=after), rng, split))
+def sample_long(
+    rng: random.Random, split: str = "train", recipe: Recipe | None = None, stage: Stage | None = None
+) -> Encoded:
+    """One deep-retrieval example of `stage`'s long range (capped at LONG_AFTER's top)."""
+    recipe = recipe or RECIPES[DEFAULT_RECIPE]
+    stage = stage or recipe.stages[-1]
+    return encode(draw(recipe.long_example(rng, stage, LONG_AFTER[1]), rng, split))
 
 
 def collate(examples: list[Encoded], width: int | None = None) -> dict[str, torch.Tensor]:
@@ -110,11 +92,32 @@ class BatchStream(torch.utils.data.IterableDataset):
     """Endless batches of about `batch_tokens` padded tokens, each of examples of similar length (a batch is padded
     to its length bucket's bound, so little compute goes to padding). Every `long_every`-th batch is a long one of
     `long_tokens`. Worker w of W draws from the seeded stream (seed, w), and call k > 0 of a resumed run from
-    (seed, w, k), so a resumed run never repeats the examples of its earlier calls."""
+    (seed, w, k), so a resumed run never repeats the examples of its earlier calls.
 
-    def __init__(self, seed: int, batch_tokens: int, long_tokens: int, long_every: int, call: int = 0):
+    Each batch is drawn from the recipe's stage at the progress the trainer last set (`set_progress`, a fraction
+    of the planned steps, shared with forked data workers); batches already queued keep the stage they were drawn
+    in."""
+
+    def __init__(
+        self,
+        seed: int,
+        batch_tokens: int,
+        long_tokens: int,
+        long_every: int,
+        call: int = 0,
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        progress: float = 0.0,
+    ):
         self.seed, self.batch_tokens, self.long_tokens, self.long_every = seed, batch_tokens, long_tokens, long_every
         self.call = call
+        self.recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        self._progress = multiprocessing.Value("d", progress, lock=False)
+
+    def set_progress(self, fraction: float) -> None:
+        self._progress.value = fraction
+
+    def stage(self) -> Stage:
+        return self.recipe.stage_at(self._progress.value)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -129,8 +132,9 @@ class BatchStream(torch.utils.data.IterableDataset):
                 if long
                 else (SHORT_BUCKETS, self.batch_tokens, sample_short)
             )
+            stage = self.stage()
             while True:
-                ex = sample(rng)
+                ex = sample(rng, recipe=self.recipe, stage=stage)
                 bound = next((b for b in buckets if len(ex) <= b), None)
                 if bound is None:
                     continue  # longer than the largest bucket: never happens with the skills' limits
@@ -168,4 +172,11 @@ def eval_sets(seed: int = 1234, per_group: int = 64, max_after: int = 4096) -> d
     add("chat/tool_result", chat.tool_result, n=per_group // 2)
     add("chat/json", chat.json_reply, n=per_group // 2)
     add("chat/arith", lambda r: chat.from_example(arith.generate(r)), n=per_group // 2)
+    add("boxed", boxed.generate, n=per_group // 2)
+    add("boxed-think", boxed.generate_thinking, n=per_group // 2)
+    add("tools", tools.generate, n=per_group // 2)
+    for lo, hi in ((4, 60), (161, 256)):  # copy inside the window, and longer than the copy lane's strings
+        add(
+            f"copy/{lo}-{hi}", lambda r, lo=lo, hi=hi: copy_text.generate(r, length=r.randint(lo, hi)), n=per_group // 2
+        )
     return sets

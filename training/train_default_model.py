@@ -11,6 +11,9 @@ top-k); routed MoE layers are balanced by DeepSeek-V3's bias rule. The schedule 
 over the planned steps; with `--time-budget` the step count is planned from the measured speed of the first steps
 and written to the receipt, so `--steps N` repeats the run.
 
+What the batches hold, and how that changes over the run, is the recipe (`--recipe`, training/curriculum.py; the
+receipt records its whole schedule): v2 is the copy curriculum, v1 the mixture of the models trained before it.
+
 One run may span several machine sessions: `--stop-after S` ends a call after S seconds with its state written,
 and `--resume DIR` continues that state's schedule (same planned steps, same cosine) from its weights, with fresh
 AdamW moments warmed up again over `--rewarmup` steps (the moments are not saved: they would double the checkpoint)
@@ -35,6 +38,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training.curriculum import DEFAULT_RECIPE, RECIPES  # noqa: E402 (no torch: arguments are checked first)
 
 CONFIG = Path(__file__).with_name("default_model_config.json")
 
@@ -69,7 +74,20 @@ def parse_args(argv=None):
     p.add_argument("--bias-rate", type=float, default=1e-3, help="MoE selection-bias step per optimizer step")
     p.add_argument("--eval-every", type=float, default=100.0, help="seconds between held-out evaluations")
     p.add_argument("--eval-per-group", type=int, default=64)
-    p.add_argument("--mix", default="", help="short-mixture weights, e.g. arith=0.3,calc=0.15 (default: data.py's)")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        choices=sorted(RECIPES),
+        help=f"training recipe of training/curriculum.py: the mixture and length schedule over the run "
+        f"(default: {DEFAULT_RECIPE} for a new run, the resumed run's own with --resume; v1 is the "
+        f"recipe of the models trained before the curriculum)",
+    )
+    p.add_argument(
+        "--mix",
+        default="",
+        help="short-mixture weights for every stage of the recipe, e.g. "
+        "arith=0.3,calc=0.15 (default: the recipe's own)",
+    )
     p.add_argument("--workers", type=int, default=4, help="data worker processes")
     p.add_argument("--init-from", type=Path, default=None, help="start a new run from this checkpoint's weights")
     p.add_argument(
@@ -114,7 +132,13 @@ def check_args(args) -> dict | None:
         [int(x) for x in args.exit_layers.split(",") if x]
     except ValueError:
         raise SystemExit(f"--exit-layers {args.exit_layers!r}: expected layer numbers, e.g. 3,4") from None
+    if args.mix:
+        try:
+            RECIPES[args.recipe or DEFAULT_RECIPE].reweighted(args.mix)
+        except ValueError as exc:
+            raise SystemExit(f"--mix {args.mix!r}: {exc}") from None
     if args.resume is None:
+        args.recipe = args.recipe or DEFAULT_RECIPE
         return None
     receipt = args.resume / "receipt.json"
     if not receipt.is_file():
@@ -122,6 +146,10 @@ def check_args(args) -> dict | None:
     prior = json.loads(receipt.read_text())
     if "calls" not in prior or (prior["planned_steps"] is not None and prior["steps"] >= prior["planned_steps"]):
         raise SystemExit(f"{args.resume}: nothing to resume (a finished run, or one written without --stop-after)")
+    earlier = (prior.get("curriculum") or {}).get("recipe", "v1")  # runs from before the curriculum were v1
+    if args.recipe not in (None, earlier):
+        raise SystemExit(f"--resume {args.resume}: that run trains recipe {earlier}, not --recipe {args.recipe}")
+    args.recipe = earlier
     return prior
 
 

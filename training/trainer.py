@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from evalpipe.engine.model.config import load_config
-from training import data, fast_forward, objectives
+from training import curriculum, data, fast_forward, objectives
 
 
 def build_model(args, device):
@@ -257,8 +257,9 @@ def train(args, prior: dict | None) -> None:
         args.steps, args.batch_tokens, args.long_tokens, args.long_every = 3, 1024, 1536, 3
         args.eval_per_group, args.workers, args.warmup, args.eval_every = 2, 0, 1, 1e9
         data.LONG_AFTER = (128, 256)  # a long batch in the smallest long bucket (1536), not the next (2560)
+    recipe = curriculum.RECIPES[args.recipe]
     if args.mix:
-        data.set_mix(args.mix)
+        recipe = recipe.reweighted(args.mix)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     random.seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -274,7 +275,15 @@ def train(args, prior: dict | None) -> None:
     step_kind = args.step or ("fast" if device.type == "cuda" else "eager")
     losses = None if step_kind == "eager" else step_losses(model, args, exit_layers, device, step_kind == "compiled")
     call = len(prior["calls"]) if prior else 0
-    stream = data.BatchStream(args.seed, args.batch_tokens, args.long_tokens, args.long_every, call=call)
+    stream = data.BatchStream(
+        args.seed,
+        args.batch_tokens,
+        args.long_tokens,
+        args.long_every,
+        call=call,
+        recipe=recipe,
+        progress=prior["steps"] / prior["planned_steps"] if prior else 0.0,
+    )
     loader = torch.utils.data.DataLoader(
         stream,
         batch_size=None,
@@ -319,6 +328,7 @@ def train(args, prior: dict | None) -> None:
             "answer_tokens": answer_tokens,
             "wall_s": round(earlier_wall + call_wall, 1),
             "device": device_name,
+            "curriculum": recipe.describe(),
             "calls": calls + [{**this_call, "last_step": step, "wall_s": call_wall}],
         }
 
@@ -333,6 +343,7 @@ def train(args, prior: dict | None) -> None:
         if local == 10:
             t_cal = time.time()
         planned = total or 10**9
+        stream.set_progress(step / total if total else 0.0)
         dense = total is None or step < args.dense_fraction * total
         taps.set_index_topk(10**9 if dense else topk)
         rewarm = min(1.0, (local + 1) / args.rewarmup) if prior else 1.0

@@ -1,4 +1,5 @@
-"""Lanes generated from `evalpipe.skills` (arith, retrieval, copy): the held-out items the default model never saw.
+"""Lanes generated from `evalpipe.skills` (arith, retrieval, copy, chat-arith-boxed...): the held-out items the
+default model never saw.
 
 Items are drawn from fixed seeds, only from the held-out split of the skill's identity hash, a fixed number per
 reporting group (number of operations, needle depth, string length), groups interleaved; ids are 0..N-1. The whole item
@@ -23,7 +24,8 @@ TEMPLATE = completion_prompt("{body}")  # 'Question: {body}\nAnswer:' (the reply
 @dataclass(frozen=True)
 class SkillLane(Lane):
     seed: str = ""
-    groups: tuple = ()  # (group label, items, generator(rng) -> Example), in id order
+    groups: tuple = ()  # (group label, items, generator(rng) -> Example or ChatExample), in id order
+    template: str = TEMPLATE  # the prompt's form, hashed into the pins (a chat lane's user-message template)
 
     def items(self) -> list[Item]:
         if self.name not in _CACHE:  # run, audit and compare may each load the lane
@@ -40,7 +42,7 @@ class SkillLane(Lane):
             dataset_sha256=sha,
             data_drift=sha != load_pins(self.name)["dataset_sha256"],
             template_id=f"evalpipe-skills-{self.name}-zero-shot",
-            template_sha256=sha256_hex(TEMPLATE),
+            template_sha256=sha256_hex(self.template),
             extra={"groups": {label: count for label, count, _ in self.groups}},
         )
 
@@ -65,10 +67,13 @@ def lane_examples(lane: SkillLane) -> list[tuple[str, object]]:
 
 
 def _generate(lane: SkillLane) -> list[Item]:
-    return [
-        Item(i, ex.prompt, ex.meta["expected"], prompt_sha256(ex.prompt), group=label)
-        for i, (label, ex) in enumerate(lane_examples(lane))
-    ]
+    """Completion lanes send `ex.prompt`; chat lanes the example's messages (its chat template switches are the
+    lane's `chat_template_kwargs`)."""
+    items = []
+    for i, (label, ex) in enumerate(lane_examples(lane)):
+        prompt = ex.messages if lane.api == "chat" else ex.prompt
+        items.append(Item(i, prompt, ex.meta["expected"], prompt_sha256(prompt), group=label))
+    return items
 
 
 def skill_lane(
@@ -93,4 +98,32 @@ def skill_lane(
         notes=notes,
         seed=seed,
         groups=tuple(groups),
+    )
+
+
+def chat_skill_lane(
+    name: str,
+    description: str,
+    grader: str,
+    params: dict,
+    seed: str,
+    repeats: int,
+    groups: list[tuple[str, int, Callable]],
+    template: str,
+    headline: str,
+    notes: str = "",
+) -> SkillLane:
+    return SkillLane(
+        name=name,
+        description=description,
+        api="chat",
+        params=params,
+        concurrency=64,
+        repeats=repeats,
+        grader=grader,
+        headline=headline,
+        notes=notes,
+        seed=seed,
+        groups=tuple(groups),
+        template=template,
     )

@@ -51,6 +51,7 @@ class ChatExample:
     reply: str  # the assistant's reply text (a tool call is `<|tool_call|>` + JSON)
     tools: list | None = None
     meta: dict = field(default_factory=dict)
+    template_kwargs: dict = field(default_factory=dict)  # chat template switches, e.g. {"thinking": True}
 
 
 def tool_call_text(name: str, arguments: dict) -> str:

@@ -1,7 +1,8 @@
 """Skill `copy`: reproduce a random string longer than the sliding window, exactly.
 
 Each character of the copy lies more than WINDOW tokens after its source, so copying goes through the compressed
-attention layers.
+attention layers. Training also draws strings inside the window and, with `lead`, starts the question after a lead-in
+of up to `lead` characters, so the string's place relative to the compressed blocks (4 and 16 tokens) varies.
 """
 
 from __future__ import annotations
@@ -16,14 +17,19 @@ LENGTHS = (WINDOW + 8, 2 * WINDOW + 32)  # inclusive range of string lengths
 LENGTH_GROUPS = [(WINDOW + 32, "short"), (2 * WINDOW, "medium"), (LENGTHS[1], "long")]
 
 
-def generate(rng: random.Random, length: int | None = None) -> Example:
+LEAD_IN = "Here is a string to copy. Read it once and write it back. "  # lead-ins are its prefixes
+
+
+def generate(rng: random.Random, length: int | None = None, lead: int = 0) -> Example:
+    """A string of `length` characters (default: LENGTHS); `lead` > 0 puts a lead-in of 0..lead characters first."""
     length = length or rng.randint(*LENGTHS)
     text = "".join(rng.choice(ALPHABET) for _ in range(length))
-    group = next(label for bound, label in LENGTH_GROUPS if length <= bound)
+    group = next((label for bound, label in LENGTH_GROUPS if length <= bound), LENGTH_GROUPS[-1][1])
+    prefix = LEAD_IN[: rng.randint(0, min(lead, len(LEAD_IN)))] if lead else ""
     return Example(
         "copy",
         f"copy|{text}",
-        f"Copy the text exactly: {text}",
+        f"{prefix}Copy the text exactly: {text}",
         text,
         group=group,
         meta={"length": length, "expected": text},

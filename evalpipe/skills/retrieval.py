@@ -33,13 +33,13 @@ def _notes(n_bytes: int, rng: random.Random, first: int) -> list[str]:
 
 
 def generate(
-    rng: random.Random, after: int | None = None, before: int | None = None, context: int = MAX_CONTEXT
+    rng: random.Random, after: int | None = None, before: int | None = None, context: int = MAX_CONTEXT, digits: int = 5
 ) -> Example:
     """after: bytes of filler between the needle and the question (default log-uniform up to the context);
     before: bytes of filler ahead of the needle (default random, within the context); context: the prompt and
-    reply budget in bytes (a longer-context server is qualified with longer prompts)."""
+    reply budget in bytes (a longer-context server is qualified with longer prompts); digits: the code's length."""
     key = f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
-    value = str(rng.randint(10000, 99999))
+    value = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
     limit = context - REPLY_ROOM - 200  # filler bytes that fit beside the needle and the question
     if after is None:
         after = 0 if rng.random() < 0.15 else int(2 ** rng.uniform(3, 11.9))

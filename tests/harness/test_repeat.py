@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from evalpipe.commands.repeat import command as repeat_cmd  # noqa: E402
 from evalpipe.harness.records import REQUIRED_KEYS  # noqa: E402
+from evalpipe.lanes.repeat_fixtures import COPY_TEXT  # noqa: E402
 from tests.support.bench_peer import start_peer  # noqa: E402
 
 V0 = [11, 12, 13, 14, 15, 16]
@@ -172,6 +173,9 @@ def test_controls_on_the_default_model(tmp_path):
         assert g["mode_correct"] is True and g["control_correct_share"] == 1.0, (cond, g)
         copy = result["groups"]["exact_copy"][cond]
         assert copy["n"] == 2 and copy["n_errors"] == 0 and copy["distinct"] == 1, (cond, copy)
+        # exactness against the expected copy is graded and reported beside agreement (enforced once the default
+        # model is one trained to copy: issue 30)
+        assert copy["expected"] == COPY_TEXT and isinstance(copy["mode_correct"], bool), (cond, copy)
 
 
 def test_prefix_conditions_are_skipped_with_the_reason_where_the_cache_cannot_be_reset(tmp_path):

@@ -80,7 +80,17 @@ def test_lanes_cli_lists_and_checks_pins():
     r = run_cli("lanes", "--check-pins", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert [o["lane"] for o in out] == ["gsm8k", "aime26", "aime26-x16", "arith", "retrieval", "copy"]
+    assert [o["lane"] for o in out] == [
+        "gsm8k",
+        "aime26",
+        "aime26-x16",
+        "arith",
+        "retrieval",
+        "copy",
+        "chat-arith-boxed",
+        "chat-arith-boxed-think",
+        "chat-arith-boxed-think-x16",
+    ]
     assert all(o["differences"] == [] for o in out)
 
 

@@ -73,6 +73,8 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
     assert {r["stream"] for r in structured} == {True, False} and {r["mode"] for r in structured} == {"serial", "C8"}
     call = next(r for r in structured if r["id"] == "serial tool_choice named streamed")
     assert call["output"]["finish_reason"] == "tool_calls" and json.loads(call["output"]["tool_calls"][0]["arguments"])
+    drawn = by["structured"]["notes"]["drawn_tools"]  # reported beside the verdict until the retrained model ships
+    assert drawn["sent"] >= 2 and drawn["exact"] == drawn["sent"] and drawn["first_miss"] is None, drawn
     assert by["soak"]["notes"]["failures"] == 0 and by["soak"]["notes"]["hangs"] == 0
     assert by["soak"]["notes"]["mem_available_mb"]["min"] > 0
     written = "".join(p.read_text() for p in (tmp_path / "q").iterdir())
@@ -162,6 +164,9 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     code, result, output = qualify(url, tmp_path / "structured", *KEY_ARGS, "--gates", "structured")
     g = gates(result)["structured"]
     assert code == 0 and g["verdict"] == "pass" and g["failed"] == 0 and g["passed"] == len(g["records"]), output
+    drawn = g["notes"]["drawn_tools"]  # today's model was not trained on drawn tools: reported, not enforced
+    assert drawn["enforced"] is False and drawn["sent"] >= 2 and 0 <= drawn["exact"] <= drawn["sent"], drawn
+    print("drawn tools against the default model:", drawn)
 
     # a fresh boot of the same settings, and the random tiny model (same API, other weights), started side by side
     with ThreadPoolExecutor(2) as pool:

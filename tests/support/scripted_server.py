@@ -35,10 +35,10 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
                (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text.
   stream_delay_s  pause between streamed events (default 0.002).
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
-needle's code, a tool ask with the matching call (tools given), a tool result by stating it, a JSON ask under
-response_format with the object; any other prompt with a continuation determined by the prompt (max_tokens long
-with ignore_eos); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16 and
-usage.prompt_tokens is the prompt's bytes + 1.
+needle's code, a tool ask with the matching call (tools given; the fixed tools of `chat` and the drawn ones of
+`tools`), a tool result by stating it, a JSON ask under response_format with the object; any other prompt with a
+continuation determined by the prompt (max_tokens long with ignore_eos); it has /flush_cache (other modes have
+none). It is byte-level: token ids are bytes + 16 and usage.prompt_tokens is the prompt's bytes + 1.
 Every mode streams (`stream: true`) as SSE, chunk by chunk, ending with `[DONE]`.
 A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
@@ -472,6 +472,18 @@ def with_spec(choice: dict, cfg: dict) -> dict:
 NEEDLE_ASK = re.compile(r"What is the secret code of the ([a-z]+ [a-z]+)\?")
 COUNT_ASK = re.compile(r"How many (.+) does (.+) have\?")
 JSON_ASK = re.compile(r"^(.+) has (\d+) (.+)\. Reply in JSON")
+DRAWN_TOOL_ASK = re.compile(r"^Please (\w+) the (\w+) with (.+)\.$")  # evalpipe.skills.tools
+
+
+def drawn_tool_call(ask: str, tools: list) -> Optional[tuple[str, dict]]:
+    """(name, arguments) for an ask of evalpipe.skills.tools, typed by the offered tool's schema; None otherwise."""
+    m = DRAWN_TOOL_ASK.match(ask)
+    spec = m and next((t["function"] for t in tools if t.get("function", {}).get("name") == f"{m[1]}_{m[2]}"), None)
+    if not spec:
+        return None
+    props = spec["parameters"]["properties"]
+    args = dict(pair.split(" ", 1) for pair in m[3].split(", "))
+    return spec["name"], {k: int(v) if props.get(k, {}).get("type") == "integer" else v for k, v in args.items()}
 
 
 def _continuation(prompt: str, n: int) -> str:
@@ -496,11 +508,13 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
         wants_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         if last.get("role") == "tool":
             text = f"The answer is {last.get('content')}."
-        elif wants_tools and (needle or count):
+        elif wants_tools and (needle or count or drawn_tool_call(ask, body["tools"])):
             name, args = (
                 ("get_secret_code", {"place": needle.group(1)})
                 if needle
                 else ("count_items", {"person": count.group(2), "item": count.group(1)})
+                if count
+                else drawn_tool_call(ask, body["tools"])
             )
             text, finish = "", "tool_calls"
             calls = [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]

@@ -40,6 +40,11 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
     assert "2 planned steps left (--resume" in first.stdout
     partial = json.loads((out / "receipt.json").read_text())
     assert (partial["steps"], partial["planned_steps"], len(partial["calls"])) == (1, 3, 1)
+    from training.curriculum import RECIPES
+
+    assert partial["curriculum"] == json.loads(json.dumps(RECIPES["v2"].describe()))  # the default recipe, in full
+    other = train("--resume", str(out), "--recipe", "v1")
+    assert other.returncode != 0 and "trains recipe v2, not --recipe v1" in other.stderr
 
     second = train("--resume", str(out))
     assert second.returncode == 0, second.stderr[-3000:]

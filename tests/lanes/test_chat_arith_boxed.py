@@ -1,0 +1,143 @@
+"""The chat-arith-boxed lanes: their protocol and pins, the sgl-eval dataset file that mirrors them, and sgl-eval's own
+score of that file against evalpipe's score of the lane, on the same server (the scripted stand-in with right, wrong
+and truncated answers, and the real `evalpipe serve`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evalpipe.lanes import get_lane
+from evalpipe.lanes.chat_arith_boxed import sgl_eval_rows
+from evalpipe.skills import boxed
+from tests.core_helpers import load_run, run_lane
+from tests.scripted_server import mixed_bucket, start_scripted_server, stop_scripted_server
+from tests.server_harness import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+DATASET = REPO / "datasets" / "arith-as-boxed.jsonl"
+SGL_EVAL = str(Path(sys.executable).parent / "sgl-eval")
+
+
+def test_lane_protocols():
+    plain, think, x16 = (
+        get_lane(n) for n in ("chat-arith-boxed", "chat-arith-boxed-think", "chat-arith-boxed-think-x16")
+    )
+    for lane in (plain, think, x16):
+        assert lane.api == "chat" and lane.grader == "ns_last_boxed" and lane.params["max_tokens"] == 512
+    assert plain.params["chat_template_kwargs"] == {"thinking": False}
+    assert think.params["chat_template_kwargs"] == x16.params["chat_template_kwargs"] == {"thinking": True}
+    assert (plain.repeats, think.repeats, x16.repeats) == (1, 1, 16)
+    assert plain.params["temperature"] == think.params["temperature"] == 0.0 and plain.params["seed"] == 0
+    assert x16.params["temperature"] == 1.0 and x16.params["seed"] is None
+    items = plain.items()
+    assert len(items) == 300 and [it.group for it in items[:3]] == ["2ops", "3ops", "4ops"]
+    assert [it.prompt for it in think.items()] == [it.prompt for it in items]  # the same questions, thinking on
+    assert len(x16.items()) == 30
+    for it in items[:20]:
+        (message,) = it.prompt
+        assert message["role"] == "user" and message["content"].startswith(boxed.math_prompt(""))
+
+
+def test_the_sgl_eval_dataset_file_is_the_lane():
+    rows = [json.loads(line) for line in DATASET.read_text().splitlines()]
+    assert rows == sgl_eval_rows()
+    items = get_lane("chat-arith-boxed").items()
+    assert [boxed.math_prompt(r["problem"]) for r in rows] == [it.prompt[0]["content"] for it in items]
+    assert [r["expected_answer"] for r in rows] == [it.expected_answer for it in items]
+
+
+def sgl_eval_score(base_url: str, n: int, out: Path) -> float:
+    """sgl-eval's score of the first n rows of the dataset file, run as README "Running lanes" says."""
+    out.mkdir(parents=True)
+    subset = out / "rows.jsonl"
+    subset.write_text("".join(DATASET.read_text().splitlines(keepends=True)[:n]))
+    done = subprocess.run(
+        [
+            SGL_EVAL,
+            "run",
+            "gsm8k",
+            "--from-dataset",
+            str(subset),
+            "--prompt",
+            "math",
+            "--n-repeats",
+            "1",
+            "--temperature",
+            "0",
+            "--top-p",
+            "1",
+            "--seed",
+            "0",
+            "--max-tokens",
+            "512",
+            "--no-thinking",
+            "--base-url",
+            base_url,
+            "--out-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (metrics,) = out.rglob("metrics.json")
+    return json.loads(metrics.read_text())["aggregate"]["score"]
+
+
+def evalpipe_run(lane: str, base_url: str, n: int, out: Path) -> dict:
+    r = run_lane(lane, base_url, out, "--num-examples", str(n))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (run,) = (out / lane).iterdir()
+    return load_run(run)[1]
+
+
+def test_sgl_eval_scores_the_dataset_as_the_lane_scores_it_on_right_wrong_and_truncated_answers(tmp_path):
+    """The scripted server answers each problem right, wrong or cut short (fixed per problem); the first 14 problems
+    hold all three and no server error (sgl-eval retries those for a minute)."""
+    n = 14
+    rows = sgl_eval_rows()[:n]
+    buckets = [mixed_bucket(r["problem"]) for r in rows]
+    assert {"correct", "wrong", "truncated"} <= set(buckets) and "error500" not in buckets
+    x16_problems = [
+        it.prompt[0]["content"].split("\n\n", 1)[1] for it in get_lane("chat-arith-boxed-think-x16").items()[:3]
+    ]
+    answers = {r["problem"]: str(r["expected_answer"]) for r in rows}
+    answers.update(
+        {p: str(it.expected_answer) for p, it in zip(x16_problems, get_lane("chat-arith-boxed-think-x16").items())}
+    )
+    base_url, proc = start_scripted_server(mode="mixed", answers=answers)
+    try:
+        ours = evalpipe_run("chat-arith-boxed", base_url, n, tmp_path / "evalpipe")
+        theirs = sgl_eval_score(base_url, n, tmp_path / "sgl")
+        think = evalpipe_run("chat-arith-boxed-think", base_url, n, tmp_path / "think")
+        x16 = evalpipe_run("chat-arith-boxed-think-x16", base_url, 3, tmp_path / "x16")
+    finally:
+        stop_scripted_server(proc)
+    expected = buckets.count("correct") / n
+    assert ours["accuracy"] == pytest.approx(expected) and abs(theirs - ours["accuracy"]) <= 0.01
+    assert ours["n_truncated"] == think["n_truncated"] == buckets.count("truncated")
+    assert think["accuracy"] == pytest.approx(expected)
+    # x16: every one of a question's 16 responses shares its scripted fate, so pass@1 = pass@16 = the right share
+    right = [mixed_bucket(p) == "correct" for p in x16_problems]
+    assert x16["n_planned"] == 48 and x16["pass@1"] == pytest.approx(sum(right) / 3)
+    assert x16["pass@16"] == pytest.approx(sum(right) / 3)
+    assert x16["n_truncated"] == 16 * sum(mixed_bucket(p) == "truncated" for p in x16_problems)
+
+
+def test_sgl_eval_runs_the_dataset_against_evalpipe_serve(tmp_path):
+    """The shipped default model against both harnesses, greedy: the same score (today's model answers `#### N`, not
+    a box, so both read no answer; the lanes are the retrained model's targets)."""
+    server = ServerProcess(model="evalpipe-skills-dsv4")
+    try:
+        base_url = server.base + "/v1"
+        ours = evalpipe_run("chat-arith-boxed", base_url, 3, tmp_path / "evalpipe")
+        theirs = sgl_eval_score(base_url, 3, tmp_path / "sgl")
+    finally:
+        server.stop()
+    assert ours["n_records"] == 3 and abs(theirs - ours["accuracy"]) <= 0.01
