@@ -11,6 +11,22 @@ import torch
 for _terminal_size in ("COLUMNS", "LINES"):
     os.environ.pop(_terminal_size, None)
 
+# Triton builds its own language functions (tl.zeros, tl.sum, ...) for the interpreter or the compiler when triton is
+# first imported, whatever TRITON_INTERPRET says later. Test folders collected before tests/kernels import triton
+# through evalpipe.engine, so without CUDA (where Triton can only run interpreted) triton is imported here, in
+# interpreter mode, before any of them; the variable is put back so servers and subprocesses do not inherit it.
+if not torch.cuda.is_available():
+    _interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:  # triton is optional on the CPU
+        pass
+    if _interpret is None:
+        os.environ.pop("TRITON_INTERPRET")
+    else:
+        os.environ["TRITON_INTERPRET"] = _interpret
+
 # One torch intra-op thread in every test process: the tiny model's and the kernel references' ops are overhead
 # bound, so a second thread only adds barrier cost, and two workers' threads thrash on the 2-core machine
 # (tests/kernels/test_kernels_moe.py + test_kernels_c2.py under -n 2: 143-147 s with torch's default of 2 threads,

@@ -1,6 +1,6 @@
 """How many tokens the sampling gate needs to catch `residual-from-target` with a given drafter (issue 28).
 
-Measured in process on the CPU with the engine the server runs (`build(ServerSettings(...))`, the real Engine loop):
+Measured in process on the CPU with the engine the server runs (`build(EngineConfig(...))`, the real Engine loop):
 the gate's own prompts (`qualify.sampling.prompts`, seed --seed), T = 1, top_p 1, 64 tokens each, the exact sampler.
 At every emitted token we keep the target's distribution p and, where the token sat at a drafted position, the
 drafter's q there. A verifier with the fault emits at a drafted position
@@ -36,6 +36,7 @@ import torch
 from scipy import stats
 
 from evalpipe.engine.build import build
+from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.engine import Engine, make_sequences
 from evalpipe.engine.sampling import sampling_probs
 from evalpipe.engine.sampling_params import SamplingParams
@@ -51,21 +52,20 @@ from evalpipe.qualify.sampling import (
     pit_tests,
     prompts,
 )
-from evalpipe.server.state import ServerSettings
 
 
 def measure(model: str, drafter: str, n_responses: int, max_tokens: int, seed: int, batch: int) -> list[list[dict]]:
     """Per response, per emitted token: {"token", "p" (float64 [V]), "q" ([V] or None: not a drafted position)}.
     The first token (sampled at prefill) has p None: it is exact under the fault and only counted."""
-    settings = ServerSettings(model=model, speculative="block", drafter=drafter, max_batch=batch, max_seq_len=512)
-    runner, decoder = build(settings)
+    config = EngineConfig(model=model, speculative="block", drafter=drafter, max_batch=batch, max_seq_len=512)
+    runner, decoder = build(config)
     assert isinstance(decoder, SpeculativeDecoder)
     tokenizer = load_tokenizer(None)
     record: dict[int, list[dict]] = {}
     plain_accept = decoder.accept
 
     def recording_accept(seq, logits, argmax=None):
-        spec = seq.state["spec"]
+        spec = seq.spec
         drafts, q = list(spec.drafts), spec.q
         p = sampling_probs(logits, seq.params).double()
         tokens = plain_accept(seq, logits, argmax)
@@ -281,9 +281,10 @@ def main() -> None:
             else "n/a"
         )
     )
-    print("tokens for p < alpha | chi-square | collapse | repeat | likelihood ratio knowing q (a bound)")
+    print("| tokens for p < alpha | chi-square | collapse | repeat | likelihood ratio knowing q (a bound) |")
+    print("|---|---:|---:|---:|---:|")
     for key, row in pred["tokens"].items():
-        print(f"{key} | " + " | ".join(f"{v:,.0f}" for v in row.values()))
+        print(f"| {key} | " + " | ".join(f"{v:,.0f}" for v in row.values()) + " |")
     # the measured tokens themselves came from the exact sampler: their argmax hits against sum(p_max) (the gate's
     # collapse statistic on the engine's own draws, in process)
     _, z_exact, p_exact = hit_test(sum(r["hit"] for r in eff["rows"]), [r["a_p"] for r in eff["rows"]])

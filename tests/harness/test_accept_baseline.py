@@ -148,7 +148,7 @@ def test_context_buckets_on_a_real_run_with_prompts_of_several_lengths(tmp_path)
 # spec_accept_histogram as a backward-compatible alias that SGLang marks for removal.
 @pytest.mark.parametrize("histogram_key", ["spec_correct_drafts_histogram", "spec_accept_histogram"])
 def test_sglang_meta_info_is_a_per_response_source(tmp_path, histogram_key):
-    from tests.scripted_server import scripted_server
+    from tests.support.scripted_server import scripted_server
 
     rng = random.Random()
     hist = [rng.randint(0, 9) for _ in range(4)]  # G = 3 (a topk-1 EAGLE chain of 3 steps)
