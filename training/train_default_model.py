@@ -120,7 +120,43 @@ def parse_args(argv=None):
     )
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for action in p._actions:  # parse again without defaults: what remains is what this command line names
+        action.default = argparse.SUPPRESS
+    args.given = set(vars(p.parse_args(argv)))
+    return args
+
+
+# What a call may change when it resumes a run; every other argument defines the run (its data, model, loss and
+# schedule), so --resume takes it from the run's first call.
+PER_CALL = {
+    "out",
+    "resume",
+    "stop_after",
+    "workers",
+    "device",
+    "smoke",
+    "eval_every",
+    "eval_per_group",
+    "rewarmup",
+    "experts",
+    "step",
+    "steps",
+    "time_budget",
+    "init_from",
+}
+
+
+def restore_run_args(args, first_call: dict) -> None:
+    """Set the run-defining arguments to those of the run's first call; refuse one given with another value."""
+    for name, value in first_call.items():
+        if name in PER_CALL or name in ("recipe", "given") or not hasattr(args, name):
+            continue
+        value = Path(value) if isinstance(getattr(args, name), Path) else value
+        if name in args.given and getattr(args, name) != value:
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"--resume {args.resume}: that run has {flag} {value}; a resumed run keeps its settings")
+        setattr(args, name, value)
 
 
 def check_args(args) -> dict | None:
@@ -150,6 +186,7 @@ def check_args(args) -> dict | None:
     if args.recipe not in (None, earlier):
         raise SystemExit(f"--resume {args.resume}: that run trains recipe {earlier}, not --recipe {args.recipe}")
     args.recipe = earlier
+    restore_run_args(args, prior["calls"][0].get("args", {}))
     return prior
 
 

@@ -313,7 +313,7 @@ def train(args, prior: dict | None) -> None:
         "first_step": first_step,
         "command": " ".join(sys.argv),
         "git_commit": git_commit(),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "given"},
     }
 
     def receipt_facts():

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)
 def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_and_curve(tmp_path):
     """The run is split as on the GPU machine: a first call stopped after its first step (`--stop-after 0`), then
-    `--resume` finishes the same schedule; a finished run, or a folder without a receipt, refuses to be resumed."""
+    `--resume` finishes the same schedule with the first call's settings (a different one is refused); a finished
+    run, or a folder without a receipt, refuses to be resumed."""
     out = tmp_path / "model"
 
     # one torch thread: beside another busy process on the 2-core machine, two threads spin against it (measured:
@@ -35,7 +36,7 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
             env=env,
         )
 
-    first = train("--stop-after", "0")
+    first = train("--stop-after", "0", "--lr", "0.003")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "2 planned steps left (--resume" in first.stdout
     partial = json.loads((out / "receipt.json").read_text())
@@ -46,6 +47,9 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
     other = train("--resume", str(out), "--recipe", "v1")
     assert other.returncode != 0 and "trains recipe v2, not --recipe v1" in other.stderr
 
+    changed = train("--resume", str(out), "--lr", "0.001")
+    assert changed.returncode != 0 and "that run has --lr 0.003" in changed.stderr
+
     second = train("--resume", str(out))
     assert second.returncode == 0, second.stderr[-3000:]
     receipt = json.loads((out / "receipt.json").read_text())
@@ -53,6 +57,8 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
     assert [(c["first_step"], c["last_step"]) for c in receipt["calls"]] == [(0, 1), (1, 3)]
     assert receipt["wall_s"] > partial["wall_s"] and [h["step"] for h in receipt["history"]] == [0, 2]
     assert len(receipt["evals"]) == 2 and "--resume" in receipt["calls"][1]["command"]
+    # the resumed call trains the run's settings, not the defaults of flags it did not repeat
+    assert receipt["calls"][1]["args"]["lr"] == 0.003 and "given" not in receipt["calls"][1]["args"]
 
     again = train("--resume", str(out))
     assert again.returncode != 0 and "nothing to resume" in again.stderr
