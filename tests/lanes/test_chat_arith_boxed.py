@@ -14,9 +14,9 @@ import pytest
 from evalpipe.lanes import get_lane
 from evalpipe.lanes.chat_arith_boxed import sgl_eval_rows
 from evalpipe.skills import boxed
-from tests.core_helpers import load_run, run_lane
-from tests.scripted_server import mixed_bucket, start_scripted_server, stop_scripted_server
-from tests.server_harness import ServerProcess
+from tests.support.core_helpers import load_run, run_lane
+from tests.support.scripted_server import mixed_bucket, start_scripted_server, stop_scripted_server
+from tests.support.server_harness import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 DATASET = REPO / "datasets" / "arith-as-boxed.jsonl"

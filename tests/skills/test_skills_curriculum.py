@@ -15,7 +15,7 @@ from evalpipe.lanes import get_lane, sgl_eval_adapter
 from evalpipe.lanes.skill_lane import lane_examples
 from evalpipe.server.tool_calls import ToolCallSplitter
 from evalpipe.skills import WINDOW, arith, boxed, copy_text, draw, retrieval, split_of, tools
-from tests.test_skills import _check_columns, _eval_steps
+from tests.skills.test_skills import _check_columns, _eval_steps
 from training import curriculum, data
 
 TOK = ByteTokenizer()
