@@ -63,6 +63,8 @@ class Record:
     logprobs: Any  # choice logprobs when requested and returned, else null
     response_id: Optional[str]  # optional: the response's `id`
     model_reported: Optional[str]  # optional: the response's `model`
+    # optional: the server's batch-invariant mode when the run started (plan.server_deterministic), null unknown
+    server_deterministic: Optional[bool]
     extracted_answer: Any
     expected_answer: Any
     correct: bool  # errors and truncations are always False
@@ -77,7 +79,7 @@ class Record:
 
 
 # Keys audit does not require: `group` (absent on lanes without groups) and what the response body said of itself.
-OPTIONAL_KEYS = ("group", "response_id", "model_reported")
+OPTIONAL_KEYS = ("group", "response_id", "model_reported", "server_deterministic")
 # Keys every record carries, in writing order (`Record`'s fields less the optional ones).
 REQUIRED_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Record) if f.name not in OPTIONAL_KEYS)
 

@@ -21,6 +21,7 @@ from typing import Iterable
 
 from evalpipe import volatile
 from evalpipe.harness.client import Server
+from evalpipe.harness.server_facts import deterministic_mode
 from evalpipe.launchers.base import Launcher
 from evalpipe.launchers.env import redact_tree, scrub_values
 
@@ -113,12 +114,19 @@ def build_receipt(launcher: Launcher, report: dict | None = None) -> dict:
         "server_info_path": report.get("server_info_path"),
         "server_info": report.get("server_info"),
         "debug_faults": _debug_faults(report.get("server_info")),
+        "deterministic": launched_deterministic(launcher, report.get("server_info")) if report else None,
         "models": report.get("models"),
         "gpus": gpu_list(),
         "evalpipe_source": _source(),  # the native engine's own code; for sglang/vllm, the launcher's
         "host": {"hostname": platform.node(), "platform": platform.platform(), "cwd": os.getcwd()},
     }
     return scrub_values(receipt, launcher.secret_values())
+
+
+def launched_deterministic(launcher: Launcher, info) -> bool | None:
+    """The launched server's deterministic mode: its own report (native, SGLang); for vLLM, which reports it
+    nowhere, the VLLM_BATCH_INVARIANT of the environment this launcher gave it."""
+    return deterministic_mode(info, launcher.child_env.env if launcher.engine == "vllm" else None)
 
 
 def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
@@ -145,6 +153,8 @@ def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
             problems.append(f"server reports {key}={value!r}: simulated acceptance is on but was not requested")
     if requested is not None and info is not None and not reported:
         problems.append(f"lossy acceptance {requested} was requested but the server does not report it")
+    if launcher.options.deterministic and deterministic_mode(info) is False:
+        problems.append("--deterministic was requested but the server reports its deterministic mode off")
     return problems
 
 
