@@ -219,12 +219,16 @@ def _norm(name: str) -> str:
     return name.lstrip("-").replace("-", "_").lower()
 
 
+# Declared flags whose effect an engine reports under another name: --deterministic is vLLM's VLLM_BATCH_INVARIANT.
+FLAG_EFFECTS = {"deterministic": ("batch_invariant",)}
+
+
 def explained(path: str, declared: Iterable[str], allow: Iterable[str] = ()) -> bool:
     """Is a differing key accounted for by a declared flag (or a user's --allow-diff glob)?"""
     lowered = path.lower()
     if any(fnmatch.fnmatchcase(lowered, pattern.lower()) for pattern in allow):
         return True
-    names = [_norm(flag) for flag in declared]
+    names = [name for flag in declared for name in (_norm(flag), *FLAG_EFFECTS.get(_norm(flag), ()))]
     if any(name and name in lowered for name in names):
         return True
     if any(any(word in name for word in SPECULATION_WORDS) for name in names):
