@@ -172,3 +172,10 @@ def test_the_mode_is_read_never_guessed():
     assert "is a bug, not noise" in determinism_note([True, True])
     for modes in ([True, False], [True, None], [], [False]):
         assert "batch-shape variance" in determinism_note(modes)
+
+
+def test_bench_writes_the_mode(native, tmp_path):
+    args = ["--base-url", native.base + "/v1", "--input-len", "4", "--output-len", "4", "--rounds", "1"]
+    result = cli("bench", *args, "--warmup", "0", "--concurrency", "1", "--out", str(tmp_path / "b"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["server"]["deterministic"] is True
