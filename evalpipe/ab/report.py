@@ -10,6 +10,7 @@ import html
 from pathlib import Path
 
 from evalpipe.compare.analysis import arm_accept_length
+from evalpipe.harness.server_facts import deterministic_label
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}
@@ -87,11 +88,12 @@ def render(index: dict) -> str:
     )
     parts.append(
         _table(
-            ["arm", "status", "receipt", "server log", *index.get("lanes", [])],
+            ["arm", "status", "deterministic", "receipt", "server log", *index.get("lanes", [])],
             [
                 [
                     _e(a["label"]),
                     _e(a["status"]),
+                    _e(deterministic_label(a.get("deterministic"))),
                     f"<a href='{_e(a['receipt'])}'>receipt.json</a>",
                     f"<a href='{_e(a['log'])}'>server.log</a>",
                     *[

@@ -29,6 +29,7 @@ from evalpipe.harness.agreement import compare_outputs
 from evalpipe.harness.client import Server
 from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
 from evalpipe.harness.records import AB_FILE
+from evalpipe.harness.server_facts import determinism_note, deterministic_label
 from evalpipe.lanes import get_lane
 from evalpipe.launchers import LaunchOptions, ServerStartError, make_launcher
 from evalpipe.launchers.base import free_port
@@ -183,6 +184,11 @@ class ABRun:
         def pct(x):
             return "-" if x is None else f"{100 * x:.2f}%"
 
+        arms = self.index["arms"]
+        for a in arms:
+            click.echo(f"arm {a['label']}: deterministic {deterministic_label(a.get('deterministic'))}")
+        if arms:
+            click.echo(determinism_note(a.get("deterministic") for a in arms))
         for c in self.index["comparisons"]:
             if c.get("error"):
                 click.echo(f"{c['lane']} {c['a']} vs {c['b']} ({c['kind']}): compare failed: {c['error']}")
@@ -225,6 +231,7 @@ class ABRun:
         try:
             receipts[label] = receipt
             arm["status"] = "ready"
+            arm["deterministic"] = receipt.get("deterministic")
             problems = self.check_receipt(side, label, receipt, receipts, first_of)
             if problems:
                 arm["status"] = "refused"
@@ -239,7 +246,9 @@ class ABRun:
                 for lane in self.lanes:
                     arm["status"] = f"running {lane}"
                     self.save()
-                    run_dir, code, message = self.run_lane(lane, label, launcher, arm_dir / "runs")
+                    run_dir, code, message = self.run_lane(
+                        lane, label, launcher, arm_dir / "runs", arm.get("deterministic")
+                    )
                     arm["runs"][lane] = str(run_dir.relative_to(self.out)) if run_dir else None
                     if code:
                         arm["status"] = f"{lane} failed"
@@ -273,8 +282,9 @@ class ABRun:
             problems += [f"vs {other}: {p}" for p in found]
         return problems
 
-    def run_lane(self, lane: str, label: str, launcher, out: Path):
-        """Run one lane in-process through evalpipe's runner; returns (run_dir, exit_code, message)."""
+    def run_lane(self, lane: str, label: str, launcher, out: Path, deterministic: bool | None = None):
+        """Run one lane in-process through evalpipe's runner; returns (run_dir, exit_code, message).
+        `deterministic`: the arm's mode as its receipt says (vLLM reports it only through its launcher)."""
         overrides = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
         config = RunConfig(
             lane=get_lane(lane),
@@ -288,6 +298,7 @@ class ABRun:
             data_dir=self.data_dir,
             logprobs=self.logprobs,
             command_line=self.command_line,
+            launched_deterministic=deterministic,
         )
         try:
             outcome = LaneRun(config).execute()

@@ -112,6 +112,7 @@ def command(
         RepeatRun,
         planned_requests,
     )
+    from evalpipe.harness.server_facts import determinism_note, deterministic_label
     from evalpipe.lanes.repeat_fixtures import fixtures
 
     all_fx = fixtures(long_context_chars=long_context_chars, open_max_tokens=open_max_tokens)
@@ -174,6 +175,9 @@ def command(
                 escape(control),
             )
     make_console().print(t)
+    deterministic = result["server"].get("deterministic")
+    click.echo(f"server deterministic: {deterministic_label(deterministic)}")
+    click.echo(determinism_note([deterministic]))
     for line in error_lines(runner.records):
         click.echo(line, err=True)
     for c, why in result["config"]["conditions_skipped"].items():

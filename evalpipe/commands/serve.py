@@ -28,7 +28,7 @@ default) in this process, or SGLang / vLLM / the native engine through a launche
 
 A launcher starts the server as a child process with a clean environment and a receipt; it is used for
 --engine sglang|vllm, --dry-run, or any launcher flag (--tp/--ep/--dp, --draft-model, --spec-steps, --spec-topk,
---spec-draft-tokens, --deterministic, --keep-env, --set-env, --engine-python, --engine-command,
+--spec-draft-tokens, --keep-env, --set-env, --engine-python, --engine-command,
 --ngram-min/--ngram-max, --ready-timeout, --receipt, --log-file).
 
 \b
@@ -131,7 +131,8 @@ def serve_native(params: dict, config: EngineConfig) -> None:
         url = f"http://{_display_host(host)}:{port}/v1"
         click.echo(
             f"evalpipe serve: ready at {url} (model {state.model_id}, {config.dtype} on {device}, "
-            f"{speculation_summary(state)}, loaded in {state.load_seconds:.1f}s)"
+            f"{speculation_summary(state)}{', deterministic' if config.deterministic else ''}, "
+            f"loaded in {state.load_seconds:.1f}s)"
         )
         if config.debug_faults:
             from evalpipe.engine.faults import DEBUG_FAULTS

@@ -18,7 +18,7 @@ from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
 from evalpipe.harness import metrics, spec_metrics
 from evalpipe.harness.agreement import compare_outputs, summarize_agreement
 from evalpipe.harness.metrics import completion_tokens, first_number, is_correct
-from evalpipe.harness.server_facts import lossy_acceptance
+from evalpipe.harness.server_facts import determinism_note, lossy_acceptance
 from evalpipe.redact import redact
 
 SCHEMA_VERSION = 1
@@ -454,6 +454,8 @@ def analyse(
         result["spec"][side]["not_recorded"] = isinstance(imported, dict) and "spec" in (
             imported.get("not_recorded") or []
         )
+    modes = {"a": a.deterministic, "b": b.deterministic}
+    result["deterministic"] = {**modes, "note": determinism_note(modes.values())}
     result["speed"] = {"a": speed_stats(recs_a), "b": speed_stats(recs_b)}
     result["manifest_diff"] = manifest_differences(a.manifest, b.manifest, intended)
     return _clean(result)

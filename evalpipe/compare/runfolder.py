@@ -65,6 +65,16 @@ class RunFolder:
     def repeated(self) -> bool:
         return any(int(r.get("repeat_index") or 0) > 0 for r in self.records)
 
+    @property
+    def deterministic(self) -> bool | None:
+        """The server's deterministic mode the run recorded: its manifest's server facts, else summary.json's;
+        None when neither says (an older or imported run, a server that does not report it)."""
+        server = snapshot(self.manifest).get("server")
+        for value in ((server or {}).get("deterministic"), self.summary.get("server_deterministic")):
+            if isinstance(value, bool):
+                return value
+        return None
+
     def partial_reasons(self) -> list[str]:
         reasons = []
         if self.summary.get("partial"):

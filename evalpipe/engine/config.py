@@ -49,6 +49,9 @@ class EngineConfig:
     overlap_schedule: str = "on"  # engine/engine.py: queue greedy decode steps one ahead on the CUDA-graph runner
     prefill_delay_factor: float = 0.0  # Engine._admit_now: new prompts wait F x the last prompt step's time
     stream_interval: int = 1  # Engine._send: streamed events carry N tokens (the first excepted)
+    # ask for batch-invariant kernels (evalpipe/kernels, tests/kernels/test_batch_invariant.py): a greedy output
+    # should then depend on its prompt alone, not on the batch it ran in; reported in /get_server_info
+    deterministic: bool = False
     debug_faults: tuple[str, ...] = ()  # planted faults (engine/faults.py, --debug-fault): never on by default
 
     def __post_init__(self):

@@ -138,6 +138,9 @@ def check_records(run: _Run, check: Check) -> list[dict]:
                 f"responses.jsonl changed after the run finished: sha256 {now[:16]}..., "
                 f"manifest.json recorded {pinned[:16]}..."
             )
+    # the server's deterministic mode each record carries is one its run's snapshots recorded (start, resume)
+    snapshots = [run.man[k] for k in ("start", "resume_start") if isinstance(run.man.get(k), dict)]
+    modes = [(snap.get("server") or {}).get("deterministic") for snap in snapshots]
     for i, r in enumerate(read.records):
         miss = missing_keys(r)
         if miss:
@@ -145,6 +148,11 @@ def check_records(run: _Run, check: Check) -> list[dict]:
         for k in ("run_id", "arm", "lane"):
             if r.get(k) != run.man.get(k):
                 check.problems.append(f"record {i + 1}: {k}={r.get(k)!r}, manifest says {run.man.get(k)!r}")
+        if "server_deterministic" in r and r["server_deterministic"] not in modes:
+            check.problems.append(
+                f"record {i + 1}: server_deterministic={r['server_deterministic']!r}, the manifest's server "
+                f"snapshots say {' or '.join(map(repr, modes))}"
+            )
     return [r for r in read.records if not missing_keys(r)]
 
 

@@ -39,7 +39,7 @@ from evalpipe.harness.client import (
     streaming_client,
 )
 from evalpipe.harness.records import BENCH_FILE, write_json
-from evalpipe.harness.server_facts import find_key
+from evalpipe.harness.server_facts import deterministic_mode, find_key
 
 SCHEMA_VERSION = 1
 
@@ -304,6 +304,7 @@ def _prepare(server: Server, cfg: BenchConfig, st: BenchState) -> tuple[str, lis
     st.server = {
         "models": models,
         "server_info": info,
+        "deterministic": deterministic_mode(info),  # its batch-invariant mode as it reports it; None: it does not say
         "flush_cache_offered": reset_path is not None,
         "cache_reset_path": reset_path,
         "cache_reset_tried": list(CACHE_RESET_PATHS) if cfg.flush else [],

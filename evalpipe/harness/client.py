@@ -22,6 +22,7 @@ import httpx
 import openai
 from httpx_sse import EventSource
 
+from evalpipe.harness.server_facts import deterministic_mode
 from evalpipe.redact import redact, scrub_values
 
 DEFAULT_BASE_URL = "http://127.0.0.1:30000/v1"  # where `evalpipe serve` listens unless told otherwise
@@ -151,13 +152,15 @@ class Server:
         return None, None
 
     def describe(self) -> dict:
-        """{"models", "server_info_path", "server_info"}: the server facts a run manifest records."""
+        """{"models", "server_info_path", "server_info", "deterministic"}: the server facts a run manifest records
+        (`deterministic`: its batch-invariant mode as it reports it, None when it does not say)."""
         try:
             models: Any = self.models()
         except EndpointError as exc:
             models = {"error": str(exc)}
         path, info = self.server_info()
-        return {"models": models, "server_info_path": path, "server_info": info}
+        deterministic = deterministic_mode(info)
+        return {"models": models, "server_info_path": path, "server_info": info, "deterministic": deterministic}
 
     def reset_prefix_cache(self, paths: tuple[str, ...] = CACHE_RESET_PATHS) -> Optional[str]:
         """POST the first of `paths` the server answers with 2xx; that path, or None when none did."""

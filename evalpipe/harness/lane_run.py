@@ -182,6 +182,7 @@ class Sending:
             group=item.group,
             request=body,
             **fields,
+            server_deterministic=plan.server.deterministic,
             extracted_answer=extracted,
             expected_answer=item.expected_answer,
             correct=correct,
@@ -330,6 +331,7 @@ def finish(plan: RunPlan, folder: RunFolder, sending: Sending, wall: float) -> R
         "resumed": folder.resumed is not None,
         "server_lossy_acceptance": plan.server.lossy,
         "server_debug_faults": plan.server.faults,
+        "server_deterministic": plan.server.deterministic,
         "spec_metrics": metrics,
     }
     summary = compute_summary(

@@ -26,6 +26,7 @@ from evalpipe.harness.records import (
 )
 from evalpipe.harness.server_facts import (
     debug_faults,
+    deterministic_mode,
     lossy_acceptance,
     simulation_reason,
 )
@@ -84,6 +85,9 @@ class RunConfig:
     progress: bool = True
     resume_dir: Optional[Path] = None
     command_line: list = field(default_factory=list)
+    # the deterministic mode of a server evalpipe launched, for engines that do not report it (vLLM: the
+    # VLLM_BATCH_INVARIANT it was started with); what a server reports wins. None: not known.
+    launched_deterministic: Optional[bool] = None
 
     @classmethod
     def from_manifest(
@@ -161,6 +165,7 @@ class ServerIdentity:
     facts: dict  # {"models", "server_info_path", "server_info"} as the server reported them
     lossy: Optional[str]  # the lossy acceptance rule it runs, else None (scored, with a warning)
     faults: list  # planted debug faults it runs (scored, with a warning)
+    deterministic: Optional[bool]  # its batch-invariant mode (`server_deterministic`), None when unknown
     metrics_before: Optional[dict]  # its speculative /metrics counters before the run
 
 
@@ -233,7 +238,8 @@ class RunPlan:
                 "prompt_stream_sha256_selected": prompt_stream_sha256([it.prompt_sha256 for it in self.items]),
             },
             endpoint={"base_url": self.recorded_url, "api": lane.api, "model": self.model},
-            server=server,  # as the server reported it (redacted on write); comparisons drop what is volatile
+            # as the server reported it (redacted on write); comparisons drop what is volatile
+            server={**server, "deterministic": server_deterministic(server.get("server_info"), cfg)},
         )
 
 
@@ -312,6 +318,14 @@ def ask_server(server: Server, cfg: RunConfig) -> ServerIdentity:
         facts={"models": models_json, "server_info_path": info_path, "server_info": info},
         lossy=lossy,
         faults=faults,
+        deterministic=server_deterministic(info, cfg),
         # speculative counters from /metrics (vLLM reports speculation nowhere else): run-level, before and after
         metrics_before=spec_metrics.snapshot(server),
     )
+
+
+def server_deterministic(info, cfg: RunConfig) -> Optional[bool]:
+    """The server's deterministic mode: what it reports (server_facts.deterministic_mode), else what the launcher
+    that started it knows (`RunConfig.launched_deterministic`), else None."""
+    reported = deterministic_mode(info)
+    return cfg.launched_deterministic if reported is None else reported

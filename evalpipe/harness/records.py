@@ -63,6 +63,9 @@ class Record:
     logprobs: Any  # choice logprobs when requested and returned, else null
     response_id: Optional[str]  # optional: the response's `id`
     model_reported: Optional[str]  # optional: the response's `model`
+    # optional: the server's deterministic (batch-invariant) mode as the run found it before its first request
+    # (plan.ServerIdentity.deterministic); null: unknown
+    server_deterministic: Optional[bool]
     extracted_answer: Any
     expected_answer: Any
     correct: bool  # errors and truncations are always False
@@ -76,8 +79,9 @@ class Record:
         return out
 
 
-# Keys audit does not require: `group` (absent on lanes without groups) and what the response body said of itself.
-OPTIONAL_KEYS = ("group", "response_id", "model_reported")
+# Keys audit does not require: `group` (absent on lanes without groups), what the response body said of itself, and
+# `server_deterministic` (absent from records written before it was recorded).
+OPTIONAL_KEYS = ("group", "response_id", "model_reported", "server_deterministic")
 # Keys every record carries, in writing order (`Record`'s fields less the optional ones).
 REQUIRED_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Record) if f.name not in OPTIONAL_KEYS)
 

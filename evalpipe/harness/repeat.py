@@ -40,6 +40,7 @@ from evalpipe.harness.records import (
     response_fields,
     write_json,
 )
+from evalpipe.harness.server_facts import deterministic_mode
 from evalpipe.lanes.repeat_fixtures import Fixture, fixtures_sha256
 from evalpipe.redact import redact_text
 
@@ -176,6 +177,7 @@ class RepeatRun:
             request_seq=self.seq,
             endpoint=redact_text(self.cfg.base_url) + "/completions",
             model=self.model,
+            server_deterministic=self.server_facts["deterministic"],
             prompt_sha256=hashlib.sha256(fixture.prompt.encode()).hexdigest(),
             request={**body, **extra},
             fixture=fixture.id,
@@ -259,6 +261,7 @@ class RepeatRun:
         self.server_facts = {
             "models": ids,
             "server_info": info,
+            "deterministic": deterministic_mode(info),  # read from the server's own report; None: it does not say
             "flush_cache_offered": flush_offered,
             "cache_reset_path": self.cache_reset_path,
             "reports_cached_tokens": None,

@@ -7,7 +7,7 @@ scored as if it were real speculative decoding.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 
 def _simulate_value(info: Any) -> Any:
@@ -57,6 +57,45 @@ def debug_faults(server_info: Any) -> list[str]:
     """The faults planted in the server on purpose (`evalpipe serve --debug-fault`), empty when none."""
     faults = server_info.get("debug_faults") if isinstance(server_info, dict) else None
     return [str(f) for f in faults] if isinstance(faults, list) else []
+
+
+DETERMINISTIC_KEYS = ("deterministic", "enable_deterministic_inference")  # evalpipe's, SGLang's server info
+
+
+def deterministic_mode(server_info: Any, vllm_env: Optional[Mapping[str, str]] = None) -> Optional[bool]:
+    """Whether the server runs in its batch-invariant (deterministic) mode, as it reports it: evalpipe's
+    `deterministic`, SGLang's `enable_deterministic_inference`. vLLM reports it nowhere, so for a vLLM server
+    evalpipe launched, `vllm_env` (the environment it was started with) decides, read as vLLM reads it
+    (`bool(int(VLLM_BATCH_INVARIANT or "0"))`). None: unknown, never guessed."""
+    if isinstance(server_info, dict):
+        for key in DETERMINISTIC_KEYS:
+            if isinstance(server_info.get(key), bool):
+                return server_info[key]
+    if vllm_env is None:
+        return None
+    try:
+        return bool(int(vllm_env.get("VLLM_BATCH_INVARIANT", "0")))
+    except ValueError:
+        return None
+
+
+def deterministic_label(value: Optional[bool]) -> str:
+    """How reports print a deterministic mode: on, off, or unknown (a server that does not say)."""
+    return "unknown" if value is None else ("on" if value else "off")
+
+
+def determinism_note(modes: Iterable[Optional[bool]]) -> str:
+    """One line on what a greedy output difference between these servers (arms, or one server asked again) means:
+    with every one batch-invariant it is a bug, not noise; otherwise batch shape alone can cause it (README, "When
+    to use --deterministic", has the measured sizes)."""
+    modes = list(modes)
+    if modes and all(m is True for m in modes):
+        return "deterministic on everywhere: a greedy output difference between lossless settings is a bug, not noise"
+    shown = ", ".join(deterministic_label(m) for m in modes) or "unknown"
+    return (
+        f"deterministic not on everywhere ({shown}): greedy outputs may differ from batch-shape variance alone "
+        "(concurrency, prefix cache, speculation); serve with --deterministic to tell a bug from that noise"
+    )
 
 
 def spec_from_response(body: dict, choice: dict) -> Optional[dict]:

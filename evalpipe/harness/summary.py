@@ -180,6 +180,7 @@ def compute_summary(
         "resumed",
         "server_lossy_acceptance",
         "server_debug_faults",
+        "server_deterministic",
         "spec_metrics",
     ):
         if key in meta:

@@ -164,6 +164,16 @@ COMMON = [
         "requests accept a draft with probability min(1, p(draft) / P) instead of the exact test (SGLang's "
         "target-only rule; greedy requests stay exact).",
     ),
+    option(
+        "--deterministic",
+        is_flag=True,
+        default=D.deterministic,
+        help="Ask the engine for batch-invariant inference (the aim: a greedy output that depends on its prompt "
+        "alone, not on the batch it lands in, the concurrency, prefix-cache hits or speculation). native: asks for "
+        "batch-invariant kernels (their tests: tests/kernels/test_batch_invariant.py); sglang: "
+        "--enable-deterministic-inference; vllm: VLLM_BATCH_INVARIANT=1. Off by default. Reported as "
+        "`deterministic` in the receipt, the run manifest and every record (native: also /get_server_info).",
+    ),
 ]
 NATIVE = [
     option(
@@ -344,9 +354,6 @@ LAUNCH = [
         type=int,
         callback=_pos_int,
         help="eagle/eagle3/nextn: tokens verified per step (--speculative-num-draft-tokens).",
-    ),
-    option(
-        "--deterministic", is_flag=True, help="sglang --enable-deterministic-inference; vllm VLLM_BATCH_INVARIANT=1."
     ),
     option("--keep-env", multiple=True, help="Keep an inherited SGLANG_*/VLLM_* variable (name or glob; repeatable)."),
     option(

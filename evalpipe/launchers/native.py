@@ -44,6 +44,8 @@ class NativeLauncher(Launcher):
                 argv += [flag, str(value)]
         for key in o.more_api_keys:
             argv += ["--api-key", key]
+        if o.deterministic:
+            argv += ["--deterministic"]
         if o.simulate_acc_len is not None:
             argv += ["--simulate-acc-len", fmt_number(o.simulate_acc_len)]
         if o.spec_accept_topk is not None:

@@ -21,6 +21,7 @@ from typing import Iterable
 
 from evalpipe import volatile
 from evalpipe.harness.client import Server
+from evalpipe.harness.server_facts import deterministic_mode
 from evalpipe.launchers.base import Launcher
 from evalpipe.launchers.env import redact_tree, scrub_values
 
@@ -113,12 +114,19 @@ def build_receipt(launcher: Launcher, report: dict | None = None) -> dict:
         "server_info_path": report.get("server_info_path"),
         "server_info": report.get("server_info"),
         "debug_faults": _debug_faults(report.get("server_info")),
+        "deterministic": launched_deterministic(launcher, report.get("server_info")) if report else None,
         "models": report.get("models"),
         "gpus": gpu_list(),
         "evalpipe_source": _source(),  # the native engine's own code; for sglang/vllm, the launcher's
         "host": {"hostname": platform.node(), "platform": platform.platform(), "cwd": os.getcwd()},
     }
     return scrub_values(receipt, launcher.secret_values())
+
+
+def launched_deterministic(launcher: Launcher, info) -> bool | None:
+    """The launched server's deterministic mode: its own report (native, SGLang); for vLLM, which reports it
+    nowhere, the VLLM_BATCH_INVARIANT of the environment this launcher gave it."""
+    return deterministic_mode(info, launcher.child_env.env if launcher.engine == "vllm" else None)
 
 
 def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
@@ -145,6 +153,8 @@ def effective_problems(launcher: Launcher, info: dict | None) -> list[str]:
             problems.append(f"server reports {key}={value!r}: simulated acceptance is on but was not requested")
     if requested is not None and info is not None and not reported:
         problems.append(f"lossy acceptance {requested} was requested but the server does not report it")
+    if launcher.options.deterministic and deterministic_mode(info) is False:
+        problems.append("--deterministic was requested but the server reports its deterministic mode off")
     return problems
 
 
@@ -209,12 +219,16 @@ def _norm(name: str) -> str:
     return name.lstrip("-").replace("-", "_").lower()
 
 
+# Declared flags whose effect an engine reports under another name: --deterministic is vLLM's VLLM_BATCH_INVARIANT.
+FLAG_EFFECTS = {"deterministic": ("batch_invariant",)}
+
+
 def explained(path: str, declared: Iterable[str], allow: Iterable[str] = ()) -> bool:
     """Is a differing key accounted for by a declared flag (or a user's --allow-diff glob)?"""
     lowered = path.lower()
     if any(fnmatch.fnmatchcase(lowered, pattern.lower()) for pattern in allow):
         return True
-    names = [_norm(flag) for flag in declared]
+    names = [name for flag in declared for name in (_norm(flag), *FLAG_EFFECTS.get(_norm(flag), ()))]
     if any(name and name in lowered for name in names):
         return True
     if any(any(word in name for word in SPECULATION_WORDS) for name in names):

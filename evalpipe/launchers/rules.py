@@ -38,9 +38,6 @@ def check_native(o) -> None:
         o.ngram_min is None and o.ngram_max is None,
         "--ngram-min/--ngram-max are vllm ngram settings; the native engine takes --drafter ngram",
     )
-    require(
-        not o.deterministic, "--deterministic is an sglang/vllm switch; the native engine is batch-invariant by design"
-    )
     require(o.dtype in (None, *NATIVE_DTYPES), f"--dtype {o.dtype}: the native engine runs float32 or bfloat16")
     require(o.device in (None, *NATIVE_DEVICES), f"--device {o.device}: the native engine runs on cpu or cuda")
     if o.speculative in (None, "off"):

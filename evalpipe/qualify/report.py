@@ -11,10 +11,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from evalpipe.console import make_console
+from evalpipe.harness.server_facts import deterministic_label
 
 
 def print_table(result: dict) -> None:
-    t = Table(title=escape(f"evalpipe qualify  {result['endpoint']['model']}  {result['endpoint']['base_url']}"))
+    endpoint = result["endpoint"]
+    deterministic = deterministic_label(endpoint.get("deterministic"))
+    t = Table(
+        title=escape(f"evalpipe qualify  {endpoint['model']}  {endpoint['base_url']}  deterministic {deterministic}")
+    )
     for col, justify in (
         ("gate", "left"),
         ("verdict", "left"),

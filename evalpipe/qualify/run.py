@@ -18,6 +18,7 @@ from evalpipe.harness import client as http
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness.client import EndpointError, Server
 from evalpipe.harness.records import MANIFEST_FILE, write_json
+from evalpipe.harness.server_facts import deterministic_label, deterministic_mode
 from evalpipe.qualify import (
     EXIT_BAD_INPUT,
     EXIT_CANNOT_CONNECT,
@@ -87,7 +88,8 @@ def connect(cfg: QualifyConfig) -> tuple[str, dict, Optional[int]]:
             )
         path, info = server.server_info()
     listed = next((m.get("max_model_len") for m in models["data"] if m["id"] == model), None)
-    return model, {"models": models, "server_info_path": path, "server_info": info}, listed
+    facts = {"models": models, "server_info_path": path, "server_info": info, "deterministic": deterministic_mode(info)}
+    return model, facts, listed
 
 
 def _snapshot(cfg: QualifyConfig, model: str, facts: dict) -> dict:
@@ -160,6 +162,7 @@ def execute(
     """Run the qualification; (exit code, the qualify.json content). QualifyError when it cannot start."""
     ref = check_input(cfg)
     model, facts, listed_context = connect(cfg)
+    say(f"server deterministic: {deterministic_label(facts['deterministic'])}")
     if cfg.max_context <= 0:
         cfg = dataclasses.replace(cfg, max_context=int(listed_context or 4096))
     out_dir = Path(cfg.out_dir)
@@ -210,6 +213,7 @@ def execute(
             "base_url": redact_text(cfg.base_url),
             "model": model,
             "server_info_path": facts.get("server_info_path"),
+            "deterministic": facts.get("deterministic"),
         },
         "settings": manifest["start"]["lane"]["effective"],
         "gates": [r.to_json() for r in results],

@@ -161,6 +161,7 @@ class ServerState:
                 "max_seq_len": s.max_seq_len,
             },
             "wo_quant": s.wo_quant,
+            "deterministic": s.deterministic,  # `serve --deterministic`: batch-invariant kernels asked for
             "debug_faults": sorted(set(s.debug_faults)),
             # reported logprobs: log-softmax of the raw logits, before temperature/top-k/top-p (vLLM's name)
             "logprobs_mode": "raw_logprobs",

@@ -428,3 +428,37 @@ def test_compare_by_hand_of_two_arms_of_one_ab_plan_takes_its_declared_flags(tmp
     )
     assert loose.returncode == 0 and "evalpipe ab` plan" not in loose.stdout
     assert "differ only in speculation settings" in " ".join(loose.stdout.split())
+
+
+def test_each_arms_deterministic_mode_is_printed_and_written(tmp_path):
+    """vLLM reports no deterministic mode: each arm's comes from the VLLM_BATCH_INVARIANT its launcher set (the
+    stand-in answers as a server that says nothing); ab.json, report.html and the printout carry it per arm."""
+    engine_command = f"--engine-command {shlex.quote(f'{shlex.quote(PY)} {shlex.quote(FAKE)}')}"
+    out = tmp_path / "ab"
+    result = evalpipe(
+        "ab",
+        "--lanes",
+        "gsm8k",
+        "--common",
+        f"--engine vllm --model M --random-seed 0 {engine_command}",
+        "--a",
+        "",
+        "--b",
+        "--deterministic",
+        "--preflight",
+        "--out",
+        str(out),
+        "--ready-timeout",
+        "60",
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    index = json.loads((out / "ab.json").read_text())
+    assert [(a["label"], a["deterministic"]) for a in index["arms"]] == [("A1", False), ("B1", True)]
+    assert [c["ok"] for c in index["receipt_checks"]] == [True]  # the declared flag explains the difference
+    receipt_b = json.loads((out / "arms" / "B1" / "receipt.json").read_text())
+    assert receipt_b["deterministic"] is True and receipt_b["env_set"] == {"VLLM_BATCH_INVARIANT": "1"}
+    lines = result.stdout.splitlines()
+    assert "arm A1: deterministic off" in lines and "arm B1: deterministic on" in lines
+    assert any(line.startswith("deterministic not on everywhere (off, on)") for line in lines)
+    assert "<td>on</td>" in (out / "report.html").read_text()

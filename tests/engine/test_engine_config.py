@@ -93,12 +93,15 @@ def test_serve_flags_become_the_engine_config():
             "greedy-sampling",
             "--prefix-cache",
             "off",
+            "--deterministic",
         ]
     )
     config = options.native
     assert (config.speculative, config.block_size, config.max_queue, config.prefix_cache) == ("block", 3, 9, "off")
+    assert config.deterministic is True and options.deterministic is True
     assert config.debug_faults == ("greedy-sampling", "stale-kv-after-reject")  # sorted, as faults_of reads them
-    untouched = {n for n in FIELDS} - {"speculative", "block_size", "max_queue", "debug_faults", "prefix_cache"}
+    changed = {"speculative", "block_size", "max_queue", "debug_faults", "prefix_cache", "deterministic"}
+    untouched = {n for n in FIELDS} - changed
     assert {n: getattr(config, n) for n in untouched} == {n: getattr(ENGINE_DEFAULTS, n) for n in untouched}
     sglang, _ = parse_serve_args(["--engine", "sglang", "--model", "m", "--speculative", "eagle"])
     assert sglang.native is None and "native" not in sglang.recorded()

@@ -1135,3 +1135,49 @@ def test_several_api_keys_reach_the_native_server_and_other_engines_refuse_them(
         options, _ = parse_serve_args(["--engine", engine, "--model", "m", "--api-key", "a", "--api-key", "b"])
         with pytest.raises(LaunchConfigError, match="takes one --api-key"):
             make_launcher(options).validate()
+
+
+def test_deterministic_is_one_flag_for_every_engine():
+    """One `--deterministic` for native, sglang and vllm; the native engine takes it in this process (no launcher),
+    sets EngineConfig.deterministic and passes it on when launched."""
+    from evalpipe.launchers.flags import parse_serve_args
+
+    assert [p.name for p in launch_command.params if "--deterministic" in p.opts] == ["deterministic"]
+    options, names = parse_serve_args(["--deterministic"])
+    assert options.deterministic is True and options.native.deterministic is True
+    assert not needs_launcher({"engine": "native", "dry_run": False}, names)
+    assert parse_serve_args([])[0].native.deterministic is False
+    native = dry_run(["--deterministic", "--speculative", "block"])
+    assert native["argv"][: len(NATIVE)] == NATIVE and native["argv"].count("--deterministic") == 1
+    sglang = dry_run(["--engine", "sglang", "--model", "M", "--deterministic"])
+    assert sglang["argv"].count("--enable-deterministic-inference") == 1 and sglang["env_set"] == {}
+    assert "VLLM_BATCH_INVARIANT" not in dry_run(["--engine", "vllm", "--model", "M", *EP])["env_set"]
+
+
+def test_server_reporting_deterministic_off_when_asked_is_refused(tmp_path):
+    """SGLang's own report decides: a server asked for --deterministic that reports it off is not used."""
+    info = json.dumps({"enable_deterministic_inference": False})
+    proc = _launch(
+        [
+            "--engine",
+            "sglang",
+            "--model",
+            "M",
+            "--deterministic",
+            "--port",
+            str(free_port()),
+            "--receipt",
+            str(tmp_path / "r.json"),
+            "--engine-command",
+            f"{shlex.quote(PY)} {shlex.quote(FAKE)} --fake-info-json {shlex.quote(info)}",
+            "--ready-timeout",
+            "30",
+        ],
+        {},
+        tmp_path,
+    )
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "--deterministic was requested but the server reports" in err, err
+    receipt = json.loads((tmp_path / "r.json").read_text())
+    assert receipt["deterministic"] is False and not _alive(receipt["pid"])
+    assert "--enable-deterministic-inference" in receipt["argv"]

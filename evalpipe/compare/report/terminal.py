@@ -18,6 +18,7 @@ from evalpipe.compare.report.text import (
     pts,
 )
 from evalpipe.console import make_console
+from evalpipe.harness.server_facts import deterministic_label
 
 
 def print_terminal(result: dict, console: Console | None = None) -> None:
@@ -52,6 +53,8 @@ def print_terminal(result: dict, console: Console | None = None) -> None:
             num(sp["b"].get("accept_length_run_level")),
             "",
         )
+    det = result.get("deterministic") or {}
+    t.add_row("deterministic", deterministic_label(det.get("a")), deterministic_label(det.get("b")), "")
     sd = result["speed"]
     t.add_row("latency median (s)", num(sd["a"]["latency_median_s"]), num(sd["b"]["latency_median_s"]), "")
     t.add_row("tokens/s median", num(sd["a"]["tokens_per_s_median"], 1), num(sd["b"]["tokens_per_s_median"], 1), "")

@@ -64,6 +64,8 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
             f"{bases}; first divergence median "
             f"{num(ag['first_divergence_median'], 1)}; logprob gap median {num(ag['logprob_gap_median'])}"
         )
+        if (result.get("deterministic") or {}).get("note"):
+            lines.append(escape(result["deterministic"]["note"]))
         if ag.get("n_identical_tokens_but_text_differs"):
             lines.append(
                 f"[bold red]warning[/]: {ag['n_identical_tokens_but_text_differs']} pair(s) have identical "
