@@ -49,6 +49,7 @@ class EngineConfig:
     overlap_schedule: str = "on"  # engine/engine.py: queue greedy decode steps one ahead on the CUDA-graph runner
     prefill_delay_factor: float = 0.0  # Engine._admit_now: new prompts wait F x the last prompt step's time
     stream_interval: int = 1  # Engine._send: streamed events carry N tokens (the first excepted)
+    deterministic: bool = False  # batch-invariant kernels: a greedy output depends on its prompt alone
     debug_faults: tuple[str, ...] = ()  # planted faults (engine/faults.py, --debug-fault): never on by default
 
     def __post_init__(self):
