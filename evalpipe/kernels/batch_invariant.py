@@ -54,6 +54,18 @@ REDUCE_BLOCK = 1024  # elements per step of a row reduction (one program per out
 
 if tl is not None:
 
+    def tile_dot(a, b, acc, IEEE: tl.constexpr, ROWWISE: tl.constexpr):
+        """acc + a @ b for one tile, fp32 accumulation. ROWWISE (the interpreter): an elementwise product summed
+        over K, whose rows do not depend on their slot in the tile (numpy's BLAS, the interpreter's tl.dot, does);
+        IEEE: exact fp32 products (a float32 tl.dot defaults to tf32)."""
+        if ROWWISE:
+            out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:
+            out = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc)
+        return out
+
     def _matmul_kernel(
         a_ptr,
         b_ptr,
@@ -90,12 +102,7 @@ if tl is not None:
             kk = k0 + rk
             a = tl.load(a_base + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(b_base + kk[:, None] * s_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            if ROWWISE:  # the interpreter's tl.dot is numpy's BLAS, whose result varies with the row's tile slot
-                acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-            elif IEEE:  # float32 inputs: exact products (a float32 tl.dot defaults to tf32)
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = tile_dot(a, b, acc, IEEE, ROWWISE)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + pb * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
@@ -162,7 +169,7 @@ def matmul(
             c3 += bias.to(c3.dtype)
     elif c3.numel():
         grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), B)
-        jit(_matmul_kernel, ("M", "N", "K", "s_ab", "s_am", "s_bb", "s_cb", "s_cm"))[grid](
+        jit(_matmul_kernel, ("M", "N", "K", "s_ab", "s_am", "s_bb", "s_cb", "s_cm"), helpers=(tile_dot,))[grid](
             a3,
             b3,
             c3,
