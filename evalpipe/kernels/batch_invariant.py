@@ -47,8 +47,12 @@ except Exception:  # pragma: no cover - triton is optional
     triton = tl = None
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# One tile shape for every M (the point of the module): 64x64 output tiles, K in steps of 64, in order.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+# One tile shape for every M (the point of the module): 64-row output tiles, K in steps of 64, in order; the tile's
+# width follows N only (a weight's shape): 32 columns below WIDE_N, so a decode step's GEMV-like GEMMs still spread
+# over the SMs, 64 from there (the LM head).
+BLOCK_M, BLOCK_K = 64, 64
+WIDE_N = 8192
+MAX_GRID_Z = 65535  # CUDA's limit on the batch axis of the launch grid
 REDUCE_BLOCK = 1024  # elements per step of a row reduction (one program per output)
 
 
@@ -168,27 +172,31 @@ def matmul(
         if bias is not None:
             c3 += bias.to(c3.dtype)
     elif c3.numel():
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), B)
-        jit(_matmul_kernel, ("M", "N", "K", "s_ab", "s_am", "s_bb", "s_cb", "s_cm"), helpers=(tile_dot,))[grid](
-            a3,
-            b3,
-            c3,
-            bias if bias is not None else c3,
-            M,
-            N,
-            K,
-            *a3.stride(),
-            *b3.stride(),
-            *c3.stride(),
-            HAS_BIAS=bias is not None,
-            IEEE=a.dtype == torch.float32,
-            ROWWISE=interpret_mode(),
-            BM=BLOCK_M,
-            BN=BLOCK_N,
-            BK=BLOCK_K,
-            num_warps=4,
-            num_stages=3,
-        )
+        block_n = 64 if N >= WIDE_N else 32
+        kernel = jit(_matmul_kernel, ("M", "N", "K", "s_ab", "s_am", "s_bb", "s_cb", "s_cm"), helpers=(tile_dot,))
+        for z in range(0, B, MAX_GRID_Z):
+            zs = slice(z, z + MAX_GRID_Z)
+            a_z, b_z, c_z = a3[zs], b3[zs], c3[zs]
+            kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), a_z.shape[0])](
+                a_z,
+                b_z,
+                c_z,
+                bias if bias is not None else c_z,
+                M,
+                N,
+                K,
+                *a_z.stride(),
+                *b_z.stride(),
+                *c_z.stride(),
+                HAS_BIAS=bias is not None,
+                IEEE=a.dtype == torch.float32,
+                ROWWISE=interpret_mode(),
+                BM=BLOCK_M,
+                BN=block_n,
+                BK=BLOCK_K,
+                num_warps=4,
+                num_stages=3,
+            )
     return c3 if batched else c3[0]
 
 

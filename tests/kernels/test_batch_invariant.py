@@ -58,6 +58,18 @@ def test_matmul_row_is_bitwise_the_same_in_any_batch(dtype, seed):
         _assert_matmul_close(out, rows, weight.t(), bias)
 
 
+def test_wide_matmul_tiles_keep_rows_invariant():
+    """N >= WIDE_N (the LM head's 64-column tiles): a row alone equals the same row among 7 others."""
+    gen = torch.Generator().manual_seed(8)
+    K, N = 5, bi.WIDE_N + 3
+    weight, row = torch.randn(N, K, generator=gen), torch.randn(K, generator=gen)
+    alone = bi.matmul(row[None], weight.t(), backend="triton")[0]
+    rows, at = _neighbours(7, row, gen)
+    out = bi.matmul(rows, weight.t(), backend="triton")
+    assert torch.equal(out[at], alone)
+    _assert_matmul_close(out, rows, weight.t())
+
+
 def test_batched_matmul_rows_are_invariant_and_match_reference():
     gen = torch.Generator().manual_seed(5)
     G, K, N = 3, 37, 20
