@@ -17,8 +17,11 @@ Why the default CUDA path varies with the batch (the engine's serving path; what
   Deterministic: 128-column partials and the per-row kernel at every T.
 - kernels/mxfp8.py (`--wo-quant mxfp8`): one fused launch with an atomic ticket for M <= 16, partials + reduce
   above. Deterministic: partials + reduce at every M.
-Unchanged (per row already): the Triton norm/rope/indexer kernels (one program per row), torch softmax on CUDA
-(one block or warp per row, configured from the row length), argmax (first maximum), elementwise ops.
+Unchanged (per row already): the Triton norm, q_rope_store, indexer, compress and c2_verify kernels (one program
+per row or entry), torch softmax on CUDA (one block or warp per row, configured from the row and inner lengths),
+argmax (first maximum; the sampler's greedy choice), causal_topk (ties by entry index), elementwise ops. Not covered:
+the CPU path (torch's CPU GEMMs vary with M; the overrides act on CUDA tensors), sampled requests' top-k/top-p, and
+a NaN/inf token in the MoE down kernel's token block (its exact one-hot dot adds 0 x inf to its neighbours).
 
 On the GPU one tile's tl.dot computes every row of the tile with the same tensor-core instructions, so a row's bits
 depend on its data and the K order only. Triton's CPU interpreter runs tl.dot as numpy's BLAS, whose result for a
