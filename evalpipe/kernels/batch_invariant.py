@@ -17,6 +17,10 @@ Why the default CUDA path varies with the batch (the engine's serving path; what
   Deterministic: 128-column partials and the per-row kernel at every T.
 - kernels/mxfp8.py (`--wo-quant mxfp8`): one fused launch with an atomic ticket for M <= 16, partials + reduce
   above. Deterministic: partials + reduce at every M.
+Prompt rows run the eager forward (engine/model) and decode/verify rows the CUDA-graph step (engine/static) in every
+arm (cache on or off, any batch, speculation on or off), so each path must be invariant on its own -- to chunking,
+cache hits and neighbours for the first, to the bucket and the verify width for the second -- not equal to the other.
+
 Unchanged (per row already): the Triton norm, q_rope_store, indexer, compress and c2_verify kernels (one program
 per row or entry), torch softmax on CUDA (one block or warp per row, configured from the row and inner lengths),
 argmax (first maximum; the sampler's greedy choice), causal_topk (ties by entry index), elementwise ops. Not covered:
