@@ -26,8 +26,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def site_settings(config: EngineConfig) -> SiteSettings:
-    """The model's fused-site settings a server runs with (`--wo-quant`; every candidate block kept)."""
-    return SiteSettings(wo_quant=config.wo_quant)
+    """The model's fused-site settings a server runs with (`--wo-quant`, `--deterministic`; every candidate block
+    kept)."""
+    return SiteSettings(wo_quant=config.wo_quant, deterministic=config.deterministic)
 
 
 def build(config: EngineConfig) -> tuple[Runner, Decoder | None]:

@@ -8,7 +8,9 @@ kernels are built by the one selector and JIT cache in `_backend.py`.
 - the DSpark verify ops: indexer_postprocess, candidate_block_mask, q_rope_store (rope.py: its RoPE), mxfp8
   (wo_a_mxfp8, mxfp8_linear), c2_verify (the ratio-2 compressor);
 - the graph step's ops: norm (RMSNorms, q/kv norms), hyper (mHC), attention (the attention core), indexer (scores,
-  CSA top-k), moe (the MoE block), compress (the other compressor windows), step_meta (a step's index arrays).
+  CSA top-k), moe (the MoE block), compress (the other compressor windows), step_meta (a step's index arrays);
+- `--deterministic`: batch_invariant (GEMMs and reductions in one order whatever the batch, as aten overrides while
+  `invariant_ops()` is open) and the `invariant=True` launch shapes of attention, moe, hyper and mxfp8.
 """
 
 from evalpipe.kernels._backend import use_triton  # the one selector; callers with a chain of their own ask it too

@@ -285,6 +285,9 @@ if tl is not None:
 ATTENTION_VARYING = ("kv_off", "ent_off", "n", "K", "chunks_per_split", "total_chunks", "stride_rt")
 
 
+INVARIANT_SPLIT_KEYS = 512  # keys per split under `invariant` (a multiple of every BLOCK_N)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -306,6 +309,7 @@ def plan(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_keys: int | None = None,
+    invariant: bool = False,
 ) -> dict:
     """Launch shape from static sizes only (capture-safe). Each program is latency-bound (an index load, a dependent
     gather and two small dots per key chunk), so the rule is: chunks of 64 keys, at most one wave of programs, each
@@ -315,20 +319,28 @@ def plan(
     chunks
     and 8 warps won at every shape (bf16; fp32 rows of 512 take 32-key chunks: shared memory); 16-head blocks at T=1
     and for sliding-only layers, 32-head blocks with 4 splits
-    at T=32 (CSA, HCA). Keyword overrides are for that sweep."""
+    at T=32 (CSA, HCA). Keyword overrides are for that sweep.
+
+    `invariant` (--deterministic): 16-head blocks and splits of INVARIANT_SPLIT_KEYS keys whatever T, so a row's
+    keys meet the same chunks, splits and merge in every batch, chunking and verify width; entry padding (a longer
+    K) only adds trailing all-masked chunks and splits, which add exact zeros."""
     sms = _sm_count(device)
     keys = window + K
     block_n = block_n or (64 if D * esize <= 1024 else 32)  # a 64 KiB tile per pipeline stage at most
+    if invariant:
+        block_h = 16
     block_h = block_h or (32 if T * triton.cdiv(keys, 128) >= sms else 16)
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
     w_chunks = triton.cdiv(window, block_n)
     total = w_chunks + triton.cdiv(K, block_n)
+    if invariant:
+        splits = triton.cdiv(total, INVARIANT_SPLIT_KEYS // block_n)
     if splits is None:
         min_keys = min_keys or (128 if block_h >= 32 else 64)
         splits = min(keys // min_keys, sms // (T * head_blocks))
     splits = max(1, min(int(splits), total))
-    per_split = triton.cdiv(total, splits)
+    per_split = INVARIANT_SPLIT_KEYS // block_n if invariant else triton.cdiv(total, splits)
     splits = triton.cdiv(total, per_split)
     return dict(
         BLOCK_N=block_n,
@@ -357,6 +369,7 @@ def _launch(
     sinks,
     scale,
     splits: int | None = None,
+    invariant: bool = False,
     **overrides,
 ) -> torch.Tensor:
     T, H, D = q.shape
@@ -366,8 +379,9 @@ def _launch(
         q = q.contiguous()
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
     pos, slot, sinks = pos.contiguous(), slot.contiguous(), sinks.contiguous()  # read as flat arrays; no-ops
-    cfg = plan(T, H, D, window, K, q.device, esize=q.element_size(), splits=splits, **overrides)
+    cfg = plan(T, H, D, window, K, q.device, esize=q.element_size(), splits=splits, invariant=invariant, **overrides)
     S = cfg["splits"]
+    merge = S > 1 or invariant  # invariant: always the merge's arithmetic, however many splits the keys fill
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     if has_ent:
         ent, rows = entries, entry_rows
@@ -379,7 +393,7 @@ def _launch(
     aligned = window_ring.data_ptr() % 16 == 0 and all(
         x % 8 == 0 for x in (kv_off, ent_off, kv.stride(0), window_ring.stride(0), ent.stride(0))
     )
-    if S > 1:
+    if merge:
         po = torch.empty(T, S, H, D, device=q.device, dtype=torch.float32)
         pm = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
         pl = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
@@ -419,13 +433,13 @@ def _launch(
         BLOCK_N=cfg["BLOCK_N"],
         W_CHUNKS=cfg["W_CHUNKS"],
         HAS_ENT=has_ent,
-        SPLIT=S > 1,
+        SPLIT=merge,
         IEEE=q.dtype == torch.float32,
         ALIGNED=aligned,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if S > 1:
+    if merge:
         jit(_step_attention_combine_kernel)[(T, H)](
             po,
             pm,
@@ -460,11 +474,26 @@ def fused_attention_applies(backend: str, q, kv, window_ring, entries, sinks) ->
 
 
 def fused_attention(
-    q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale, *, backend="auto"
+    q,
+    kv,
+    window_ring,
+    ring_size,
+    window,
+    pos,
+    slot,
+    n,
+    entries,
+    entry_rows,
+    sinks,
+    scale,
+    *,
+    backend="auto",
+    invariant: bool = False,
 ):
     """[T, H, D] attention output of T = B * n query rows over their sliding window (ring + this forward's kv rows)
     and their compressed entries, with per-head sinks (see the module docstring). One Triton kernel (plus a merge
-    kernel when the key axis is split across programs) on CUDA; `fused_attention_reference` elsewhere."""
+    kernel when the key axis is split across programs) on CUDA; `fused_attention_reference` elsewhere.
+    `invariant`: the launch `plan(invariant=True)` (a row's result independent of T, n and entry padding)."""
     _check(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks)
     tensors = [q, kv, window_ring, pos, slot, sinks] + (
         [entries, entry_rows] if _has_entries(entries, entry_rows) else []
@@ -473,4 +502,6 @@ def fused_attention(
         return fused_attention_reference(
             q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale
         )
-    return _launch(q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale)
+    return _launch(
+        q, kv, window_ring, ring_size, window, pos, slot, n, entries, entry_rows, sinks, scale, invariant=invariant
+    )

@@ -54,10 +54,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def mix_block(D: int, T: int) -> int:
+def mix_block(D: int, T: int, invariant: bool = False) -> int:
     """Columns of each stream that one merge/mix program owns: the partials have cdiv(D, mix_block(D, T))
-    blocks. Narrow blocks spread few rows over many SMs; with many rows, wide blocks read fn fewer times."""
-    return min(128 if T >= 16 else 32, _pow2(D))
+    blocks. Narrow blocks spread few rows over many SMs; with many rows, wide blocks read fn fewer times.
+    `invariant` (--deterministic): 128 at every T, so a row's partials, and their sum, do not depend on T."""
+    return min(128 if T >= 16 or invariant else 32, _pow2(D))
 
 
 DOT_MIN_ROWS = 128  # from this many rows (prompt chunks, wide verify steps) the merge/mix runs as a GEMM tile
@@ -386,9 +387,9 @@ def hc_head_norm_reference(streams, partials, base, scale, norm_w, rms_eps, *, e
 # ---- dispatchers -----------------------------------------------------------------------------------------------
 
 
-def _launch_mix(streams, block_out, post, comb, fn, M: int, new) -> torch.Tensor:
+def _launch_mix(streams, block_out, post, comb, fn, M: int, new, invariant: bool) -> torch.Tensor:
     T, hc, D = streams.shape
-    block = mix_block(D, T)
+    block = mix_block(D, T, invariant)
     nb = _cdiv(D, block)
     parts = _empty(T, nb, M + 1, device=streams.device, dtype=torch.float32)
     merge = block_out is not None
@@ -403,7 +404,7 @@ def _launch_mix(streams, block_out, post, comb, fn, M: int, new) -> torch.Tensor
         T,
         D,
     )
-    if T >= DOT_MIN_ROWS and block % DOT_SUB == 0:
+    if T >= DOT_MIN_ROWS and block % DOT_SUB == 0 and not invariant:  # invariant: the per-row kernel at every T
         jit(_merge_mix_dot_kernel, ("T",))[(_cdiv(T, DOT_ROWS), nb)](
             *args,
             M=M,
@@ -423,25 +424,26 @@ def _launch_mix(streams, block_out, post, comb, fn, M: int, new) -> torch.Tensor
     return parts
 
 
-def hc_mix(streams: torch.Tensor, hc, *, backend: str = "auto") -> torch.Tensor:
+def hc_mix(streams: torch.Tensor, hc, *, backend: str = "auto", invariant: bool = False) -> torch.Tensor:
     """Partials [T, nb, M + 1] of streams [T, hc, D] for `hc` (a HyperConnection or the HyperHead): the first
-    block's input, which no merge produced."""
+    block's input, which no merge produced. `invariant`: `mix_block`'s and one kernel path at every T."""
     _, fn, _, _, M = _prep(hc)
     if not use_triton(backend, [streams, fn]):
-        return hc_mix_reference(streams, fn)
-    return _launch_mix(streams.contiguous(), None, None, None, fn, M, None)
+        return hc_mix_reference(streams, fn, mix_block(streams.shape[2], streams.shape[0], invariant))
+    return _launch_mix(streams.contiguous(), None, None, None, fn, M, None, invariant)
 
 
-def hc_merge_mix(streams, block_out, post, comb, next_hc, *, backend: str = "auto"):
+def hc_merge_mix(streams, block_out, post, comb, next_hc, *, backend: str = "auto", invariant: bool = False):
     """(new streams [T, hc, D] in streams' dtype, their partials [T, nb, M + 1] fp32 for `next_hc`): the merge
     after a block (HyperConnection.merge, fp32 accumulation) and the next hyper-connection's mixing GEMV in one
-    kernel."""
+    kernel. `invariant` as in `hc_mix`."""
     _, fn, _, _, M = _prep(next_hc)
     if not use_triton(backend, [streams, block_out, post, comb, fn]):
-        return hc_merge_mix_reference(streams, block_out, post, comb, fn)
+        block = mix_block(streams.shape[2], streams.shape[0], invariant)
+        return hc_merge_mix_reference(streams, block_out, post, comb, fn, block)
     streams = streams.contiguous()
     new = _empty(streams.shape, device=streams.device, dtype=streams.dtype)
-    parts = _launch_mix(streams, block_out.contiguous(), post.contiguous(), comb.contiguous(), fn, M, new)
+    parts = _launch_mix(streams, block_out.contiguous(), post.contiguous(), comb.contiguous(), fn, M, new, invariant)
     return new, parts
 
 
@@ -479,18 +481,18 @@ def _launch_norm(streams, partials, base, scale, norm_w, rms_eps, obj, head: boo
     return post, comb, out
 
 
-def _check(streams, partials, M: int):
+def _check(streams, partials, M: int, invariant: bool):
     T, hc, D = streams.shape
-    if partials.shape != (T, _cdiv(D, mix_block(D, T)), M + 1):
+    if partials.shape != (T, _cdiv(D, mix_block(D, T, invariant)), M + 1):
         raise ValueError(f"partials {tuple(partials.shape)} do not fit streams {tuple(streams.shape)} and {M} mixes")
 
 
-def hc_pre_norm(streams, partials, hc, norm_w, eps: float, *, backend: str = "auto"):
+def hc_pre_norm(streams, partials, hc, norm_w, eps: float, *, backend: str = "auto", invariant: bool = False):
     """(post [T, hc] fp32, comb [T, hc, hc] fp32, x [T, D]) = HyperConnection `hc` applied to streams, its
     collapsed input then RMSNormed with gain norm_w and `eps` -- in one kernel, from the partials hc_mix /
-    hc_merge_mix wrote for `hc`."""
+    hc_merge_mix wrote for `hc` (with the same `invariant`)."""
     _, _, base, scale, M = _prep(hc)
-    _check(streams, partials, M)
+    _check(streams, partials, M, invariant)
     n = streams.shape[1]
     if M != 2 * n + n * n:
         raise ValueError(f"{M} mixes is not a hyper-connection of {n} streams")
@@ -501,11 +503,13 @@ def hc_pre_norm(streams, partials, hc, norm_w, eps: float, *, backend: str = "au
     return _launch_norm(streams.contiguous(), partials.contiguous(), base, scale, norm_w, eps, hc, False, M)
 
 
-def hc_head_norm(streams, partials, head, norm_w, eps: float, *, backend: str = "auto") -> torch.Tensor:
+def hc_head_norm(
+    streams, partials, head, norm_w, eps: float, *, backend: str = "auto", invariant: bool = False
+) -> torch.Tensor:
     """x [T, D] = rms_norm(HyperHead `head`(streams), norm_w, eps) in one kernel, from hc_merge_mix's partials for
-    the head."""
+    the head (with the same `invariant`)."""
     _, _, base, scale, M = _prep(head)
-    _check(streams, partials, M)
+    _check(streams, partials, M, invariant)
     if M != streams.shape[1]:
         raise ValueError(f"{M} mixes is not a head of {streams.shape[1]} streams")
     if not use_triton(backend, [streams, partials, base, norm_w]) or M * _pow2(streams.shape[2]) > MAX_ROW:

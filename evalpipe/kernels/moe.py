@@ -53,7 +53,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from evalpipe.kernels._backend import jit, use_triton
+from evalpipe.kernels._backend import interpret_mode, jit, use_triton
+from evalpipe.kernels.batch_invariant import tile_dot
 
 try:
     import triton
@@ -252,6 +253,7 @@ if tl is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
+        ROWWISE: tl.constexpr,
     ):
         """Expert-major: program (e, channel block, token block) compacts the pick rows of its token block that
         chose expert e and multiplies them BLOCK_M at a time with tl.dot, so each expert's weights are read once
@@ -286,12 +288,8 @@ if tl is not None:
                     g = tl.load(gbase + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
                     u = tl.load(ubase + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
                     xt = xt.to(g.dtype)
-                    if IEEE:  # float32 weights: exact products (a float32 tl.dot defaults to tf32)
-                        accg = tl.dot(xt, g, accg, input_precision="ieee")
-                        accu = tl.dot(xt, u, accu, input_precision="ieee")
-                    else:
-                        accg = tl.dot(xt, g, accg)
-                        accu = tl.dot(xt, u, accu)
+                    accg = tile_dot(xt, g, accg, IEEE, ROWWISE)  # IEEE: float32 weights, exact products
+                    accu = tile_dot(xt, u, accu, IEEE, ROWWISE)
                 g = tl.minimum(accg, limit)
                 u = tl.minimum(tl.maximum(accu, -limit), limit)
                 h = g / (1.0 + tl.exp(-g)) * u
@@ -319,6 +317,7 @@ if tl is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
+        ROWWISE: tl.constexpr,
     ):
         """Program (channel block, token block) walks the experts; for each, the compacted pick rows that chose
         it go through tl.dot, are scaled by their routing weight and added to their token's fp32 row through a
@@ -352,10 +351,7 @@ if tl is not None:
                         km = k0 + ks < I
                         ht = tl.load(hrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
                         wt = tl.load(base + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
-                        if IEEE:
-                            part = tl.dot(ht.to(wt.dtype), wt, part, input_precision="ieee")
-                        else:
-                            part = tl.dot(ht.to(wt.dtype), wt, part)
+                        part = tile_dot(ht.to(wt.dtype), wt, part, IEEE, ROWWISE)
                     part = part * tl.load(w_ptr + r0 + lrow, mask=mv, other=0.0)[:, None]
                     onehot = (((lrow // KP1)[None, :] == ts[:, None]) & mv[None, :]).to(tl.float32)
                     acc = tl.dot(onehot, part, acc, input_precision="ieee")
@@ -546,12 +542,20 @@ MM_LARGE = {
 }
 
 
-def _mm_shape(kernel: str, tokens: int, given: dict) -> dict:
+def _mm_shape(kernel: str, tokens: int, given: dict, invariant: bool = False) -> dict:
     """The tl.dot launch keywords at `tokens` rows: MM_LARGE's from its row count on, overridden by what the
-    caller set (the sweep's candidates)."""
+    caller set (the sweep's candidates). `invariant`: MM_LARGE's at every T, the caller's ignored."""
     start, shape = MM_LARGE[kernel]
+    if invariant:
+        return dict(shape)
     base = dict(shape) if tokens >= start else {}
     return {**base, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _token_block(cfg: dict, tokens: int, default: int, invariant: bool) -> int:
+    """Tokens per tl.dot program: the shape's, shrunk to T's power of two unless `invariant` (one launch shape)."""
+    bt = cfg.get("block_t", default)
+    return bt if invariant else min(bt, max(1, triton.next_power_of_2(tokens)))
 
 
 def gate_up(
@@ -567,10 +571,12 @@ def gate_up(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert). mode "gemv": one program per
     (pick, channel block), weights streamed as coalesced rows (few picks); "mm": expert-major tl.dot over
-    compacted picks per token block of `block_t` tokens (many picks); "auto" picks by T (MM_MIN_TOKENS)."""
+    compacted picks per token block of `block_t` tokens (many picks); "auto" picks by T (MM_MIN_TOKENS).
+    `invariant` (--deterministic): "mm" with MM_LARGE's launch shape at every T."""
     p = prepare(moe)
     if not use_triton(backend, [x, idx]):
         return gate_up_reference(moe, x, idx)
@@ -582,7 +588,7 @@ def gate_up(
     sg, su, _ = p.shared
     extra = {} if num_stages is None else {"num_stages": num_stages}
     x, idx = x.contiguous(), idx.contiguous()
-    if _mode(mode, "gate_up", T) == "gemv":
+    if _mode("mm" if invariant else mode, "gate_up", T) == "gemv":
         bn = block_n or _pick_block_n(R, p.I)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
         jit(_gate_up_kernel, ("R",))[(R * triton.cdiv(p.I, bn),)](
@@ -605,13 +611,16 @@ def gate_up(
         )
         return h
     cfg = _mm_shape(
-        "gate_up", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps)
+        "gate_up",
+        T,
+        dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps),
+        invariant,
     )
-    bt = min(cfg.get("block_t", 32), max(1, triton.next_power_of_2(T)))
+    bt = _token_block(cfg, T, 32, invariant)
     bn = max(16, cfg.get("block_n", 32))
     bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.D)))
     grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
-    jit(_gate_up_mm_kernel, ("T",))[grid](
+    jit(_gate_up_mm_kernel, ("T",), helpers=(tile_dot,))[grid](
         x,
         idx,
         p.gate_up,
@@ -630,6 +639,7 @@ def gate_up(
         BLOCK_N=bn,
         BLOCK_K=bk,
         IEEE=p.gate_up.dtype == torch.float32,
+        ROWWISE=invariant and interpret_mode(),
         num_warps=cfg.get("num_warps", 4),
         **extra,
     )
@@ -651,9 +661,10 @@ def down(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes as in
-    `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
+    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes and
+    `invariant` as in `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
     p = prepare(moe)
     if not use_triton(backend, [h, idx, w]):
         return down_reference(moe, h, idx, w, out_dtype)
@@ -663,7 +674,7 @@ def down(
         return y
     extra = {} if num_stages is None else {"num_stages": num_stages}
     h, idx, w = h.contiguous(), idx.contiguous(), w.contiguous()
-    if _mode(mode, "down", T) == "gemv":
+    if _mode("mm" if invariant else mode, "down", T) == "gemv":
         bn = block_n or _pick_block_n(T, p.D)
         bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
         jit(_down_kernel, ("T",))[(T * triton.cdiv(p.D, bn),)](
@@ -685,14 +696,17 @@ def down(
         )
         return y
     cfg = _mm_shape(
-        "down", T, dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps)
+        "down",
+        T,
+        dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps),
+        invariant,
     )
-    bt = max(16, min(cfg.get("block_t", 32), triton.next_power_of_2(T)))
+    bt = max(16, _token_block(cfg, T, 32, invariant))
     bn = max(16, cfg.get("block_n", 16))
     # each program walks every expert serially, so fewer, longer k steps pay below MM_LARGE (H200, E 8 T=32: bn 32/bk
     # 64 113 us, bn 16/bk 128 81 us, bk 256 67.6 us)
     bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
-    jit(_down_mm_kernel, ("T",))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
+    jit(_down_mm_kernel, ("T",), helpers=(tile_dot,))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
         h,
         idx,
         w,
@@ -710,6 +724,7 @@ def down(
         BLOCK_N=bn,
         BLOCK_K=bk,
         IEEE=p.down.dtype == torch.float32,
+        ROWWISE=invariant and interpret_mode(),
         num_warps=cfg.get("num_warps", 4),
         **extra,
     )
@@ -724,11 +739,13 @@ def moe_forward(
     backend: str = "auto",
     gate_up_cfg: dict | None = None,
     down_cfg: dict | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """y [T, hidden] (x.dtype) = engine `MoE.__call__(x, input_ids)`: routed top-k (or hash) experts plus the
     shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down). `gate_up_cfg` /
     `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm", block_n, block_k, block_t, block_m,
-    num_warps, num_stages; see `gate_up` / `down`)."""
+    num_warps, num_stages; see `gate_up` / `down`). `invariant` (--deterministic): one path and one launch shape
+    at every T (the router GEMM is batch-invariant under kernels.batch_invariant.invariant_ops)."""
     p = prepare(moe)
     if not p.kernel_ok or not use_triton(backend, [x, input_ids, p.gate_up]):
         if backend == "triton" and not p.kernel_ok:
@@ -738,5 +755,5 @@ def moe_forward(
             )
         return moe_forward_reference(moe, x, input_ids)
     idx, w = route(moe, F.linear(x, p.router), input_ids, backend="triton")
-    h = gate_up(moe, x, idx, backend="triton", **(gate_up_cfg or {}))
-    return down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", **(down_cfg or {}))
+    h = gate_up(moe, x, idx, backend="triton", invariant=invariant, **(gate_up_cfg or {}))
+    return down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", invariant=invariant, **(down_cfg or {}))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from evalpipe.kernels._backend import interpret_mode, jit, use_triton
+from evalpipe.kernels.batch_invariant import tile_dot
 
 try:
     import triton
@@ -320,6 +321,7 @@ if triton is not None:
         BN: tl.constexpr,
         BK: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        ROWWISE: tl.constexpr = False,
     ):
         """partial[s, t, g*R + n] = sum_{k in split s} x[t, g, k] * w[g, n, k]; fp32 accumulate (tl.dot).
 
@@ -346,7 +348,7 @@ if triton is not None:
             if DOT_FP32:  # CPU interpreter: its dot reads bf16 operands as raw integers
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            acc = tile_dot(a, b, acc, False, ROWWISE)
         out = p_ptr + s.to(tl.int64) * M * (G * R) + rows[:, None].to(tl.int64) * (G * R) + g * R + cols[None, :]
         tl.store(out, acc, mask=(rows < M)[:, None] & (cols < R)[None, :])
 
@@ -451,6 +453,7 @@ if triton is not None:
         DOT_FP32: tl.constexpr,
         OUT_BF16: tl.constexpr,
         STAGES: tl.constexpr = 3,
+        ROWWISE: tl.constexpr = False,
     ):
         """out[t, n] = sum_k dequant(a)[t, k] * w[n, k]: e4m3 decoded from bits, times 2^(sf-127), bf16 dot."""
         pid_m = tl.program_id(0)
@@ -488,7 +491,7 @@ if triton is not None:
                 b = b.to(tl.float32)
             else:
                 a = a.to(tl.bfloat16)  # exact: 4 significant bits (underflow below 2^-133 aside)
-            acc = tl.dot(a, b, acc)
+            acc = tile_dot(a, b, acc, False, ROWWISE)
         if OUT_BF16:
             acc = _rne_bf16(acc)  # then the cast below is exact (the interpreter's cast would truncate)
         tl.store(
@@ -499,11 +502,7 @@ if triton is not None:
 
 
 # device functions the kernels call, in dependency order (kernels._backend.jit gives each kernel them jitted)
-_HELPERS = (_rne_bf16, _e4m3_bits, _quantize_tile, _gpu_fence) if triton is not None else ()
-
-
-def _rows_block(m: int) -> int:
-    return 16 if m <= 16 else 64
+_HELPERS = (_rne_bf16, _e4m3_bits, _quantize_tile, _gpu_fence, tile_dot) if triton is not None else ()
 
 
 def _launch_quantize(y_or_partials: torch.Tensor, out: Mxfp8Tensor, splits: int) -> None:
@@ -567,7 +566,9 @@ def _wo_a_guard(x: torch.Tensor, w_a: torch.Tensor) -> bool:
     )
 
 
-def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def wo_a_partials(
+    x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto", invariant: bool = False
+) -> torch.Tensor:
     """fp32 split-K partials [8, M, G*R] of the grouped projection (splits: `wo_a_split_bounds`).
 
     x [M, G, Kg] bf16 with unit last stride (any row/group strides, e.g. a view of the padded attention output),
@@ -583,8 +584,9 @@ def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") 
     partials = torch.empty(SPLITS, m, g * r, dtype=torch.float32, device=x.device)
     if m == 0:
         return partials
-    bm = _rows_block(m)
-    bn = 32 if m <= 16 else 64  # small M: more programs in flight over the 8 splits x G groups
+    small = m <= 16 and not invariant  # invariant: one tile shape at every M
+    bm = 16 if small else 64
+    bn = 32 if small else 64  # small M: more programs in flight over the 8 splits x G groups
     bk = SPLIT_ALIGN
     grid = (triton.cdiv(m, bm), triton.cdiv(r, bn), g * SPLITS)
     kernel = jit(_wo_a_partials_kernel, helpers=_HELPERS)
@@ -606,6 +608,7 @@ def wo_a_partials(x: torch.Tensor, w_a: torch.Tensor, *, backend: str = "auto") 
         BN=bn,
         BK=bk,
         DOT_FP32=interpret_mode(),
+        ROWWISE=invariant and interpret_mode(),
     )
     return partials
 
@@ -637,6 +640,7 @@ def wo_a_mxfp8(
     out: Mxfp8Tensor | None = None,
     backend: str = "auto",
     single_launch: bool = True,
+    invariant: bool = False,
 ) -> Mxfp8Tensor:
     """Grouped output projection A fused with MXFP8 quantization of its bf16 output.
 
@@ -654,6 +658,8 @@ def wo_a_mxfp8(
     CUDA-graph
     replay; 8.2-8.4 us against 8.9-9.3 us for two launches at [2, 1024, 4096]. Two concurrent calls on different
     streams must not share the ticket counters (they live per device), so keep it on one stream.
+
+    `invariant` (--deterministic): the two launches with one tile shape at every M (no single launch).
     """
     _check_wo_a(x, w_a)
     m = x.shape[0]
@@ -663,9 +669,9 @@ def wo_a_mxfp8(
     out_tensors = [out.data, out.scales] if out is not None else []
     if not use_triton(backend, [x, w_a, *out_tensors], _wo_a_guard(x, w_a)):
         return wo_a_mxfp8_reference(x, w_a, out=out)
-    if single_launch and _single_launch_ok(x, w_a, 32) and m > 0:
+    if single_launch and not invariant and _single_launch_ok(x, w_a, 32) and m > 0:
         return _wo_a_single_launch(x, w_a, out)
-    partials = wo_a_partials(x, w_a, backend="triton")
+    partials = wo_a_partials(x, w_a, backend="triton", invariant=invariant)
     return mxfp8_reduce_quantize(partials, out=out, backend="triton")
 
 
@@ -707,8 +713,11 @@ def _wo_a_single_launch(x: torch.Tensor, w_a: torch.Tensor, out: Mxfp8Tensor | N
     return out
 
 
-def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16, backend: str = "auto") -> torch.Tensor:
-    """WO-B on an MXFP8 activation: [M, K] x w_b [N, K] (bf16) -> out_dtype [M, N].
+def mxfp8_linear(
+    a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16, backend: str = "auto", invariant: bool = False
+) -> torch.Tensor:
+    """WO-B on an MXFP8 activation: [M, K] x w_b [N, K] (bf16) -> out_dtype [M, N]. `invariant` (--deterministic):
+    the large-M tiles (K steps of 64) at every M, so a row's K order does not depend on M.
 
     The Triton kernel dequantizes each A tile in registers (e4m3 decoded from bits, times the E8M0 scale) and runs
     a bf16 tensor-core dot with fp32 accumulation (no MX tensor cores needed). What is exact: every dequantized
@@ -730,8 +739,8 @@ def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16,
     out = torch.empty(m, n, dtype=out_dtype, device=w_b.device)
     if m == 0:
         return out
-    small = m <= 16  # weight-streaming regime: more, narrower column tiles and longer K steps
-    bm, bn, bk = _rows_block(m), (32 if small else 64), (128 if small else 64)
+    small = m <= 16 and not invariant  # weight-streaming regime: more, narrower column tiles and longer K steps
+    bm, bn, bk = (16 if small else 64), (32 if small else 64), (128 if small else 64)
     gp = _ceil_to(k // GROUP, 4)
     data_u8 = a.data.view(torch.uint8)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
@@ -753,5 +762,6 @@ def mxfp8_linear(a: Mxfp8Tensor, w_b: torch.Tensor, *, out_dtype=torch.bfloat16,
         BK=bk,
         DOT_FP32=interpret_mode(),
         OUT_BF16=out_dtype == torch.bfloat16,
+        ROWWISE=invariant and interpret_mode(),
     )
     return out

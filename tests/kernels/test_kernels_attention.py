@@ -278,3 +278,45 @@ def test_matches_engine_attend(tiny_runner, monkeypatch):
     assert {(t, n) for t in (SLIDING, CSA, HCA) for n in (1, 6)} <= kinds
     for kind, n, kernel_err, ref_err in seen:
         assert kernel_err < TOL and ref_err < TOL, (kind, n, kernel_err, ref_err)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_invariant_plan_row_is_bitwise_the_same_in_any_batch(n):
+    """`invariant=True` (--deterministic): the rows of one request are bitwise the same alone and at a random place
+    among 2..64 requests (a neighbour with NaN q and kv), with entry rows padded by 130 more -1 columns (another
+    split), and close to the reference. 520 entry rows: two 512-key splits and the merge."""
+    gen = torch.Generator().manual_seed(21 + n)
+    B = 64
+    args = make_case(gen, B=B, n=n, starts=torch.randint(0, 60, (B,), generator=gen).tolist(), K=520, n_entries=600)
+    args["q"][n : 2 * n] = float("nan")
+    args["kv"][n : 2 * n] = float("nan")
+    target = 5
+
+    def rows_of(requests):
+        return torch.cat([torch.arange(r * n, (r + 1) * n) for r in requests])
+
+    def run(requests, pad=0):
+        idx = rows_of(requests)
+        sub = {k: args[k][idx] for k in ("q", "kv", "pos", "slot", "entry_rows")}
+        if pad:
+            sub["entry_rows"] = torch.cat([sub["entry_rows"], torch.full((len(idx), pad), -1)], dim=1)
+        out = sa.fused_attention(*call(args, **sub), backend="triton", invariant=True)
+        at = requests.index(target)
+        return out[at * n : (at + 1) * n]
+
+    alone = run([target])
+    ref = sa.fused_attention_reference(*call(args))[rows_of([target])]
+    assert (alone - ref).abs().max().item() < TOL
+    assert torch.equal(run([target], pad=130), alone)
+    for batch in (2, 9, 64) if n == 1 else (2, 9):
+        others = [r for r in torch.randperm(B, generator=gen).tolist() if r != target][: batch - 1]
+        requests = others + [target]
+        requests = [requests[i] for i in torch.randperm(batch, generator=gen).tolist()]
+        assert torch.equal(run(requests), alone), f"batch {batch}"
+
+
+def test_invariant_plan_is_fixed_by_the_key_count_only():
+    """The invariant launch shape does not look at T: 16-head blocks, INVARIANT_SPLIT_KEYS per split."""
+    plans = [sa.plan(T, 64, 512, 128, 600, torch.device("cpu"), invariant=True) for T in (1, 6, 64, 4096)]
+    assert all(p == plans[0] for p in plans)
+    assert plans[0]["BLOCK_H"] == 16 and plans[0]["per_split"] * plans[0]["BLOCK_N"] == sa.INVARIANT_SPLIT_KEYS

@@ -241,3 +241,35 @@ def test_prepared_weights_go_with_their_object():
     del conn
     gc.collect()
     assert key not in step_hyper._PREP
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NaN/inf neighbours
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_chain_row_is_bitwise_the_same_in_any_batch(dtype):
+    """`invariant=True` (--deterministic): mix -> pre-norm -> merge-mix -> head-norm of one row is bitwise the same
+    alone and at a random place among 2..64 rows (float32 also 130 rows, past DOT_MIN_ROWS) of other random data,
+    one NaN and one inf row among them; the partials have mix_block's 128-column blocks at every T."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))  # fresh inputs every run
+    cfg = config()
+    conn, head = make_conn(gen, cfg), make_head(gen, cfg)
+    w = 1 + 0.1 * torch.randn(D, generator=gen)
+    row_s, row_y = torch.randn(HC, D, generator=gen).to(dtype), torch.randn(D, generator=gen).to(dtype)
+
+    def chain(s, y):
+        parts = step_hyper.hc_mix(s, conn, backend="triton", invariant=True)
+        assert parts.shape[1] == 1  # D = 64 columns in one block, whatever T
+        post, comb, x = step_hyper.hc_pre_norm(s, parts, conn, w, EPS, backend="triton", invariant=True)
+        new, parts2 = step_hyper.hc_merge_mix(s, y, post, comb, head, backend="triton", invariant=True)
+        out = step_hyper.hc_head_norm(new, parts2, head, w, EPS, backend="triton", invariant=True)
+        return x, new, out
+
+    alone = [t[0] for t in chain(row_s[None], row_y[None])]
+    for batch in (2, 64) + ((step_hyper.DOT_MIN_ROWS + 2,) if dtype == torch.float32 else ()):
+        s = torch.randn(batch, HC, D, generator=gen).to(dtype)
+        y = torch.randn(batch, D, generator=gen).to(dtype)
+        at = int(torch.randint(0, batch, (1,), generator=gen))
+        s[(at + 1) % batch], y[(at + 1) % batch] = float("nan"), float("nan")
+        s[(at + 2) % batch] = float("inf")
+        s[at], y[at] = row_s, row_y
+        for got, want in zip(chain(s, y), alone):
+            assert torch.equal(got[at], want), f"batch {batch}"

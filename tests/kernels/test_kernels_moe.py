@@ -228,3 +228,46 @@ def test_grouped_gemm_routed_experts_equal_the_per_expert_loop(T, dtype):
         assert grouped.dtype == loop.dtype == dtype and torch.isfinite(grouped).all()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (grouped.float() - loop.float()).abs().max().item() <= tol * max(1.0, loop.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype):
+    """`invariant=True` (--deterministic): one token's MoE output is bitwise the same alone and at a random place
+    among 2..64 tokens of other random data, and close to the reference. The chain is moe_forward's with its router
+    GEMM through kernels.batch_invariant.matmul (what invariant_ops makes of it on CUDA). Neighbours are finite: the
+    down kernel adds each pick to its token through an exact one-hot dot, where a NaN/inf neighbour in the same
+    token block would leak (0 * inf)."""
+    from evalpipe.kernels import batch_invariant
+
+    moe = make_moe(seed=13)
+    moe.gate_up, moe.down = moe.gate_up.to(dtype), moe.down.to(dtype)
+    moe.shared, moe.router = [s.to(dtype) for s in moe.shared], moe.router.to(dtype)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))  # fresh inputs every run
+    router = moe.router
+
+    def forward(x, ids):
+        logits = batch_invariant.matmul(x, router.t(), backend="triton").float()
+        idx, w = step_moe.route(moe, logits, ids, backend="triton")
+        h = step_moe.gate_up(moe, x, idx, backend="triton", invariant=True)
+        return step_moe.down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", invariant=True)
+
+    token = (8 * torch.randn(1, D, generator=gen)).to(dtype)
+    token_id = torch.randint(0, VOCAB, (1,), generator=gen)
+    alone = forward(token, token_id)[0]
+    ref = step_moe.moe_forward_reference(moe, token, token_id)[0]
+    assert (alone.float() - ref.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 3e-2) * max(
+        1.0, ref.float().abs().max().item()
+    )
+    for batch in (2, 17, 64):
+        x = (8 * torch.randn(batch, D, generator=gen)).to(dtype)
+        ids = torch.randint(0, VOCAB, (batch,), generator=gen)
+        at = int(torch.randint(0, batch, (1,), generator=gen))
+        x[at], ids[at] = token[0], token_id[0]
+        assert torch.equal(forward(x, ids)[at], alone), f"batch {batch}"
+
+
+def test_invariant_launch_shape_does_not_depend_on_T():
+    for kernel in ("gate_up", "down"):
+        shapes = {str(step_moe._mm_shape(kernel, T, {"block_t": 8}, invariant=True)) for T in (1, 5, 64, 3000)}
+        assert len(shapes) == 1
+    assert {step_moe._token_block({"block_t": 64}, T, 32, True) for T in (1, 7, 64, 900)} == {64}

@@ -209,3 +209,32 @@ def test_wo_a_single_launch_equals_two_launches(rows):
         u8(out.data).fill_(255)
         wo_a_mxfp8(x, w_a, out=out, backend="triton", single_launch=True)
         assert_same_bytes(out, wo_a_mxfp8(x, w_a, backend="triton", single_launch=False))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NaN/inf neighbours
+def test_invariant_wo_projection_row_is_bitwise_the_same_in_any_batch():
+    """`invariant=True` (--deterministic): WO-A + MXFP8 quantization + WO-B of one row are bitwise the same alone
+    and at a random place among 2..64 rows of other random data (one NaN and one inf row among them), and
+    equal the two-launch path's bytes on the row's own partials."""
+    g, r, kg, n = 2, 64, 320, 80
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))  # fresh inputs every run
+    w_a = (torch.randn(g, r, kg, generator=gen) * kg**-0.5).bfloat16()
+    w_b = (torch.randn(n, g * r, generator=gen) * 0.1).bfloat16()
+    row = torch.randn(g, kg, generator=gen).bfloat16()
+
+    def project(x):
+        a = wo_a_mxfp8(x, w_a, backend="triton", invariant=True)
+        return a, mxfp8_linear(a, w_b, backend="triton", invariant=True)
+
+    a_alone, y_alone = project(row[None])
+    assert_same_bytes(
+        a_alone, mxfp8_reduce_quantize_reference(wo_a_partials(row[None], w_a, backend="triton", invariant=True))
+    )
+    for batch in (2, 17, 64):
+        x = torch.randn(batch, g, kg, generator=gen).bfloat16()
+        at = int(torch.randint(0, batch, (1,), generator=gen))
+        x[(at + 1) % batch], x[(at + 2) % batch] = float("nan"), float("inf")
+        x[at] = row
+        a, y = project(x)
+        assert torch.equal(u8(a.data)[at], u8(a_alone.data)[0]) and torch.equal(y[at], y_alone[0]), f"batch {batch}"
+        assert torch.equal(a.scale_grid()[at], a_alone.scale_grid()[0])

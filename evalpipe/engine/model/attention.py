@@ -226,5 +226,6 @@ class Attention:
             self.sinks,
             self.head_dim**-0.5,
             backend=backend,
+            invariant=self.site_settings.deterministic,
         )
         return out.view(G, n, self.heads, self.head_dim)

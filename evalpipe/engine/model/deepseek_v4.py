@@ -25,6 +25,8 @@ from evalpipe.engine.model.hyper import HyperConnection, HyperHead
 from evalpipe.engine.model.moe import MoE
 from evalpipe.engine.model.primitives import rms_norm
 from evalpipe.kernels import hyper, use_triton
+from evalpipe.kernels.batch_invariant import invariant_ops
+from evalpipe.kernels.moe import moe_forward
 
 # Parameters transformers keeps in float32 whatever the model dtype (norm gains, sinks, mHC, biases).
 _FP32_MARKERS = ("norm", "sinks", "position_bias", "e_score_correction_bias", "_hc.", "hc_head", "tid2eid")
@@ -93,15 +95,25 @@ class DeepseekV4Model:
         cut.layers = self.layers[:n]
         return cut
 
+    @property
+    def deterministic(self) -> bool:
+        """Built with `SiteSettings(deterministic=True)` (--deterministic): every forward of this model (eager or
+        the CUDA-graph step) runs batch-invariant kernels, GEMMs and reductions (kernels/batch_invariant.py)."""
+        return self.sites is not None and self.sites.deterministic
+
     def forward(self, batch: ForwardBatch, pools: StatePools, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run all layers over the batch rows (updating the pools); float32 logits of `logit_rows`."""
+        with invariant_ops(self.deterministic):
+            return self._forward(batch, pools, logit_rows)
+
+    def _forward(self, batch: ForwardBatch, pools: StatePools, logit_rows: torch.Tensor) -> torch.Tensor:
         x = F.embedding(batch.input_ids, self.embed)
         if self.sites is not None and use_triton(self.sites.backend, [x]):  # the server's build, on CUDA
             fused_sites.count("eager_mhc_kernels")
             h = self.hidden_through_kernels(
                 x,
                 lambda i, layer, hx: layer.attn(hx, batch, pools.layers[i]),
-                lambda layer, hx: layer.mlp(hx, batch.input_ids),
+                lambda layer, hx: self._eager_moe(layer.mlp, hx, batch.input_ids),
                 self.sites.backend,
             )
             return self.head_linear(h[logit_rows], self.lm_head).float()
@@ -111,20 +123,28 @@ class DeepseekV4Model:
         h = rms_norm(self.head(streams[logit_rows]), self.norm, self.config.rms_norm_eps)
         return self.head_linear(h, self.lm_head).float()
 
+    def _eager_moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's MoE: the layer's own grouped GEMMs, or when deterministic the CUDA-graph step's kernels
+        in their invariant shape (the grouped GEMM's tiling and its atomic index_add_ vary with the batch)."""
+        if self.deterministic:
+            return moe_forward(moe, x, input_ids, backend=self.sites.backend, invariant=True)
+        return moe(x, input_ids)
+
     def hidden_through_kernels(self, x: torch.Tensor, attend: Callable, ffn: Callable, backend: str) -> torch.Tensor:
         """Embedded rows x [T, D] -> [mHC, attend(i, layer, normed input), mHC, ffn(layer, normed input)] x L ->
         the head's normed rows [T, D], with each block boundary as two `kernels.hyper` kernels: the merge that ends
         a block also computes the next hyper-connection's mixing partials; the next block starts by reducing them
         (Sinkhorn, collapse and its input RMSNorm)."""
         eps = self.config.rms_norm_eps
+        kw = dict(backend=backend, invariant=self.deterministic)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        parts = hyper.hc_mix(streams, self.layers[0].attn_hc, backend=backend)
+        parts = hyper.hc_mix(streams, self.layers[0].attn_hc, **kw)
         for i, layer in enumerate(self.layers):
-            post, comb, h = hyper.hc_pre_norm(streams, parts, layer.attn_hc, layer.attn_norm, eps, backend=backend)
+            post, comb, h = hyper.hc_pre_norm(streams, parts, layer.attn_hc, layer.attn_norm, eps, **kw)
             a = attend(i, layer, h)
-            streams, parts = hyper.hc_merge_mix(streams, a, post, comb, layer.ffn_hc, backend=backend)
-            post, comb, h = hyper.hc_pre_norm(streams, parts, layer.ffn_hc, layer.mlp_norm, eps, backend=backend)
+            streams, parts = hyper.hc_merge_mix(streams, a, post, comb, layer.ffn_hc, **kw)
+            post, comb, h = hyper.hc_pre_norm(streams, parts, layer.ffn_hc, layer.mlp_norm, eps, **kw)
             y = ffn(layer, h)
             nxt = self.layers[i + 1].attn_hc if i + 1 < len(self.layers) else self.head
-            streams, parts = hyper.hc_merge_mix(streams, y, post, comb, nxt, backend=backend)
-        return hyper.hc_head_norm(streams, parts, self.head, self.norm, eps, backend=backend)
+            streams, parts = hyper.hc_merge_mix(streams, y, post, comb, nxt, **kw)
+        return hyper.hc_head_norm(streams, parts, self.head, self.norm, eps, **kw)

@@ -42,6 +42,9 @@ class SiteSettings:
     candidate_blocks: int | None = None  # None: keep every block (exact); N: keep the best N (changes selection)
     wo_quant: str = "none"  # "mxfp8": WO-A/WO-B through the MXFP8 kernels on o_b quantized once (lossy)
     backend: str = "auto"
+    # --deterministic: every kernel in its batch-invariant shape, GEMMs and reductions through
+    # kernels/batch_invariant.py (engine/model/deepseek_v4.py, engine/static/model.py)
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.candidate_block_size < 1:
@@ -100,10 +103,12 @@ def wo_project(attn, out: torch.Tensor) -> torch.Tensor:
     x = out.reshape(out.shape[0], attn.groups, -1)
     if x.dtype != attn.o_a.dtype:
         x = x.to(attn.o_a.dtype)
-    a = wo_a_mxfp8(x, attn.o_a, backend=settings.backend)
+    a = wo_a_mxfp8(x, attn.o_a, backend=settings.backend, invariant=settings.deterministic)
     count("wo_a_mxfp8")
     out_dtype = torch.bfloat16 if attn.wo_b_mxfp8.dtype == torch.bfloat16 else torch.float32
-    y = mxfp8_linear(a, attn.wo_b_mxfp8, out_dtype=out_dtype, backend=settings.backend)
+    y = mxfp8_linear(
+        a, attn.wo_b_mxfp8, out_dtype=out_dtype, backend=settings.backend, invariant=settings.deterministic
+    )
     count("mxfp8_linear")
     return y.to(out.dtype)
 

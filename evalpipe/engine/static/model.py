@@ -26,6 +26,7 @@ from evalpipe.engine.model.primitives import apply_rope
 from evalpipe.engine.static.batch import StaticBatch
 from evalpipe.kernels import c2_verify, indexer, norm, q_rope_store
 from evalpipe.kernels.attention import fused_attention
+from evalpipe.kernels.batch_invariant import invariant_ops
 from evalpipe.kernels.compress import compress
 from evalpipe.kernels.moe import moe_forward
 
@@ -57,13 +58,14 @@ class StaticModel:
         kernels (`kernels.hyper`: the merge that ends a block also computes the next hyper-connection's mixing
         partials; the next block starts by reducing them, Sinkhorn, collapse and its input RMSNorm)."""
         m = self.model
-        h = m.hidden_through_kernels(
-            F.embedding(batch.input_ids, m.embed),
-            lambda i, layer, x: self.attention(layer.attn, x, batch, pools.layers[i]),
-            lambda layer, x: self.moe(layer.mlp, x, batch.input_ids),
-            self.backend,
-        )
-        return F.linear(h, m.lm_head).float()
+        with invariant_ops(m.deterministic):  # --deterministic: batch-invariant GEMMs inside the captured step
+            h = m.hidden_through_kernels(
+                F.embedding(batch.input_ids, m.embed),
+                lambda i, layer, x: self.attention(layer.attn, x, batch, pools.layers[i]),
+                lambda layer, x: self.moe(layer.mlp, x, batch.input_ids),
+                self.backend,
+            )
+            return F.linear(h, m.lm_head).float()
 
     def _rotate(self, x: torch.Tensor, table: RopeTable, batch: StaticBatch, inverse: bool = False) -> torch.Tensor:
         """Interleaved RoPE of every row: fused, one `q_rope_store` kernel (bitwise equal to the engine's
@@ -133,6 +135,7 @@ class StaticModel:
             attn.sinks,
             attn.head_dim**-0.5,
             backend=self.backend,
+            invariant=self.model.deterministic,
         )
         # rings last: the reads above must see the pre-forward history
         attn._store_ring(pool.window, kv, batch, batch.pools.window_ring)
@@ -192,4 +195,4 @@ class StaticModel:
     def moe(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Routed experts read by device-side index (no sort, no host counts) plus the shared expert as one more
         pick: router GEMM, route, gate_up + SwiGLU, down + weighted sum (`kernels.moe`, 4 launches)."""
-        return moe_forward(moe, x, input_ids, backend=self.backend)
+        return moe_forward(moe, x, input_ids, backend=self.backend, invariant=self.model.deterministic)

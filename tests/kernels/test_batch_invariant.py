@@ -1,0 +1,149 @@
+"""evalpipe/kernels/batch_invariant.py in Triton's CPU interpreter: one row's output is bitwise the same alone and
+at a random place among 2..64 rows of other random data (NaN and inf rows included), for random odd shapes in
+float32 and bfloat16, and agrees with the PyTorch reference; the aten overrides come and go with `invariant_ops`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evalpipe.kernels import batch_invariant as bi
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NaN/inf neighbours
+BATCHES = (2, 3, 17, 64)
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+ROUNDING = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}  # the output's rounding, relative
+
+
+def _assert_matmul_close(out, a, b, bias=None):
+    """out within the float32 accumulation error bound (1e-5 x sum |a||b|) plus the output's rounding of the
+    reference (rows of any scale; rows with NaN/inf skipped)."""
+    ref = bi.matmul_reference(a, b, bias).float()
+    bound = torch.matmul(a.float().abs(), b.float().abs())
+    ok = torch.isfinite(bound).all(-1)
+    err = (out.float() - ref).abs()
+    assert (err <= ROUNDING[a.dtype] * ref.abs() + 1e-5 * bound + 1e-6)[ok].all()
+
+
+def _neighbours(batch: int, row: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """`batch` rows of fresh random data (scaled wildly, one NaN row and one inf row when there is room) with `row`
+    at a random index; returns (rows, index)."""
+    rows = (torch.randn(batch, *row.shape, generator=gen) * 10 ** torch.randint(-3, 4, (1,), generator=gen)).to(
+        row.dtype
+    )
+    at = int(torch.randint(0, batch, (1,), generator=gen))
+    others = [i for i in range(batch) if i != at]
+    if len(others) >= 2:
+        rows[others[0]] = float("nan")
+        rows[others[1]] = float("inf")
+    rows[at] = row
+    return rows, at
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matmul_row_is_bitwise_the_same_in_any_batch(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    K, N = (int(v) for v in torch.randint(1, 150, (2,), generator=gen))
+    weight = torch.randn(N, K, generator=gen).to(dtype)  # F.linear's layout: the kernel reads weight.t() strided
+    bias = torch.randn(N, generator=gen).to(dtype) if seed else None
+    row = torch.randn(K, generator=gen).to(dtype)
+    alone = bi.matmul(row[None], weight.t(), bias, backend="triton")[0]
+    torch.testing.assert_close(alone, bi.matmul_reference(row[None], weight.t(), bias)[0], **TOL[dtype])
+    for batch in BATCHES:
+        rows, at = _neighbours(batch, row, gen)
+        out = bi.matmul(rows, weight.t(), bias, backend="triton")
+        assert out.shape == (batch, N) and out.dtype == dtype
+        assert torch.equal(out[at], alone), f"batch {batch}: row {at} changed"
+        _assert_matmul_close(out, rows, weight.t(), bias)
+
+
+def test_wide_matmul_tiles_keep_rows_invariant():
+    """N >= WIDE_N (the LM head's 64-column tiles): a row alone equals the same row among 7 others."""
+    gen = torch.Generator().manual_seed(8)
+    K, N = 5, bi.WIDE_N + 3
+    weight, row = torch.randn(N, K, generator=gen), torch.randn(K, generator=gen)
+    alone = bi.matmul(row[None], weight.t(), backend="triton")[0]
+    rows, at = _neighbours(7, row, gen)
+    out = bi.matmul(rows, weight.t(), backend="triton")
+    assert torch.equal(out[at], alone)
+    _assert_matmul_close(out, rows, weight.t())
+
+
+def test_batched_matmul_rows_are_invariant_and_match_reference():
+    gen = torch.Generator().manual_seed(5)
+    G, K, N = 3, 37, 20
+    b = torch.randn(G, K, N, generator=gen)
+    row = torch.randn(G, K, generator=gen)
+    alone = bi.matmul(row[:, None], b, backend="triton")[:, 0]
+    for batch in (2, 33):
+        rows, at = _neighbours(batch, row, gen)  # [batch, G, K]
+        out = bi.matmul(rows.transpose(0, 1), b, backend="triton")  # [G, batch, N], strided a
+        assert torch.equal(out[:, at], alone)
+        _assert_matmul_close(out, rows.transpose(0, 1), b)
+
+
+def test_matmul_edges():
+    a = torch.randn(4, 0)
+    bias = torch.randn(3)
+    assert torch.equal(bi.matmul(a, torch.randn(0, 3), bias, backend="triton"), bias.expand(4, 3))
+    assert bi.matmul(torch.randn(0, 5), torch.randn(5, 3), backend="triton").shape == (0, 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        bi.matmul(torch.randn(2, 5), torch.randn(4, 3), backend="triton")
+    with pytest.raises(ValueError, match="one dtype"):
+        bi.matmul(torch.randn(2, 5), torch.randn(5, 3).bfloat16(), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_reduction_is_bitwise_the_same_in_any_batch(dtype):
+    gen = torch.Generator().manual_seed(11)
+    L = 2 * bi.REDUCE_BLOCK + 77  # three blocks, the last partial
+    row = torch.randn(L, generator=gen).to(dtype)
+    for mean in (False, True):
+        alone = bi.reduce_sum(row[None], -1, mean=mean, backend="triton")[0]
+        torch.testing.assert_close(alone, bi.reduce_sum_reference(row[None], -1, mean=mean)[0], **TOL[dtype])
+        for batch in BATCHES:
+            rows, at = _neighbours(batch, row, gen)
+            out = bi.reduce_sum(rows, [1], mean=mean, backend="triton")
+            assert out.shape == (batch,) and out.dtype == dtype
+            assert torch.equal(out[at], alone)
+            assert out.isnan().sum() == (batch > 2)  # the NaN neighbour stays its own
+
+
+def test_reduction_over_inner_dims_keepdim_dtype_and_integers():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 7, generator=gen)
+    got = bi.reduce_sum(x, [0, 2], keepdim=True, backend="triton")
+    assert got.shape == (1, 5, 1)
+    torch.testing.assert_close(got, x.sum((0, 2), keepdim=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bi.reduce_sum(x, 1, mean=True, backend="triton"), x.mean(1), rtol=1e-6, atol=1e-6)
+    got = bi.reduce_sum(x.bfloat16(), 2, dtype=torch.float32, backend="triton")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.bfloat16().float().sum(2), rtol=1e-5, atol=1e-5)
+    flags = torch.rand(4, 9, generator=gen) < 0.5
+    assert torch.equal(bi.reduce_sum(flags, 1, backend="triton"), flags.sum(1))
+    ints = torch.randint(-(2**40), 2**40, (3, 6), generator=gen)
+    assert torch.equal(bi.reduce_sum(ints, 0, backend="triton"), ints.sum(0))
+    assert bi.reduce_sum(torch.randn(0, 4), 1, backend="triton").shape == (0,)
+    with pytest.raises(ValueError, match="takes"):
+        bi.reduce_sum(ints, 0, mean=True, backend="triton")
+
+
+def _cuda_kernel_of(op: str) -> str:
+    return next(line for line in torch._C._dispatch_dump_table(op).split("\n") if line.startswith("CUDA"))
+
+
+def test_invariant_ops_overrides_cuda_kernels_only_while_open_and_nests():
+    ops = ["aten::mm", "aten::addmm", "aten::bmm", "aten::sum.dim_IntList", "aten::mean.dim"]
+    before = {op: _cuda_kernel_of(op) for op in ops}
+    ours = "batch_invariant.py"
+    with bi.invariant_ops():
+        assert all(ours in _cuda_kernel_of(op) for op in ops)
+        with bi.invariant_ops():
+            assert ours in _cuda_kernel_of("aten::mm")
+        assert ours in _cuda_kernel_of("aten::mm")  # the inner close keeps the outer registration
+        x = torch.randn(3, 4)
+        assert torch.equal(x @ torch.eye(4), x)  # CPU tensors keep torch's own kernels
+    assert {op: _cuda_kernel_of(op) for op in ops} == before
+    with bi.invariant_ops(enabled=False):
+        assert _cuda_kernel_of("aten::mm") == before["aten::mm"]
