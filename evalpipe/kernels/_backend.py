@@ -67,6 +67,10 @@ def jit(fn: Callable, varying: tuple[str, ...] = (), helpers: tuple[Callable, ..
         if helpers:  # in dependency order: each helper may call those before it
             scope = dict(fn.__globals__)
             scope.update({h.__name__: jit(h, helpers=helpers[:i]) for i, h in enumerate(helpers) if h is not fn})
-            fn = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+            rebuilt = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+            # a function built from code has no annotations, and Triton 3.6 reads `tl.constexpr` from them
+            for name in ("__annotations__", "__kwdefaults__", "__qualname__", "__module__", "__doc__"):
+                setattr(rebuilt, name, getattr(fn, name))
+            fn = rebuilt
         _JIT[key] = triton.jit(fn, do_not_specialize=list(varying)) if varying else triton.jit(fn)
     return _JIT[key]
