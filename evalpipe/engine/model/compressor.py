@@ -120,3 +120,16 @@ def causal_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
         masked = scores.masked_fill(~visible, float("-inf"))
         order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.where(torch.gather(visible, -1, order), order, torch.full_like(order, -1))
+
+
+def index_order(picked: torch.Tensor) -> torch.Tensor:
+    """`picked` [..., k] (entry indices, -1 = none) sorted by entry index, the -1s last: the picked set in one order.
+    causal_topk's order is score-descending when the row has more than k entries and index order when it has at
+    most k, and the row's entry count E follows its group (the chunk, the longest request beside it), so a query
+    whose visible entries are all picked would meet them in an order that depends on its batch; the attention
+    kernel sums its entry slots in slot order (--deterministic sorts, engine/model/fused_sites.py)."""
+    if picked.numel() == 0:
+        return picked
+    none = torch.iinfo(picked.dtype).max
+    ordered = torch.where(picked < 0, torch.full_like(picked, none), picked).sort(dim=-1).values
+    return torch.where(ordered == none, torch.full_like(ordered, -1), ordered)

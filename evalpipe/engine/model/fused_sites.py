@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalpipe.engine.model.compressor import causal_topk
+from evalpipe.engine.model.compressor import causal_topk, index_order
 from evalpipe.kernels import candidate_block_mask, indexer_postprocess, mxfp8_linear, mxfp8_quantize, wo_a_mxfp8
 
 WO_QUANT_CHOICES = ("none", "mxfp8")
@@ -144,6 +144,8 @@ def csa_rows(attn, scores: torch.Tensor, group, batch, k: int) -> torch.Tensor:
     masked = masked.masked_fill(~keep, float("-inf"))
     visible = (torch.arange(E, device=scores.device)[None] < lens[:, None]) & keep
     picked = causal_topk(masked.view(G, n, E), visible.view(G, n, E), k)  # [G, n, k] logical indices, -1 = none
+    if settings.deterministic:  # the same picks in the same slots whatever E (the chunk, the batch): index order
+        picked = index_order(picked)
     pools = batch.pools
     table = pools.page_table_on_device()[group.slots]  # [G, P]: rows of one request share its page table
     table = table.unsqueeze(1).expand(G, n, table.shape[1]).reshape(G * n, -1)

@@ -1,0 +1,87 @@
+"""A prompt token's CSA selection under `--deterministic` does not depend on how the prompt is chunked or batched.
+
+The indexer's top-k (engine/model/fused_sites.csa_rows) ranks a query's visible entries among the E entries of its
+group, and E follows the group (this chunk's end, the longest request beside it). With E <= index_topk every entry
+is kept in index order; above, the kept ones come by score. So a query whose visible entries are all kept met them
+in an order that depended on its chunk, and the attention kernel sums its entry slots in slot order. Deterministic
+sites sort the picks by entry index: the same pool rows in the same slots in every chunking. The default mode keeps
+the score order (checked here too, so the test sees the difference it guards)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from evalpipe.engine.forward_batch import ForwardBatch
+from evalpipe.engine.model import fused_sites
+from evalpipe.engine.model.compressor import index_order
+from evalpipe.engine.model.config import CSA
+from evalpipe.engine.model.fused_sites import SiteSettings
+from evalpipe.engine.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(None, max_seqs=4, max_seq_len=1024, sites=SiteSettings(deterministic=True))
+
+
+def csa_attention(runner: ModelRunner, deterministic: bool):
+    layer = next(lay for lay in runner.model.layers if lay.attn.layer_type == CSA)
+    attn = copy.copy(layer.attn)
+    attn.site_settings = SiteSettings(deterministic=deterministic)
+    return attn
+
+
+def rows_of(runner, attn, seq: int, start: int, scores: torch.Tensor, others: list[tuple[int, int]] = ()):
+    """csa_rows of `seq`'s rows start..start+len(scores) in one forward's batch (with `others`: (slot, length) requests
+    of the same row count beside it, longer ones raise the group's E), padded with -1 to the full width."""
+    n, width = scores.shape
+    slots, starts = [seq] + [s for s, _ in others], [start] + [length - n for _, length in others]
+    ids = torch.zeros(n * len(slots), dtype=torch.long)
+    batch = ForwardBatch(runner.pools, slots, starts, [n] * len(slots), ids)
+    group = batch.groups[0]
+    E = max((s + n) // attn.ratio for s in starts)
+    full = torch.full((len(slots), n, E), float("-inf"))
+    full[0, :, : min(width, E)] = scores[:, :E]
+    pos = group.pos.reshape(-1, 1)
+    visible = torch.arange(E)[None] < (pos + 1) // attn.ratio
+    full = full.reshape(-1, E).masked_fill(~visible, float("-inf"))
+    rows = fused_sites.csa_rows(attn, full, group, batch, min(attn.indexer.topk, E))[:n]
+    return torch.nn.functional.pad(rows, (0, attn.indexer.topk - rows.shape[1]), value=-1)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_csa_picks_are_the_same_whole_chunked_and_beside_a_longer_request(runner, ties):
+    attn = csa_attention(runner, deterministic=True)
+    ratio, topk = attn.ratio, attn.indexer.topk
+    length = ratio * (topk + 6)  # the whole prompt has more entries than top-k: ranked by score
+    seq, other = runner.allocate(), runner.allocate()
+    try:
+        runner.pools.reserve({seq: length, other: 2 * length})
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+        E = length // ratio
+        scores = (
+            torch.randint(0, 3, (length, E), generator=gen) if ties else torch.randn(length, E, generator=gen)
+        ).float()
+        whole = rows_of(runner, attn, seq, 0, scores)
+        cut = ratio * (topk - 2) + 1  # the first chunk has fewer entries than top-k: every visible one kept
+        first = rows_of(runner, attn, seq, 0, scores[:cut])
+        second = rows_of(runner, attn, seq, cut, scores[cut:])
+        assert torch.equal(torch.cat([first, second]), whole)
+        beside = rows_of(runner, attn, seq, 0, scores[:cut], others=[(other, 2 * length)])  # E of the longer one
+        assert torch.equal(beside, first)
+        # the default mode's order differs where a query sees >= 2 entries: what the sort removes
+        default = rows_of(runner, csa_attention(runner, deterministic=False), seq, 0, scores)
+        assert torch.equal(index_order(default), whole)
+        assert not torch.equal(default, whole) or ties
+    finally:
+        runner.free(seq)
+        runner.free(other)
+
+
+def test_index_order_sorts_picks_and_puts_none_last():
+    picked = torch.tensor([[5, -1, 2, 9], [-1, -1, -1, -1], [3, 1, 0, 2]])
+    assert index_order(picked).tolist() == [[2, 5, 9, -1], [-1, -1, -1, -1], [0, 1, 2, 3]]
+    assert index_order(picked[:, :0]).shape == (3, 0)
