@@ -258,24 +258,50 @@ if tl is not None:
             )
 
     def _step_attention_combine_kernel(
-        po_ptr, pm_ptr, pl_ptr, out_ptr, H, S, D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr
+        po_ptr,
+        pm_ptr,
+        pl_ptr,
+        out_ptr,
+        H,
+        S,
+        D: tl.constexpr,
+        S_PAD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ORDERED: tl.constexpr,
     ):
+        # ORDERED (invariant): the splits summed one after another in split order, so a row's trailing all-masked
+        # splits (a longer entry axis beside it) add exact zeros at the end; a tl.sum over S_PAD lanes may pair the
+        # splits differently as S_PAD grows
         i = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         ss = tl.arange(0, S_PAD)
         sm = ss < S
         base = (i * S + ss) * H + h
         m = tl.load(pm_ptr + base, mask=sm, other=-1.0e30)
-        big = tl.max(m, axis=0)
-        w = tl.where(sm, tl.exp(m - big), 0.0)
-        den = tl.sum(w * tl.load(pl_ptr + base, mask=sm, other=0.0), axis=0)
-        w = w / den
+        big = tl.max(m, axis=0)  # a maximum: the same in any order
         ds = tl.arange(0, BLOCK_D)
-        for d0 in range(0, D, BLOCK_D):
-            dm = d0 + ds < D
-            o = tl.load(po_ptr + base[:, None] * D + d0 + ds[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-            y = tl.sum(w[:, None] * o, axis=0)
-            tl.store(out_ptr + (i * H + h) * D + d0 + ds, y.to(out_ptr.dtype.element_ty), mask=dm)
+        if ORDERED:
+            den = tl.full([], 0.0, tl.float32)
+            for s in range(0, S):
+                b = (i * S + s) * H + h
+                den += tl.exp(tl.load(pm_ptr + b) - big) * tl.load(pl_ptr + b)
+            for d0 in range(0, D, BLOCK_D):
+                dm = d0 + ds < D
+                y = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for s in range(0, S):
+                    b = (i * S + s) * H + h
+                    ws = tl.exp(tl.load(pm_ptr + b) - big) / den
+                    y += ws * tl.load(po_ptr + b * D + d0 + ds, mask=dm, other=0.0)
+                tl.store(out_ptr + (i * H + h) * D + d0 + ds, y.to(out_ptr.dtype.element_ty), mask=dm)
+        else:
+            w = tl.where(sm, tl.exp(m - big), 0.0)
+            den = tl.sum(w * tl.load(pl_ptr + base, mask=sm, other=0.0), axis=0)
+            w = w / den
+            for d0 in range(0, D, BLOCK_D):
+                dm = d0 + ds < D
+                o = tl.load(po_ptr + base[:, None] * D + d0 + ds[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+                y = tl.sum(w[:, None] * o, axis=0)
+                tl.store(out_ptr + (i * H + h) * D + d0 + ds, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 # ---- launch ---------------------------------------------------------------------------------------------------
@@ -450,6 +476,7 @@ def _launch(
             D=D,
             S_PAD=triton.next_power_of_2(S),
             BLOCK_D=min(128, triton.next_power_of_2(D)),
+            ORDERED=invariant,
             num_warps=4,
         )
     return out

@@ -283,8 +283,8 @@ def test_matches_engine_attend(tiny_runner, monkeypatch):
 @pytest.mark.parametrize("n", [1, 3])
 def test_invariant_plan_row_is_bitwise_the_same_in_any_batch(n):
     """`invariant=True` (--deterministic): the rows of one request are bitwise the same alone and at a random place
-    among 2..64 requests (a neighbour with NaN q and kv), with entry rows padded by 130 more -1 columns (another
-    split), and close to the reference. 520 entry rows: two 512-key splits and the merge."""
+    among 2..64 requests (a neighbour with NaN q and kv), with entry rows padded by 130 or 1100 more -1 columns
+    (more splits, a wider merge), and close to the reference. 520 entry rows: two 512-key splits and the merge."""
     gen = torch.Generator().manual_seed(21 + n)
     B = 64
     args = make_case(gen, B=B, n=n, starts=torch.randint(0, 60, (B,), generator=gen).tolist(), K=520, n_entries=600)
@@ -307,7 +307,8 @@ def test_invariant_plan_row_is_bitwise_the_same_in_any_batch(n):
     alone = run([target])
     ref = sa.fused_attention_reference(*call(args))[rows_of([target])]
     assert (alone - ref).abs().max().item() < TOL
-    assert torch.equal(run([target], pad=130), alone)
+    for pad in (130, 1100):  # one more split (S_PAD 4), and S_PAD 8: the merge adds the empty splits last
+        assert torch.equal(run([target], pad=pad), alone), f"pad {pad}"
     for batch in (2, 9, 64) if n == 1 else (2, 9):
         others = [r for r in torch.randperm(B, generator=gen).tolist() if r != target][: batch - 1]
         requests = others + [target]
