@@ -74,8 +74,12 @@ class Runner(Protocol):
 
     def tokens(self, seq: int) -> list[int]: ...
 
-    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
-        """Append `tokens[i]` to `seqs[i]` in one pass; logits of every row (all_logits) or of each last row."""
+    def forward(
+        self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False, prompt_chunks: int = 0
+    ) -> torch.Tensor:
+        """Append `tokens[i]` to `seqs[i]` in one pass; logits of every row (all_logits) or of each last row. The
+        first `prompt_chunks` requests are prompt chunks (the engine says so; a runner with two paths keeps them on
+        its prompt path when deterministic)."""
 
     def truncate(self, seq: int, new_len: int) -> None: ...
 

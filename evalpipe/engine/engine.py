@@ -222,7 +222,7 @@ class Engine:
                 rows.append(self.decoder.propose(seq))
             started = self._clock()
             all_logits = self.decoder.all_logits or any(c.seq.params.prompt_logprobs is not None for c in plan.prefills)
-            logits = self.runner.forward(slots, rows, all_logits=all_logits)
+            logits = self.runner.forward(slots, rows, all_logits=all_logits, prompt_chunks=len(plan.prefills))
             self._cache_prompts(plan)
             committed = self._commit_tokens(plan, rows, logits, all_logits)
         except Exception as exc:  # keep serving: fail this step's sequences, not the server

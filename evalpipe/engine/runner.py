@@ -210,7 +210,11 @@ class ModelRunner:
 
     # ---- model -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False, prompt_chunks: int = 0
+    ) -> torch.Tensor:
+        """Append `tokens[i]` to `seqs[i]` in one eager pass (`prompt_chunks`, how many leading requests are prompt
+        chunks, changes nothing here: every row takes the eager forward)."""
         if len(seqs) != len(tokens) or not seqs:
             raise ValueError("forward needs one non-empty token list per sequence")
         if len(set(seqs)) != len(seqs):

@@ -5,7 +5,10 @@ group, and E follows the group (this chunk's end, the longest request beside it)
 is kept in index order; above, the kept ones come by score. So a query whose visible entries are all kept met them
 in an order that depended on its chunk, and the attention kernel sums its entry slots in slot order. Deterministic
 sites sort the picks by entry index: the same pool rows in the same slots in every chunking. The default mode keeps
-the score order (checked here too, so the test sees the difference it guards)."""
+the score order (checked here too, so the test sees the difference it guards).
+
+And a prompt chunk takes the eager path whatever its length: the GraphRunner sends a forward's requests of a graph
+width (1 = decode) to its static step, a different op chain, unless the engine marks them as prompt chunks."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from evalpipe.engine.model.compressor import index_order
 from evalpipe.engine.model.config import CSA
 from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.runner import ModelRunner
+from evalpipe.engine.static.graphs import GraphRunner
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +89,25 @@ def test_index_order_sorts_picks_and_puts_none_last():
     picked = torch.tensor([[5, -1, 2, 9], [-1, -1, -1, -1], [3, 1, 0, 2]])
     assert index_order(picked).tolist() == [[2, 5, 9, -1], [-1, -1, -1, -1], [0, 1, 2, 3]]
     assert index_order(picked[:, :0]).shape == (3, 0)
+
+
+def test_deterministic_graph_runner_keeps_prompt_chunks_of_a_graph_width_on_the_eager_path():
+    """A prompt chunk of one row (a decode step's width: the rest after a prefix-cache hit, or of a chunking) beside
+    a decode: with `prompt_chunks` the deterministic GraphRunner runs it eagerly, bitwise as a plain runner does,
+    and the decode through the static step."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    prompts = [torch.randint(2, 256, (int(n),), generator=gen).tolist() for n in torch.randint(30, 90, (2,))]
+    extra = torch.randint(2, 256, (2,), generator=gen).tolist()
+    sites = SiteSettings(deterministic=True)
+    graph = GraphRunner(ModelRunner(None, max_seqs=4, max_seq_len=256, sites=sites), widths=(1,), buckets=(1, 2))
+    plain = ModelRunner(None, max_seqs=4, max_seq_len=256, sites=sites)
+    a, b, c = graph.allocate(), graph.allocate(), plain.allocate()
+    for seq, prompt in ((a, prompts[0]), (b, prompts[1])):  # one by one: the CPU's GEMMs vary with the row count
+        graph.forward([seq], [prompt])
+    plain.forward([c], prompts[:1])
+    assert graph.graph_part([[1], [2], [3]], eager_first=1) == [1, 2]
+    assert graph.graph_part([[1], [2, 3]], eager_first=1) == []
+    mixed = graph.forward([a, b], [[extra[0]], [extra[1]]], prompt_chunks=1)
+    alone = plain.forward([c], [[extra[0]]])
+    assert torch.equal(mixed[0], alone[0])
+    assert graph.tokens(a) == plain.tokens(c)

@@ -230,26 +230,33 @@ class GraphRunner:
             and len(tokens[0]) in self.widths
         )
 
-    def graph_part(self, tokens: list[list[int]]) -> list[int]:
+    def graph_part(self, tokens: list[list[int]], eager_first: int = 0) -> list[int]:
         """Indices of the requests of a mixed forward that the static step takes: those feeding the graph width
-        most of them feed (at most the largest bucket); the others go through the wrapped runner."""
+        most of them feed (at most the largest bucket), never one of the first `eager_first`; the others go
+        through the wrapped runner."""
         by_width: dict[int, list[int]] = {}
         for i, t in enumerate(tokens):
-            if len(t) in self.widths:
+            if i >= eager_first and len(t) in self.widths:
                 by_width.setdefault(len(t), []).append(i)
         if not by_width:
             return []
         return max(by_width.values(), key=len)[: self.buckets[-1]]
 
     @torch.inference_mode()
-    def forward(self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False, **kwargs) -> torch.Tensor:
+    def forward(
+        self, seqs: list[int], tokens: list[list[int]], *, all_logits: bool = False, prompt_chunks: int = 0, **kwargs
+    ) -> torch.Tensor:
+        """`prompt_chunks`: the first that many requests are prompt chunks. A deterministic model runs them through
+        the wrapped runner whatever their length: a prompt row computes the same numbers in every chunking only on
+        one path, and a chunk of a graph width (the 1-row rest after a prefix-cache hit) would take the other."""
         if kwargs or self.pad_slot in seqs:
             return self.runner.forward(seqs, tokens, all_logits=all_logits, **kwargs)
         if len(set(seqs)) != len(seqs):
             raise ValueError("a sequence may appear only once per forward")
-        if self.graphable(seqs, tokens):
+        eager_first = prompt_chunks if self.model.deterministic else 0
+        if not eager_first and self.graphable(seqs, tokens):
             return self._static_forward(seqs, tokens, all_logits)
-        part = self.graph_part(tokens)
+        part = self.graph_part(tokens, eager_first)
         if not part or len(part) == len(seqs):
             return self.runner.forward(seqs, tokens, all_logits=all_logits)
         return self._split_forward(seqs, tokens, all_logits, set(part))
