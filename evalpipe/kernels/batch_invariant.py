@@ -17,9 +17,17 @@ Why the default CUDA path varies with the batch (the engine's serving path; what
   Deterministic: 128-column partials and the per-row kernel at every T.
 - kernels/mxfp8.py (`--wo-quant mxfp8`): one fused launch with an atomic ticket for M <= 16, partials + reduce
   above. Deterministic: partials + reduce at every M.
+- The CSA top-k (engine/model/fused_sites.csa_rows): `causal_topk` keeps a row's entries in index order when its
+  group has at most index_topk entries and in score order above, and the group's entry count follows the chunk and
+  the longest request beside it; the attention kernel sums its entry slots in slot order. Deterministic: the picks
+  sorted by entry index (`compressor.index_order`).
+- The attention merge (kernels/attention.py): a tl.sum over the split states, whose lane count S_PAD grows with a
+  longer entry axis beside the row. Deterministic: the splits summed in split order.
 Prompt rows run the eager forward (engine/model) and decode/verify rows the CUDA-graph step (engine/static) in every
 arm (cache on or off, any batch, speculation on or off), so each path must be invariant on its own -- to chunking,
 cache hits and neighbours for the first, to the bucket and the verify width for the second -- not equal to the other.
+Deterministic, the engine marks its prompt chunks, so a chunk of a graph width (the 1-row rest after a cache hit)
+stays on the eager path (engine/static/graphs.py).
 
 Unchanged (per row already): the Triton norm, q_rope_store, indexer, compress and c2_verify kernels (one program
 per row or entry), torch softmax on CUDA (one block or warp per row, configured from the row and inner lengths),
