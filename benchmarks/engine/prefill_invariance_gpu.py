@@ -17,11 +17,12 @@ Prompts: the gsm8k lane's five-shot prompts (shared few-shot prefix, so (c) hits
 Compared per prompt position: each decoder layer's attention output and MoE output (the block outputs the hyper
 connections mix), the logits of every row; after the prompt, per layer: the compressed entries (compressor and
 indexer) and the sliding-window ring rows a next token reads (the last window - 1 positions). In (c) the rows before
-the hit are not computed; its entries include the cached ones. The table: per case, the first (layer, op) that
-differs, at which position, how many positions differ there, and the largest difference. Every comparison also goes
-to `OUT/prefill_invariance.json`. `--smoke`: CPU, the tiny config, float32, random prompts with a shared prefix (a
-dry run: the CPU runs the PyTorch references, whose GEMMs vary with the row count, so differences there say
-nothing about the GPU).
+the hit are not computed; its entries include the cached ones. Ops are listed in causal order (per layer: entries,
+indexer entries, window ring, attention, MoE; then the logits). The table: per case, the first (layer, op) that
+differs, at which position (row index for the state), how many rows differ there, and the largest difference.
+Every comparison also goes to `OUT/prefill_invariance.json`. `--smoke`: CPU, the tiny config, float32, random
+prompts with a shared prefix (a dry run: the CPU runs the PyTorch references, whose GEMMs vary with the row count,
+so differences there say nothing about the GPU).
 """
 
 from __future__ import annotations
@@ -193,20 +194,27 @@ def diff_tensors(x: torch.Tensor, y: torch.Tensor, positions: list[int] | None =
     }
 
 
+ORDER = ("entries", "indexer entries", "window ring", "attention", "moe")  # within a layer, in causal order
+
+
 def compare(base, other) -> list[dict]:
-    """Every (layer, op) in forward order, then the logits, then the state: how `other` differs from `base`."""
+    """How `other` differs from `base`, per layer in causal order (the compressed entries a layer's attention reads,
+    its window ring, its attention output, its MoE output), then the logits."""
     layers_a, logits_a, state_a, _ = base
     layers_b, logits_b, state_b, _ = other
     out = []
-    for key in sorted(layers_a, key=lambda k: (k[0], k[1] != "attention")):
-        res = diff_rows(layers_a[key], layers_b.get(key))
-        if res is not None:
-            out.append({"layer": key[0], "op": key[1], **res})
+    for key in sorted(set(layers_a) | set(state_a), key=lambda k: (k[0], ORDER.index(k[1]))):
+        if key in state_a:
+            out.append(
+                {"layer": key[0], "op": key[1] + " (after the prompt)", **diff_tensors(state_a[key], state_b[key])}
+            )
+        else:
+            res = diff_rows(layers_a[key], layers_b.get(key))
+            if res is not None:
+                out.append({"layer": key[0], "op": key[1], **res})
     res = diff_rows(logits_a, logits_b)
     if res is not None:
         out.append({"layer": "head", "op": "logits", **res})
-    for key in sorted(state_a, key=lambda k: (k[0], k[1])):
-        out.append({"layer": key[0], "op": key[1] + " (state)", **diff_tensors(state_a[key], state_b[key])})
     return out
 
 
