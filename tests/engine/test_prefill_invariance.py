@@ -17,13 +17,19 @@ import copy
 import pytest
 import torch
 
+from evalpipe.engine.build import site_settings
+from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.forward_batch import ForwardBatch
+from evalpipe.engine.loop import build_engine
 from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.compressor import index_order
 from evalpipe.engine.model.config import CSA
 from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.runner import ModelRunner
+from evalpipe.engine.sampling_params import SamplingParams
+from evalpipe.engine.scheduler import Sequence, Status
 from evalpipe.engine.static.graphs import GraphRunner
+from evalpipe.engine.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +117,28 @@ def test_deterministic_graph_runner_keeps_prompt_chunks_of_a_graph_width_on_the_
     alone = plain.forward([c], [[extra[0]]])
     assert torch.equal(mixed[0], alone[0])
     assert graph.tokens(a) == plain.tokens(c)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_engine_marks_the_one_row_rest_after_a_cache_hit_as_a_prompt_chunk(deterministic):
+    """The engine over a GraphRunner (the CUDA build; its static step runs eagerly on the CPU): a prompt of 129
+    tokens after a 128-token cache hit is prefilled as a 1-row chunk, a decode step's width. With one new token no
+    decode follows, so a static step is built only if the prompt chunk went there: never when deterministic (the
+    engine passes `prompt_chunks`), as before in the default mode."""
+    config = EngineConfig(deterministic=deterministic, prefix_cache="on", max_batch=2, max_seq_len=512)
+
+    def build(c):
+        runner = ModelRunner(None, max_seqs=3, max_seq_len=512, sites=site_settings(c), prefix_cache=True)
+        return GraphRunner(runner, widths=(1,), buckets=(1, 2)), None
+
+    eng = build_engine(config, build, lambda c: load_tokenizer(None))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    prompt = torch.randint(2, 256, (129,), generator=gen).tolist()
+    seqs = []
+    for ids in (prompt[:-1] + [1, 2, 3], prompt):  # the first indexes two pages of 64 that the second shares
+        seqs.append(Sequence(prompt=ids, params=SamplingParams(max_tokens=1, temperature=0.0)))
+        eng.submit(seqs[-1:])
+        while seqs[-1].status is not Status.FINISHED:
+            eng.step()
+    assert seqs[-1].cached_tokens == 128 and len(seqs[-1].output) == 1
+    assert (eng.runner.steps == {}) == deterministic
