@@ -9,9 +9,9 @@ layer and op where a case differs from (a).
 In process, on `benchmarks/serving/gpu_serving.py`'s v4-top2 (random bf16 weights, written once), one eager
 ModelRunner as the server builds it with `--deterministic` (`evalpipe.engine.build.site_settings`; prefix cache on).
 Prompts: the gsm8k lane's five-shot prompts (shared few-shot prefix, so (c) hits the cache). For each prompt:
-- (a) `forward([seq], [prompt])`;
+- (a) `forward([seq], [prompt])`, and once more ("repeat": run-to-run determinism, the baseline);
 - (b) the prompt in `--chunk`-row chunks, each in one forward beside two filler requests: one feeding as many rows
-  from a later position (same group: a larger entry count E) and one feeding 37 rows more (its own group);
+  from a later position (same group: a larger entry count E) and one feeding 7 rows more (its own group);
 - (c) the previous prompt (or, for the first, the prompt itself) prefilled and freed, so its full pages are indexed;
   then `prefix_cache.attach` and the suffix in one forward.
 Compared per prompt position: each decoder layer's attention output and MoE output (the block outputs the hyper
@@ -45,7 +45,8 @@ from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-CASES = ("chunked", "cache_hit")
+CASES = ("repeat", "chunked", "cache_hit")
+EXTRA = 7  # rows the second filler feeds beyond the target's chunk: a group of its own
 
 
 class Recorder:
@@ -141,17 +142,17 @@ def run_case(runner, rec, case: str, prompt: list[int], fillers: list[list[int]]
     runner.prefix_cache.flush()
     seq, logits, hit = runner.allocate(), [], 0
     try:
-        if case == "alone":
+        if case in ("alone", "repeat"):
             logits.append(forward(runner, rec, [seq], [prompt], seq))
         elif case == "chunked":
             others = [runner.allocate() for _ in fillers]
             try:
                 for s, f in zip(others, fillers):  # fillers start further on: a larger E in the shared group
-                    runner.forward([s], [f[: len(f) // 2]])
+                    runner.forward([s], [f[: len(prompt) // 8 + 1]])
                 for lo in range(0, len(prompt), chunk):
                     piece = prompt[lo : lo + chunk]
                     at = [runner.seq_len(s) for s in others]
-                    feed = [fillers[0][at[0] : at[0] + len(piece)], fillers[1][at[1] : at[1] + len(piece) + 37]]
+                    feed = [fillers[0][at[0] : at[0] + len(piece)], fillers[1][at[1] : at[1] + len(piece) + EXTRA]]
                     seqs = [others[0], seq, others[1]]
                     logits.append(forward(runner, rec, seqs, [feed[0], piece, feed[1]], seq))
             finally:
@@ -259,19 +260,21 @@ def main() -> int:
     else:
         prompts = gsm8k_prompts(args.data_dir, args.prompts + 1, tokenizer)
     longest = max(len(p) for p in prompts)
+    # longer than any target (the shared group's E is the filler's): an eighth ahead, then every chunk's rows (+ EXTRA)
+    need = longest // 8 + 1 + longest + EXTRA * -(-longest // args.chunk)
+    fillers = [(p * (need // len(p) + 1))[:need] for p in prompts[-1:] * 2]
     config = EngineConfig(model=str(model_dir), device=device, dtype=dtype, deterministic=True)
     runner = ModelRunner(
         config.model,
         device=device,
         dtype=getattr(torch, dtype),
         max_seqs=4,
-        max_seq_len=4 * longest + 64,
+        max_seq_len=max(len(f) for f in fillers) + 64,
         sites=site_settings(config),
         prefix_cache=True,
     )
     log(f"checkpoint {params / 1e9:.3f} B parameters; {len(prompts) - 1} prompts of {longest} tokens at most")
     rec = Recorder(runner.model)
-    fillers = [p * 4 for p in prompts[-1:] * 2]  # longer than any target: the shared group's E is the filler's
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "argv": sys.argv}
     report["prompts"] = []
     for k, prompt in enumerate(prompts[: args.prompts]):
