@@ -321,3 +321,17 @@ def test_invariant_plan_is_fixed_by_the_key_count_only():
     plans = [sa.plan(T, 64, 512, 128, 600, torch.device("cpu"), invariant=True) for T in (1, 6, 64, 4096)]
     assert all(p == plans[0] for p in plans)
     assert plans[0]["BLOCK_H"] == 16 and plans[0]["per_split"] * plans[0]["BLOCK_N"] == sa.INVARIANT_SPLIT_KEYS
+
+
+def test_invariant_merge_sums_the_splits_in_order_whatever_the_padding():
+    """Four live 512-key splits, then 600 more hidden entry columns (a fifth split, all masked): the merge's lanes go
+    from 4 to 8, and a lane reduction pairs the four states differently (the interpreter's numpy sum does: one
+    after another below 8 lanes, in pairs from 8). `invariant` sums them in split order: bitwise the same."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    args = make_case(gen, B=4, n=1, H=8, starts=[2000, 1500, 1900, 1700], K=1600, n_entries=1700)
+    assert sa.plan(4, 8, 64, 8, 1600, torch.device("cpu"), esize=4, invariant=True)["splits"] == 4
+    padded = torch.cat([args["entry_rows"], torch.full((4, 600), -1)], dim=1)
+    assert sa.plan(4, 8, 64, 8, 2200, torch.device("cpu"), esize=4, invariant=True)["splits"] == 5
+    alone = sa.fused_attention(*call(args), backend="triton", invariant=True)
+    assert torch.equal(sa.fused_attention(*call(args, entry_rows=padded), backend="triton", invariant=True), alone)
+    assert (alone - sa.fused_attention_reference(*call(args))).abs().max().item() < TOL
