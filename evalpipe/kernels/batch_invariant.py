@@ -4,7 +4,8 @@ number of rows beside it, so a token's numbers do not depend on its batch (`--de
 Why the default CUDA path varies with the batch (the engine's serving path; what `--deterministic` changes):
 - torch GEMMs (`F.linear`, `torch.matmul`, `torch.bmm`: engine/model/attention.py, compressor.py, moe.py, hyper.py,
   deepseek_v4.py's LM head, engine/static/model.py): cuBLAS picks its kernel, tile and split-K from M, so a row's
-  K order changes with the rows beside it. Here: `matmul`, one tile shape, K walked in order, no split-K.
+  K order changes with the rows beside it. Here: `matmul`, one tile shape per weight shape (`tile_for`, never M),
+  K walked in order, split into a fixed number of slices summed in slice order.
 - torch reductions over a dim (`.sum`/`.mean`: the eager RMSNorms of primitives.py in bf16, the compressor's pooled
   sum, the indexer's head sum): TensorIterator splits a reduction across threads and blocks by the output count.
   Here: `reduce_sum`, one program per output, fixed block, fixed order.
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -62,11 +64,60 @@ except Exception:  # pragma: no cover - triton is optional
     triton = tl = None
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# One tile shape for every M (the point of the module): 64-row output tiles, K in steps of 64, in order; the tile's
-# width follows N only (a weight's shape): 32 columns below WIDE_N, so a decode step's GEMV-like GEMMs still spread
-# over the SMs, 64 from there (the LM head).
+# One tile shape for every M (the point of the module): 64-row output tiles; the rest of the tile follows the weight's
+# shape (N, K, batch), the dtype and the device's shared memory only (`tile_for`).
 BLOCK_M, BLOCK_K = 64, 64
-WIDE_N = 8192
+WIDE_N = 20000  # from here 128-column tiles (LM heads): fewer programs re-reading the same rows
+DEEP_K = 2048  # from here 256-deep K steps with 8 warps
+MIN_PROGRAMS = 100  # split K (up to MAX_SPLIT slices) until a product has this many programs
+MAX_SPLIT = 4
+STAGES = 3
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A launch shape of the GEMM kernel. It may follow N and K (a weight's shape), never M: that is the point."""
+
+    block_n: int
+    block_k: int = BLOCK_K
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1  # K slices summed in fp32 in slice order (more programs for few rows, same order for any M)
+
+
+def tile_for(n: int, k: int, batch: int = 1, itemsize: int = 2, smem: int = 160 * 1024) -> Tile:
+    """The tile every [batch, M, k] @ [batch, k, n] product uses, whatever M. Chosen from a sweep of 50 tiles on the
+    H200 at M = 64 (the C64 decode step's nine weight shapes, benchmarks/kernels/invariant_gemm_gpu.py): wider
+    tiles for wide N, deeper K steps for deep K, and K split into up to 4 slices when the N tiles alone leave the
+    SMs idle. `smem`: the device's shared memory per block; K steps shrink until the pipelined tiles fit."""
+    block_n = 32 if n <= 32 else 128 if n >= WIDE_N else 64
+    block_k, warps = (256, 8) if k >= DEEP_K and block_n <= 64 else (128, 4)
+    while block_k > 16 and STAGES * (BLOCK_M + block_n) * block_k * itemsize > smem:
+        block_k //= 2
+    programs = triton_cdiv(n, block_n) * batch
+    split = 1
+    while programs * split < MIN_PROGRAMS and split < MAX_SPLIT and k >= 2 * split * block_k:
+        split *= 2
+    return Tile(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=STAGES, split_k=split)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _smem_bytes(device: torch.device) -> int:
+    """Shared memory one block may use on `device` (opt-in maximum); the interpreter: no limit that matters."""
+    if device.type != "cuda":
+        return 1 << 30
+    if device not in _SMEM:
+        props = torch.cuda.get_device_properties(device)
+        _SMEM[device] = int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024) - 8 * 1024
+    return _SMEM[device]
+
+
+_SMEM: dict = {}
+
+
 MAX_GRID_Z = 65535  # CUDA's limit on the batch axis of the launch grid
 REDUCE_BLOCK = 1024  # elements per step of a row reduction (one program per output)
 
@@ -108,23 +159,30 @@ if tl is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        SPLIT: tl.constexpr,
+        K_PER: tl.constexpr,
     ):
-        """c[b] = a[b] @ b[b] (+ bias), fp32 accumulation over K tiles 0, BK, 2BK, ... in order, one rounding."""
-        pm, pn, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        """c[b] = a[b] @ b[b] (+ bias), fp32 accumulation over K tiles 0, BK, 2BK, ... in order, one rounding.
+        SPLIT > 1: program z of the third axis sums K slice z % SPLIT (K_PER long) of batch z // SPLIT into an
+        fp32 c[z] (the caller adds the slices in order)."""
+        pm, pn, pz = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        pb = pz // SPLIT
+        k_lo = (pz % SPLIT) * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, K)
         rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (pn * BN + tl.arange(0, BN)).to(tl.int64)
         rk = tl.arange(0, BK)
         a_base = a_ptr + pb * s_ab + rm[:, None] * s_am
         b_base = b_ptr + pb * s_bb + rn[None, :] * s_bn
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             kk = k0 + rk
-            a = tl.load(a_base + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_base + kk[:, None] * s_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            a = tl.load(a_base + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+            b = tl.load(b_base + kk[:, None] * s_bk, mask=(kk[:, None] < k_hi) & (rn[None, :] < N), other=0.0)
             acc = tile_dot(a, b, acc, IEEE, ROWWISE)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        c = c_ptr + pb * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
+        c = c_ptr + pz * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     def _row_sum_kernel(x_ptr, out_ptr, L, scale, INT: tl.constexpr, BLOCK: tl.constexpr):
@@ -171,8 +229,8 @@ def matmul(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str = "auto"
 ) -> torch.Tensor:
     """a [M, K] @ b [K, N] (or batched [B, M, K] @ [B, K, N]) + bias [N]: every output row reduced over K in one
-    order (BLOCK_K tiles, ascending) with one tile shape whatever M, so a row's result is bitwise the same alone or
-    among any other rows. Any strides."""
+    order (K tiles ascending, slices summed in order) with one tile shape whatever M, so a row's result is bitwise
+    the same alone or among any other rows. Any strides."""
     _check_matmul(a, b, bias)
     tensors = [a, b] + ([bias] if bias is not None else [])
     if not use_triton(backend, tensors):
@@ -187,32 +245,52 @@ def matmul(
         if bias is not None:
             c3 += bias.to(c3.dtype)
     elif c3.numel():
-        block_n = 64 if N >= WIDE_N else 32
-        kernel = jit(_matmul_kernel, ("M", "N", "K", "s_ab", "s_am", "s_bb", "s_cb", "s_cm"), helpers=(tile_dot,))
-        for z in range(0, B, MAX_GRID_Z):
-            zs = slice(z, z + MAX_GRID_Z)
-            a_z, b_z, c_z = a3[zs], b3[zs], c3[zs]
-            kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), a_z.shape[0])](
-                a_z,
-                b_z,
-                c_z,
-                bias if bias is not None else c_z,
-                M,
-                N,
-                K,
-                *a_z.stride(),
-                *b_z.stride(),
-                *c_z.stride(),
-                HAS_BIAS=bias is not None,
-                IEEE=a.dtype == torch.float32,
-                ROWWISE=interpret_mode(),
-                BM=BLOCK_M,
-                BN=block_n,
-                BK=BLOCK_K,
-                num_warps=4,
-                num_stages=3,
-            )
+        launch_matmul(a3, b3, c3, bias, tile_for(N, K, B, a.element_size(), _smem_bytes(a.device)))
     return c3 if batched else c3[0]
+
+
+def launch_matmul(a3: torch.Tensor, b3: torch.Tensor, c3: torch.Tensor, bias: torch.Tensor | None, tile: Tile) -> None:
+    """c3 = a3 @ b3 (+ bias) through the Triton kernel with `tile` ([B, M, K] @ [B, K, N] into [B, M, N], K > 0)."""
+    B, M, K = a3.shape
+    N = b3.shape[2]
+    split = max(1, min(tile.split_k, triton.cdiv(K, tile.block_k)))
+    k_per = triton.cdiv(triton.cdiv(K, split), tile.block_k) * tile.block_k
+    out = c3 if split == 1 else torch.empty(B * split, M, N, device=c3.device, dtype=torch.float32)
+    kernel = jit(_matmul_kernel, ("M", "N", "K", "s_ab", "s_am", "s_bb", "s_cb", "s_cm"), helpers=(tile_dot,))
+    step = MAX_GRID_Z // split
+    for z in range(0, B, step):
+        zs = slice(z, z + step)
+        a_z, b_z, c_z = a3[zs], b3[zs], out[z * split : (z + step) * split]
+        kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, tile.block_n), a_z.shape[0] * split)](
+            a_z,
+            b_z,
+            c_z,
+            bias if bias is not None and split == 1 else c_z,
+            M,
+            N,
+            K,
+            *a_z.stride(),
+            *b_z.stride(),
+            *c_z.stride(),
+            HAS_BIAS=bias is not None and split == 1,
+            IEEE=a3.dtype == torch.float32,
+            ROWWISE=interpret_mode(),
+            BM=BLOCK_M,
+            BN=tile.block_n,
+            BK=tile.block_k,
+            SPLIT=split,
+            K_PER=k_per,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        )
+    if split > 1:
+        parts = out.view(B, split, M, N)
+        total = parts[:, 0]
+        for s in range(1, split):  # elementwise adds in slice order: the same for every row
+            total = total + parts[:, s]
+        if bias is not None:
+            total = total + bias.float()
+        c3.copy_(total)
 
 
 # ---- reductions -------------------------------------------------------------------------------------------------

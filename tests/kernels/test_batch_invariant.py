@@ -59,7 +59,7 @@ def test_matmul_row_is_bitwise_the_same_in_any_batch(dtype, seed):
 
 
 def test_wide_matmul_tiles_keep_rows_invariant():
-    """N >= WIDE_N (the LM head's 64-column tiles): a row alone equals the same row among 7 others."""
+    """N >= WIDE_N (the LM head's 128-column tiles): a row alone equals the same row among 7 others."""
     gen = torch.Generator().manual_seed(8)
     K, N = 5, bi.WIDE_N + 3
     weight, row = torch.randn(N, K, generator=gen), torch.randn(K, generator=gen)
@@ -68,6 +68,54 @@ def test_wide_matmul_tiles_keep_rows_invariant():
     out = bi.matmul(rows, weight.t(), backend="triton")
     assert torch.equal(out[at], alone)
     _assert_matmul_close(out, rows, weight.t())
+
+
+def test_tile_for_splits_deep_narrow_products_and_fits_shared_memory():
+    """The sweep's rule: narrow N over deep K gets K slices (up to MAX_SPLIT), a wide product none; the pipelined
+    tiles fit the shared memory given; nothing depends on M (tile_for does not take it)."""
+    assert bi.tile_for(8, 4096).split_k == bi.MAX_SPLIT
+    assert bi.tile_for(16384, 1024).split_k == 1 and bi.tile_for(32768, 4096).block_n == 128
+    assert bi.tile_for(1024, 2048, batch=8).split_k == 1  # 8 batched weights fill the SMs without slices
+    for n, k, size, smem in [(4096, 8192, 4, 100 * 1024), (32768, 4096, 4, 64 * 1024), (64, 64, 2, 32 * 1024)]:
+        t = bi.tile_for(n, k, itemsize=size, smem=smem)
+        assert bi.STAGES * (bi.BLOCK_M + t.block_n) * t.block_k * size <= smem
+
+
+def test_matmul_split_by_tile_for_keeps_rows_invariant():
+    """Through the public matmul, a product tile_for slices (N 8, K 600: 4 slices) keeps a row's bits in any batch."""
+    gen = torch.Generator().manual_seed(21)
+    K, N = 600, 8
+    assert bi.tile_for(N, K).split_k > 1
+    weight, row = torch.randn(N, K, generator=gen).bfloat16(), torch.randn(K, generator=gen).bfloat16()
+    alone = bi.matmul(row[None], weight.t(), backend="triton")[0]
+    for batch in (2, 64):
+        rows, at = _neighbours(batch, row, gen)
+        out = bi.matmul(rows, weight.t(), backend="triton")
+        assert torch.equal(out[at], alone), f"batch {batch}: row {at} changed"
+        _assert_matmul_close(out, rows, weight.t())
+
+
+@pytest.mark.parametrize("split", [2, 3, 64])
+def test_split_k_tiles_keep_rows_invariant(split):
+    """A tile with K slices (summed in fp32 in slice order; 64 is more slices than K tiles): a row alone equals the
+    same row among others, single and batched, with a bias, within the reference's bound."""
+    gen = torch.Generator().manual_seed(split)
+    K, N = int(torch.randint(130, 300, (1,), generator=gen)), int(torch.randint(1, 70, (1,), generator=gen))
+    tile = bi.Tile(block_n=16, block_k=32, split_k=split)
+    weight, bias = torch.randn(N, K, generator=gen).bfloat16(), torch.randn(N, generator=gen).bfloat16()
+    row = torch.randn(2, K, generator=gen).bfloat16()  # two batch entries of one row each
+
+    def product(a3):
+        c3 = torch.full((a3.shape[0], a3.shape[1], N), float("nan"), dtype=a3.dtype)  # poisoned
+        bi.launch_matmul(a3, weight.t().expand(a3.shape[0], K, N), c3, bias, tile)
+        return c3
+
+    alone = product(row[:, None])[:, 0]
+    for batch in (2, 17):
+        rows, at = _neighbours(batch, row, gen)  # [batch, 2, K]
+        out = product(rows.transpose(0, 1).contiguous())
+        assert torch.equal(out[:, at], alone), f"batch {batch}: row {at} changed"
+        _assert_matmul_close(out, rows.transpose(0, 1), weight.t().expand(2, K, N), bias)
 
 
 def test_batched_matmul_rows_are_invariant_and_match_reference():
