@@ -14,6 +14,8 @@ v1 data stream repeats theirs); `v2` teaches copying from the window outwards:
    in depth, not log-uniformly), codes of 3-10 digits, and the chat skills (boxed arithmetic, its thinking form,
    drawn tool calls) throughout.
 
+`v3` keeps v2's stages and ranges and weights copying up (see its note).
+
 The receipt records the recipe's name and its full table (`describe`).
 """
 
@@ -193,5 +195,25 @@ V2 = Recipe(
     note="copy curriculum: in-window strings first, then across the window and compressed blocks, then every depth",
 )
 
-RECIPES = {r.name: r for r in (V1, V2)}
+_V3_CHAT = {"boxed": 0.06, "boxed-think": 0.05, "tools": 0.06, "chat": 0.08}
+V3 = Recipe(
+    "v3",
+    tuple(
+        replace(stage, until=until, weights=weights)
+        for stage, until, weights in zip(
+            V2.stages,
+            (0.15, 0.5, 1.0),
+            (
+                {"arith": 0.10, "calc": 0.05, "copy-window": 0.45, "copy": 0.04, "retrieval": 0.12, **_V3_CHAT},
+                {"arith": 0.12, "calc": 0.04, "copy-window": 0.08, "copy": 0.34, "retrieval": 0.14, **_V3_CHAT},
+                {"arith": 0.16, "calc": 0.03, "copy-window": 0.04, "copy": 0.28, "retrieval": 0.15, **_V3_CHAT},
+            ),
+        )
+    ),
+    note="v2's stages with copy weighted up: in-window copy dominates the first 15% (copy-only training learned it in "
+    "about 300 steps of 32,768 tokens on the H200), strings across the window a third of the mix after it (their "
+    "loss still fell after 480 copy-only steps: benchmarks/gpu_results/2026-12-03/copy_probe.json)",
+)
+
+RECIPES = {r.name: r for r in (V1, V2, V3)}
 DEFAULT_RECIPE = "v2"

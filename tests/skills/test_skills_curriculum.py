@@ -162,6 +162,30 @@ def test_v2_schedule_starts_inside_the_window_and_reaches_every_depth():
     assert {"boxed", "boxed-think", "tools"} <= {e.skill for e in shorts}
 
 
+def test_v3_keeps_v2s_ranges_and_weights_copy_up():
+    """v3 = v2's stage ranges with copying weighted up: in-window copy leads the first stage, strings across the
+    window are the largest part after it; every stage's short examples fit the buckets."""
+    v2, v3 = curriculum.RECIPES["v2"], curriculum.RECIPES["v3"]
+    assert [s.until for s in v3.stages] == [0.15, 0.5, 1.0]
+    for a, b in zip(v2.stages, v3.stages):
+        assert (a.copy_window, a.copy_length, a.copy_lead, a.long_after) == (
+            b.copy_window,
+            b.copy_length,
+            b.copy_lead,
+            b.long_after,
+        )
+
+    def share(stage, part):
+        return stage.weights[part] / sum(stage.weights.values())
+
+    assert share(v3.stages[0], "copy-window") > 1.5 * share(v2.stages[0], "copy-window")
+    assert max(v3.stages[1].weights, key=v3.stages[1].weights.get) == "copy"
+    rng = random.Random("v3")
+    drawn = [data.sample_short(rng, recipe=v3, stage=v3.stages[0]) for _ in range(300)]
+    assert 0.3 < sum(e.skill == "copy" for e in drawn) / len(drawn) < 0.65  # copy-window examples are skill copy
+    assert all(len(e) <= data.SHORT_BUCKETS[-1] for e in drawn)
+
+
 def test_stream_draws_from_the_stage_the_trainer_set():
     stream = data.BatchStream(3, batch_tokens=4096, long_tokens=4096, long_every=0, recipe="v2")
     assert stream.stage() is stream.recipe.stages[0]
