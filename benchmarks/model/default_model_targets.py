@@ -101,6 +101,7 @@ class Row:
     commands: list[str]  # full, in order (the server first)
     brief: str  # the command as the table shows it
     where: str  # the run folder or log this row read
+    wall_s: float  # since the previous row (a run two rows share is counted in the first)
     facts: dict = field(default_factory=dict)
 
 
@@ -158,6 +159,7 @@ class Targets:
         self.run_extra = shlex.split(args.run_args)
         self.rows: list[Row] = []
         self.lane_runs: dict[tuple[str, str], dict] = {}
+        self.clock = time.time()
 
     def examples(self, row: str) -> Optional[int]:
         """Items for a lane row: the whole lane, --quick's subset, or --smoke's 2; --arith-examples for arith."""
@@ -168,7 +170,7 @@ class Targets:
         return LANE_ROWS[row][1] if self.args.quick else None
 
     def lane_run(self, row: str, server: Server, arm: str, *extra: str) -> dict:
-        """`evalpipe run` of the row's lane (once per arm and flags): {dir, summary, command}."""
+        """`evalpipe run` of the row's lane (once per arm and flags): {dir, summary, step: (server, argv)}."""
         key = (row, arm + " ".join(extra))
         if key in self.lane_runs:
             return self.lane_runs[key]
@@ -181,7 +183,7 @@ class Targets:
         found = sorted((out / lane).glob(f"{arm}-*"))
         if not found or not (found[-1] / "summary.json").exists():
             raise SystemExit(f"evalpipe run {lane} left no summary: see {out / f'{lane}.log'}")
-        run = {"dir": found[-1], "summary": json.loads((found[-1] / "summary.json").read_text()), "command": cmd}
+        run = {"dir": found[-1], "summary": json.loads((found[-1] / "summary.json").read_text()), "step": (server, cmd)}
         self.lane_runs[key] = run
         return run
 
@@ -191,19 +193,25 @@ class Targets:
         target: str,
         measured: str,
         passed: Optional[bool],
-        server: Optional[Server],
-        cmds: list[list[str]],
+        steps: list[tuple[Optional[Server], list[str]]],
         where: Path,
         keys: tuple[str, ...] = (),
         **facts,
     ) -> None:
-        commands = ([server.command] if server else []) + [shown(c, keys) for c in cmds]
-        brief = " ; ".join(
-            ([f"`{server.brief}`"] if server else []) + [f"`{shown(c, keys, brief=True)}`" for c in cmds]
-        )
-        self.rows.append(Row(name, target, measured, passed, commands, brief, str(where), facts))
+        """A measured row; `steps` are its commands in order, each after the server it ran against (None: none)."""
+        commands, shown_steps, last = [], [], None
+        for server, argv in steps:
+            if server is not None and server is not last:
+                commands.append(server.command)
+                shown_steps.append(server.brief)
+            last = server
+            commands.append(shown(argv, keys))
+            shown_steps.append(shown(argv, keys, brief=True))
+        brief = " ; ".join(f"`{c}`" for c in shown_steps)
+        wall, self.clock = time.time() - self.clock, time.time()
+        self.rows.append(Row(name, target, measured, passed, commands, brief, str(where), round(wall, 1), facts))
         mark = {True: "pass", False: "FAIL", None: "not measured"}[passed]
-        print(f"  -> {target}: {measured} [{mark}]", flush=True)
+        print(f"  -> [{mark}, {wall:.0f} s] {target} | {measured}", flush=True)
 
     # ------------------------------------------------------------------------------------------------ the rows
 
@@ -225,8 +233,7 @@ class Targets:
             target,
             text,
             min(scores) >= share,
-            server,
-            [run["command"]],
+            [run["step"]],
             run["dir"],
             accuracy=s["accuracy"],
             by_group=groups,
@@ -270,7 +277,7 @@ class Targets:
         metrics = sorted(out.rglob("metrics.json"))
         target = f"sgl-eval on arith-as-boxed within {SGL_EVAL_POINTS:g} point of chat-arith-boxed"
         if rc != 0 or not metrics:
-            self.add("sgl-eval", target, f"sgl-eval exited {rc}", None, server, [cmd], out / "sgl-eval.log")
+            self.add("sgl-eval", target, f"sgl-eval exited {rc}", None, [(server, cmd)], out / "sgl-eval.log")
             return
         theirs, mine = json.loads(metrics[-1].read_text())["aggregate"]["score"], ours["summary"]["accuracy"]
         diff = 100 * (theirs - mine)
@@ -279,8 +286,7 @@ class Targets:
             target,
             f"{pct(theirs)} vs {pct(mine)} of {n} ({diff:+.2f} pt)",
             abs(diff) <= SGL_EVAL_POINTS,
-            server,
-            [cmd],
+            [(server, cmd)],
             metrics[-1].parent,
             sgl_eval=theirs,
             evalpipe=mine,
@@ -294,14 +300,16 @@ class Targets:
         result = json.loads((out / "qualify.json").read_text()) if (out / "qualify.json").exists() else {}
         gates = {g["gate"]: g["verdict"] for g in result.get("gates", [])}
         text = f"exit {rc}: " + (", ".join(f"{g} {v}" for g, v in gates.items()) or "no qualify.json")
+        for g in result.get("gates", []):
+            if g["verdict"] not in ("pass", "skipped"):
+                text += f"; {g['gate']} {g['passed']}/{g['requests']} requests passed, first: {g['reason'][:120]}"
         keys = f"with {len(server.keys)} --api-keys" if server.keys else "no key"
         self.add(
             name,
-            f"evalpipe qualify, default gates, {keys}: exit 0",
+            f"evalpipe qualify, default gates, {keys}, exits 0",
             text,
             rc == 0,
-            server,
-            [cmd],
+            [(server, cmd)],
             out if result else self.out / f"{name}.log",
             server.keys,
             exit_code=rc,
@@ -317,7 +325,7 @@ class Targets:
         found = sorted(out.glob("repeat/*/repeat.json"))
         target = "repeat's arithmetic and exact-copy controls exact in every response"
         if rc != 0 or not found:
-            self.add("repeat", target, f"evalpipe repeat exited {rc}", None, server, [cmd], self.out / "repeat.log")
+            self.add("repeat", target, f"evalpipe repeat exited {rc}", None, [(server, cmd)], self.out / "repeat.log")
             return
         groups = json.loads(found[-1].read_text())["groups"]
         parts, ok, facts = [], True, {}
@@ -332,7 +340,7 @@ class Targets:
             )
             facts[fixture] = {"right": right, "n": total, "modal_replies": modes}
         note = "graded against the expected answer (arithmetic: last integer; copy: first 8 characters), not agreement"
-        self.add("repeat", target, "; ".join(parts) + f"; {note}", ok, server, [cmd], found[-1].parent, **facts)
+        self.add("repeat", target, "; ".join(parts) + f"; {note}", ok, [(server, cmd)], found[-1].parent, **facts)
 
     def spec_row(self, off: Server, on: Server) -> None:
         a, b = self.lane_run("arith", off, "off"), self.lane_run("arith", on, "on")
@@ -344,8 +352,7 @@ class Targets:
             f"layerskip accept length >= {ACCEPT_LENGTH_TARGET:g} (G=5, greedy arith), token-identical",
             f"{'none' if accept is None else f'{accept:.2f}'}; {same}/{pairs} outputs identical to spec off",
             accept is not None and accept >= ACCEPT_LENGTH_TARGET and same == pairs and bool(pairs),
-            on,
-            [b["command"], cmd],
+            [a["step"], b["step"], (None, cmd)],
             self.out / "compare-spec",
             accept_length=accept,
             identical=same,
@@ -368,8 +375,7 @@ class Targets:
             "oracle test on the model's weights (greedy tokens = transformers, float32)",
             measured,
             rc == 0,
-            None,
-            [shown_cmd],
+            [(None, shown_cmd)],
             log,
             exit_code=rc,
         )
@@ -382,11 +388,10 @@ class Targets:
         self.add(
             "t1",
             "T=1 arith, spec on - off inside 2 pt, McNemar p >= 0.01 (issue 13)",
-            f"{100 * g['diff']:+.2f} pt ({pct(g['n_correct_a'] / g['n'])} vs {pct(g['n_correct_b'] / g['n'])}; "
-            f"McNemar p {g['mcnemar_p']:.3g}; {g['verdict']} at -2 pt)",
+            f"{100 * g['diff']:+.2f} pt ({pct(g['n_correct_a'] / g['n'])} vs {pct(g['n_correct_b'] / g['n'])} "
+            f"of {g['n']}; McNemar p {g['mcnemar_p']:.3g}; {g['verdict']} at -2 pt)",
             abs(g["diff"]) <= 0.02 and g["mcnemar_p"] >= 0.01,
-            on,
-            [a["command"], b["command"], cmd],
+            [a["step"], b["step"], (None, cmd)],
             self.out / "compare-t1",
         )
 
@@ -400,8 +405,7 @@ class Targets:
             f"{100 * g['diff']:+.2f} pt ({g['a_only']} lost / {g['b_only']} gained; McNemar p "
             f"{g['mcnemar_p']:.3g}; {g['verdict']})",
             g["mcnemar_p"] < 0.01 and g["verdict"] != "non-inferior",
-            lossy,
-            [b["command"], cmd],
+            [a["step"], b["step"], (None, cmd)],
             self.out / "compare-lossy",
         )
 
