@@ -528,6 +528,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.qualify_args = "--soak-duration 10" if args.quick else ""
     if args.repeat_args is None:
         args.repeat_args = "--repeats 4" if args.quick else ""
+    if args.arith_examples is not None and args.arith_examples < 1:
+        ap.error("--arith-examples must be at least 1")
     args.skip = [s.strip() for s in args.skip.split(",") if s.strip()]
     unknown = sorted(set(args.skip) - set(ROWS))
     if unknown:

@@ -42,6 +42,9 @@ def test_flags_refuse_unknown_rows_and_need_an_out_folder(capsys):
     with pytest.raises(SystemExit) as exc:
         dmt.parse_args([])
     assert exc.value.code == 2 and "--out is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        dmt.parse_args(["--out", "o", "--arith-examples", "0"])
+    assert exc.value.code == 2 and "--arith-examples must be at least 1" in capsys.readouterr().err
 
 
 def test_modes_set_their_defaults_and_keep_what_is_given(tmp_path):
