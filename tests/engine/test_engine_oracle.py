@@ -10,6 +10,8 @@ below TIE_MARGIN (a numerical tie, e.g. an exact indexer top-k tie broken differ
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 PREFILL_LOGIT_BOUND = 1e-4  # max |engine - oracle| over every prefill row's logits (observed ~5e-6)
 TIE_MARGIN = 1e-4
 NEW_TOKENS = 40
+ORACLE_MODEL_ENV = "EVALPIPE_ORACLE_MODEL"  # the shipped-model test's checkpoint (default: the default model)
 
 _BASE = dict(
     vocab_size=512,
@@ -200,17 +203,19 @@ def test_greedy_and_prefill_match_transformers(checkpoints, name, capsys):
 
 
 def test_shipped_default_model_matches_transformers_on_lane_prompts(capsys):
-    """The trained default model (evalpipe-skills-dsv4) on held-out lane prompts: same greedy tokens as transformers'
+    """The trained default model (evalpipe-skills-dsv4), or the checkpoint $EVALPIPE_ORACLE_MODEL names (a folder or a
+    built-in name, as `evalpipe serve --model` takes it), on held-out lane prompts: same greedy tokens as transformers'
     full-sequence forward, prefill logits within the bound."""
     from evalpipe.engine.model.weights import resolve_model
-    from evalpipe.engine.tokenizer import ByteTokenizer
+    from evalpipe.engine.tokenizer import has_hf_tokenizer, load_tokenizer
     from evalpipe.lanes import get_lane
 
-    path, name = resolve_model(None)
-    assert name == "evalpipe-skills-dsv4"
+    model = os.environ.get(ORACLE_MODEL_ENV) or None
+    path, name = resolve_model(model)
+    assert model is not None or name == "evalpipe-skills-dsv4"
     oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    runner = ModelRunner(None, max_seqs=2, max_seq_len=1024)
-    tok = ByteTokenizer()
+    runner = ModelRunner(model, max_seqs=2, max_seq_len=1024)
+    tok = load_tokenizer(str(path) if has_hf_tokenizer(path) else None)  # what `evalpipe serve --model` encodes with
     report = []
     for lane, index, steps in (("arith", 0, 24), ("retrieval", 1, 8), ("copy", 0, 24)):
         prompt = tok.encode_prompt(get_lane(lane).items()[index].prompt)
@@ -226,7 +231,7 @@ def test_shipped_default_model_matches_transformers_on_lane_prompts(capsys):
         first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
         assert first is None or margins[first] < TIE_MARGIN, (lane, first, margins[first])
         report.append(
-            f"shipped model, {lane}[{index}] ({len(prompt)} tokens): {steps}/{steps} greedy tokens "
+            f"{name}, {lane}[{index}] ({len(prompt)} tokens): {steps}/{steps} greedy tokens "
             f"{'equal' if first is None else f'equal up to a tie at {first}'}, prefill diff {diff:.2e}"
         )
     with capsys.disabled():
