@@ -153,6 +153,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="profiled decode steps per mode")
     ap.add_argument("--reps", type=int, default=20, help="launches per timed graph in the sweep")
     ap.add_argument("--no-profile", action="store_true", help="skip part 1 (the two engines' decode profiles)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip parts 2 and 3 (the GEMM shapes and the tile sweep)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32: shape recording only")
     args = ap.parse_args()
     if args.smoke:
@@ -180,6 +181,11 @@ def main() -> int:
             report[mode] = profile_steps(engine, args.steps)
             log(f"{mode}: {report[mode]['wall_ms']} ms per step, {report[mode]['device_us']} us of kernels")
             release(engine)
+            (out / "invariant_gemm.json").write_text(json.dumps(report, indent=2))
+    if args.no_sweep:
+        report["shapes"] = []
+        print_tables(report)
+        return 0
     shapes = record_shapes(model_dir, device, dtype)
     step_shapes = collections.Counter()
     for (B, M, K, N, tr), n in shapes.items():
