@@ -52,6 +52,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
 LEDGER_ENV = "HOST_COST_LEDGER"  # set in a served engine process's environment: install the ledger, write it there
 PROFILE_ENV = "HOST_COST_HTTP_PROFILE"  # set for --serve-child: SIGUSR1 starts cProfile, SIGUSR2 writes it here
 # the HTTP process's profile, grouped by where a function lives (first match of its file or built-in name)
@@ -324,13 +325,15 @@ def in_process(args, engine, concurrency: int, ledger: Ledger | None) -> dict:
 class ServedChild:
     """`evalpipe serve` run as `python -m <this module> --serve-child ARGS` (see the module docstring)."""
 
-    def __init__(self, serve_args: list[str], ledger_path: str | None, profile_path: str | None = None):
+    def __init__(
+        self, serve_args: list[str], ledger_path: str | None, profile_path: str | None = None, root: Path = REPO
+    ):
         from tests.support.server_harness import ServerProcess, free_port
 
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="host-cost-serve-", suffix=".log", delete=False)
-        env = {**os.environ}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
         env.pop(LEDGER_ENV, None)
         env.pop(PROFILE_ENV, None)
         if ledger_path is not None:
@@ -339,7 +342,7 @@ class ServedChild:
             env[PROFILE_ENV] = profile_path
         self.ledger_path, self.profile_path = ledger_path, profile_path
         cmd = [sys.executable, "-m", __spec__.name, "--serve-child", "--port", str(self.port), *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=root)
         self.harness = ServerProcess.__new__(ServerProcess)  # its ready wait, stop and engine pid, on this process
         self.harness.port, self.harness.base, self.harness.log, self.harness.proc = (
             self.port,
@@ -369,7 +372,10 @@ class ServedChild:
 
     def stop(self) -> None:
         self.harness.stop()
-        os.unlink(self.log.name)
+        for path in (self.log.name, self.ledger_path, self.profile_path):
+            if path:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def cpu_seconds(pid: int, thread: int | None = None) -> float:
@@ -451,54 +457,66 @@ def steady_window(results: list[tuple[float, list]]) -> tuple[float, float, int]
     return start, end, tokens
 
 
-def served(args, concurrencies: list[int], instrumented: bool) -> dict[int, dict]:
-    """Per concurrency, rounds of C streams through one server: medians over the rounds' steady windows of the step
-    wall and of each process's CPU per step; instrumented, the engine's parts and the HTTP process's profile."""
+def served(args, concurrencies: list[int], instrumented: bool, roots: dict[str, Path]) -> dict[str, dict[int, dict]]:
+    """Per arm (a server of the package under its root) and concurrency C, rounds of C streams: medians over the
+    rounds' steady windows of the step wall and of each process's CPU per step; instrumented, the engine's parts and
+    the HTTP process's profile. Several arms' servers run side by side and take turns round by round, so the drift
+    of a shared machine falls on every arm alike."""
     import httpx
 
-    ledger_path = tempfile.mktemp(prefix="host-cost-ledger-", suffix=".json") if instrumented else None
-    profile_path = tempfile.mktemp(prefix="host-cost-http-", suffix=".json") if instrumented else None
     serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--max-batch", "64"]
-    srv = ServedChild(serve_args + ["--prefix-cache", "off"], ledger_path, profile_path)
-    results: dict[int, dict] = {}
+    servers: dict[str, ServedChild] = {}
+    results: dict[str, dict[int, dict]] = {arm: {} for arm in roots}
     try:
+        for arm, root in roots.items():
+            ledger = tempfile.mktemp(prefix="host-cost-ledger-", suffix=".json") if instrumented else None
+            profile = tempfile.mktemp(prefix="host-cost-http-", suffix=".json") if instrumented else None
+            servers[arm] = ServedChild(serve_args + ["--prefix-cache", "off"], ledger, profile, root)
+        srv = next(iter(servers.values()))
         vocab = find_key(httpx.get(srv.base + "/get_server_info", timeout=30).json(), "vocab_size") or 256
         model = httpx.get(srv.base + "/v1/models", timeout=30).json()["data"][0]["id"]
-        sampler = CpuSampler([srv.proc.pid, srv.engine_pid])
+        sampler = CpuSampler([pid for srv in servers.values() for pid in (srv.proc.pid, srv.engine_pid)])
         try:
             for c in concurrencies:
-                results[c] = served_rounds(args, srv, model, prompts_for(c, args.prompt_len, vocab, args.seed), sampler)
+                prompts = prompts_for(c, args.prompt_len, vocab, args.seed)
+                rows: dict[str, list[dict]] = {arm: [] for arm in servers}
+                before: dict[str, dict] = {}
+                for rnd in range(args.rounds + 1):  # round 0 warms up
+                    for i, (arm, srv) in enumerate(servers.items()):
+                        if rnd == 1:
+                            before[arm] = read_ledger(srv.ledger_path, after=0) if srv.ledger_path else {}
+                            srv.profile(True)
+                        got = served_round(args, srv, model, prompts, sampler, 2 * i)
+                        if rnd and got:
+                            rows[arm].append(got)
+                for arm, srv in servers.items():
+                    results[arm][c] = summarize(args, srv, rows[arm], before[arm], c)
         finally:
             sampler.stop()
     finally:
-        srv.stop()
-        for path in (ledger_path, profile_path):
-            if path:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        for srv in servers.values():
+            srv.stop()
     return results
 
 
-def served_rounds(args, srv: "ServedChild", model: str, prompts: list[list[int]], sampler: "CpuSampler") -> dict:
-    concurrency, rows, before = len(prompts), [], {}
-    for rnd in range(args.rounds + 1):  # round 0 warms up
-        if rnd == 1:
-            if srv.ledger_path:
-                before = read_ledger(srv.ledger_path, after=0)
-            srv.profile(True)
-        results = asyncio.run(stream_round(srv.base, model, prompts, args.new_tokens))
-        start, end, tokens = steady_window(results)
-        if rnd and tokens > 0:
-            (h0, e0, c0), (h1, e1, c1) = sampler.at(start), sampler.at(end)
-            steps = tokens / concurrency
-            rows.append(
-                {
-                    "wall_us": (end - start) / steps * 1e6,
-                    "http_cpu_us": (h1 - h0) / steps * 1e6,
-                    "engine_cpu_us": (e1 - e0) / steps * 1e6,
-                    "client_cpu_us": (c1 - c0) / steps * 1e6,
-                }
-            )
+def served_round(args, srv: "ServedChild", model: str, prompts: list[list[int]], sampler: "CpuSampler", at: int):
+    """One round of C streams: per decode step in its steady window, the wall and the CPU of the server's HTTP and
+    engine processes (the sampler's columns `at` and `at + 1`) and of the client."""
+    concurrency = len(prompts)
+    start, end, tokens = steady_window(asyncio.run(stream_round(srv.base, model, prompts, args.new_tokens)))
+    if tokens <= 0:
+        return None
+    first, last = sampler.at(start), sampler.at(end)
+    steps = tokens / concurrency
+    return {
+        "wall_us": (end - start) / steps * 1e6,
+        "http_cpu_us": (last[at] - first[at]) / steps * 1e6,
+        "engine_cpu_us": (last[at + 1] - first[at + 1]) / steps * 1e6,
+        "client_cpu_us": (last[-1] - first[-1]) / steps * 1e6,
+    }
+
+
+def summarize(args, srv: "ServedChild", rows: list[dict], before: dict, concurrency: int) -> dict:
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
     if out:
         out["tok_s"] = concurrency / out["wall_us"] * 1e6
@@ -561,6 +579,12 @@ def table(concurrency: int, arms: dict) -> str:
         ("engine process CPU, clean", None, srv.get("engine_cpu_us")),
         ("client CPU, clean", None, srv.get("client_cpu_us")),
     ]
+    wall = srv.get("wall_us")
+    busy = ", ".join(
+        f"{name} {srv[key] / wall:.0%}"
+        for name, key in (("HTTP", "http_cpu_us"), ("engine", "engine_cpu_us"), ("client", "client_cpu_us"))
+        if wall and key in srv
+    )
     lines = [
         f"| C{concurrency}: µs per decode step of {concurrency} rows | in-process | served | served - in-process "
         "| served per token |",
@@ -579,7 +603,41 @@ def table(concurrency: int, arms: dict) -> str:
     lines.append(
         f"| steps in the parts (in-process / served) | {a.get('steps', 0):.0f} | {b.get('steps', 0):.0f} | | |"
     )
+    lines.append(f"| served processes busy (CPU / wall; 100% = one core) | | {busy} | | |")
     return "\n".join(lines)
+
+
+def compare_table(concurrency: int, arms: dict) -> str:
+    """The served arm of `--baseline`'s tree beside this tree's: µs per decode step and this / baseline."""
+    base, new = arms["baseline"], arms["served"]
+    a, b = base.get("parts") or {}, new.get("parts") or {}
+    rows = [(LABELS[part], a.get(part), b.get(part)) for part in ("pickle", "zmq_send", "hand_off", "messages_in")]
+    rows += [
+        ("host outside the model, instrumented", a and a["wall"] - a["model"], b and b["wall"] - b["model"]),
+        ("**wall per step, clean**", base.get("wall_us"), new.get("wall_us")),
+        ("HTTP process CPU, clean", base.get("http_cpu_us"), new.get("http_cpu_us")),
+        ("engine process CPU, clean", base.get("engine_cpu_us"), new.get("engine_cpu_us")),
+        ("client CPU, clean", base.get("client_cpu_us"), new.get("client_cpu_us")),
+    ]
+    lines = [
+        f"| C{concurrency}, served: µs per decode step | baseline tree | this tree | this / baseline |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, x, y in rows:
+        ratio = f"{y / x:.2f}" if x and y is not None else ""
+        lines.append(f"| {label} | {'' if x is None else f'{x:,.1f}'} | {'' if y is None else f'{y:,.1f}'} | {ratio} |")
+    return "\n".join(lines)
+
+
+def prepare_baseline(root: Path) -> Path:
+    """`root`, holding this script (copied in when its tree predates it), so its server can run as --serve-child."""
+    root = root.resolve()
+    if not (root / "evalpipe").is_dir():
+        raise SystemExit(f"--baseline {root}: no evalpipe package there")
+    target = root / "benchmarks" / "serving" / Path(__file__).name
+    if not target.exists():
+        target.write_text(Path(__file__).read_text())
+    return root
 
 
 def serve_child(argv: list[str]) -> None:
@@ -626,6 +684,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds per arm after one warm-up (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--out", default=None, help="folder for host_cost.json (default: only print)")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another source tree of evalpipe (e.g. `git archive COMMIT | tar -x -C DIR`): its server runs beside "
+        "this tree's, and a second table compares the two (this script is copied into it if it lacks it)",
+    )
     ap.add_argument("--smoke", action="store_true", help="C4 and C1, 8 tokens, one round: a few seconds")
     args = ap.parse_args(argv)
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -649,18 +714,24 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.cuda.empty_cache()
-        clean = served(args, concurrencies, instrumented=False)
-        parts = served(args, concurrencies, instrumented=True)
+        roots = {"served": REPO}
+        if args.baseline is not None:
+            roots = {"baseline": prepare_baseline(args.baseline), **roots}
+        clean = served(args, concurrencies, False, roots)
+        parts = served(args, concurrencies, True, roots)
     finally:
         if tmp is not None:
             tmp.cleanup()
     for c in concurrencies:
-        report[f"C{c}"] = {
-            "in_process": {**inproc[c][0], "parts": inproc[c][1]["parts"]},
-            "served": {**clean[c], "parts": parts[c].get("parts"), "http_profile": parts[c].get("http_profile")},
-        }
+        report[f"C{c}"] = {"in_process": {**inproc[c][0], "parts": inproc[c][1]["parts"]}}
+        for arm in roots:
+            got = parts[arm][c]
+            report[f"C{c}"][arm] = {**clean[arm][c], "parts": got.get("parts"), "http_profile": got.get("http_profile")}
         print(table(c, report[f"C{c}"]), flush=True)
         print(flush=True)
+        if args.baseline is not None:
+            print(compare_table(c, report[f"C{c}"]), flush=True)
+            print(flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "host_cost.json").write_text(json.dumps(report, indent=1))

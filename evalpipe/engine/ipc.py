@@ -10,7 +10,8 @@ Everything here is plain data and torch-free: the HTTP process unpickles it with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from evalpipe.engine.sampling_params import SamplingParams
 
@@ -106,6 +107,18 @@ class Step:
     """One engine step: (rid, SeqEvent) for every sequence it advanced or finished, in order."""
 
     events: list[tuple[int, SeqEvent]] = field(default_factory=list)
+
+    def __reduce__(self):
+        """Pickled as (rid, field values) rows, not as a dataclass per event (whose pickle names every field of
+        every event): both processes pay this every engine step, for every sequence in it."""
+        return _step_from_rows, ([(rid, _event_values(ev)) for rid, ev in self.events],)
+
+
+_event_values = attrgetter(*(f.name for f in fields(SeqEvent)))
+
+
+def _step_from_rows(rows: list[tuple[int, tuple]]) -> Step:
+    return Step([(rid, SeqEvent(*values)) for rid, values in rows])
 
 
 @dataclass
