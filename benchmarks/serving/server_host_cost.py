@@ -2,12 +2,17 @@
 model, split by part, and the HTTP process's CPU, at C64 and C1.
 
     PYTHONPATH=. python -m benchmarks.serving.server_host_cost [--concurrency 64,1] [--new-tokens 128] [--rounds 3]
+        [--baseline DIR]   # DIR: another tree, e.g. `mkdir DIR && git archive COMMIT | tar -x -C DIR`
     PYTHONPATH=. python -m benchmarks.serving.server_host_cost --smoke            # a few seconds (tests/benchmarks)
 
 On the H200 (the v4-top2 checkpoint of benchmarks/serving/gpu_serving.py, random bf16 weights, written as
-benchmarks/serving/gpu_real_job.py writes it; CUDA graphs and the overlap schedule, as `evalpipe serve` runs):
+benchmarks/serving/gpu_real_job.py writes it; CUDA graphs and the overlap schedule, as `evalpipe serve` runs; the
+HTTP stack's wheels installed from .whl/ as benchmarks/README.md's "The real job on one H200" says; prompts and
+outputs as gpu_real_job's `evalpipe bench` arms; a --baseline tree travels in a carried folder):
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python -m benchmarks.serving.server_host_cost --device cuda --out $OUT
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. python -m benchmarks.serving.server_host_cost --device cuda \
+        --prompt-len 128 --new-tokens 256 --out $OUT
 
 Arms, per concurrency C (C prompts of --prompt-len random ids, greedy, ignore_eos, --new-tokens each):
 - `in-process`: the engine the server's engine process builds (engine/loop.py `build_engine`), stepped in this
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import pickle
@@ -70,6 +76,7 @@ HTTP_GROUPS = (
     ),
     ("event loop (asyncio)", ("asyncio/", "selectors.py", "poll", "select")),
 )
+UNSET = object()
 SLOW_SEND_S = 2e-4
 PARTS = (
     "schedule",
@@ -131,7 +138,7 @@ class Ledger:
 
     def wrap(self, owner, name: str, part: str) -> None:
         original = getattr(owner, name)
-        self.undo.append((owner, name, owner.__dict__.get(name, original) if isinstance(owner, type) else original))
+        self.undo.append((owner, name, owner.__dict__.get(name, UNSET)))  # UNSET: inherited, or a bound method
         setattr(owner, name, self.timed(part, original))
 
     def begin_step(self) -> None:
@@ -165,7 +172,10 @@ class Ledger:
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self.undo):
-            setattr(owner, name, original)
+            if original is UNSET:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         self.undo.clear()
 
 
@@ -710,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = build(args)
         inproc = {c: (in_process(args, engine, c, None), in_process(args, engine, c, Ledger())) for c in concurrencies}
         del engine
+        gc.collect()
         if args.device == "cuda":
             import torch
 
