@@ -1,11 +1,12 @@
 """The messages between the HTTP server process and the engine process (sent pickled over two ZeroMQ PUSH/PULL pipes).
 
-Server -> engine: `Submit` (one request's sequences, all or none), `Abort` (a request whose client left; applied
-before the next forward), `Call` (anything else that needs an answer: grammar compile, cache flush, describe),
-`Shutdown`. Engine -> server: `Ready` (or `LoadFailed`) once, then one `Step` per engine step carrying every event
-that step produced (all rows' new tokens in one message, never one message per token), and a `Reply` per `Submit`
-and `Call`. A request is identified by the server's `rid`; the engine's `SeqEvent.index` is the choice within it.
-Everything here is plain data and torch-free: the HTTP process unpickles it without importing the model's code.
+Server -> engine: `Submit` (one request's sequences, all or none), `Abort` (a request whose client left; applied before
+the next forward), `Call` (anything else that needs an answer: grammar compile, cache flush, describe), `Shutdown`.
+Engine -> server: `Ready` (or `LoadFailed`) once, then one `Step` per engine step that produced events, carrying all of
+them (all rows' new tokens in one message, never one message per token), an empty `Step` as a sign of life while steps
+produce none (engine/loop.py, HEARTBEAT_S), and a `Reply` per `Submit` and `Call`. A request is identified by the
+server's `rid`; the engine's `SeqEvent.index` is the choice within it. Everything here is plain data and torch-free: the
+HTTP process unpickles it without importing the model's code.
 """
 
 from __future__ import annotations
