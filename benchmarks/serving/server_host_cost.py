@@ -288,7 +288,14 @@ def prompts_for(concurrency: int, length: int, vocab: int, seed: int) -> list[li
 def engine_config(args):
     from evalpipe.engine.config import EngineConfig
 
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_batch=64, prefix_cache="off")
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch=64,
+        prefix_cache="off",
+        stream_interval=args.stream_interval,
+    )
 
 
 def build(args):
@@ -475,6 +482,7 @@ def served(args, concurrencies: list[int], instrumented: bool, roots: dict[str, 
     import httpx
 
     serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--max-batch", "64"]
+    serve_args += ["--stream-interval", str(args.stream_interval)]
     servers: dict[str, ServedChild] = {}
     results: dict[str, dict[int, dict]] = {arm: {} for arm in roots}
     try:
@@ -693,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128, help="generated tokens per request (default 128)")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds per arm after one warm-up (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ap.add_argument(
+        "--stream-interval", type=int, default=1, help="the engine's --stream-interval in both arms (default 1)"
+    )
     ap.add_argument("--out", default=None, help="folder for host_cost.json (default: only print)")
     ap.add_argument(
         "--baseline",
@@ -714,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         write_checkpoint(Path(tmp.name), smoke=False)
         args.model = tmp.name
     args.model = args.model or "evalpipe-tiny-dsv4"
-    report = {"device": args.device, "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    report = {k: getattr(args, k) for k in ("device", "model", "prompt_len", "new_tokens", "stream_interval")}
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     try:
         engine = build(args)
