@@ -63,7 +63,10 @@ LEDGER_ENV = "HOST_COST_LEDGER"  # set in a served engine process's environment:
 PROFILE_ENV = "HOST_COST_HTTP_PROFILE"  # set for --serve-child: SIGUSR1 starts cProfile, SIGUSR2 writes it here
 # the HTTP process's profile, grouped by where a function lives (first match of its file or built-in name)
 HTTP_GROUPS = (
-    ("idle", ("{method 'poll' of 'select.epoll' objects}", "{method 'select' of 'select.epoll' objects}")),
+    (
+        "idle",
+        ("<method 'poll' of 'select.epoll' objects>", "<method 'select' of 'select.epoll' objects>", "run_forever"),
+    ),
     ("engine messages in (zmq, unpickle)", ("engine_client.py", "/zmq/", "zmq", "pickle", "_pickle")),
     ("events (queue, merge)", ("server/jobs.py", "engine/ipc.py", "asyncio/queues.py", "dataclasses")),
     (
@@ -481,6 +484,8 @@ def served(args, concurrencies: list[int], instrumented: bool, roots: dict[str, 
     of a shared machine falls on every arm alike."""
     import httpx
 
+    from benchmarks.serving.gpu_real_job import find
+
     serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--max-batch", "64"]
     serve_args += ["--stream-interval", str(args.stream_interval)]
     servers: dict[str, ServedChild] = {}
@@ -491,7 +496,7 @@ def served(args, concurrencies: list[int], instrumented: bool, roots: dict[str, 
             profile = tempfile.mktemp(prefix="host-cost-http-", suffix=".json") if instrumented else None
             servers[arm] = ServedChild(serve_args + ["--prefix-cache", "off"], ledger, profile, root)
         srv = next(iter(servers.values()))
-        vocab = find_key(httpx.get(srv.base + "/get_server_info", timeout=30).json(), "vocab_size") or 256
+        vocab = find(httpx.get(srv.base + "/get_server_info", timeout=30).json(), "vocab_size") or 256
         model = httpx.get(srv.base + "/v1/models", timeout=30).json()["data"][0]["id"]
         sampler = CpuSampler([pid for srv in servers.values() for pid in (srv.proc.pid, srv.engine_pid)])
         try:
@@ -557,17 +562,6 @@ def read_ledger(path: str, after: float, timeout: float = 30.0) -> dict:
         if time.monotonic() > deadline:
             raise RuntimeError("the served engine wrote no ledger (was it started by --serve-child?)")
         time.sleep(0.05)
-
-
-def find_key(d, key):
-    if isinstance(d, dict):
-        if key in d:
-            return d[key]
-        for v in d.values():
-            got = find_key(v, key)
-            if got is not None:
-                return got
-    return None
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
