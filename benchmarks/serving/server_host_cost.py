@@ -3,7 +3,7 @@ model, split by part, and the HTTP process's CPU, at C64 and C1.
 
     PYTHONPATH=. python -m benchmarks.serving.server_host_cost [--concurrency 64,1] [--new-tokens 128] [--rounds 3]
         [--baseline DIR]   # DIR: another tree, e.g. `mkdir DIR && git archive COMMIT | tar -x -C DIR`
-    PYTHONPATH=. python -m benchmarks.serving.server_host_cost --smoke            # a few seconds (tests/benchmarks)
+    PYTHONPATH=. python -m benchmarks.serving.server_host_cost --smoke       # under half a minute (tests/benchmarks)
 
 On the H200 (the v4-top2 checkpoint of benchmarks/serving/gpu_serving.py, random bf16 weights, written as
 benchmarks/serving/gpu_real_job.py writes it; CUDA graphs and the overlap schedule, as `evalpipe serve` runs; the
@@ -27,9 +27,13 @@ call's exclusive time (its own time less that of the wrapped calls inside it) an
 served engine process is instrumented the same way: the server runs as `python -m <this module> --serve-child`, so
 the engine process that multiprocessing spawns from it imports this module as `__mp_main__` (how spawn rebuilds
 the parent's main module), and with HOST_COST_LEDGER set in its environment it installs the wrappers and writes its
-ledger to that file each time it goes idle. The HTTP process's CPU (and the engine process's) is read from
-/proc/<pid>/task/*/schedstat every few ms, and taken over the steady window of a round: from the last request's
-first token to the first request's last token; steps in that window = its tokens / C.
+ledger to that file each time it goes idle. The CPU of the HTTP process, of the engine process and of this
+process's main thread (the client's event loop) is read from /proc/<pid>/task/*/schedstat every few ms, and taken
+over the steady window of a round: from the last request's first token to the first request's last token; steps in
+that window = its tokens / C. The instrumented server's HTTP process is also profiled over the measured rounds
+(cProfile, started by SIGUSR1 and written by SIGUSR2; each function's own time summed by HTTP_GROUPS, the event
+loop's wait left out). With --baseline, that tree's server runs beside this tree's and the two take turns round by
+round.
 
 Parts: schedule (Scheduler.schedule), model (runner forward / decode_async / settle: on the GPU with the overlap
 schedule, launching the next step and waiting for the previous one's tokens), sample (Engine._commit_tokens, the
@@ -706,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         help="another source tree of evalpipe (e.g. `git archive COMMIT | tar -x -C DIR`): its server runs beside "
         "this tree's, and a second table compares the two (this script is copied into it if it lacks it)",
     )
-    ap.add_argument("--smoke", action="store_true", help="C4 and C1, 8 tokens, one round: a few seconds")
+    ap.add_argument("--smoke", action="store_true", help="C4 and C1, 8 tokens, one round (under half a minute)")
     args = ap.parse_args(argv)
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.smoke:
