@@ -61,6 +61,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[2]
 LEDGER_ENV = "HOST_COST_LEDGER"  # set in a served engine process's environment: install the ledger, write it there
@@ -454,23 +455,70 @@ async def stream_round(base: str, model: str, prompts: list[list[int]], new_toke
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def one(prompt):
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": new_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "return_token_ids": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            }
             sent = time.perf_counter()
-            out = await stream_request(client, base + "/v1/completions", body)
+            out = await stream_request(client, base + "/v1/completions", request_body(model, prompt, new_tokens))
             if out["error"] or out["completion_tokens"] != new_tokens:
                 raise RuntimeError(f"request failed: {out['error'] or out['completion_tokens']}")
             return sent, out["events"]
 
         return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def request_body(model: str, prompt: list[int], new_tokens: int) -> dict:
+    """The streamed completion `evalpipe bench` sends (evalpipe/harness/bench.py)."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+
+async def bare_stream_round(
+    base: str, model: str, prompts: list[list[int]], new_tokens: int
+) -> list[tuple[float, list]]:
+    """The same requests read by a bare asyncio client: one connection each, the chunked body split into SSE events
+    by hand (each event is one `data:` line, server/responses.py), each event's JSON parsed and its token_ids
+    counted. What a client leaner than `evalpipe bench`'s httpx stack pays per event; `evalpipe serve` only."""
+    url = urlsplit(base)
+
+    async def one(prompt):
+        body = json.dumps(request_body(model, prompt, new_tokens)).encode()
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        sent = time.perf_counter()
+        writer.write(head.encode() + body)
+        status = await reader.readuntil(b"\r\n\r\n")
+        if not status.startswith(b"HTTP/1.1 200") or b"chunked" not in status.lower():
+            raise RuntimeError(f"unexpected answer: {status[:300]!r}")
+        events, pending, tokens = [], b"", 0
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                break
+            pending += (await reader.readexactly(size + 2))[:-2]
+            while b"\n\n" in pending:
+                event, pending = pending.split(b"\n\n", 1)
+                payload = event.removeprefix(b"data: ")
+                if payload == b"[DONE]":
+                    continue
+                n = sum(len(c.get("token_ids") or []) for c in json.loads(payload).get("choices") or [])
+                if n:
+                    tokens += n
+                    events.append((time.perf_counter() - sent, n))
+        writer.close()
+        if tokens != new_tokens:
+            raise RuntimeError(f"the bare client counted {tokens} tokens, not {new_tokens}")
+        return sent, events
+
+    return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def steady_window(results: list[tuple[float, list]]) -> tuple[float, float, int]:
@@ -507,6 +555,7 @@ def served(args, concurrencies: list[int], instrumented: bool, roots: dict[str, 
             for c in concurrencies:
                 prompts = prompts_for(c, args.prompt_len, vocab, args.seed)
                 rows: dict[str, list[dict]] = {arm: [] for arm in servers}
+                bare: dict[str, list[dict]] = {arm: [] for arm in servers}
                 before: dict[str, dict] = {}
                 for rnd in range(args.rounds + 1):  # round 0 warms up
                     for i, (arm, srv) in enumerate(servers.items()):
@@ -516,8 +565,16 @@ def served(args, concurrencies: list[int], instrumented: bool, roots: dict[str, 
                         got = served_round(args, srv, model, prompts, sampler, 2 * i)
                         if rnd and got:
                             rows[arm].append(got)
+                        if args.bare_client and not instrumented:
+                            got = served_round(args, srv, model, prompts, sampler, 2 * i, bare_stream_round)
+                            if rnd and got:
+                                bare[arm].append(got)
                 for arm, srv in servers.items():
                     results[arm][c] = summarize(args, srv, rows[arm], before[arm], c)
+                    if bare[arm]:
+                        results[arm][c]["bare_client"] = {
+                            k: statistics.median(r[k] for r in bare[arm]) for k in bare[arm][0]
+                        }
         finally:
             sampler.stop()
     finally:
@@ -526,11 +583,15 @@ def served(args, concurrencies: list[int], instrumented: bool, roots: dict[str, 
     return results
 
 
-def served_round(args, srv: "ServedChild", model: str, prompts: list[list[int]], sampler: "CpuSampler", at: int):
-    """One round of C streams: per decode step in its steady window, the wall and the CPU of the server's HTTP and
-    engine processes (the sampler's columns `at` and `at + 1`) and of the client."""
+def served_round(
+    args, srv: "ServedChild", model: str, prompts: list[list[int]], sampler: "CpuSampler", at: int, client=None
+):
+    """One round of C streams (read by `client`, default `stream_round`): per decode step in its steady window, the
+    wall and the CPU of the server's HTTP and engine processes (the sampler's columns `at` and `at + 1`) and of the
+    client."""
     concurrency = len(prompts)
-    start, end, tokens = steady_window(asyncio.run(stream_round(srv.base, model, prompts, args.new_tokens)))
+    client = client or stream_round
+    start, end, tokens = steady_window(asyncio.run(client(srv.base, model, prompts, args.new_tokens)))
     if tokens <= 0:
         return None
     first, last = sampler.at(start), sampler.at(end)
@@ -594,6 +655,16 @@ def table(concurrency: int, arms: dict) -> str:
     rows += [
         ("engine process CPU, clean", None, srv.get("engine_cpu_us")),
         ("client CPU, clean", None, srv.get("client_cpu_us")),
+    ]
+    bare = srv.get("bare_client") or {}
+    rows += [
+        (f"bare asyncio client: {label}", None, bare.get(key))
+        for label, key in (
+            ("wall per step", "wall_us"),
+            ("HTTP process CPU", "http_cpu_us"),
+            ("client CPU", "client_cpu_us"),
+        )
+        if bare
     ]
     wall = srv.get("wall_us")
     busy = ", ".join(
@@ -702,6 +773,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stream-interval", type=int, default=1, help="the engine's --stream-interval in both arms (default 1)"
     )
+    ap.add_argument(
+        "--bare-client",
+        action="store_true",
+        help="also read every round with a bare asyncio client (alternating with the `evalpipe bench`-like one): "
+        "what the client's own cost per event does to the served rows",
+    )
     ap.add_argument("--out", default=None, help="folder for host_cost.json (default: only print)")
     ap.add_argument(
         "--baseline",
@@ -710,11 +787,14 @@ def main(argv: list[str] | None = None) -> int:
         help="another source tree of evalpipe (e.g. `git archive COMMIT | tar -x -C DIR`): its server runs beside "
         "this tree's, and a second table compares the two (this script is copied into it if it lacks it)",
     )
-    ap.add_argument("--smoke", action="store_true", help="C4 and C1, 8 tokens, one round (under half a minute)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="C4 and C1, 8 tokens, one round, --bare-client too (under half a minute)"
+    )
     args = ap.parse_args(argv)
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.smoke:
         args.concurrency, args.new_tokens, args.rounds, args.prompt_len = "4,1", 8, 1, 8
+        args.bare_client = True
     tmp = None
     if args.device == "cuda" and args.model is None:
         from benchmarks.serving.gpu_real_job import write_checkpoint
