@@ -2,7 +2,7 @@
 model, split by part, and the HTTP process's CPU, at C64 and C1.
 
     PYTHONPATH=. python -m benchmarks.serving.server_host_cost [--concurrency 64,1] [--new-tokens 128] [--rounds 3]
-        [--baseline DIR]   # DIR: another tree, e.g. `mkdir DIR && git archive COMMIT | tar -x -C DIR`
+        [--bare-client] [--baseline DIR]   # DIR: another tree, e.g. `mkdir DIR && git archive COMMIT | tar -x -C DIR`
     PYTHONPATH=. python -m benchmarks.serving.server_host_cost --smoke       # under half a minute (tests/benchmarks)
 
 On the H200 (the v4-top2 checkpoint of benchmarks/serving/gpu_serving.py, random bf16 weights, written as
@@ -12,7 +12,7 @@ outputs as gpu_real_job's `evalpipe bench` arms; a --baseline tree travels in a 
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. python -m benchmarks.serving.server_host_cost --device cuda \
-        --prompt-len 128 --new-tokens 256 --out $OUT
+        --prompt-len 128 --new-tokens 256 --bare-client --out $OUT
 
 Arms, per concurrency C (C prompts of --prompt-len random ids, greedy, ignore_eos, --new-tokens each):
 - `in-process`: the engine the server's engine process builds (engine/loop.py `build_engine`), stepped in this
