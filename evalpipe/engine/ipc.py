@@ -1,16 +1,18 @@
 """The messages between the HTTP server process and the engine process (sent pickled over two ZeroMQ PUSH/PULL pipes).
 
-Server -> engine: `Submit` (one request's sequences, all or none), `Abort` (a request whose client left; applied
-before the next forward), `Call` (anything else that needs an answer: grammar compile, cache flush, describe),
-`Shutdown`. Engine -> server: `Ready` (or `LoadFailed`) once, then one `Step` per engine step carrying every event
-that step produced (all rows' new tokens in one message, never one message per token), and a `Reply` per `Submit`
-and `Call`. A request is identified by the server's `rid`; the engine's `SeqEvent.index` is the choice within it.
-Everything here is plain data and torch-free: the HTTP process unpickles it without importing the model's code.
+Server -> engine: `Submit` (one request's sequences, all or none), `Abort` (a request whose client left; applied before
+the next forward), `Call` (anything else that needs an answer: grammar compile, cache flush, describe), `Shutdown`.
+Engine -> server: `Ready` (or `LoadFailed`) once, then one `Step` per engine step that produced events, carrying all of
+them (all rows' new tokens in one message, never one message per token), an empty `Step` as a sign of life while steps
+produce none (engine/loop.py, HEARTBEAT_S), and a `Reply` per `Submit` and `Call`. A request is identified by the
+server's `rid`; the engine's `SeqEvent.index` is the choice within it. Everything here is plain data and torch-free: the
+HTTP process unpickles it without importing the model's code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from evalpipe.engine.sampling_params import SamplingParams
 
@@ -106,6 +108,18 @@ class Step:
     """One engine step: (rid, SeqEvent) for every sequence it advanced or finished, in order."""
 
     events: list[tuple[int, SeqEvent]] = field(default_factory=list)
+
+    def __reduce__(self):
+        """Pickled as (rid, field values) rows, not as a dataclass per event (whose pickle names every field of
+        every event): both processes pay this every engine step, for every sequence in it."""
+        return _step_from_rows, ([(rid, _event_values(ev)) for rid, ev in self.events],)
+
+
+_event_values = attrgetter(*(f.name for f in fields(SeqEvent)))
+
+
+def _step_from_rows(rows: list[tuple[int, tuple]]) -> Step:
+    return Step([(rid, SeqEvent(*values)) for rid, values in rows])
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """The engine process's loop: the scheduler and the model, in a process of their own beside the HTTP server.
 
-engine/process.py `main` builds the engine here (`build_engine`), reports it (`ready_message`) and runs
-`EngineLoop`, which talks to the server over two ZeroMQ pipes with the messages of engine/ipc.py. The loop takes
-every message that has arrived, applies it (new requests, aborts, calls), runs one `Engine.step()` and sends that
-step's events as one `Step` message. An abort therefore reaches the engine before its next forward, and the HTTP
-event loop and the model no longer share a GIL. Grammars compile on a worker thread, so a slow schema does not
+engine/process.py `main` builds the engine here (`build_engine`), reports it (`ready_message`) and runs `EngineLoop`,
+which talks to the server over two ZeroMQ pipes with the messages of engine/ipc.py. The loop takes every message that
+has arrived, applies it (new requests, aborts, calls), runs one `Engine.step()` and sends that step's events as one
+`Step` message. A step that released no event (a prompt chunk, tokens held back by the stream interval) sends nothing,
+so neither process pays a message for it, except one empty `Step` every HEARTBEAT_S while such steps go on: the sign of
+life /health_generate takes from a busy engine. An abort therefore reaches the engine before its next forward, and the
+HTTP event loop and the model no longer share a GIL. Grammars compile on a worker thread, so a slow schema does not
 stall the steps of other requests.
 """
 
@@ -34,6 +36,7 @@ log = logging.getLogger("evalpipe.engine")
 
 IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 COMPILE_POLL_MS = 5  # while a grammar compiles on the worker thread
+HEARTBEAT_S = 0.1  # the longest gap between two Step messages while the engine steps (/health_generate polls at 0.25 s)
 STATS_INTERVAL_S = 10.0  # a busy engine logs its throughput this often (INFO: `evalpipe serve --log-level info`)
 
 
@@ -92,8 +95,12 @@ def ready_message(config: EngineConfig, engine: Engine) -> ipc.Ready:
 class EngineLoop:
     """Messages in, one step, one `Step` message out; until `Shutdown` or the parent is gone."""
 
-    def __init__(self, engine: Engine, recv: zmq.Socket, send: zmq.Socket, parent: int):
+    def __init__(
+        self, engine: Engine, recv: zmq.Socket, send: zmq.Socket, parent: int, heartbeat_s: float = HEARTBEAT_S
+    ):
         self.engine = engine
+        self.heartbeat_s = heartbeat_s
+        self.sent_at = 0.0  # time.monotonic() of the last Step message
         self.recv = recv
         self.send = send
         self.parent = parent
@@ -137,9 +144,11 @@ class EngineLoop:
             self.engine.fail_all("error", error=f"{type(exc).__name__}: {exc}")
             advanced = 1
         self.window.stepped(time.perf_counter() - started)
-        if advanced or self.events:
+        now = time.monotonic()
+        if self.events or (advanced and now - self.sent_at >= self.heartbeat_s):
             events, self.events = self.events, []
             self.send.send_pyobj(ipc.Step(events))
+            self.sent_at = now
         self.window.maybe_log()
 
     # -- messages ----------------------------------------------------------------------------------
