@@ -3,7 +3,7 @@ depend on its prompt alone -- prefix cache on vs off, speculation off vs block (
 1 -- and what does it cost in C64 decode? The same arms in the default mode give today's column beside it.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python -m benchmarks.serving.deterministic_gpu --data-dir DIR \
-        [--prompts 128] [--c1-prompts 128] [--max-tokens 128] [--modes deterministic,default]
+        [--prompts 128] [--c1-prompts 128] [--max-tokens 128] [--modes deterministic,default] [--drafters ngram]
 
 Each mode builds four engines (CUDA graphs captured for every bucket) and runs its arms; run the two modes as two
 commands (`--modes deterministic`, then `--modes default`) when one command has a time limit.
@@ -113,6 +113,7 @@ def mode_arms(model_dir: Path, args, device: str, dtype: str, deterministic: boo
         ("spec_ngram", dict(speculative="block", drafter="ngram")),
         ("spec_layerskip", dict(speculative="block")),
     ]
+    arms = [(name, fields) for name, fields in arms if not name.startswith("spec_") or name[5:] in args.drafters]
     for name, fields in arms:
         t0 = time.perf_counter()
         engine = engine_for(model_dir, device, dtype, deterministic=deterministic, **fields)
@@ -131,8 +132,8 @@ def mode_arms(model_dir: Path, args, device: str, dtype: str, deterministic: boo
             log(f"  C64 decode {decode['tok_s']:.0f} tok/s ({time.perf_counter() - t0:.1f}s)")
         release(engine)
     out["cache_on_vs_off"] = compare(outputs["cache_on"], outputs["cache_off"])
-    out["spec_off_vs_ngram"] = compare(outputs["cache_on"], outputs["spec_ngram"])
-    out["spec_off_vs_layerskip"] = compare(outputs["cache_on"], outputs["spec_layerskip"])
+    for drafter in args.drafters:
+        out[f"spec_off_vs_{drafter}"] = compare(outputs["cache_on"], outputs[f"spec_{drafter}"])
     out["c64_vs_c1"] = compare(outputs["cache_off"][: args.c1_prompts], outputs["c1"])
     return out
 
@@ -165,12 +166,19 @@ def main() -> int:
     ap.add_argument("--c1-prompts", type=int, default=128, help="prompts of the concurrency 1 vs 64 arm")
     ap.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per prompt (EOS ignored)")
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens per sequence of the C64 decode rate")
+    ap.add_argument(
+        "--drafters", default="ngram,layerskip", help="drafters of the speculation arms (ngram and/or layerskip)"
+    )
     ap.add_argument("--modes", default="deterministic,default", help="which modes run: deterministic, default or both")
     ap.add_argument(
         "--smoke", action="store_true", help="CPU, tiny config, float32, 3 random 40-byte prompts, 4 tokens each"
     )
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
+    args.drafters = [d for d in args.drafters.split(",") if d]
+    if set(args.drafters) - {"ngram", "layerskip"}:
+        print(f"deterministic_gpu: --drafters takes ngram and/or layerskip, got {args.drafters!r}", file=sys.stderr)
+        return 2
     if not modes or set(modes) - {"deterministic", "default"}:
         print(f"deterministic_gpu: --modes takes deterministic and/or default, got {args.modes!r}", file=sys.stderr)
         return 2
