@@ -112,8 +112,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--step",
         default=None,
-        choices=["compiled", "fast", "eager"],
-        help="training forward: training/fast_forward.py through torch.compile (compiled), the same "
+        choices=["compiled", "dynamic", "fast", "eager"],
+        help="training forward: training/fast_forward.py through torch.compile (compiled), the same with "
+        "symbolic batch and sequence sizes (dynamic: torch.compile(dynamic=True)), the same "
         "uncompiled (fast), or transformers' own forward with hooks (eager); evaluation always runs "
         "transformers' forward (default: fast on CUDA, eager elsewhere; compiled is 3.8x faster per step "
         "than transformers' forward but compiles once per batch shape, about a minute each)",

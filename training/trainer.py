@@ -98,10 +98,11 @@ def _total(logits, labels, prompt_labels, exits, kl, args):
     return loss, {"loss": loss_final, "kl": kl, "prompt": loss_prompt, **{f"exit{n}": v for n, v in exits.items()}}
 
 
-def step_losses(model, args, exit_layers, device, compiled: bool):
+def step_losses(model, args, exit_layers, device, compiled: bool, dynamic: bool = False):
     """The training losses through `training/fast_forward.py` (bf16 autocast on CUDA), as one function of
     (model, ids, labels, prompt_labels) -> (loss, parts, router counts); `compiled`: through torch.compile, one
-    graph for forward and losses."""
+    graph for forward and losses; `dynamic`: compiled with symbolic batch and sequence sizes (torch.compile's
+    dynamic=True) instead of a graph per batch shape."""
     ratio = model.config.compress_rates["compressed_sparse_attention"]
     exit_layers = tuple(exit_layers)
 
@@ -115,6 +116,8 @@ def step_losses(model, args, exit_layers, device, compiled: bool):
             loss, parts = _total(out.logits, labels, prompt_labels, exits, kl, args)
         return loss, parts, out.router_counts
 
+    if dynamic:
+        return torch.compile(losses, dynamic=True)
     return torch.compile(losses) if compiled else losses
 
 
@@ -273,7 +276,11 @@ def train(args, prior: dict | None) -> None:
     taps = objectives.Taps(model, exit_layers)
     opt = optimizer(model, args)
     step_kind = args.step or ("fast" if device.type == "cuda" else "eager")
-    losses = None if step_kind == "eager" else step_losses(model, args, exit_layers, device, step_kind == "compiled")
+    losses = (
+        None
+        if step_kind == "eager"
+        else step_losses(model, args, exit_layers, device, step_kind == "compiled", step_kind == "dynamic")
+    )
     call = len(prior["calls"]) if prior else 0
     stream = data.BatchStream(
         args.seed,

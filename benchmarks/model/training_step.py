@@ -25,14 +25,15 @@ from training import data, objectives, trainer
 from training.train_default_model import parse_args
 
 # an option is an experts implementation of transformers' forward ("+compile": through model.compile()), or the
-# trainer's fast forward: "fast" (plain) or "compiled" (forward and losses through torch.compile)
+# trainer's fast forward: "fast" (plain), "compiled" (forward and losses through torch.compile) or "dynamic" (the same
+# with symbolic sizes: with --stream, whether it compiles fewer times over the stream's batch shapes)
 OPTIONS = ["grouped_mm", "grouped_mm+compile", "fast", "compiled"]
-FAST = ("fast", "compiled")
+FAST = ("fast", "compiled", "dynamic")
 
 
 def parse_option(option: str) -> tuple[str, bool]:
     if option in FAST:
-        return option, option == "compiled"
+        return option, option != "fast"
     experts, _, extra = option.partition("+")
     if experts not in ("eager", "grouped_mm") or extra not in ("", "compile"):
         raise SystemExit(
@@ -63,7 +64,7 @@ def make_step(experts: str, device, compiled: bool = False):
         model.compile()
     taps = objectives.Taps(model, [3, 4])
     opt = trainer.optimizer(model, args)
-    losses = trainer.step_losses(model, args, [3, 4], device, compiled) if fast else None
+    losses = trainer.step_losses(model, args, [3, 4], device, compiled, experts == "dynamic") if fast else None
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
         if device.type == "cuda"
