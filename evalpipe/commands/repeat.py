@@ -76,6 +76,12 @@ CONDITION_HELP = (
     help="Parent folder; the run lands in <out>/repeat/<run_id>/.",
 )
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, help="Per-request timeout (s).")
+@click.option(
+    "--fail-on-control",
+    is_flag=True,
+    help="Exit 4 when any response to a control (arithmetic, exact copy) is not exactly right, naming the fixture "
+    "and condition (a CI gate: a broken server, or a model that does not answer the controls).",
+)
 def command(
     base_url,
     repeats,
@@ -89,12 +95,15 @@ def command(
     arm,
     out_dir,
     timeout_s,
+    fail_on_control,
 ):
     """Send each fixture N times at temperature 0 under several conditions and count distinct completions.
 
     Reports per fixture and condition: distinct completions out of N, the modal completion's share, the first
     divergence position from the mode (token ids where returned, else characters) and the logprob gap there,
     and whether the controls were correct. Writes responses.jsonl (run-record form), repeat.json, manifest.json.
+    Exit codes: 0 done; 1 a refused server; 2 bad input; 4 with --fail-on-control, a control response was wrong;
+    130 interrupted.
     """
     from rich.markup import escape
     from rich.table import Table
@@ -184,6 +193,23 @@ def command(
         click.echo(f"skipped condition {c}: {why}")
     run_dir = Path(out_dir) / "repeat" / result["run_id"]
     click.echo(f"wrote {run_dir / REPEAT_FILE} and {run_dir / RESPONSES_FILE}")
+    wrong = wrong_controls(result)
+    for line in wrong:
+        click.echo(f"control wrong: {line}", err=True)
+    if fail_on_control and wrong:
+        raise SystemExit(4)
+
+
+def wrong_controls(result: dict) -> list[str]:
+    """`fixture/condition: k of n right` for each control group with a response that is not exactly right."""
+    lines = []
+    for fx, conds in result["groups"].items():
+        for cond, g in conds.items():
+            share = g.get("control_correct_share")
+            if share is not None and (share < 1 or g["n_errors"]):
+                right = round(share * (g["n"] - g["n_errors"]))
+                lines.append(f"{fx}/{cond}: {right} of {g['n']} right (expected {g['expected']!r})")
+    return lines
 
 
 def error_lines(records: list[dict]) -> list[str]:

@@ -1,10 +1,9 @@
 """The fixed fixtures of the repeatability protocol (`evalpipe repeat`), each sent N times at temperature 0.
 
 Two controls with checkable answers tell a broken server from a merely non-deterministic one. They are asked in the
-formats of evalpipe.skills (`arith`'s one-operation drill and `copy`). The default model answers the arithmetic
-control, so against it a wrong one is a server fault, not a weak model (tests/harness/test_repeat.py checks it); it
-does not
-copy, so there the copy control only shows whether repeats agree (a model that copies makes it a control too); a
+formats of evalpipe.skills (`arith`'s one-operation drill and `copy`) and graded exactly: the last number must be
+155, the reply's first line must be the copied text and nothing else. The default model answers the arithmetic
+control, so against it a wrong one is a server fault, not a weak model (tests/harness/test_repeat.py checks it); a
 regex-shaped answer checks format; a short open prompt shows where greedy outputs fork (the classic
 "Tell me about Richard Feynman" probe); the same prompt behind a long padding exercises long-context
 prefill and, on servers with a prefix cache, cached-versus-fresh prefixes.
@@ -60,12 +59,10 @@ def _last_int(text: str) -> Optional[str]:
     return nums[-1] if nums else None
 
 
-def _copy_prefix(expected: str) -> Callable[[str], Optional[str]]:
-    def extract(text: str) -> Optional[str]:
-        head = text.strip()[: len(expected)]
-        return head or None
-
-    return extract
+def _answer_line(text: str) -> Optional[str]:
+    """The reply's first line, stripped: an exact copy is that line and nothing more (`copy`'s answer format)."""
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines and lines[0].strip() else None
 
 
 def _iso_date(text: str) -> Optional[str]:
@@ -104,7 +101,7 @@ def fixtures(long_context_chars: int = DEFAULT_LONG_CONTEXT_CHARS, open_max_toke
             completion_prompt(f"Copy the text exactly: {COPY_TEXT}"),
             max_tokens=16,
             expected=COPY_TEXT,
-            extract=_copy_prefix(COPY_TEXT),
+            extract=_answer_line,
         ),
         Fixture(
             "regex_date",

@@ -83,6 +83,34 @@ def test_deterministic_peer_gives_one_completion(tmp_path):
     assert "evalpipe repeat" in output and "serial" in output
 
 
+def test_fail_on_control_exits_4_naming_each_wrong_control(tmp_path):
+    """The scripted peer never answers 155: with --fail-on-control repeat exits 4 and names the control and each
+    condition; the open prompt (no control) is not named; without the flag the same run exits 0 with the lines."""
+    args = ["--repeats", "2", "--fixtures", "arithmetic,open_short", "--conditions", "serial,burst"]
+    with start_peer(variants=[V0]) as (base_url, _):
+        gated = CliRunner().invoke(
+            repeat_cmd, ["--base-url", base_url, *args, "--out", str(tmp_path / "a"), "--fail-on-control"]
+        )
+        plain = CliRunner().invoke(repeat_cmd, ["--base-url", base_url, *args, "--out", str(tmp_path / "b")])
+    assert gated.exit_code == 4, gated.output
+    for res in (gated, plain):
+        assert "control wrong: arithmetic/serial: 0 of 2 right (expected '155')" in res.output
+        assert "control wrong: arithmetic/burst: 0 of 2 right" in res.output
+        assert "open_short/" not in res.output.split("control wrong")[-1]
+    assert plain.exit_code == 0, plain.output
+
+
+def test_exact_copy_control_takes_the_whole_answer_line():
+    from evalpipe.lanes.repeat_fixtures import fixtures
+
+    copy = next(f for f in fixtures() if f.id == "exact_copy")
+    assert copy.grade(f" {COPY_TEXT}") == (COPY_TEXT, True)
+    assert copy.grade(f" {COPY_TEXT}\nQuestion: more") == (COPY_TEXT, True)  # the next line is not the answer
+    assert copy.grade(f" {COPY_TEXT}zz")[1] is False  # a longer line is not an exact copy
+    assert copy.grade(COPY_TEXT[:-1])[1] is False
+    assert copy.grade("   \n") == (None, False)
+
+
 def test_unknown_fixture_is_a_usage_error(tmp_path):
     res = CliRunner().invoke(repeat_cmd, ["--base-url", "http://127.0.0.1:9/v1", "--fixtures", "nope"])
     assert res.exit_code == 2 and "unknown fixture" in res.output
