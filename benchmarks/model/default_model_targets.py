@@ -13,8 +13,9 @@ Rows (--skip takes their names):
 - qualify, qualify-keys: `evalpipe qualify` with its default gates, against a server without keys and against one
   started with two `--api-key`s (qualify given both); pass = exit code 0;
 - repeat: `evalpipe repeat`'s arithmetic and exact_copy controls; each response is graded against the fixture's
-  expected answer (evalpipe/lanes/repeat_fixtures.py: the last integer equals 155; the reply's first 8 characters
-  equal the copied text), so the row checks exactness, not agreement: pass = every response of every condition right;
+  expected answer (evalpipe/lanes/repeat_fixtures.py: the last integer equals 155; the reply's first line is the
+  copied text and nothing more), so the row checks exactness, not agreement: pass = every response of every
+  condition right (the same rule as `evalpipe repeat --fail-on-control`);
 - spec: the layerskip drafter (`--speculative block`, G = 5, the default drafter) on greedy arith: accept length
   >= 3.0 and every output token-identical to the spec-off run;
 - oracle: tests/engine/test_engine_oracle.py's shipped-model test on --model's weights (greedy tokens equal
@@ -339,7 +340,9 @@ class Targets:
                 f"{fixture} {right}/{total} right over {len(conds)} conditions (modal replies {', '.join(modes)})"
             )
             facts[fixture] = {"right": right, "n": total, "modal_replies": modes}
-        note = "graded against the expected answer (arithmetic: last integer; copy: first 8 characters), not agreement"
+        note = (
+            "graded against the expected answer (arithmetic: last integer; copy: the whole first line), not agreement"
+        )
         self.add("repeat", target, "; ".join(parts) + f"; {note}", ok, [(server, cmd)], found[-1].parent, **facts)
 
     def spec_row(self, off: Server, on: Server) -> None:
