@@ -234,15 +234,12 @@ def main() -> int:
     if args.prompts < 1 or args.chunk < 1:
         print("prefill_invariance_gpu: --prompts and --chunk must be >= 1", file=sys.stderr)
         return 2
-    if args.smoke:
-        device, dtype = "cpu", "float32"
-        args.prompts, args.chunk = 2, 70
-        gpu_real_job.DEVICE, gpu_real_job.DTYPE = device, dtype  # write_checkpoint reads them
-    elif not torch.cuda.is_available():
-        print("prefill_invariance_gpu: no CUDA device (--smoke runs a CPU dry run)", file=sys.stderr)
+    placed = gpu_real_job.place("prefill_invariance_gpu", args.smoke)
+    if placed is None:
         return 2
-    else:
-        device, dtype = "cuda", "bfloat16"
+    device, dtype = placed
+    if args.smoke:
+        args.prompts, args.chunk = 2, 70
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -156,14 +156,10 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip parts 2 and 3 (the GEMM shapes and the tile sweep)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32: shape recording only")
     args = ap.parse_args()
-    if args.smoke:
-        device, dtype = "cpu", "float32"
-        gpu_real_job.DEVICE, gpu_real_job.DTYPE = device, dtype
-    elif not torch.cuda.is_available():
-        print("invariant_gemm_gpu: no CUDA device (--smoke runs a CPU dry run)", file=sys.stderr)
+    placed = gpu_real_job.place("invariant_gemm_gpu", args.smoke)
+    if placed is None:
         return 2
-    else:
-        device, dtype = "cuda", "bfloat16"
+    device, dtype = placed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

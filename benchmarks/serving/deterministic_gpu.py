@@ -182,15 +182,12 @@ def main() -> int:
     if not modes or set(modes) - {"deterministic", "default"}:
         print(f"deterministic_gpu: --modes takes deterministic and/or default, got {args.modes!r}", file=sys.stderr)
         return 2
-    if args.smoke:
-        device, dtype = "cpu", "float32"
-        args.prompts, args.c1_prompts, args.max_tokens, args.decode_tokens = 3, 2, 4, 4
-        gpu_real_job.DEVICE, gpu_real_job.DTYPE = device, dtype  # write_checkpoint and decode_batch read them
-    elif not torch.cuda.is_available():
-        print("deterministic_gpu: no CUDA device (--smoke runs a CPU dry run)", file=sys.stderr)
+    placed = gpu_real_job.place("deterministic_gpu", args.smoke)
+    if placed is None:
         return 2
-    else:
-        device, dtype = "cuda", "bfloat16"
+    device, dtype = placed
+    if args.smoke:
+        args.prompts, args.c1_prompts, args.max_tokens, args.decode_tokens = 3, 2, 4, 4
     args.c1_prompts = min(args.c1_prompts, args.prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

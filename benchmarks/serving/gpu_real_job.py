@@ -74,6 +74,18 @@ def serve_base() -> list[str]:
     return ["--device", DEVICE, "--dtype", DTYPE, "--max-batch", "64", "--log-level", "info"]
 
 
+def place(script: str, smoke: bool) -> tuple[str, str] | None:
+    """(device, dtype) of a GPU script's run: the CPU dry run's with --smoke (also set here, for write_checkpoint
+    and decode_batch), else CUDA's; None, after saying why, when there is no CUDA device."""
+    global DEVICE, DTYPE
+    if smoke:
+        DEVICE, DTYPE = "cpu", "float32"
+    elif not torch.cuda.is_available():
+        print(f"{script}: no CUDA device (--smoke runs a CPU dry run)", file=sys.stderr)
+        return None
+    return DEVICE, DTYPE
+
+
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -560,13 +572,12 @@ def main() -> int:
         help="CPU, tiny config, float32, 2 GSM8K questions, bench 32 in / 16 out, 1 round: a dry run of the script",
     )
     args = ap.parse_args()
-    global DEVICE, DTYPE, BENCH_LENS, SMOKE
-    if args.smoke:
-        DEVICE, DTYPE, BENCH_LENS, SMOKE = "cpu", "float32", ("32", "16"), True
-        args.gsm8k_examples, args.bench_rounds, args.delay_factor, args.chunks = 2, 1, 0.0, "512"
-    elif not torch.cuda.is_available():
-        print("gpu_real_job: no CUDA device (--smoke runs a CPU dry run)", file=sys.stderr)
+    global BENCH_LENS, SMOKE
+    if place("gpu_real_job", args.smoke) is None:
         return 2
+    if args.smoke:
+        BENCH_LENS, SMOKE = ("32", "16"), True
+        args.gsm8k_examples, args.bench_rounds, args.delay_factor, args.chunks = 2, 1, 0.0, "512"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-real-job-"))
