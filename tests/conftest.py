@@ -46,7 +46,7 @@ LONGEST_FIRST = [
     "ab/test_ab.py",  # 130
     "kernels/test_kernels_moe.py",  # 121
     "kernels/test_kernels_c2.py",  # 118
-    # the benchmark scripts' --smoke runs, split by folder: 110, 90 and 86 s in a run of tests/benchmarks alone
+    # the benchmark scripts' --smoke runs, split by folder: about 110, 90 and 86 s in a run of tests/benchmarks alone
     # under -n 2 on the shared machine (before the split and one torch thread each: one 250 s file)
     "benchmarks/test_smoke_serving.py",
     "interop/test_vllm_peer.py",  # 117
