@@ -46,12 +46,17 @@ LONGEST_FIRST = [
     "ab/test_ab.py",  # 130
     "kernels/test_kernels_moe.py",  # 121
     "kernels/test_kernels_c2.py",  # 118
+    # the benchmark scripts' --smoke runs, split by folder: about 110, 90 and 86 s in a run of tests/benchmarks alone
+    # under -n 2 on the shared machine (before the split and one torch thread each: one 250 s file)
+    "benchmarks/test_smoke_serving.py",
     "interop/test_vllm_peer.py",  # 117
     "server/test_server_structured.py",  # 106
     "engine/test_spec_acceptance.py",  # 100
     # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
     "interop/test_lmeval_loglikelihood.py",
     "harness/test_core_run.py",  # 89
+    "benchmarks/test_smoke.py",  # 90 (kernels, engine, harness)
+    "benchmarks/test_smoke_model.py",  # 86
     "commands/test_secret_scan.py",  # 86
     "server/test_spec_server.py",  # 80
     "kernels/test_static_step_triton.py",  # 65

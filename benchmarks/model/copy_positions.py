@@ -1,7 +1,7 @@
 """Where a checkpoint's copies and retrievals go wrong: teacher-forced argmax accuracy per answer position.
 
     python -m benchmarks.model.copy_positions [--model DIR] [--n 12] [--json OUT]   # the "before/after" table
-    python -m benchmarks.model.copy_positions --smoke                                # 2 items per row, seconds
+    python -m benchmarks.model.copy_positions --smoke                                # 1 item per row, seconds
 
 Held-out items of the checkout's `evalpipe.skills` are run once through transformers' `DeepseekV4ForCausalLM` with
 their reference answer; an answer position counts as right when its argmax is the reference token, given the
@@ -90,13 +90,13 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=12, help="held-out items per row")
     ap.add_argument("--seed", type=int, default=5, help="seed of the held-out draw")
     ap.add_argument("--json", type=Path, default=None, help="also write the table's numbers to this JSON file")
-    ap.add_argument("--smoke", action="store_true", help="2 items per row and three depths (seconds, for tests)")
+    ap.add_argument("--smoke", action="store_true", help="1 item per row, two depths (seconds, for tests)")
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there (not a checkpoint folder)")
     if args.n < 1:
         raise SystemExit("--n must be at least 1")
-    n, depths = (2, DEPTHS[:1] + DEPTHS[2:3] + DEPTHS[-1:]) if args.smoke else (args.n, DEPTHS)
+    n, depths = (1, DEPTHS[:1] + DEPTHS[-1:]) if args.smoke else (args.n, DEPTHS)
     torch.set_num_threads(1)
     from transformers import DeepseekV4ForCausalLM
 

@@ -169,12 +169,12 @@ def main() -> None:
     ap.add_argument(
         "--smoke",
         action="store_true",
-        help="seconds on the CPU: one small batch, one timed step, eager experts (checks the script runs)",
+        help="seconds on the CPU: two 128-token rows, one timed step, eager experts (checks the script runs)",
     )
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.batch_tokens, args.width, args.steps, args.options, args.device = "512", 128, 1, "eager,fast", "cpu"
+        args.batch_tokens, args.width, args.steps, args.options, args.device = "256", 128, 1, "eager,fast", "cpu"
     options = args.options.split(",")
     for option in options:
         parse_option(option)
