@@ -22,17 +22,9 @@ import resource
 import statistics
 import sys
 
+from benchmarks.harness.harness_overhead import proc_cpu_s
 from evalpipe.harness.bench import BenchConfig, run_bench
 from tests.support.bench_peer import start_peer
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a live process from /proc (the peer); NaN where /proc is absent."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return float("nan")
 
 
 def client_cpu() -> float:
@@ -77,12 +69,12 @@ def main() -> int:
             concurrency=args.concurrency,
             flush=False,
         )
-        peer0, client0 = cpu_seconds(peer_pid), client_cpu()
+        peer0, client0 = proc_cpu_s(peer_pid), client_cpu()
         result = asyncio.run(run_bench(cfg))
         events = sum(r["n_events"] for r in result["requests"])
         rate = statistics.median(result["results"]["aggregate_tokens_per_s"]["values"])
         client_us = (client_cpu() - client0) / events * 1e6
-        peer_us = (cpu_seconds(peer_pid) - peer0) / events * 1e6
+        peer_us = (proc_cpu_s(peer_pid) - peer0) / events * 1e6
     print("\n| streams | event gap ms | aggregate tok/s (median) | client CPU us/event | peer CPU us/event |")
     print("|---:|---:|---:|---:|---:|")
     print(f"| {args.concurrency} | {args.event_delay_ms:g} | {rate:,.0f} | {client_us:.0f} | {peer_us:.0f} |")
