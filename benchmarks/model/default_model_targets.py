@@ -516,11 +516,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--smoke",
         action="store_true",
         help="CI check, seconds: the tiny model, 2 items per lane and "
-        "8 tokens, qualify's auth gate only, 2 serial repeats, no t1 and lossy rows",
+        "8 tokens, qualify's auth gate only, 2 serial repeats, no spec, oracle, t1 and lossy rows",
     )
     args = ap.parse_args(argv)
     if args.smoke:
-        args.model, args.skip = "evalpipe-tiny-dsv4", ",".join(filter(None, [args.skip, "t1", "lossy"]))
+        args.model, args.skip = (
+            "evalpipe-tiny-dsv4",
+            ",".join(filter(None, [args.skip, "spec", "oracle", "t1", "lossy"])),
+        )
         args.run_args += " --max-tokens 8"
         args.qualify_args = args.qualify_args or "--gates auth"
         args.repeat_args = args.repeat_args or "--repeats 2 --conditions serial"
@@ -533,7 +536,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.repeat_args = "--repeats 4" if args.quick else ""
     if args.arith_examples is not None and args.arith_examples < 1:
         ap.error("--arith-examples must be at least 1")
-    args.skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+    args.skip = list(dict.fromkeys(s.strip() for s in args.skip.split(",") if s.strip()))
     unknown = sorted(set(args.skip) - set(ROWS))
     if unknown:
         ap.error(f"unknown --skip row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}")
