@@ -1,6 +1,7 @@
-"""`evalpipe ab --engine vllm --order ABBA` against a real vLLM (CPU build): speculation off vs ngram with 3 draft
-tokens, four fresh boots, fair receipts, 100% token-identical greedy outputs, and the accept length from /metrics
-on the speculative arms. The measured result is printed (pytest shows it even when capturing)."""
+"""`evalpipe ab --engine vllm --order AB` against a real vLLM (CPU build): speculation off vs ngram with 3 draft
+tokens, two fresh boots, fair receipts, 100% token-identical greedy outputs, and the accept length from /metrics
+on the speculative arm. The measured result is printed (pytest shows it even when capturing). The ABBA order's
+repeats and their receipt checks are engine-independent: tests/ab/test_ab.py boots them four times natively."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ N_QUESTIONS = 10
 MAX_TOKENS = 32
 
 
-def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
+def test_vllm_ab_spec_off_vs_ngram(tmp_path, capsys):
     require_vllm()
     model = make_model(tmp_path / "tiny-llama")
     common = shlex.join([*ENGINE_ARGS, "--model", str(model), "--", *PASSTHROUGH])
@@ -32,7 +33,7 @@ def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
         "--lanes",
         "gsm8k",
         "--order",
-        "ABBA",
+        "AB",
         "--common",
         common,
         "--a",
@@ -55,7 +56,7 @@ def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
     index = json.loads((out / "ab.json").read_text())
     assert index["status"] == "done" and index["warnings"] == [], index
     assert index["declared_flags"] == ["speculative", "spec_steps"]
-    assert [arm["label"] for arm in index["arms"]] == ["A1", "B1", "B2", "A2"]
+    assert [arm["label"] for arm in index["arms"]] == ["A1", "B1"]
 
     pids = []
     for arm in index["arms"]:
@@ -72,15 +73,9 @@ def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
         summary = json.loads((out / arm["runs"]["gsm8k"] / "summary.json").read_text())
         assert summary["n_records"] == N_QUESTIONS and summary["n_errors"] == 0 and not summary["manifest_changed"]
         pids.append(receipt["pid"])
-    assert len(set(pids)) == 4 and not any(alive(pid) for pid in pids)  # four fresh servers, all gone
+    assert len(set(pids)) == 2 and not any(alive(pid) for pid in pids)  # two fresh servers, both gone
 
-    assert [(c["arm"], c["against"]) for c in index["receipt_checks"]] == [
-        ("B1", "A1"),
-        ("B2", "B1"),
-        ("B2", "A1"),
-        ("A2", "A1"),
-        ("A2", "B1"),
-    ]
+    assert [(c["arm"], c["against"]) for c in index["receipt_checks"]] == [("B1", "A1")]
     assert all(check["ok"] for check in index["receipt_checks"]), index["receipt_checks"]
 
     lines = []
@@ -98,7 +93,7 @@ def test_vllm_ab_abba_spec_off_vs_ngram(tmp_path, capsys):
         )
     with capsys.disabled():
         print(
-            "\nvLLM 0.32 CPU ABBA, gsm8k x",
+            "\nvLLM 0.32 CPU AB, gsm8k x",
             N_QUESTIONS,
             "max_tokens",
             MAX_TOKENS,
