@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 # single 250 s test started last). Files not listed follow, in pytest's order. Refresh with `--durations`.
 LONGEST_FIRST = [
     "engine/test_fault_matrix.py",  # 6 servers, every detector (173-230 s measured alone)
-    "interop/test_vllm_ab.py",  # 250 s
+    "interop/test_lmeval.py",  # its module fixture: 137 s in a loaded full run (2026-12-03)
     "qualify/test_qualify.py",  # 139
     "ab/test_ab.py",  # 130
     "kernels/test_kernels_moe.py",  # 121
@@ -52,6 +52,9 @@ LONGEST_FIRST = [
     "interop/test_vllm_peer.py",  # 117
     "server/test_server_structured.py",  # 106
     "engine/test_spec_acceptance.py",  # 100
+    "harness/test_accept_baseline.py",  # 106 in a loaded full run, 38 alone
+    "kernels/test_eager_attention_kernel.py",  # 95 in a loaded full run, 38 alone
+    "interop/test_vllm_ab.py",  # 64 alone (two vLLM boots)
     # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
     "interop/test_lmeval_loglikelihood.py",
     "harness/test_core_run.py",  # 89
