@@ -33,8 +33,7 @@ stays on the eager path (engine/static/graphs.py).
 Unchanged (per row already): the Triton norm, q_rope_store, indexer, compress and c2_verify kernels (one program
 per row or entry), torch softmax on CUDA (one block or warp per row, configured from the row and inner lengths),
 argmax (first maximum; the sampler's greedy choice), causal_topk (ties by entry index), elementwise ops. Not covered:
-the CPU path (torch's CPU GEMMs vary with M; the overrides act on CUDA tensors), sampled requests' top-k/top-p, and
-a NaN/inf token in the MoE down kernel's token block (its exact one-hot dot adds 0 x inf to its neighbours).
+the CPU path (torch's CPU GEMMs vary with M; the overrides act on CUDA tensors) and sampled requests' top-k/top-p.
 
 On the GPU one tile's tl.dot computes every row of the tile with the same tensor-core instructions, so a row's bits
 depend on its data and the K order only. Triton's CPU interpreter runs tl.dot as numpy's BLAS, whose result for a
@@ -81,7 +80,7 @@ class Tile:
     block_n: int
     block_k: int = BLOCK_K
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = STAGES
     split_k: int = 1  # K slices summed in fp32 in slice order (more programs for few rows, same order for any M)
 
 
@@ -94,15 +93,11 @@ def tile_for(n: int, k: int, batch: int = 1, itemsize: int = 2, smem: int = 160 
     block_k, warps = (256, 8) if k >= DEEP_K and block_n <= 64 else (128, 4)
     while block_k > 16 and STAGES * (BLOCK_M + block_n) * block_k * itemsize > smem:
         block_k //= 2
-    programs = triton_cdiv(n, block_n) * batch
+    programs = triton.cdiv(n, block_n) * batch
     split = 1
     while programs * split < MIN_PROGRAMS and split < MAX_SPLIT and k >= 2 * split * block_k:
         split *= 2
     return Tile(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=STAGES, split_k=split)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _smem_bytes(device: torch.device) -> int:
@@ -120,6 +115,7 @@ _SMEM: dict = {}
 
 MAX_GRID_Z = 65535  # CUDA's limit on the batch axis of the launch grid
 REDUCE_BLOCK = 1024  # elements per step of a row reduction (one program per output)
+SUM_BLOCK = 1024  # output elements per program of the K-slice sum
 
 
 if tl is not None:
@@ -184,6 +180,58 @@ if tl is not None:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + pz * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    def bf16_to_f32(x):
+        """bfloat16 -> float32 on the bits (exact; the interpreter's cast mishandles subnormals)."""
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+    def f32_to_bf16(x):
+        """float32 -> bfloat16 rounded to nearest, ties to even, on the bits (as the GPU's cvt.rn; the interpreter's
+        cast truncates); a NaN -> 0x7FFF."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FFF, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    def _split_sum_kernel(
+        p_ptr,
+        bias_ptr,
+        c_ptr,
+        total,
+        M,
+        N,
+        s_pb,
+        s_ps,
+        s_pm,
+        s_pn,
+        s_cb,
+        s_cm,
+        s_cn,
+        SPLIT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """c[b, m, n] = (((p[b, 0, m, n] + p[b, 1, m, n]) + p[b, 2, m, n]) + ...) + bias[n]: float32 adds in slice
+        order, then one rounding to nearest even into c's dtype; `total` = B * M * N outputs, BLOCK per program."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < total
+        n = i % N
+        m = (i // N) % M
+        b = i // N // M
+        p = p_ptr + b * s_pb + m * s_pm + n * s_pn
+        acc = tl.load(p, mask=live, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc = acc + tl.load(p + s * s_ps, mask=live, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + n, mask=live, other=0.0)
+            if bias_ptr.dtype.element_ty == tl.bfloat16:
+                acc = acc + bf16_to_f32(bias)
+            else:
+                acc = acc + bias.to(tl.float32)
+        c = c_ptr + b * s_cb + m * s_cm + n * s_cn
+        if c_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(c, f32_to_bf16(acc), mask=live)
+        else:
+            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=live)
 
     def _row_sum_kernel(x_ptr, out_ptr, L, scale, INT: tl.constexpr, BLOCK: tl.constexpr):
         """out[r] = scale * sum of row r of a contiguous [R, L] x: per-lane fp32 sums over blocks in order, then
@@ -284,13 +332,65 @@ def launch_matmul(a3: torch.Tensor, b3: torch.Tensor, c3: torch.Tensor, bias: to
             num_stages=tile.num_stages,
         )
     if split > 1:
-        parts = out.view(B, split, M, N)
-        total = parts[:, 0]
-        for s in range(1, split):  # elementwise adds in slice order: the same for every row
-            total = total + parts[:, s]
-        if bias is not None:
-            total = total + bias.float()
-        c3.copy_(total)
+        split_sum(out.view(B, split, M, N), bias, c3, backend="triton")
+
+
+def _check_split_sum(parts: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    if parts.dim() != 4 or parts.dtype != torch.float32:
+        raise ValueError(f"split_sum takes float32 parts [B, S, M, N], got {parts.dtype} {tuple(parts.shape)}")
+    B, _, M, N = parts.shape
+    if out.shape != (B, M, N) or out.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"split_sum writes [B, M, N] = {[B, M, N]} in {FLOAT_DTYPES}, got {out.dtype} {tuple(out.shape)}"
+        )
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias must be [N] = [{N}], got {tuple(bias.shape)}")
+
+
+def split_sum_reference(parts: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = (((parts[:, 0] + parts[:, 1]) + parts[:, 2]) + ...) + bias: float32 elementwise adds in slice order
+    (the same for every row), one rounding into out's dtype (`copy_`). Returns out."""
+    _check_split_sum(parts, bias, out)
+    total = parts[:, 0]
+    for s in range(1, parts.shape[1]):
+        total = total + parts[:, s]
+    if bias is not None:
+        total = total + bias.float()
+    return out.copy_(total)
+
+
+def split_sum(
+    parts: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """`split_sum_reference` in one launch (launch_matmul's K slices: fp32 [B, S, M, N] into [B, M, N], any
+    strides): the same bits, save that a NaN may come out with other NaN bits. Returns out."""
+    _check_split_sum(parts, bias, out)
+    tensors = [parts, out] + ([bias] if bias is not None else [])
+    if not use_triton(backend, tensors):
+        return split_sum_reference(parts, bias, out)
+    B, S, M, N = parts.shape
+    total = B * M * N
+    if total:
+        kernel = jit(
+            _split_sum_kernel,
+            ("total", "M", "N", "s_pb", "s_ps", "s_pm", "s_cb", "s_cm"),
+            helpers=(bf16_to_f32, f32_to_bf16),
+        )
+        kernel[(triton.cdiv(total, SUM_BLOCK),)](
+            parts,
+            bias if bias is not None else parts,
+            out,
+            total,
+            M,
+            N,
+            *parts.stride(),
+            *out.stride(),
+            SPLIT=S,
+            HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK,
+            num_warps=4,
+        )
+    return out
 
 
 # ---- reductions -------------------------------------------------------------------------------------------------
