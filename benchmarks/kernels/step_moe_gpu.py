@@ -1,6 +1,6 @@
 """GPU check and benchmark of evalpipe/kernels/moe.py (the decode/verify MoE block in 4 launches).
 
-    PYTHONPATH=. python -m benchmarks.kernels.step_moe_gpu                 # H200: production shapes, < 60 s
+    PYTHONPATH=. python -m benchmarks.kernels.step_moe_gpu                 # H200: production shapes
     PYTHONPATH=. python -m benchmarks.kernels.step_moe_gpu --device cpu    # dry run: tiny shapes, TRITON_INTERPRET=1
 
 Shapes: hidden 4096, moe_intermediate 2048, bf16, sqrtsoftplus router with correction bias; E 8 top-2 and E 16 top-6 (+1
@@ -11,7 +11,10 @@ whole moe_forward against the fp32 references; moe_forward against the previous 
 with activations large enough that swiglu_limit clamps, and a hash layer. Timing: `--layers` MoE objects with their own
 weights run back to back in one captured CUDA graph (weights are not L2-resident, like a real decode step), median of
 event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block configs; the best of
-each is used for the table. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
+each is used for the table. The down candidates include `expert_groups` G > 1 (the experts split over G program groups,
+fp32 partials summed by a second launch), each checked against down_reference; the down kernel is also timed under
+`invariant=True` (--deterministic: MM_LARGE's launch shape at every T) for each G of DN_INVARIANT_GROUPS, whose
+best sets MM_LARGE's default. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
 time.
 """
 
@@ -73,6 +76,13 @@ if CUDA:
             dict(mode="mm", block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8),
         ],
     }
+    # expert_groups G: G x the programs of a token block (at T 64, hidden 4096: 4096 / block_n x G; programs at T 64
+    # in the comments), each walking (E + 1) / G experts; the fp32 partials add G x T x hidden x 8 bytes of traffic
+    # (G x 2 MB at T 64) against the 151 MB of down weights of E 8 + 1 experts. Compiled for sm_90 without a GPU
+    # (Triton 3.9), the 8-warp shapes below take 245-255 registers per thread (one program per SM at a time) and
+    # shared memory for a single stage of tiles (16 KB at block_n 32 / block_k 128): a program has about one weight
+    # tile (block_n x block_k x 2 bytes, 8 KB for MM_LARGE's) in flight, so some candidates also widen the tile.
+    DN_G = dict(mode="mm", block_t=64, block_m=32)
     DN_CFGS = {
         "gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
         "mm": [
@@ -81,13 +91,23 @@ if CUDA:
             dict(mode="mm", block_t=64, block_n=16, block_k=256),
             dict(mode="mm", block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8),
             dict(mode="mm", block_t=64, block_m=64, block_n=32, block_k=64, num_warps=8),
+            dict(DN_G, block_n=32, block_k=128, num_warps=8, expert_groups=3),  # 384 programs, 8 KB tiles
+            dict(DN_G, block_n=64, block_k=128, num_warps=8, expert_groups=3),  # 192, 16 KB
+            dict(DN_G, block_n=64, block_k=256, num_warps=8, expert_groups=3),  # 192, 32 KB
+            dict(DN_G, block_n=64, block_k=128, num_warps=8, expert_groups=9),  # 576, 16 KB
+            dict(DN_G, block_n=64, block_k=256, num_warps=8, expert_groups=9),  # 576, 32 KB
+            dict(DN_G, block_n=128, block_k=64, num_warps=8, expert_groups=9),  # 288, 16 KB
+            dict(DN_G, block_n=128, block_k=128, num_warps=8, expert_groups=9),  # 288, 32 KB
+            dict(DN_G, block_n=32, block_k=128, num_warps=4, expert_groups=9),  # 1152, 8 KB, 4 warps
         ],
     }
+    DN_INVARIANT_GROUPS = (1, 3, 9)
 else:
     D, INTER, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
     SHAPES = ((8, 2), (16, 6))
     GU_CFGS = {m: [dict(mode=m, block_n=16, block_k=32)] for m in ("gemv", "mm")}
-    DN_CFGS = GU_CFGS
+    DN_CFGS = {**GU_CFGS, "mm": GU_CFGS["mm"] + [dict(mode="mm", block_n=16, block_k=32, expert_groups=3)]}
+    DN_INVARIANT_GROUPS = (1, 3)
     if ARGS.smoke:  # CI: one shape, both T values (a decode row and a verify block), seconds in the interpreter
         SHAPES = ((8, 2),)
 VOCAB, LIMIT = 1024, 10.0
@@ -216,10 +236,29 @@ def weight_bytes(moe: MoE, idx: torch.Tensor) -> int:
     return (routed * per + shared) * p.gate_up.element_size() + moe.router.numel() * moe.router.element_size()
 
 
+SHORT = {"expert_groups": "G"}
+
+
 def label(cfg) -> str:
     if cfg is None:
         return "auto"
-    return ",".join(str(v) if k == "mode" else f"{k[6:] if k.startswith('block_') else k}={v}" for k, v in cfg.items())
+    return ",".join(
+        str(v) if k == "mode" else f"{SHORT.get(k, k[6:] if k.startswith('block_') else k)}={v}" for k, v in cfg.items()
+    )
+
+
+def down_us(tag: str, name: str, cfg: dict | None, moes, hs, idxs, ws) -> float:
+    """us per layer of the down kernel with launch keywords `cfg` (inf if it fails), after a check of its output
+    against down_reference when the candidate splits the experts (expert_groups) or is invariant."""
+
+    def run():
+        return [step_moe.down(m, h, i, w, backend="triton", **(cfg or {})) for m, h, i, w in zip(moes, hs, idxs, ws)]
+
+    us = timed_or_inf(run, name) / LAYERS
+    if us < float("inf") and cfg and ("expert_groups" in cfg or cfg.get("invariant")):
+        want = step_moe.down_reference(moes[0], hs[0], idxs[0], ws[0])
+        check(f"{tag} down {name} vs reference", run()[0], want, TOL_REF)
+    return us
 
 
 def main() -> int:
@@ -253,16 +292,10 @@ def main() -> int:
                 / LAYERS
                 for c in gu_cfgs
             }
-            dn_t = {
-                label(c): timed_or_inf(
-                    lambda c=c: [
-                        step_moe.down(m, h, i, w, backend="triton", **(c or {}))
-                        for m, h, i, w in zip(moes, hs, idxs, ws)
-                    ],
-                    label(c),
-                )
-                / LAYERS
-                for c in dn_cfgs
+            dn_t = {label(c): down_us(tag, label(c), c, moes, hs, idxs, ws) for c in dn_cfgs}
+            inv_t = {
+                g: down_us(tag, f"invariant,G={g}", dict(invariant=True, expert_groups=g), moes, hs, idxs, ws)
+                for g in DN_INVARIANT_GROUPS
             }
             gu_best = min(gu_cfgs, key=lambda c: gu_t[label(c)])
             dn_best = min(dn_cfgs, key=lambda c: dn_t[label(c)])
@@ -276,6 +309,12 @@ def main() -> int:
                 f"  {tag} down    us: "
                 + ", ".join(f"{k} {v:.1f}" for k, v in dn_t.items())
                 + f" -> best {label(dn_best)}",
+                flush=True,
+            )
+            print(
+                f"  {tag} down invariant (MM_LARGE shape) us: "
+                + ", ".join(f"G={g} {v:.1f}" for g, v in inv_t.items())
+                + f" -> best G={min(inv_t, key=inv_t.get)}",
                 flush=True,
             )
 

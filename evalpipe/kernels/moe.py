@@ -33,7 +33,9 @@ Math (= engine `MoE.__call__`):
 Kernel shapes: few tokens (T=1 decode) stream each pick's weights with GEMV programs (coalesced 16-byte loads
 along the reduction dim, ~2+ programs per SM); from a few tokens on, expert-major tl.dot kernels read each picked
 expert once per token block of up to 32 tokens (MM_MIN_TOKENS). Their grids have E+1 expert programs per channel
-block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. First H200 run (hidden 4096, I 2048, bf16,
+block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. The down kernel's programs walk the
+experts instead (a token's picks summed in registers); `expert_groups` splits that walk over more programs
+(`down`). First H200 run (hidden 4096, I 2048, bf16,
 4 layers per captured graph, benchmarks/kernels/step_moe_gpu.py, before the heuristics below were retuned from it): E
 8 top-2
 T=1 56 us vs 118 us for the StaticModel chain (27
@@ -54,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from evalpipe.kernels._backend import interpret_mode, jit, use_triton
-from evalpipe.kernels.batch_invariant import tile_dot
+from evalpipe.kernels.batch_invariant import split_sum, tile_dot
 
 try:
     import triton
@@ -306,6 +308,7 @@ if tl is not None:
         dn_ptr,
         sd_ptr,
         y_ptr,
+        part_ptr,
         T,
         E,
         D: tl.constexpr,
@@ -316,14 +319,26 @@ if tl is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        GROUPS: tl.constexpr,
         IEEE: tl.constexpr,
         ROWWISE: tl.constexpr,
     ):
-        """Program (channel block, token block) walks the experts; for each, the compacted pick rows that chose
-        it go through tl.dot, are scaled by their routing weight and added to their token's fp32 row through a
-        one-hot [BLOCK_T, BLOCK_M] matrix (an exact fp32 dot) -- the sum over picks stays in registers."""
+        """Program (channel block, token block, expert group) walks its group's experts; for each, the compacted
+        pick rows that chose it go through tl.dot, are scaled by their routing weight and added to their token's
+        fp32 row through a one-hot [BLOCK_T, BLOCK_M] matrix (an exact fp32 dot) -- the sum over picks stays in
+        registers. GROUPS == 1: one group of all E + 1 experts, rounded once into y. GROUPS > 1: group g holds the
+        contiguous experts [g (E+1) / GROUPS, (g+1) (E+1) / GROUPS) (the shared expert, E, in the last) and stores
+        its fp32 sum into part [GROUPS, T, D]; the caller sums the groups in order and rounds once. A pick row with
+        a NaN/inf reaches its own token only (in the one-hot dot, 0 * inf would spread it over the token block)."""
         n0 = tl.program_id(0) * BLOCK_N
         t0 = tl.program_id(1) * BLOCK_T
+        g = tl.program_id(2)
+        if GROUPS == 1:
+            e_lo = 0
+            e_hi = E + 1
+        else:
+            e_lo = g * (E + 1) // GROUPS
+            e_hi = (g + 1) * (E + 1) // GROUPS
         r0 = t0 * KP1
         lr = tl.arange(0, R_PAD)
         live = (lr < BLOCK_T * KP1) & (r0 + lr < T * KP1)
@@ -335,7 +350,7 @@ if tl is not None:
         nm = ns < D
         woff = ns[None, :].to(tl.int64) * I + ks[:, None]
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for e in range(0, E + 1):
+        for e in range(e_lo, e_hi):
             sel = live & (ridx == e)
             cnt = tl.sum(sel.to(tl.int32), axis=0)
             if cnt > 0:
@@ -354,12 +369,21 @@ if tl is not None:
                         part = tile_dot(ht.to(wt.dtype), wt, part, IEEE, ROWWISE)
                     part = part * tl.load(w_ptr + r0 + lrow, mask=mv, other=0.0)[:, None]
                     onehot = (((lrow // KP1)[None, :] == ts[:, None]) & mv[None, :]).to(tl.float32)
-                    acc = tl.dot(onehot, part, acc, input_precision="ieee")
-        tl.store(
-            y_ptr + (t0 + ts).to(tl.int64)[:, None] * D + ns[None, :],
-            acc.to(y_ptr.dtype.element_ty),
-            mask=(t0 + ts < T)[:, None] & nm[None, :],
-        )
+                    finite = tl.abs(part) < float("inf")
+                    acc = tl.dot(onehot, tl.where(finite, part, 0.0), acc, input_precision="ieee")
+                    if tl.max(tl.where(finite, 0, 1)) > 0:  # rare: count each token's non-finite picks instead
+                        pinf = tl.dot(onehot, (part == float("inf")).to(tl.float32), input_precision="ieee")
+                        ninf = tl.dot(onehot, (part == float("-inf")).to(tl.float32), input_precision="ieee")
+                        nan = tl.dot(onehot, (part != part).to(tl.float32), input_precision="ieee")
+                        acc = tl.where(pinf > 0, acc + float("inf"), acc)
+                        acc = tl.where(ninf > 0, acc - float("inf"), acc)
+                        acc = tl.where(nan > 0, float("nan"), acc)
+        rows = (t0 + ts).to(tl.int64)[:, None] * D + ns[None, :]
+        keep = (t0 + ts < T)[:, None] & nm[None, :]
+        if GROUPS == 1:
+            tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=keep)
+        else:
+            tl.store(part_ptr + g.to(tl.int64) * T * D + rows, acc, mask=keep)
 
 
 # ---- per-MoE preparation ---------------------------------------------------------------------------------------
@@ -536,19 +560,20 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
 # picked expert once instead of twice, and 64-row dot tiles keep it bandwidth-bound. E 8 top-2, T=64: gate_up 139.9 ->
 # 71.6 us, down 175.4 -> 107.0 us; T=32: gate_up 82.6 -> 62.0 us (down unchanged: kept). E 16 top-6 alike. Below
 # these row counts (T=1..6: decode and verify at small batch) the shapes measured in the first sweep stay.
+# expert_groups (down only): see `down`; 1 (every program walks all E + 1 experts) until an H200 sweep of the
+# expert_groups candidates in benchmarks/kernels/step_moe_gpu.py picks another.
 MM_LARGE = {
     "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
-    "down": (64, dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8)),
+    "down": (64, dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8, expert_groups=1)),
 }
 
 
 def _mm_shape(kernel: str, tokens: int, given: dict, invariant: bool = False) -> dict:
     """The tl.dot launch keywords at `tokens` rows: MM_LARGE's from its row count on, overridden by what the
-    caller set (the sweep's candidates). `invariant`: MM_LARGE's at every T, the caller's ignored."""
+    caller set (the sweep's candidates). `invariant`: MM_LARGE's at every T, overridden by the caller's keys, which
+    the caller keeps the same at every T (the engine sets none)."""
     start, shape = MM_LARGE[kernel]
-    if invariant:
-        return dict(shape)
-    base = dict(shape) if tokens >= start else {}
+    base = dict(shape) if invariant or tokens >= start else {}
     return {**base, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -661,10 +686,21 @@ def down(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    expert_groups: int | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes and
-    `invariant` as in `gate_up` ("mm": programs over (channel block, token block) walk the experts)."""
+    `invariant` as in `gate_up` ("mm": programs over (channel block, token block) walk the experts).
+
+    `expert_groups` G ("mm" only; default 1, or MM_LARGE's from its row count on) is for parallelism: with G = 1
+    a program walks all E + 1 experts one after the other (a data-dependent `if cnt > 0` per expert between their
+    loads), and a 64-row batch in one token block makes only D / block_n programs (128 at hidden 4096 and
+    MM_LARGE's block_n 32, against 132 H200 SMs), each streaming every picked expert's slice. G > 1 adds a grid
+    axis over G contiguous groups of experts (G times the programs, each walking about (E + 1) / G experts); the
+    groups' fp32 sums go to a [G, T, D] float32 buffer and one `batch_invariant.split_sum` launch adds them in
+    group order and rounds once into y (G x T x D x 8 bytes of extra traffic). Same contract as G = 1; the fp32
+    adds are grouped differently, so bits may differ from G = 1 but not with the batch: G is part of the launch
+    shape, which `invariant` fixes."""
     p = prepare(moe)
     if not use_triton(backend, [h, idx, w]):
         return down_reference(moe, h, idx, w, out_dtype)
@@ -698,21 +734,33 @@ def down(
     cfg = _mm_shape(
         "down",
         T,
-        dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps),
+        dict(
+            block_t=block_t,
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            num_warps=num_warps,
+            expert_groups=expert_groups,
+        ),
         invariant,
     )
+    groups = cfg.get("expert_groups", 1)
+    if not (isinstance(groups, int) and 1 <= groups <= p.E + 1):
+        raise ValueError(f"expert_groups must be an integer in 1..{p.E + 1} (E + 1 experts), got {groups!r}")
     bt = max(16, _token_block(cfg, T, 32, invariant))
     bn = max(16, cfg.get("block_n", 16))
     # each program walks every expert serially, so fewer, longer k steps pay below MM_LARGE (H200, E 8 T=32: bn 32/bk
     # 64 113 us, bn 16/bk 128 81 us, bk 256 67.6 us)
     bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
-    jit(_down_mm_kernel, ("T",), helpers=(tile_dot,))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt))](
+    parts = y if groups == 1 else torch.empty(groups, T, p.D, device=y.device, dtype=torch.float32)
+    jit(_down_mm_kernel, ("T",), helpers=(tile_dot,))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt), groups)](
         h,
         idx,
         w,
         p.down,
         p.shared[2],
         y,
+        parts,
         T,
         p.E,
         D=p.D,
@@ -723,11 +771,14 @@ def down(
         BLOCK_M=max(16, cfg.get("block_m", 16)),
         BLOCK_N=bn,
         BLOCK_K=bk,
+        GROUPS=groups,
         IEEE=p.down.dtype == torch.float32,
         ROWWISE=invariant and interpret_mode(),
         num_warps=cfg.get("num_warps", 4),
         **extra,
     )
+    if groups > 1:
+        split_sum(parts.unsqueeze(0), None, y.unsqueeze(0), backend="triton")
     return y
 
 
@@ -742,10 +793,11 @@ def moe_forward(
     invariant: bool = False,
 ) -> torch.Tensor:
     """y [T, hidden] (x.dtype) = engine `MoE.__call__(x, input_ids)`: routed top-k (or hash) experts plus the
-    shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down). `gate_up_cfg` /
-    `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm", block_n, block_k, block_t, block_m,
-    num_warps, num_stages; see `gate_up` / `down`). `invariant` (--deterministic): one path and one launch shape
-    at every T (the router GEMM is batch-invariant under kernels.batch_invariant.invariant_ops)."""
+    shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down; 5 when down splits its
+    experts into groups). `gate_up_cfg` / `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm",
+    block_n, block_k, block_t, block_m, num_warps, num_stages, and down's expert_groups; see `gate_up` / `down`).
+    `invariant` (--deterministic): one path and one launch shape at every T (the router GEMM is batch-invariant
+    under kernels.batch_invariant.invariant_ops)."""
     p = prepare(moe)
     if not p.kernel_ok or not use_triton(backend, [x, input_ids, p.gate_up]):
         if backend == "triton" and not p.kernel_ok:

@@ -128,6 +128,68 @@ def test_gate_up_and_down_kernels_match_references(T):
         torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-4, msg=str(cfg))
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty hands out NaN-filled floats (-1 for integers): an output or partial element that a kernel
+    leaves unwritten shows up as a NaN."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def awkward_picks(T, gen):
+    """Picks [T, K+1] with the shared column, routed only to experts 0..4 (5..7 idle: whole empty groups at G 9),
+    and a third of the tokens picking one expert twice (a hash table can hold a repeated expert)."""
+    idx = torch.stack([torch.randperm(5, generator=gen)[:K] for _ in range(T)])
+    twice = torch.rand(T, generator=gen) < 1 / 3
+    idx[twice, 1] = idx[twice, 0]
+    return torch.cat([idx, torch.full((T, 1), E)], 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, E + 1])
+def test_down_expert_groups_match_reference(groups, poisoned_empty):
+    """down's "mm" path split into `expert_groups` groups of experts (fp32 partials summed in group order, one
+    rounding) agrees with down_reference: T 1, T not a multiple of the token block (37 over 16-row blocks, 70 over
+    64-row ones), repeated picks, experts nobody picked, and outputs and partials poisoned with NaN before the
+    launch. Fresh random inputs every run."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    moe = make_moe(seed=int(torch.randint(0, 1 << 20, (), generator=gen)))
+    for T, block_t in ((1, 16), (37, 16), (70, 64)):
+        h = 4 * torch.randn(T, K + 1, INTER, generator=gen)
+        idx = awkward_picks(T, gen)
+        w = torch.rand(T, K + 1, generator=gen)
+        w[:, K] = 1.0
+        yr = step_moe.down_reference(moe, h, idx, w)
+        y = step_moe.down(moe, h, idx, w, backend="triton", mode="mm", block_t=block_t, expert_groups=groups)
+        assert y.shape == (T, D) and torch.isfinite(y).all(), f"T {T}"
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-4, msg=f"T {T}")
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, E + 1])
+def test_down_non_finite_pick_stays_in_its_token(groups):
+    """A NaN in one token's h and an inf in another's, both in the token block of 30 other tokens: those two rows
+    come out non-finite and every other row is bitwise the clean run's (the one-hot dot that adds picks to their
+    token must not spread 0 * inf over the block)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    moe = make_moe(seed=5)
+    T = 32
+    h = torch.randn(T, K + 1, INTER, generator=gen)
+    idx, w = picks(T, gen), torch.rand(T, K + 1, generator=gen)
+    nan_tok, inf_tok = torch.randperm(T, generator=gen)[:2].tolist()
+    bad = h.clone()
+    bad[nan_tok, 0, 3] = float("nan")
+    bad[inf_tok, K, 7] = float("inf")  # the shared expert's pick
+    cfg = dict(backend="triton", mode="mm", block_t=32, expert_groups=groups)
+    clean, dirty = step_moe.down(moe, h, idx, w, **cfg), step_moe.down(moe, bad, idx, w, **cfg)
+    others = [t for t in range(T) if t not in (nan_tok, inf_tok)]
+    assert torch.isfinite(clean).all() and torch.equal(dirty[others], clean[others])
+    assert torch.isnan(dirty[nan_tok]).all() and not torch.isfinite(dirty[inf_tok]).any()
+
+
 @pytest.mark.parametrize("T", [1, 6, 13])
 @pytest.mark.parametrize("kind", ["moe", "hash", "sigmoid"])
 def test_moe_forward_matches_engine_moe(T, kind):
@@ -182,6 +244,9 @@ def test_dispatch_and_guards():
         step_moe.moe_forward(moe, x, ids, backend="cuda")
     empty = step_moe.moe_forward(moe, x[:0], ids[:0], backend="triton")
     assert empty.shape == (0, D)
+    for groups in (0, E + 2, 1.5):  # the E + 1 experts make 1..E + 1 groups
+        with pytest.raises(ValueError, match="expert_groups"):
+            step_moe.moe_forward(moe, x, ids, backend="triton", down_cfg=dict(mode="mm", expert_groups=groups))
 
 
 def test_static_step_with_moe_forward_equals_plain_runner(tiny_runner, monkeypatch):
@@ -230,13 +295,13 @@ def test_grouped_gemm_routed_experts_equal_the_per_expert_loop(T, dtype):
         assert (grouped.float() - loop.float()).abs().max().item() <= tol * max(1.0, loop.float().abs().max().item())
 
 
+@pytest.mark.parametrize("groups", [1, 3, E + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype):
+def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype, groups):
     """`invariant=True` (--deterministic): one token's MoE output is bitwise the same alone and at a random place
-    among 2..64 tokens of other random data, and close to the reference. The chain is moe_forward's with its router
-    GEMM through kernels.batch_invariant.matmul (what invariant_ops makes of it on CUDA). Neighbours are finite: the
-    down kernel adds each pick to its token through an exact one-hot dot, where a NaN/inf neighbour in the same
-    token block would leak (0 * inf)."""
+    among 2..64 tokens of other random data, and close to the reference, with the down kernel's experts in 1, 3
+    or E + 1 groups. The chain is moe_forward's with its router GEMM through kernels.batch_invariant.matmul (what
+    invariant_ops makes of it on CUDA). In the 17-token batch one neighbour is NaN: it must not reach the token."""
     from evalpipe.kernels import batch_invariant
 
     moe = make_moe(seed=13)
@@ -249,7 +314,7 @@ def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype):
         logits = batch_invariant.matmul(x, router.t(), backend="triton").float()
         idx, w = step_moe.route(moe, logits, ids, backend="triton")
         h = step_moe.gate_up(moe, x, idx, backend="triton", invariant=True)
-        return step_moe.down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", invariant=True)
+        return step_moe.down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", invariant=True, expert_groups=groups)
 
     token = (8 * torch.randn(1, D, generator=gen)).to(dtype)
     token_id = torch.randint(0, VOCAB, (1,), generator=gen)
@@ -262,6 +327,8 @@ def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype):
         x = (8 * torch.randn(batch, D, generator=gen)).to(dtype)
         ids = torch.randint(0, VOCAB, (batch,), generator=gen)
         at = int(torch.randint(0, batch, (1,), generator=gen))
+        if batch == 17:
+            x[(at + 1) % batch, 0] = float("nan")
         x[at], ids[at] = token[0], token_id[0]
         assert torch.equal(forward(x, ids)[at], alone), f"batch {batch}"
 
@@ -270,4 +337,6 @@ def test_invariant_launch_shape_does_not_depend_on_T():
     for kernel in ("gate_up", "down"):
         shapes = {str(step_moe._mm_shape(kernel, T, {"block_t": 8}, invariant=True)) for T in (1, 5, 64, 3000)}
         assert len(shapes) == 1
+    groups = {step_moe._mm_shape("down", T, {}, invariant=True)["expert_groups"] for T in (1, 5, 64, 3000)}
+    assert groups == {step_moe.MM_LARGE["down"][1]["expert_groups"]}  # the fixed shape's, whatever T
     assert {step_moe._token_block({"block_t": 64}, T, 32, True) for T in (1, 7, 64, 900)} == {64}
