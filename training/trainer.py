@@ -98,11 +98,16 @@ def _total(logits, labels, prompt_labels, exits, kl, args):
     return loss, {"loss": loss_final, "kl": kl, "prompt": loss_prompt, **{f"exit{n}": v for n, v in exits.items()}}
 
 
-def step_losses(model, args, exit_layers, device, compiled: bool, dynamic: bool = False):
+FAST_STEPS = ("fast", "compiled", "dynamic")  # the --step kinds that run the fast forward ("eager": transformers')
+
+
+def step_losses(model, args, exit_layers, device, kind: str):
     """The training losses through `training/fast_forward.py` (bf16 autocast on CUDA), as one function of
-    (model, ids, labels, prompt_labels) -> (loss, parts, router counts); `compiled`: through torch.compile, one
-    graph for forward and losses; `dynamic`: compiled with symbolic batch and sequence sizes (torch.compile's
-    dynamic=True) instead of a graph per batch shape."""
+    (model, ids, labels, prompt_labels) -> (loss, parts, router counts). `kind`, one of FAST_STEPS: "fast" plain,
+    "compiled" through torch.compile (one graph for forward and losses), "dynamic" compiled with symbolic batch and
+    sequence sizes (torch.compile's dynamic=True) instead of a graph per batch shape."""
+    if kind not in FAST_STEPS:
+        raise ValueError(f"step kind must be one of {FAST_STEPS}, got {kind!r}")
     ratio = model.config.compress_rates["compressed_sparse_attention"]
     exit_layers = tuple(exit_layers)
 
@@ -116,9 +121,9 @@ def step_losses(model, args, exit_layers, device, compiled: bool, dynamic: bool 
             loss, parts = _total(out.logits, labels, prompt_labels, exits, kl, args)
         return loss, parts, out.router_counts
 
-    if dynamic:
+    if kind == "dynamic":
         return torch.compile(losses, dynamic=True)
-    return torch.compile(losses) if compiled else losses
+    return torch.compile(losses) if kind == "compiled" else losses
 
 
 def optimizer_step(model, taps, opt, args) -> None:
@@ -276,11 +281,7 @@ def train(args, prior: dict | None) -> None:
     taps = objectives.Taps(model, exit_layers)
     opt = optimizer(model, args)
     step_kind = args.step or ("fast" if device.type == "cuda" else "eager")
-    losses = (
-        None
-        if step_kind == "eager"
-        else step_losses(model, args, exit_layers, device, step_kind == "compiled", step_kind == "dynamic")
-    )
+    losses = None if step_kind == "eager" else step_losses(model, args, exit_layers, device, step_kind)
     call = len(prior["calls"]) if prior else 0
     stream = data.BatchStream(
         args.seed,

@@ -46,9 +46,10 @@ from typing import Callable, Optional
 
 import httpx
 
+from evalpipe.lanes.chat_arith_boxed import SGL_EVAL, sgl_eval_command
+
 REPO = Path(__file__).resolve().parents[2]
 EVALPIPE = [sys.executable, "-m", "evalpipe.cli"]
-SGL_EVAL = str(Path(sys.executable).parent / "sgl-eval")
 BOXED_DATASET = REPO / "datasets" / "arith-as-boxed.jsonl"
 ORACLE_TEST = "tests/engine/test_engine_oracle.py::test_shipped_default_model_matches_transformers_on_lane_prompts"
 ORACLE_MODEL_ENV = "EVALPIPE_ORACLE_MODEL"  # what the oracle test reads its checkpoint from
@@ -249,31 +250,7 @@ class Targets:
         out.mkdir(parents=True, exist_ok=True)
         subset = out / "arith-as-boxed.jsonl"
         subset.write_text("".join(BOXED_DATASET.read_text().splitlines(keepends=True)[:n]))
-        max_tokens = "8" if self.args.smoke else "512"  # the lane's own max_tokens (smoke: what the lanes got)
-        cmd = [
-            SGL_EVAL,
-            "run",
-            "gsm8k",
-            "--from-dataset",
-            str(subset),
-            "--prompt",
-            "math",
-            "--n-repeats",
-            "1",
-            "--temperature",
-            "0",
-            "--top-p",
-            "1",
-            "--seed",
-            "0",
-            "--max-tokens",
-            max_tokens,
-            "--no-thinking",
-            "--base-url",
-            server.url,
-            "--out-dir",
-            str(out),
-        ]
+        cmd = sgl_eval_command(subset, server.url, out, max_tokens=8 if self.args.smoke else None)
         rc = call(cmd, out / "sgl-eval.log")
         metrics = sorted(out.rglob("metrics.json"))
         target = f"sgl-eval on arith-as-boxed within {SGL_EVAL_POINTS:g} point of chat-arith-boxed"

@@ -28,11 +28,10 @@ from training.train_default_model import parse_args
 # trainer's fast forward: "fast" (plain), "compiled" (forward and losses through torch.compile) or "dynamic" (the same
 # with symbolic sizes: with --stream, whether it compiles fewer times over the stream's batch shapes)
 OPTIONS = ["grouped_mm", "grouped_mm+compile", "fast", "compiled"]
-FAST = ("fast", "compiled", "dynamic")
 
 
 def parse_option(option: str) -> tuple[str, bool]:
-    if option in FAST:
+    if option in trainer.FAST_STEPS:
         return option, option != "fast"
     experts, _, extra = option.partition("+")
     if experts not in ("eager", "grouped_mm") or extra not in ("", "compile"):
@@ -57,14 +56,14 @@ def make_step(experts: str, device, compiled: bool = False):
     """A fresh model and optimizer as the training script builds them, its step (the loop's train_step and
     optimizer_step) and a device sync. `experts` "fast"/"compiled": the trainer's fast forward; otherwise
     transformers' forward with that experts implementation, `compiled`: through `model.compile()`."""
-    fast = experts in FAST
+    fast = experts in trainer.FAST_STEPS
     args = parse_args(["--out", "/dev/null", "--experts", "eager" if fast else experts])
     model = trainer.build_model(args, device)
     if compiled and not fast:
         model.compile()
     taps = objectives.Taps(model, [3, 4])
     opt = trainer.optimizer(model, args)
-    losses = trainer.step_losses(model, args, [3, 4], device, compiled, experts == "dynamic") if fast else None
+    losses = trainer.step_losses(model, args, [3, 4], device, experts) if fast else None
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
         if device.type == "cuda"

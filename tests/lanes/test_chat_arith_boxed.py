@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from evalpipe.lanes import get_lane
-from evalpipe.lanes.chat_arith_boxed import sgl_eval_rows
+from evalpipe.lanes.chat_arith_boxed import sgl_eval_command, sgl_eval_rows
 from evalpipe.skills import boxed
 from tests.support.core_helpers import load_run, run_lane
 from tests.support.scripted_server import mixed_bucket, start_scripted_server, stop_scripted_server
@@ -20,7 +19,6 @@ from tests.support.server_harness import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 DATASET = REPO / "datasets" / "arith-as-boxed.jsonl"
-SGL_EVAL = str(Path(sys.executable).parent / "sgl-eval")
 
 
 def test_lane_protocols():
@@ -51,36 +49,21 @@ def test_the_sgl_eval_dataset_file_is_the_lane():
     assert [r["expected_answer"] for r in rows] == [it.expected_answer for it in items]
 
 
+def test_the_readme_shows_the_sgl_eval_command_the_tests_run():
+    """README "Running lanes" spells sgl_eval_command for the dataset file (less its --out-dir)."""
+    argv = sgl_eval_command(Path("datasets/arith-as-boxed.jsonl"), "http://127.0.0.1:30000/v1", Path("out"))
+    assert argv[-2:] == ["--out-dir", "out"]
+    readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
+    assert " ".join(["sgl-eval", *argv[1:-2]]) + " " in readme
+
+
 def sgl_eval_score(base_url: str, n: int, out: Path) -> float:
     """sgl-eval's score of the first n rows of the dataset file, run as README "Running lanes" says."""
     out.mkdir(parents=True)
     subset = out / "rows.jsonl"
     subset.write_text("".join(DATASET.read_text().splitlines(keepends=True)[:n]))
     done = subprocess.run(
-        [
-            SGL_EVAL,
-            "run",
-            "gsm8k",
-            "--from-dataset",
-            str(subset),
-            "--prompt",
-            "math",
-            "--n-repeats",
-            "1",
-            "--temperature",
-            "0",
-            "--top-p",
-            "1",
-            "--seed",
-            "0",
-            "--max-tokens",
-            "512",
-            "--no-thinking",
-            "--base-url",
-            base_url,
-            "--out-dir",
-            str(out),
-        ],
+        sgl_eval_command(subset, base_url, out),
         capture_output=True,
         text=True,
         timeout=300,

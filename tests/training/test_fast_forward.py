@@ -63,7 +63,7 @@ def test_fast_forward_matches_transformers_losses_and_gradients(model, width, to
         taps.set_index_topk(top_k or model.config.index_topk)
         data = batch(2, width, model.config.vocab_size)
         want, want_grads, want_counts = step(model, taps, data, None)
-        fast = trainer.step_losses(model, ARGS, EXITS, torch.device("cpu"), compiled=False)
+        fast = trainer.step_losses(model, ARGS, EXITS, torch.device("cpu"), "fast")
         got, got_grads, got_counts = step(model, taps, data, fast)
     finally:
         for handle in taps._handles:
@@ -87,3 +87,10 @@ def test_fast_forward_matches_transformers_losses_and_gradients(model, width, to
     assert got_counts.keys() == want_counts.keys() and all(
         torch.equal(got_counts[k], want_counts[k]) for k in want_counts
     )
+
+
+def test_step_losses_refuses_a_kind_without_the_fast_forward(model):
+    """The eager kind (transformers' forward: no step_losses) and unknown kinds are refused by name."""
+    for kind in ("eager", "Compiled", ""):
+        with pytest.raises(ValueError, match="step kind must be one of"):
+            trainer.step_losses(model, ARGS, EXITS, torch.device("cpu"), kind)
