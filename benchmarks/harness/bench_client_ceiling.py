@@ -2,14 +2,17 @@
 is read as the client's limit, not the server's.
 
     python -m benchmarks.harness.bench_client_ceiling [--concurrency 64] [--output-len 512] [--rounds 3]
+        [--event-delay-ms 2.7] [--client-processes N] [--profile FILE]
 
 Against the scripted streaming peer of the tests (tests/support/bench_peer.py, a real process on 127.0.0.1) that
 sends one token per event (with no delay, or `--event-delay-ms` apart, so that each read carries one event as it does
 from a served engine that steps every few ms), so the peer and the client are all there is: `evalpipe bench`'s own code
 (harness/bench.run_bench) runs `--rounds` rounds of `--concurrency` streams of `--output-len` tokens after one
 warm-up round; the table gives the median aggregate tokens (= events) per second and the CPU microseconds per event
-of the client (this process, getrusage) and of the peer (/proc). With a gap the peer's timers, not the client, may
-set the rate; the client's CPU per event is the number to carry to another machine. `--smoke`: 2 streams of 8
+over the measured rounds of the client (this process and its `--client-processes` workers) and of the peer (/proc).
+With a gap the peer's timers, not the client, may set the rate; the client's CPU per event is the number to carry to
+another machine. `--profile FILE` also writes this process's cProfile stats (pstats format; it slows the client, so
+its CPU row is not comparable then) and prints its 25 costliest functions by own time. `--smoke`: 2 streams of 8
 tokens, 1 round.
 """
 
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import os
+import pstats
 import resource
 import statistics
 import sys
@@ -27,9 +32,11 @@ from evalpipe.harness.bench import BenchConfig, run_bench
 from tests.support.bench_peer import start_peer
 
 
-def client_cpu() -> float:
+def client_cpu(peer_pid: int) -> float:
+    """CPU seconds of this process and of its live children but the peer (bench's client workers), from /proc."""
     own = resource.getrusage(resource.RUSAGE_SELF)
-    return own.ru_utime + own.ru_stime
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == os.getpid()]
+    return own.ru_utime + own.ru_stime + sum(proc_cpu_s(pid) for pid in children if pid != peer_pid)
 
 
 def main() -> int:
@@ -43,6 +50,12 @@ def main() -> int:
         default=0.0,
         help="the peer's pause between two events of a stream (0: as fast as it can; 2.7: the H200's C64 step, so "
         "each read carries one event as from a served engine)",
+    )
+    ap.add_argument(
+        "--client-processes", type=int, default=1, help="evalpipe bench --client-processes (their CPU is counted)"
+    )
+    ap.add_argument(
+        "--profile", metavar="FILE", default=None, help="write the client's cProfile stats to FILE and print its top 25"
     )
     ap.add_argument("--smoke", action="store_true", help="2 streams of 8 tokens, 1 round (seconds)")
     args = ap.parse_args()
@@ -60,6 +73,7 @@ def main() -> int:
     ) as (base_url, _):
         port = base_url.rsplit(":", 1)[1].split("/")[0]
         peer_pid = next((int(p) for p in os.listdir("/proc") if p.isdigit() and _is_peer(int(p), port)), -1)
+        workers = {"client_processes": args.client_processes} if args.client_processes > 1 else {}
         cfg = BenchConfig(
             base_url=base_url,
             input_len=16,
@@ -68,17 +82,44 @@ def main() -> int:
             warmup=1,
             concurrency=args.concurrency,
             flush=False,
+            **workers,
         )
-        peer0, client0 = proc_cpu_s(peer_pid), client_cpu()
-        result = asyncio.run(run_bench(cfg))
-        events = sum(r["n_events"] for r in result["requests"])
+        cpu: dict[int, tuple[float, float]] = {}
+
+        def progress(done: int, total: int) -> None:
+            if done in (1, total):  # after the warm-up round and after the last one: every client process is alive
+                cpu[done] = (client_cpu(peer_pid), proc_cpu_s(peer_pid))
+
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler:
+            profiler.enable()
+        result = asyncio.run(run_bench(cfg, progress))
+        if profiler:
+            profiler.disable()
+        events = sum(r["n_events"] for r in result["requests"] if not r["warmup"])
         rate = statistics.median(result["results"]["aggregate_tokens_per_s"]["values"])
-        client_us = (client_cpu() - client0) / events * 1e6
-        peer_us = (proc_cpu_s(peer_pid) - peer0) / events * 1e6
-    print("\n| streams | event gap ms | aggregate tok/s (median) | client CPU us/event | peer CPU us/event |")
-    print("|---:|---:|---:|---:|---:|")
-    print(f"| {args.concurrency} | {args.event_delay_ms:g} | {rate:,.0f} | {client_us:.0f} | {peer_us:.0f} |")
+        (client0, peer0), (client1, peer1) = cpu[1], cpu[1 + args.rounds]
+        client_us, peer_us = (client1 - client0) / events * 1e6, (peer1 - peer0) / events * 1e6
+    print(
+        "\n| streams | event gap ms | client processes | aggregate tok/s (median) | client CPU us/event "
+        "| peer CPU us/event |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| {args.concurrency} | {args.event_delay_ms:g} | {args.client_processes} | {rate:,.0f} | {client_us:.0f} "
+        f"| {peer_us:.0f} |"
+    )
+    if profiler:
+        profiler.dump_stats(args.profile)
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
     return 0
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def _is_peer(pid: int, port: str) -> bool:

@@ -2,7 +2,7 @@
 cache on vs off), decode and prefill rates, and where a step's time goes, all on the v4-top2 checkpoint.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python -m benchmarks.serving.gpu_real_job --out $OUT --data-dir DIR \
-        [--stages engine,targets,http] [--gsm8k-examples 1314] [--serve-args "..."]
+        [--stages engine,targets,http] [--gsm8k-examples 1314] [--serve-args "..."] [--bench-client-processes N]
 
 The checkpoint is `benchmarks/serving/gpu_serving.py`'s v4-top2 (2.11 B parameters, random bf16 weights), written once.
 
@@ -455,6 +455,8 @@ def bench_arm(srv, out: Path, concurrency: int, overlap: str, args, arm: str) ->
         str(args.bench_rounds),
         "--warmup",
         "1",
+        "--client-processes",
+        str(min(args.bench_client_processes, concurrency)),
         "--out",
         str(folder),
         log=out / f"{label}.log",
@@ -471,6 +473,7 @@ def bench_arm(srv, out: Path, concurrency: int, overlap: str, args, arm: str) ->
         "overlap": overlap,
         "rc": rc,
         "wall_s": round(wall, 1),
+        "client_processes": find(b.get("config"), "client_processes") or 1,
         "aggregate_tok_s": find(summ, "aggregate_tokens_per_s"),
         "per_request_decode_tok_s": find(summ, "decode_tokens_per_s"),
     }
@@ -560,6 +563,12 @@ def main() -> int:
     ap.add_argument("--kernels-timeout", type=float, default=150, help="seconds for kernels_gpu.py in targets")
     ap.add_argument("--gsm8k-examples", type=int, default=1314, help="0: no GSM8K runs (the bench arms only)")
     ap.add_argument("--bench-rounds", type=int, default=3)
+    ap.add_argument(
+        "--bench-client-processes",
+        type=int,
+        default=1,
+        help="`evalpipe bench --client-processes` of every bench arm (at most its concurrency)",
+    )
     ap.add_argument("--chunks", default="512,2048,8192", help="prefill chunk sizes of the engine stage")
     ap.add_argument("--serve-args", default="", help="more `evalpipe serve` flags for both http arms")
     ap.add_argument("--run-timeout", type=float, default=900)
@@ -654,6 +663,7 @@ def print_table(report: dict) -> None:
         per = r.get("per_request_decode_tok_s") or {}
         rounds = ", ".join(f"{v:.0f}" for v in agg.get("values") or [])
         arm = "" if r.get("arm", "cache-on") in ("cache-on", "overlap-off") else f", {r['arm']}"
+        arm += f", {r['client_processes']} client processes" if (r.get("client_processes") or 1) > 1 else ""
         print(
             f"| bench C{r['concurrency']} (HTTP), overlap {r['overlap']}{arm} | aggregate {agg.get('median') or 0:.0f} "
             f"tok/s (rounds {rounds}); per request {per.get('median') or 0:.0f} |"

@@ -71,6 +71,15 @@ from evalpipe.harness.client import DEFAULT_BASE_URL
     help="Do not reset the prefix cache between rounds (POST /flush_cache, or vLLM's "
     "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1) even where the server offers it.",
 )
+@click.option(
+    "--client-processes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Processes that read each round's streams (at most --concurrency), each with its share of the slots; all "
+    "streams of a round start together. More than 1 raises the client's own events-per-second limit on a host "
+    "with spare cores; the records are the same.",
+)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
 @click.option(
     "--out",
@@ -91,6 +100,7 @@ def command(
     seed,
     token_id_range,
     no_flush,
+    client_processes,
     timeout_s,
     out_dir,
 ):
@@ -107,6 +117,11 @@ def command(
     from evalpipe.console import make_console
     from evalpipe.harness.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
 
+    if client_processes > concurrency:
+        raise click.BadParameter(
+            f"{client_processes} processes for {concurrency} streams: at most --concurrency",
+            param_hint="--client-processes",
+        )
     cfg = BenchConfig(
         base_url=base_url,
         model=model,
@@ -120,6 +135,7 @@ def command(
         token_id_range=tuple(token_id_range) if token_id_range else None,
         flush=not no_flush,
         timeout_s=timeout_s,
+        client_processes=client_processes,
     )
     bar = tqdm(total=warmup + rounds, desc="bench rounds", unit="round")
 

@@ -23,9 +23,9 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
-import httpx
+import aiohttp
 import numpy as np
 from httpx_sse import SSEError
 
@@ -63,6 +63,7 @@ class BenchConfig:
     flush: bool = True
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)
+    client_processes: int = 1  # processes reading each round's streams (harness/bench_workers.py)
 
 
 def make_inputs(seed: int, n: int, length: int, low: int, high: int) -> list[list[int]]:
@@ -101,7 +102,7 @@ def _event_tokens(chunk: dict, prev_cum: Optional[int]) -> tuple[Optional[int], 
     return None, cum, "none"
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: Optional[dict] = None) -> dict:
+async def stream_request(client: aiohttp.ClientSession, url: str, body: dict, headers: Optional[dict] = None) -> dict:
     """One streamed completion (events parsed by client.sse_json); times are perf_counter seconds since the request
     was sent."""
     out: dict[str, Any] = {
@@ -148,7 +149,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
         out["total_s"] = time.perf_counter() - t0
     except StreamRefused as exc:
         out["error"] = {"type": "http", "status": exc.status, "message": exc.text}
-    except (httpx.HTTPError, json.JSONDecodeError, SSEError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, SSEError) as exc:
         out["error"] = {"type": type(exc).__name__, "status": None, "message": str(exc)[:2000]}
     if out["completion_tokens"] is None and prev_cum is not None:
         out["completion_tokens"] = prev_cum
@@ -265,10 +266,28 @@ async def run_bench(
 ) -> dict:
     """Run warm-up + measured rounds; return the bench.json dict (`state` keeps the pieces if interrupted)."""
     st = state or BenchState(cfg)
+    if not 1 <= cfg.client_processes <= cfg.concurrency:
+        raise BenchError(f"client_processes must be 1..concurrency ({cfg.concurrency}), not {cfg.client_processes}")
     with Server(cfg.base_url, cfg.api_key, timeout_s=cfg.timeout_s) as server:
         model, inputs, reset_path = _prepare(server, cfg, st)
-        async with streaming_client(cfg.api_key, cfg.timeout_s, cfg.concurrency) as client:
-            await _rounds(server, client, cfg, st, model, inputs, reset_path, progress)
+        if cfg.client_processes > 1:
+            from evalpipe.harness.bench_workers import ClientWorkers, WorkerFailed
+
+            try:
+                pool = ClientWorkers(cfg.client_processes, stream_request, cfg.api_key, cfg.timeout_s, cfg.concurrency)
+                with pool as workers:
+                    await _rounds(server, workers.round, cfg, st, model, inputs, reset_path, progress)
+            except WorkerFailed as exc:
+                raise BenchError(str(exc)) from exc
+        else:
+            async with streaming_client(cfg.api_key, cfg.timeout_s, cfg.concurrency) as client:
+
+                async def one_process(url: str, bodies: list[dict]) -> tuple[list[dict], float]:
+                    start = time.perf_counter()
+                    results = await asyncio.gather(*(stream_request(client, url, b) for b in bodies))
+                    return list(results), time.perf_counter() - start
+
+                await _rounds(server, one_process, cfg, st, model, inputs, reset_path, progress)
     return st.assemble(partial=False)
 
 
@@ -314,7 +333,7 @@ def _prepare(server: Server, cfg: BenchConfig, st: BenchState) -> tuple[str, lis
 
 async def _rounds(
     server: Server,
-    client: httpx.AsyncClient,
+    read_round: Callable[[str, list[dict]], Awaitable[tuple[list[dict], float]]],
     cfg: BenchConfig,
     st: BenchState,
     model: str,
@@ -322,7 +341,8 @@ async def _rounds(
     reset_path: Optional[str],
     progress,
 ) -> None:
-    """Warm-up and measured rounds; between rounds (nothing in flight) the cache reset and the /metrics reads."""
+    """Warm-up and measured rounds (`read_round` reads one round's streams: in this process or in workers);
+    between rounds (nothing in flight) the cache reset and the /metrics reads."""
     url = f"{cfg.base_url.rstrip('/')}/completions"
     total_rounds = cfg.warmup + cfg.rounds
     for rnd in range(total_rounds):
@@ -343,9 +363,7 @@ async def _rounds(
             }
             for slot in range(cfg.concurrency)
         ]
-        t_round = time.perf_counter()
-        results = await asyncio.gather(*(stream_request(client, url, b) for b in bodies))
-        wall = time.perf_counter() - t_round
+        results, wall = await read_round(url, bodies)  # wall: first stream's start to last one's end
         round_tokens = sum(r["completion_tokens"] or 0 for r in results if not r["error"])
         st.rounds.append(
             {

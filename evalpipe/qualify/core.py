@@ -292,7 +292,7 @@ class Endpoint:
     async def __aexit__(self, *exc) -> None:
         for c in self._clients:
             await c.close()
-        await self._streamer.aclose()
+        await self._streamer.close()
 
     def body(self, **fields: Any) -> dict:
         return {"model": self.model, **fields}

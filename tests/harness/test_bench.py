@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -208,8 +209,10 @@ def test_repeat_against_native_engine(native_server, tmp_path):
     assert groups["serial"]["mode_correct"] is False  # random weights: the control catches a model that cannot add
 
 
-def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
-    """SIGINT to a real `evalpipe bench` writes a partial bench.json with the rounds already measured, exit 130."""
+@pytest.mark.parametrize("processes", [1, 2])
+def test_bench_ctrl_c_keeps_finished_rounds(tmp_path, processes):
+    """SIGINT to a real `evalpipe bench` writes a partial bench.json with the rounds already measured, exit 130;
+    with client worker processes too (a round in flight in the workers does not hold the interrupt)."""
     import signal
     import subprocess
     import time
@@ -230,6 +233,10 @@ def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
                 "100",
                 "--warmup",
                 "0",
+                "--concurrency",
+                "2",
+                "--client-processes",
+                str(processes),
                 "--out",
                 str(tmp_path / "b"),
             ),
@@ -244,7 +251,7 @@ def test_bench_ctrl_c_keeps_finished_rounds(tmp_path):
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
-    assert bench["partial"] is True and len(bench["requests"]) >= 2
+    assert bench["partial"] is True and 2 <= len(bench["requests"]) < 100 * 2
     assert all(r["decode_tokens_per_s"] == pytest.approx(formula(r)) for r in bench["requests"])
 
 
@@ -295,3 +302,84 @@ def test_defaults_and_readme_example_fit_the_default_server():
             lengths.get("output-len", defaults["output_len"])
         )
         assert total <= limit, line
+
+
+def _same_across_processes(req: dict) -> tuple:
+    """What a request record holds besides its times: the same whichever process read the stream."""
+    keys = ("round", "slot", "warmup", "error", "finish_reason", "completion_tokens", "first_event_tokens", "n_events")
+    keys += ("count_source", "usage_mismatch", "accept_length", "spec")
+    return tuple(json.dumps(req[k]) for k in keys) + (tuple(n for _, n in req["events"]),)
+
+
+def test_client_processes_give_the_same_records_as_one(tmp_path):
+    """5 streams read by 3 worker processes (shares of 2, 2, 1 slots): every record equals the one-process run's
+    but for its times, each slot's prompt is sent once per round, and the times obey the same formulas."""
+    groups = [int(g) for g in np.random.default_rng().integers(1, 5, size=7)]
+    with start_peer(stream_groups=groups, event_delay_s=0.01, accept_length=1.5) as (base_url, stats):
+        benches = {}
+        for n in (1, 3):
+            args = ["--base-url", base_url, "--input-len", "6", "--output-len", str(sum(groups)), "--rounds", "2"]
+            args += ["--concurrency", "5", "--client-processes", str(n), "--out", str(tmp_path / str(n))]
+            res = CliRunner().invoke(bench_cmd, args)
+            assert res.exit_code == 0, res.output
+            benches[n] = json.loads((tmp_path / str(n) / "bench.json").read_text())
+        per_prompt = stats()["per_prompt"]
+    assert sorted(per_prompt.values()) == [2 * 3] * 5  # 5 prompts, each sent once per round (1 warm-up + 2) per run
+    one, three = benches[1], benches[3]
+    assert three["config"]["client_processes"] == 3 and one["config"]["client_processes"] == 1
+    same = _same_across_processes
+    assert [same(r) for r in three["requests"]] == [same(r) for r in one["requests"]]
+    assert [r["slot"] for r in three["requests"]] == list(range(5)) * 3
+    for r in three["requests"]:
+        assert [n for _, n in r["events"]] == groups and r["accept_length"] == 1.5
+        assert all(t1 > t0 for (t0, _), (t1, _) in zip(r["events"], r["events"][1:]))
+        assert r["decode_tokens_per_s"] == pytest.approx(formula(r), rel=1e-12)
+    for rnd in three["rounds"]:
+        assert rnd["completion_tokens"] == 5 * sum(groups)
+        # the round's wall time spans every stream of every worker: no stream outlasts it
+        longest = max(r["total_s"] for r in three["requests"] if r["round"] == rnd["round"])
+        assert longest <= rnd["wall_s"] < longest + 5
+        assert rnd["aggregate_tokens_per_s"] == pytest.approx(rnd["completion_tokens"] / rnd["wall_s"])
+
+
+def test_client_worker_failures_stop_the_bench_with_their_reason():
+    """A worker's exception (here: a stream without exact token counts) and a worker killed mid-bench are reported
+    by worker and reason, not lost."""
+    import asyncio
+    import signal
+
+    from evalpipe.harness.bench import BenchConfig, BenchError, run_bench, stream_request
+    from evalpipe.harness.bench_workers import ClientWorkers, WorkerFailed
+
+    with start_peer(stream_groups=[2, 2]) as (base_url, stats):
+        cfg = BenchConfig(
+            base_url=base_url,
+            input_len=4,
+            output_len=4,
+            rounds=1,
+            warmup=0,
+            concurrency=2,
+            client_processes=2,
+            extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}},
+        )
+        with pytest.raises(BenchError, match=r"client worker 0: BenchError: .*exact per-event token counts"):
+            asyncio.run(run_bench(cfg))
+        with ClientWorkers(2, stream_request, None, 30.0, 2) as workers:
+            workers.procs[1].kill()
+            body = {"model": "peer-model", "prompt": [1, 2], "max_tokens": 4, "stream": True, "return_token_ids": True}
+            with pytest.raises(WorkerFailed, match=f"client worker 1 exited with code -{int(signal.SIGKILL)}"):
+                asyncio.run(workers.round(base_url + "/completions", [body, body]))
+        assert all(not p.is_alive() for p in workers.procs)
+
+
+def test_client_processes_out_of_range_are_refused_with_exit_2(tmp_path):
+    with start_peer() as (base_url, stats):
+        args = ["--base-url", base_url, "--input-len", "4", "--output-len", "4", "--rounds", "1", "--warmup", "0"]
+        zero = CliRunner().invoke(bench_cmd, [*args, "--client-processes", "0", "--out", str(tmp_path / "a")])
+        many = CliRunner().invoke(
+            bench_cmd, [*args, "--concurrency", "2", "--client-processes", "3", "--out", str(tmp_path / "b")]
+        )
+        assert stats()["requests"] == 0
+    assert zero.exit_code == 2 and "--client-processes" in zero.output, zero.output
+    assert many.exit_code == 2 and "3 processes for 2 streams: at most --concurrency" in many.output, many.output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

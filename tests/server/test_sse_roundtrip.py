@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from evalpipe.harness.bench import stream_request
+from evalpipe.harness.client import streaming_client
 from tests.support.core_helpers import run_cli
 from tests.support.server_harness import ServerProcess
 
@@ -163,7 +164,7 @@ def test_bench_client_parses_raw_separators_by_the_sse_spec():
     try:
 
         async def go():
-            async with httpx.AsyncClient(timeout=30) as client:
+            async with streaming_client(None, 30, 1) as client:
                 return await stream_request(client, f"http://127.0.0.1:{peer.server_port}/v1/completions", {}, {})
 
         out = asyncio.run(go())
