@@ -447,12 +447,10 @@ class CpuSampler:
 
 async def stream_round(base: str, model: str, prompts: list[list[int]], new_tokens: int) -> list[tuple[float, list]]:
     """C streamed requests at once, as `evalpipe bench` sends them; per request (send time, [(rel time, tokens)])."""
-    import httpx
-
     from evalpipe.harness.bench import stream_request
+    from evalpipe.harness.client import streaming_client
 
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with streaming_client(None, 600, len(prompts)) as client:
 
         async def one(prompt):
             sent = time.perf_counter()
@@ -483,7 +481,7 @@ async def bare_stream_round(
 ) -> list[tuple[float, list]]:
     """The same requests read by a bare asyncio client: one connection each, the chunked body split into SSE events
     by hand (each event is one `data:` line, server/responses.py), each event's JSON parsed and its token_ids
-    counted. What a client leaner than `evalpipe bench`'s httpx stack pays per event; `evalpipe serve` only."""
+    counted. What a client leaner than `evalpipe bench`'s aiohttp stack pays per event; `evalpipe serve` only."""
     url = urlsplit(base)
 
     async def one(prompt):
