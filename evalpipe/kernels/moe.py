@@ -560,20 +560,29 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
 # picked expert once instead of twice, and 64-row dot tiles keep it bandwidth-bound. E 8 top-2, T=64: gate_up 139.9 ->
 # 71.6 us, down 175.4 -> 107.0 us; T=32: gate_up 82.6 -> 62.0 us (down unchanged: kept). E 16 top-6 alike. Below
 # these row counts (T=1..6: decode and verify at small batch) the shapes measured in the first sweep stay.
-# expert_groups (down only): see `down`; 1 (every program walks all E + 1 experts) until an H200 sweep of the
-# expert_groups candidates in benchmarks/kernels/step_moe_gpu.py picks another.
+# down from 32 rows, with expert_groups G = 9 and 64-channel blocks: the H200 sweep of 2026-12-04
+# (gpu_results/2026-12-04/step_moe_groups.log), E 8 top-2 T=64 106.0 -> 89.5 us and T=32 72.4 -> 56.0 us; E 16 top-6
+# T=64 249.2 -> 193.9 us and T=32 169.8 -> 123.9 us. G is capped at E + 1 for models with fewer experts.
 MM_LARGE = {
     "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
-    "down": (64, dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8, expert_groups=1)),
+    "down": (32, dict(block_t=64, block_m=32, block_n=64, block_k=128, num_warps=8, expert_groups=9)),
+}
+
+# --deterministic: one launch shape at every T. The same sweep timed down's invariant shape at G = 1, 3, 9 and G = 1
+# won at every T (E 8 top-2 T=1 36.5 / 40.5 / 42.8 us, T=64 105.5 / 112.6 / 118.4 us), so it keeps the shape with
+# which the 1,314/1,314 identical-output runs of gpu_results/2026-12-03 were measured.
+MM_INVARIANT = {
+    "gate_up": MM_LARGE["gate_up"][1],
+    "down": dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8, expert_groups=1),
 }
 
 
 def _mm_shape(kernel: str, tokens: int, given: dict, invariant: bool = False) -> dict:
     """The tl.dot launch keywords at `tokens` rows: MM_LARGE's from its row count on, overridden by what the
-    caller set (the sweep's candidates). `invariant`: MM_LARGE's at every T, overridden by the caller's keys, which
-    the caller keeps the same at every T (the engine sets none)."""
+    caller set (the sweep's candidates). `invariant`: MM_INVARIANT's at every T, overridden by the caller's keys,
+    which the caller keeps the same at every T (the engine sets none)."""
     start, shape = MM_LARGE[kernel]
-    base = dict(shape) if invariant or tokens >= start else {}
+    base = dict(MM_INVARIANT[kernel]) if invariant else dict(shape) if tokens >= start else {}
     return {**base, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -601,7 +610,7 @@ def gate_up(
     """h [T, K+1, I] (x.dtype) for picks idx [T, K+1] (index E = shared expert). mode "gemv": one program per
     (pick, channel block), weights streamed as coalesced rows (few picks); "mm": expert-major tl.dot over
     compacted picks per token block of `block_t` tokens (many picks); "auto" picks by T (MM_MIN_TOKENS).
-    `invariant` (--deterministic): "mm" with MM_LARGE's launch shape at every T."""
+    `invariant` (--deterministic): "mm" with MM_INVARIANT's launch shape at every T."""
     p = prepare(moe)
     if not use_triton(backend, [x, idx]):
         return gate_up_reference(moe, x, idx)
@@ -692,10 +701,10 @@ def down(
     """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes and
     `invariant` as in `gate_up` ("mm": programs over (channel block, token block) walk the experts).
 
-    `expert_groups` G ("mm" only; default 1, or MM_LARGE's from its row count on) is for parallelism: with G = 1
-    a program walks all E + 1 experts one after the other (a data-dependent `if cnt > 0` per expert between their
-    loads), and a 64-row batch in one token block makes only D / block_n programs (128 at hidden 4096 and
-    MM_LARGE's block_n 32, against 132 H200 SMs), each streaming every picked expert's slice. G > 1 adds a grid
+    `expert_groups` G ("mm" only; default 1, MM_LARGE's from its row count on, capped at E + 1) is for
+    parallelism: with G = 1 a program walks all E + 1 experts one after the other (a data-dependent `if cnt > 0`
+    per expert between their loads), and a 64-row batch in one token block makes only D / block_n programs (128 at
+    hidden 4096 and block_n 32, against 132 H200 SMs), each streaming every picked expert's slice. G > 1 adds a grid
     axis over G contiguous groups of experts (G times the programs, each walking about (E + 1) / G experts); the
     groups' fp32 sums go to a [G, T, D] float32 buffer and one `batch_invariant.split_sum` launch adds them in
     group order and rounds once into y (G x T x D x 8 bytes of extra traffic). Same contract as G = 1; the fp32
@@ -745,6 +754,8 @@ def down(
         invariant,
     )
     groups = cfg.get("expert_groups", 1)
+    if expert_groups is None and isinstance(groups, int):  # the table's G, for models with fewer experts
+        groups = min(groups, p.E + 1)
     if not (isinstance(groups, int) and 1 <= groups <= p.E + 1):
         raise ValueError(f"expert_groups must be an integer in 1..{p.E + 1} (E + 1 experts), got {groups!r}")
     bt = max(16, _token_block(cfg, T, 32, invariant))

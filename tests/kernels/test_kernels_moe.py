@@ -338,5 +338,24 @@ def test_invariant_launch_shape_does_not_depend_on_T():
         shapes = {str(step_moe._mm_shape(kernel, T, {"block_t": 8}, invariant=True)) for T in (1, 5, 64, 3000)}
         assert len(shapes) == 1
     groups = {step_moe._mm_shape("down", T, {}, invariant=True)["expert_groups"] for T in (1, 5, 64, 3000)}
-    assert groups == {step_moe.MM_LARGE["down"][1]["expert_groups"]}  # the fixed shape's, whatever T
+    assert groups == {step_moe.MM_INVARIANT["down"]["expert_groups"]}  # the fixed shape's, whatever T
     assert {step_moe._token_block({"block_t": 64}, T, 32, True) for T in (1, 7, 64, 900)} == {64}
+
+
+def test_down_table_groups_are_capped_at_the_experts_of_a_smaller_model():
+    """MM_LARGE's down shape names G = 9 (E 8 + the shared expert); a model of 3 experts runs it with G = 4, the
+    same sums as the reference, and an explicit G beyond E + 1 is refused."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    moe = make_moe(seed=4, E=3)
+    T = step_moe.MM_LARGE["down"][0] + 7  # the table's shape applies
+    assert step_moe.MM_LARGE["down"][1]["expert_groups"] > 4
+    x = torch.randn(T, D, generator=gen)
+    routed = torch.stack([torch.randperm(3, generator=gen)[:K] for _ in range(T)])
+    idx = torch.cat([routed, torch.full((T, 1), 3)], 1).to(torch.int32)  # the shared expert's pick is E
+    w = torch.rand(T, K + 1, generator=gen)
+    w[:, K] = 1.0
+    h = step_moe.gate_up_reference(moe, x, idx)
+    y = step_moe.down(moe, h, idx, w, backend="triton")
+    torch.testing.assert_close(y, step_moe.down_reference(moe, h, idx, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="expert_groups"):
+        step_moe.down(moe, h, idx, w, backend="triton", mode="mm", expert_groups=5)
