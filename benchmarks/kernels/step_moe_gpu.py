@@ -13,8 +13,8 @@ weights run back to back in one captured CUDA graph (weights are not L2-resident
 event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block configs; the best of
 each is used for the table. The down candidates include `expert_groups` G > 1 (the experts split over G program groups,
 fp32 partials summed by a second launch), each checked against down_reference; the down kernel is also timed under
-`invariant=True` (--deterministic: MM_LARGE's launch shape at every T) for each G of DN_INVARIANT_GROUPS, whose
-best sets MM_LARGE's default. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
+`invariant=True` (--deterministic: MM_INVARIANT's launch shape at every T) for each G of DN_INVARIANT_GROUPS, whose
+best sets MM_INVARIANT's. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
 time.
 """
 
@@ -81,7 +81,7 @@ if CUDA:
     # (G x 2 MB at T 64) against the 151 MB of down weights of E 8 + 1 experts. Compiled for sm_90 without a GPU
     # (Triton 3.9), the 8-warp shapes below take 245-255 registers per thread (one program per SM at a time) and
     # shared memory for a single stage of tiles (16 KB at block_n 32 / block_k 128): a program has about one weight
-    # tile (block_n x block_k x 2 bytes, 8 KB for MM_LARGE's) in flight, so some candidates also widen the tile.
+    # tile (block_n x block_k x 2 bytes, 8 KB for MM_INVARIANT's) in flight, so some candidates also widen the tile.
     DN_G = dict(mode="mm", block_t=64, block_m=32)
     DN_CFGS = {
         "gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
@@ -312,7 +312,7 @@ def main() -> int:
                 flush=True,
             )
             print(
-                f"  {tag} down invariant (MM_LARGE shape) us: "
+                f"  {tag} down invariant (MM_INVARIANT shape) us: "
                 + ", ".join(f"G={g} {v:.1f}" for g, v in inv_t.items())
                 + f" -> best G={min(inv_t, key=inv_t.get)}",
                 flush=True,
