@@ -88,7 +88,7 @@ def test_route_ties_pick_lowest_expert_first(scoring):
     assert idx[:, :K].tolist() == [[1, 4], [1, 4]]
 
 
-def picks(T, gen):
+def picks(T, gen, E=E):
     routed = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     return torch.cat([routed, torch.full((T, 1), E)], 1).to(torch.int32)
 
@@ -350,8 +350,7 @@ def test_down_table_groups_are_capped_at_the_experts_of_a_smaller_model():
     T = step_moe.MM_LARGE["down"][0] + 7  # the table's shape applies
     assert step_moe.MM_LARGE["down"][1]["expert_groups"] > 4
     x = torch.randn(T, D, generator=gen)
-    routed = torch.stack([torch.randperm(3, generator=gen)[:K] for _ in range(T)])
-    idx = torch.cat([routed, torch.full((T, 1), 3)], 1).to(torch.int32)  # the shared expert's pick is E
+    idx = picks(T, gen, E=3)
     w = torch.rand(T, K + 1, generator=gen)
     w[:, K] = 1.0
     h = step_moe.gate_up_reference(moe, x, idx)
