@@ -42,6 +42,11 @@ MAX_BACKOFF_S = 30.0
 # httpcore's async pool scans every connection for every request (O(connections) per event), so 64 connections in
 # one pool cost more CPU than the requests themselves: generation is spread over small pools instead
 CONNECTIONS_PER_CLIENT = 8
+# Idle connections are dropped after 2 s, below uvicorn's 5 s keep-alive (vLLM, SGLang and `evalpipe serve` run on
+# uvicorn). httpx's own default is also 5 s: a request could then go out on a connection the server was closing at
+# that moment and fail as "Connection error" (uvicorn at 1 s with a 5 s client: 1 ReadError in 80 requests sent
+# 0.97-1.03 s apart; 0 with a 0.5 s client), which qualify, retrying nothing, counts against the server.
+KEEPALIVE_EXPIRY_S = 2.0
 
 _SSL_CONTEXT = None
 
@@ -88,7 +93,11 @@ class Server:
         self.root = server_root(base_url)
         self.api_key = api_key
         self._http = httpx.Client(
-            verify=ssl_context(), timeout=timeout(timeout_s), headers=auth_headers(api_key), trust_env=trust_env
+            verify=ssl_context(),
+            timeout=timeout(timeout_s),
+            headers=auth_headers(api_key),
+            trust_env=trust_env,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     def close(self) -> None:
@@ -179,7 +188,11 @@ class Server:
 
 def openai_client(base_url: str, api_key: Optional[str], timeout_s: float, connections: int) -> openai.AsyncOpenAI:
     """An AsyncOpenAI on its own pool of `connections`, with the client's retries off (`send` retries)."""
-    limits = httpx.Limits(max_connections=connections + 2, max_keepalive_connections=connections + 2)
+    limits = httpx.Limits(
+        max_connections=connections + 2,
+        max_keepalive_connections=connections + 2,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
     http = openai.DefaultAsyncHttpxClient(limits=limits, verify=ssl_context(), timeout=timeout(timeout_s))
     return openai.AsyncOpenAI(
         base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s, http_client=http
@@ -269,7 +282,7 @@ def streaming_client(api_key: Optional[str], timeout_s: float, connections: int)
     settings."""
     limits = timeout(timeout_s)
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections + 4, ssl=ssl_context()),
+        connector=aiohttp.TCPConnector(limit=connections + 4, ssl=ssl_context(), keepalive_timeout=KEEPALIVE_EXPIRY_S),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect, sock_read=limits.read),
         headers=auth_headers(api_key),
         trust_env=True,
