@@ -192,16 +192,14 @@ def _native_speculation_available() -> bool:
 AB_QUESTIONS = int(os.environ.get("EVALPIPE_AB_TEST_QUESTIONS", "12"))
 
 
-def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
-    """Native engine, tiny model, speculation off vs block, arith, max_tokens 32, order ABBA. A dozen questions with
-    no flips cannot support -1 pt (and the tiny model may get all of them wrong: no information), so
-    `--fail-on inconclusive,not-evaluable` ends the finished A/B with the gate's exit code 4."""
+@pytest.fixture(scope="module")
+def abba(tmp_path_factory):
+    """One native A/B, order ABBA (four boots), shared by the tests that read it: (out folder, result, a, b)."""
     if _native_speculation_available():
         a, b = "--speculative off", "--speculative block --block-size 5"
     else:  # speculation not wired into `evalpipe serve`: two identical arms (boot-to-boot variation only)
         a, b = "", ""
-    out = tmp_path / "ab"
-    n = AB_QUESTIONS
+    out = tmp_path_factory.mktemp("abba") / "ab"
     result = evalpipe(
         "ab",
         "--lanes",
@@ -215,7 +213,7 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
         "--order",
         "ABBA",
         "--num-examples",
-        str(n),
+        str(AB_QUESTIONS),
         "--max-tokens",
         "32",
         "--out",
@@ -226,6 +224,15 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(tmp_path):
         "inconclusive,not-evaluable",
         timeout=1800,
     )
+    return out, result, a, b
+
+
+def test_native_ab_abba_four_fresh_boots_receipts_and_report(abba):
+    """Native engine, tiny model, speculation off vs block, arith, max_tokens 32, order ABBA. A dozen questions with
+    no flips cannot support -1 pt (and the tiny model may get all of them wrong: no information), so
+    `--fail-on inconclusive,not-evaluable` ends the finished A/B with the gate's exit code 4."""
+    out, result, a, b = abba
+    n = AB_QUESTIONS
     assert result.returncode == 4, result.stderr[-4000:]
     assert "gate: arith A1 vs B1 is " in result.stderr
     index = json.loads((out / "ab.json").read_text())
@@ -378,41 +385,20 @@ def test_lossy_sglang_thresholds_only_on_purpose_and_recorded(tmp_path):
     assert receipt_b["server_info"]["speculative_accept_threshold_single"] == "0.5"
 
 
-def test_compare_by_hand_of_two_arms_of_one_ab_plan_takes_its_declared_flags(tmp_path):
-    """`evalpipe compare` of two run folders an A/B made, without --intended: the plan's declared flags (read from
-    its ab.json) mark the intended difference, in one line; the same folders copied out of the plan get no such
-    line."""
-    out = tmp_path / "ab"
-    result = evalpipe(
-        "ab",
-        "--lanes",
-        "arith",
-        "--common",
-        "--model evalpipe-tiny-dsv4 --max-tokens-per-step 2048",
-        "--a",
-        "--speculative off",
-        "--b",
-        "--speculative block",
-        "--order",
-        "AB",
-        "--num-examples",
-        "4",
-        "--max-tokens",
-        "16",
-        "--out",
-        str(out),
-        "--ready-timeout",
-        "300",
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_compare_by_hand_of_two_arms_of_one_ab_plan_takes_its_declared_flags(abba, tmp_path):
+    """`evalpipe compare` of two run folders an A/B made (the ABBA plan's A1 and B1), without --intended: the
+    plan's declared flags (read from its ab.json) mark the intended difference, in one line; the same folders
+    copied out of the plan get no such line."""
+    out, _, a, b = abba
+    if not a:
+        pytest.skip("native speculation is not wired into `evalpipe serve`: the plan declares no flags")
     index = json.loads((out / "ab.json").read_text())
     runs = {arm["label"]: out / arm["runs"]["arith"] for arm in index["arms"]}
     by_hand = evalpipe("compare", str(runs["A1"]), str(runs["B1"]), "--no-html", "--out", str(tmp_path / "cmp"))
     assert by_hand.returncode == 0, by_hand.stderr
     assert (
-        f"both folders come from one `evalpipe ab` plan ({out / 'ab.json'}): its declared flags (speculative)"
-        in " ".join(by_hand.stdout.split())
+        f"both folders come from one `evalpipe ab` plan ({out / 'ab.json'}): its declared flags "
+        "(speculative, block_size)" in " ".join(by_hand.stdout.split())
     )
     md = json.loads((tmp_path / "cmp" / "compare.json").read_text())["manifest_diff"]
     assert md["n_unintended"] == 0 and md["n_intended"] > 0 and md["intended_patterns"][0] == "*speculative*"

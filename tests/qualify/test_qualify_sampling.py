@@ -156,7 +156,9 @@ def clean_server(request):
     server.stop()
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+# One seed per server: tests/engine/test_fault_matrix.py passes the same two servers through the gate at seed 1
+# (its clean rows), so this seed is another draw, not a repeat.
+@pytest.mark.parametrize("seed", [2])
 def test_gate_passes_on_the_default_server_with_speculation_off_and_on(clean_server, tmp_path, seed):
     code, gate = qualify_sampling(clean_server, tmp_path / "q", 1500, seed)
     notes = gate["notes"]
