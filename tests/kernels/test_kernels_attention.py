@@ -283,8 +283,9 @@ def test_matches_engine_attend(tiny_runner, monkeypatch):
 @pytest.mark.parametrize("n", [1, 3])
 def test_invariant_plan_row_is_bitwise_the_same_in_any_batch(n):
     """`invariant=True` (--deterministic): the rows of one request are bitwise the same alone and at a random place
-    among 2..64 requests (a neighbour with NaN q and kv), with entry rows padded by 130 or 1100 more -1 columns
-    (more splits, a wider merge), and close to the reference. 520 entry rows: two 512-key splits and the merge."""
+    among 2 or 9 requests (always with the neighbour whose q and kv are NaN), with entry rows padded by 130 or 1100
+    more -1 columns (more splits, a wider merge), and close to the reference. 520 entry rows: two 512-key splits and
+    the merge."""
     gen = torch.Generator().manual_seed(21 + n)
     B = 64
     args = make_case(gen, B=B, n=n, starts=torch.randint(0, 60, (B,), generator=gen).tolist(), K=520, n_entries=600)
@@ -309,8 +310,10 @@ def test_invariant_plan_row_is_bitwise_the_same_in_any_batch(n):
     assert (alone - ref).abs().max().item() < TOL
     for pad in (130, 1100):  # one more split (S_PAD 4), and S_PAD 8: the merge adds the empty splits last
         assert torch.equal(run([target], pad=pad), alone), f"pad {pad}"
-    for batch in (2, 9, 64) if n == 1 else (2, 9):
-        others = [r for r in torch.randperm(B, generator=gen).tolist() if r != target][: batch - 1]
+    # 9 requests is already past every launch-shape change T makes on the interpreter (2 SMs: one split from T 2);
+    # a batch of all 64 (n 1) only added programs. Request 1 (NaN q and kv) is in every batch.
+    for batch in (2, 9):
+        others = [1] + [r for r in torch.randperm(B, generator=gen).tolist() if r not in (1, target)][: batch - 2]
         requests = others + [target]
         requests = [requests[i] for i in torch.randperm(batch, generator=gen).tolist()]
         assert torch.equal(run(requests), alone), f"batch {batch}"

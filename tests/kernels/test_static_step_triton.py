@@ -19,19 +19,26 @@ def _prompt(n, seed):
 # runs the same kernels except candidate_block_mask/indexer_postprocess, each tested alone against its reference.
 @pytest.mark.parametrize("sites", [True], ids=["served-csa-sites"])
 def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites):
-    """Two requests (bucket 2) whose prompts cross the sliding window and both compression ratios: decode steps and
+    """Two requests (bucket 2), one past the sliding window and the top-8 selection, one short: decode steps and
     one 6-row verify step give the plain runner's logits (fp32, different op grouping) and the same greedy tokens,
     and leave the same state behind. `served-csa-sites`: the model set up as the server sets it up
     (built with sites: CSA selection through candidate_block_mask + indexer_postprocess, Triton too)."""
     from evalpipe.engine.model import fused_sites
 
-    plain = tiny_runner(max_seqs=4, max_seq_len=96)
-    base = tiny_runner(max_seqs=4, max_seq_len=96, sites=fused_sites.SiteSettings(backend="triton") if sites else None)
+    # 48 positions hold the longest history (35 + 1 + 6); the static step scans max_seq_len // ratio entries
+    plain = tiny_runner(max_seqs=4, max_seq_len=48)
+    base = tiny_runner(max_seqs=4, max_seq_len=48, sites=fused_sites.SiteSettings(backend="triton") if sites else None)
     graph = GraphRunner(base, widths=(1, 6), buckets=(2,), fused=True, kernel_backend="triton")
     seqs_p = [plain.allocate() for _ in range(2)]
     seqs_g = [graph.allocate() for _ in range(2)]
     last = []
-    for i, n in enumerate((41, 30)):
+    # The prefills run the eager Triton path row by row (the cost of this test), so the prompts are as short as the
+    # boundaries allow. Request 0, 35 tokens: its decode at position 35 has a full window that leaves positions
+    # 0..11 out and sees 9 CSA entries (ratio 4), one more than the top-8 keeps; its verify (36..41) wraps the
+    # CSA compressor's 40-row ring and starts on an even (C2 ratio 2) position. Request 1, 16 tokens: a window that
+    # starts before position 0, fewer entries than top-8 (empty picks), a verify (17..22) starting on an odd one;
+    # not fewer tokens: below 16 rows the mHC merge/mix kernel runs 32-column blocks, 3x the programs of 35 rows.
+    for i, n in enumerate((35, 16)):
         toks = _prompt(n, i)
         last.append(int(plain.forward([seqs_p[i]], [toks])[0].argmax()))
         graph.forward([seqs_g[i]], [toks])
