@@ -3,8 +3,8 @@ detector flags it, with its statistic, and which does not; the clean engine (spe
 
 Detectors, each a real command against a real `evalpipe serve --model evalpipe-skills-dsv4`:
 - sampling: `evalpipe qualify --gates sampling` (T = 1; flags on exit 4);
-- greedy agreement: `evalpipe run arith` at T = 0 on the server, `evalpipe compare` against the clean spec-off run
-  (flags when any output differs: greedy speculation must be exact);
+- greedy agreement: `evalpipe run arith` at T = 0 on the server (8 questions, 64 tokens each), `evalpipe compare`
+  against the clean spec-off run (flags when any output differs: greedy speculation must be exact);
 - batch shape: `evalpipe repeat --conditions batch_shape` on open_short, N = 2 (each request alone, then inside
   batches at concurrency 8 and 64 filled with other prompts; flags when the outputs differ across the shapes);
 - acceptance baseline: `evalpipe compare --accept-baseline` of the greedy arith run against the baseline the clean
@@ -13,12 +13,17 @@ Detectors, each a real command against a real `evalpipe serve --model evalpipe-s
   non-inferiority verdict is the point: accuracy calls the broken sampler fine.
 
 One server at a time, started and stopped by the module fixture, which fills the whole matrix once; the tests read
-its rows. `pytest tests/engine/test_fault_matrix.py -s` prints the matrix as README shows it.
+its rows. On each server the sampling gate and the arith runs go together, then the batch-shape repeat alone. Cells
+no test reads are not run: the batch-variant rows' greedy agreement and acceptance (a one-question, one-token run
+only records the fault in a summary), stale-kv-after-reject's batch shape. `pytest tests/engine/test_fault_matrix.py
+-s` prints the matrix as README shows it, and each server's seconds.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,7 +42,11 @@ CONFIGS = {  # name -> (serve arguments, sampling-gate token budget; None: not r
     "batch-variant": (["--debug-fault", "batch-variant"], 1500),
     "batch-variant, spec block": (BLOCK + ["--debug-fault", "batch-variant"], None),
 }
+SUMMARY_ONLY = ("batch-variant", "batch-variant, spec block")  # no test reads their greedy agreement or acceptance:
+# a one-question, one-token run only records the fault in its summary
+NO_BATCH_SHAPE = ("stale-kv-after-reject",)  # no test reads its batch shape
 GREEDY_QUESTIONS = 8
+GREEDY_TOKENS = 64  # stale-kv-after-reject's outputs leave the clean ones at token 6 (3 of 8 at 512 tokens and at 64)
 T1_QUESTIONS = 40
 T1_MARGIN_PTS = 10.0
 
@@ -127,44 +136,73 @@ def matrix(tmp_path_factory) -> dict:
     baseline: dict[str, Path] = {}
     for name, (args, tokens) in CONFIGS.items():
         work = root / name.split(" ")[0].replace(",", "") / ("on" if "--speculative" in args else "off")
+        started = time.monotonic()
         server = ServerProcess(*args, model=MODEL)
+        timing = {"boot": time.monotonic() - started}
         try:
-            row = {"sampling": sampling_gate(server, work / "qualify", tokens)} if tokens else {}
             saves = (
                 ["--save-accept-baseline", str(root / "accept-baseline.json")] if name == "clean, spec block" else []
             )
-            greedy = arith(server, work / "greedy", "greedy", "--num-examples", str(GREEDY_QUESTIONS), *saves)
-            row["batch_shape"] = batch_shape(server, work / "repeat")
-            t1 = second = None
-            if name == "clean, spec off":
-                second = arith(server, work / "greedy2", "greedy2", "--num-examples", str(GREEDY_QUESTIONS))
-            if name in ("clean, spec off", "greedy-sampling"):
-                t1 = arith(server, work / "t1", "t1", "--num-examples", str(T1_QUESTIONS), "--temperature", "1.0")
+            greedy_args = ["--num-examples", "1", "--max-tokens", "1"]
+            if name not in SUMMARY_ONLY:
+                greedy_args = ["--num-examples", str(GREEDY_QUESTIONS), "--max-tokens", str(GREEDY_TOKENS), *saves]
+            # The detectors that do not set batch shapes themselves run together: the clean engine's outputs do not
+            # depend on what shares its batches (the batch-shape rows check that), so this only saves decode steps.
+            started = time.monotonic()
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                jobs = {"greedy": pool.submit(arith, server, work / "greedy", "greedy", *greedy_args)}
+                if tokens:
+                    jobs["sampling"] = pool.submit(sampling_gate, server, work / "qualify", tokens)
+                if name == "clean, spec off":
+                    args2 = ("--num-examples", str(GREEDY_QUESTIONS), "--max-tokens", str(GREEDY_TOKENS))
+                    jobs["second"] = pool.submit(arith, server, work / "greedy2", "greedy2", *args2)
+                if name in ("clean, spec off", "greedy-sampling"):
+                    args1 = ("--num-examples", str(T1_QUESTIONS), "--temperature", "1.0")
+                    jobs["t1"] = pool.submit(arith, server, work / "t1", "t1", *args1)
+                done = {k: job.result() for k, job in jobs.items()}
+            timing["together"] = time.monotonic() - started
+            row = {"sampling": done["sampling"]} if "sampling" in done else {}
+            greedy, second, t1 = done["greedy"], done.get("second"), done.get("t1")
+            if name not in NO_BATCH_SHAPE:
+                started = time.monotonic()
+                row["batch_shape"] = batch_shape(server, work / "repeat")  # alone: it makes its own batches
+                timing["batch_shape"] = time.monotonic() - started
         finally:
             server.stop()
+        started = time.monotonic()
         if name == "clean, spec off":  # its own row: a second greedy run on the same server (determinism)
             baseline, greedy = {"greedy": greedy, "t1": t1}, second
-        agreement = compare(baseline["greedy"], greedy, work / "compare-greedy")
-        share = agreement["agreement"]["share_identical"]
-        row["greedy_agreement"] = {
-            "flagged": share < 1.0,
-            "share": share,
-            "statistic": f"{agreement['agreement']['n_identical']}/"
-            f"{agreement['agreement']['n_pairs']} identical, "
-            f"{len(agreement['flips'])} flips",
-            "manifest_keys": [d["key"] for d in agreement["manifest_diff"]["differences"]],
-        }
-        if "--speculative" in args and "--drafter" not in args and name != "clean, spec block":
-            check = compare(
-                baseline["greedy"], greedy, work / "compare-accept", "--accept-baseline", root / "accept-baseline.json"
-            )
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            jobs = {}
+            if name not in SUMMARY_ONLY:
+                jobs["agreement"] = pool.submit(compare, baseline["greedy"], greedy, work / "compare-greedy")
+                if "--speculative" in args and "--drafter" not in args and name != "clean, spec block":
+                    accept = ("--accept-baseline", root / "accept-baseline.json")
+                    jobs["accept"] = pool.submit(compare, baseline["greedy"], greedy, work / "compare-accept", *accept)
+            if t1 is not None and name != "clean, spec off":
+                margin = ("--margin", str(T1_MARGIN_PTS))
+                jobs["t1"] = pool.submit(compare, baseline["t1"], t1, work / "compare-t1", *margin)
+            done = {k: job.result() for k, job in jobs.items()}
+        if "agreement" in done:
+            agreement = done["agreement"]
+            share = agreement["agreement"]["share_identical"]
+            row["greedy_agreement"] = {
+                "flagged": share < 1.0,
+                "share": share,
+                "statistic": f"{agreement['agreement']['n_identical']}/"
+                f"{agreement['agreement']['n_pairs']} identical, "
+                f"{len(agreement['flips'])} flips",
+                "manifest_keys": [d["key"] for d in agreement["manifest_diff"]["differences"]],
+            }
+        if "accept" in done:
+            check = done["accept"]
             rates = " ".join(f"{r['measured']:.2f}/{r['baseline']:.2f}" for r in check["accept_baseline"]["positions"])
             row["accept_baseline"] = {
                 "flagged": check["exit_code"] == 4,
                 "statistic": f"position 1..5 measured/baseline {rates}",
             }
-        if t1 is not None and name != "clean, spec off":
-            verdict = compare(baseline["t1"], t1, work / "compare-t1", "--margin", str(T1_MARGIN_PTS))["greedy"]
+        if "t1" in done:
+            verdict = done["t1"]["greedy"]
             row["t1_accuracy"] = {
                 "verdict": verdict["verdict"],
                 "diff_pts": 100 * verdict["diff"],
@@ -172,6 +210,8 @@ def matrix(tmp_path_factory) -> dict:
                 f"{100 * verdict['n_correct_b'] / verdict['n']:.0f}%, "
                 f"{verdict['verdict']} at -{T1_MARGIN_PTS:g} pt",
             }
+        timing["compare"] = time.monotonic() - started
+        row["seconds"] = timing
         row["faults_in_summary"] = json.loads((greedy / "summary.json").read_text())["server_debug_faults"]
         rows[name] = row
     print_matrix(rows)
@@ -186,15 +226,24 @@ def print_matrix(rows: dict) -> None:
     print("|---|---|---|---|---|")
     for name, row in rows.items():
         cells = [
-            (("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"])
-            if d in row
-            else ("the baseline" if name == "clean, spec block" else "not run" if d == "sampling" else "n/a")
+            (("FLAGS: " if row[d]["flagged"] else "passes: ") + row[d]["statistic"]) if d in row else missing(name, d)
             for d in ("sampling", "greedy_agreement", "batch_shape", "accept_baseline")
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
     for name, row in rows.items():
         if "t1_accuracy" in row:
             print(f"arith at T = 1, {name} vs clean spec off: {row['t1_accuracy']['statistic']}")
+    for name, row in rows.items():
+        print(f"seconds, {name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row["seconds"].items()))
+
+
+def missing(name: str, detector: str) -> str:
+    args = CONFIGS[name][0]
+    if detector == "accept_baseline" and name == "clean, spec block":
+        return "the baseline"
+    if detector == "accept_baseline" and ("--speculative" not in args or "--drafter" in args):
+        return "n/a"
+    return "not run"
 
 
 @pytest.mark.parametrize("name", ["clean, spec off", "clean, spec block"])
