@@ -40,7 +40,7 @@ torch.set_num_threads(1)
 # running alone while the other worker idles (by xdist's default order, by number of tests, test_vllm_ab.py and its
 # single 250 s test started last). Files not listed follow, in pytest's order. Refresh with `--durations`.
 LONGEST_FIRST = [
-    "engine/test_fault_matrix.py",  # 6 servers, every detector (173-230 s measured alone)
+    "engine/test_fault_matrix.py",  # 7 servers, every detector (628 s in the 2026-12-04 full run, before its cut)
     "interop/test_lmeval.py",  # its module fixture: 137 s in a loaded full run (2026-12-03)
     "qualify/test_qualify.py",  # 139
     "ab/test_ab.py",  # 130
@@ -55,8 +55,6 @@ LONGEST_FIRST = [
     "harness/test_accept_baseline.py",  # 106 in a loaded full run, 38 alone
     "kernels/test_eager_attention_kernel.py",  # 95 in a loaded full run, 38 alone
     "interop/test_vllm_ab.py",  # 64 alone (two vLLM boots)
-    # 75-105 alone (lm-eval's start-up twice, 10 x 4 scored prompts, 2 x 3 answers)
-    "interop/test_lmeval_loglikelihood.py",
     "harness/test_core_run.py",  # 89
     "benchmarks/test_smoke.py",  # 90 (kernels, engine, harness)
     "benchmarks/test_smoke_model.py",  # 86
