@@ -25,7 +25,8 @@ Rows (--skip takes their names):
   The trained layer-4 drafter nearly always proposes the target's own argmax, so top-k acceptance behind it changes
   few tokens; a weaker drafter behind the same knob is what the check has to catch.
 Servers are booted fresh for each configuration on free ports and stopped afterwards. --quick runs a small subset of
-each lane (every group), a 10 s soak and 4 repeats; --smoke is CI's check (the tiny model, 2 items, 8 tokens).
+each lane (every group), a 10 s soak and 4 repeats; --smoke is CI's check (the tiny model, 2 items, 8 tokens, the
+rows whose steps no other row takes).
 """
 
 from __future__ import annotations
@@ -493,13 +494,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--smoke",
         action="store_true",
         help="CI check, seconds: the tiny model, 2 items per lane and "
-        "8 tokens, qualify's auth gate only, 2 serial repeats, no spec, oracle, t1 and lossy rows",
+        "8 tokens, qualify's auth gate only (against the keyed server), 2 serial repeats, no arith, think, qualify "
+        "(no key), spec, oracle, t1 and lossy rows",
     )
     args = ap.parse_args(argv)
     if args.smoke:
+        # arith and think take lane_row's steps that copy, retrieval and boxed take; qualify-keys takes qualify's
+        # (with keys): each left-out row would only add a client process
         args.model, args.skip = (
             "evalpipe-tiny-dsv4",
-            ",".join(filter(None, [args.skip, "spec", "oracle", "t1", "lossy"])),
+            ",".join(filter(None, [args.skip, "arith", "think", "qualify", "spec", "oracle", "t1", "lossy"])),
         )
         args.run_args += " --max-tokens 8"
         args.qualify_args = args.qualify_args or "--gates auth"

@@ -20,7 +20,8 @@ gsm8k/test.jsonl), greedy, `--max-tokens` tokens each, EOS ignored (fixed-length
 - kernels: one bf16 row of [64, 4096] @ [4096, 4096] alone vs among 63 other rows, bitwise, through F.linear
   (cuBLAS) and through kernels/batch_invariant.matmul.
 A table at the end; every number also in `OUT/deterministic_gpu.json`. `--smoke`: CPU, the tiny config, float32,
-short random prompts, a few tokens (a dry run of the logic; the CPU path runs the PyTorch references).
+short random prompts, a few tokens, the decode rate of 2 sequences of 16-token prompts (a dry run of the logic; the
+CPU path runs the PyTorch references).
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ def mode_arms(model_dir: Path, args, device: str, dtype: str, deterministic: boo
             log(f"  {name}: {args.c1_prompts} prompts at C1 in {time.perf_counter() - t0:.1f}s")
         if name == "cache_on":
             t0 = time.perf_counter()
-            decode = gpu_real_job.decode_batch(engine.runner, engine.tokenizer, 64, new_tokens=args.decode_tokens)
+            batch, prompt_len = args.decode_shape
+            decode = gpu_real_job.decode_batch(
+                engine.runner, engine.tokenizer, batch, prompt_len=prompt_len, new_tokens=args.decode_tokens
+            )
             out["decode_c64_tok_s"] = decode["tok_s"]
             log(f"  C64 decode {decode['tok_s']:.0f} tok/s ({time.perf_counter() - t0:.1f}s)")
         release(engine)
@@ -171,9 +175,12 @@ def main() -> int:
     )
     ap.add_argument("--modes", default="deterministic,default", help="which modes run: deterministic, default or both")
     ap.add_argument(
-        "--smoke", action="store_true", help="CPU, tiny config, float32, 3 random 40-byte prompts, 4 tokens each"
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny config, float32, 3 random 40-byte prompts, 4 tokens each, the decode rate of 2 x 16 tokens",
     )
     args = ap.parse_args()
+    args.decode_shape = (64, 128)  # the C64 decode rate's sequences and prompt tokens (gpu_real_job's decode_batch)
     modes = [m for m in args.modes.split(",") if m]
     args.drafters = [d for d in args.drafters.split(",") if d]
     if set(args.drafters) - {"ngram", "layerskip"}:
@@ -188,6 +195,7 @@ def main() -> int:
     device, dtype = placed
     if args.smoke:
         args.prompts, args.c1_prompts, args.max_tokens, args.decode_tokens = 3, 2, 4, 4
+        args.decode_shape = (2, 16)  # 64 x 128-token prefills would be most of the dry run's time
     args.c1_prompts = min(args.c1_prompts, args.prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

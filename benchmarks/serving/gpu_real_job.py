@@ -65,7 +65,10 @@ REPO = Path(__file__).resolve().parents[2]
 DEVICE = "cuda"  # --smoke: cpu, the tiny config, float32 (a dry run of the script's logic)
 DTYPE = "bfloat16"
 BENCH_LENS = ("128", "256")  # evalpipe bench --input-len, --output-len (--smoke: 32, 16)
-SMOKE = False  # --smoke: the engine stage at batch 1 and 2, 16-token contexts, 4 decode steps, 64-token prompts
+GSM8K_MAX_TOKENS = "256"  # evalpipe run gsm8k --max-tokens (--smoke: 8)
+# --smoke: the engine stage at batch 1 and 2, 16-token contexts, 4 decode steps, 64-token prompts; the http stage's
+# cache-on and cache-off arms only, each with one bench at concurrency 2 (every step of the arm loop, two boots)
+SMOKE = False
 
 
 def serve_base() -> list[str]:
@@ -410,7 +413,7 @@ def gsm8k_arm(srv, out: Path, label: str, args) -> dict:
         "--concurrency",
         "64",
         "--max-tokens",
-        "256",
+        GSM8K_MAX_TOKENS,
         "--num-examples",
         str(args.gsm8k_examples),
         "--arm",
@@ -512,6 +515,8 @@ def http_stage(model_dir: Path, out: Path, args, save_partial=lambda res: None) 
         arms = [(label, flags, con, False) for label, flags, con, _ in arms if con]
     elif args.delay_factor == 0:
         arms = arms[:4]
+    if SMOKE:  # the arm loop's every step (bench labels with and without the arm, gsm8k, the comparison), two boots
+        arms = [(label, flags, (2,), gsm8k) for label, flags, _, gsm8k in arms[:2]]
     for label, flags, concurrencies, gsm8k in arms:
         overlap = "off" if "overlap-off" == label else "on"
         t0 = time.perf_counter()
@@ -578,14 +583,15 @@ def main() -> int:
     ap.add_argument(
         "--smoke",
         action="store_true",
-        help="CPU, tiny config, float32, 2 GSM8K questions, bench 32 in / 16 out, 1 round: a dry run of the script",
+        help="CPU, tiny config, float32, 2 GSM8K questions of 8 tokens, the cache-on and cache-off servers only, "
+        "one bench each (C2, 32 in / 16 out, 1 round): a dry run of the script",
     )
     args = ap.parse_args()
-    global BENCH_LENS, SMOKE
+    global BENCH_LENS, GSM8K_MAX_TOKENS, SMOKE
     if place("gpu_real_job", args.smoke) is None:
         return 2
     if args.smoke:
-        BENCH_LENS, SMOKE = ("32", "16"), True
+        BENCH_LENS, GSM8K_MAX_TOKENS, SMOKE = ("32", "16"), "8", True
         args.gsm8k_examples, args.bench_rounds, args.delay_factor, args.chunks = 2, 1, 0.0, "512"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

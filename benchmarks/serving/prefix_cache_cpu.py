@@ -87,15 +87,19 @@ def run_arm(arm: str, args, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="evalpipe-skills-dsv4")
+    ap.add_argument("--model", default=None, help="default: evalpipe-skills-dsv4 (--smoke: evalpipe-tiny-dsv4)")
     ap.add_argument("--num-examples", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=None, help="default: the lane's (64: every question at once)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--smoke", action="store_true", help="CI check: 2 questions, 4 tokens each")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CI check: 2 questions, 4 tokens each, the tiny model (unless --model)"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.num_examples, args.max_tokens = 2, 4
+    # --smoke: the tiny model's 4 layers to the default model's 6, so the five-shot prefills cost less
+    args.model = args.model or ("evalpipe-tiny-dsv4" if args.smoke else "evalpipe-skills-dsv4")
     with tempfile.TemporaryDirectory(prefix="prefix-cache-bench-") as tmp:
         rows = [run_arm(arm, args, Path(tmp)) for arm in ("off", "on")]
     off, on = rows

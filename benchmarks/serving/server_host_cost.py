@@ -786,12 +786,12 @@ def main(argv: list[str] | None = None) -> int:
         "this tree's, and a second table compares the two (this script is copied into it if it lacks it)",
     )
     ap.add_argument(
-        "--smoke", action="store_true", help="C4 and C1, 8 tokens, one round, --bare-client too (under half a minute)"
+        "--smoke", action="store_true", help="C2 alone, 8 tokens, one round, --bare-client too (under half a minute)"
     )
     args = ap.parse_args(argv)
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.smoke:
-        args.concurrency, args.new_tokens, args.rounds, args.prompt_len = "4,1", 8, 1, 8
+        args.concurrency, args.new_tokens, args.rounds, args.prompt_len = "2", 8, 1, 8  # every step at one C
         args.bare_client = True
     tmp = None
     if args.device == "cuda" and args.model is None:
