@@ -54,7 +54,9 @@ def test_modes_set_their_defaults_and_keep_what_is_given(tmp_path):
     assert (quick.qualify_args, quick.repeat_args, quick.skip) == ("--soak-duration 10", "--repeats 3", ["lossy"])
     smoke = dmt.parse_args(["--smoke", "--skip", "oracle"])
     assert (
-        smoke.model == "evalpipe-tiny-dsv4" and smoke.skip == ["oracle", "spec", "t1", "lossy"] and smoke.out.is_dir()
+        smoke.model == "evalpipe-tiny-dsv4"
+        and smoke.skip == ["oracle", "arith", "think", "qualify", "spec", "t1", "lossy"]
+        and smoke.out.is_dir()
     )
     assert "--gates auth" in smoke.qualify_args and "--max-tokens 8" in smoke.run_args
     assert set(smoke.skip) <= set(dmt.ROWS) and set(dmt.LANE_ROWS) < set(dmt.ROWS)
