@@ -33,48 +33,56 @@ if not torch.cuda.is_available():
 # 110-121 s with one). The servers and subprocesses the tests start set their own (`serve --threads`, default 1).
 torch.set_num_threads(1)
 
-# The longest test files on the 2-core CI machine, longest first (seconds: sum of setup + call + teardown in a full
-# run under `-n 2`, before the vLLM and smoke-training tests were made cheaper; the order matters, not the numbers).
-# pyproject's addopts hand whole files to the two workers in collection order
-# (`--dist loadfile --no-loadscope-reorder`); starting with the longest keeps a long file from starting last and
-# running alone while the other worker idles (by xdist's default order, by number of tests, test_vllm_ab.py and its
-# single 250 s test started last). Files not listed follow, in pytest's order. Refresh with `--durations`.
+# The longest test files on the 2-core CI machine, longest first (seconds: sum of setup + call + teardown in the
+# clean-clone CI run of 2026-12-04 under `-n 2`; the order matters, not the numbers). pyproject's addopts hand whole
+# files to the two workers in collection order (`--dist loadfile --no-loadscope-reorder`); starting with the longest
+# keeps a long file from starting last and running alone while the other worker idles (by xdist's default order, by
+# number of tests, a long single-test file started last). Files not listed follow, in pytest's order. Refresh with
+# `--durations` or `--junitxml`.
 LONGEST_FIRST = [
-    "engine/test_fault_matrix.py",  # 7 servers, every detector (628 s in the 2026-12-04 full run, before its cut)
-    "interop/test_lmeval.py",  # its module fixture: 137 s in a loaded full run (2026-12-03)
-    "qualify/test_qualify.py",  # 139
-    "ab/test_ab.py",  # 130
-    "kernels/test_kernels_moe.py",  # 121
-    "kernels/test_kernels_c2.py",  # 118
-    # the benchmark scripts' --smoke runs, split by folder: about 110, 90 and 86 s in a run of tests/benchmarks alone
-    # under -n 2 on the shared machine (before the split and one torch thread each: one 250 s file)
-    "benchmarks/test_smoke_serving.py",
-    "interop/test_vllm_peer.py",  # 117
-    "server/test_server_structured.py",  # 106
-    "engine/test_spec_acceptance.py",  # 100
-    "harness/test_accept_baseline.py",  # 106 in a loaded full run, 38 alone
-    "kernels/test_eager_attention_kernel.py",  # 95 in a loaded full run, 38 alone
-    "interop/test_vllm_ab.py",  # 64 alone (two vLLM boots)
-    "harness/test_core_run.py",  # 89
-    "benchmarks/test_smoke.py",  # 90 (kernels, engine, harness)
-    "benchmarks/test_smoke_model.py",  # 86
-    "commands/test_secret_scan.py",  # 86
-    "server/test_spec_server.py",  # 80
-    "kernels/test_static_step_triton.py",  # 65
-    "kernels/test_kernels_mxfp8.py",  # 59
-    "engine/test_engine_process.py",  # 57
-    "engine/test_spec_lossless.py",  # 53
-    "engine/test_prefix_cache.py",  # 45
-    "server/test_server_startup.py",  # 45
-    "server/test_server_api.py",  # 43
-    "engine/test_engine_oracle.py",  # 41
+    "engine/test_fault_matrix.py",  # 411
+    "interop/test_lmeval.py",  # 124
+    "kernels/test_static_step_triton.py",  # 100
+    "ab/test_ab.py",  # 99
+    "benchmarks/test_smoke.py",  # 99
+    "qualify/test_qualify.py",  # 96
+    "benchmarks/test_smoke_serving.py",  # 94
+    "interop/test_vllm_peer.py",  # 90
+    "harness/test_accept_baseline.py",  # 87
+    "harness/test_core_run.py",  # 87
+    "interop/test_vllm_ab.py",  # 78
+    "qualify/test_qualify_sampling.py",  # 64
+    "harness/test_bad_input.py",  # 62
+    "benchmarks/test_smoke_model.py",  # 58
+    "kernels/test_kernels_moe.py",  # 52
+    "lanes/test_chat_arith_boxed.py",  # 50
+    "harness/test_import_sgl_eval.py",  # 50
+    "commands/test_secret_scan.py",  # 43
+    "harness/test_bench.py",  # 40
     "training/test_training_smoke.py",  # 40
-    "kernels/test_kernels_q_rope.py",  # 37
-    "engine/test_engine_fused_sites.py",  # 36
-    "harness/test_bench.py",  # 34
-    "harness/test_repeat.py",  # 34
-    "server/test_server_hostile.py",  # 30
-    "server/test_server_scoring.py",  # 30 alone
+    "server/test_spec_server.py",  # 39
+    "kernels/test_kernels_hyper.py",  # 37
+    "kernels/test_eager_attention_kernel.py",  # 36
+    "harness/test_deterministic_reporting.py",  # 34
+    "engine/test_engine_process.py",  # 33
+    "engine/test_engine_oracle.py",  # 33
+    "server/test_server_scoring.py",  # 31
+    "engine/test_prefix_cache.py",  # 31
+    "engine/test_spec_lossless.py",  # 31
+    "harness/test_repeat.py",  # 28
+    "kernels/test_kernels_mxfp8.py",  # 25
+    "engine/test_spec_acceptance.py",  # 24
+    "engine/test_grammar_lossless.py",  # 24
+    "launchers/test_launchers.py",  # 24
+    "kernels/test_kernels_c2.py",  # 24
+    "server/test_server_structured.py",  # 22
+    "engine/test_overlap_schedule.py",  # 22
+    "kernels/test_kernels_attention.py",  # 21
+    "server/test_server_startup.py",  # 21
+    "harness/test_run_exit_codes.py",  # 20
+    "kernels/test_kernels_q_rope.py",  # 19
+    "compare/test_compare.py",  # 19
+    "compare/test_verdict.py",  # 16
 ]
 
 
