@@ -10,6 +10,7 @@ in launchers/flags.py, and obey the rules of launchers/rules.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -158,6 +159,7 @@ def serve_native(params: dict, config: EngineConfig) -> None:
         lifespan="on",
     )
     server = uvicorn.Server(http_config)
+    logging.getLogger("uvicorn.error").addFilter(_ForcedStopNote(server))
     click.echo(
         f"evalpipe serve: loading {config.model or DEFAULT_MODEL_NAME} on http://{_display_host(host)}:{port} ..."
     )
@@ -192,6 +194,28 @@ def speculation_summary(state) -> str:
     if spec.get("simulate_acc_len") is not None:
         parts.append(f"SIMULATED accept length {spec['simulate_acc_len']} (performance only)")
     return " ".join(parts)
+
+
+class _ForcedStopNote(logging.Filter):
+    """A second Ctrl-C (or SIGTERM) makes uvicorn skip the app's shutdown and cancel its lifespan task, which it logs
+    as a traceback; that cancellation is the forced stop asked for, so one line says so instead."""
+
+    def __init__(self, server) -> None:
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        # starlette reports the cancelled lifespan as its traceback's text (lifespan.shutdown.failed's message)
+        cancelled = isinstance(exc, asyncio.CancelledError) or record.getMessage().rstrip().endswith("CancelledError")
+        if self.server.force_exit and cancelled:
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "second stop signal: forced stop, the application's shutdown skipped",
+                (),
+                None,
+                None,
+            )
+        return True
 
 
 def _raise_interrupt(signum, frame):

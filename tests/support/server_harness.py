@@ -64,9 +64,15 @@ class ServerProcess:
         assert info["alive"] is True and info["pid"] != self.proc.pid
         return info["pid"]
 
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30, again_after: float | None = None) -> int:
+        """Send `sig` (and, with `again_after`, once more that many seconds later, as an impatient Ctrl-C does) and
+        wait for the exit; killed after `timeout`. Returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+            if again_after is not None:
+                time.sleep(again_after)
+                if self.proc.poll() is None:
+                    self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
