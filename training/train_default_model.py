@@ -117,7 +117,8 @@ def parse_args(argv=None):
         "symbolic batch and sequence sizes (dynamic: torch.compile(dynamic=True)), the same "
         "uncompiled (fast), or transformers' own forward with hooks (eager); evaluation always runs "
         "transformers' forward (default: fast on CUDA, eager elsewhere; compiled is 3.8x faster per step "
-        "than transformers' forward but compiles once per batch shape, about a minute each)",
+        "than transformers' forward but compiles once per batch shape, about a minute each; dynamic had not "
+        "finished its first step after 240 s on an H100, benchmarks/README.md 'Training step')",
     )
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
