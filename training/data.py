@@ -17,6 +17,7 @@ import torch
 
 from evalpipe.engine.tokenizer import ByteTokenizer
 from evalpipe.skills import Example, arith, boxed, chat, copy_text, draw, retrieval, tools
+from training.buckets import LONG_BUCKETS, SHORT_BUCKETS, check_short
 from training.curriculum import DEFAULT_RECIPE, RECIPES, Recipe, Stage
 
 TOKENIZER = ByteTokenizer()
@@ -84,13 +85,10 @@ def collate(examples: list[Encoded], width: int | None = None) -> dict[str, torc
     return {"input_ids": ids, "labels": labels, "prompt_labels": prompt_labels}
 
 
-SHORT_BUCKETS = (192, 256, 320, 384, 448, 512, 640, 768, 1024)  # padded lengths of short batches
-LONG_BUCKETS = (1536, 2560, 4096)
-
-
 class BatchStream(torch.utils.data.IterableDataset):
     """Endless batches of about `batch_tokens` padded tokens, each of examples of similar length (a batch is padded
-    to its length bucket's bound, so little compute goes to padding). Every `long_every`-th batch is a long one of
+    to its length bucket's bound, `short_buckets` for the short batches, so little compute goes to padding; fewer
+    buckets mean fewer shapes for a compiled step). Every `long_every`-th batch is a long one of
     `long_tokens`. Worker w of W draws from the seeded stream (seed, w), and call k > 0 of a resumed run from
     (seed, w, k), so a resumed run never repeats the examples of its earlier calls.
 
@@ -107,8 +105,11 @@ class BatchStream(torch.utils.data.IterableDataset):
         call: int = 0,
         recipe: Recipe | str = DEFAULT_RECIPE,
         progress: float = 0.0,
+        short_buckets: tuple = SHORT_BUCKETS,
     ):
+        check_short(short_buckets)
         self.seed, self.batch_tokens, self.long_tokens, self.long_every = seed, batch_tokens, long_tokens, long_every
+        self.short_buckets = tuple(short_buckets)
         self.call = call
         self.recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
         self._progress = multiprocessing.Value("d", progress, lock=False)
@@ -123,14 +124,14 @@ class BatchStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
         rng = random.Random(f"train|{self.seed}|{worker}" + (f"|call{self.call}" if self.call else ""))
-        pools = {b: [] for b in SHORT_BUCKETS + LONG_BUCKETS}
+        pools = {b: [] for b in self.short_buckets + LONG_BUCKETS}
         step = worker
         while True:
             long = self.long_every and step % self.long_every == self.long_every - 1
             buckets, budget, sample = (
                 (LONG_BUCKETS, self.long_tokens, sample_long)
                 if long
-                else (SHORT_BUCKETS, self.batch_tokens, sample_short)
+                else (self.short_buckets, self.batch_tokens, sample_short)
             )
             stage = self.stage()
             while True:

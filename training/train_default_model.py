@@ -39,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.curriculum import DEFAULT_RECIPE, RECIPES  # noqa: E402 (no torch: arguments are checked first)
+from training.buckets import SHORT_BUCKETS, parse_short  # noqa: E402 (no torch: arguments are checked first)
+from training.curriculum import DEFAULT_RECIPE, RECIPES  # noqa: E402
 
 CONFIG = Path(__file__).with_name("default_model_config.json")
 
@@ -60,6 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--batch-tokens", type=int, default=40960, help="padded tokens per short batch")
     p.add_argument("--long-tokens", type=int, default=24576, help="padded tokens per long (deep retrieval) batch")
     p.add_argument("--long-every", type=int, default=8, help="every N-th batch is a long one (0: never)")
+    p.add_argument(
+        "--short-buckets",
+        default=",".join(str(b) for b in SHORT_BUCKETS),
+        help="padded lengths of the short batches' length buckets, rising, the largest at least "
+        f"{SHORT_BUCKETS[-1]} (fewer buckets: fewer shapes for --step compiled to compile, more padding)",
+    )
     p.add_argument("--exit-layers", default="3,4", help="early-exit layers trained through the shared head")
     p.add_argument("--exit-weight", type=float, default=0.2, help="weight of each early-exit loss")
     p.add_argument("--kl-weight", type=float, default=1.0, help="weight of the indexer KL loss")
@@ -170,6 +177,10 @@ def check_args(args) -> dict | None:
         [int(x) for x in args.exit_layers.split(",") if x]
     except ValueError:
         raise SystemExit(f"--exit-layers {args.exit_layers!r}: expected layer numbers, e.g. 3,4") from None
+    try:
+        parse_short(args.short_buckets)
+    except ValueError as exc:
+        raise SystemExit(f"--short-buckets {args.short_buckets!r}: {exc}") from None
     if args.mix:
         try:
             RECIPES[args.recipe or DEFAULT_RECIPE].reweighted(args.mix)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from evalpipe.engine.model.config import load_config
-from training import curriculum, data, fast_forward, objectives
+from training import buckets, curriculum, data, fast_forward, objectives
 
 
 def build_model(args, device):
@@ -124,6 +124,27 @@ def step_losses(model, args, exit_layers, device, kind: str):
     if kind == "dynamic":
         return torch.compile(losses, dynamic=True)
     return torch.compile(losses) if kind == "compiled" else losses
+
+
+def precompile(model, taps, args, device, autocast, losses, topks) -> int:
+    """Run the step once per (batch shape, CSA top-k) the run can meet, before its clock starts, so a compiled
+    step's compiles (a graph for each) neither stall the loop later nor bias `--time-budget`'s plan. The synthetic
+    batches' gradients and router counts are dropped: the weights and the optimizer do not move. Returns how many
+    steps it ran."""
+    shapes = buckets.batch_shapes(
+        args.batch_tokens, args.long_tokens, args.long_every, buckets.parse_short(args.short_buckets)
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.vocab_size
+    for rows, width in shapes:
+        ids = torch.randint(0, vocab, (rows, width), generator=gen)
+        batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "prompt_labels": ids.roll(-1, 1)}
+        for k in topks:
+            taps.set_index_topk(k)
+            train_step(model, taps, batch, args, device, autocast, losses)
+            model.zero_grad(set_to_none=True)
+            taps.clear()
+    return len(shapes) * len(topks)
 
 
 def optimizer_step(model, taps, opt, args) -> None:
@@ -291,6 +312,7 @@ def train(args, prior: dict | None) -> None:
         call=call,
         recipe=recipe,
         progress=prior["steps"] / prior["planned_steps"] if prior else 0.0,
+        short_buckets=buckets.parse_short(args.short_buckets),
     )
     loader = torch.utils.data.DataLoader(
         stream,
@@ -340,6 +362,14 @@ def train(args, prior: dict | None) -> None:
             "calls": calls + [{**this_call, "last_step": step, "wall_s": call_wall}],
         }
 
+    if step_kind == "compiled":
+        planned_before = prior["planned_steps"] if prior else None
+        dense_left = not planned_before or prior["steps"] < args.dense_fraction * planned_before
+        started = time.time()
+        ran = precompile(model, taps, args, device, autocast, losses, ([10**9] if dense_left else []) + [topk])
+        this_call["precompile_s"] = round(time.time() - started, 1)
+        print(f"compiled the step for {ran} batch shapes and top-ks in {this_call['precompile_s']} s", flush=True)
+        t0 = last_eval = time.time()
     t_cal = time.time()  # reset at the tenth step of this call, when compilation is behind it
     for batch in loader:
         local = step - first_step
