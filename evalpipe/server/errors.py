@@ -33,12 +33,17 @@ _TYPES = {
 _LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
+# Built once (json.dumps builds an encoder per call, and a stream encodes a chunk per token). No cycle check: every
+# body is acyclic plain data built per response, so the check would only cost a dict insert and delete per container.
+_ENCODE = json.JSONEncoder(ensure_ascii=False, allow_nan=False, check_circular=False, separators=(",", ":")).encode
+
+
 def json_bytes(obj) -> bytes:
     """Compact UTF-8 JSON that any reader can take as one line, and that never fails on a lone surrogate.
 
     A lone surrogate (from a request string, e.g. `"\\ud800"`) cannot be UTF-8 encoded; backslashreplace writes it
     as the JSON escape it came in as (it only ever occurs inside a JSON string, where `\\udXXX` is valid)."""
-    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    text = _ENCODE(obj)
     if "\x85" in text or "\u2028" in text or "\u2029" in text:  # rare; translate costs a dict lookup per character
         text = text.translate(_LINE_BREAKS)
     return text.encode("utf-8", "backslashreplace")

@@ -72,8 +72,10 @@ class Job:
         self.choices = [Choice(prompt_ids=p) for p in self.prompts for _ in range(self.n)]
 
     def usage(self) -> dict:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(c.token_ids) for c in self.choices)
+        """The usage object. Streams with continuous_usage_stats build one per chunk, so the sums run over lists
+        (less per call than generator expressions)."""
+        prompt = sum(map(len, self.prompts))
+        completion = sum([len(c.token_ids) for c in self.choices])
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -85,9 +87,10 @@ class Job:
         """Prompt tokens served from the prefix cache, counted once per prompt like prompt_tokens (the best of its
         n choices: a later choice may hit the pages an earlier one just computed)."""
         n = max(1, self.n)
-        return sum(
-            max((c.cached_tokens for c in self.choices[i : i + n]), default=0) for i in range(0, len(self.choices), n)
-        )
+        cached = [c.cached_tokens for c in self.choices]
+        if n == 1:
+            return sum(cached)
+        return sum(max(cached[i : i + n]) for i in range(0, len(cached), n))
 
 
 def engine_gone(exc: Exception) -> APIError:

@@ -103,21 +103,22 @@ def full_response(state, job: Job) -> dict:
 async def sse_stream(state, job: Job, request: Request) -> AsyncIterator[bytes]:
     """The job's SSE events: (chat) a role chunk per choice, one chunk per engine event, the usage chunk when
     asked for, `[DONE]`; an engine failure is the stream's last event; nothing more once the client left."""
-    obj = "chat.completion.chunk" if job.chat else "text_completion"
-    with_usage = job.include_usage or job.continuous_usage
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        body = {
+    head = _chunk_head(
+        {
             "id": job.id,
-            "object": obj,
+            "object": "chat.completion.chunk" if job.chat else "text_completion",
             "created": job.created,
             "model": job.model,
             "system_fingerprint": fingerprint(state),
-            "choices": choices,
         }
+    )
+    with_usage = job.include_usage or job.continuous_usage
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+        rest: dict[str, Any] = {"choices": choices}
         if with_usage:
-            body["usage"] = usage if usage is not None else (job.usage() if job.continuous_usage else None)
-        return _data(body)
+            rest["usage"] = usage if usage is not None else (job.usage() if job.continuous_usage else None)
+        return _chunk(head, rest)
 
     started: set[int] = set()
     splitters = {i: _splitter(state, job) for i in range(len(job.choices))}
@@ -172,6 +173,18 @@ def _splitter(state, job: Job) -> ToolCallSplitter | None:
     if job.tool_marker is None:
         return None
     return ToolCallSplitter(decode=state.tokenizer.decode, marker=job.tool_marker, parallel=job.parallel_tool_calls)
+
+
+def _chunk_head(fields: dict) -> bytes:
+    """`data: ` and a stream's fixed fields (id, object, created, model, system_fingerprint) as a JSON object left
+    open for more: encoded once per stream rather than again in every chunk."""
+    return b"data: " + json_bytes(fields)[:-1] + b","
+
+
+def _chunk(head: bytes, rest: dict) -> bytes:
+    """One SSE event: `head` (from _chunk_head) and the chunk's own fields; the bytes `_data` gives for the two
+    dicts merged, since json_bytes writes a dict's members one after the other (`rest` is never empty)."""
+    return head + json_bytes(rest)[1:] + b"\n\n"
 
 
 def _data(body: dict) -> bytes:
