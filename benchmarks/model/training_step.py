@@ -8,9 +8,11 @@ same losses (the options change kernels, not the function).
 
 Prints one row per (option, batch): ms per optimizer step, padded tokens/s, peak memory, the first step's loss.
 `--stream N` adds one row per option over N consecutive batches of the training script's own stream (its length
-buckets and every 8th batch long, as the loop sees them, data loading excluded) with the loop's full optimizer
-step, and the share of that wall time the GPU spends in kernels (torch.profiler over the last batches): well under
-100% means the step is bound by the host launching kernels, not by the GPU.
+buckets, `--short-buckets` as the script takes it, and every 8th batch long, as the loop sees them, data loading
+excluded) with the loop's full optimizer step: the untimed first step of each batch shape apart (a compiled
+option's compiles), the share of real tokens, and the share of that wall time the GPU spends in kernels
+(torch.profiler over the last batches): well under 100% means the step is bound by the host launching kernels,
+not by the GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from training import data, objectives, trainer
+from training import buckets, data, objectives, trainer
 from training.train_default_model import parse_args
 
 # an option is an experts implementation of transformers' forward ("+compile": through model.compile()), or the
@@ -114,11 +116,18 @@ def profile_option(option: str, batch: dict, device, top: int = 45) -> str:
 
 
 def time_stream(option: str, batches: list[dict], device, profiled: int = 6) -> dict:
-    """The loop's step over the stream's batches: mean ms per step, and kernel time / wall over the last ones."""
-    step, sync = make_step(*parse_option(option), device)
-    for batch in batches[:3]:  # warm-up: allocator, autotuning
+    """The loop's step over the stream's batches: one untimed step per batch shape first (a compiled option's
+    compiles, timed apart), then mean ms per step, the share of real (unpadded) tokens, and kernel time / wall over
+    the last ones."""
+    experts, compiled = parse_option(option)
+    step, sync = make_step(experts, device, compiled)
+    first_of_shape = {tuple(b["input_ids"].shape): b for b in reversed(batches)}
+    started = time.perf_counter()
+    for batch in first_of_shape.values():
         step(batch)
-    timed = batches[3:]
+    sync()
+    warm_s = time.perf_counter() - started
+    timed = batches
     by_shape: dict[tuple, list[float]] = {}
     sync()
     t = time.perf_counter()
@@ -142,7 +151,17 @@ def time_stream(option: str, batches: list[dict], device, profiled: int = 6) -> 
             wall = time.perf_counter() - t
         kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
         busy = kernel_us / 1e6 / wall
-    return {"ms": per_step * 1e3, "tok_s": tokens / per_step, "tokens": tokens, "busy": busy, "by_shape": by_shape}
+    real = sum(int((b["input_ids"] != data.PAD_ID).sum()) for b in timed) / len(timed)
+    return {
+        "ms": per_step * 1e3,
+        "tok_s": tokens / per_step,
+        "tokens": tokens,
+        "real_share": real / tokens,
+        "busy": busy,
+        "by_shape": by_shape,
+        "warm_s": warm_s,
+        "shapes": len(first_of_shape),
+    }
 
 
 def main() -> None:
@@ -157,6 +176,17 @@ def main() -> None:
         help="also time this many batches of the training stream with the loop's full step (0: off)",
     )
     ap.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=40960,
+        help="with --stream: padded tokens per short batch (long batches: 24,576)",
+    )
+    ap.add_argument(
+        "--short-buckets",
+        default=",".join(str(b) for b in buckets.SHORT_BUCKETS),
+        help="with --stream: the short batches' length buckets, as the training script's flag",
+    )
+    ap.add_argument(
         "--options", default=",".join(OPTIONS), help=f"comma-separated options to time (default: {','.join(OPTIONS)})"
     )
     ap.add_argument(
@@ -168,12 +198,14 @@ def main() -> None:
     ap.add_argument(
         "--smoke",
         action="store_true",
-        help="seconds on the CPU: two 128-token rows, one timed step, eager experts (checks the script runs)",
+        help="seconds on the CPU: two 128-token rows, one timed step, eager experts, and a 2-batch stream of "
+        "1,024-token batches in two buckets (checks the script runs)",
     )
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.batch_tokens, args.width, args.steps, args.options, args.device = "256", 128, 1, "eager,fast", "cpu"
+        args.stream, args.stream_tokens, args.short_buckets = 2, 1024, "512,1024"
     options = args.options.split(",")
     for option in options:
         parse_option(option)
@@ -197,16 +229,31 @@ def main() -> None:
         print(f"\nprofile of {args.profile} at {sizes[0]} tokens, two steps")
         print(profile_option(args.profile, batch_of(sizes[0], args.width, seed=sizes[0]), device), flush=True)
     if args.stream:
-        it = iter(data.BatchStream(seed=0, batch_tokens=40960, long_tokens=24576, long_every=8))
-        batches = [next(it) for _ in range(args.stream + 3)]
-        print(
-            f"\ntraining stream, {args.stream} timed batches (the loop's buckets, every 8th long), full optimizer step"
+        try:
+            short = buckets.parse_short(args.short_buckets)
+        except ValueError as exc:
+            raise SystemExit(f"--short-buckets {args.short_buckets!r}: {exc}") from None
+        stream = data.BatchStream(
+            seed=0, batch_tokens=args.stream_tokens, long_tokens=24576, long_every=8, short_buckets=short
         )
-        print(f"{'option':<19} {'mean tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'GPU busy':>9}")
+        it = iter(stream)
+        batches = [next(it) for _ in range(args.stream)]
+        print(
+            f"\ntraining stream, {args.stream} timed batches (short buckets {args.short_buckets}, every 8th long), "
+            "full optimizer step, after one untimed step per batch shape"
+        )
+        print(
+            f"{'option':<19} {'shapes':>6} {'warm-up s':>9} {'mean tokens':>12} {'ms/step':>9} {'tokens/s':>10} "
+            f"{'real share':>10} {'real tok/s':>10} {'GPU busy':>9}"
+        )
         for option in options:
             r = time_stream(option, batches, device)
             busy = f"{r['busy']:.0%}" if r["busy"] is not None else "n/a"
-            print(f"{option:<19} {r['tokens']:>12.0f} {r['ms']:>9.1f} {r['tok_s']:>10.0f} {busy:>9}", flush=True)
+            print(
+                f"{option:<19} {r['shapes']:>6} {r['warm_s']:>9.1f} {r['tokens']:>12.0f} {r['ms']:>9.1f} "
+                f"{r['tok_s']:>10.0f} {r['real_share']:>10.2f} {r['tok_s'] * r['real_share']:>10.0f} {busy:>9}",
+                flush=True,
+            )
             for (rows, width), times in sorted(r["by_shape"].items(), key=lambda kv: kv[0][1]):
                 print(f"  {rows:>4} x {width:<5} {len(times):>3} steps {1e3 * sum(times) / len(times):>8.1f} ms/step")
 
