@@ -57,15 +57,20 @@ def ties(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
 
 def draw(gen: torch.Generator, dtype: torch.dtype, split: int, with_bias: bool):
     """Partials [B, split, M, N] and a bias [N] (or None); a quarter of the columns sum to ties of `dtype`
-    exactly (the tie in slice 0, +-0 in the others, a +0 bias)."""
-    B, M, N = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 4), (1, 40), (1, 150)))
+    exactly (the tie in slice 0, +-0 in the others, a +0 bias), and two other columns hold a NaN and an inf (in
+    slice 0 of the first row, the other slices and the bias 0 there), so small draws still meet both."""
+    B, M, N = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 4), (1, 40), (4, 150)))
     parts = random_floats((B, split, M, N), gen)
     bias = random_floats((N,), gen).to(dtype) if with_bias else None
-    cols = torch.randperm(N, generator=gen)[: N // 4 + 1]
+    order = torch.randperm(N, generator=gen)
+    cols, (nan_col, inf_col) = order[: N // 4 + 1], order[N // 4 + 1 : N // 4 + 3].tolist()
     parts[:, 0, :, cols] = ties((B, M, len(cols)), dtype, gen)
     parts[:, 1:, :, cols] = torch.where(torch.rand((B, split - 1, M, len(cols)), generator=gen) < 0.5, -0.0, 0.0)
+    for col, value in ((nan_col, float("nan")), (inf_col, float("-inf"))):
+        parts[0, 0, 0, col], parts[0, 1:, 0, col] = value, 0.0
     if bias is not None:
         bias[cols] = 0.0
+        bias[[nan_col, inf_col]] = 0.0
     return parts, bias
 
 
