@@ -123,7 +123,13 @@ def step_losses(model, args, exit_layers, device, kind: str):
 
     if kind == "dynamic":
         return torch.compile(losses, dynamic=True)
-    return torch.compile(losses) if kind == "compiled" else losses
+    if kind == "compiled":
+        # one static graph per (batch shape, top-k): left to itself, torch recompiles at the second shape with
+        # symbolic sizes (automatic_dynamic_shapes), the `dynamic` path, and stops compiling this function after
+        # recompile_limit graphs (8 in torch 2.13), fewer than a run's 12 shapes at two top-ks
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch.compile(losses, dynamic=False)
+    return losses
 
 
 def precompile(model, taps, args, device, autocast, losses, topks) -> int:
