@@ -85,16 +85,19 @@ def time_option(experts: str, batch: dict, steps: int, device, compiled: bool = 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     first_loss = None
+    started = time.perf_counter()
     for i in range(steps + 2):  # two untimed steps: compilation and allocator warm-up
         if i == 2:
             sync()
             t = time.perf_counter()
+            warm_s = t - started
         stats = step(batch)
         first_loss = first_loss if first_loss is not None else float(stats["loss"])
     sync()
     per_step = (time.perf_counter() - t) / steps
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    return {"ms": per_step * 1e3, "tok_s": batch["input_ids"].numel() / per_step, "mem": mem, "loss": first_loss}
+    tok_s = batch["input_ids"].numel() / per_step
+    return {"ms": per_step * 1e3, "tok_s": tok_s, "mem": mem, "loss": first_loss, "warm_s": warm_s}
 
 
 def profile_option(option: str, batch: dict, device, top: int = 45) -> str:
@@ -213,7 +216,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, width {args.width}, {args.steps} timed steps per row")
-    print(f"{'option':<19} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss@0':>8}")
+    print(
+        f"{'option':<19} {'batch tokens':>12} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss@0':>8} "
+        f"{'warm-up s':>9}"
+    )
     sizes = [int(x) for x in args.batch_tokens.split(",")]
     for tokens in sizes:
         batch = batch_of(tokens, args.width, seed=tokens)
@@ -222,7 +228,7 @@ def main() -> None:
             r = time_option(experts, batch, args.steps, device, compiled)
             print(
                 f"{option:<19} {batch['input_ids'].numel():>12} {r['ms']:>9.1f} "
-                f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f}",
+                f"{r['tok_s']:>10.0f} {r['mem']:>9.1f} {r['loss']:>8.4f} {r['warm_s']:>9.1f}",
                 flush=True,
             )
     if args.profile:
