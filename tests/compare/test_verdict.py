@@ -148,7 +148,7 @@ def test_repeated_t_interval_covers_with_30_questions_where_the_normal_one_does_
 def test_zero_flips_is_non_inferior_at_one_point_only_from_381_questions(n, expected):
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     right = rng.random(n) < 0.7
-    right[rng.integers(n)] = True  # all-wrong arms are not-evaluable (tested below); 0.3**4 of small draws were
+    right[rng.integers(n)] = True  # all-wrong arms are not-evaluable (tested below): 0.3**4 of n=4 draws
     g = compare_greedy(right, right.copy(), margin_pts=1.0, n_resamples=200)
     assert g.verdict == expected
     assert g.bootstrap["ci_low"] == g.bootstrap["ci_high"] == 0.0  # what used to decide, and why it could not

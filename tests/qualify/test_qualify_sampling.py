@@ -252,15 +252,15 @@ def test_the_collapse_statistic_is_standard_normal_under_the_null():
     z's mean is 0 within 4 standard errors, its sd 1 within 5% (4.5 standard errors of a sample sd), and the
     two-sided p-values are uniform (scipy's KS at 1e-4). Correct code fails about 2 runs in 10,000; with 2,000 runs
     the sd bound was 3.2 standard errors and the KS bound 1e-3, about 3 in 1,000."""
-    rng = np.random.default_rng()
+    rng, runs = np.random.default_rng(), 4000
     zs, ps = [], []
-    for _ in range(4000):
+    for _ in range(runs):
         p_max = rng.beta(0.8, 0.6, 12_000)
         hits = int((rng.random(12_000) < p_max).sum())
         _, z, p = hit_test(hits, p_max)
         zs.append(z)
         ps.append(p)
-    assert abs(np.mean(zs)) < 4 / math.sqrt(4000) and abs(np.std(zs) - 1) < 0.05
+    assert abs(np.mean(zs)) < 4 / math.sqrt(runs) and abs(np.std(zs) - 1) < 0.05
     assert stats.kstest(ps, "uniform").pvalue > 1e-4
 
 
