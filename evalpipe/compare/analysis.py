@@ -17,7 +17,7 @@ from evalpipe.compare.intervals import upper_bound_rate
 from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
 from evalpipe.harness import metrics, spec_metrics
 from evalpipe.harness.agreement import compare_outputs, summarize_agreement
-from evalpipe.harness.metrics import completion_tokens, first_number, is_correct
+from evalpipe.harness.metrics import completion_tokens, is_correct
 from evalpipe.harness.server_facts import determinism_note, lossy_acceptance
 from evalpipe.redact import redact
 
@@ -121,12 +121,11 @@ def spec_stats(recs: list[dict]) -> dict:
 
     Per record the accept length is metrics.accept_length (the server's figure, else tokens / verify steps). Per-step
     lengths (`accept_lengths`), a histogram by length (`accept_length_histogram`) or by accepted drafts
-    (`accept_histogram`, the native engine's; length = drafts + 1) feed the
-    distribution; else the per-record means do. The token-weighted mean is sum(tokens) / sum(steps).
+    (metrics.draft_histogram: the native engine's and SGLang's; length = drafts + 1) feed the distribution; else
+    the per-record means do. The token-weighted mean is metrics.token_weighted_accept_length, as in acceptance.py.
     """
     per_record: list[float] = []
     steps: list[int] = []
-    tok_sum = step_sum = 0
     n_with = n_lossy = 0
     rules: set[str] = set()
     for r in recs:
@@ -137,17 +136,12 @@ def spec_stats(recs: list[dict]) -> dict:
         n_lossy += spec.get("lossy") is True
         if isinstance(spec.get("accept"), dict) and spec["accept"].get("rule"):
             rules.add(str(spec["accept"]["rule"]))
-        verify = first_number(spec, metrics.VERIFY_STEP_KEYS)
-        tokens = first_number(spec, metrics.SPEC_TOKEN_KEYS) or completion_tokens(r)
         al = metrics.accept_length(r)
         if al is not None:
             per_record.append(al)
-        if verify and tokens:
-            tok_sum += tokens
-            step_sum += verify
         lengths = spec.get("accept_lengths")
         hist = spec.get("accept_length_histogram")
-        drafts_hist = spec.get("accept_histogram", spec.get("spec_correct_drafts_histogram"))
+        drafts_hist = metrics.draft_histogram(r)
         if isinstance(drafts_hist, list) and not isinstance(lengths, list) and hist is None:
             # index = accepted drafts per verify step; the accept length adds the bonus token
             hist = [0] + [int(c or 0) for c in drafts_hist]
@@ -166,7 +160,7 @@ def spec_stats(recs: list[dict]) -> dict:
     return {
         "n_records_with_spec": n_with,
         "accept_length_mean": metrics.mean_accept_length(recs),
-        "accept_length_token_weighted": tok_sum / step_sum if step_sum else None,
+        "accept_length_token_weighted": metrics.token_weighted_accept_length(recs),
         "accept_length_median": float(np.median(per_record)) if per_record else None,
         "histogram_basis": "per-step accept lengths" if steps else "per-record mean accept length, rounded",
         "histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),

@@ -24,20 +24,7 @@ from typing import Any, Optional
 from evalpipe.harness import metrics
 
 CONTEXT_BUCKETS = (0, 256, 1024, 4096, 16384, 32768)  # lower edges, prompt tokens
-# native; SGLang's meta_info: spec_correct_drafts_histogram, and spec_accept_histogram, the alias it still sends
-HISTOGRAM_KEYS = ("accept_histogram", "spec_correct_drafts_histogram", "spec_accept_histogram")
 BASELINE_SCHEMA = "evalpipe-accept-baseline/1"
-
-
-def _histogram(rec: dict) -> Optional[list]:
-    spec = rec.get("spec")
-    if not isinstance(spec, dict):
-        return None
-    for key in HISTOGRAM_KEYS:
-        hist = spec.get(key)
-        if isinstance(hist, list) and hist and all(isinstance(h, (int, float)) for h in hist):
-            return [float(h) for h in hist]
-    return None
 
 
 def _bucket(rec: dict) -> str:
@@ -51,21 +38,20 @@ def _bucket(rec: dict) -> str:
 
 
 def _profile(recs: list[dict]) -> Optional[dict]:
-    pairs = [(r, h) for r in recs for h in [_histogram(r)] if h is not None and sum(h) > 0]
+    pairs = [(r, h) for r in recs for h in [metrics.draft_histogram(r)] if h is not None and sum(h) > 0]
     if not pairs:
         return None
     width = max(len(h) for _, h in pairs)
     totals = [sum(h[i] for _, h in pairs if i < len(h)) for i in range(width)]
     steps = sum(totals)
     per_position = [sum(totals[j:]) / steps for j in range(1, width)]
-    tokens = sum(metrics.completion_tokens(r) or 0 for r, _ in pairs)
     lengths = [x for x in (metrics.accept_length(r) for r, _ in pairs) if x is not None]
     return {
         "responses": len(pairs),
         "verify_steps": int(steps),
         "per_position": per_position,
         "request_weighted_accept_length": statistics.fmean(lengths) if lengths else None,
-        "token_weighted_accept_length": tokens / steps if steps else None,
+        "token_weighted_accept_length": metrics.token_weighted_accept_length(r for r, _ in pairs),
     }
 
 

@@ -21,6 +21,9 @@ NO_ANSWER = "no_answer"  # the grade status of a complete response with nothing 
 ACCEPT_LENGTH_KEYS = ("accept_length", "spec_accept_length", "avg_accept_length", "mean_accept_length")
 VERIFY_STEP_KEYS = ("verify_steps", "verify_ct", "spec_verify_ct", "num_verify_steps")
 SPEC_TOKEN_KEYS = ("num_tokens", "accepted_tokens_total")
+# Steps that accepted exactly i drafts, i = 0..G: the native `accept_histogram`; SGLang's meta_info
+# `spec_correct_drafts_histogram`, and `spec_accept_histogram`, the older name it still sends.
+DRAFT_HISTOGRAM_KEYS = ("accept_histogram", "spec_correct_drafts_histogram", "spec_accept_histogram")
 
 
 def is_error(rec: dict) -> bool:
@@ -73,9 +76,52 @@ def accept_length(rec: dict) -> Optional[float]:
     value = first_number(spec, ACCEPT_LENGTH_KEYS)
     if value is not None:
         return float(value)
-    verify = first_number(spec, VERIFY_STEP_KEYS)
+    verify = verify_steps(rec)
     tokens = first_number(spec, SPEC_TOKEN_KEYS) or completion_tokens(rec)
     return tokens / verify if verify and tokens else None
+
+
+def draft_histogram(rec: dict) -> Optional[list[float]]:
+    """The record's verify steps by accepted drafts (index i: steps that accepted exactly i), or None."""
+    spec = rec.get("spec")
+    if not isinstance(spec, dict):
+        return None
+    for key in DRAFT_HISTOGRAM_KEYS:
+        hist = spec.get(key)
+        if isinstance(hist, list) and hist and all(_is_number(h) for h in hist):
+            return [float(h) for h in hist]
+    return None
+
+
+def verify_steps(rec: dict) -> Optional[float]:
+    """The record's verify steps: the server's count, else the sum of its draft histogram, else None."""
+    spec = rec.get("spec")
+    if not isinstance(spec, dict):
+        return None
+    count = first_number(spec, VERIFY_STEP_KEYS)
+    if count is not None:
+        return count
+    hist = draft_histogram(rec)
+    return sum(hist) if hist else None
+
+
+def token_weighted_accept_length(recs: Iterable[dict]) -> Optional[float]:
+    """All completion tokens over all verify steps, over the records that carry both (long completions dominate)."""
+    tokens = steps = 0.0
+    for rec in recs:
+        spec = rec.get("spec")
+        if not isinstance(spec, dict):
+            continue
+        n_steps = verify_steps(rec)
+        n_tokens = first_number(spec, SPEC_TOKEN_KEYS) or completion_tokens(rec)
+        if n_steps and n_tokens:
+            tokens += n_tokens
+            steps += n_steps
+    return tokens / steps if steps else None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def mean_accept_length(recs: Iterable[dict]) -> Optional[float]:

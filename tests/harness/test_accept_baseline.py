@@ -28,6 +28,29 @@ def fake_record(rng: random.Random, g: int) -> dict:
     }
 
 
+
+def sglang_record(rng: random.Random, g: int, key: str) -> dict:
+    """A record as SGLang's meta_info gives it: a draft histogram under one of its two names, no verify count."""
+    hist = [rng.randint(0, 5) for _ in range(g + 1)]
+    hist[rng.randrange(g + 1)] += 1  # at least one verify step
+    tokens = sum(i * h for i, h in enumerate(hist)) + sum(hist)
+    return {"spec": {key: hist}, "usage": {"prompt_tokens": 100, "completion_tokens": tokens}}
+
+
+@pytest.mark.parametrize("key", ["spec_accept_histogram", "spec_correct_drafts_histogram", "accept_histogram"])
+def test_acceptance_and_compare_read_the_same_token_weighted_accept_length(key):
+    """One definition (metrics.token_weighted_accept_length) behind acceptance.json and compare.json's spec block:
+    on SGLang-shaped records they agree with each other and with a direct count, under every histogram name."""
+    from evalpipe.compare.analysis import spec_stats
+
+    rng = random.Random(11)
+    for _ in range(10):
+        recs = [sglang_record(rng, rng.randint(1, 5), key) for _ in range(rng.randint(1, 8))]
+        direct = sum(r["usage"]["completion_tokens"] for r in recs) / sum(sum(r["spec"][key]) for r in recs)
+        assert profile(recs)["token_weighted_accept_length"] == pytest.approx(direct)
+        assert spec_stats(recs)["accept_length_token_weighted"] == pytest.approx(direct)
+        assert spec_stats(recs)["histogram_basis"] == "per-step accept lengths"
+
 def test_profile_matches_a_direct_count_on_random_records():
     rng = random.Random(5)
     for _ in range(20):
