@@ -1,5 +1,5 @@
 """The package's import graph, built from the source (ast, every import statement, function-level ones included):
-no cycles between modules, and each layer imports only the layers below it (README "Architecture").
+no cycles between modules, and each layer imports only the layers below it (docs/architecture.md).
 
 Every violation is listed with its file and line; those in engine/, kernels/ or server/ are marked engine-side."""
 
@@ -169,7 +169,7 @@ TESTS = PACKAGE.parent / "tests"
 
 
 def test_tests_mirror_the_packages_and_helpers_sit_in_support():
-    """README "Architecture": test files live in a folder named after what they test (a package of evalpipe, or
+    """docs/architecture.md: test files live in a folder named after what they test (a package of evalpipe, or
     benchmarks, training, interop); only this file sits at the top; every module that is not a test is in
     tests/support (conftest.py files aside)."""
     flat = sorted(p.name for p in TESTS.glob("test_*.py") if p.name != "test_architecture.py")

@@ -19,12 +19,10 @@ and `--resume DIR` continues that state's schedule (same planned steps, same cos
 AdamW moments warmed up again over `--rewarmup` steps (the moments are not saved: they would double the checkpoint)
 and a data stream of its own, so no example repeats the earlier call's. The receipt lists every call.
 
-On CUDA the training step runs training/fast_forward.py (`--step`; benchmarks/README.md has its speed) and evaluation
-uses transformers' `grouped_mm` experts (one grouped GEMM, no host sync per expert): the same
-function as the eager experts the oracle runs, 1.42x faster per step at the default batch on the H200
-(`python -m benchmarks.model.training_step`). At this size the run is limited by optimizer steps, not tokens: tripling
-the batch (131,072 tokens, with lr 2e-3 and a reweighted mixture) for 771 s reached only the loss the default batch
-reaches in 429 s (benchmarks/README.md).
+On CUDA the training step runs training/fast_forward.py (`--step fast` unless told otherwise) and evaluation uses
+transformers' `grouped_mm` experts (one grouped GEMM, no host sync per expert), the same function as the eager
+experts the oracle runs; `python -m benchmarks.model.training_step` times each step against transformers' forward,
+and benchmarks/README.md keeps its figures.
 
 This script checks its arguments (and the receipt --resume continues) before importing torch, so a refusal is
 immediate; the run itself is training/trainer.py.
@@ -123,9 +121,8 @@ def parse_args(argv=None):
         help="training forward: training/fast_forward.py through torch.compile (compiled), the same with "
         "symbolic batch and sequence sizes (dynamic: torch.compile(dynamic=True)), the same "
         "uncompiled (fast), or transformers' own forward with hooks (eager); evaluation always runs "
-        "transformers' forward (default: fast on CUDA, eager elsewhere; compiled is 3.8x faster per step "
-        "than transformers' forward but compiles once per batch shape, about a minute each; dynamic had not "
-        "finished its first step after 240 s on an H100, benchmarks/README.md 'Training step')",
+        "transformers' forward (default: fast on CUDA, eager elsewhere; compiled compiles once per batch shape; "
+        "speeds and compile times: benchmarks/README.md 'Training step')",
     )
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: 3 tiny steps, small eval")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")

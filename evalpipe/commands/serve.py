@@ -56,7 +56,7 @@ Arguments evalpipe does not know (e.g. --mem-fraction-static 0.8, --nnodes 2 --n
 The native engine's own flags are passed on to a launched native server as given.
 
 --dry-run prints the command and environment and starts nothing (where SGLang or vLLM is not installed, it is
-the only way to exercise those engines). vLLM's CPU build serves on a machine without GPUs: see README.
+the only way to exercise those engines). vLLM's CPU build serves on a machine without GPUs: see docs/engines.md.
 Each real launch writes a receipt JSON (argv, redacted environment, engine version, the server's own
 settings report, /v1/models, GPUs, start/ready/stop times).
 """

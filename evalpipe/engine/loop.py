@@ -6,8 +6,8 @@ has arrived, applies it (new requests, aborts, calls), runs one `Engine.step()` 
 `Step` message. A step that released no event (a prompt chunk, tokens held back by the stream interval) sends nothing,
 so neither process pays a message for it, except one empty `Step` every HEARTBEAT_S while such steps go on: the sign of
 life /health_generate takes from a busy engine. An abort therefore reaches the engine before its next forward, and the
-HTTP event loop and the model no longer share a GIL. Grammars compile on a worker thread, so a slow schema does not
-stall the steps of other requests.
+HTTP event loop and the model each have a GIL of their own. Grammars compile on a worker thread, so a slow schema does
+not stall the steps of other requests.
 """
 
 from __future__ import annotations

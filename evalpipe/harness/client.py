@@ -276,10 +276,9 @@ async def send(
 def streaming_client(api_key: Optional[str], timeout_s: float, connections: int) -> aiohttp.ClientSession:
     """An aiohttp session for `connections` streams in flight (enter it inside the event loop that reads them).
 
-    aiohttp, not httpx, reads streams: with its C HTTP parser a streamed event cost about half the client CPU of
-    httpx's when each read carries one event (33 against 59 us, benchmarks/harness/bench_client_ceiling.py), and a
-    bench whose client is the bound measures the client. Same timeouts (`timeout`), TLS context, key and proxy
-    settings."""
+    aiohttp, not httpx, reads streams: its C HTTP parser costs less client CPU per streamed event (measured by
+    benchmarks/harness/bench_client_ceiling.py), and a bench whose client is the bound measures the client. Same
+    timeouts (`timeout`), TLS context, key and proxy settings."""
     limits = timeout(timeout_s)
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=connections + 4, ssl=ssl_context(), keepalive_timeout=KEEPALIVE_EXPIRY_S),

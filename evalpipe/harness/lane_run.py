@@ -6,7 +6,7 @@ and its manifest(start) -> `Sending` sends every planned (question, repeat) thro
 each response graded and appended to responses.jsonl as a `Record` as it lands -> `finish`: summary.json +
 manifest(end). Ctrl-C keeps landed records and writes a partial summary.
 
-Exit codes (`RunOutcome.exit_code`, README "Running lanes"): 0 every planned item has a non-error record;
+Exit codes (`RunOutcome.exit_code`, docs/lanes.md): 0 every planned item has a non-error record;
 EXIT_ERRORS_REMAIN when some ended as error records (the message names how many and the `--resume` command
 that retries them); 3 refused (simulated acceptance); 130 SIGINT, 143 SIGTERM. A run that cannot start raises
 RunError (the CLI exits 1).

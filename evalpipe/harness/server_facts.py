@@ -86,8 +86,8 @@ def deterministic_label(value: Optional[bool]) -> str:
 
 def determinism_note(modes: Iterable[Optional[bool]]) -> str:
     """One line on what a greedy output difference between these servers (arms, or one server asked again) means:
-    with every one batch-invariant it is a bug, not noise; otherwise batch shape alone can cause it (README, "When
-    to use --deterministic", has the measured sizes)."""
+    with every one batch-invariant it is a bug, not noise; otherwise batch shape alone can cause it
+    (docs/deterministic.md has the measured sizes)."""
     modes = list(modes)
     if modes and all(m is True for m in modes):
         return "deterministic on everywhere: a greedy output difference between lossless settings is a bug, not noise"

@@ -554,15 +554,11 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
     return mode if mode != "auto" else ("mm" if tokens >= MM_MIN_TOKENS[kernel] else "gemv")
 
 
-# Expert-major tl.dot launch shapes for the larger graph buckets, from the H200 sweep of
-# benchmarks/kernels/step_moe_gpu.py
-# (hidden 4096, I 2048, bf16; gpu_results/2026-12-02/step_moe.log): one token block of up to 64 rows reads each
-# picked expert once instead of twice, and 64-row dot tiles keep it bandwidth-bound. E 8 top-2, T=64: gate_up 139.9 ->
-# 71.6 us, down 175.4 -> 107.0 us; T=32: gate_up 82.6 -> 62.0 us (down unchanged: kept). E 16 top-6 alike. Below
-# these row counts (T=1..6: decode and verify at small batch) the shapes measured in the first sweep stay.
-# down from 32 rows, with expert_groups G = 9 and 64-channel blocks: the H200 sweep of 2026-12-04
-# (gpu_results/2026-12-04/step_moe_groups.log), E 8 top-2 T=64 106.0 -> 89.5 us and T=32 72.4 -> 56.0 us; E 16 top-6
-# T=64 249.2 -> 193.9 us and T=32 169.8 -> 123.9 us. G is capped at E + 1 for models with fewer experts.
+# Expert-major tl.dot launch shapes for the larger graph buckets (from this row count up): one token block of up to
+# 64 rows reads each picked expert once instead of twice, and 64-row dot tiles keep the kernel bandwidth-bound; `down`
+# splits its experts into `expert_groups` (capped at E + 1 for models with fewer experts). Below these row counts
+# (decode and verify at small batch) the smaller shapes above stay. The sweeps that chose them:
+# benchmarks/kernels/step_moe_gpu.py, figures in benchmarks/README.md.
 MM_LARGE = {
     "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
     "down": (32, dict(block_t=64, block_m=32, block_n=64, block_k=128, num_warps=8, expert_groups=9)),

@@ -8,7 +8,7 @@ wrong.
 
 `datasets/arith-as-boxed.jsonl` holds the same problems in sgl-eval's dataset form (`sgl_eval_rows`; a test keeps
 the file equal to it), so `sgl-eval run gsm8k --from-dataset datasets/arith-as-boxed.jsonl --prompt math ...` sends
-the same messages and grades with the same grader (`sgl_eval_command`; README "Running lanes" shows it).
+the same messages and grades with the same grader (`sgl_eval_command`; docs/lanes.md shows it).
 """
 
 import sys

@@ -292,7 +292,7 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(abba):
 
 
 def test_readme_dspark_ab_preflight_against_stand_in_servers(tmp_path):
-    """The README's SGLang DSpark A/B, preflight only, against a stand-in that reports its arguments as SGLang
+    """docs/engines.md's SGLang DSpark A/B, preflight only, against a stand-in that reports its arguments as SGLang
     does: the speculation settings are explained by the declared flags; an unpinned random seed is not."""
     engine_command = f"--engine-command {shlex.quote(f'{shlex.quote(PY)} {shlex.quote(FAKE)}')}"
     common = (

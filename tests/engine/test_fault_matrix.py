@@ -1,4 +1,4 @@
-"""The fault matrix (README "Planted faults and the fault matrix"): for each `evalpipe serve --debug-fault`, which
+"""The fault matrix (docs/serving.md, "Planted faults"): for each `evalpipe serve --debug-fault`, which
 detector flags it, with its statistic, and which does not; the clean engine (speculation off and on) passes them all.
 
 Detectors, each a real command against a real `evalpipe serve --model evalpipe-skills-dsv4`:
@@ -16,7 +16,7 @@ One server at a time, started and stopped by the module fixture, which fills the
 its rows. On each server the sampling gate and the arith runs go together, then the batch-shape repeat alone. Cells
 no test reads are not run: the batch-variant rows' greedy agreement and acceptance (a one-question, one-token run
 only records the fault in a summary), stale-kv-after-reject's batch shape. `pytest tests/engine/test_fault_matrix.py
--s` prints the matrix as README shows it, and each server's seconds.
+-s` prints the matrix as docs/serving.md shows it, and each server's seconds.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ def fake_record(rng: random.Random, g: int) -> dict:
     }
 
 
-
 def sglang_record(rng: random.Random, g: int, key: str) -> dict:
     """A record as SGLang's meta_info gives it: a draft histogram under one of its two names, no verify count."""
     hist = [rng.randint(0, 5) for _ in range(g + 1)]
@@ -50,6 +49,7 @@ def test_acceptance_and_compare_read_the_same_token_weighted_accept_length(key):
         assert profile(recs)["token_weighted_accept_length"] == pytest.approx(direct)
         assert spec_stats(recs)["accept_length_token_weighted"] == pytest.approx(direct)
         assert spec_stats(recs)["histogram_basis"] == "per-step accept lengths"
+
 
 def test_profile_matches_a_direct_count_on_random_records():
     rng = random.Random(5)

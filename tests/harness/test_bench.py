@@ -283,7 +283,8 @@ def test_bench_refuses_clearly_before_any_request(tmp_path):
 
 
 def test_defaults_and_readme_example_fit_the_default_server():
-    """`evalpipe bench` with no length flags, and README's example, work against a default `evalpipe serve`."""
+    """`evalpipe bench` with no length flags, and docs/comparing.md's example, work against a default
+    `evalpipe serve`."""
     import re
 
     from evalpipe.engine.config import ENGINE_DEFAULTS
@@ -293,7 +294,7 @@ def test_defaults_and_readme_example_fit_the_default_server():
     defaults = {p.name: p.default for p in bench_cmd.params}
     assert defaults["input_len"] == BenchConfig.input_len and defaults["output_len"] == BenchConfig.output_len
     assert defaults["input_len"] + defaults["output_len"] <= limit
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "comparing.md").read_text()
     examples = [line for line in readme.splitlines() if line.startswith("evalpipe bench ")]
     assert examples
     for line in examples:

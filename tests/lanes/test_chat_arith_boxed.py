@@ -50,15 +50,15 @@ def test_the_sgl_eval_dataset_file_is_the_lane():
 
 
 def test_the_readme_shows_the_sgl_eval_command_the_tests_run():
-    """README "Running lanes" spells sgl_eval_command for the dataset file (less its --out-dir)."""
+    """docs/lanes.md spells sgl_eval_command for the dataset file (less its --out-dir)."""
     argv = sgl_eval_command(Path("datasets/arith-as-boxed.jsonl"), "http://127.0.0.1:30000/v1", Path("out"))
     assert argv[-2:] == ["--out-dir", "out"]
-    readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
+    readme = " ".join((REPO / "docs" / "lanes.md").read_text().replace("\\\n", " ").split())
     assert " ".join(["sgl-eval", *argv[1:-2]]) + " " in readme
 
 
 def sgl_eval_score(base_url: str, n: int, out: Path) -> float:
-    """sgl-eval's score of the first n rows of the dataset file, run as README "Running lanes" says."""
+    """sgl-eval's score of the first n rows of the dataset file, run as docs/lanes.md says."""
     out.mkdir(parents=True)
     subset = out / "rows.jsonl"
     subset.write_text("".join(DATASET.read_text().splitlines(keepends=True)[:n]))

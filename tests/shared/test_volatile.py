@@ -16,7 +16,7 @@ from evalpipe.compare.analysis import manifest_differences
 from evalpipe.harness import manifest
 from evalpipe.launchers.receipts import receipt_differences
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
 
 
 def vllm_models(created: int, perm: str, max_len: int = 4096, root: str = "/m/tiny") -> dict:
