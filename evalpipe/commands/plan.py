@@ -75,6 +75,7 @@ def command(margin_pts, discordance, pilots, repeats, icc, accuracy, as_json):
     """
     from evalpipe.compare.planning import Assumptions, assumptions_from, plan
     from evalpipe.compare.runfolder import RunFolderError
+    from evalpipe.commands.errors import BadInput
 
     if len(pilots) > 2:
         raise click.UsageError("--pilot is given once (one arm) or twice (arms A and B)")
@@ -82,7 +83,7 @@ def command(margin_pts, discordance, pilots, repeats, icc, accuracy, as_json):
     try:
         assume = assumptions_from(list(pilots), base)
     except RunFolderError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise BadInput(str(exc)) from None
     if discordance is not None:
         assume.discordance, assume.discordance_source = discordance, "given"
     if accuracy is not None:

@@ -77,7 +77,27 @@ def load(path: Path) -> dict:
         raise ReferenceError(f"{path}: not readable JSON ({exc})") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("fixtures"), list):
         raise ReferenceError(f"{path}: not a qualify reference (schema {SCHEMA!r} with a fixtures list)")
+    for i, fixture in enumerate(data["fixtures"]):
+        problem = fixture_problem(fixture)
+        if problem:
+            raise ReferenceError(f"{path}: fixture {i} {problem} (record the file again with --record-reference)")
     return data
+
+
+def fixture_problem(fixture: Any) -> Optional[str]:
+    """What makes one stored fixture unusable by `compare`, or None."""
+    if not isinstance(fixture, dict):
+        return f"is a {type(fixture).__name__}, not an object"
+    if not isinstance(fixture.get("body"), dict):
+        return "has no request body object"
+    if not isinstance(fixture.get("first_token"), dict):
+        return "has no first_token object"
+    if not isinstance(fixture.get("text"), str):
+        return "has no text"
+    for key in ("token_ids", "tokens", "logprobs"):
+        if fixture.get(key) is not None and not isinstance(fixture[key], list):
+            return f"has a {key} that is not a list"
+    return None
 
 
 def compare_one(ref: dict, out: Outcome) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20
@@ -80,7 +80,7 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=64)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range: each value its own generator state
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -106,11 +106,17 @@ class _Sampling(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         return refuse_surrogates(data)
 
+    @field_validator("stop")
+    @classmethod
+    def _stops_are_not_empty(cls, stop: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        if stop is not None and "" in ([stop] if isinstance(stop, str) else stop):
+            raise ValueError("a stop string must not be empty (an empty string matches everywhere)")
+        return stop
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return [s for s in stops if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class TextPart(BaseModel):
@@ -216,6 +222,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_output_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and other != value:
+            raise ValueError(f"max_tokens {other} and max_completion_tokens {value} disagree; send one of them")
+        return value
+
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None

@@ -240,6 +240,10 @@ def test_plan_reads_two_pilot_folders_and_refuses_bad_input(tmp_path):
     for bad in (["--discordance", "1.5"], ["--margin", "0"], ["--icc", "1"], ["--pilot", str(a)] * 3):
         res = CliRunner().invoke(plan_cmd, bad)
         assert res.exit_code == 2, (bad, res.output)
+    not_a_run = a.parent / "not-a-run"
+    not_a_run.mkdir()
+    res = CliRunner().invoke(plan_cmd, ["--margin", "2", "--pilot", str(not_a_run)])
+    assert res.exit_code == 2 and str(not_a_run) in res.output, res.output
 
 
 # ----------------------------------------------------------------------------- the terminal line and the gate

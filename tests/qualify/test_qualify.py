@@ -117,6 +117,25 @@ def test_bad_input_exits_2_and_no_connection_exits_3(scripted, tmp_path):
     assert code == 3 and "cannot reach" in output
 
 
+@pytest.mark.parametrize(
+    "fixture,problem",
+    [
+        ("a string", "fixture 0 is a str, not an object"),
+        ({"body": "x", "first_token": {}, "text": ""}, "fixture 0 has no request body object"),
+        ({"body": {}, "text": ""}, "fixture 0 has no first_token object"),
+        ({"body": {}, "first_token": {}, "text": "", "token_ids": 5}, "fixture 0 has a token_ids that is not a list"),
+    ],
+)
+def test_a_reference_with_a_malformed_fixture_exits_2_naming_the_file(scripted, tmp_path, fixture, problem):
+    from evalpipe.qualify.reference import SCHEMA
+
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"schema": SCHEMA, "fixtures": [fixture]}))
+    code, result, output = qualify(scripted, tmp_path / "out", *KEY_ARGS, "--reference", str(ref))
+    assert code == 2 and result is None
+    assert str(ref) in output and problem in output
+
+
 def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_another_model(native, tmp_path):
     ref = tmp_path / "ref.json"
     url = native.base + "/v1"

@@ -365,6 +365,11 @@ def assert_error(resp, status, param=None, code=None):
         ({"prompt": "x", "repetition_penalty": 1.3}, "repetition_penalty"),
         ({"prompt": "x", "logprobs": 50}, "logprobs"),
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "x", "seed": 2**64}, "seed"),  # would wrap onto seed 0
+        ({"prompt": "x", "seed": 2**70}, "seed"),
+        ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+        ({"prompt": "x", "stop": ""}, "stop"),  # an empty stop string matches everywhere
+        ({"prompt": "x", "stop": ["Q", ""]}, "stop"),
     ],
 )
 def test_bad_completion_params_are_400(server, model, body, param):
@@ -379,17 +384,38 @@ def test_bad_completion_params_are_400(server, model, body, param):
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6},
+            "max_completion_tokens",
+        ),
     ],
 )
 def test_bad_chat_params_are_400(server, model, body, param):
     assert_error(post(server, "/v1/chat/completions", {"model": model, **body}), 400, param=param)
 
 
-def test_neutral_penalties_are_accepted(client, model):
+def test_neutral_penalties_are_accepted_and_change_nothing(client, model):
+    plain = client.completions.create(model=model, prompt="Question: 3 + 4\nAnswer:", max_tokens=8, temperature=0)
     r = client.completions.create(
-        model=model, prompt="x", max_tokens=2, temperature=0, frequency_penalty=0, **extra(repetition_penalty=1.0)
+        model=model,
+        prompt="Question: 3 + 4\nAnswer:",
+        max_tokens=8,
+        temperature=0,
+        frequency_penalty=0,
+        presence_penalty=0,
+        **extra(repetition_penalty=1.0, return_token_ids=True),
     )
-    assert r.usage.completion_tokens >= 1
+    assert r.usage.completion_tokens == plain.usage.completion_tokens >= 1
+    assert r.choices[0].text == plain.choices[0].text
+
+
+def test_the_edges_of_the_seed_range_and_one_output_limit_twice_are_accepted(server, model):
+    for seed in (2**63 - 1, -(2**63), -1):
+        body = {"model": model, "prompt": "x", "max_tokens": 3, "temperature": 1, "seed": seed}
+        assert post(server, "/v1/completions", body).status_code == 200
+    same = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    reply = post(server, "/v1/chat/completions", {**same, "max_completion_tokens": 3})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
 
 
 def test_unknown_model_404(server, client):
