@@ -73,9 +73,9 @@ def command(margin_pts, discordance, pilots, repeats, icc, accuracy, as_json):
       evalpipe plan --margin 2 --pilot results/gsm8k/spec_off-1 --pilot results/gsm8k/spec_on-1
       evalpipe plan --margin 5 --repeats 32 --icc 0.6 --accuracy 0.4
     """
+    from evalpipe.commands.errors import BadInput
     from evalpipe.compare.planning import Assumptions, assumptions_from, plan
     from evalpipe.compare.runfolder import RunFolderError
-    from evalpipe.commands.errors import BadInput
 
     if len(pilots) > 2:
         raise click.UsageError("--pilot is given once (one arm) or twice (arms A and B)")
