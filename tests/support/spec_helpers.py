@@ -63,6 +63,7 @@ def finish(runner, decoder, seqs) -> None:
 
 def compare_with_tie_rule(got: list[int], want: list[int], margins: list[float], label: str) -> str:
     """Token-for-token equality; a first difference is accepted only at a numerical tie of the reference."""
+    assert len(got) == len(want) == len(margins), f"{label}: {len(got)} tokens against the reference's {len(want)}"
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if first is None:
         return f"{label}: {len(want)}/{len(want)} tokens equal"

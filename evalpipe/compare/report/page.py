@@ -133,6 +133,11 @@ def write_html(result: dict, out_dir: Path) -> Path:
     return path
 
 
+def render_page(template: str, title: str, **context: Any) -> str:
+    """One of the report templates beside this file in the page frame (the one place HTML is laid out)."""
+    return _ENV.get_template(template).render(title=title, css=Markup(CSS), **context)
+
+
 def _render(template: str, title: str, result: dict, **context: Any) -> str:
     forced = "; ".join(result["forced_over"]) if result.get("forced") else None
     return _ENV.get_template(template).render(title=title, css=Markup(CSS), forced_over=forced, **context)
