@@ -111,11 +111,7 @@ def command(
     records TTFT, total time, the server's accept length when reported, and run-level speculative counters from
     its /metrics (vLLM, SGLang). Writes bench.json (every event time and count) and prints medians.
     """
-    from rich.table import Table
-    from tqdm import tqdm
-
-    from evalpipe.console import make_console
-    from evalpipe.harness.bench import BenchConfig, BenchError, BenchState, run_bench, write_bench
+    from evalpipe.harness.bench import BenchConfig
 
     if client_processes > concurrency:
         raise click.BadParameter(
@@ -137,12 +133,22 @@ def command(
         timeout_s=timeout_s,
         client_processes=client_processes,
     )
-    bar = tqdm(total=warmup + rounds, desc="bench rounds", unit="round")
+    out = Path(out_dir) if out_dir else Path("results") / "bench" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    result, path = measure(cfg, out)
+    report(result, path, no_flush)
+
+
+def measure(cfg, out: Path) -> tuple[dict, Path]:
+    """Run the bench with a progress bar; (bench.json's content, its path). Ctrl-C keeps the finished rounds."""
+    from tqdm import tqdm
+
+    from evalpipe.harness.bench import BenchError, BenchState, run_bench, write_bench
+
+    bar = tqdm(total=cfg.warmup + cfg.rounds, desc="bench rounds", unit="round")
 
     def progress(done: int, total: int) -> None:
         bar.update(done - bar.n)
 
-    out = Path(out_dir) if out_dir else Path("results") / "bench" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     state = BenchState(cfg)
     try:
         result = asyncio.run(run_bench(cfg, progress, state))
@@ -157,32 +163,15 @@ def command(
         raise SystemExit(130)
     finally:
         bar.close()
-    path = write_bench(result, out)
+    return result, write_bench(result, out)
+
+
+def report(result: dict, path: Path, no_flush: bool) -> None:
+    """The medians table, the warnings, where bench.json went; exit 1 when no measured request succeeded."""
+    from evalpipe.console import make_console
+
     res = result["results"]
-    t = Table(title=f"evalpipe bench — {result['config']['model']} in={input_len} out={output_len} c={concurrency}")
-    for col in ("metric", "median", "values (measured rounds)"):
-        t.add_column(col)
-    for name in ("decode_tokens_per_s", "ttft_s", "total_s", "aggregate_tokens_per_s"):
-        vals = res[name]["values"]
-        t.add_row(
-            name,
-            "n/a" if res[name]["median"] is None else f"{res[name]['median']:.4g}",
-            ", ".join(f"{v:.4g}" for v in vals),
-        )
-    if res["accept_length_values"]:
-        t.add_row(
-            "accept_length",
-            f"{res['accept_length_median']:.4g}",
-            ", ".join(f"{v:.3g}" for v in res["accept_length_values"]),
-        )
-    run_level = res.get("spec_metrics") or {}
-    if run_level.get("mean_accept_length") is not None:
-        t.add_row(
-            "accept_length (run-level, /metrics)",
-            f"{run_level['mean_accept_length']:.4g}",
-            "server counters over the measured rounds, not per request",
-        )
-    make_console().print(t)
+    make_console().print(medians_table(result))
     if res["n_errors"]:
         msgs = sorted({str((r.get("error") or {}).get("message"))[:300] for r in result["requests"] if r.get("error")})
         click.echo(
@@ -197,3 +186,32 @@ def command(
     )
     if res["n_kept"] == 0:
         raise click.ClickException("no measured request succeeded")
+
+
+def medians_table(result: dict):
+    from rich.table import Table
+
+    res, config = result["results"], result["config"]
+    title = (
+        f"evalpipe bench — {config['model']} in={config['input_len']} out={config['output_len']} "
+        f"c={config['concurrency']}"
+    )
+    t = Table(title=title)
+    for col in ("metric", "median", "values (measured rounds)"):
+        t.add_column(col)
+    for name in ("decode_tokens_per_s", "ttft_s", "total_s", "aggregate_tokens_per_s"):
+        median = res[name]["median"]
+        t.add_row(
+            name, "n/a" if median is None else f"{median:.4g}", ", ".join(f"{v:.4g}" for v in res[name]["values"])
+        )
+    if res["accept_length_values"]:
+        values = ", ".join(f"{v:.3g}" for v in res["accept_length_values"])
+        t.add_row("accept_length", f"{res['accept_length_median']:.4g}", values)
+    run_level = res.get("spec_metrics") or {}
+    if run_level.get("mean_accept_length") is not None:
+        t.add_row(
+            "accept_length (run-level, /metrics)",
+            f"{run_level['mean_accept_length']:.4g}",
+            "server counters over the measured rounds, not per request",
+        )
+    return t

@@ -15,7 +15,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from evalpipe import __version__
@@ -51,132 +51,137 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequireAPIKey, api_keys=state.settings.api_keys())
     app.add_middleware(ContainErrors)  # outermost: also answers for an error in the key check
+    app.include_router(routes)
+    return app
 
-    def require_ready() -> None:
-        if state.load_error:
-            raise APIError(503, f"model failed to load: {state.load_error}", type="server_error")
-        if state.engine_error:
-            raise APIError(
-                503, f"the engine process died: {state.engine_error}", type="server_error", code="engine_dead"
-            )
-        if not state.ready.is_set():
-            raise APIError(
-                503, "The model is still loading. Retry later.", code="model_loading", headers={"Retry-After": "1"}
-            )
 
-    def not_serving() -> JSONResponse | None:
-        if state.engine_error:
-            return JSONResponse({"status": "engine process died"}, status_code=503)
-        if not state.ready.is_set():
-            return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
-        return None
+routes = APIRouter()
 
-    @app.get("/health")
-    async def health():
-        return not_serving() or {"status": "ok"}
 
-    @app.get("/health_generate")
-    async def health_generate():
-        down = not_serving()
-        if down is not None:
-            return down
-        ok = await _one_token(state)
-        if not ok:
-            return JSONResponse({"status": "generation failed or timed out"}, status_code=503)
-        return {"status": "ok"}
+def served(request: Request) -> ServerState:
+    """The server state of the app a request reached."""
+    return request.app.state.server
 
-    @app.get("/v1/models")
-    async def models():
-        require_ready()
-        limit = state.max_seq_len
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_id,
-                    "object": "model",
-                    "created": int(state.started_at),
-                    "owned_by": "evalpipe",
-                    "root": state.settings.engine.model or state.model_id,
-                    "max_model_len": limit,
-                }
-            ],
-        }
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        require_ready()
-        return await generation.respond(state, validation.completion_job(state, req), request)
+def ready(state: ServerState = Depends(served)) -> ServerState:
+    """The server state, once the model serves; a 503 saying why before then."""
+    if state.load_error:
+        raise APIError(503, f"model failed to load: {state.load_error}", type="server_error")
+    if state.engine_error:
+        raise APIError(503, f"the engine process died: {state.engine_error}", type="server_error", code="engine_dead")
+    if not state.ready.is_set():
+        raise APIError(
+            503, "The model is still loading. Retry later.", code="model_loading", headers={"Retry-After": "1"}
+        )
+    return state
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        require_ready()
-        return await generation.respond(state, validation.chat_job(state, req), request)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        require_ready()
-        validation.check_model(state, req.model)
-        return tokenization.tokenize(state, req)
+def not_serving(state: ServerState) -> JSONResponse | None:
+    if state.engine_error:
+        return JSONResponse({"status": "engine process died"}, status_code=503)
+    if not state.ready.is_set():
+        return JSONResponse({"status": "loading" if not state.load_error else "failed"}, status_code=503)
+    return None
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        require_ready()
-        validation.check_model(state, req.model)
-        return tokenization.detokenize(state, req)
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        require_ready()
-        return tokenization.tokenizer_info(state)
+@routes.get("/health")
+async def health(state: ServerState = Depends(served)):
+    return not_serving(state) or {"status": "ok"}
 
-    @app.get("/get_server_info")
-    @app.get("/server_info")
-    async def server_info():
-        return await state.info()
 
-    @app.get("/get_model_info")
-    @app.get("/model_info")
-    async def model_info():
-        require_ready()
-        return {
-            "model_path": state.settings.engine.model or state.engine.info.static_info.get("model_path"),
-            "tokenizer_path": state.settings.engine.tokenizer,
-            "is_generation": True,
-            "served_model_name": state.model_id,
-        }
+@routes.get("/health_generate")
+async def health_generate(state: ServerState = Depends(served)):
+    down = not_serving(state)
+    if down is not None:
+        return down
+    if not await _one_token(state):
+        return JSONResponse({"status": "generation failed or timed out"}, status_code=503)
+    return {"status": "ok"}
 
-    @app.get("/flush_cache")
-    @app.post("/flush_cache")
-    async def flush_cache():
-        # Runs in the engine process between two steps; sequences in flight keep the pages they hold (so, unlike
-        # SGLang, a flush while busy needs no retry), and no later request can hit what was cached before.
-        require_ready()
-        try:
-            result = await state.engine.call("flush_cache")
-        except TimeoutError as exc:
-            raise APIError(
-                503, f"cache flush timed out: {exc}", type="server_error", headers={"Retry-After": "1"}
-            ) from None
-        except EngineDead as exc:
-            raise APIError(503, f"the engine process died: {exc}", type="server_error", code="engine_dead") from None
-        if not result.get("enabled"):
-            return {
-                "flushed": True,
-                "flushed_pages": 0,
-                "message": "the prefix cache is off (--prefix-cache off); nothing to flush",
-            }
+
+@routes.get("/v1/models")
+async def models(state: ServerState = Depends(ready)):
+    model = {
+        "id": state.model_id,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "evalpipe",
+        "root": state.settings.engine.model or state.model_id,
+        "max_model_len": state.max_seq_len,
+    }
+    return {"object": "list", "data": [model]}
+
+
+@routes.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request, state: ServerState = Depends(ready)):
+    return await generation.respond(state, validation.completion_job(state, req), request)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request, state: ServerState = Depends(ready)):
+    return await generation.respond(state, validation.chat_job(state, req), request)
+
+
+@routes.post("/tokenize")
+async def tokenize(req: TokenizeRequest, state: ServerState = Depends(ready)):
+    validation.check_model(state, req.model)
+    return tokenization.tokenize(state, req)
+
+
+@routes.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, state: ServerState = Depends(ready)):
+    validation.check_model(state, req.model)
+    return tokenization.detokenize(state, req)
+
+
+@routes.get("/tokenizer_info")
+async def tokenizer_info(state: ServerState = Depends(ready)):
+    return tokenization.tokenizer_info(state)
+
+
+@routes.get("/get_server_info")
+@routes.get("/server_info")
+async def server_info(state: ServerState = Depends(served)):
+    return await state.info()
+
+
+@routes.get("/get_model_info")
+@routes.get("/model_info")
+async def model_info(state: ServerState = Depends(ready)):
+    return {
+        "model_path": state.settings.engine.model or state.engine.info.static_info.get("model_path"),
+        "tokenizer_path": state.settings.engine.tokenizer,
+        "is_generation": True,
+        "served_model_name": state.model_id,
+    }
+
+
+@routes.get("/flush_cache")
+@routes.post("/flush_cache")
+async def flush_cache(state: ServerState = Depends(ready)):
+    # Runs in the engine process between two steps; sequences in flight keep the pages they hold (so, unlike
+    # SGLang, a flush while busy needs no retry), and no later request can hit what was cached before.
+    try:
+        result = await state.engine.call("flush_cache")
+    except TimeoutError as exc:
+        raise APIError(
+            503, f"cache flush timed out: {exc}", type="server_error", headers={"Retry-After": "1"}
+        ) from None
+    except EngineDead as exc:
+        raise APIError(503, f"the engine process died: {exc}", type="server_error", code="engine_dead") from None
+    if not result.get("enabled"):
         return {
             "flushed": True,
-            "flushed_pages": result["flushed_pages"],
-            "message": f"prefix cache flushed ({result['flushed_pages']} pages)",
+            "flushed_pages": 0,
+            "message": "the prefix cache is off (--prefix-cache off); nothing to flush",
         }
+    pages = result["flushed_pages"]
+    return {"flushed": True, "flushed_pages": pages, "message": f"prefix cache flushed ({pages} pages)"}
 
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
 
-    return app
+@routes.get("/version")
+async def version():
+    return {"version": __version__}
 
 
 async def _one_token(state: ServerState) -> bool:
