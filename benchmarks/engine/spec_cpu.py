@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from evalpipe.engine.engine import Engine, make_sequences
+from evalpipe.engine.engine import Engine
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
+from evalpipe.engine.scheduler import make_sequences
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, default_drafter
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer

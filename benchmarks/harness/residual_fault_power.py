@@ -37,9 +37,10 @@ from scipy import stats
 
 from evalpipe.engine.build import build
 from evalpipe.engine.config import EngineConfig
-from evalpipe.engine.engine import Engine, make_sequences
+from evalpipe.engine.engine import Engine
 from evalpipe.engine.sampling import sampling_probs
 from evalpipe.engine.sampling_params import SamplingParams
+from evalpipe.engine.scheduler import make_sequences
 from evalpipe.engine.spec.decoder import SpeculativeDecoder
 from evalpipe.engine.tokenizer import load_tokenizer
 from evalpipe.qualify.sampling import (

@@ -48,7 +48,7 @@ class EngineConfig:
     prefix_cache: str = "on"  # engine/prefix_cache.py: "on" | "off"
     overlap_schedule: str = "on"  # engine/engine.py: queue greedy decode steps one ahead on the CUDA-graph runner
     prefill_delay_factor: float = 0.0  # Engine._admit_now: new prompts wait F x the last prompt step's time
-    stream_interval: int = 1  # Engine._send: streamed events carry N tokens (the first excepted)
+    stream_interval: int = 1  # output.deliver: streamed events carry N tokens (the first excepted)
     # ask for batch-invariant kernels (evalpipe/kernels, tests/kernels/test_batch_invariant.py): a greedy output
     # should then depend on its prompt alone, not on the batch it ran in; reported in /get_server_info
     deterministic: bool = False

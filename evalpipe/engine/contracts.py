@@ -3,9 +3,9 @@
 - `Runner`: the model half. `ModelRunner` (runner.py) and `GraphRunner` (static/graphs.py) implement it. Two
   capabilities are optional and asked for by value, never by name: `prefix_cache` (None, or a `PrefixCaching`
   object) and `decodes_async` (whether `decode_async`/`settle`, the overlap schedule's calls, are offered).
-- `Decoder`: how running sequences advance by one step. `PlainDecoder` (engine.py) feeds the last token and samples
-  one; `SpeculativeDecoder` (spec/decoder.py) proposes drafts and verifies them. `prepare` and `release` are hooks
-  that do nothing unless a decoder needs them.
+- `Decoder`: how running sequences advance by one step. `PlainDecoder` (plain_decoder.py) feeds the last token and
+  samples one; `SpeculativeDecoder` (spec/decoder.py) proposes drafts and verifies them. `prepare` and `release` are
+  hooks that do nothing unless a decoder needs them.
 """
 
 from __future__ import annotations

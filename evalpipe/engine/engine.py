@@ -1,12 +1,13 @@
 """The engine: scheduler + runner + sampling, stepped by the engine process's loop (engine/loop.py).
 
 `Engine.step()` is one forward: the scheduler's prompt chunks plus the decode rows of every running sequence,
-then sampling, stop checks and one `SeqEvent` per advanced sequence. The runner and the decoder are the contracts
-of engine/contracts.py. How decode rows are proposed and turned into committed tokens is delegated to the `Decoder`;
-`PlainDecoder` feeds the last token and samples one. A speculative decoder plugs in at the same place: `propose`
+then sampling (commit.py: the step's logits become committed tokens) and the output half (output.py: text, stop checks,
+logprobs and one `SeqEvent` per advanced sequence). The runner and the decoder are the contracts of engine/contracts.py.
+How decode rows are proposed and turned into committed tokens is delegated to the `Decoder`; `PlainDecoder`
+(plain_decoder.py) feeds the last token and samples one. A speculative decoder plugs in at the same place: `propose`
 returns the last token plus drafts (`width` rows), `accept` verifies them against the target rows, rolls the runner
-back, and returns the tokens it committed. `prepare(seqs)` is called once per step with all decoding sequences,
-before `propose`, and `release(slot)` when a sequence's runner slot is given back.
+back, and returns the tokens it committed. `prepare(seqs)` is called once per step with all decoding sequences, before
+`propose`, and `release(slot)` when a sequence's runner slot is given back.
 A runner whose `prefix_cache` is set starts admitted sequences from their cached prefix and indexes prompt pages as
 they are prefilled; `flush_cache` is called between steps.
 
@@ -29,17 +30,18 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from evalpipe.engine import commit, output
 from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.grammar import Grammars
 from evalpipe.engine.ipc import SeqEvent
-from evalpipe.engine.sampling import StepArgmax, generator_for, sample_token, token_logprobs
+from evalpipe.engine.plain_decoder import PlainDecoder
+from evalpipe.engine.sampling import generator_for
 from evalpipe.engine.sampling_params import SamplingParams
-from evalpipe.engine.scheduler import PrefillChunk, QueueFull, Scheduler, Sequence, Status, StepPlan
+from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status, StepPlan
 from evalpipe.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -48,35 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("evalpipe.engine")
 
 __all__ = ["Engine", "PlainDecoder", "Decoder", "Runner", "QueueFull"]
-
-
-class PlainDecoder(Decoder):
-    """One row per sequence: feed the last committed token, sample the next one."""
-
-    width = 1
-    all_logits = False
-    one_row_greedy = True
-
-    def __init__(self, debug_faults: tuple[str, ...] = ()):
-        self.debug_faults = tuple(debug_faults)  # planted bugs that act outside speculation (engine/faults.py)
-
-    def propose(self, seq: Sequence) -> list[int]:
-        return [seq.last_token]
-
-    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
-        if argmax is not None:
-            return [argmax[-1]]
-        return [sample_token(logits[-1], seq.params, seq.generator)]
-
-    def stats(self, seq: Sequence) -> dict | None:
-        return {"debug_faults": list(self.debug_faults)} if self.debug_faults else None
-
-    def describe(self) -> dict:
-        return {
-            "mode": "off",
-            "simulate_acc_len": None,
-            **({"debug_faults": list(self.debug_faults)} if self.debug_faults else {}),
-        }
 
 
 class Engine:
@@ -336,190 +309,46 @@ class Engine:
     def _commit_tokens(
         self, plan: StepPlan, rows: list[list[int]], logits: torch.Tensor, all_logits: bool
     ) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
-        """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""
-        out: dict[Sequence, tuple[list[int], torch.Tensor]] = {}
-        offset = 0
-        width = [len(r) if all_logits else 1 for r in rows]
-        argmax = StepArgmax(logits)  # greedy rows without a grammar: one host read for the whole step
-        for chunk, w in zip(plan.prefills, width):
-            if chunk.seq.params.prompt_logprobs is not None:
-                self._score_prompt_chunk(chunk, logits[offset : offset + w])
-            if chunk.last:
-                row = logits[offset + w - 1 : offset + w]
-                constraint = chunk.seq.matcher
-                banned = chunk.seq.params.bans_stops(0)
-                if constraint is None and chunk.seq.params.greedy and not banned:
-                    token = argmax.rows(offset + w - 1, offset + w)[0]
-                else:
-                    sampled = constraint.mask(row) if constraint is not None else row
-                    sampled = self._ban_stops(chunk.seq, sampled) if banned else sampled
-                    token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator)
-                if constraint is not None:
-                    constraint.commit([token])
-                out[chunk.seq] = ([token], row)
-            offset += w
-        decode_rows = rows[len(plan.prefills) :]
-        for seq, w, fed in zip(plan.decodes, width[len(plan.prefills) :], decode_rows):
-            seq_rows = logits[offset : offset + w]
-            constraint = seq.matcher
-            banned = seq.params.bans_stops(len(seq.output))
-            if constraint is None and not banned:
-                tokens = self.decoder.accept(
-                    seq, seq_rows, argmax.rows(offset, offset + w) if seq.params.greedy else None
-                )
-            else:  # row i scores the token after fed[:i + 1]; fed[1:] are the drafts (none in plain decoding)
-                masked = constraint.mask(seq_rows, fed[1:]) if constraint is not None else seq_rows
-                tokens = self.decoder.accept(seq, self._ban_stops(seq, masked) if banned else masked)
-                if constraint is not None:
-                    constraint.commit(tokens)
-            out[seq] = (tokens, seq_rows[: len(tokens)])
-            offset += w
-        return out
+        return commit.commit_tokens(plan, rows, logits, all_logits, self.decoder, self.eos_token_id)
 
-    def _ban_stops(self, seq: Sequence, rows: torch.Tensor) -> torch.Tensor:
-        """`rows` (row i scores output token len(output) + i) with EOS and the stop token ids at -inf in every row
-        that min_tokens still holds open; a copy, so the logprobs reported stay the model's own."""
-        params, done = seq.params, len(seq.output)
-        banned = [t for t in (*params.stop_token_ids, self.eos_token_id) if t is not None and 0 <= t < rows.shape[-1]]
-        held = sum(1 for i in range(rows.shape[0]) if params.bans_stops(done + i))
-        if not banned or not held:
-            return rows
-        rows = rows.clone()
-        rows[:held, banned] = float("-inf")
-        return rows
-
-    def _score_prompt_chunk(self, chunk: PrefillChunk, rows: torch.Tensor) -> None:
-        """Each prompt token's logprob (and the top k) from the rows of this prompt chunk: row j of a chunk starting
-        at prompt position s scores prompt[s + j + 1]; the prompt's last row scores the first generated token and is
-        left to the output path. The first prompt token has no logprob (None)."""
-        seq = chunk.seq
-        start = seq.num_prefilled - len(chunk.tokens)
-        targets = seq.prompt[start + 1 : start + 1 + len(chunk.tokens)]
-        if seq.prompt_logprobs is None:
-            seq.prompt_logprobs = [None] if start == 0 else []
-        scored = seq.prompt_logprobs
-        if not targets:
-            return
-        rows = rows[: len(targets)]
-        ids = torch.tensor(targets, device=rows.device)
-        pairs = token_logprobs(rows, ids, seq.params.prompt_logprobs)
-        logp = torch.log_softmax(rows.float(), dim=-1)
-        ranks = (logp > logp.gather(-1, ids.view(-1, 1))).sum(-1).add(1).tolist()  # vLLM's rank: 1 = the argmax
-        scored.extend({"id": t, "logprob": lp, "rank": r, "top": top} for t, (lp, top), r in zip(targets, pairs, ranks))
-
-    # -- output processing -----------------------------------------
+    # -- output processing (engine/output.py) -----------------------
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None) -> None:
-        params = seq.params
-        taken: list[int] = []
-        reason: str | None = None
-        stop_hit = False
-        for tok in tokens:
-            held_open = params.bans_stops(len(seq.output))  # min_tokens: no stop of any kind yet
-            seq.output.append(tok)
-            taken.append(tok)
-            stops_at_eos = not params.ignore_eos or params.grammar is not None  # a grammar ends at the stop token
-            if not held_open and (tok in params.stop_token_ids or (tok == self.eos_token_id and stops_at_eos)):
-                reason, seq.matched_stop = "stop", tok
-                if params.include_stop_str_in_output:
-                    seq.text += seq.detokenizer.push([tok])
-                break
-            seq.text += seq.detokenizer.push([tok])
-            if held_open:
-                seq.stop_from = len(seq.text)  # stop strings match only in text after the first min_tokens
-            elif params.stop and self._find_stop(seq):
-                reason, stop_hit = "stop", True
-                break
-            if len(seq.output) >= params.max_tokens or len(seq.prompt) + len(seq.output) >= self._max_len():
-                reason = "length"
-                break
-        if reason is not None and not stop_hit:
-            seq.text += seq.detokenizer.flush()
-        end = len(seq.text) if reason is not None else len(seq.text) - _stop_holdback(seq.text, params.stop)
-        delta = seq.text[seq.sent : max(end, seq.sent)]
-        seq.sent = max(end, seq.sent)
-        lps = None
-        if params.logprobs is not None:
-            pairs = token_logprobs(
-                logit_rows[: len(taken)], torch.tensor(taken, device=logit_rows.device), params.logprobs
-            )
-            lps = [{"id": t, "logprob": lp, "top": top} for t, (lp, top) in zip(taken, pairs)]
+        taken, reason = output.advance(seq, tokens, self.eos_token_id, self._max_len())
+        delta = output.take_text(seq, finished=reason is not None)
+        lps = output.logprob_entries(seq.params, taken, logit_rows)
         self.stats["generated_tokens"] += len(taken)
         if reason is not None:
             self._finish(seq, reason, notify=False)
-        self._send(
-            seq,
-            SeqEvent(
-                index=seq.index,
-                token_ids=taken,
-                text=delta,
-                logprobs=lps,
-                completion_tokens=len(seq.output),
-                finish_reason=reason,
-                matched_stop=seq.matched_stop if reason else None,
-                spec=self.decoder.stats(seq),
-                cached_tokens=seq.cached_tokens,
-                prompt_logprobs=seq.prompt_logprobs,
-            ),
+        event = SeqEvent(
+            index=seq.index,
+            token_ids=taken,
+            text=delta,
+            logprobs=lps,
+            completion_tokens=len(seq.output),
+            finish_reason=reason,
+            matched_stop=seq.matched_stop if reason else None,
+            spec=self.decoder.stats(seq),
+            cached_tokens=seq.cached_tokens,
+            prompt_logprobs=seq.prompt_logprobs,
         )
+        output.deliver(seq, event, self.stream_interval)
         seq.prompt_logprobs = None
-
-    def _find_stop(self, seq: Sequence) -> bool:
-        """Search the new text for a stop string; on a match cut the text before it and record the match."""
-        text = seq.text
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(seq.stop_from, seq.checked - longest + 1)
-        best = None
-        for s in seq.params.stop:
-            i = text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        seq.checked = len(text)
-        if best is None:
-            return False
-        seq.text = text[: best[0] + (len(best[1]) if seq.params.include_stop_str_in_output else 0)]
-        seq.matched_stop = best[1]
-        return True
 
     def _finish(self, seq: Sequence, reason: str, *, notify: bool = True, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
         if notify:
-            self._send(
-                seq,
-                SeqEvent(
-                    index=seq.index,
-                    token_ids=[],
-                    text="",
-                    logprobs=None,
-                    completion_tokens=len(seq.output),
-                    finish_reason=reason,
-                    spec=self.decoder.stats(seq),
-                    error=error,
-                    cached_tokens=seq.cached_tokens,
-                ),
+            event = SeqEvent(
+                index=seq.index,
+                token_ids=[],
+                text="",
+                logprobs=None,
+                completion_tokens=len(seq.output),
+                finish_reason=reason,
+                spec=self.decoder.stats(seq),
+                error=error,
+                cached_tokens=seq.cached_tokens,
             )
-
-    def _send(self, seq: Sequence, event: SeqEvent) -> None:
-        """Hand `event` to the sequence's listener. With a stream interval N > 1, events after the one with the
-        first token are held and merged until they carry N tokens or end the sequence (SGLang's --stream-interval):
-        N times fewer events for the server process and its clients to stream, the same tokens and text."""
-        if seq.on_event is None:
-            return
-        held, seq.held = seq.held, None
-        if held is not None:
-            event = held.then(event)
-        if (
-            self.stream_interval > 1
-            and event.finish_reason is None
-            and event.error is None
-            and len(event.token_ids) < self.stream_interval
-            and len(seq.output) > len(event.token_ids)
-        ):
-            seq.held = event
-            return
-        try:
-            seq.on_event(event)
-        except Exception:  # a failing listener must not kill the engine loop
-            log.warning("dropping event for sequence %s:\n%s", seq.id, traceback.format_exc())
+            output.deliver(seq, event, self.stream_interval)
 
     def _allocate_slot(self) -> int:
         slot = self.runner.allocate()
@@ -547,33 +376,3 @@ def _eos_id(runner: Runner, tokenizer: Tokenizer) -> int | None:
     if isinstance(eos, (list, tuple)):
         eos = eos[0] if eos else None
     return eos
-
-
-def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string (held back from streams)."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-def make_sequences(
-    prompt: list[int],
-    params: SamplingParams,
-    n: int,
-    on_event: Callable[[SeqEvent], None],
-    first_index: int = 0,
-) -> list[Sequence]:
-    """n choices of one prompt; with a seed, choice i samples with seed + i so the choices differ yet repeat."""
-    seqs = []
-    for i in range(n):
-        p = params if params.seed is None or i == 0 else _with_seed(params, params.seed + i)
-        seqs.append(Sequence(prompt=list(prompt), params=p, index=first_index + i, on_event=on_event))
-    return seqs
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return replace(params, seed=seed)

@@ -26,10 +26,10 @@ from evalpipe.engine import ipc
 from evalpipe.engine.cache import PoolExhausted
 from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.contracts import Decoder, Runner
-from evalpipe.engine.engine import Engine, make_sequences
+from evalpipe.engine.engine import Engine
 from evalpipe.engine.grammar import GrammarError
 from evalpipe.engine.model.names import DEFAULT_MODEL_NAME
-from evalpipe.engine.scheduler import QueueFull, Sequence
+from evalpipe.engine.scheduler import QueueFull, Sequence, make_sequences
 from evalpipe.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("evalpipe.engine")

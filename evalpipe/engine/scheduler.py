@@ -7,13 +7,14 @@ are running and the runner still has a free slot. A newly admitted sequence firs
 prompt tokens the runner already holds (a prefix-cache hit) and prefills only the rest. The queue is bounded: `add`
 raises `QueueFull` beyond
 `max_queue` waiting sequences. Runner slots are taken at admission and given back at once on finish or abort.
+`make_sequences` builds the `Sequence`s of one request (its n choices).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Callable
 
@@ -210,3 +211,22 @@ class Scheduler:
             "running": self.num_running,
             "waiting": self.num_waiting,
         }
+
+
+def make_sequences(
+    prompt: list[int],
+    params: SamplingParams,
+    n: int,
+    on_event: Callable[[SeqEvent], None],
+    first_index: int = 0,
+) -> list[Sequence]:
+    """n choices of one prompt; with a seed, choice i samples with seed + i so the choices differ yet repeat."""
+    seqs = []
+    for i in range(n):
+        p = params if params.seed is None or i == 0 else _with_seed(params, params.seed + i)
+        seqs.append(Sequence(prompt=list(prompt), params=p, index=first_index + i, on_event=on_event))
+    return seqs
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return replace(params, seed=seed)

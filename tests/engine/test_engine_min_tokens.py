@@ -85,7 +85,7 @@ def test_prompt_logprobs_do_not_depend_on_chunks_or_the_decoder(runner, tokenize
 
 
 def run_with_events(engine: Engine, prompt: list[int], params: SamplingParams, events: list) -> bool:
-    from evalpipe.engine.engine import make_sequences
+    from evalpipe.engine.scheduler import make_sequences
 
     engine.submit(make_sequences(prompt, params, 1, events.append))
     for _ in range(1000):

@@ -11,11 +11,12 @@ import random
 
 import pytest
 
-from evalpipe.engine.engine import Engine, make_sequences
+from evalpipe.engine.engine import Engine
 from evalpipe.engine.grammar import Grammars
 from evalpipe.engine.grammar_constraint import GrammarConstraint
 from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.sampling_params import SamplingParams
+from evalpipe.engine.scheduler import make_sequences
 from evalpipe.engine.spec.decoder import SpeculativeDecoder, default_drafter
 from evalpipe.engine.spec.drafters import build_drafter
 from evalpipe.engine.tokenizer import load_tokenizer

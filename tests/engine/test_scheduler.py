@@ -143,8 +143,9 @@ def test_abort_frees_slot_at_once():
 def test_engine_tokens_do_not_depend_on_chunking_or_batch_mix():
     """The real engine on the tiny model: small prompt chunks mixed with decode rows give the same greedy tokens
     as whole-prompt prefill, and every runner slot is given back."""
-    from evalpipe.engine.engine import Engine, make_sequences
+    from evalpipe.engine.engine import Engine
     from evalpipe.engine.runner import ModelRunner, PoolExhausted
+    from evalpipe.engine.scheduler import make_sequences
     from evalpipe.engine.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()

@@ -1,7 +1,7 @@
-"""`--stream-interval N` (Engine._send): after a sequence's first token its events carry N tokens, the last one
-possibly fewer; tokens, text, stops and finish reasons are those of N = 1. Checked on the engine with the tiny model
-(length ends on and off the interval, a stop string, speculation-free sampling) and through a real `evalpipe serve`
-with the openai client (streamed chunks, and the non-streamed text they add up to)."""
+"""`--stream-interval N` (engine/output.py `deliver`): after a sequence's first token its events carry N tokens, the
+last one possibly fewer; tokens, text, stops and finish reasons are those of N = 1. Checked on the engine with the tiny
+model (length ends on and off the interval, a stop string, speculation-free sampling) and through a real `evalpipe
+serve` with the openai client (streamed chunks, and the non-streamed text they add up to)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,73 @@
+"""A step's logits become committed tokens: the first token of each finished prompt (greedy rows read in one host
+transfer, grammar masks, min_tokens bans), and each decoding sequence's rows through its decoder's `accept`
+(plain sampling, or speculative verification). Prompt rows asked for logprobs are scored on the way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evalpipe.engine import output
+from evalpipe.engine.contracts import Decoder
+from evalpipe.engine.sampling import StepArgmax, sample_token
+from evalpipe.engine.scheduler import Sequence, StepPlan
+
+
+def commit_tokens(
+    plan: StepPlan,
+    rows: list[list[int]],
+    logits: torch.Tensor,
+    all_logits: bool,
+    decoder: Decoder,
+    eos_token_id: int | None,
+) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
+    """Sample the first token of each finished prompt and let the decoder advance the decoding sequences."""
+    out: dict[Sequence, tuple[list[int], torch.Tensor]] = {}
+    offset = 0
+    width = [len(r) if all_logits else 1 for r in rows]
+    argmax = StepArgmax(logits)  # greedy rows without a grammar: one host read for the whole step
+    for chunk, w in zip(plan.prefills, width):
+        if chunk.seq.params.prompt_logprobs is not None:
+            output.score_prompt_chunk(chunk, logits[offset : offset + w])
+        if chunk.last:
+            row = logits[offset + w - 1 : offset + w]
+            constraint = chunk.seq.matcher
+            banned = chunk.seq.params.bans_stops(0)
+            if constraint is None and chunk.seq.params.greedy and not banned:
+                token = argmax.rows(offset + w - 1, offset + w)[0]
+            else:
+                sampled = constraint.mask(row) if constraint is not None else row
+                sampled = ban_stops(chunk.seq, sampled, eos_token_id) if banned else sampled
+                token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator)
+            if constraint is not None:
+                constraint.commit([token])
+            out[chunk.seq] = ([token], row)
+        offset += w
+    decode_rows = rows[len(plan.prefills) :]
+    for seq, w, fed in zip(plan.decodes, width[len(plan.prefills) :], decode_rows):
+        seq_rows = logits[offset : offset + w]
+        constraint = seq.matcher
+        banned = seq.params.bans_stops(len(seq.output))
+        if constraint is None and not banned:
+            tokens = decoder.accept(seq, seq_rows, argmax.rows(offset, offset + w) if seq.params.greedy else None)
+        else:  # row i scores the token after fed[:i + 1]; fed[1:] are the drafts (none in plain decoding)
+            masked = constraint.mask(seq_rows, fed[1:]) if constraint is not None else seq_rows
+            tokens = decoder.accept(seq, ban_stops(seq, masked, eos_token_id) if banned else masked)
+            if constraint is not None:
+                constraint.commit(tokens)
+        out[seq] = (tokens, seq_rows[: len(tokens)])
+        offset += w
+    return out
+
+
+def ban_stops(seq: Sequence, rows: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """`rows` (row i scores output token len(output) + i) with EOS and the stop token ids at -inf in every row
+    that min_tokens still holds open; a copy, so the logprobs reported stay the model's own."""
+    params, done = seq.params, len(seq.output)
+    banned = [t for t in (*params.stop_token_ids, eos_token_id) if t is not None and 0 <= t < rows.shape[-1]]
+    held = sum(1 for i in range(rows.shape[0]) if params.bans_stops(done + i))
+    if not banned or not held:
+        return rows
+    rows = rows.clone()
+    rows[:held, banned] = float("-inf")
+    return rows
