@@ -91,6 +91,7 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
         ("lose_needle", "retrieval", "exact answer: replied"),
         ("early_stop", "retrieval", "exact answer"),
         ("leak_tool_protocol", "structured", "no leaked tool protocol: found ['<|tool_call|>']"),
+        ("drop_images", "vision", "differs from image A (red disc): same output as image A (red disc) and no logprobs"),
     ],
 )
 def test_each_fault_fails_its_gate_with_exit_4(scripted, tmp_path, fault, gate, reason):
@@ -223,3 +224,24 @@ def test_the_sampling_gate_s_token_file_carries_no_key(native, tmp_path):
     assert len(lines) == gates(result)["sampling"]["requests"]
     written = "".join(p.read_text() for p in (tmp_path / "s").iterdir())
     assert "qualify-key-" not in written
+
+
+def test_vision_passes_when_images_reach_the_model_and_skips_on_the_native_engine(scripted, native, tmp_path):
+    """The scripted stand-in's reply depends on the whole message, image parts included (as a vision model's does);
+    the native engine takes text only and refuses an image part with a 400 that names it: skipped, not failed."""
+    set_config(scripted, faults=[])
+    code, result, output = qualify(scripted, tmp_path / "s", *KEY_ARGS, "--gates", "vision")
+    g = gates(result)["vision"]
+    assert code == 0 and g["verdict"] == "pass" and g["requests"] == 5, output
+    checks = {c["name"]: c for r in g["records"] for c in r["checks"]}
+    assert (
+        checks["same image, same output"]["ok"]
+        and "outputs differ" in checks["differs from image B (checkerboard)"]["detail"]
+    )
+    code, result, output = qualify(native.base + "/v1", tmp_path / "n", *KEY_ARGS, "--gates", "vision")
+    g = gates(result)["vision"]
+    assert code == 0 and g["verdict"] == "skipped" and result["failed_gates"] == [], output
+    refusal = "content part type 'image_url' is not supported (text only)"
+    assert g["reason"] == f"skipped: the server refuses image content: HTTP 400: {refusal}"
+    control, image = g["records"]
+    assert control["status"] == 200 and image["status"] == 400 and image["image"] == "A (red disc)"

@@ -32,13 +32,15 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
   faults       list of deliberate faults (for `evalpipe qualify`'s gates):
                "open_route" /get_server_info answers without a key; "any_key" any non-empty key is accepted;
                "lose_needle" retrieval answers a wrong code; "early_stop" every answer stops half way
-               (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text.
+               (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text;
+               "drop_images" (mode "skills") chat image_url parts are accepted and ignored: answered as if absent.
   stream_delay_s  pause between streamed events (default 0.002).
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
 needle's code, a tool ask with the matching call (tools given; the fixed tools of `chat` and the drawn ones of
 `tools`), a tool result by stating it, a JSON ask under response_format with the object; any other prompt with a
-continuation determined by the prompt (max_tokens long with ignore_eos); it has /flush_cache (other modes have
-none). It is byte-level: token ids are bytes + 16 and usage.prompt_tokens is the prompt's bytes + 1.
+continuation determined by the prompt (max_tokens long with ignore_eos; a chat prompt's image parts included, as a
+vision model sees them); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16
+and usage.prompt_tokens is the prompt's bytes + 1.
 Every mode streams (`stream: true`) as SSE, chunk by chunk, ending with `[DONE]`.
 A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
@@ -495,12 +497,22 @@ def _continuation(prompt: str, n: int) -> str:
     return out[:n]
 
 
+def without_images(message: dict) -> dict:
+    """A chat message with its image_url content parts removed (what a server that drops images answers)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": [p for p in content if not (isinstance(p, dict) and p.get("type") == "image_url")]}
+
+
 def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
     """(choice, prompt tokens) for mode "skills"; see the module docstring."""
     max_tokens = int(body.get("max_tokens") or 16)
     finish, calls = "stop", None
     if chat:
         messages = body.get("messages") or [{}]
+        if "drop_images" in faults:
+            messages = [without_images(m) for m in messages]
         prompt = json.dumps(messages)
         last = messages[-1]
         ask = str(messages[0].get("content") or "")
