@@ -12,11 +12,27 @@ environment's torch (0.28.0 for torch 2.13.0) is a CUDA build whose ops library 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# Where `make real-model` puts SmolLM2-135M-Instruct (its tokenizer is what the tiny VLM uses)
+SMOLLM2_DIR = Path(os.environ.get("EVALPIPE_REAL_MODEL_DIR") or REPO / ".evalpipe-cache/models/SmolLM2-135M-Instruct")
 IMAGE_SIZE = 32  # pixels a side the vision tower sees (the processor resizes every image to this)
 PATCH_SIZE = 8
 SCALE_FACTOR = 2  # the projector's pixel shuffle: (32 / 8) ** 2 / 2 ** 2 = 4 image tokens per image
+
+
+def require_smollm2() -> Path:
+    """SmolLM2's folder; skips (or, under CI, fails) when `make real-model` has not built it."""
+    if (SMOLLM2_DIR / "tokenizer.json").exists():
+        return SMOLLM2_DIR
+    reason = f"no SmolLM2-135M-Instruct tokenizer at {SMOLLM2_DIR} (`make real-model` builds it)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the real-vLLM tests: {reason}")
+    pytest.skip(reason)
 
 
 def make_tiny_vlm(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
