@@ -10,13 +10,16 @@ it shows the server answers chat at all), then image A, A again, B and C, one at
   floor: 4x the distance between A's two replies, and at least 1e-4 (a server that drops the image part answers
   the text alone every time, so its replies to different images agree to the last digit).
 
-A server that refuses the first image with HTTP 400 naming image content (a text-only model) is skipped with its
-refusal as the reason. Any other refusal, or a server that accepts images and ignores them, fails.
+A server that refuses the first image with HTTP 400 naming image content and saying it is not taken (a text-only
+model: evalpipe's native engine, vLLM serving a text-only model) is skipped with its refusal as the reason. Any other
+refusal, a failed control, or a server that accepts images and ignores them, fails. Records show each data URL
+shortened; the notes give each PNG's sha256 and the prompt tokens the server counted for every request.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import math
 import re
 import struct
@@ -36,7 +39,7 @@ NOISE_FACTOR = 4.0  # times the distance between two replies to the same image
 # The error text the openai client gives: "Error code: 400 - {'error': {'message': '...', ...}}"
 SERVER_MESSAGE = re.compile(r"""'message': (['"])(.*?)\1""")
 NAMES_IMAGES = re.compile(r"image|multimodal|multi-modal|modalit")
-REFUSES = re.compile(r"not supported|unsupported|does not support|not a multimodal|at most 0|text[ -]only|only text")
+REFUSES = re.compile(r"not supported|unsupported|does not support|not a multimodal|text[ -]only|only text")
 
 Pixel = Callable[[int, int], tuple[int, int, int]]
 
@@ -74,8 +77,11 @@ def data_url(pixel: Pixel) -> str:
 
 def first_token_distance(a: Outcome, b: Outcome) -> Optional[float]:
     """How far apart two replies' first-token distributions are: inf when their top tokens differ, else the largest
-    logprob difference over the tokens both top lists name. None when either reply has no logprobs."""
+    logprob difference over the tokens both top lists name (the chosen token's alone when the server gives no top
+    lists). None when either reply has no logprobs."""
     if not (a.top_logprobs and b.top_logprobs and a.top_logprobs[0] and b.top_logprobs[0]):
+        if a.logprobs and b.logprobs and a.logprobs[0] is not None and b.logprobs[0] is not None:
+            return abs(a.logprobs[0] - b.logprobs[0])
         return None
     ta, tb = a.top_logprobs[0], b.top_logprobs[0]
     if max(ta, key=ta.get) != max(tb, key=tb.get):
@@ -158,7 +164,10 @@ async def run(ep: Endpoint) -> GateResult:
         if out.ok:
             replies.append((name, out))
     result.notes = {
-        "images": {name: f"{SIDE}x{SIDE} PNG" for name in names},
+        "images": {
+            name: {"size": f"{SIDE}x{SIDE} PNG", "sha256": hashlib.sha256(png(SIDE, SIDE, IMAGES[name])).hexdigest()}
+            for name in names
+        },
         "prompt_tokens": {
             "control": (control.usage or {}).get("prompt_tokens"),
             **{r["id"]: (r.get("usage") or {}).get("prompt_tokens") for r in result.records[1:]},

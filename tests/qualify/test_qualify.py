@@ -245,3 +245,24 @@ def test_vision_passes_when_images_reach_the_model_and_skips_on_the_native_engin
     assert g["reason"] == f"skipped: the server refuses image content: HTTP 400: {refusal}"
     control, image = g["records"]
     assert control["status"] == 200 and image["status"] == 400 and image["image"] == "A (red disc)"
+
+
+@pytest.mark.parametrize(
+    "message, skips",
+    [
+        ("content part type 'image_url' is not supported (text only)", True),  # evalpipe serve
+        ("<path> is not a multimodal model", True),  # vLLM 0.32 serving a text-only model
+        ("Failed to load image: cannot identify image file <_io.BytesIO object>", False),  # vLLM, unreadable bytes
+        ("scripted bad request", False),
+    ],
+)
+def test_only_a_400_that_refuses_image_content_skips_the_vision_gate(message, skips):
+    """Messages these servers gave (seen here), as the openai client reports them (its error text holds the body's
+    repr); a 500 never skips."""
+    from evalpipe.qualify.core import Outcome
+    from evalpipe.qualify.vision import refuses_images, server_message
+
+    body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+    refused = Outcome(False, 400, f"BadRequestError: Error code: 400 - {body}")
+    assert server_message(refused) == message and refuses_images(refused) is skips
+    assert not refuses_images(Outcome(False, 500, refused.error))
