@@ -33,7 +33,8 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
                "open_route" /get_server_info answers without a key; "any_key" any non-empty key is accepted;
                "lose_needle" retrieval answers a wrong code; "early_stop" every answer stops half way
                (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text;
-               "drop_images" (mode "skills") chat image_url parts are accepted and ignored: answered as if absent.
+               "drop_images" (mode "skills") chat image_url parts are accepted and ignored: answered as if absent,
+               with logprobs when asked (the same for every image).
   stream_delay_s  pause between streamed events (default 0.002).
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
 needle's code, a tool ask with the matching call (tools given; the fixed tools of `chat` and the drawn ones of
@@ -310,26 +311,8 @@ class ScriptedApp:
         n_out = max(1, len(text) // 4)
         if cfg["token_ids"] and body.get("return_token_ids"):
             choice["token_ids"] = list(range(100, 100 + n_out))
-        if body.get("logprobs"):  # fake but well-formed: one entry per 4-char "token"
-            toks = [text[i : i + 4] for i in range(0, len(text), 4)]
-            k = body.get("top_logprobs", body.get("logprobs")) if chat else body.get("logprobs")
-            if chat:
-                choice["logprobs"] = {
-                    "content": [
-                        {
-                            "token": t,
-                            "logprob": -0.1,
-                            "top_logprobs": [{"token": t, "logprob": -0.1 - j} for j in range(int(k))],
-                        }
-                        for t in toks
-                    ]
-                }
-            else:
-                choice["logprobs"] = {
-                    "tokens": toks,
-                    "token_logprobs": [-0.1] * len(toks),
-                    "top_logprobs": [{t + str(j): -0.1 - j for j in range(int(k))} for t in toks],
-                }
+        if body.get("logprobs"):
+            choice["logprobs"] = fake_logprobs(text, body, chat)
         prompt_len = len(body.get("prompt", "")) if not chat else len(json.dumps(body.get("messages", [])))
         resp = {
             "id": f"cmpl-{self.n_requests}",
@@ -356,6 +339,8 @@ class ScriptedApp:
         }
         if body.get("return_token_ids"):
             choice["token_ids"] = [b + 16 for b in text.encode()]
+        if "drop_images" in self.cfg["faults"] and chat and body.get("logprobs"):  # as a real server's, image or not
+            choice["logprobs"] = fake_logprobs(text, body, chat)
         if body.get("stream"):
             return await self._stream(send, body, chat, choice, usage)
         resp = {
@@ -459,6 +444,25 @@ class ScriptedApp:
             }
         )
         await send({"type": "http.response.body", "body": payload})
+
+
+def fake_logprobs(text: str, body: dict, chat: bool) -> dict:
+    """Fake but well-formed logprobs of `text` in the OpenAI shape of the endpoint: one entry per 4-char "token",
+    top-k as the request asks."""
+    toks = [text[i : i + 4] for i in range(0, len(text), 4)]
+    k = int((body.get("top_logprobs", body.get("logprobs")) if chat else body.get("logprobs")) or 0)
+    if chat:
+        return {
+            "content": [
+                {"token": t, "logprob": -0.1, "top_logprobs": [{"token": t, "logprob": -0.1 - j} for j in range(k)]}
+                for t in toks
+            ]
+        }
+    return {
+        "tokens": toks,
+        "token_logprobs": [-0.1] * len(toks),
+        "top_logprobs": [{t + str(j): -0.1 - j for j in range(k)} for t in toks],
+    }
 
 
 def with_spec(choice: dict, cfg: dict) -> dict:
