@@ -13,9 +13,10 @@ import pytest
 from tests.support.tiny_vlm import make_tiny_vlm, require_smollm2
 from tests.support.vllm_peer import PASSTHROUGH, evalpipe, serve_model
 
-# the checkpoint has real (random) weights: vLLM loads them instead of drawing its dummy ones
+# the checkpoint has real (random) weights: vLLM loads them instead of drawing its dummy ones; its engine skips
+# profiling memory with a dummy image (the CPU build's KV space is set, not measured)
 _DUMMY = PASSTHROUGH.index("--load-format")
-WEIGHTS = PASSTHROUGH[:_DUMMY] + PASSTHROUGH[_DUMMY + 2 :]
+WEIGHTS = PASSTHROUGH[:_DUMMY] + PASSTHROUGH[_DUMMY + 2 :] + ["--skip-mm-profiling"]
 
 
 @pytest.fixture(scope="module")
