@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tests.support.tiny_vlm import make_tiny_vlm, require_smollm2
-from tests.support.vllm_peer import PASSTHROUGH, evalpipe, serve_model
+from tests.support.tiny_vlm import build_with, require_smollm2
+from tests.support.vllm_peer import PASSTHROUGH, evalpipe, require_vllm, serve_model
 
 # the checkpoint has real (random) weights: vLLM loads them instead of drawing its dummy ones; its engine skips
 # profiling memory with a dummy image (the CPU build's KV space is set, not measured)
@@ -22,7 +22,7 @@ WEIGHTS = PASSTHROUGH[:_DUMMY] + PASSTHROUGH[_DUMMY + 2 :] + ["--skip-mm-profili
 @pytest.fixture(scope="module")
 def vlm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-vlm")
-    model = make_tiny_vlm(root / "tiny-vlm", require_smollm2())
+    model = build_with(require_vllm(), root / "tiny-vlm", require_smollm2())
     yield from serve_model(root, model, passthrough=WEIGHTS)
 
 

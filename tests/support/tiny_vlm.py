@@ -3,7 +3,8 @@
 The architecture is Idefics3 (SmolVLM's): a SigLIP-style vision tower, a pixel-shuffle projector and a Llama
 decoder, at toy sizes, with weights drawn from a fixed seed and saved. Its processor is an Idefics3Processor made of
 the PIL image processor (vLLM's environment has no torchvision) and SmolLM2's tokenizer, with SmolLM2's ChatML
-template. Random weights still carry the image into the logits, which is all the vision gate needs to see.
+template. Random weights still carry the image into the logits, which is all the vision gate needs to see. The
+test builds it with vLLM's interpreter (`build_with`), as `make real-model` converts SmolLM2 with it.
 
 Why not LLaVA itself: vLLM 0.32 imports its Pixtral module from llava.py, and that imports transformers' Pixtral
 image processor, which needs torchvision; the only torchvision on the package registry that matches the vLLM
@@ -13,9 +14,8 @@ environment's torch (0.28.0 for torch 2.13.0) is a CUDA build whose ops library 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # Where `make real-model` puts SmolLM2-135M-Instruct (its tokenizer is what the tiny VLM uses)
@@ -27,12 +27,20 @@ SCALE_FACTOR = 2  # the projector's pixel shuffle: (32 / 8) ** 2 / 2 ** 2 = 4 im
 
 def require_smollm2() -> Path:
     """SmolLM2's folder; skips (or, under CI, fails) when `make real-model` has not built it."""
+    import pytest
+
     if (SMOLLM2_DIR / "tokenizer.json").exists():
         return SMOLLM2_DIR
     reason = f"no SmolLM2-135M-Instruct tokenizer at {SMOLLM2_DIR} (`make real-model` builds it)"
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI must run the real-vLLM tests: {reason}")
     pytest.skip(reason)
+
+
+def build_with(python: str, out: Path, tokenizer_dir: Path) -> Path:
+    """make_tiny_vlm run by `python` (vLLM's, so that the transformers which reads the folder also wrote it)."""
+    subprocess.run([python, "-m", "tests.support.tiny_vlm", str(out), str(tokenizer_dir)], cwd=REPO, check=True)
+    return Path(out)
 
 
 def make_tiny_vlm(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
