@@ -11,8 +11,9 @@ import click
 from evalpipe.harness.client import DEFAULT_BASE_URL
 from evalpipe.qualify import EXIT_BAD_INPUT, GATES
 
-# reference joins when a reference file is named; sampling (a minute of sampled tokens) only when asked for
-DEFAULT_GATES = tuple(g for g in GATES if g not in ("reference", "sampling"))
+# reference joins when a reference file is named; sampling (a minute of sampled tokens) and vision (for
+# vision-language models) only when asked for
+DEFAULT_GATES = tuple(g for g in GATES if g not in ("reference", "sampling", "vision"))
 
 
 def _gates(ctx, param, value):
@@ -51,7 +52,7 @@ def _gates(ctx, param, value):
     default=None,
     metavar="G1,G2",
     help=f"Gates to run, comma-separated, or 'all': {', '.join(GATES)}. Default: every gate but "
-    "reference and sampling, plus reference when --record-reference or --reference is given.",
+    "reference, sampling and vision, plus reference when --record-reference or --reference is given.",
 )
 @click.option(
     "--out",
@@ -234,10 +235,14 @@ def command(
                   (chi-square), argmax and context-repeat hits match their probabilities (two z-tests), each
                   at alpha 0.001; needs logprobs. sampling_tokens.jsonl beside qualify.json holds per response
                   the tokens, logprobs, top-20 and PIT draws, from which every p-value can be recomputed
+      vision      three PNG images as data URLs in chat image_url parts, greedy: the same image twice gives
+                  the same output, different images give different outputs or first-token logprobs (a
+                  server that drops images fails); skipped, with the reason, when the server refuses image
+                  content with a 400 naming it (a text-only model)
 
     \b
     Exit codes:
-      0    every selected gate passed (or was skipped, as auth without --api-key)
+      0    every selected gate passed (or was skipped, as auth without --api-key, vision on a text-only server)
       2    bad input: a flag, an unreadable --reference, an unknown --model, a refused key, a used --out
       3    cannot connect: the endpoint is unreachable or not OpenAI-compatible
       4    the gates ran and at least one failed (or the server's settings changed during the run)

@@ -34,6 +34,7 @@ from evalpipe.qualify import (
     sampling,
     soak,
     structured,
+    vision,
 )
 from evalpipe.qualify.core import Endpoint, GateResult, QualifyConfig
 from evalpipe.redact import redact_text, scrub_values
@@ -153,6 +154,8 @@ async def _gate(name: str, ep: Endpoint, ref: Optional[dict]) -> GateResult:
         return await structured.run(ep)
     if name == "sampling":
         return await sampling.run(ep)
+    if name == "vision":
+        return await vision.run(ep)
     return await soak.run(ep)
 
 

@@ -10,24 +10,18 @@ The A/B with four fresh boots is tests/interop/test_vllm_ab.py.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
 
 import httpx
 import pytest
 
-from evalpipe.launchers.base import free_port
 from tests.support.vllm_peer import (
-    BOOT_TIMEOUT_S,
     DATA_DIR,
-    ENGINE_ARGS,
-    PASSTHROUGH,
     VLLM_ENV,
-    alive,
     evalpipe,
     make_model,
     require_vllm,
+    serve_model,
 )
 
 N_QUESTIONS = 10
@@ -35,55 +29,10 @@ MAX_TOKENS = 32
 
 
 def serve_vllm(root, *speculation: str):
-    """(base_url with /v1, receipt path, vLLM's python) of one vLLM started through `evalpipe serve --engine vllm`
-    with `speculation` flags; stopped (and its receipt checked) when the generator is closed."""
-    python = require_vllm()
-    model = make_model(root / "tiny-llama")
-    port = free_port()
-    receipt = root / "receipt.json"
-    stderr = open(root / "serve.err", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "evalpipe.cli",
-            "serve",
-            *ENGINE_ARGS,
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            *speculation,
-            "--receipt",
-            str(receipt),
-            "--ready-timeout",
-            str(BOOT_TIMEOUT_S),
-            "--",
-            *PASSTHROUGH,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        cwd=root,
-    )
-    try:
-        line = proc.stdout.readline()  # "ready: URL" once the health check passes; "" when serve gave up
-        if not line.startswith("ready: "):
-            proc.wait(timeout=60)
-            pytest.fail(
-                f"evalpipe serve --engine vllm did not start (exit {proc.returncode}):\n"
-                + (root / "serve.err").read_text()[-4000:]
-            )
-        yield f"http://127.0.0.1:{port}/v1", receipt, python
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            proc.kill()
-            stderr.close()
-    data = json.loads(receipt.read_text())
-    assert proc.returncode == 130 and data["stopped_at"] and not alive(data["pid"])
+    """(base_url with /v1, receipt path, vLLM's python) of one vLLM serving the tiny Llama, started through
+    `evalpipe serve --engine vllm` with `speculation` flags; stopped (and its receipt checked) when closed."""
+    require_vllm()
+    yield from serve_model(root, make_model(root / "tiny-llama"), *speculation)
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,7 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
         ("lose_needle", "retrieval", "exact answer: replied"),
         ("early_stop", "retrieval", "exact answer"),
         ("leak_tool_protocol", "structured", "no leaked tool protocol: found ['<|tool_call|>']"),
+        ("drop_images", "vision", "logprobs 0 apart (not above the noise floor 0.0001): the image is ignored"),
     ],
 )
 def test_each_fault_fails_its_gate_with_exit_4(scripted, tmp_path, fault, gate, reason):
@@ -242,3 +243,45 @@ def test_the_sampling_gate_s_token_file_carries_no_key(native, tmp_path):
     assert len(lines) == gates(result)["sampling"]["requests"]
     written = "".join(p.read_text() for p in (tmp_path / "s").iterdir())
     assert "qualify-key-" not in written
+
+
+def test_vision_passes_when_images_reach_the_model_and_skips_on_the_native_engine(scripted, native, tmp_path):
+    """The scripted stand-in's reply depends on the whole message, image parts included (as a vision model's does);
+    the native engine takes text only and refuses an image part with a 400 that names it: skipped, not failed."""
+    set_config(scripted, faults=[])
+    code, result, output = qualify(scripted, tmp_path / "s", *KEY_ARGS, "--gates", "vision")
+    g = gates(result)["vision"]
+    assert code == 0 and g["verdict"] == "pass" and g["requests"] == 5, output
+    checks = {c["name"]: c for r in g["records"] for c in r["checks"]}
+    assert (
+        checks["same image, same output"]["ok"]
+        and "outputs differ" in checks["differs from image B (checkerboard)"]["detail"]
+    )
+    code, result, output = qualify(native.base + "/v1", tmp_path / "n", *KEY_ARGS, "--gates", "vision")
+    g = gates(result)["vision"]
+    assert code == 0 and g["verdict"] == "skipped" and result["failed_gates"] == [], output
+    refusal = "content part type 'image_url' is not supported (text only)"
+    assert g["reason"] == f"skipped: the server refuses image content: HTTP 400: {refusal}"
+    control, image = g["records"]
+    assert control["status"] == 200 and image["status"] == 400 and image["image"] == "A (red disc)"
+
+
+@pytest.mark.parametrize(
+    "message, skips",
+    [
+        ("content part type 'image_url' is not supported (text only)", True),  # evalpipe serve
+        ("<path> is not a multimodal model", True),  # vLLM 0.32 serving a text-only model
+        ("Failed to load image: cannot identify image file <_io.BytesIO object>", False),  # vLLM, unreadable bytes
+        ("scripted bad request", False),
+    ],
+)
+def test_only_a_400_that_refuses_image_content_skips_the_vision_gate(message, skips):
+    """Messages these servers gave (seen here), as the openai client reports them (its error text holds the body's
+    repr); a 500 never skips."""
+    from evalpipe.qualify.core import Outcome
+    from evalpipe.qualify.vision import refuses_images, server_message
+
+    body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+    refused = Outcome(False, 400, f"BadRequestError: Error code: 400 - {body}")
+    assert server_message(refused) == message and refuses_images(refused) is skips
+    assert not refuses_images(Outcome(False, 500, refused.error))

@@ -32,13 +32,16 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
   faults       list of deliberate faults (for `evalpipe qualify`'s gates):
                "open_route" /get_server_info answers without a key; "any_key" any non-empty key is accepted;
                "lose_needle" retrieval answers a wrong code; "early_stop" every answer stops half way
-               (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text.
+               (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text;
+               "drop_images" (mode "skills") chat image_url parts are accepted and ignored: answered as if absent,
+               with logprobs when asked (the same for every image).
   stream_delay_s  pause between streamed events (default 0.002).
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
 needle's code, a tool ask with the matching call (tools given; the fixed tools of `chat` and the drawn ones of
 `tools`), a tool result by stating it, a JSON ask under response_format with the object; any other prompt with a
-continuation determined by the prompt (max_tokens long with ignore_eos); it has /flush_cache (other modes have
-none). It is byte-level: token ids are bytes + 16 and usage.prompt_tokens is the prompt's bytes + 1.
+continuation determined by the prompt (max_tokens long with ignore_eos; a chat prompt's image parts included, as a
+vision model sees them); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16
+and usage.prompt_tokens is the prompt's bytes + 1.
 Every mode streams (`stream: true`) as SSE, chunk by chunk, ending with `[DONE]`.
 A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
@@ -308,26 +311,8 @@ class ScriptedApp:
         n_out = max(1, len(text) // 4)
         if cfg["token_ids"] and body.get("return_token_ids"):
             choice["token_ids"] = list(range(100, 100 + n_out))
-        if body.get("logprobs"):  # fake but well-formed: one entry per 4-char "token"
-            toks = [text[i : i + 4] for i in range(0, len(text), 4)]
-            k = body.get("top_logprobs", body.get("logprobs")) if chat else body.get("logprobs")
-            if chat:
-                choice["logprobs"] = {
-                    "content": [
-                        {
-                            "token": t,
-                            "logprob": -0.1,
-                            "top_logprobs": [{"token": t, "logprob": -0.1 - j} for j in range(int(k))],
-                        }
-                        for t in toks
-                    ]
-                }
-            else:
-                choice["logprobs"] = {
-                    "tokens": toks,
-                    "token_logprobs": [-0.1] * len(toks),
-                    "top_logprobs": [{t + str(j): -0.1 - j for j in range(int(k))} for t in toks],
-                }
+        if body.get("logprobs"):
+            choice["logprobs"] = fake_logprobs(text, body, chat)
         prompt_len = len(body.get("prompt", "")) if not chat else len(json.dumps(body.get("messages", [])))
         resp = {
             "id": f"cmpl-{self.n_requests}",
@@ -354,6 +339,8 @@ class ScriptedApp:
         }
         if body.get("return_token_ids"):
             choice["token_ids"] = [b + 16 for b in text.encode()]
+        if "drop_images" in self.cfg["faults"] and chat and body.get("logprobs"):  # as a real server's, image or not
+            choice["logprobs"] = fake_logprobs(text, body, chat)
         if body.get("stream"):
             return await self._stream(send, body, chat, choice, usage)
         resp = {
@@ -459,6 +446,25 @@ class ScriptedApp:
         await send({"type": "http.response.body", "body": payload})
 
 
+def fake_logprobs(text: str, body: dict, chat: bool) -> dict:
+    """Fake but well-formed logprobs of `text` in the OpenAI shape of the endpoint: one entry per 4-char "token",
+    top-k as the request asks."""
+    toks = [text[i : i + 4] for i in range(0, len(text), 4)]
+    k = int((body.get("top_logprobs", body.get("logprobs")) if chat else body.get("logprobs")) or 0)
+    if chat:
+        return {
+            "content": [
+                {"token": t, "logprob": -0.1, "top_logprobs": [{"token": t, "logprob": -0.1 - j} for j in range(k)]}
+                for t in toks
+            ]
+        }
+    return {
+        "tokens": toks,
+        "token_logprobs": [-0.1] * len(toks),
+        "top_logprobs": [{t + str(j): -0.1 - j for j in range(k)} for t in toks],
+    }
+
+
 def with_spec(choice: dict, cfg: dict) -> dict:
     """The choice with the configured `spec` and `meta_info` objects, where set."""
     for key in ("spec", "meta_info"):
@@ -495,12 +501,22 @@ def _continuation(prompt: str, n: int) -> str:
     return out[:n]
 
 
+def without_images(message: dict) -> dict:
+    """A chat message with its image_url content parts removed (what a server that drops images answers)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": [p for p in content if not (isinstance(p, dict) and p.get("type") == "image_url")]}
+
+
 def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
     """(choice, prompt tokens) for mode "skills"; see the module docstring."""
     max_tokens = int(body.get("max_tokens") or 16)
     finish, calls = "stop", None
     if chat:
         messages = body.get("messages") or [{}]
+        if "drop_images" in faults:
+            messages = [without_images(m) for m in messages]
         prompt = json.dumps(messages)
         last = messages[-1]
         ask = str(messages[0].get("content") or "")

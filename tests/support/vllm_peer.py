@@ -6,6 +6,7 @@ elsewhere). Where it is missing the tests skip and say why; under CI (CI=true) a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from evalpipe.launchers.base import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -94,3 +97,33 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def serve_model(root: Path, model: Path, *flags: str, passthrough: list[str] = PASSTHROUGH):
+    """(base_url with /v1, receipt path, vLLM's python) of `evalpipe serve --engine vllm --model MODEL FLAGS --
+    PASSTHROUGH` started in `root`; stopped when the generator is closed, its receipt then showing the server gone."""
+    python = require_vllm()
+    port = free_port()
+    receipt = root / "receipt.json"
+    stderr = open(root / "serve.err", "w")
+    argv = [sys.executable, "-m", "evalpipe.cli", "serve", *ENGINE_ARGS, "--model", str(model), "--port", str(port)]
+    argv += [*flags, "--receipt", str(receipt), "--ready-timeout", str(BOOT_TIMEOUT_S), "--", *passthrough]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=root)
+    try:
+        line = proc.stdout.readline()  # "ready: URL" once the health check passes; "" when serve gave up
+        if not line.startswith("ready: "):
+            proc.wait(timeout=60)
+            pytest.fail(
+                f"evalpipe serve --engine vllm did not start (exit {proc.returncode}):\n"
+                + (root / "serve.err").read_text()[-4000:]
+            )
+        yield f"http://127.0.0.1:{port}/v1", receipt, python
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            stderr.close()
+    data = json.loads(receipt.read_text())
+    assert proc.returncode == 130 and data["stopped_at"] and not alive(data["pid"])
