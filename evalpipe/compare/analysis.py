@@ -14,7 +14,7 @@ import numpy as np
 from evalpipe import volatile
 from evalpipe.compare import stats
 from evalpipe.compare.intervals import upper_bound_rate
-from evalpipe.compare.runfolder import RunFolder, flatten, snapshot
+from evalpipe.compare.runfolder import LoadedRun, flatten, snapshot
 from evalpipe.harness import metrics, spec_metrics
 from evalpipe.harness.agreement import compare_outputs, summarize_agreement
 from evalpipe.harness.metrics import completion_tokens, is_correct
@@ -77,7 +77,7 @@ def _scrub(obj: Any, in_list: bool = False) -> Any:
     return obj
 
 
-def arm_overview(run: RunFolder) -> dict:
+def arm_overview(run: LoadedRun) -> dict:
     recs = list(run.by_key.values())
     n_planned = run.summary.get("n_planned")
     if not isinstance(n_planned, int):
@@ -355,8 +355,8 @@ def _id_sort_key(qid) -> tuple:
 
 
 def analyse(
-    a: RunFolder,
-    b: RunFolder,
+    a: LoadedRun,
+    b: LoadedRun,
     *,
     margin_pts: float,
     seed: int,

@@ -14,7 +14,7 @@ import numpy as np
 from evalpipe.compare import power, stats
 from evalpipe.compare.analysis import analyse
 from evalpipe.compare.intervals import upper_bound_rate
-from evalpipe.compare.runfolder import RunFolder, load_run
+from evalpipe.compare.runfolder import LoadedRun, load_run
 from evalpipe.harness.metrics import is_correct
 
 # (lane, questions, repeats per question, kind) as the lanes are configured (evalpipe lanes)
@@ -40,14 +40,14 @@ class Assumptions:
         return power.within_from_icc(self.accuracy, self.icc)
 
 
-def outcomes_by_question(run: RunFolder) -> dict:
+def outcomes_by_question(run: LoadedRun) -> dict:
     out: dict = {}
     for (_, qid, _), rec in run.by_key.items():
         out.setdefault(qid, []).append(float(is_correct(rec)))
     return {q: np.array(v) for q, v in out.items()}
 
 
-def from_one_pilot(run: RunFolder, base: Assumptions) -> Assumptions:
+def from_one_pilot(run: LoadedRun, base: Assumptions) -> Assumptions:
     """One arm: its accuracy, and for a repeated run its intra-question correlation. A greedy run cannot show how
     often two arms disagree, so it plans with 2 p (1 - p), the discordance of two independent arms at accuracy p."""
     outcomes = outcomes_by_question(run)
@@ -79,7 +79,7 @@ def from_one_pilot(run: RunFolder, base: Assumptions) -> Assumptions:
     )
 
 
-def from_two_pilots(a: RunFolder, b: RunFolder, base: Assumptions) -> Assumptions:
+def from_two_pilots(a: LoadedRun, b: LoadedRun, base: Assumptions) -> Assumptions:
     """Two arms of one lane: the discordance they showed (its exact upper bound if none), or for repeated runs the
     within- and between-question variances `evalpipe compare` estimates."""
     result = analyse(a, b, margin_pts=1.0, seed=stats.DEFAULT_SEED, n_resamples=100, intended=[], forced=[])

@@ -35,7 +35,9 @@ class RunFolderError(Exception):
 
 
 @dataclass
-class RunFolder:
+class LoadedRun:
+    """A run folder read back for comparison (harness/run_folder.py's `RunFolder` writes one)."""
+
     path: Path
     records: list[dict]
     summary: dict
@@ -142,7 +144,7 @@ def lane_protocol(manifest: dict, summary: dict) -> Any:
     return {"spec": spec, "overrides": overrides or {}}
 
 
-def load_run(path: str | Path) -> RunFolder:
+def load_run(path: str | Path) -> LoadedRun:
     """The run folder at `path`; RunFolderError (naming the file and line) when it is not one or cannot be read."""
     folder = Path(path)
     responses = folder / RESPONSES_FILE
@@ -158,7 +160,7 @@ def load_run(path: str | Path) -> RunFolder:
         raise RunFolderError(read.first_bad(responses))
     records = read.records
     counted = counted_records(records)
-    return RunFolder(
+    return LoadedRun(
         path=folder,
         records=records,
         summary=_read_json(folder / SUMMARY_FILE),
@@ -178,7 +180,7 @@ def _read_json(path: Path) -> dict:
         raise RunFolderError(str(exc)) from None
 
 
-def comparability_problems(a: RunFolder, b: RunFolder) -> list[str]:
+def comparability_problems(a: LoadedRun, b: LoadedRun) -> list[str]:
     """Every reason the two runs should not be compared; empty when they are comparable."""
     problems: list[str] = []
     if a.run_id and a.run_id == b.run_id:  # the same folder twice (or a copy): no difference by construction
