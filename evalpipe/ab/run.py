@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from evalpipe.ab.plan import TIE_THRESHOLD, arm_labels, comparison_pairs
+from evalpipe.ab.arms import TIE_THRESHOLD, arm_labels, comparison_pairs
 from evalpipe.ab.report import write_report
 from evalpipe.compare.analysis import arm_accept_length
 from evalpipe.compare.gate import GATE_FAILED_EXIT, verdict_of

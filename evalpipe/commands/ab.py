@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from evalpipe.ab.plan import TIE_THRESHOLD, declared_flags, merge_args
+from evalpipe.ab.arms import TIE_THRESHOLD, declared_flags, merge_args
 from evalpipe.compare.gate import FAIL_ON_HELP, parse_fail_on
 
 

@@ -10,11 +10,11 @@ import torch
 from evalpipe.engine import output
 from evalpipe.engine.contracts import Decoder
 from evalpipe.engine.sampling import StepArgmax, sample_token
-from evalpipe.engine.scheduler import Sequence, StepPlan
+from evalpipe.engine.scheduler import Sequence, StepBatch
 
 
 def commit_tokens(
-    plan: StepPlan,
+    batch: StepBatch,
     rows: list[list[int]],
     logits: torch.Tensor,
     all_logits: bool,
@@ -26,7 +26,7 @@ def commit_tokens(
     offset = 0
     width = [len(r) if all_logits else 1 for r in rows]
     argmax = StepArgmax(logits)  # greedy rows without a grammar: one host read for the whole step
-    for chunk, w in zip(plan.prefills, width):
+    for chunk, w in zip(batch.prefills, width):
         if chunk.seq.params.prompt_logprobs is not None:
             output.score_prompt_chunk(chunk, logits[offset : offset + w])
         if chunk.last:
@@ -43,8 +43,8 @@ def commit_tokens(
                 constraint.commit([token])
             out[chunk.seq] = ([token], row)
         offset += w
-    decode_rows = rows[len(plan.prefills) :]
-    for seq, w, fed in zip(plan.decodes, width[len(plan.prefills) :], decode_rows):
+    decode_rows = rows[len(batch.prefills) :]
+    for seq, w, fed in zip(batch.decodes, width[len(batch.prefills) :], decode_rows):
         seq_rows = logits[offset : offset + w]
         constraint = seq.matcher
         banned = seq.params.bans_stops(len(seq.output))

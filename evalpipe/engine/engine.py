@@ -41,7 +41,7 @@ from evalpipe.engine.ipc import SeqEvent
 from evalpipe.engine.plain_decoder import PlainDecoder
 from evalpipe.engine.sampling import generator_for
 from evalpipe.engine.sampling_params import SamplingParams
-from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status, StepPlan
+from evalpipe.engine.scheduler import QueueFull, Scheduler, Sequence, Status, StepBatch
 from evalpipe.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class Engine:
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
-        """Run one forward over the planned rows; returns how many sequences took part (0: nothing to do)."""
+        """Run one forward over the scheduled rows; returns how many sequences took part (0: nothing to do)."""
         admit = self._admit_now()
         if self._inflight is not None and not self._can_chain(admit):
             self._settle()
@@ -172,58 +172,60 @@ class Engine:
                 self.stats["aborted"] += 1
                 self._finish(seq, "abort", notify=False)
         self._aborts.clear()
-        plan = self.scheduler.schedule(admit=admit)
-        if plan.empty:
+        batch = self.scheduler.schedule(admit=admit)
+        if batch.empty:
             return 0
-        if self._async_ok(plan):
-            return self._step_async(plan.decodes)
-        if self._inflight is not None:  # not reached when _can_chain held (a pure decode plan); exact state anyway
+        if self._async_ok(batch):
+            return self._step_async(batch.decodes)
+        if self._inflight is not None:  # not reached when _can_chain held (a pure decode batch); exact state anyway
             self._settle()
-            plan.decodes = [seq for seq in plan.decodes if seq.status is Status.RUNNING]
-            if plan.empty:
+            batch.decodes = [seq for seq in batch.decodes if seq.status is Status.RUNNING]
+            if batch.empty:
                 return 0
         slots: list[int] = []
         rows: list[list[int]] = []
-        for chunk in plan.prefills:
+        for chunk in batch.prefills:
             slots.append(chunk.seq.slot)
             rows.append(chunk.tokens)
         try:
-            if plan.decodes:
-                self.decoder.prepare(plan.decodes)
-            for seq in plan.decodes:
+            if batch.decodes:
+                self.decoder.prepare(batch.decodes)
+            for seq in batch.decodes:
                 slots.append(seq.slot)
                 rows.append(self.decoder.propose(seq))
             started = self._clock()
-            all_logits = self.decoder.all_logits or any(c.seq.params.prompt_logprobs is not None for c in plan.prefills)
-            logits = self.runner.forward(slots, rows, all_logits=all_logits, prompt_chunks=len(plan.prefills))
-            self._cache_prompts(plan)
-            committed = self._commit_tokens(plan, rows, logits, all_logits)
+            all_logits = self.decoder.all_logits or any(
+                c.seq.params.prompt_logprobs is not None for c in batch.prefills
+            )
+            logits = self.runner.forward(slots, rows, all_logits=all_logits, prompt_chunks=len(batch.prefills))
+            self._cache_prompts(batch)
+            committed = self._commit_tokens(batch, rows, logits, all_logits)
         except Exception as exc:  # keep serving: fail this step's sequences, not the server
             log.error("engine step failed:\n%s", traceback.format_exc())
-            for seq in [c.seq for c in plan.prefills] + plan.decodes:
+            for seq in [c.seq for c in batch.prefills] + batch.decodes:
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            return len(plan.prefills) + len(plan.decodes)
+            return len(batch.prefills) + len(batch.decodes)
         self.stats["steps"] += 1
-        if plan.prefills:
+        if batch.prefills:
             self.stats["prefill_steps"] += 1
-            self.stats["prefilled_tokens"] += sum(len(chunk.tokens) for chunk in plan.prefills)
+            self.stats["prefilled_tokens"] += sum(len(chunk.tokens) for chunk in batch.prefills)
             now = self._clock()
             self._last_prefill = (now, now - started)
         self.last_step_at = time.monotonic()
         for seq, (tokens, logit_rows) in committed.items():
             if not seq.aborted and seq.status is Status.RUNNING:
                 self._emit(seq, tokens, logit_rows)
-        return len(plan.prefills) + len(plan.decodes)
+        return len(batch.prefills) + len(batch.decodes)
 
     # -- overlap schedule --------------------------------------------------------------------------
-    def _async_ok(self, plan: StepPlan) -> bool:
+    def _async_ok(self, batch: StepBatch) -> bool:
         """Whether this step may be queued without reading its tokens now (see the module docstring)."""
         return (
             self.overlap
-            and not plan.prefills
+            and not batch.prefills
             and self.decoder.one_row_greedy
-            and self.runner.can_decode_async(len(plan.decodes))
-            and all(_greedy_plain(seq.params) for seq in plan.decodes)
+            and self.runner.can_decode_async(len(batch.decodes))
+            and all(_greedy_plain(seq.params) for seq in batch.decodes)
         )
 
     def _admit_now(self) -> bool:
@@ -298,18 +300,18 @@ class Engine:
         self.stats["cached_tokens"] += cached
         return cached
 
-    def _cache_prompts(self, plan: StepPlan) -> None:
+    def _cache_prompts(self, batch: StepBatch) -> None:
         """Prompt tokens are final once fed: index the full pages they complete for later requests."""
         cache = self.runner.prefix_cache
         if cache is not None:
-            for chunk in plan.prefills:
+            for chunk in batch.prefills:
                 if chunk.seq.slot is not None:
                     cache.cache(chunk.seq.slot, chunk.seq.num_prefilled)
 
     def _commit_tokens(
-        self, plan: StepPlan, rows: list[list[int]], logits: torch.Tensor, all_logits: bool
+        self, batch: StepBatch, rows: list[list[int]], logits: torch.Tensor, all_logits: bool
     ) -> dict[Sequence, tuple[list[int], torch.Tensor]]:
-        return commit.commit_tokens(plan, rows, logits, all_logits, self.decoder, self.eos_token_id)
+        return commit.commit_tokens(batch, rows, logits, all_logits, self.decoder, self.eos_token_id)
 
     # -- output processing (engine/output.py) -----------------------
     def _emit(self, seq: Sequence, tokens: list[int], logit_rows: torch.Tensor | None) -> None:

@@ -93,7 +93,7 @@ class PrefillChunk:
 
 
 @dataclass
-class StepPlan:
+class StepBatch:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
 
@@ -155,14 +155,14 @@ class Scheduler:
         self.finish(seq, "abort")
 
     # -- planning ----------------------------------------------------------------------------------
-    def schedule(self, admit: bool = True) -> StepPlan:
+    def schedule(self, admit: bool = True) -> StepBatch:
         """The next step's rows; `admit=False` leaves the waiting queue alone this step (the engine's prefill delay):
         admitted prompts still get their next chunks."""
-        plan = StepPlan()
+        batch = StepBatch()
         budget = self.max_tokens_per_step
         for seq in self.running:
             if not seq.prefilling:
-                plan.decodes.append(seq)
+                batch.decodes.append(seq)
                 budget -= self.decode_width
         pending = any(s.prefilling for s in self.running) or (admit and bool(self.waiting))
         prefill_budget = max(budget, min(MIN_PREFILL_ROWS, self.max_tokens_per_step)) if pending else 0
@@ -170,7 +170,7 @@ class Scheduler:
             if prefill_budget <= 0:
                 break
             if seq.prefilling:
-                prefill_budget -= self._plan_chunk(plan, seq, prefill_budget)
+                prefill_budget -= self._add_chunk(batch, seq, prefill_budget)
         while admit and prefill_budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             try:
@@ -182,14 +182,14 @@ class Scheduler:
             self.running.append(seq)
             if self._attach is not None:
                 seq.cached_tokens = seq.num_prefilled = self._attach(seq)
-            prefill_budget -= self._plan_chunk(plan, seq, prefill_budget)
-        return plan
+            prefill_budget -= self._add_chunk(batch, seq, prefill_budget)
+        return batch
 
     @staticmethod
-    def _plan_chunk(plan: StepPlan, seq: Sequence, budget: int) -> int:
+    def _add_chunk(batch: StepBatch, seq: Sequence, budget: int) -> int:
         start = seq.num_prefilled
         end = min(len(seq.prompt), start + budget)
-        plan.prefills.append(PrefillChunk(seq, seq.prompt[start:end], last=end == len(seq.prompt)))
+        batch.prefills.append(PrefillChunk(seq, seq.prompt[start:end], last=end == len(seq.prompt)))
         seq.num_prefilled = end
         return end - start
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evalpipe.ab.plan import arm_labels, comparison_pairs, declared_flags, merge_args
+from evalpipe.ab.arms import arm_labels, comparison_pairs, declared_flags, merge_args
 from evalpipe.launchers.base import group_members
 from evalpipe.launchers.flags import parse_serve_args
 

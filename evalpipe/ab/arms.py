@@ -1,4 +1,4 @@
-"""The plan of an A/B: which boots, in what order, which pairs are compared, and what the arms declare different.
+"""The arms of an A/B: which boots, in what order, which pairs are compared, and what the arms declare different.
 
 Pure functions over the parsed arms, shared by `evalpipe ab`'s flag parsing (commands/ab.py) and the run (run.py).
 """
