@@ -23,7 +23,7 @@ from typing import Any, Optional
 from evalpipe.digest import file_sha256
 from evalpipe.harness import manifest as manifest_mod
 from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
-from evalpipe.harness.summary import KEYS_ADDED_LATER, RECOMPUTABLE_KEYS, close_values, compute_summary
+from evalpipe.harness.summary import OMITTED_WHEN_FALSY, RECOMPUTABLE_KEYS, close_values, compute_summary
 from evalpipe.lanes import Item, Lane, get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
 from evalpipe.lanes.data import DataError, recorded_data_dir
 from evalpipe.lanes.grading import grade_text, grader_pool
@@ -247,7 +247,7 @@ def check_summary(run: _Run, records: list[dict], items: list[Item], check: Chec
     keys = [
         k
         for k in RECOMPUTABLE_KEYS
-        if (k in again or k in summ) and not (k in KEYS_ADDED_LATER and k not in summ and not again.get(k))
+        if (k in again or k in summ) and not (k in OMITTED_WHEN_FALSY and k not in summ and not again.get(k))
     ]
     keys += [k for k in again if k.startswith(("pass@", "majority@")) or k == "no_answer"]
     for k in keys:

@@ -226,6 +226,6 @@ RECOMPUTABLE_KEYS = (
     "n_records_lossy",
     "spec_lossy",
 )
-# recomputable keys that summaries written before them lack: audit accepts their absence only where the records
-# give a falsy value (so deleting a true spec_lossy from a summary is still caught)
-KEYS_ADDED_LATER = ("n_records_lossy", "spec_lossy")
+# recomputable keys a summary may lack (summaries written before these keys existed): audit accepts their absence
+# only where the records give a falsy value (so deleting a true spec_lossy from a summary is still caught)
+OMITTED_WHEN_FALSY = ("n_records_lossy", "spec_lossy")
