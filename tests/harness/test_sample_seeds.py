@@ -1,9 +1,11 @@
 """`evalpipe run --sample-seeds BASE` against real `evalpipe serve --deterministic` servers (keyed sampling), at
 T = 1 on the repeated lane chat-arith-boxed-think-x16: every record's request carries the seed derived from
-(BASE, question, repeat); the spec-off arm and a block-speculation arm (the default layerskip drafter; the n-gram
-drafter is tests/engine/test_seeded_replay.py's) run with the same BASE give token-identical outputs, and `evalpipe compare` reports that identity first; another BASE
-sends other seeds, where compare computes no agreement. The server reports the seed each sampled choice used
-(drawn when the request had none), and replaying it gives the same tokens."""
+(BASE, question, repeat); the spec-off arm and a block-speculation arm (the default drafter, layerskip:4; the
+n-gram drafter and the planted faults are tests/engine/test_seeded_replay.py's) run with the same BASE give
+token-identical outputs, and `evalpipe compare` reports that identity first; another BASE sends other seeds, where
+compare computes no agreement. The server reports the seed each sampled choice used (drawn when the request had
+none), and replaying it gives the same tokens. The sampling gate (`evalpipe qualify --gates sampling`) passes on
+the keyed speculative server."""
 
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from tests.support.server_harness import ServerProcess
 MODEL = "evalpipe-skills-dsv4"
 LANE = "chat-arith-boxed-think-x16"
 BASE = 46
-RUN = ["--num-examples", "3", "--repeats", "2", "--max-tokens", "16", "--concurrency", "6"]
+RUN = ["--num-examples", "4", "--repeats", "2", "--max-tokens", "64", "--concurrency", "8"]
 ARMS = {
     "spec_off": [],
     "spec_layerskip": ["--speculative", "block"],
 }
+GATE_TOKENS = 1500
 
 
 def lane_run(server: ServerProcess, out: Path, arm: str, base: int) -> Path:
@@ -50,6 +53,26 @@ def seed_reports(server: ServerProcess) -> dict:
     }
 
 
+def sampling_gate(server: ServerProcess, out: Path) -> dict:
+    proc = run_cli(
+        "qualify",
+        "--base-url",
+        server.base + "/v1",
+        "--gates",
+        "sampling",
+        "--sampling-tokens",
+        str(GATE_TOKENS),
+        "--sampling-seed",
+        "1",
+        "--out",
+        out,
+        "--no-progress",
+        timeout=300,
+    )
+    notes = json.loads((out / "qualify.json").read_text())["gates"][0]["notes"]
+    return {"exit_code": proc.returncode, "stderr": proc.stderr, **notes}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("sample-seeds")
@@ -61,6 +84,8 @@ def runs(tmp_path_factory) -> dict:
             if arm == "spec_off":
                 out["other_base"] = lane_run(server, root / "other", "spec_off_other", BASE + 1)
                 out["seed_reports"] = seed_reports(server)
+            if arm == "spec_layerskip":
+                out["gate"] = sampling_gate(server, root / "gate")
         finally:
             server.stop()
     return out
@@ -74,10 +99,10 @@ def compare(a: Path, b: Path, out: Path) -> dict:
 
 def test_every_record_sends_the_seed_derived_from_base_question_and_repeat(runs):
     records, _, manifest = load_run(runs["spec_off"])
-    assert len(records) == 6
+    assert len(records) == 8
     seeds = [r["request"]["seed"] for r in records]
     assert seeds == [sample_seed(BASE, r["question_id"], r["repeat_index"]) for r in records]
-    assert len(set(seeds)) == 6
+    assert len(set(seeds)) == 8
     assert manifest["start"]["lane"]["effective"]["sample_seeds"] == BASE
 
 
@@ -85,9 +110,9 @@ def test_the_speculation_arm_with_the_same_seeds_is_token_identical_and_compare_
     result = compare(runs["spec_off"], runs["spec_layerskip"], tmp_path)
     assert result["repeated"]
     identity = result["repeated_stats"]["output_identity"]
-    assert identity["all_identical"] and identity["n_pairs"] == 6 and identity["basis"] == "token"
-    assert result["agreement"]["n_identical"] == 6
-    assert "token-identical in all 6 pairs" in result["stdout"]
+    assert identity["all_identical"] and identity["n_pairs"] == 8 and identity["basis"] == "token"
+    assert result["agreement"]["n_identical"] == 8
+    assert "token-identical in all 8 pairs" in result["stdout"]
     records, _, _ = load_run(runs["spec_layerskip"])
     hist = [sum(h) for h in zip(*(r["spec"]["accept_histogram"] for r in records))]
     assert sum(hist[1:]) > 0 and sum(hist[:-1]) > 0, hist  # drafts were accepted and rejected
@@ -114,3 +139,10 @@ def test_sample_seeds_with_seed_is_a_usage_error():
     assert proc.returncode == 2 and "--sample-seeds sets every request's seed; drop --seed" in proc.stderr
     proc = run_cli("run", LANE, "--sample-seeds", "-1")
     assert proc.returncode == 2 and "--sample-seeds" in proc.stderr
+
+
+def test_the_sampling_gate_passes_on_the_keyed_speculative_server(runs):
+    gate = runs["gate"]
+    assert gate["exit_code"] == 0, gate["stderr"]
+    assert gate["tokens"] >= GATE_TOKENS
+    assert min(gate["chi2_p"], gate["collapse_p"], gate["repeat_p"]) > 0.001
