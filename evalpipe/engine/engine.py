@@ -185,7 +185,7 @@ class Engine:
     def describe(self) -> dict:
         return {
             "overlap": self.overlap,
-            "sampling": "keyed" if self.keyed_sampling else "stream",
+            "sampling_noise": "keyed" if self.keyed_sampling else "stream",
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
             "allocated_slots": self.allocated_slots,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -45,6 +46,7 @@ def seed_reports(server: ServerProcess) -> dict:
     replay = client.chat.completions.create(temperature=1.0, seed=seed, extra_body={"return_token_ids": True}, **ask)
     greedy = client.chat.completions.create(temperature=0.0, **ask)
     return {
+        "sampling_noise": httpx.get(server.base + "/get_server_info", timeout=30).json()["sampling_noise"],
         "seed": seed,
         "tokens": first.choices[0].model_extra["token_ids"],
         "replay_seed": replay.choices[0].model_extra.get("seed"),
@@ -129,6 +131,7 @@ def test_another_base_sends_other_seeds_and_compare_computes_no_agreement(runs, 
 
 def test_the_server_reports_each_sampled_choice_seed_and_it_replays(runs):
     rep = runs["seed_reports"]
+    assert rep["sampling_noise"] == "keyed"
     assert isinstance(rep["seed"], int) and 0 <= rep["seed"] < 2**63
     assert rep["replay_seed"] == rep["seed"] and rep["replay_tokens"] == rep["tokens"]
     assert rep["greedy_seed"] in ("absent", None)
