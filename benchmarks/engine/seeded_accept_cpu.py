@@ -5,9 +5,10 @@ Each row drives the real engine loop in process over the same prompts at tempera
 `ignore_eos`, every request generating --new-tokens tokens, all requests in one batch. Accept length is the
 server-wide completion tokens / verify steps (bonus included); accepted is accepted drafts / verify step. A keyed
 row also counts the requests whose tokens equal keyed spec-off decoding of the same seeds ("replays"). Rejection
-sampling accepts d with min(1, p(d) / q(d)); sample-verify accepts d iff d is the target's keyed sample, which for
-a one-hot drafter (n-gram; a model drafter drawing with the request's key, q close to p) has the same probability
-p(d) for a one-hot q and a lower one for a spread q than rejection sampling's 1 - TV(p, q).
+sampling accepts d with min(1, p(d) / q(d)); sample-verify accepts d iff d is the target's keyed sample: for the
+n-gram drafter (one-hot q) both accept with probability p(d); a model drafter samples with the request's key, and
+its acceptance is at most rejection sampling's 1 - TV(p, q) in expectation. One run of 8 requests: the two modes
+follow different paths, so their accept lengths also differ by chance.
 
     python -m benchmarks.engine.seeded_accept_cpu [--model evalpipe-skills-dsv4] [--prompts arith|random]
         [--requests 8] [--new-tokens 48] [--temperature 1.0] [--drafters layerskip:4 layerskip:2 ngram self]

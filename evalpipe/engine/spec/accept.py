@@ -13,9 +13,10 @@ how many drafts survive and which token follows them:
   keyed sample at every verify row (engine/keyed.py: noise of (seed, output index, vocab id) alone); the longest
   prefix of drafts equal to those samples is accepted and the target's sample at the first mismatch (or after the
   last draft) is emitted. Every emitted token is the sample plain decoding would draw at that index from the same
-  distribution, so a seeded output is the spec-off output token for token. For a drafter that proposes one token
-  deterministically (n-gram, or a model drafter drawing with the same key) P(accept d) = p(d), what rejection
-  sampling gives for a one-hot q; a drafter with a spread q is accepted less often than by rejection sampling;
+  distribution, so a seeded output is the spec-off output token for token. For a deterministic drafter (n-gram)
+  P(accept d) = p(d), what rejection sampling gives for a one-hot q. A sampling model drafter draws its proposal
+  with the same key, so it proposes the target's own sample whenever the two races agree; by the coupling
+  inequality that is at most rejection sampling's 1 - TV(p, q);
 - simulated (performance runs only): accept a prescribed number of drafts without checking them.
 
 The greedy and sampled rules are exact and are the default. Two LOSSY rules exist only so that an evaluation can
