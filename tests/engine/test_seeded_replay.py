@@ -52,7 +52,10 @@ def first_difference(got: list[list[int]], want: list[list[int]]) -> tuple[int, 
 @pytest.fixture(scope="module")
 def prompts():
     gen = torch.Generator().manual_seed(46)
-    out = [[1] + torch.randint(2, 256, (int(n),), generator=gen).tolist() for n in torch.randint(8, 60, (REQUESTS,))]
+    out = [
+        [1] + torch.randint(2, 256, (int(n),), generator=gen).tolist()
+        for n in torch.randint(8, 60, (REQUESTS,), generator=gen)
+    ]
     out[0][20:] = out[0][2:20] * 3  # a repeated span: the n-gram drafter finds matches
     return out
 
