@@ -11,7 +11,10 @@ from evalpipe.harness.client import DEFAULT_BASE_URL
 
 CONDITION_HELP = (
     "serial, burst, logprobs, prefix_fresh, prefix_reused; batch_shape (= batch_1,batch_8,batch_64: "
-    "alone and among 7 or 63 other prompts, with logprobs; not in the default)"
+    "alone and among 7 or 63 other prompts, with logprobs; not in the default); seeded_batch_shape (= "
+    "seeded_batch_1,seeded_batch_8,seeded_batch_64: the same at temperature 1 with every request of a fixture "
+    "seeded 46, so a server whose sampled tokens depend only on prompt and seed gives one completion; controls "
+    "not graded; not in the default)"
 )
 
 
@@ -116,6 +119,8 @@ def command(
         BATCH_SHAPE,
         BATCH_SIZES,
         CONDITIONS,
+        SEEDED_BATCH_SHAPE,
+        SEEDED_BATCH_SIZES,
         RepeatConfig,
         RepeatError,
         RepeatRun,
@@ -134,8 +139,9 @@ def command(
     conds = tuple(CONDITIONS)
     if conditions:
         conds = tuple(x.strip() for x in conditions.split(",") if x.strip())
-        conds = tuple(dict.fromkeys(s for c in conds for s in (BATCH_SIZES if c == BATCH_SHAPE else (c,))))
-        known = [*CONDITIONS, BATCH_SHAPE, *BATCH_SIZES]
+        shapes = {BATCH_SHAPE: BATCH_SIZES, SEEDED_BATCH_SHAPE: SEEDED_BATCH_SIZES}
+        conds = tuple(dict.fromkeys(s for c in conds for s in shapes.get(c, (c,))))
+        known = [*CONDITIONS, BATCH_SHAPE, *BATCH_SIZES, SEEDED_BATCH_SHAPE, *SEEDED_BATCH_SIZES]
         bad = sorted(set(conds) - set(known))
         if bad or not conds:
             raise click.UsageError(f"unknown condition(s) {bad or '(none given)'}; known: {known}")
@@ -165,7 +171,11 @@ def command(
         raise click.ClickException(str(exc)) from exc
     finally:
         bar.close()
-    t = Table(title=f"evalpipe repeat — {result['config']['model']}, N = {repeats}, temperature 0")
+    seeded = result["config"].get("seeded")
+    temps = "temperature 0" + (
+        f"; seeded_*: temperature {seeded['temperature']:g}, seed {seeded['seed']}" if seeded else ""
+    )
+    t = Table(title=f"evalpipe repeat — {result['config']['model']}, N = {repeats}, {temps}")
     for col in ("fixture", "condition", "distinct/N", "modal share", "first divergence", "logprob gap", "control"):
         t.add_column(col)
     for fx, conds_ in result["groups"].items():

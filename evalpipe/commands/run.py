@@ -76,6 +76,19 @@ def _parse_seed(ctx, param, value):
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="Override the lane's max_tokens.")
 @click.option("--temperature", type=click.FloatRange(0.0), default=None, help="Override the lane's temperature.")
 @click.option("--seed", callback=_parse_seed, default=None, help="Override the lane's seed; 'none' sends no seed.")
+@click.option(
+    "--sample-seeds",
+    "sample_seeds",
+    type=click.IntRange(0),
+    default=None,
+    metavar="BASE",
+    help="Send each (question, repeat) its own seed derived from BASE: the first 8 bytes of SHA-256 of "
+    "'evalpipe-sample-seed/v1:BASE:QUESTION_ID:REPEAT', shifted right one bit (in each record's request). Two arms "
+    "run with the same BASE send the same seeds, so on a server whose sampled tokens depend only on the prompt and "
+    "the seed (evalpipe serve --deterministic) `evalpipe compare` checks T > 0 outputs for identity. Identical "
+    "outputs prove the change lossless on those paths in that engine (its sampler is keyed and its speculative "
+    "verify replays the plain tokens); they say nothing of another engine's rejection sampler. Not with --seed.",
+)
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None, help="Override the lane's top_p.")
 @click.option("--num-examples", type=click.IntRange(1), default=None, help="Score only the first N scored items.")
 @click.option(
@@ -167,6 +180,7 @@ def command(
     max_tokens,
     temperature,
     seed,
+    sample_seeds,
     top_p,
     num_examples,
     repeats,
@@ -221,6 +235,7 @@ def command(
                 ("max_tokens", max_tokens),
                 ("temperature", temperature),
                 ("seed", seed),
+                ("sample_seeds", sample_seeds),
                 ("top_p", top_p),
                 ("num_examples", num_examples),
                 ("repeats", repeats),
@@ -248,6 +263,8 @@ def command(
             raise BadInput(str(exc)) from None
     elif lane is None:
         raise click.UsageError("give a LANE (see `evalpipe lanes`) or --resume RUN_DIR")
+    elif sample_seeds is not None and seed is not None:
+        raise click.UsageError("--sample-seeds sets every request's seed; drop --seed")
     else:
         overrides = {}
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
@@ -268,6 +285,7 @@ def command(
             allow_data_drift=allow_data_drift,
             token_ids=not no_token_ids,
             logprobs=logprobs,
+            sample_seeds=sample_seeds,
             **transport,
         )
     try:

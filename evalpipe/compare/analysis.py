@@ -315,6 +315,18 @@ def output_identity(agreement: dict, confidence: float = stats.DEFAULT_CONFIDENC
     }
 
 
+def seeds_shared(pairs: list[tuple[dict, dict]]) -> bool:
+    """Whether both arms sent every paired request the same integer seed (`evalpipe run --sample-seeds`, or a lane
+    seed), so their sampled outputs can be compared pair by pair: on a server whose tokens depend only on the
+    prompt and the seed they are then identical wherever the two arms' distributions are."""
+
+    def seed(rec: dict):
+        value = (rec.get("request") or {}).get("seed")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return bool(pairs) and all(seed(ra) is not None and seed(ra) == seed(rb) for ra, rb in pairs)
+
+
 def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[dict]:
     """Every question answered right in exactly one arm, with what each arm said."""
     flips = []
@@ -414,7 +426,15 @@ def analyse(
             seed=seed,
             margin_pts=margin_pts,
         )
-        result["agreement"] = {"note": "not computed: repeats at temperature > 0 share no randomness across arms"}
+        if seeds_shared([pairs[k] for k in common]):  # both arms sent each (question, repeat) the same seed
+            per_pair = {k: compare_outputs(*pairs[k]) for k in common}
+            result["agreement"] = summarize_agreement(list(per_pair.items()))
+            result["repeated_stats"]["output_identity"] = output_identity(result["agreement"])
+        else:
+            result["agreement"] = {
+                "note": "not computed: the arms did not send every (question, repeat) the same seed "
+                "(evalpipe run --sample-seeds BASE does)"
+            }
         result["flips"] = []
     else:
         ca = np.array([is_correct(pairs[k][0]) for k in common], dtype=bool)

@@ -10,8 +10,9 @@ an `Engine` (engine.py) and talks to the server with the messages of ipc.py.
   commit.py: a step's logits become committed tokens (grammar masks, min_tokens bans, the decoder's accept);
   output.py: committed tokens become text, stops, logprobs and events; plain_decoder.py: decoding without drafts;
   loop.py: the engine process's loop; scheduler.py: `Sequence`, admission, prefill chunks, decode rows;
-  sampling.py: the per-request distribution and draws; tokenizer.py: tokenizers and detokenizers; grammar.py:
-  xgrammar matchers (tools, response formats) masking every sampled and verified row;
+  sampling.py: the per-request distribution and draws (keyed.py: the counter-based noise of --deterministic);
+  tokenizer.py: tokenizers and detokenizers; grammar.py: xgrammar matchers (tools, response formats) masking every
+  sampled and verified row;
 - runner.py: ModelRunner, the model half (weights, slots, forward, truncate, drafter views) and its optional prefix
   cache (prefix_cache.py: full pages indexed by their tokens, shared by reference count); cache.py: the paged state
   pools; forward_batch.py: one forward's rows and their addresses in the pools; tokenizer_files.py: the byte-level

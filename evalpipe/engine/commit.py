@@ -38,7 +38,7 @@ def commit_tokens(
             else:
                 sampled = constraint.mask(row) if constraint is not None else row
                 sampled = ban_stops(chunk.seq, sampled, eos_token_id) if banned else sampled
-                token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator)
+                token = sample_token(sampled[0], chunk.seq.params, chunk.seq.generator, len(chunk.seq.output))
             if constraint is not None:
                 constraint.commit([token])
             out[chunk.seq] = ([token], row)

@@ -70,6 +70,7 @@ class Engine:
         prefill_delay_factor: float = 0.0,
         stream_interval: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        keyed_sampling: bool = False,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -109,13 +110,15 @@ class Engine:
             raise ValueError("stream_interval must be >= 1")
         self.stream_interval = int(stream_interval)
         self._clock = clock
+        # sampled requests draw keyed noise (engine/keyed.py): a token depends on its distribution and (seed, index)
+        self.keyed_sampling = bool(keyed_sampling)
         self._last_prefill = (0.0, 0.0)  # (end, seconds) of the last step that fed prompt chunks
         self._inflight: tuple[list[Sequence], PendingTokens] | None = None  # overlap: a queued step
 
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request; raises QueueFull (nothing queued) when the queue is full."""
         for seq in seqs:
-            seq.generator = generator_for(seq.params, self.runner.device)
+            seq.generator = generator_for(seq.params, self.runner.device, keyed=self.keyed_sampling)
             seq.detokenizer = self.tokenizer.detokenizer()
             if seq.params.grammar is not None:
                 seq.matcher = self.grammars.matcher(seq.params.grammar, self.decoder.width)
@@ -155,6 +158,7 @@ class Engine:
     def describe(self) -> dict:
         return {
             "overlap": self.overlap,
+            "sampling_noise": "keyed" if self.keyed_sampling else "stream",
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
             "allocated_slots": self.allocated_slots,

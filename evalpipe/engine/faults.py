@@ -6,7 +6,9 @@ Torch-free at import: the HTTP process and the flag rules read the names. Where 
 - `greedy-sampling` (spec/decoder.py): the verify step takes the target argmax for sampled requests (a verifier that
   ignores temperature, as in SGLang PR #31214);
 - `residual-from-target` (spec/accept.py): on a rejection, the replacement token is drawn from the target p instead
-  of the normalised residual max(0, p - q), which biases the output toward the drafter;
+  of the normalised residual max(0, p - q), which biases the output toward the drafter; under keyed sampling
+  (`--deterministic`) the token after a rejected draft is a draw from the full p with another key instead of the
+  target's own keyed sample (the same bias for a one-hot q, and a seeded output that leaves spec off);
 - `stale-kv-after-reject` (spec/decoder.py): the target's cache is not rolled back after a rejection, so the rejected
   drafts stay in the sequence's context;
 - `batch-variant` (model/deepseek_v4.py, through `head_linear`): the LM head's matmul is split over the hidden

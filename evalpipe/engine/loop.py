@@ -65,6 +65,7 @@ def build_engine(
         overlap=config.overlap_schedule == "on",
         prefill_delay_factor=config.prefill_delay_factor,
         stream_interval=config.stream_interval,
+        keyed_sampling=config.deterministic,
     )
 
 

@@ -25,7 +25,7 @@ class PlainDecoder(Decoder):
     def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
         if argmax is not None:
             return [argmax[-1]]
-        return [sample_token(logits[-1], seq.params, seq.generator)]
+        return [sample_token(logits[-1], seq.params, seq.generator, len(seq.output))]
 
     def stats(self, seq: Sequence) -> dict | None:
         return {"debug_faults": list(self.debug_faults)} if self.debug_faults else None

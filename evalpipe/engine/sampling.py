@@ -5,23 +5,31 @@ is sampled from: temperature, then top-k, then top-p, then min-p; greedy (temper
 the argmax, so speculative rejection sampling degenerates to exact greedy acceptance. `sample(probs, generator)`
 draws one token per row with the request's own `torch.Generator` (`generator_for(params)`), so the same seed and
 inputs give the same tokens whatever else is in the batch.
+
+Keyed sampling (`--deterministic`, `generator_for(..., keyed=True)`): the request's noise is a `KeyedNoise`
+(engine/keyed.py) instead of a stream, and `sample(probs, noise, start)` draws row r as output token start + r with
+noise that depends on (seed, start + r, vocab id) alone. Without a seed, one is drawn for the request.
 """
 
 from __future__ import annotations
 
-import secrets
-
 import torch
 
-from evalpipe.engine.sampling_params import SamplingParams
+from evalpipe.engine.keyed import KeyedNoise
+from evalpipe.engine.sampling_params import SamplingParams, draw_seed
+
+Noise = torch.Generator | KeyedNoise | None  # a request's randomness: a stream, a key, or none (greedy)
 
 
-def generator_for(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """The request's random stream: seeded from `seed`, else from the OS; None under greedy (no randomness)."""
+def generator_for(params: SamplingParams, device: str | torch.device = "cpu", keyed: bool = False) -> Noise:
+    """The request's randomness: None under greedy; keyed: `KeyedNoise(seed)` (a drawn seed when it has none);
+    else a `torch.Generator` seeded from `seed`, or from the OS."""
     if params.greedy:
         return None
+    if keyed:
+        return KeyedNoise(params.seed if params.seed is not None else draw_seed())
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed % (1 << 64) if params.seed is not None else secrets.randbits(63))
+    gen.manual_seed(params.seed % (1 << 64) if params.seed is not None else draw_seed())
     return gen
 
 
@@ -48,15 +56,26 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: Noise, start: int = 0) -> torch.Tensor:
     """One token id per row (int64, shape probs.shape[:-1]); exponential race, so zero-probability ids never win.
 
-    With `generator=None` the argmax is taken (greedy one-hot probabilities need no randomness).
+    With `generator=None` the argmax is taken (greedy one-hot probabilities need no randomness). With a
+    `KeyedNoise`, row r is output token `start + r` (keyed_sample).
     """
     if generator is None:
         return probs.argmax(-1)
+    if isinstance(generator, KeyedNoise):
+        return keyed_sample(probs, generator, start)
     noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(1.0, generator=generator)
     return (probs / noise).argmax(-1)
+
+
+def keyed_sample(probs: torch.Tensor, noise: KeyedNoise, start: int, salt: int = 0) -> torch.Tensor:
+    """The exponential race argmax_v p_v / E_v with E the key's Exp(1) noise of output tokens start, start + 1, ...
+    (one per row), in float64; ties (p / E equal) go to the lowest id. A draw from p: P(v wins) = p_v / sum(p)."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    e = noise.exponentials(start, rows.shape[0], rows.shape[-1], rows.device, salt)
+    return (rows.to(torch.float64) / e).argmax(-1).reshape(probs.shape[:-1])
 
 
 class StepArgmax:
@@ -74,11 +93,12 @@ class StepArgmax:
         return self._ids[start:stop]
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits: `sample(sampling_probs(...))`, with greedy short-cut to the argmax."""
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: Noise, index: int = 0) -> int:
+    """One token from one row of logits: `sample(sampling_probs(...))`, with greedy short-cut to the argmax.
+    `index`: the output token this is (the key's counter under keyed sampling; a stream ignores it)."""
     if params.greedy:
         return int(logits.argmax(-1))
-    return int(sample(sampling_probs(logits, params), generator))
+    return int(sample(sampling_probs(logits, params), generator, index))
 
 
 def token_logprobs(

@@ -4,6 +4,7 @@ draws."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 from evalpipe.engine.grammar_constraint import GrammarConstraint
@@ -36,3 +37,9 @@ class SamplingParams:
     def bans_stops(self, generated: int) -> bool:
         """Whether the token after `generated` output tokens may not be EOS or a stop token (min_tokens)."""
         return generated < self.min_tokens
+
+
+def draw_seed() -> int:
+    """A fresh request seed (63 bits from the OS): what a sampled request without one is seeded with under keyed
+    sampling (`--deterministic`), so the seed can be reported and the request replayed."""
+    return secrets.randbits(63)

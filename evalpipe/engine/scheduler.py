@@ -25,6 +25,7 @@ from evalpipe.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from evalpipe.engine.grammar import GrammarMatcher
     from evalpipe.engine.ipc import SeqEvent
+    from evalpipe.engine.keyed import KeyedNoise
     from evalpipe.engine.spec.state import SeqSpec
     from evalpipe.engine.tokenizer import Detokenizer
 
@@ -61,7 +62,7 @@ class Sequence:
     num_prefilled: int = 0  # prompt tokens already fed to the runner
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission (usage.prompt_tokens_details)
     output: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | KeyedNoise | None = None  # engine/sampling.py generator_for (None: greedy)
     aborted: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None

@@ -44,6 +44,7 @@ from evalpipe.harness.records import (
     response_fields,
 )
 from evalpipe.harness.run_folder import RunFolder
+from evalpipe.harness.sample_seeds import sample_seed
 from evalpipe.harness.summary import compute_summary
 from evalpipe.lanes import Item, Lane, item_groups
 from evalpipe.lanes.grading import GraderPool, grade_text, grader_pool
@@ -68,11 +69,19 @@ EXIT_REFUSED = 3
 
 
 def build_body(
-    lane: Lane, model: str, item: Item, params: dict, token_ids: bool, logprobs: Optional[int], repeat: int = 0
+    lane: Lane,
+    model: str,
+    item: Item,
+    params: dict,
+    token_ids: bool,
+    logprobs: Optional[int],
+    repeat: int = 0,
+    sample_seeds: Optional[int] = None,
 ) -> dict:
     """The exact JSON body for one request. `None`-valued params are not sent (e.g. the x16 lane's seed). Repeat r
     of an item sends seed + r: one seed for every repeat would make sampled repeats copies of one sample where the
-    server honours seeds (the engine does the same for the n choices of one request); repeat 0 keeps the seed."""
+    server honours seeds (the engine does the same for the n choices of one request); repeat 0 keeps the seed.
+    With `sample_seeds` (--sample-seeds BASE) the seed sent is sample_seeds.sample_seed(BASE, question, repeat)."""
     body: dict = {"model": model}
     if lane.api == "completions":
         body["prompt"] = item.prompt
@@ -81,6 +90,8 @@ def build_body(
     for k, v in params.items():
         if v is not None:
             body[k] = v + repeat if k == "seed" and isinstance(v, int) else v
+    if sample_seeds is not None:
+        body["seed"] = sample_seed(sample_seeds, item.question_id, repeat)
     if token_ids:
         body["return_token_ids"] = True
     if logprobs is not None:
@@ -201,7 +212,9 @@ class Sending:
                 return
             self.seq += 1
             seq = self.seq
-            body = build_body(plan.lane, plan.model, item, plan.params, cfg.token_ids, cfg.logprobs, rep)
+            body = build_body(
+                plan.lane, plan.model, item, plan.params, cfg.token_ids, cfg.logprobs, rep, cfg.sample_seeds
+            )
             attempts: list = []
             try:
                 reply = await http.send(

@@ -88,6 +88,8 @@ class RunConfig:
     # the deterministic mode of a server evalpipe launched, for engines that do not report it (vLLM: the
     # VLLM_BATCH_INVARIANT it was started with); what a server reports wins. None: not known.
     launched_deterministic: Optional[bool] = None
+    # --sample-seeds BASE: each (question, repeat) sends sample_seeds.sample_seed(BASE, question, repeat); None: off
+    sample_seeds: Optional[int] = None
 
     @classmethod
     def from_manifest(
@@ -152,6 +154,7 @@ class RunConfig:
             allow_data_drift=allow_data_drift or dataset.get("allow_data_drift", False),
             token_ids=token_ids and eff.get("return_token_ids") is not False,
             logprobs=logprobs if logprobs is not None else eff.get("logprobs"),
+            sample_seeds=eff.get("sample_seeds"),
             resume_dir=run_dir,
             **transport,
         )
@@ -208,6 +211,7 @@ class RunPlan:
                 "num_examples": cfg.num_examples,
                 "return_token_ids": cfg.token_ids,
                 "logprobs": cfg.logprobs,
+                **({"sample_seeds": cfg.sample_seeds} if cfg.sample_seeds is not None else {}),
                 "model": self.model,
                 "arm": cfg.arm,
             },

@@ -15,6 +15,13 @@ batch_64 send each of its N requests together with 7 or 63 other prompts of the 
 `<condition>_filler`), all with top-2 logprobs. Besides each condition's own group, the `batch_shape` group pools
 the three: its distinct outputs count the outputs that changed with the batch shape, and its first divergence and
 logprob gap say where and how close the tokens were.
+
+Seeded batch-shape invariance (`seeded_batch_shape`, or one by one): seeded_batch_1, seeded_batch_8 and
+seeded_batch_64 send the same, but at temperature SEEDED_TEMPERATURE with the fixture's N requests all seeded
+SEEDED_SEED (the fillers with other seeds), so on a server whose sampled tokens depend only on the prompt and the
+seed (evalpipe serve --deterministic; what vLLM's VLLM_BATCH_INVARIANT and SGLang's deterministic mode promise) all
+of them are one completion; the `seeded_batch_shape` group pools the three. Controls are not graded there (a sample
+at T = 1 need not be right).
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ from evalpipe.redact import redact_text
 CONDITIONS = ("serial", "burst", "logprobs", "prefix_fresh", "prefix_reused")
 BATCH_SIZES = {"batch_1": 1, "batch_8": 8, "batch_64": 64}  # opt-in: `batch_shape` asks for all three
 BATCH_SHAPE = "batch_shape"
+SEEDED_BATCH_SIZES = {"seeded_batch_1": 1, "seeded_batch_8": 8, "seeded_batch_64": 64}  # opt-in, sampled
+SEEDED_BATCH_SHAPE = "seeded_batch_shape"
+SEEDED_TEMPERATURE = 1.0
+SEEDED_SEED = 46  # the fixture's; filler j sends SEEDED_SEED + 1 + j
 LANE = "repeat"
 TOP_LOGPROBS = 2
 MAX_RETRIES, RETRY_BACKOFF_S = 2, 0.5  # harness/client.py's policy; a repeat's requests are short
@@ -82,8 +93,14 @@ def cached_tokens(usage: Optional[dict]) -> Optional[int]:
     return usage.get("cached_tokens") if isinstance(usage.get("cached_tokens"), int) else None
 
 
-def summarize_group(fixture: Fixture, recs: list[dict]) -> dict:
-    """Distinct completions, modal share, divergence from the mode and control correctness for one group."""
+def shape_size(condition: str) -> int:
+    """The batch a batch-shape condition (seeded or not) sends its fixture in; 0 for any other condition."""
+    return BATCH_SIZES.get(condition) or SEEDED_BATCH_SIZES.get(condition) or 0
+
+
+def summarize_group(fixture: Fixture, recs: list[dict], graded: bool = True) -> dict:
+    """Distinct completions, modal share, divergence from the mode and (`graded`) control correctness for one
+    group."""
     ok = [r for r in recs if not r.get("error")]
     counts = Counter(output_key(r) for r in ok)
     out: dict[str, Any] = {"n": len(recs), "n_errors": len(recs) - len(ok), "distinct": len(counts)}
@@ -116,10 +133,10 @@ def summarize_group(fixture: Fixture, recs: list[dict]) -> dict:
         logprob_gaps=gaps,
         cached_tokens=[cached_tokens(r.get("usage")) for r in ok],
     )
-    if fixture.kind != "open":
-        graded = [r.get("correct") for r in ok]
+    if fixture.kind != "open" and graded:
+        grades = [r.get("correct") for r in ok]
         out.update(
-            control_correct_share=sum(bool(g) for g in graded) / len(ok),
+            control_correct_share=sum(bool(g) for g in grades) / len(ok),
             mode_correct=bool(mode_rec.get("correct")),
             expected=fixture.expected,
         )
@@ -142,7 +159,7 @@ class RepeatRun:
             cfg.base_url,
             cfg.api_key,
             cfg.timeout_s,
-            connections=max(cfg.repeats, *(BATCH_SIZES.get(c, 1) for c in cfg.conditions)),
+            connections=max(cfg.repeats, *(shape_size(c) or 1 for c in cfg.conditions)),
         )
 
     def flush(self) -> bool:
@@ -152,14 +169,18 @@ class RepeatRun:
             self.cache_reset_path = path
         return path is not None
 
-    async def one(self, fixture: Fixture, condition: str, index: int, *, logprobs: bool) -> dict:
+    async def one(
+        self, fixture: Fixture, condition: str, index: int, *, logprobs: bool, seed: Optional[int] = None
+    ) -> dict:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": fixture.prompt,
             "max_tokens": fixture.max_tokens,
-            "temperature": 0.0,
+            "temperature": 0.0 if seed is None else SEEDED_TEMPERATURE,
             "top_p": 1.0,
         }
+        if seed is not None:
+            body["seed"] = seed
         extra = dict(self.cfg.extra_body)
         if self.cfg.token_ids:
             extra["return_token_ids"] = True
@@ -194,7 +215,9 @@ class RepeatRun:
             secrets=[self.cfg.api_key or ""],
         )
         rec.update(response_fields(reply, chat=False), created_at=time.time())
-        if reply.data is not None:
+        if reply.data is not None and seed is not None:
+            rec.update(grade_status="ungraded")
+        elif reply.data is not None:
             answer, correct = fixture.grade(rec["response_text"])
             rec.update(
                 extracted_answer=answer, correct=correct, grade_status="ok" if fixture.kind != "open" else "ungraded"
@@ -209,14 +232,18 @@ class RepeatRun:
 
     async def condition(self, fixture: Fixture, condition: str) -> list[dict]:
         n = self.cfg.repeats
-        if condition in BATCH_SIZES:
+        if shape_size(condition):
+            seeded = condition in SEEDED_BATCH_SIZES
             out = []
             for i in range(n):
                 fillers = [
-                    self.one(filler, f"{condition}_filler", i, logprobs=True)
-                    for filler in self.fillers(fixture, BATCH_SIZES[condition] - 1)
+                    self.one(
+                        filler, f"{condition}_filler", i, logprobs=True, seed=SEEDED_SEED + 1 + j if seeded else None
+                    )
+                    for j, filler in enumerate(self.fillers(fixture, shape_size(condition) - 1))
                 ]
-                done = await asyncio.gather(self.one(fixture, condition, i, logprobs=True), *fillers)
+                own = self.one(fixture, condition, i, logprobs=True, seed=SEEDED_SEED if seeded else None)
+                done = await asyncio.gather(own, *fillers)
                 out.append(done[0])
             return out
         if condition == "burst":
@@ -309,15 +336,18 @@ class RepeatRun:
             for c in self.conditions:
                 recs = [r for r in self.records if r.get("fixture") == fx.id and r.get("condition") == c]
                 if recs:
-                    groups.setdefault(fx.id, {})[c] = summarize_group(fx, recs)
-            shapes = [c for c in self.conditions if c in BATCH_SIZES]
-            pooled = [r for r in self.records if r.get("fixture") == fx.id and r.get("condition") in shapes]
-            if len(shapes) > 1 and pooled:
-                groups.setdefault(fx.id, {})[BATCH_SHAPE] = {
-                    **summarize_group(fx, pooled),
-                    "conditions": shapes,
-                    "distinct_by_condition": {c: groups[fx.id][c]["distinct"] for c in shapes if c in groups[fx.id]},
-                }
+                    groups.setdefault(fx.id, {})[c] = summarize_group(fx, recs, graded=c not in SEEDED_BATCH_SIZES)
+            for pooled_name, sizes in ((BATCH_SHAPE, BATCH_SIZES), (SEEDED_BATCH_SHAPE, SEEDED_BATCH_SIZES)):
+                shapes = [c for c in self.conditions if c in sizes]
+                pooled = [r for r in self.records if r.get("fixture") == fx.id and r.get("condition") in shapes]
+                if len(shapes) > 1 and pooled:
+                    groups.setdefault(fx.id, {})[pooled_name] = {
+                        **summarize_group(fx, pooled, graded=pooled_name == BATCH_SHAPE),
+                        "conditions": shapes,
+                        "distinct_by_condition": {
+                            c: groups[fx.id][c]["distinct"] for c in shapes if c in groups[fx.id]
+                        },
+                    }
         result = {
             "schema_version": SCHEMA_VERSION,
             "kind": "repeat",
@@ -332,6 +362,11 @@ class RepeatRun:
                 "conditions_skipped": self.skipped,
                 "token_ids": cfg.token_ids,
                 "temperature": 0.0,
+                **(
+                    {"seeded": {"temperature": SEEDED_TEMPERATURE, "seed": SEEDED_SEED}}
+                    if set(self.conditions) & set(SEEDED_BATCH_SIZES)
+                    else {}
+                ),
                 "top_logprobs": TOP_LOGPROBS,
                 "fixtures": [f.describe() for f in cfg.fixtures],
                 "fixtures_sha256": fixtures_sha256(cfg.fixtures),
@@ -364,6 +399,6 @@ class RepeatError(Exception):
 
 def planned_requests(cfg: RepeatConfig) -> int:
     """Upper bound for the progress bar: probes + N per fixture and condition + one priming per fixture."""
-    per_fx = cfg.repeats * sum(BATCH_SIZES.get(c, 1) for c in cfg.conditions) + ("prefix_reused" in cfg.conditions)
+    per_fx = cfg.repeats * sum(shape_size(c) or 1 for c in cfg.conditions) + ("prefix_reused" in cfg.conditions)
     probes = 2 if {"prefix_fresh", "prefix_reused"} & set(cfg.conditions) else 0
     return probes + per_fx * len(cfg.fixtures)

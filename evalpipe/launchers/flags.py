@@ -170,7 +170,10 @@ COMMON = [
         default=D.deterministic,
         help="Ask the engine for batch-invariant inference (the aim: a greedy output that depends on its prompt "
         "alone, not on the batch it lands in, the concurrency, prefix-cache hits or speculation). native: asks for "
-        "batch-invariant kernels (their tests: tests/kernels/test_batch_invariant.py); sglang: "
+        "batch-invariant kernels (their tests: tests/kernels/test_batch_invariant.py) and samples with keyed noise "
+        "(a function of seed, output index and token id; a sampled request without a seed gets one, reported as "
+        "each choice's `seed`), verifying sampled speculation by sample-verify, so a seeded T > 0 output is the "
+        "same with speculation on and off (tests/engine/test_seeded_replay.py); sglang: "
         "--enable-deterministic-inference; vllm: VLLM_BATCH_INVARIANT=1. Off by default. Reported as "
         "`deterministic` in the receipt, the run manifest and every record (native: also /get_server_info).",
     ),

@@ -62,11 +62,24 @@ def choice_body(state, job: Job, part: ChoicePart, splitter: ToolCallSplitter | 
     choice["matched_stop"] = part.matched_stop
     if not stream or part.finish_reason is not None:
         choice["spec"] = part.spec
+        seed = choice_seed(state, job, part.index)
+        if seed is not None:
+            choice["seed"] = seed
     if job.return_token_ids:
         if part.first:
             choice["prompt_token_ids"] = c.prompt_ids
         choice["token_ids"] = part.token_ids
     return choice
+
+
+def choice_seed(state, job: Job, index: int) -> int | None:
+    """The seed choice `index` was sampled with, under keyed sampling (`--deterministic`) only, where the seed and the
+    prompt fix the tokens: the request's seed (or the one drawn for it) plus the choice's index among its prompt's n
+    (engine.make_sequences). None for greedy requests and on a server without keyed sampling."""
+    params = job.params[index // max(job.n, 1)]
+    if not state.settings.engine.deterministic or params.greedy or params.seed is None:
+        return None
+    return params.seed + index % max(job.n, 1)
 
 
 def whole_choice(job: Job, index: int) -> ChoicePart:

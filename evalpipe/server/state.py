@@ -162,6 +162,9 @@ class ServerState:
             },
             "wo_quant": s.wo_quant,
             "deterministic": s.deterministic,  # `serve --deterministic`: batch-invariant kernels asked for
+            # how sampled requests draw (engine/sampling.py): "keyed" under --deterministic (noise of seed, output index
+            # and vocab id; sampled speculation verifies by sample-verify), else "stream" (a seeded torch.Generator)
+            "sampling_noise": "keyed" if s.deterministic else "stream",
             "debug_faults": sorted(set(s.debug_faults)),
             # reported logprobs: log-softmax of the raw logits, before temperature/top-k/top-p (vLLM's name)
             "logprobs_mode": "raw_logprobs",

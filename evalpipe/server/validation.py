@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from evalpipe.engine.sampling_params import SamplingParams
+from evalpipe.engine.sampling_params import SamplingParams, draw_seed
 from evalpipe.server import structured
 from evalpipe.server.errors import APIError, bad_request
 from evalpipe.server.jobs import Job
@@ -47,7 +47,7 @@ def _sampling(
         top_p=req.top_p,
         top_k=max(req.top_k, 0),
         min_p=req.min_p,
-        seed=req.seed,
+        seed=_seed(state, req),
         stop=tuple(req.stop_list()),
         stop_token_ids=stop_ids,
         ignore_eos=req.ignore_eos,
@@ -57,6 +57,14 @@ def _sampling(
         include_stop_str_in_output=req.keep_stop_text(),
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _seed(state, req) -> int | None:
+    """The request's seed; under keyed sampling (`--deterministic`) a sampled request without one gets a drawn seed,
+    which each choice reports (responses.choice_seed), so any such output can be replayed."""
+    if req.seed is None and state.settings.engine.deterministic and req.temperature > 0:
+        return draw_seed()
+    return req.seed
 
 
 def _check_min_tokens(req, requested_max: int | None, grammar) -> None:

@@ -130,6 +130,32 @@ def test_repeat_prints_and_writes_the_mode(native, tmp_path):
     assert records and all(r["server_deterministic"] is True for r in records)
 
 
+def test_seeded_batch_shape_gives_one_completion_on_the_keyed_server(native, tmp_path):
+    """The same seeded T = 1 request alone and among 7 others (seeded_batch_1, seeded_batch_8): one completion."""
+    result = cli(
+        "repeat",
+        "--base-url",
+        native.base + "/v1",
+        "--repeats",
+        "2",
+        "--fixtures",
+        "open_short",
+        "--max-tokens",
+        "16",
+        "--conditions",
+        "seeded_batch_1,seeded_batch_8",
+        "--out",
+        str(tmp_path),
+    )
+    assert result.exit_code == 0, result.output
+    run_dir = next((tmp_path / "repeat").iterdir())
+    pooled = json.loads((run_dir / "repeat.json").read_text())["groups"]["open_short"]["seeded_batch_shape"]
+    assert pooled["n"] == 4 and pooled["n_errors"] == 0 and pooled["distinct"] == 1, pooled
+    records = [json.loads(line) for line in (run_dir / "responses.jsonl").read_text().splitlines()]
+    fillers = {tuple(r["output_token_ids"]) for r in records if r["condition"] == "seeded_batch_8_filler"}
+    assert len(fillers) > 1  # the fillers, seeded otherwise, are other samples
+
+
 def test_qualify_prints_and_writes_the_mode(native, tmp_path):
     result = cli("qualify", "--base-url", native.base + "/v1", "--out", str(tmp_path / "q"), "--gates", "auth")
     assert result.exit_code == 0, result.output

@@ -225,3 +225,20 @@ def test_prefix_conditions_are_skipped_with_the_reason_where_the_cache_cannot_be
         and result["server"]["cache_reset_path"] is None
     )
     assert "skipped condition prefix_fresh" in res.output
+
+
+def test_seeded_batch_shape_sends_one_seed_at_t1_and_counts_what_the_batch_changed(tmp_path):
+    result, recs, _ = run_repeat(
+        tmp_path, [V0, V1], n=2, extra=("--conditions", "seeded_batch_1,seeded_batch_8", "--fail-on-control")
+    )
+    own = [r for r in recs if r["condition"] in ("seeded_batch_1", "seeded_batch_8")]
+    assert len(own) == 2 * 2 * 2  # 2 fixtures x 2 conditions x N = 2
+    assert {(r["request"]["seed"], r["request"]["temperature"]) for r in own} == {(46, 1.0)}
+    fillers = [r for r in recs if r["condition"] == "seeded_batch_8_filler"]
+    assert len(fillers) == 2 * 2 * 7 and {r["request"]["seed"] for r in fillers} == set(range(47, 54))
+    for conds in result["groups"].values():
+        assert set(conds) == {"seeded_batch_1", "seeded_batch_8", "seeded_batch_shape"}
+        pooled = conds["seeded_batch_shape"]
+        assert pooled["distinct"] == 2 and pooled["first_divergence_from_mode"] == 2  # the peer's two variants
+        assert "control_correct_share" not in pooled  # a T = 1 sample is not a control
+    assert result["config"]["seeded"] == {"temperature": 1.0, "seed": 46}

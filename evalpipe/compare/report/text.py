@@ -55,6 +55,9 @@ def headline_lines(result: dict, details: bool = True) -> list[str]:
         lines.extend(greedy_lines(g))
     r = result.get("repeated_stats")
     if r:
+        ident = r.get("output_identity") or {}
+        if ident.get("all_identical"):
+            lines.append(identity_sentence(ident) + " (same seed per question and repeat in both arms)")
         lines.append(repeated_line(r))
     ag = result.get("agreement") or {}
     if "n_pairs" in ag:
@@ -102,11 +105,7 @@ def greedy_lines(g: dict) -> list[str]:
     lines = []
     ident = g.get("output_identity") or {}
     if ident.get("all_identical"):
-        lines.append(
-            f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs: the rate of differing outputs is at "
-            f"most {pct(ident['discordance_upper_bound'])} (exact one-sided {int(100 * ident['confidence'])}% bound), "
-            f"so B - A is at least {pts(-ident['discordance_upper_bound'])}"
-        )
+        lines.append(identity_sentence(ident))
     iv, bs = g["interval"], g["bootstrap"]
     lines.append(
         f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
@@ -121,6 +120,15 @@ def greedy_lines(g: dict) -> list[str]:
         "secondary: it collapses to a point when nothing flips)"
     )
     return lines
+
+
+def identity_sentence(ident: dict) -> str:
+    """Every pair identical, and what that bounds."""
+    return (
+        f"outputs {ident['basis']}-identical in all {ident['n_pairs']} pairs: the rate of differing outputs is at "
+        f"most {pct(ident['discordance_upper_bound'])} (exact one-sided {int(100 * ident['confidence'])}% bound), "
+        f"so B - A is at least {pts(-ident['discordance_upper_bound'])}"
+    )
 
 
 def mde_sentence(g: dict) -> str:

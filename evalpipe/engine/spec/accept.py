@@ -9,6 +9,14 @@ how many drafts survive and which token follows them:
   min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a sample of norm(max(p_i - q_i, 0)) and stop; when every
   draft survives, emit a bonus sample of p_G. The emitted tokens are distributed exactly as plain sampling from p.
   A drafter without a distribution (n-gram lookup) passes q = one-hot of its proposal, which the same rule handles;
+- keyed (sample-verify, requests sampled with keyed noise under `--deterministic`): the target draws its own
+  keyed sample at every verify row (engine/keyed.py: noise of (seed, output index, vocab id) alone); the longest
+  prefix of drafts equal to those samples is accepted and the target's sample at the first mismatch (or after the
+  last draft) is emitted. Every emitted token is the sample plain decoding would draw at that index from the same
+  distribution, so a seeded output is the spec-off output token for token. For a deterministic drafter (n-gram)
+  P(accept d) = p(d), what rejection sampling gives for a one-hot q. A sampling model drafter draws its proposal
+  with the same key, so it proposes the target's own sample whenever the two races agree; by the coupling
+  inequality that is at most rejection sampling's 1 - TV(p, q);
 - simulated (performance runs only): accept a prescribed number of drafts without checking them.
 
 The greedy and sampled rules are exact and are the default. Two LOSSY rules exist only so that an evaluation can
@@ -41,6 +49,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from evalpipe.engine.keyed import SALT_FAULT, KeyedNoise
+from evalpipe.engine.sampling import keyed_sample
 
 
 def greedy_accept(
@@ -104,6 +115,38 @@ def rejection_accept(
         emitted.append(_draw(residual / total if total > 0.0 else p[i], generator))
         return emitted, i
     emitted.append(_draw(p[len(drafts)], generator))
+    return emitted, len(drafts)
+
+
+def keyed_accept(
+    target_probs: torch.Tensor,
+    drafts: list[int],
+    noise: KeyedNoise,
+    start: int,
+    keep: list[bool] | None = None,
+    residual_from_target: bool = False,
+) -> tuple[list[int], int]:
+    """Sample-verify of one request's block (module docstring, keyed).
+
+    target_probs: [G+1, V], row i the distribution of output token start + i. keep: per draft, True to accept it
+    whatever the sample (a lossy rule); None for the exact rule. residual_from_target: the planted fault: at the
+    first mismatch, the emitted token is a fresh draw from the full p (another key), which may be the rejected
+    draft, instead of the target's own sample. Returns (emitted tokens, number of accepted drafts).
+    """
+    if target_probs.shape[0] != len(drafts) + 1:
+        raise ValueError(f"need G+1 target rows for G={len(drafts)} drafts, got {target_probs.shape[0]}")
+    samples = keyed_sample(target_probs, noise, start).tolist()
+    emitted: list[int] = []
+    for i, d in enumerate(drafts):
+        if d == samples[i] or (keep is not None and keep[i]):
+            emitted.append(d)
+            continue
+        if residual_from_target:
+            emitted.append(int(keyed_sample(target_probs[i], noise, start + i, salt=SALT_FAULT)))
+        else:
+            emitted.append(samples[i])
+        return emitted, i
+    emitted.append(samples[len(drafts)])
     return emitted, len(drafts)
 
 

@@ -25,6 +25,7 @@ import torch
 from evalpipe.engine.config import EngineConfig
 from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.faults import faults_of
+from evalpipe.engine.keyed import SALT_COIN, KeyedNoise
 from evalpipe.engine.sampling import sample, sampling_probs
 from evalpipe.engine.scheduler import Sequence
 from evalpipe.engine.spec.accept import (
@@ -33,6 +34,7 @@ from evalpipe.engine.spec.accept import (
     SpecStats,
     greedy_accept,
     in_top_k,
+    keyed_accept,
     rejection_accept,
     simulated_accept,
     threshold_accept,
@@ -101,17 +103,20 @@ class SpeculativeDecoder(Decoder):
         drafts, params = spec.drafts, seq.params
         if logits.shape[0] != len(drafts) + 1:
             raise ValueError(f"expected {len(drafts) + 1} verify rows, got {logits.shape[0]}")
+        start = len(seq.output)  # verify row i scores output token start + i (the keyed sampler's counter)
         if spec.sim is not None:
             tokens, n = simulated_accept(
                 drafts,
                 spec.sim.next_length(),
-                lambda row: int(sample(sampling_probs(logits[row], params), seq.generator)),
+                lambda row: int(sample(sampling_probs(logits[row], params), seq.generator, start + row)),
             )
         elif params.greedy or "greedy-sampling" in self.debug_faults:
             rule = self.accept_rule
             tokens, n = (
                 topk_accept(logits, drafts, rule.topk) if rule.name == "topk" else greedy_accept(logits, drafts, argmax)
             )
+        elif isinstance(seq.generator, KeyedNoise):
+            tokens, n = self._keyed_accept(sampling_probs(logits, params), spec, seq.generator, start)
         else:
             tokens, n = self._sampled_accept(sampling_probs(logits, params), spec, seq.generator)
         if "stale-kv-after-reject" not in self.debug_faults:
@@ -131,6 +136,22 @@ class SpeculativeDecoder(Decoder):
         q = spec.q if spec.q is not None else p[:0]
         return rejection_accept(
             p, q, drafts, generator, keep=keep, residual_from_target="residual-from-target" in self.debug_faults
+        )
+
+    def _keyed_accept(self, p: torch.Tensor, spec: SeqSpec, noise: KeyedNoise, start: int) -> tuple[list[int], int]:
+        """Sample-verify (spec/accept.py keyed_accept); a lossy rule keeps drafts by its own test first: top-k on
+        p, or SGLang's thresholds with a keyed coin per row."""
+        rule, drafts = self.accept_rule, spec.drafts
+        keep = None
+        if rule.name == "topk":
+            keep = in_top_k(p[: len(drafts)], drafts, rule.topk, require_positive=True)
+        elif rule.name == "threshold" and drafts:
+            coins = noise.uniforms(start, len(drafts), 1, p.device, salt=SALT_COIN)[:, 0].tolist()
+            acc = max(float(rule.threshold_acc), 1e-9)
+            own = [float(p[i, d]) for i, d in enumerate(drafts)]
+            keep = [u * acc < pd or pd >= rule.threshold_single for u, pd in zip(coins, own)]
+        return keyed_accept(
+            p, drafts, noise, start, keep=keep, residual_from_target="residual-from-target" in self.debug_faults
         )
 
     def stats(self, seq: Sequence) -> dict | None:

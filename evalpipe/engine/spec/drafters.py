@@ -101,7 +101,9 @@ class RunnerDrafter:
                     token = argmax[row]
                 else:
                     probs = sampling_probs(logits[row], seq.params)
-                    token = int(sample(probs, seq.generator))
+                    # under keyed sampling the draft for output token k draws with the target's key at k, so
+                    # a drafter whose q is close to p proposes the target's own sample (coupled noise)
+                    token = int(sample(probs, seq.generator, len(seq.output) + len(drafts[i])))
                     qs[i].append(probs)
                 drafts[i].append(token)
                 if len(drafts[i]) < widths[i]:
