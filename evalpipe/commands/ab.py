@@ -28,6 +28,36 @@ def _split(text: str, what: str) -> list[str]:
         raise click.UsageError(f"{what}: {exc}") from None
 
 
+def _lane_names(lanes: str) -> list[str]:
+    """The comma-separated lane names; UsageError when none is given or one is unknown."""
+    from evalpipe.lanes import LANE_MODULES
+
+    lane_names = [name.strip() for name in lanes.split(",") if name.strip()]
+    unknown = [name for name in lane_names if name not in LANE_MODULES]
+    if not lane_names or unknown:
+        raise click.UsageError(
+            f"unknown lane(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(LANE_MODULES)}"
+        )
+    return lane_names
+
+
+def _boot_order(order: str) -> str:
+    """--order upper-cased; UsageError unless it is A and B letters with at least one of each."""
+    order = order.strip().upper()
+    if not order or set(order) - {"A", "B"} or "A" not in order or "B" not in order:
+        raise click.UsageError("--order is a string of A and B with at least one of each, e.g. ABBA")
+    return order
+
+
+def _ab_folder(out_dir: Path | None) -> Path:
+    """--out (default results/ab/<UTC time>), created; UsageError when it exists and is not empty."""
+    out = out_dir or Path("results") / "ab" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    if out.exists() and any(out.iterdir()):
+        raise click.UsageError(f"{out} exists and is not empty; an A/B folder holds exactly one A/B")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def _parse_arm(side: str, common: list[str], own: list[str]):
     from evalpipe.launchers import LaunchConfigError, make_launcher
     from evalpipe.launchers.flags import parse_serve_args
@@ -163,26 +193,14 @@ def command(
     Exit codes: 0 done (whatever the verdicts, unless --fail-on); 1 a boot, lane or comparison failed or a
     receipt was refused; 2 usage error; 4 an A vs B verdict is one of --fail-on; 130 interrupted.
     """
-    from evalpipe.lanes import LANE_MODULES
-
     gate = parse_fail_on(fail_on)
-    lane_names = [name.strip() for name in lanes.split(",") if name.strip()]
-    unknown = [name for name in lane_names if name not in LANE_MODULES]
-    if not lane_names or unknown:
-        raise click.UsageError(
-            f"unknown lane(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(LANE_MODULES)}"
-        )
-    order = order.strip().upper()
-    if not order or set(order) - {"A", "B"} or "A" not in order or "B" not in order:
-        raise click.UsageError("--order is a string of A and B with at least one of each, e.g. ABBA")
+    lane_names = _lane_names(lanes)
+    order = _boot_order(order)
     common = _split(common_args, "--common")
     opts_a, given_a = _parse_arm("A", common, _split(a_args, "--a"))
     opts_b, given_b = _parse_arm("B", common, _split(b_args, "--b"))
     declared = declared_flags(opts_a, opts_b)
-    out = out_dir or Path("results") / "ab" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    if out.exists() and any(out.iterdir()):
-        raise click.UsageError(f"{out} exists and is not empty; an A/B folder holds exactly one A/B")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _ab_folder(out_dir)
     if not declared:
         click.echo("note: --a and --b are identical; this A/B measures boot-to-boot variation only", err=True)
 

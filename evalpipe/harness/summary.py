@@ -14,7 +14,7 @@ import statistics
 from typing import Any, Optional
 
 from evalpipe.harness import acceptance, metrics
-from evalpipe.harness.records import SCHEMA_VERSION, counted_records
+from evalpipe.harness.records import SCHEMA_VERSION, Counted, counted_records
 from evalpipe.lanes import sgl_eval_adapter
 
 
@@ -88,6 +88,25 @@ def group_accuracy(groups: dict, planned: list, by_key: dict) -> dict:
     return out
 
 
+# run-level facts copied from `meta` when present, in this order
+_META_KEYS = (
+    "partial",
+    "interrupted",
+    "refused",
+    "wall_s",
+    "requests_per_s",
+    "overrides",
+    "data_drift",
+    "manifest_changed",
+    "manifest_changes",
+    "resumed",
+    "server_lossy_acceptance",
+    "server_debug_faults",
+    "server_deterministic",
+    "spec_metrics",
+)
+
+
 def compute_summary(
     *,
     lane_name: str,
@@ -101,24 +120,36 @@ def compute_summary(
     """The summary dict. `meta` carries run-level facts not derivable from records (arm, partial, ...);
     `groups` maps planned question ids to their lane's reporting group (accuracy per group, same denominators)."""
     planned = [(lane_name, q, r) for q in planned_question_ids for r in range(repeats)]
-    planned_set = set(planned)
     counted = counted_records(records)
-    by_key, n_dups = counted.by_key, counted.n_duplicates
-    unplanned = [k for k in by_key if k not in planned_set]
+    by_key = counted.by_key
     recs = [by_key[k] for k in planned if k in by_key]
 
+    summary = _headline_counts(lane_name, meta, planned, counted, recs)
+    summary[metrics.no_answer_key(grader)] = sum(map(metrics.is_no_answer, recs))
+    if groups:
+        summary["by_group"] = group_accuracy(groups, planned, by_key)
+    if repeats > 1:
+        summary["pass@1"] = summary["accuracy"]
+        summary.update(repeated_metrics(by_key, lane_name, planned_question_ids, repeats))
+    ok_recs = [r for r in recs if not metrics.is_error(r)]
+    summary["tokens"] = _token_totals(ok_recs)
+    summary["latency_s"] = _latency_stats(recs)
+    summary.update(_spec_stats(recs, meta))
+    summary.update({key: meta[key] for key in _META_KEYS if key in meta})
+    summary.setdefault("partial", summary["n_missing"] > 0)
+    return summary
+
+
+def _headline_counts(lane_name: str, meta: dict, planned: list, counted: Counted, recs: list[dict]) -> dict[str, Any]:
+    """Identity, then planned/recorded/correct/error counts; every rate's denominator is the planned items."""
+    planned_set = set(planned)
+    unplanned = [k for k in counted.by_key if k not in planned_set]
     n_planned = len(planned)
     n_correct = sum(map(metrics.is_correct, recs))
-    n_errors = sum(map(metrics.is_error, recs))
-    n_trunc = sum(map(metrics.is_truncated, recs))
     status_counts: dict[str, int] = {}
     for r in recs:
         status_counts[r.get("grade_status")] = status_counts.get(r.get("grade_status"), 0) + 1
-
-    latencies = sorted(float(r["latency_s"]) for r in recs if isinstance(r.get("latency_s"), (int, float)))
-    ok_recs = [r for r in recs if not metrics.is_error(r)]
-    completion = [_usage_int(r.get("usage"), "completion_tokens") for r in ok_recs]
-    summary: dict[str, Any] = {
+    return {
         "schema_version": SCHEMA_VERSION,
         "lane": lane_name,
         "arm": meta.get("arm"),
@@ -131,62 +162,53 @@ def compute_summary(
         "n_correct": n_correct,
         "accuracy": (n_correct / n_planned) if n_planned else None,
         "accuracy_definition": "correct / n_planned (errors, truncations, missing and unanswered count as wrong)",
-        "n_truncated": n_trunc,
-        "n_errors": n_errors,
+        "n_truncated": sum(map(metrics.is_truncated, recs)),
+        "n_errors": sum(map(metrics.is_error, recs)),
         "n_grader_timeouts": status_counts.get("grader_timeout", 0),
         "n_grader_errors": status_counts.get("grader_error", 0),
         "grade_status_counts": dict(sorted((str(k), v) for k, v in status_counts.items())),
-        "n_duplicate_records": n_dups,
+        "n_duplicate_records": counted.n_duplicates,
         "n_unplanned_records": len(unplanned),
     }
-    summary[metrics.no_answer_key(grader)] = sum(map(metrics.is_no_answer, recs))
-    if groups:
-        summary["by_group"] = group_accuracy(groups, planned, by_key)
-    if repeats > 1:
-        summary["pass@1"] = summary["accuracy"]
-        summary.update(repeated_metrics(by_key, lane_name, planned_question_ids, repeats))
-    summary["tokens"] = {
+
+
+def _token_totals(ok_recs: list[dict]) -> dict:
+    """Token usage over the records that are not errors."""
+    completion = [_usage_int(r.get("usage"), "completion_tokens") for r in ok_recs]
+    return {
         "prompt_total": sum(_usage_int(r.get("usage"), "prompt_tokens") for r in ok_recs),
         "completion_total": sum(completion),
         "completion_mean": (sum(completion) / len(completion)) if completion else None,
         "completion_max": max(completion) if completion else None,
         "reasoning_total": sum(_reasoning_tokens(r.get("usage")) for r in ok_recs),
     }
-    summary["latency_s"] = {
+
+
+def _latency_stats(recs: list[dict]) -> dict:
+    """Mean, quantiles and max of the records' numeric latencies."""
+    latencies = sorted(float(r["latency_s"]) for r in recs if isinstance(r.get("latency_s"), (int, float)))
+    return {
         "mean": statistics.fmean(latencies) if latencies else None,
         "p50": _quantile(latencies, 0.5),
         "p90": _quantile(latencies, 0.9),
         "p99": _quantile(latencies, 0.99),
         "max": latencies[-1] if latencies else None,
     }
-    # per-record statistics from the responses; run-level ones from the server's /metrics go in `spec_metrics`
-    summary["n_records_with_spec"] = sum(map(metrics.has_spec, recs))
-    summary["spec_accept_length_mean"] = metrics.mean_accept_length(recs)
-    # per position, request- and token-weighted, by context length (harness/acceptance.py)
-    summary["acceptance"] = acceptance.profile(recs, meta.get("spec_metrics"))
-    # a lossy acceptance rule (evalpipe serve --spec-accept-*) decided these responses: their accuracy measures it
-    summary["n_records_lossy"] = sum(map(metrics.is_lossy, recs))
-    summary["spec_lossy"] = summary["n_records_lossy"] > 0
-    for key in (
-        "partial",
-        "interrupted",
-        "refused",
-        "wall_s",
-        "requests_per_s",
-        "overrides",
-        "data_drift",
-        "manifest_changed",
-        "manifest_changes",
-        "resumed",
-        "server_lossy_acceptance",
-        "server_debug_faults",
-        "server_deterministic",
-        "spec_metrics",
-    ):
-        if key in meta:
-            summary[key] = meta[key]
-    summary.setdefault("partial", summary["n_missing"] > 0)
-    return summary
+
+
+def _spec_stats(recs: list[dict], meta: dict) -> dict:
+    """Speculative-decoding statistics from the responses; run-level ones from the server's /metrics go in
+    `spec_metrics`."""
+    n_lossy = sum(map(metrics.is_lossy, recs))
+    return {
+        "n_records_with_spec": sum(map(metrics.has_spec, recs)),
+        "spec_accept_length_mean": metrics.mean_accept_length(recs),
+        # per position, request- and token-weighted, by context length (harness/acceptance.py)
+        "acceptance": acceptance.profile(recs, meta.get("spec_metrics")),
+        # a lossy acceptance rule (evalpipe serve --spec-accept-*) decided these responses: their accuracy measures it
+        "n_records_lossy": n_lossy,
+        "spec_lossy": n_lossy > 0,
+    }
 
 
 def close_values(a: Any, b: Any) -> bool:

@@ -413,18 +413,8 @@ def _launch(
         ent, rows = entries, entry_rows
     else:  # never read (HAS_ENT off): any tensors of the right kind
         ent, rows = window_ring, pos[:, None]
-    esize = window_ring.element_size()
-    kv_off = (kv.data_ptr() - window_ring.data_ptr()) // esize  # same dtype: exact
-    ent_off = (ent.data_ptr() - window_ring.data_ptr()) // esize
-    aligned = window_ring.data_ptr() % 16 == 0 and all(
-        x % 8 == 0 for x in (kv_off, ent_off, kv.stride(0), window_ring.stride(0), ent.stride(0))
-    )
-    if merge:
-        po = torch.empty(T, S, H, D, device=q.device, dtype=torch.float32)
-        pm = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
-        pl = torch.empty(T, S, H, device=q.device, dtype=torch.float32)
-    else:
-        po = pm = pl = out
+    kv_off, ent_off, aligned = _ring_offsets(window_ring, kv, ent)
+    po, pm, pl = _split_partials(T, S, H, D, q.device) if merge else (out, out, out)
     jit(_step_attention_kernel, ATTENTION_VARYING)[(T, S, cfg["head_blocks"])](
         q,
         window_ring,
@@ -466,20 +456,46 @@ def _launch(
         num_stages=cfg["num_stages"],
     )
     if merge:
-        jit(_step_attention_combine_kernel)[(T, H)](
-            po,
-            pm,
-            pl,
-            out,
-            H,
-            S,
-            D=D,
-            S_PAD=triton.next_power_of_2(S),
-            BLOCK_D=min(128, triton.next_power_of_2(D)),
-            ORDERED=invariant,
-            num_warps=4,
-        )
+        _combine_splits(po, pm, pl, out, ordered=invariant)
     return out
+
+
+def _ring_offsets(window_ring, kv, ent) -> tuple[int, int, bool]:
+    """kv's and ent's element offsets from window_ring (the kernel addresses all three from its pointer) and
+    whether every base and row stride allows aligned loads."""
+    esize = window_ring.element_size()
+    kv_off = (kv.data_ptr() - window_ring.data_ptr()) // esize  # same dtype: exact
+    ent_off = (ent.data_ptr() - window_ring.data_ptr()) // esize
+    aligned = window_ring.data_ptr() % 16 == 0 and all(
+        x % 8 == 0 for x in (kv_off, ent_off, kv.stride(0), window_ring.stride(0), ent.stride(0))
+    )
+    return kv_off, ent_off, aligned
+
+
+def _split_partials(T: int, S: int, H: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 buffers for each of the S key splits' partial output, running max and running sum."""
+    po = torch.empty(T, S, H, D, device=device, dtype=torch.float32)
+    pm = torch.empty(T, S, H, device=device, dtype=torch.float32)
+    pl = torch.empty(T, S, H, device=device, dtype=torch.float32)
+    return po, pm, pl
+
+
+def _combine_splits(po, pm, pl, out, *, ordered: bool) -> None:
+    """Merges the key splits' partials into `out` [T, H, D]."""
+    T, S, H, D = po.shape
+    jit(_step_attention_combine_kernel)[(T, H)](
+        po,
+        pm,
+        pl,
+        out,
+        H,
+        S,
+        D=D,
+        S_PAD=triton.next_power_of_2(S),
+        BLOCK_D=min(128, triton.next_power_of_2(D)),
+        ORDERED=ordered,
+        num_warps=4,
+    )
 
 
 def _guard(q, kv, window_ring, entries, sinks) -> bool:

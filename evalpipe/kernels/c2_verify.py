@@ -446,6 +446,29 @@ def c2_verify(
     if not use_triton(backend, tensors, _triton_guard(kv_gate, cos, sin, kv_state, pool)):
         c2_verify_reference(*args)
         return
+    _launch(*args, hd)
+
+
+def _launch(
+    kv_gate,
+    positions,
+    req,
+    row_valid,
+    position_bias,
+    norm_weight,
+    eps,
+    cos,
+    sin,
+    rope_dim,
+    kv_state,
+    pool,
+    page_table,
+    page_size,
+    ring_size,
+    rows_per_request,
+    hd,
+) -> None:
+    """One program per verify row of the validated arguments; `hd` is the head dim `_validate` returned."""
     n = kv_gate.shape[0]
     if n == 0:
         return

@@ -237,22 +237,46 @@ def candidate_block_mask(
     device = logits.device
     masked = masked_out if masked_out is not None else torch.empty((rows, width), dtype=torch.float32, device=device)
     if published is not None:
-        if rows and width:
-            pub = published.view(torch.uint8)
-            jit(_consumer_kernel)[(rows, triton.cdiv(width, TILE))](
-                logits, lens, pub, masked, width, *logits.stride(), *pub.stride(), masked.stride(0), TILE_W=TILE
-            )
+        _launch_consumer(logits, lens, published, masked)
         return masked, None
     keep = keep_out if keep_out is not None else torch.empty((rows, width), dtype=torch.bool, device=device)
+    _launch_source(logits, lens, topk_blocks, block_size, masked, keep)
+    return masked, keep
+
+
+def _launch_consumer(logits, lens, published, masked) -> None:
+    """Consumer mode: `masked` gets the logits where the published keep mask is set and the position is visible."""
+    rows, width = logits.shape
+    if rows and width:
+        pub = published.view(torch.uint8)
+        jit(_consumer_kernel)[(rows, triton.cdiv(width, TILE))](
+            logits, lens, pub, masked, width, *logits.stride(), *pub.stride(), masked.stride(0), TILE_W=TILE
+        )
+
+
+def _launch_source(logits, lens, topk_blocks, block_size, masked, keep) -> None:
+    """Source mode: `masked` gets the visible logits, `keep` the positions of each row's top `topk_blocks` blocks."""
+    rows, width = logits.shape
     if rows == 0 or width == 0:
         keep.zero_()
-        return masked, keep
+        return
     nblocks = triton.cdiv(width, block_size)
     group = triton.next_power_of_2(block_size)
     per_program = max(1, TILE // group)
     all_selected = topk_blocks >= nblocks
-    bscore = torch.empty((rows, 1 if all_selected else nblocks), dtype=torch.float32, device=device)
     keep_bytes = keep.view(torch.uint8)
+    bscore = _mask_and_score_blocks(logits, lens, masked, keep_bytes, nblocks, block_size, all_selected, per_program)
+    if all_selected:  # every block is selected: no ranking needed, the single kernel wrote the final keep mask
+        return
+    _scatter_top_blocks(bscore, topk_blocks, keep_bytes, width, block_size, per_program)
+
+
+def _mask_and_score_blocks(
+    logits, lens, masked, keep_bytes, nblocks, block_size, all_selected, per_program
+) -> torch.Tensor:
+    """Writes the masked logits (and, when every block is selected, the keep mask); returns the block scores."""
+    rows, width = logits.shape
+    bscore = torch.empty((rows, 1 if all_selected else nblocks), dtype=torch.float32, device=logits.device)
     jit(_mask_and_block_score_kernel)[(rows, triton.cdiv(nblocks, per_program))](
         logits,
         lens,
@@ -268,13 +292,15 @@ def candidate_block_mask(
         bscore.stride(0),
         ALL_SELECTED=all_selected,
         BLOCKS=per_program,
-        GP=group,
+        GP=triton.next_power_of_2(block_size),
     )
-    if all_selected:  # every block is selected: no ranking needed, the single kernel wrote the final keep mask
-        return masked, keep
-    k = topk_blocks
+    return bscore
+
+
+def _scatter_top_blocks(bscore, k, keep_bytes, width, block_size, per_program) -> None:
+    """Sets `keep` over the positions of each row's k best-scoring blocks."""
     val, sel = torch.topk(bscore, k, dim=1, sorted=False)
-    jit(_scatter_keep_kernel)[(rows, triton.cdiv(k, per_program))](
+    jit(_scatter_keep_kernel)[(sel.shape[0], triton.cdiv(k, per_program))](
         sel,
         val,
         keep_bytes,
@@ -285,6 +311,5 @@ def candidate_block_mask(
         val.stride(0),
         keep_bytes.stride(0),
         SEL=per_program,
-        GP=group,
+        GP=triton.next_power_of_2(block_size),
     )
-    return masked, keep

@@ -611,41 +611,50 @@ def gate_up(
     if not use_triton(backend, [x, idx]):
         return gate_up_reference(moe, x, idx)
     T, KP1 = idx.shape
-    R = T * KP1
     h = torch.empty(T, KP1, p.I, device=x.device, dtype=x.dtype)
-    if R == 0:
+    if T * KP1 == 0:
         return h
-    sg, su, _ = p.shared
     extra = {} if num_stages is None else {"num_stages": num_stages}
     x, idx = x.contiguous(), idx.contiguous()
     if _mode("mm" if invariant else mode, "gate_up", T) == "gemv":
-        bn = block_n or _pick_block_n(R, p.I)
-        bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
-        jit(_gate_up_kernel, ("R",))[(R * triton.cdiv(p.I, bn),)](
-            x,
-            idx,
-            p.gate_up,
-            sg,
-            su,
-            h,
-            R,
-            p.E,
-            p.limit,
-            D=p.D,
-            I=p.I,
-            KP1=KP1,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            num_warps=num_warps or 4,
-            **extra,
-        )
-        return h
-    cfg = _mm_shape(
-        "gate_up",
-        T,
-        dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps),
-        invariant,
+        _gate_up_gemv(p, x, idx, h, block_n, block_k, num_warps, extra)
+    else:
+        given = dict(block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps)
+        _gate_up_mm(p, x, idx, h, _mm_shape("gate_up", T, given, invariant), invariant, extra)
+    return h
+
+
+def _gate_up_gemv(p, x, idx, h, block_n, block_k, num_warps, extra: dict) -> None:
+    """gate_up's "gemv" mode into h: one program per (pick, channel block)."""
+    T, KP1 = idx.shape
+    R = T * KP1
+    sg, su, _ = p.shared
+    bn = block_n or _pick_block_n(R, p.I)
+    bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
+    jit(_gate_up_kernel, ("R",))[(R * triton.cdiv(p.I, bn),)](
+        x,
+        idx,
+        p.gate_up,
+        sg,
+        su,
+        h,
+        R,
+        p.E,
+        p.limit,
+        D=p.D,
+        I=p.I,
+        KP1=KP1,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=num_warps or 4,
+        **extra,
     )
+
+
+def _gate_up_mm(p, x, idx, h, cfg: dict, invariant: bool, extra: dict) -> None:
+    """gate_up's "mm" mode into h: expert-major tl.dot over token blocks, launch shape `cfg` (`_mm_shape`)."""
+    T, KP1 = idx.shape
+    sg, su, _ = p.shared
     bt = _token_block(cfg, T, 32, invariant)
     bn = max(16, cfg.get("block_n", 32))
     bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.D)))
@@ -673,7 +682,6 @@ def gate_up(
         num_warps=cfg.get("num_warps", 4),
         **extra,
     )
-    return h
 
 
 def down(
@@ -716,44 +724,60 @@ def down(
     extra = {} if num_stages is None else {"num_stages": num_stages}
     h, idx, w = h.contiguous(), idx.contiguous(), w.contiguous()
     if _mode("mm" if invariant else mode, "down", T) == "gemv":
-        bn = block_n or _pick_block_n(T, p.D)
-        bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
-        jit(_down_kernel, ("T",))[(T * triton.cdiv(p.D, bn),)](
-            h,
-            idx,
-            w,
-            p.down,
-            p.shared[2],
-            y,
-            T,
-            p.E,
-            D=p.D,
-            I=p.I,
-            KP1=KP1,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            num_warps=num_warps or 4,
-            **extra,
-        )
+        _down_gemv(p, h, idx, w, y, block_n, block_k, num_warps, extra)
         return y
-    cfg = _mm_shape(
-        "down",
-        T,
-        dict(
-            block_t=block_t,
-            block_m=block_m,
-            block_n=block_n,
-            block_k=block_k,
-            num_warps=num_warps,
-            expert_groups=expert_groups,
-        ),
-        invariant,
+    given = dict(
+        block_t=block_t,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=num_warps,
+        expert_groups=expert_groups,
     )
+    cfg = _mm_shape("down", T, given, invariant)
+    groups = _expert_groups(cfg, expert_groups, p.E)
+    _down_mm(p, h, idx, w, y, cfg, groups, invariant, extra)
+    return y
+
+
+def _down_gemv(p, h, idx, w, y, block_n, block_k, num_warps, extra: dict) -> None:
+    """down's "gemv" mode into y: one program per (token, channel block)."""
+    T, KP1 = idx.shape
+    bn = block_n or _pick_block_n(T, p.D)
+    bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
+    jit(_down_kernel, ("T",))[(T * triton.cdiv(p.D, bn),)](
+        h,
+        idx,
+        w,
+        p.down,
+        p.shared[2],
+        y,
+        T,
+        p.E,
+        D=p.D,
+        I=p.I,
+        KP1=KP1,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=num_warps or 4,
+        **extra,
+    )
+
+
+def _expert_groups(cfg: dict, given: int | None, E: int) -> int:
+    """down's G: the launch shape's, capped at E + 1 when the caller gave none; ValueError outside 1..E + 1."""
     groups = cfg.get("expert_groups", 1)
-    if expert_groups is None and isinstance(groups, int):  # the table's G, for models with fewer experts
-        groups = min(groups, p.E + 1)
-    if not (isinstance(groups, int) and 1 <= groups <= p.E + 1):
-        raise ValueError(f"expert_groups must be an integer in 1..{p.E + 1} (E + 1 experts), got {groups!r}")
+    if given is None and isinstance(groups, int):  # the table's G, for models with fewer experts
+        groups = min(groups, E + 1)
+    if not (isinstance(groups, int) and 1 <= groups <= E + 1):
+        raise ValueError(f"expert_groups must be an integer in 1..{E + 1} (E + 1 experts), got {groups!r}")
+    return groups
+
+
+def _down_mm(p, h, idx, w, y, cfg: dict, groups: int, invariant: bool, extra: dict) -> None:
+    """down's "mm" mode into y: programs over (channel block, token block, expert group) walk the experts; G > 1
+    sums the groups' fp32 parts into y in group order."""
+    T, KP1 = idx.shape
     bt = max(16, _token_block(cfg, T, 32, invariant))
     bn = max(16, cfg.get("block_n", 16))
     # each program walks every expert serially, so fewer, longer k steps pay below MM_LARGE (H200, E 8 T=32: bn 32/bk
@@ -786,7 +810,6 @@ def down(
     )
     if groups > 1:
         split_sum(parts.unsqueeze(0), None, y.unsqueeze(0), backend="triton")
-    return y
 
 
 def moe_forward(

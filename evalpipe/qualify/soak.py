@@ -85,78 +85,94 @@ async def run(ep: Endpoint) -> GateResult:
     pid = server_pid(ep)
     samples: list[dict] = []
     stop = asyncio.Event()
-
-    async def sampler() -> None:
-        while not stop.is_set():
-            rss = rss_mb(pid) if pid is not None else await asyncio.to_thread(reported_rss_mb, ep)
-            samples.append(
-                {
-                    "t_s": round(time.perf_counter() - t0, 2),
-                    "mem_available_mb": mem_available_mb(),
-                    "server_rss_mb": rss,
-                }
-            )
-            try:
-                await asyncio.wait_for(stop.wait(), cfg.sample_every_s)
-            except asyncio.TimeoutError:
-                pass
-
-    async def worker(w: int) -> None:
-        rng = random.Random(f"qualify|soak|{w}")
-        i = 0
-        while time.monotonic() < deadline:
-            sampled = rng.random() < 0.3
-            body = ep.body(
-                prompt=prompt(rng),
-                max_tokens=cfg.soak_max_tokens,
-                temperature=0.8 if sampled else 0.0,
-                seed=rng.randint(0, 1 << 30),
-                return_token_ids=True,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            out = await ep.stream(body, chat=False, hang_s=cfg.hang_s)
-            checks = [out.transport_check(), check("no hang", not out.hung, f"longest gap {out.max_gap_s or 0:.2f} s")]
-            result.records.append(
-                exchange(f"worker {w} #{i}", "soak", body, out, checks, output_cap_hit=out.finish_reason == "length")
-            )
-            i += 1
-
-    async def progress() -> None:
-        """A time bar with the request count (stderr; rich draws nothing when it is not a terminal)."""
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        with Progress(
-            TextColumn("soak"),
-            BarColumn(),
-            TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
-            TextColumn("{task.fields[n]} requests"),
-            TimeRemainingColumn(),
-            console=stderr_console(),
-            transient=True,
-        ) as bar:
-            task = bar.add_task("soak", total=cfg.soak_s, n=0)
-            while not stop.is_set():
-                bar.update(task, completed=min(cfg.soak_s, time.perf_counter() - t0), n=len(result.records))
-                try:
-                    await asyncio.wait_for(stop.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-
-    side = [asyncio.create_task(sampler())] + ([asyncio.create_task(progress())] if cfg.progress else [])
-    await asyncio.gather(*(worker(w) for w in range(cfg.concurrency)))
+    side = [asyncio.create_task(_sample_memory(ep, pid, t0, samples, stop))]
+    if cfg.progress:
+        side.append(asyncio.create_task(_show_progress(cfg.soak_s, t0, result.records, stop)))
+    await asyncio.gather(*(_worker(ep, w, deadline, result.records) for w in range(cfg.concurrency)))
     stop.set()
     await asyncio.gather(*side)
+    result.notes = _notes(cfg, pid, result.records, samples)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    """Sleeps `seconds`, returning early when `stop` is set."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def _sample_memory(ep: Endpoint, pid: Optional[int], t0: float, samples: list[dict], stop: asyncio.Event) -> None:
+    """Appends a memory sample to `samples` every `--sample-every` seconds until `stop`."""
+    while not stop.is_set():
+        rss = rss_mb(pid) if pid is not None else await asyncio.to_thread(reported_rss_mb, ep)
+        samples.append(
+            {
+                "t_s": round(time.perf_counter() - t0, 2),
+                "mem_available_mb": mem_available_mb(),
+                "server_rss_mb": rss,
+            }
+        )
+        await _wait(stop, ep.cfg.sample_every_s)
+
+
+async def _worker(ep: Endpoint, w: int, deadline: float, records: list) -> None:
+    """Worker w: streamed requests back to back until `deadline`, each exchange appended to `records`."""
+    cfg = ep.cfg
+    rng = random.Random(f"qualify|soak|{w}")
+    i = 0
+    while time.monotonic() < deadline:
+        sampled = rng.random() < 0.3
+        body = ep.body(
+            prompt=prompt(rng),
+            max_tokens=cfg.soak_max_tokens,
+            temperature=0.8 if sampled else 0.0,
+            seed=rng.randint(0, 1 << 30),
+            return_token_ids=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        out = await ep.stream(body, chat=False, hang_s=cfg.hang_s)
+        checks = [out.transport_check(), check("no hang", not out.hung, f"longest gap {out.max_gap_s or 0:.2f} s")]
+        records.append(
+            exchange(f"worker {w} #{i}", "soak", body, out, checks, output_cap_hit=out.finish_reason == "length")
+        )
+        i += 1
+
+
+async def _show_progress(total_s: float, t0: float, records: list, stop: asyncio.Event) -> None:
+    """A time bar with the request count (stderr; rich draws nothing when it is not a terminal)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("soak"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
+        TextColumn("{task.fields[n]} requests"),
+        TimeRemainingColumn(),
+        console=stderr_console(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("soak", total=total_s, n=0)
+        while not stop.is_set():
+            bar.update(task, completed=min(total_s, time.perf_counter() - t0), n=len(records))
+            await _wait(stop, 0.5)
+
+
+def _notes(cfg, pid: Optional[int], records: list, samples: list[dict]) -> dict:
+    """The gate's counts and memory summary."""
     mem = [s["mem_available_mb"] for s in samples if s["mem_available_mb"] is not None]
     rss = [s["server_rss_mb"] for s in samples if s["server_rss_mb"] is not None]
-    result.notes = {
+    return {
         "duration_s": cfg.soak_s,
         "concurrency": cfg.concurrency,
         "hang_timeout_s": cfg.hang_s,
-        "failures": sum(not r["ok"] and not r.get("hung") for r in result.records),
-        "hangs": sum(bool(r.get("hung")) for r in result.records),
-        "output_cap_hits": sum(bool(r.get("output_cap_hit")) for r in result.records),
-        "max_event_gap_s": max((r.get("max_gap_s") or 0.0 for r in result.records), default=None),
+        "failures": sum(not r["ok"] and not r.get("hung") for r in records),
+        "hangs": sum(bool(r.get("hung")) for r in records),
+        "output_cap_hits": sum(bool(r.get("output_cap_hit")) for r in records),
+        "max_event_gap_s": max((r.get("max_gap_s") or 0.0 for r in records), default=None),
         "mem_available_mb": {"first": mem[0], "min": min(mem), "last": mem[-1]} if mem else None,
         "server_rss_mb": {
             "source": f"/proc/{pid}" if pid is not None else "server report (peak)",
@@ -168,5 +184,3 @@ async def run(ep: Endpoint) -> GateResult:
         else None,
         "samples": samples,
     }
-    result.wall_s = time.perf_counter() - t0
-    return result
