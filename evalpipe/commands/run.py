@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import click
 
 from evalpipe.commands.errors import BadInput
 from evalpipe.harness.client import DEFAULT_BASE_URL
+from evalpipe.harness.lane_run import EXIT_CODES
+from evalpipe.harness.prepare import LANE_OVERRIDES, PROTOCOL_OPTIONS, RunConfig
 from evalpipe.lanes import LANE_MODULES, get_lane
+
+# the run's defaults are RunConfig's (harness/prepare.py); the options below show them
+DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
+HELP = """Run LANE against an OpenAI-compatible endpoint and write responses.jsonl, summary.json, manifest.json.
+
+Every planned item lands exactly once: a final failure is an error record, never a dropped item.
+Accuracy is over all planned items.
+
+\b
+Exit codes:
+""" + "\n".join(f"  {code:<5}{meaning}" for code, meaning in EXIT_CODES)
 
 
 def _parse_seed(ctx, param, value):
@@ -23,7 +37,7 @@ def _parse_seed(ctx, param, value):
         raise click.BadParameter("an integer, or 'none' to send no seed") from None
 
 
-@click.command(name="run")
+@click.command(name="run", help=HELP)
 @click.argument("lane", required=False, type=click.Choice(list(LANE_MODULES)))
 @click.option(
     "--base-url",
@@ -54,13 +68,13 @@ def _parse_seed(ctx, param, value):
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=Path("results"),
+    default=DEFAULTS["out_dir"],
     show_default=True,
     help="Parent folder; the run goes to <out>/<lane>/<run_id>/.",
 )
 @click.option(
     "--arm",
-    default="default",
+    default=DEFAULTS["arm"],
     show_default=True,
     help="Label of this arm (e.g. spec_on, spec_off); part of the run id and every record.",
 )
@@ -68,7 +82,7 @@ def _parse_seed(ctx, param, value):
     "--timeout",
     "timeout_s",
     type=click.FloatRange(0.001),
-    default=14400.0,
+    default=DEFAULTS["timeout_s"],
     show_default=True,
     help="Per-request timeout in seconds (a timeout is retried like a transport error). The default, "
     "4 h, is NeMo-Skills'/sgl-eval's: a 65536-token AIME answer can legitimately take hours.",
@@ -129,28 +143,28 @@ def _parse_seed(ctx, param, value):
 @click.option(
     "--max-retries",
     type=click.IntRange(0, 20),
-    default=3,
+    default=DEFAULTS["max_retries"],
     show_default=True,
     help="Retries for transport errors, timeouts, 5xx and malformed bodies (never 4xx).",
 )
 @click.option(
     "--retry-backoff",
     type=click.FloatRange(0.0),
-    default=1.0,
+    default=DEFAULTS["retry_backoff_s"],
     show_default=True,
     help="First retry delay in seconds; doubles per retry, capped at 30 s.",
 )
 @click.option(
     "--grader-timeout",
     type=click.FloatRange(0.001),
-    default=30.0,
+    default=DEFAULTS["grader_timeout_s"],
     show_default=True,
     help="Hard per-answer timeout of the AIME grader process; a miss is recorded as grader_timeout.",
 )
 @click.option(
     "--grader-workers",
     type=click.IntRange(1, 64),
-    default=2,
+    default=DEFAULTS["grader_workers"],
     show_default=True,
     help="Grader processes for AIME lanes.",
 )
@@ -168,155 +182,108 @@ def _parse_seed(ctx, param, value):
     help="Also write the run's per-position acceptance and mean accept lengths (summary.json's "
     "`acceptance`) to FILE, for `evalpipe compare --accept-baseline FILE`. Needs speculation statistics.",
 )
-def command(
-    lane,
-    base_url,
-    model,
-    api_key,
-    lane_concurrency,
-    out_dir,
-    arm,
-    timeout_s,
-    max_tokens,
-    temperature,
-    seed,
-    sample_seeds,
-    top_p,
-    num_examples,
-    repeats,
-    data_dir,
-    allow_data_drift,
-    resume_dir,
-    no_token_ids,
-    logprobs,
-    max_retries,
-    retry_backoff,
-    grader_timeout,
-    grader_workers,
-    fsync,
-    no_progress,
-    save_accept_baseline,
-):
-    """Run LANE against an OpenAI-compatible endpoint and write responses.jsonl, summary.json, manifest.json.
+def command(**opts):
+    from evalpipe.harness.lane_run import LaneRun, RunError
 
-    Every planned item lands exactly once: a final failure is an error record, never a dropped item.
-    Accuracy is over all planned items.
-
-    \b
-    Exit codes:
-      0    every planned item has a non-error record
-      1    the run could not start (unreachable server, unknown model, data pins, ...)
-      2    usage error
-      3    refused: a response reports simulated speculative acceptance (records kept)
-      4    finished, but some items ended as error records; the count and the --resume command are printed
-      130  interrupted by Ctrl-C (143: SIGTERM); landed records kept, partial summary, resume command printed
-    """
-    from evalpipe.harness.lane_run import LaneRun, RunConfig, RunError
-    from evalpipe.harness.plan import NotResumable, ResumeConflict
-    from evalpipe.harness.records import MANIFEST_FILE, read_json_object
-    from evalpipe.redact import redact_argv
-
-    transport = dict(
-        api_key=api_key,
-        out_dir=out_dir,
-        timeout_s=timeout_s,
-        max_retries=max_retries,
-        retry_backoff_s=retry_backoff,
-        grader_workers=grader_workers,
-        grader_timeout_s=grader_timeout,
-        fsync=fsync,
-        progress=not no_progress,
-        command_line=redact_argv(sys.argv, [api_key or ""]),
-    )
-    if resume_dir is not None:
-        given = [
-            f"--{n.replace('_', '-')}"
-            for n, v in (
-                ("max_tokens", max_tokens),
-                ("temperature", temperature),
-                ("seed", seed),
-                ("sample_seeds", sample_seeds),
-                ("top_p", top_p),
-                ("num_examples", num_examples),
-                ("repeats", repeats),
-                ("concurrency", lane_concurrency),
-            )
-            if v is not None
-        ]
-        if given:
-            raise click.UsageError(f"--resume keeps the run's own protocol; drop {', '.join(given)}")
-        try:
-            cfg = RunConfig.from_manifest(
-                resume_dir,
-                lane_name=lane,
-                base_url=base_url,
-                model=model,
-                data_dir=data_dir,
-                allow_data_drift=allow_data_drift,
-                token_ids=not no_token_ids,
-                logprobs=logprobs,
-                **transport,
-            )
-        except ResumeConflict as exc:
-            raise click.UsageError(str(exc)) from None
-        except NotResumable as exc:
-            raise BadInput(str(exc)) from None
-    elif lane is None:
-        raise click.UsageError("give a LANE (see `evalpipe lanes`) or --resume RUN_DIR")
-    elif sample_seeds is not None and seed is not None:
-        raise click.UsageError("--sample-seeds sets every request's seed; drop --seed")
-    else:
-        overrides = {}
-        for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p)):
-            if value is not None:
-                overrides[name] = value
-        if seed is not None:
-            overrides["seed"] = None if seed == "none" else seed
-        cfg = RunConfig(
-            lane=get_lane(lane),
-            base_url=base_url or DEFAULT_BASE_URL,
-            model=model,
-            arm=arm,
-            concurrency=lane_concurrency,
-            overrides=overrides,
-            num_examples=num_examples,
-            repeats=repeats,
-            data_dir=data_dir,
-            allow_data_drift=allow_data_drift,
-            token_ids=not no_token_ids,
-            logprobs=logprobs,
-            sample_seeds=sample_seeds,
-            **transport,
-        )
+    cfg = resume_config(opts) if opts["resume_dir"] is not None else new_config(opts)
     try:
         outcome = LaneRun(cfg).execute()
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
     print_summary(outcome.summary, outcome.run_dir)
-    n_reps = cfg.repeats or cfg.lane.repeats
-    if (
-        num_examples is not None
-        and resume_dir is None
-        and 0 < outcome.summary.get("n_planned", 0) < num_examples * n_reps
-    ):
-        click.echo(
-            f"note: --num-examples {num_examples} is more than lane {cfg.lane.name} has; it ran all "
-            f"{outcome.summary['n_planned'] // n_reps} scored items",
-            err=True,
-        )
-    if save_accept_baseline is not None:
-        from evalpipe.harness.acceptance import write_baseline
-
-        manifest = read_json_object(outcome.run_dir / MANIFEST_FILE)
-        info = ((manifest.get("start") or {}).get("server") or {}).get("server_info")
-        try:
-            write_baseline(save_accept_baseline, outcome.summary.get("acceptance"), info)
-        except (ValueError, OSError) as exc:
-            raise click.ClickException(f"cannot save the acceptance baseline: {exc}") from None
-        click.echo(f"wrote acceptance baseline {save_accept_baseline}")
+    note_short_lane(cfg, outcome.summary, opts["num_examples"], opts["resume_dir"])
+    if opts["save_accept_baseline"] is not None:
+        save_baseline(opts["save_accept_baseline"], outcome)
     if outcome.exit_code:
         click.echo(f"evalpipe run: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)
+
+
+def transport_options(opts: dict) -> dict:
+    """The settings of how requests go out, which a resumed run may change."""
+    from evalpipe.redact import redact_argv
+
+    return dict(
+        api_key=opts["api_key"],
+        out_dir=opts["out_dir"],
+        timeout_s=opts["timeout_s"],
+        max_retries=opts["max_retries"],
+        retry_backoff_s=opts["retry_backoff"],
+        grader_workers=opts["grader_workers"],
+        grader_timeout_s=opts["grader_timeout"],
+        fsync=opts["fsync"],
+        progress=not opts["no_progress"],
+        command_line=redact_argv(sys.argv, [opts["api_key"] or ""]),
+        base_url=opts["base_url"],
+        model=opts["model"],
+        data_dir=opts["data_dir"],
+        allow_data_drift=opts["allow_data_drift"],
+        token_ids=not opts["no_token_ids"],
+        logprobs=opts["logprobs"],
+    )
+
+
+def option_value(opts: dict, name: str):
+    return opts["lane_concurrency" if name == "concurrency" else name]
+
+
+def resume_config(opts: dict) -> RunConfig:
+    """The config of the run folder given to --resume; a protocol flag beside it is a usage error."""
+    from evalpipe.harness.prepare import NotResumable, ResumeConflict
+
+    given = [f"--{name.replace('_', '-')}" for name in PROTOCOL_OPTIONS if option_value(opts, name) is not None]
+    if given:
+        raise click.UsageError(f"--resume keeps the run's own protocol; drop {', '.join(given)}")
+    try:
+        return RunConfig.from_manifest(opts["resume_dir"], lane_name=opts["lane"], **transport_options(opts))
+    except ResumeConflict as exc:
+        raise click.UsageError(str(exc)) from None
+    except NotResumable as exc:
+        raise BadInput(str(exc)) from None
+
+
+def new_config(opts: dict) -> RunConfig:
+    if opts["lane"] is None:
+        raise click.UsageError("give a LANE (see `evalpipe lanes`) or --resume RUN_DIR")
+    seed, sample_seeds = opts["seed"], opts["sample_seeds"]
+    if sample_seeds is not None and seed is not None:
+        raise click.UsageError("--sample-seeds sets every request's seed; drop --seed")
+    overrides = {name: opts[name] for name in LANE_OVERRIDES if opts[name] is not None}
+    if seed is not None:
+        overrides["seed"] = None if seed == "none" else seed
+    transport = transport_options(opts)
+    transport["base_url"] = transport["base_url"] or DEFAULT_BASE_URL
+    return RunConfig(
+        lane=get_lane(opts["lane"]),
+        arm=opts["arm"],
+        concurrency=opts["lane_concurrency"],
+        overrides=overrides,
+        num_examples=opts["num_examples"],
+        repeats=opts["repeats"],
+        sample_seeds=sample_seeds,
+        **transport,
+    )
+
+
+def note_short_lane(cfg: RunConfig, summary: dict, num_examples, resume_dir) -> None:
+    """Say so when --num-examples asked for more items than the lane has."""
+    n_reps = cfg.repeats or cfg.lane.repeats
+    if num_examples is not None and resume_dir is None and 0 < summary.get("n_planned", 0) < num_examples * n_reps:
+        click.echo(
+            f"note: --num-examples {num_examples} is more than lane {cfg.lane.name} has; it ran all "
+            f"{summary['n_planned'] // n_reps} scored items",
+            err=True,
+        )
+
+
+def save_baseline(path: Path, outcome) -> None:
+    from evalpipe.harness.acceptance import write_baseline
+
+    try:
+        write_baseline(path, outcome.summary.get("acceptance"), outcome.server_info)
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(f"cannot save the acceptance baseline: {exc}") from None
+    click.echo(f"wrote acceptance baseline {path}")
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:

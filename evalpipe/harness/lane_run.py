@@ -1,15 +1,13 @@
 """Drive one lane against an OpenAI-compatible endpoint and write the run folder.
 
-Flow: `LaneRun.prepare` -> a frozen `RunPlan` (plan.py: data hash-checked, items selected, the server asked who it
-is, a simulated-acceptance server refused) -> `execute`: `RunFolder` (run_folder.py) creates or resumes the folder
-and its manifest(start) -> `Sending` sends every planned (question, repeat) through `concurrency` asyncio workers,
-each response graded and appended to responses.jsonl as a `Record` as it lands -> `finish`: summary.json +
+Flow: `LaneRun.prepare` -> a frozen `PreparedRun` (prepare.py: data hash-checked, items selected, the server asked who
+it is, a simulated-acceptance server refused) -> `execute`: `RunFolder` (run_folder.py) creates or resumes the folder
+and its manifest(start) -> `RequestSender` sends every planned (question, repeat) through `concurrency` asyncio
+workers, each response graded and appended to responses.jsonl as a `Record` as it lands -> `finish`: summary.json +
 manifest(end). Ctrl-C keeps landed records and writes a partial summary.
 
-Exit codes (`RunOutcome.exit_code`, docs/lanes.md): 0 every planned item has a non-error record;
-EXIT_ERRORS_REMAIN when some ended as error records (the message names how many and the `--resume` command
-that retries them); 3 refused (simulated acceptance); 130 SIGINT, 143 SIGTERM. A run that cannot start raises
-RunError (the CLI exits 1).
+Exit codes: `EXIT_CODES` below (`RunOutcome.exit_code`; `evalpipe run --help` prints the table). A run that
+cannot start raises RunError.
 
 Transport: harness/client.py (the real `openai` client, one retry policy: transport errors, timeouts, 5xx and
 malformed bodies with exponential backoff, never 4xx); the body recorded is byte-for-byte the body sent.
@@ -29,12 +27,12 @@ from typing import Any, Optional
 from evalpipe.harness import client as http
 from evalpipe.harness import spec_metrics
 from evalpipe.harness.client import Reply, Server
-from evalpipe.harness.plan import (
+from evalpipe.harness.prepare import (
+    PreparedRun,
     RunConfig,
     RunError,
-    RunPlan,
     SimulatedServerRefused,
-    make_plan,
+    prepare_run,
 )
 from evalpipe.harness.records import (
     SCHEMA_VERSION,
@@ -50,19 +48,40 @@ from evalpipe.lanes import Item, Lane, item_groups
 from evalpipe.lanes.grading import GraderPool, grade_text, grader_pool
 
 __all__ = [
+    "EXIT_CODES",
     "EXIT_ERRORS_REMAIN",
     "EXIT_REFUSED",
     "LaneRun",
     "RunConfig",
     "RunError",
     "RunOutcome",
-    "RunPlan",
+    "PreparedRun",
     "SimulatedServerRefused",
     "build_body",
 ]
 
-EXIT_ERRORS_REMAIN = 4
+EXIT_CANNOT_START = 1
+EXIT_USAGE = 2
 EXIT_REFUSED = 3
+EXIT_ERRORS_REMAIN = 4
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+# (code, meaning): the one table of `evalpipe run`'s exit codes (its --help prints it)
+EXIT_CODES = (
+    ("0", "every planned item has a non-error record"),
+    (str(EXIT_CANNOT_START), "the run could not start (unreachable server, unknown model, data pins, ...)"),
+    (str(EXIT_USAGE), "usage error, or a --resume folder with a malformed or missing file (named, with its line)"),
+    (str(EXIT_REFUSED), "refused: a response reports simulated speculative acceptance (records kept)"),
+    (
+        str(EXIT_ERRORS_REMAIN),
+        "finished, but some items ended as error records; the count and the --resume command are printed",
+    ),
+    (
+        f"{EXIT_SIGINT}",
+        f"interrupted by Ctrl-C ({EXIT_SIGTERM}: SIGTERM); landed records kept, partial summary, resume command "
+        "printed",
+    ),
+)
 
 
 # ----------------------------------------------------------------------------------------- request bodies
@@ -114,39 +133,42 @@ class RunOutcome:
     summary: dict
     exit_code: int
     message: Optional[str] = None
+    server_info: Any = None  # what the server reported when the run was prepared
 
 
 class LaneRun:
-    """One lane against one endpoint: `prepare` settles the plan (data, server identity), `execute` opens the run
+    """One lane against one endpoint: `prepare` settles the run (data, server identity), `execute` opens the run
     folder, sends every planned request and writes the summary."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
 
-    def prepare(self) -> RunPlan:
-        return make_plan(self.cfg)
+    def prepare(self) -> PreparedRun:
+        return prepare_run(self.cfg)
 
-    def execute(self, plan: Optional[RunPlan] = None) -> RunOutcome:
-        plan = plan or self.prepare()
-        folder = RunFolder.resume(plan) if plan.cfg.resume_dir is not None else RunFolder.create(plan)
-        sending = Sending(plan, folder)
+    def execute(self, prepared: Optional[PreparedRun] = None) -> RunOutcome:
+        prepared = prepared or self.prepare()
+        folder = RunFolder.resume(prepared) if prepared.cfg.resume_dir is not None else RunFolder.create(prepared)
+        sender = RequestSender(prepared, folder)
         t0 = time.perf_counter()
-        sending.send_all()
-        return finish(plan, folder, sending, time.perf_counter() - t0)
+        sender.send_all()
+        outcome = finish(prepared, folder, sender, time.perf_counter() - t0)
+        outcome.server_info = prepared.server.facts.get("server_info")
+        return outcome
 
 
-class Sending:
+class RequestSender:
     """The requests of one run in flight: `concurrency` asyncio workers share one queue, and each response is
     graded and appended to responses.jsonl as it lands. Holds what changes while they run (counts, the records,
     why it stopped early)."""
 
-    def __init__(self, plan: RunPlan, folder: RunFolder):
-        self.plan, self.folder = plan, folder
+    def __init__(self, prepared: PreparedRun, folder: RunFolder):
+        self.prepared, self.folder = prepared, folder
         kept = folder.kept
         done = {record_key(r) for r in kept}
-        planned = plan.planned()
+        planned = prepared.planned()
         self.n_planned = len(planned)
-        self.todo = [(it, r) for it, r in planned if (plan.lane.name, it.question_id, r) not in done]
+        self.todo = [(it, r) for it, r in planned if (prepared.lane.name, it.question_id, r) not in done]
         self.records: list[dict] = list(kept)
         self.seq = max((int(r.get("request_seq", 0)) for r in kept), default=0)
         self.n_done = len(kept)
@@ -159,11 +181,11 @@ class Sending:
         self._workers: list = []
 
     def send_all(self) -> None:
-        cfg = self.plan.cfg
+        cfg = self.prepared.cfg
         writer = RecordWriter(self.folder.responses, fsync=cfg.fsync)
         try:
             if self.todo:
-                self.pool = grader_pool(self.plan.lane.grader, cfg.grader_workers, cfg.grader_timeout_s)
+                self.pool = grader_pool(self.prepared.lane.grader, cfg.grader_workers, cfg.grader_timeout_s)
             asyncio.run(self._drive(writer))
         except KeyboardInterrupt:  # Ctrl-C before the loop's handler was installed (e.g. grader start-up)
             self.interrupted = self.interrupted or "SIGINT"
@@ -175,25 +197,25 @@ class Sending:
     def _record(
         self, item: Item, rep: int, seq: int, body: dict, reply: Reply, extracted: Any, correct: bool, status: str
     ) -> Record:
-        plan = self.plan
-        fields = response_fields(reply, chat=plan.lane.api == "chat")
-        if plan.cfg.logprobs is None:
+        prepared = self.prepared
+        fields = response_fields(reply, chat=prepared.lane.api == "chat")
+        if prepared.cfg.logprobs is None:
             fields["logprobs"] = None
         return Record(
             schema_version=SCHEMA_VERSION,
             run_id=self.folder.run_id,
-            arm=plan.cfg.arm,
-            lane=plan.lane.name,
+            arm=prepared.cfg.arm,
+            lane=prepared.lane.name,
             question_id=item.question_id,
             repeat_index=rep,
             request_seq=seq,
-            endpoint=plan.recorded_url,
-            model=plan.model,
+            endpoint=prepared.recorded_url,
+            model=prepared.model,
             prompt_sha256=item.prompt_sha256,
             group=item.group,
             request=body,
             **fields,
-            server_deterministic=plan.server.deterministic,
+            server_deterministic=prepared.server.deterministic,
             extracted_answer=extracted,
             expected_answer=item.expected_answer,
             correct=correct,
@@ -202,8 +224,8 @@ class Sending:
         )
 
     async def _worker(self, client, queue: asyncio.Queue, writer: RecordWriter, bar) -> None:
-        plan, cfg = self.plan, self.plan.cfg
-        chat = plan.lane.api == "chat"
+        prepared, cfg = self.prepared, self.prepared.cfg
+        chat = prepared.lane.api == "chat"
         path = "/chat/completions" if chat else "/completions"
         while True:
             try:
@@ -213,7 +235,7 @@ class Sending:
             self.seq += 1
             seq = self.seq
             body = build_body(
-                plan.lane, plan.model, item, plan.params, cfg.token_ids, cfg.logprobs, rep, cfg.sample_seeds
+                prepared.lane, prepared.model, item, prepared.params, cfg.token_ids, cfg.logprobs, rep, cfg.sample_seeds
             )
             attempts: list = []
             try:
@@ -233,7 +255,7 @@ class Sending:
                     fields = response_fields(reply, chat=chat)
                     text = fields["response_text"] if isinstance(fields["response_text"], str) else ""
                     extracted, correct, status = await grade_text(
-                        plan.lane.grader, item.expected_answer, text, fields["truncated"], self.pool
+                        prepared.lane.grader, item.expected_answer, text, fields["truncated"], self.pool
                     )
                 rec = self._record(item, rep, seq, body, reply, extracted, correct, status)
             except Exception as exc:  # noqa: BLE001 - a surprise must still land as a record, never drop the item
@@ -261,11 +283,11 @@ class Sending:
                 return
 
     async def _drive(self, writer: RecordWriter) -> None:
-        plan, cfg = self.plan, self.plan.cfg
+        prepared, cfg = self.prepared, self.prepared.cfg
         queue: asyncio.Queue = asyncio.Queue()
         for pair in self.todo:
             queue.put_nowait(pair)
-        clients = http.openai_clients(cfg.base_url, cfg.api_key, cfg.timeout_s, plan.concurrency)
+        clients = http.openai_clients(cfg.base_url, cfg.api_key, cfg.timeout_s, prepared.concurrency)
         bar = None
         if cfg.progress:
             from tqdm import tqdm
@@ -273,7 +295,7 @@ class Sending:
             bar = tqdm(
                 total=self.n_planned,
                 initial=len(self.folder.kept),
-                desc=f"{plan.lane.name}[{cfg.arm}]",
+                desc=f"{prepared.lane.name}[{cfg.arm}]",
                 unit="req",
                 file=sys.stderr,
                 mininterval=0.5,
@@ -282,7 +304,7 @@ class Sending:
         loop = asyncio.get_running_loop()
         workers = self._workers = [
             asyncio.create_task(self._worker(clients[i % len(clients)], queue, writer, bar))
-            for i in range(min(plan.concurrency, max(1, len(self.todo))))
+            for i in range(min(prepared.concurrency, max(1, len(self.todo))))
         ]
 
         def on_signal(name: str) -> None:
@@ -313,24 +335,24 @@ class Sending:
                 await client.close()
 
 
-def finish(plan: RunPlan, folder: RunFolder, sending: Sending, wall: float) -> RunOutcome:
+def finish(prepared: PreparedRun, folder: RunFolder, sender: RequestSender, wall: float) -> RunOutcome:
     """End snapshot, summary.json and manifest, then the outcome (module docstring's exit codes)."""
-    cfg = plan.cfg
+    cfg = prepared.cfg
     with Server(cfg.base_url, cfg.api_key) as server:
-        end = plan.snapshot(server.describe())
+        end = prepared.snapshot(server.describe())
         metrics_after = spec_metrics.snapshot(server)
     protocol = folder.record_end(end)
-    n_new = len(sending.records) - len(folder.kept)
-    metrics = spec_metrics.run_level(plan.server.metrics_before, metrics_after)
+    n_new = len(sender.records) - len(folder.kept)
+    metrics = spec_metrics.run_level(prepared.server.metrics_before, metrics_after)
     if metrics is not None and folder.resumed is not None:
         metrics["covers"] = "only the requests this resume sent"
     meta = {
         "arm": cfg.arm,
         "run_id": folder.run_id,
-        "model": plan.model,
-        "endpoint": plan.recorded_url,
-        "interrupted": sending.interrupted,
-        "refused": sending.refused,
+        "model": prepared.model,
+        "endpoint": prepared.recorded_url,
+        "interrupted": sender.interrupted,
+        "refused": sender.refused,
         "wall_s": wall,
         "requests_per_s": (n_new / wall) if wall > 0 else None,
         "overrides": dict(
@@ -338,51 +360,51 @@ def finish(plan: RunPlan, folder: RunFolder, sending: Sending, wall: float) -> R
             **({"num_examples": cfg.num_examples} if cfg.num_examples else {}),
             **({"repeats": cfg.repeats} if cfg.repeats is not None else {}),
         ),
-        "data_drift": plan.data.data_drift,
+        "data_drift": prepared.data.data_drift,
         "manifest_changed": bool(protocol),
         "manifest_changes": protocol,
         "resumed": folder.resumed is not None,
-        "server_lossy_acceptance": plan.server.lossy,
-        "server_debug_faults": plan.server.faults,
-        "server_deterministic": plan.server.deterministic,
+        "server_lossy_acceptance": prepared.server.lossy,
+        "server_debug_faults": prepared.server.faults,
+        "server_deterministic": prepared.server.deterministic,
         "spec_metrics": metrics,
     }
     summary = compute_summary(
-        lane_name=plan.lane.name,
-        grader=plan.lane.grader,
-        repeats=plan.repeats,
-        planned_question_ids=[it.question_id for it in plan.items],
-        records=sending.records,
+        lane_name=prepared.lane.name,
+        grader=prepared.lane.grader,
+        repeats=prepared.repeats,
+        planned_question_ids=[it.question_id for it in prepared.items],
+        records=sender.records,
         meta=meta,
-        groups=item_groups(plan.items),
+        groups=item_groups(prepared.items),
     )
-    summary["partial"] = bool(sending.interrupted or sending.refused or summary["n_missing"] > 0)
-    if sending.refused:
+    summary["partial"] = bool(sender.interrupted or sender.refused or summary["n_missing"] > 0)
+    if sender.refused:
         summary["accuracy"] = None
     folder.write_summary(summary)
-    if sending.refused:
+    if sender.refused:
         return RunOutcome(
-            folder.path, summary, EXIT_REFUSED, f"refusing to score: {sending.refused}; records kept in {folder.path}"
+            folder.path, summary, EXIT_REFUSED, f"refusing to score: {sender.refused}; records kept in {folder.path}"
         )
-    if sending.interrupted:
-        code = 130 if sending.interrupted == "SIGINT" else 143
+    if sender.interrupted:
+        code = EXIT_SIGINT if sender.interrupted == "SIGINT" else EXIT_SIGTERM
         return RunOutcome(
             folder.path,
             summary,
             code,
-            f"interrupted ({sending.interrupted}): partial summary "
-            f"written; continue with:\n  {folder.resume_command(plan.recorded_url)}",
+            f"interrupted ({sender.interrupted}): partial summary "
+            f"written; continue with:\n  {folder.resume_command(prepared.recorded_url)}",
         )
     unfinished = summary["n_errors"] + summary["n_missing"]
     if unfinished:
-        kinds = _error_kinds(sending.records)
+        kinds = _error_kinds(sender.records)
         return RunOutcome(
             folder.path,
             summary,
             EXIT_ERRORS_REMAIN,
             f"{unfinished} of {summary['n_planned']} planned items have no successful response "
             f"({kinds}); they count as wrong. Retry just those with:\n  "
-            f"{folder.resume_command(plan.recorded_url)}",
+            f"{folder.resume_command(prepared.recorded_url)}",
         )
     return RunOutcome(folder.path, summary, 0)
 

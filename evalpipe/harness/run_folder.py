@@ -18,7 +18,7 @@ from typing import Optional
 
 from evalpipe.digest import file_sha256
 from evalpipe.harness import manifest as manifest_mod
-from evalpipe.harness.plan import RunError, RunPlan
+from evalpipe.harness.prepare import PreparedRun, RunError
 from evalpipe.harness.records import (
     MANIFEST_FILE,
     RESPONSES_FILE,
@@ -43,32 +43,32 @@ class RunFolder:
     api_key: Optional[str] = None
 
     @classmethod
-    def create(cls, plan: RunPlan) -> "RunFolder":
-        cfg = plan.cfg
+    def create(cls, prepared: PreparedRun) -> "RunFolder":
+        cfg = prepared.cfg
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         run_id = f"{cfg.arm}-{stamp}-{secrets.token_hex(3)}"
-        path = Path(cfg.out_dir) / plan.lane.name / run_id
+        path = Path(cfg.out_dir) / prepared.lane.name / run_id
         path.mkdir(parents=True, exist_ok=False)
         manifest = {
             "schema_version": SCHEMA_VERSION,
             "run_id": run_id,
             "arm": cfg.arm,
-            "lane": plan.lane.name,
+            "lane": prepared.lane.name,
             "command_line": cfg.command_line,
             "started_at": time.time(),
             "start": None,
             "end": None,
         }
         folder = cls(path, run_id, manifest, [], None, cfg.api_key)
-        manifest["start"] = plan.snapshot(plan.server.facts)
+        manifest["start"] = prepared.snapshot(prepared.server.facts)
         folder.write_manifest()
         return folder
 
     @classmethod
-    def resume(cls, plan: RunPlan) -> "RunFolder":
-        path = Path(plan.cfg.resume_dir)
+    def resume(cls, prepared: PreparedRun) -> "RunFolder":
+        path = Path(prepared.cfg.resume_dir)
         manifest = json.loads((path / MANIFEST_FILE).read_text())
-        resume_start = plan.snapshot(plan.server.facts)
+        resume_start = prepared.snapshot(prepared.server.facts)
         # the address may change (a restarted server, another host name); the server it reaches is compared
         protocol, _ = manifest_mod.differences(_without_base_url(manifest["start"]), _without_base_url(resume_start))
         if protocol:  # checked before the folder is touched
@@ -94,7 +94,7 @@ class RunFolder:
         }
         manifest.setdefault("resumes", []).append(resumed)
         manifest["resume_start"] = resume_start
-        folder = cls(path, manifest["run_id"], manifest, keep, resumed, plan.cfg.api_key)
+        folder = cls(path, manifest["run_id"], manifest, keep, resumed, prepared.cfg.api_key)
         folder.write_manifest()
         return folder
 

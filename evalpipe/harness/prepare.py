@@ -1,8 +1,8 @@
-"""What a lane run will do, settled before any generation request: `RunConfig` (what was asked) -> `RunPlan`.
+"""What a lane run will do, settled before any generation request: `RunConfig` (what was asked) -> `PreparedRun`.
 
-`make_plan` loads and hash-checks the lane data, selects the items, resolves the sampling parameters, asks the
+`prepare_run` loads and hash-checks the lane data, selects the items, resolves the sampling parameters, asks the
 server who it is (model list, server info, /metrics counters) and refuses a server that simulates speculative
-acceptance. The plan is frozen: the run folder (run_folder.py) and the sender (lane_run.py) only read it.
+acceptance. The prepared run is frozen: the run folder (run_folder.py) and the sender (lane_run.py) only read it.
 `RunConfig.from_manifest` rebuilds the config of a run folder for `--resume`.
 """
 
@@ -58,6 +58,21 @@ class NotResumable(RunError):
 
 class ResumeConflict(RunError):
     """A flag given with --resume contradicts the run's manifest (a usage error)."""
+
+
+# The command-line names of what defines a run's protocol: `--resume` keeps the run's own and refuses them.
+PROTOCOL_OPTIONS = (
+    "max_tokens",
+    "temperature",
+    "seed",
+    "sample_seeds",
+    "top_p",
+    "num_examples",
+    "repeats",
+    "concurrency",
+)
+# The lane parameters a command line may override (RunConfig.overrides); the rest of the protocol is the lane's.
+LANE_OVERRIDES = ("max_tokens", "temperature", "top_p")
 
 
 @dataclass
@@ -173,7 +188,7 @@ class ServerIdentity:
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class PreparedRun:
     """Everything a run reads: the config, the lane data and selection, the parameters sent, the server."""
 
     cfg: RunConfig
@@ -199,7 +214,7 @@ class RunPlan:
         return [(it, r) for it in self.items for r in range(self.repeats)]
 
     def snapshot(self, server: dict) -> dict:
-        """A manifest snapshot of this plan with the `server` facts given (start, resume or end)."""
+        """A manifest snapshot of this prepared run with the `server` facts given (start, resume or end)."""
         cfg, lane, data = self.cfg, self.lane, self.data
         return manifest_mod.capture(
             lane_desc=lane.describe(),
@@ -247,7 +262,7 @@ class RunPlan:
         )
 
 
-def make_plan(cfg: RunConfig) -> RunPlan:
+def prepare_run(cfg: RunConfig) -> PreparedRun:
     """Load and check the data, select the items, then ask the server who it is; RunError says what is wrong."""
     lane = cfg.lane
     try:
@@ -271,7 +286,7 @@ def make_plan(cfg: RunConfig) -> RunPlan:
         raise RunError("--repeats must be >= 1")
     with Server(cfg.base_url, cfg.api_key) as server:
         identity = ask_server(server, cfg)
-    return RunPlan(
+    return PreparedRun(
         cfg=cfg,
         data=data,
         pin_diffs=tuple(pin_diffs),
