@@ -28,8 +28,7 @@ CHUNK_KEYS = ("max_tokens_per_step", "chunked_prefill_size", "max_num_batched_to
 PAGE_KEYS = ("page_tokens", "page_size")
 WINDOW_KEYS = ("sliding_window", "sliding_window_size")
 RATIO_KEYS = ("compress_rates", "compress_ratios", "compress_ratio")
-# the KV pool in tokens: evalpipe's `kv_pool.tokens`, SGLang's max_total_num_tokens
-POOL_KEYS = ("kv_pool_tokens", "max_total_num_tokens")
+SGLANG_POOL_KEY = "max_total_num_tokens"
 
 # engine flags in a receipt's argv that name a size: engine -> {flag: size}
 ARGV_SIZES = {
@@ -173,9 +172,9 @@ def gather(info: Any, metrics: Optional[dict], receipt: Optional[dict]) -> dict:
                 break
     out["pool_tokens"] = None
     pool_candidates = [
-        ("server info", _sizes(find_key(info, POOL_KEYS))),
+        ("server info", _info_pool(info)),
         ("/metrics vllm:cache_config_info", _metric_pool(metrics)),
-        ("receipt server info", _sizes(find_key(receipt_info, POOL_KEYS))),
+        ("receipt server info", _info_pool(receipt_info)),
         ("receipt argv", _argv_pool(argv, out.get("page"))),
     ]
     for source, sizes in pool_candidates:
@@ -183,6 +182,14 @@ def gather(info: Any, metrics: Optional[dict], receipt: Optional[dict]) -> dict:
             out["pool_tokens"], out["sources"]["pool_tokens"] = sizes[0], source
             break
     return out
+
+
+def _info_pool(info: Any) -> list[int]:
+    """evalpipe's `kv_pool.tokens`, else SGLang's max_total_num_tokens."""
+    pool = find_key(info, ("kv_pool",))
+    if isinstance(pool, dict) and _sizes(pool.get("tokens")):
+        return _sizes(pool.get("tokens"))
+    return _sizes(find_key(info, (SGLANG_POOL_KEY,)))
 
 
 def _metric_pool(metrics: dict) -> list[int]:

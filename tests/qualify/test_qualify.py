@@ -91,6 +91,7 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
         ("lose_needle", "retrieval", "exact answer: replied"),
         ("early_stop", "retrieval", "exact answer"),
         ("leak_tool_protocol", "structured", "no leaked tool protocol: found ['<|tool_call|>']"),
+        ("no_tools", "structured", "the model does not call tools: with tool_choice auto it answered all 4 requests"),
     ],
 )
 def test_each_fault_fails_its_gate_with_exit_4(scripted, tmp_path, fault, gate, reason):
