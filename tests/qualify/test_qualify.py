@@ -112,6 +112,11 @@ def test_bad_input_exits_2_and_no_connection_exits_3(scripted, tmp_path):
     assert qualify(scripted, tmp_path / "a", "--gates", "auth,nope")[0] == 2
     code, _, output = qualify(scripted, tmp_path / "b", *KEY_ARGS, "--reference", str(tmp_path / "missing.json"))
     assert code == 2 and "no such reference file" in output
+    code, _, output = qualify(scripted, tmp_path / "r", *KEY_ARGS, "--receipt", str(tmp_path / "none.json"))
+    assert code == 2 and "--receipt: cannot read the receipt" in output
+    (tmp_path / "not-a-receipt.json").write_text("{}")
+    code, _, output = qualify(scripted, tmp_path / "r2", *KEY_ARGS, "--receipt", str(tmp_path / "not-a-receipt.json"))
+    assert code == 2 and "is not an `evalpipe serve` receipt" in output
     code, _, output = qualify(scripted, tmp_path / "c", "--api-key", "not-a-key", "--gates", "retrieval")
     assert code == 2 and "refused" in output
     code, _, output = qualify(f"http://127.0.0.1:{free_port()}/v1", tmp_path / "d", "--gates", "retrieval")
