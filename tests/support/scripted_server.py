@@ -554,7 +554,8 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
                 if count
                 else drawn_tool_call(ask, body["tools"])
             )
-            text, finish = "", "tool_calls"
+            # a named call ends with "stop", as OpenAI ends a forced call
+            text, finish = "", "stop" if isinstance(body.get("tool_choice"), dict) else "tool_calls"
             calls = [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]
             if "leak_tool_protocol" in faults:
                 text, calls, finish = TOOL_MARK + json.dumps({"name": name, "arguments": args}), None, "stop"
