@@ -87,6 +87,8 @@ def test_boundaries_mixed_and_kv_pressure_pass_on_stock_vllm_with_nothing_to_loo
         "boundaries,mixed,kv-pressure",
         "--max-tokens",
         "8",
+        "--concurrency",
+        "4",  # mixed's short decodes and kv-pressure's concurrent round: enough to overlap, fewer to wait for
         "--out",
         str(root / "q"),
         cwd=root,
