@@ -11,9 +11,9 @@ import click
 from evalpipe.harness.client import DEFAULT_BASE_URL
 from evalpipe.qualify import EXIT_BAD_INPUT, GATES
 
-# reference joins when a reference file is named; sampling (a minute of sampled tokens) and vision (for
-# vision-language models) only when asked for
-DEFAULT_GATES = tuple(g for g in GATES if g not in ("reference", "sampling", "vision"))
+# reference joins when a reference file is named; sampling (a minute of sampled tokens), vision (for
+# vision-language models) and kv-pressure (prompts past the whole KV pool) only when asked for
+DEFAULT_GATES = tuple(g for g in GATES if g not in ("reference", "sampling", "vision", "kv-pressure"))
 
 
 def _gates(ctx, param, value):
@@ -52,7 +52,7 @@ def _gates(ctx, param, value):
     default=None,
     metavar="G1,G2",
     help=f"Gates to run, comma-separated, or 'all': {', '.join(GATES)}. Default: every gate but "
-    "reference, sampling and vision, plus reference when --record-reference or --reference is given.",
+    "reference, sampling, vision and kv-pressure, plus reference when --record-reference or --reference is given.",
 )
 @click.option(
     "--out",
@@ -113,29 +113,45 @@ def _gates(ctx, param, value):
     help="Retrieval prompts (each with its own needle and filler) at every needle depth.",
 )
 @click.option(
+    "--receipt",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The launch receipt `evalpipe serve` wrote for this server: boundaries and kv-pressure read sizes from it "
+    "(its server report, the engine flags of its argv, the model's config.json). Default: the newest receipt in "
+    "results/receipts/ of a server still running at --base-url's address, if any.",
+)
+@click.option(
+    "--kv-pool-tokens",
+    type=click.IntRange(1),
+    default=None,
+    help="KV pool size in tokens for kv-pressure. Default: what the server exposes (evalpipe's kv_pool in "
+    "/get_server_info, SGLang's max_total_num_tokens, vLLM's vllm:cache_config_info in /metrics, the receipt).",
+)
+@click.option(
     "--chunk-size",
     type=click.IntRange(2),
     default=None,
-    help="Prefill chunk size for boundaries. Default: what /get_server_info reports.",
+    help="Prefill chunk size for boundaries. Default: what the server exposes (see --receipt).",
 )
 @click.option(
     "--page-size",
     type=click.IntRange(2),
     default=None,
-    help="KV page size for boundaries. Default: what /get_server_info reports.",
+    help="KV page size for boundaries. Default: what the server exposes (/get_server_info, vLLM's /metrics "
+    "block size, the receipt).",
 )
 @click.option(
     "--sliding-window",
     type=click.IntRange(2),
     default=None,
-    help="Sliding attention window for boundaries. Default: what /get_server_info reports.",
+    help="Sliding attention window for boundaries. Default: what the server exposes (see --receipt).",
 )
 @click.option(
     "--compress-ratio",
     "compress_ratios",
     type=click.IntRange(2),
     multiple=True,
-    help="A KV compression ratio for boundaries (repeatable). Default: what /get_server_info reports.",
+    help="A KV compression ratio for boundaries (repeatable). Default: what the server exposes.",
 )
 @click.option(
     "--soak-duration",
@@ -205,6 +221,8 @@ def command(
     max_tokens,
     retrieval_depths,
     needles_per_depth,
+    receipt,
+    kv_pool_tokens,
     chunk_size,
     page_size,
     sliding_window,
@@ -227,7 +245,8 @@ def command(
                   reason, when no --api-key is given)
       reference   --record-reference / --reference: 20 greedy fixtures against an earlier boot
       retrieval   exact needle answers with a normal stop at several depths up to --max-context
-      boundaries  prompts at +-1 of chunk, page, window and compression sizes equal their solo runs
+      boundaries  prompts at +-1 of chunk, page, window and compression sizes equal their solo runs (cold
+                  cache: a flush, else a fresh random tag leading every prompt)
       mixed       a long prompt arriving during C short decodes: every output equals its solo run
       structured  tool calls (auto, required, named), tool results, json_schema; streamed and not; serial and C
       soak        C streams for --soak-duration s: no failures, no hangs; output-cap hits, memory sampled
@@ -239,6 +258,9 @@ def command(
                   the same output, different images give different outputs or first-token logprobs (a
                   server that drops images fails); skipped, with the reason, when the server refuses image
                   content with a 400 naming it (a text-only model)
+      kv-pressure long needle prompts past 1.2x the KV pool (--kv-pool-tokens, else what the server exposes),
+                  serially, then C at once, then the last one again: the same greedy output every time, and
+                  cached prompt tokens reported on the reuse (only when asked for)
 
     \b
     Exit codes:
@@ -269,6 +291,8 @@ def command(
         timeout_s=timeout_s,
         retrieval_depths=retrieval_depths,
         needles_per_depth=needles_per_depth,
+        receipt=receipt,
+        kv_pool_tokens=kv_pool_tokens,
         chunk_size=chunk_size,
         page_size=page_size,
         sliding_window=sliding_window,

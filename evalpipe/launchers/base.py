@@ -81,6 +81,7 @@ class LaunchOptions:
     engine_python: str | None = None  # interpreter of the environment where the engine lives (sglang/vllm)
     ngram_min: int | None = None  # vllm ngram: prompt_lookup_min
     ngram_max: int | None = None  # vllm ngram: prompt_lookup_max
+    tool_call_parser: str | None = None  # vllm: a parser name, "off", or None (from the chat template)
     extra_args: tuple[str, ...] = ()
     # --engine native: the EngineConfig these flags give a native server (the fields above that a native server
     # reads, defaults filled in, plus its own flags); None for sglang/vllm, which never read it

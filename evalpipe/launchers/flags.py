@@ -386,6 +386,15 @@ LAUNCH = [
         callback=_pos_int,
         help="vllm ngram: longest prompt n-gram to match (prompt_lookup_max) [default: vLLM's].",
     ),
+    option(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME|off",
+        help="vllm: the tool-call parser passed with --enable-auto-tool-choice (vLLM needs both to answer "
+        "tool_choice auto). Default: from the model folder's chat template (<tool_call> or ChatML: hermes; Llama 3 "
+        "headers: llama3_json; [TOOL_CALLS]: mistral; none of them: no tool flags). off: no tool flags. "
+        "Either flag given after `--` wins.",
+    ),
 ]
 RUN = [
     option(

@@ -35,6 +35,10 @@ def check_native(o) -> None:
     )
     require(o.engine_python is None, "--engine-python is for sglang/vllm; the native engine runs in this interpreter")
     require(
+        o.tool_call_parser is None,
+        "--tool-call-parser is a vllm setting; the native engine parses its own tool protocol",
+    )
+    require(
         o.ngram_min is None and o.ngram_max is None,
         "--ngram-min/--ngram-max are vllm ngram settings; the native engine takes --drafter ngram",
     )

@@ -93,6 +93,10 @@ class SGLangLauncher(Launcher):
         require(not (o.engine_command and o.engine_python), "give --engine-command or --engine-python, not both")
         require(o.ngram_min is None and o.ngram_max is None, "--ngram-min/--ngram-max are vllm ngram settings")
         require(
+            o.tool_call_parser is None,
+            "--tool-call-parser is evalpipe's vllm setting; pass SGLang's own after `--` (-- --tool-call-parser NAME)",
+        )
+        require(
             profile in PROFILES, f"sglang speculation profile must be one of {', '.join(PROFILES)}; got {profile!r}"
         )
         require(bool(o.model), "sglang needs --model (a local path or a Hugging Face id)")

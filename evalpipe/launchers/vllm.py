@@ -9,6 +9,11 @@ Profiles are SGLang's (dspark, eagle, eagle3, nextn) plus `ngram` (prompt lookup
 linear chain (no top-k tree), sizes expert parallelism as TP x DP (a switch, not a size), and has no acceptance
 threshold to loosen; simulated acceptance is its `synthetic` rejection sampler, set only by `--simulate-acc-len`.
 The JSON is written with sorted keys so that the same settings give the same argv.
+
+Two features every vLLM needs for `evalpipe qualify` are switched on unless the passthrough sets them itself:
+`--enable-prompt-tokens-details` (cached prompt tokens in usage, which qualify's cache checks read) and tool calling
+(`--enable-auto-tool-choice --tool-call-parser NAME`, the parser from `--tool-call-parser`, else from the model's chat
+template: tool_parsers.py; `--tool-call-parser off` passes neither).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from functools import cached_property
 
 from evalpipe.launchers.base import Launcher, engine_interpreter
 from evalpipe.launchers.errors import require
-from evalpipe.launchers.sglang import check_passthrough
+from evalpipe.launchers.sglang import check_passthrough, extra_flag_values
+from evalpipe.launchers.tool_parsers import OFF, parser_for
 
 PROFILES = ("off", "dspark", "eagle", "eagle3", "nextn", "ngram")
 METHOD = {"dspark": "dspark", "eagle": "eagle", "eagle3": "eagle3", "nextn": "mtp", "ngram": "ngram"}
@@ -151,7 +157,23 @@ class VLLMLauncher(Launcher):
         config = self.speculative_config()
         if config is not None:
             argv += ["--speculative-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
-        return argv + list(o.extra_args)
+        return argv + self.feature_flags() + list(o.extra_args)
+
+    def tool_parser(self) -> str | None:
+        """The parser this launch passes: --tool-call-parser, else the chat template's (None: no tool flags)."""
+        given = self.options.tool_call_parser
+        if given == OFF:
+            return None
+        return given or parser_for(self.options.model)
+
+    def feature_flags(self) -> list[str]:
+        """Prompt-token details and tool calling, each unless the passthrough already sets it."""
+        passed = {flag for flag, _ in extra_flag_values(self.options.extra_args)}
+        flags = [] if "--enable-prompt-tokens-details" in passed else ["--enable-prompt-tokens-details"]
+        parser = self.tool_parser()
+        if parser and not passed & {"--tool-call-parser", "--enable-auto-tool-choice"}:
+            flags += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+        return flags
 
     def engine_variables(self) -> dict[str, str]:
         # vLLM's batch-invariant kernels (beta) are its deterministic-inference switch

@@ -11,7 +11,7 @@ import secrets
 import time
 
 from evalpipe.harness.client import Server
-from evalpipe.qualify.core import Endpoint, GateResult, check, exchange
+from evalpipe.qualify.core import Endpoint, GateResult, bounded, check, exchange
 
 REFUSED = (401, 403)
 
@@ -59,7 +59,7 @@ def run(ep: Endpoint) -> GateResult:
                 if accept:
                     ok = status == 200
                     detail = f"HTTP {status}" + (
-                        "" if ok else f": {(resp.text[:200] if resp is not None else 'unreachable')}"
+                        "" if ok else f": {(bounded(resp.text) if resp is not None else 'unreachable')}"
                     )
                     checks = [check("accepted", ok, detail)]
                 else:

@@ -37,6 +37,19 @@ PROTOCOL_MARKERS = (
 )
 
 
+# The most characters of a server's own text (an error body, an exception) kept in a record: enough for any
+# actionable message an engine writes, bounded so that a server answering megabytes cannot bloat qualify.json.
+MESSAGE_LIMIT = 4000
+
+
+def bounded(text: Any) -> str:
+    """A server's text as records keep it: whole up to MESSAGE_LIMIT characters, else cut with a marker saying so."""
+    text = str(text)
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    return text[:MESSAGE_LIMIT] + f" ... [{len(text) - MESSAGE_LIMIT} more characters in the server's reply]"
+
+
 @dataclass
 class QualifyConfig:
     base_url: str
@@ -50,6 +63,8 @@ class QualifyConfig:
     timeout_s: float = 600.0
     retrieval_depths: int = 4
     needles_per_depth: int = 2
+    receipt: Optional[Path] = None  # the launch receipt of the server (server_sizes.py reads its sizes)
+    kv_pool_tokens: Optional[int] = None  # the KV pool kv-pressure fills; None: what the server exposes
     chunk_size: Optional[int] = None
     page_size: Optional[int] = None
     sliding_window: Optional[int] = None
@@ -75,7 +90,7 @@ def check(name: str, ok: bool, detail: Any = "") -> dict:
     return {
         "name": name,
         "ok": bool(ok),
-        "detail": detail if isinstance(detail, (str, int, float)) else json.dumps(detail, default=str)[:500],
+        "detail": detail if isinstance(detail, (str, int, float)) else bounded(json.dumps(detail, default=str)),
     }
 
 
@@ -117,13 +132,14 @@ class GateResult:
 
     @property
     def reason(self) -> str:
-        """Why the gate failed, in one line: its problem, else the first failed check."""
+        """Why the gate failed, whole: its problem, else the first failed check (never cut: it is the message a
+        user acts on)."""
         if self.skipped or self.problem:
             return self.skipped or self.problem
         for r in self.records:
             for c in r["checks"]:
                 if not c["ok"]:
-                    return f"{r['id']}: {c['name']}: {c['detail']}"[:400]
+                    return f"{r['id']}: {c['name']}: {c['detail']}"
         return "" if self.records else "no requests"
 
     def to_json(self) -> dict:
@@ -215,7 +231,7 @@ def _calls(raw: Any) -> Optional[list]:
 def outcome_of_reply(reply: http.Reply, chat: bool) -> Outcome:
     if reply.data is None:
         err = reply.error or {}
-        return Outcome(False, err.get("status"), f"{err.get('type')}: {str(err.get('message'))[:300]}", reply.latency_s)
+        return Outcome(False, err.get("status"), f"{err.get('type')}: {bounded(err.get('message'))}", reply.latency_s)
     choice = reply.data["choices"][0]
     if chat:
         msg = choice.get("message") or {}
@@ -254,6 +270,14 @@ def same_output(a: Outcome, b: Outcome) -> tuple[bool, str]:
     return True, f"{len(a.token_ids or a.text)} {'tokens' if a.token_ids is not None else 'characters'} agree"
 
 
+def cached_tokens(out: Outcome) -> Optional[int]:
+    """usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix cache), None when the server
+    does not report it (vLLM reports it with --enable-prompt-tokens-details)."""
+    details = (out.usage or {}).get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def first_divergence(a, b) -> Optional[int]:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -271,10 +295,11 @@ def leaked_protocol(*texts: Optional[str]) -> list[str]:
 class Endpoint:
     """The server under qualification: plain and streamed generation, cache flushes, its reported settings."""
 
-    def __init__(self, cfg: QualifyConfig, model: str, facts: dict):
+    def __init__(self, cfg: QualifyConfig, model: str, facts: dict, sizes: Optional[dict] = None):
         self.cfg = cfg
         self.model = model
         self.facts = facts  # {"models", "server_info_path", "server_info"} (redacted)
+        self.sizes = sizes or {}  # server_sizes.gather: boundary sizes and KV pool the server exposes
         self.base_url = cfg.base_url.rstrip("/")
         self._n = 0
 
@@ -347,7 +372,7 @@ class Endpoint:
                     last = now
                     out.n_events += 1
                     if isinstance(event, dict) and event.get("error") and not event.get("choices"):
-                        out.error = f"error event: {json.dumps(event['error'])[:300]}"
+                        out.error = f"error event: {bounded(json.dumps(event['error']))}"
                         break
                     if event.get("usage"):
                         out.usage = event["usage"]
@@ -381,9 +406,9 @@ class Endpoint:
             out.hung = True
             out.error = f"no event for {hang_s:g} s (hang)"
         except http.StreamRefused as exc:
-            out.status, out.error = exc.status, f"HTTP {exc.status}: {exc.text[:300]}"
+            out.status, out.error = exc.status, f"HTTP {exc.status}: {bounded(exc.text)}"
         except Exception as exc:  # transport errors, a body that is not SSE JSON: a failed request, never a crash
-            out.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            out.error = f"{type(exc).__name__}: {bounded(exc)}"
         out.latency_s = time.perf_counter() - t0
         out.ended_at = time.time()
         if on_first is not None:

@@ -29,7 +29,7 @@ def print_table(result: dict) -> None:
         ("time", "right"),
         ("reason", "left"),
     ):
-        t.add_column(col, justify=justify)
+        t.add_column(col, justify=justify, overflow="fold")  # a reason wraps, whole, never cut
     for g in result["gates"]:
         colour = {"pass": "green", "skipped": "yellow"}.get(g["verdict"], "red")
         t.add_row(
@@ -39,7 +39,7 @@ def print_table(result: dict) -> None:
             str(g["passed"]),
             str(g["failed"]),
             f"{g['wall_s']:.1f}s",
-            escape((g["reason"] or g["notes"].get("summary", ""))[:120]),
+            escape(g["reason"] or g["notes"].get("summary", "")),
         )
     console = make_console()
     console.print(t)
@@ -98,7 +98,7 @@ def render_html(result: dict) -> str:
         sections.append(
             f"{pit_histogram(g['notes'])}<details{' open' if g['verdict'] not in ('pass', 'skipped') else ''}>"
             f"<summary><b>{_e(g['gate'])}</b>: {_e(g['verdict'])}"
-            f" ({g['passed']}/{g['requests']} passed)</summary><p class='muted'>notes: {_e(g['notes'])[:3000]}</p>"
+            f" ({g['passed']}/{g['requests']} passed)</summary><p class='muted'>notes: {_e(g['notes'])}</p>"
             f"<p>{'failed requests' if failed else 'first requests'} (all of them are in qualify.json):</p>"
             + _rows(["request", "verdict", "checks"], rows)
             + "</details>"

@@ -28,15 +28,17 @@ from evalpipe.qualify import (
     GATES,
     auth,
     consistency,
+    kv_pressure,
     reference,
     report,
     retrieval,
     sampling,
+    server_sizes,
     soak,
     structured,
     vision,
 )
-from evalpipe.qualify.core import Endpoint, GateResult, QualifyConfig
+from evalpipe.qualify.core import Endpoint, GateResult, QualifyConfig, bounded
 from evalpipe.redact import redact_text, scrub_values
 
 RESULT_FILE = "qualify.json"
@@ -61,6 +63,11 @@ def check_input(cfg: QualifyConfig) -> Optional[dict]:
         raise QualifyError(
             f"{cfg.out_dir} already holds a qualification ({RESULT_FILE}); choose another --out", EXIT_BAD_INPUT
         )
+    if cfg.receipt is not None:
+        try:
+            server_sizes.read_receipt(cfg.receipt)
+        except ValueError as exc:
+            raise QualifyError(f"--receipt: {exc}", EXIT_BAD_INPUT) from None
     if cfg.reference and "reference" in cfg.gates:
         try:
             return reference.load(cfg.reference)
@@ -93,6 +100,16 @@ def connect(cfg: QualifyConfig) -> tuple[str, dict, Optional[int]]:
     return model, facts, listed
 
 
+def exposed_sizes(cfg: QualifyConfig, info) -> dict:
+    """server_sizes.gather over the server's report, its /metrics and its launch receipt (--receipt, else the
+    newest receipt in results/receipts/ of a server still running at this address), with the receipt's path."""
+    path = cfg.receipt or server_sizes.find_receipt(cfg.base_url)
+    receipt = server_sizes.read_receipt(path) if path else None
+    sizes = server_sizes.gather(info, server_sizes.cache_config_info(cfg.base_url, cfg.api_key), receipt)
+    sizes["receipt"] = str(path) if path else None
+    return sizes
+
+
 def _snapshot(cfg: QualifyConfig, model: str, facts: dict) -> dict:
     settings = {
         k: (str(v) if isinstance(v, Path) else v)
@@ -123,12 +140,12 @@ async def run_gates(ep: Endpoint, ref: Optional[dict], say) -> list[GateResult]:
         except Exception as exc:  # a gate that breaks is a failed gate with its reason, never a lost run
             result = GateResult(
                 name,
-                problem=f"the gate stopped on an error: {type(exc).__name__}: {exc}"[:400],
+                problem=f"the gate stopped on an error: {type(exc).__name__}: {bounded(exc)}",
                 wall_s=time.perf_counter() - t0,
             )
         say(
             f"gate {name}: {result.verdict} ({result.passed}/{len(result.records)} requests passed, "
-            f"{result.wall_s:.1f} s){'' if result.verdict == 'pass' else ': ' + result.reason[:200]}"
+            f"{result.wall_s:.1f} s){'' if result.verdict == 'pass' else ': ' + result.reason}"
         )
         results.append(result)
     return results
@@ -156,6 +173,8 @@ async def _gate(name: str, ep: Endpoint, ref: Optional[dict]) -> GateResult:
         return await sampling.run(ep)
     if name == "vision":
         return await vision.run(ep)
+    if name == "kv-pressure":
+        return await kv_pressure.run(ep)
     return await soak.run(ep)
 
 
@@ -180,7 +199,8 @@ def execute(
     }
     keys = list(cfg.api_keys)
     write_json(out_dir / MANIFEST_FILE, scrub_values(manifest, keys))
-    ep = Endpoint(cfg, model, facts)
+    sizes = exposed_sizes(cfg, facts.get("server_info"))
+    ep = Endpoint(cfg, model, facts, sizes)
     interrupted = False
     results: list[GateResult] = []
 
@@ -217,6 +237,7 @@ def execute(
             "model": model,
             "server_info_path": facts.get("server_info_path"),
             "deterministic": facts.get("deterministic"),
+            "sizes": sizes,
         },
         "settings": manifest["start"]["lane"]["effective"],
         "gates": [r.to_json() for r in results],

@@ -2,12 +2,17 @@
 
 Cases (the chat skill's fixtures, evalpipe.skills.chat, so the default model was taught exactly these):
 - tool_choice auto, required and named: the reply is one call of the expected tool with the expected arguments
-  (parsed JSON, compared as objects), finish_reason "tool_calls", and no text beside it;
+  (parsed JSON, compared as objects), finish_reason "tool_calls" ("stop" too for a named call, as OpenAI ends a
+  forced call), and no text beside it;
 - tool-result continuation: after the call and the tool's answer, the reply states the value and stops normally;
 - response_format json_schema: the content parses to the expected object and the reply stops normally.
 Every reply is also checked for leaked or repeated tool protocol: no template marker (`<|tool_call|>` and the like)
 in any content or arguments, and exactly one call where one is expected. Each case is sent plain and streamed,
 serially, then all of them again with C in flight.
+
+When tool_choice auto gave no call in any answered request, the gate's reason says which of two things happened
+(`no_call_diagnosis`): the replies hold a call in text that the server did not parse (its tool-call parser does not
+fit the model), or they are plain text (the model does not call tools).
 
 Drawn tools (evalpipe.skills.tools, held-out split: tool names, parameters and argument values drawn per case,
 arguments copied from the ask) are sent beside them and checked the same way, exact arguments included. Until a
@@ -52,7 +57,8 @@ def cases(seed: str) -> list[dict]:
             {
                 "name": f"tool_choice {choice}",
                 "body": {"messages": ex.messages, "tools": ex.tools, "tool_choice": tool_choice},
-                "expect": {"call": call},
+                # a call the request named is a forced reply: OpenAI ends it with "stop" (vLLM does too)
+                "expect": {"call": call, **({"finish": ["tool_calls", "stop"]} if choice == "named" else {})},
             }
         )
     ex = chat.tool_result(rng)
@@ -116,8 +122,13 @@ def checks_for(expect: dict, out: Outcome) -> list[dict]:
                     f"{got.get('arguments')!r}, expected {json.dumps(want['arguments'])}",
                 )
             )
+        finishes = expect.get("finish", ["tool_calls"])
         checks.append(
-            check("finish tool_calls", out.finish_reason == "tool_calls", f"finish_reason {out.finish_reason}")
+            check(
+                "finish tool_calls",
+                out.finish_reason in finishes,
+                f"finish_reason {out.finish_reason}" + ("" if len(finishes) == 1 else f" (one of {finishes})"),
+            )
         )
         checks.append(check("no text beside the call", not out.text.strip(), repr(out.text[:80])))
     else:
@@ -146,11 +157,37 @@ def checks_for(expect: dict, out: Outcome) -> list[dict]:
     return checks
 
 
+def no_call_diagnosis(records: list[dict]) -> str | None:
+    """Why tool_choice "auto" never gave a call, when it never did in any answered request: the replies hold a call
+    the server did not parse (its parser does not fit the model), or plain text (the model does not call tools)."""
+    auto = [
+        r
+        for r in records
+        if "call" in r["expect"] and r["body"].get("tool_choice") == "auto" and r.get("ok") and r.get("output")
+    ]
+    if not auto or any(r["output"].get("tool_calls") for r in auto):
+        return None
+    texts = [r["output"].get("text") or "" for r in auto]
+    unparsed = [
+        t for t in texts if leaked_protocol(t) or ('"name"' in t and ('"arguments"' in t or '"parameters"' in t))
+    ]
+    if unparsed:
+        return (
+            f"tool_choice auto gave no parsed call in any of {len(auto)} requests, yet replies hold one (e.g. "
+            f"{unparsed[0][:200]!r}): the server's tool-call parser does not read this model's format (vLLM: "
+            "`evalpipe serve --engine vllm --tool-call-parser NAME`); first failed check: "
+            + next(f"{r['id']}: {c['name']}: {c['detail']}" for r in auto for c in r["checks"] if not c["ok"])
+        )
+    return (
+        f"the model does not call tools: with tool_choice auto it answered all {len(auto)} requests with text and "
+        f"no call (e.g. {texts[0][:200]!r}), each with HTTP 200: a model whose chat template does not render tools, "
+        "or that was not trained to call them, replies this way"
+    )
+
+
 def drawn_tools_note(records: list[dict]) -> dict:
     """What the drawn-tool cases showed when they are not enforced: exact calls of those sent, and the first miss."""
-    miss = next(
-        (f"{r['id']}: {c['name']}: {c['detail']}"[:300] for r in records for c in r["checks"] if not c["ok"]), None
-    )
+    miss = next((f"{r['id']}: {c['name']}: {c['detail']}" for r in records for c in r["checks"] if not c["ok"]), None)
     return {
         "enforced": DRAWN_TOOLS_ENFORCED,
         "exact": sum(r["verdict"] == "pass" for r in records),
@@ -198,10 +235,11 @@ async def run(ep: Endpoint) -> GateResult:
         (advisory if case.get("advisory") else result.records).append(record)
     refused = [r for r in result.records if r.get("status") == 400]
     if refused and len(refused) == len(result.records):
-        result.problem = (
-            "the server refuses tool calling / response_format (HTTP 400 on every request): "
-            + str(refused[0].get("error"))[:200]
+        result.problem = "the server refuses tool calling / response_format (HTTP 400 on every request): " + str(
+            refused[0].get("error")
         )
+    else:
+        result.problem = no_call_diagnosis(result.records)
     result.notes = {
         "cases": len(result.records),
         "concurrency": cfg.concurrency,

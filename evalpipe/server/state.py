@@ -190,6 +190,14 @@ class ServerState:
             described = static["runner"]
             info["runner"] = {k: v for k, v in described.items() if k not in RUNNER_VOLATILE_KEYS}
             info["engine"]["max_seq_len"] = self.max_seq_len
+            pools = described.get("pools") if isinstance(described, dict) else None
+            if isinstance(pools, dict) and {"num_pages", "page_tokens"} <= set(pools):
+                # the KV pool every sequence and the prefix cache share (qualify's kv-pressure fills it past its size)
+                info["kv_pool"] = {
+                    "tokens": pools["num_pages"] * pools["page_tokens"],
+                    "pages": pools["num_pages"],
+                    "page_tokens": pools["page_tokens"],
+                }
             cache = described.get("prefix_cache") if isinstance(described, dict) else None
             if isinstance(cache, dict):
                 info["prefix_cache"] = {k: cache[k] for k in ("enabled", "page_tokens") if k in cache}

@@ -241,6 +241,7 @@ DRY_RUN_CASES = {
             "--data-parallel-size",
             "2",
             "--enable-expert-parallel",
+            "--enable-prompt-tokens-details",
         ],
     ),
     "vllm-dspark": (
@@ -255,6 +256,7 @@ DRY_RUN_CASES = {
             "30000",
             "--speculative-config",
             '{"method":"dspark","model":"D","num_speculative_tokens":7}',
+            "--enable-prompt-tokens-details",
         ],
     ),
     "vllm-eagle3": (
@@ -287,6 +289,7 @@ DRY_RUN_CASES = {
             "30000",
             "--speculative-config",
             '{"method":"eagle3","model":"D","num_speculative_tokens":3}',
+            "--enable-prompt-tokens-details",
             "--max-num-seqs",
             "64",
         ],
@@ -303,6 +306,7 @@ DRY_RUN_CASES = {
             "30000",
             "--speculative-config",
             '{"method":"mtp","num_speculative_tokens":1}',
+            "--enable-prompt-tokens-details",
         ],
     ),
     "vllm-ngram": (
@@ -334,6 +338,7 @@ DRY_RUN_CASES = {
             "30000",
             "--speculative-config",
             '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,"prompt_lookup_min":2}',
+            "--enable-prompt-tokens-details",
             "--load-format",
             "dummy",
         ],
@@ -1181,3 +1186,61 @@ def test_server_reporting_deterministic_off_when_asked_is_refused(tmp_path):
     receipt = json.loads((tmp_path / "r.json").read_text())
     assert receipt["deterministic"] is False and not _alive(receipt["pid"])
     assert "--enable-deterministic-inference" in receipt["argv"]
+
+
+# chat templates of the families in tool_parsers.py's table, cut to the markers that decide
+TEMPLATES = {
+    "qwen": "{% if tools %}<tools>{{ tools }}</tools> <tool_call>{...}</tool_call>{% endif %}<|im_start|>",
+    "llama3": "<|start_header_id|>{{ role }}<|end_header_id|>{% if tools %}<|python_tag|>{% endif %}",
+    "mistral": "[INST]{{ content }}[/INST]{% if tools %}[TOOL_CALLS]{% endif %}",
+    "chatml": "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'}}",
+    "plain": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+}
+
+
+def _model_folder(root, name: str, in_jinja: bool):
+    folder = root / name
+    folder.mkdir()
+    if in_jinja:
+        (folder / "chat_template.jinja").write_text(TEMPLATES[name])
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATES["plain"]}))
+    else:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATES[name]}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "name, in_jinja, parser",
+    [
+        ("qwen", False, "hermes"),
+        ("llama3", True, "llama3_json"),
+        ("mistral", False, "mistral"),
+        ("chatml", True, "hermes"),  # SmolLM2's template: ChatML without tool markup
+        ("plain", False, None),
+    ],
+)
+def test_vllm_gets_the_tool_parser_of_its_models_chat_template(tmp_path, name, in_jinja, parser):
+    model = _model_folder(tmp_path, name, in_jinja)
+    argv = dry_run(["--engine", "vllm", "--model", model, *EP])["argv"]
+    tail = argv[argv.index("30000") + 1 :]
+    tools = ["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []
+    assert tail == ["--enable-prompt-tokens-details", *tools]
+
+
+def test_the_tool_parser_flag_overrides_turns_off_and_yields_to_the_passthrough(tmp_path):
+    model = _model_folder(tmp_path, "qwen", False)
+    base = ["--engine", "vllm", "--model", model, *EP]
+    argv = dry_run([*base, "--tool-call-parser", "llama3_json"])["argv"]
+    assert argv[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    argv = dry_run([*base, "--tool-call-parser", "off"])["argv"]
+    assert "--enable-auto-tool-choice" not in argv and "--tool-call-parser" not in argv
+    argv = dry_run([*base, "--", "--tool-call-parser", "pythonic", "--enable-auto-tool-choice"])["argv"]
+    assert argv.count("--tool-call-parser") == 1 and argv[-3:] == [
+        "--tool-call-parser",
+        "pythonic",
+        "--enable-auto-tool-choice",
+    ]
+    argv = dry_run([*base, "--", "--enable-prompt-tokens-details"])["argv"]
+    assert argv.count("--enable-prompt-tokens-details") == 1
+    assert "vllm setting" in refused(["--tool-call-parser", "hermes"])
+    assert "-- --tool-call-parser NAME" in refused(["--engine", "sglang", "--model", "M", "--tool-call-parser", "x"])

@@ -72,7 +72,9 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
     structured = by["structured"]["records"]
     assert {r["stream"] for r in structured} == {True, False} and {r["mode"] for r in structured} == {"serial", "C8"}
     call = next(r for r in structured if r["id"] == "serial tool_choice named streamed")
-    assert call["output"]["finish_reason"] == "tool_calls" and json.loads(call["output"]["tool_calls"][0]["arguments"])
+    assert call["output"]["finish_reason"] == "stop" and json.loads(call["output"]["tool_calls"][0]["arguments"])
+    call = next(r for r in structured if r["id"] == "serial tool_choice auto plain")
+    assert call["output"]["finish_reason"] == "tool_calls" and call["verdict"] == "pass"
     drawn = by["structured"]["notes"]["drawn_tools"]  # reported beside the verdict until the retrained model ships
     assert drawn["sent"] >= 2 and drawn["exact"] == drawn["sent"] and drawn["first_miss"] is None, drawn
     assert by["soak"]["notes"]["failures"] == 0 and by["soak"]["notes"]["hangs"] == 0
@@ -92,6 +94,7 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
         ("early_stop", "retrieval", "exact answer"),
         ("leak_tool_protocol", "structured", "no leaked tool protocol: found ['<|tool_call|>']"),
         ("drop_images", "vision", "logprobs 0 apart (not above the noise floor 0.0001): the image is ignored"),
+        ("no_tools", "structured", "the model does not call tools: with tool_choice auto it answered all 4 requests"),
     ],
 )
 def test_each_fault_fails_its_gate_with_exit_4(scripted, tmp_path, fault, gate, reason):
@@ -112,6 +115,11 @@ def test_bad_input_exits_2_and_no_connection_exits_3(scripted, tmp_path):
     assert qualify(scripted, tmp_path / "a", "--gates", "auth,nope")[0] == 2
     code, _, output = qualify(scripted, tmp_path / "b", *KEY_ARGS, "--reference", str(tmp_path / "missing.json"))
     assert code == 2 and "no such reference file" in output
+    code, _, output = qualify(scripted, tmp_path / "r", *KEY_ARGS, "--receipt", str(tmp_path / "none.json"))
+    assert code == 2 and "--receipt: cannot read the receipt" in output
+    (tmp_path / "not-a-receipt.json").write_text("{}")
+    code, _, output = qualify(scripted, tmp_path / "r2", *KEY_ARGS, "--receipt", str(tmp_path / "not-a-receipt.json"))
+    assert code == 2 and "is not an `evalpipe serve` receipt" in output
     code, _, output = qualify(scripted, tmp_path / "c", "--api-key", "not-a-key", "--gates", "retrieval")
     assert code == 2 and "refused" in output
     code, _, output = qualify(f"http://127.0.0.1:{free_port()}/v1", tmp_path / "d", "--gates", "retrieval")

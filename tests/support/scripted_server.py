@@ -18,6 +18,7 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
   mode         "correct" | "wrong" | "truncated" | "error500" | "error400" | "timeout" | "malformed" |
                "bad_shape" | "no_answer" | "mixed"   (default "correct")
                malformed = truncated JSON body; bad_shape = valid JSON whose choice has no message object.
+               error400 answers {"error": {"message": error_message}} (default "scripted bad request").
                mixed = deterministic per question: by sha256(question) % 10 -> 0-5 correct, 6 wrong,
                7 truncated, 8 always HTTP 500, 9 no answer. Use `mixed_bucket(question)` to predict.
   answers      {question text: gold answer string}; see `answer_table(lane)`.
@@ -35,13 +36,19 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
                (finish_reason "length"); "leak_tool_protocol" tool calls come back as `<|tool_call|>` text;
                "drop_images" (mode "skills") chat image_url parts are accepted and ignored: answered as if absent,
                with logprobs when asked (the same for every image).
+               mode "skills" only (for the kv-pressure gate): "stale_cache" a prompt seen before is answered with
+               the previous other prompt's answer (a stale page), its cached tokens still reported;
+               "evict_live" a completion that overlaps another one in flight has its digits corrupted (a live
+               sequence's pages evicted).
   stream_delay_s  pause between streamed events (default 0.002).
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
 needle's code, a tool ask with the matching call (tools given; the fixed tools of `chat` and the drawn ones of
 `tools`), a tool result by stating it, a JSON ask under response_format with the object; any other prompt with a
 continuation determined by the prompt (max_tokens long with ignore_eos; a chat prompt's image parts included, as a
 vision model sees them); it has /flush_cache (other modes have none). It is byte-level: token ids are bytes + 16
-and usage.prompt_tokens is the prompt's bytes + 1.
+and usage.prompt_tokens is the prompt's bytes + 1. It keeps a prefix cache of the completion prompts since the
+last flush: usage.prompt_tokens_details.cached_tokens is the longest prefix shared with one of them, in whole
+pages of PAGE_BYTES.
 Every mode streams (`stream: true`) as SSE, chunk by chunk, ending with `[DONE]`.
 A request with `logprobs` gets well-formed fake logprobs (top-k as asked) in the OpenAI shape of its endpoint.
 Introspection: GET /scripted/stats -> {"n_requests": total, "per_question": {question: count}, "bodies": last 50}.
@@ -80,8 +87,11 @@ DEFAULT_CONFIG: dict = {
     "api_keys": [],
     "faults": [],
     "stream_delay_s": 0.002,
+    "error_message": None,
 }
 OPEN_PATHS = ("/health", "/health_generate")
+PAGE_BYTES = 16  # the skills mode's prefix-cache page
+CACHED_PROMPTS = 64  # prompts its prefix cache remembers
 TOOL_MARK = "<|tool_call|>"
 
 
@@ -200,6 +210,8 @@ class ScriptedApp:
         self.n_requests = 0
         self.per_question: dict[str, int] = {}
         self.bodies: list = []
+        self.prompts: list[tuple[str, str]] = []  # skills mode: (completion prompt, its answer) since the last flush
+        self.in_flight = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -224,6 +236,7 @@ class ScriptedApp:
                 send, 401, {"error": {"message": "Incorrect API key provided.", "code": "invalid_api_key"}}
             )
         if path == "/flush_cache" and self.cfg["mode"] == "skills":  # other modes stand in for a server without one
+            self.prompts = []
             return await self._json(send, 200, {"flushed": True})
         if path == "/v1/models":
             data = [{"id": m, "object": "model", "owned_by": "scripted"} for m in self.cfg["models"]]
@@ -259,7 +272,16 @@ class ScriptedApp:
         if cfg["mode"] == "skills":
             self.n_requests += 1
             choice, n_prompt = skills_choice(body, chat, cfg["faults"])
-            return await self._answer(send, body, chat, with_spec(choice, cfg), n_prompt)
+            cached = None if chat else self._cache(body, choice, cfg["faults"])
+            if "evict_live" in cfg["faults"] and not chat:
+                self.in_flight += 1
+                try:
+                    await asyncio.sleep(0.05)  # long enough for concurrent requests to overlap
+                    if self.in_flight > 1:
+                        choice["text"] = choice["text"].translate(str.maketrans("0123456789", "9876543210"))
+                finally:
+                    self.in_flight -= 1
+            return await self._answer(send, body, chat, with_spec(choice, cfg), n_prompt, cached)
         q = question_of(body)
         self.n_requests += 1
         n_q = self.per_question[q] = self.per_question.get(q, 0) + 1
@@ -274,7 +296,8 @@ class ScriptedApp:
         if n_q <= cfg["fail_first"] or mode == "error500":
             return await self._json(send, 500, {"error": {"message": "scripted internal error", "code": 500}})
         if mode == "error400":
-            return await self._json(send, 400, {"error": {"message": "scripted bad request", "code": 400}})
+            message = cfg.get("error_message") or "scripted bad request"
+            return await self._json(send, 400, {"error": {"message": message, "code": 400}})
         if mode == "timeout":
             await asyncio.sleep(cfg["timeout_sleep_s"])
         if mode == "malformed":
@@ -330,13 +353,28 @@ class ScriptedApp:
             return await self._stream(send, body, chat, choice, resp["usage"])
         return await self._json(send, 200, resp)
 
-    async def _answer(self, send, body: dict, chat: bool, choice: dict, n_prompt: int):
+    def _cache(self, body: dict, choice: dict, faults: list) -> int:
+        """Cached prompt tokens of a completion (whole pages shared with a remembered prompt); remembers it. With
+        "stale_cache", a prompt seen before gets the answer of the last other prompt."""
+        prompt = body.get("prompt") if isinstance(body.get("prompt"), str) else json.dumps(body.get("prompt"))
+        shared = max((len(os.path.commonprefix([prompt, seen])) for seen, _ in self.prompts), default=0)
+        answer = choice["text"]  # remembered as computed: a stale answer is another prompt's real one
+        if "stale_cache" in faults and any(seen == prompt for seen, _ in self.prompts):
+            other = next((text for seen, text in reversed(self.prompts) if seen != prompt), None)
+            if other is not None:
+                choice["text"] = other
+        self.prompts = [p for p in self.prompts if p[0] != prompt][-(CACHED_PROMPTS - 1) :] + [(prompt, answer)]
+        return shared // PAGE_BYTES * PAGE_BYTES
+
+    async def _answer(self, send, body: dict, chat: bool, choice: dict, n_prompt: int, cached: Optional[int] = None):
         text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
         usage = {
             "prompt_tokens": n_prompt,
             "completion_tokens": len(text.encode()),
             "total_tokens": n_prompt + len(text.encode()),
         }
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         if body.get("return_token_ids"):
             choice["token_ids"] = [b + 16 for b in text.encode()]
         if "drop_images" in self.cfg["faults"] and chat and body.get("logprobs"):  # as a real server's, image or not
@@ -521,7 +559,7 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
         last = messages[-1]
         ask = str(messages[0].get("content") or "")
         needle, count, fact = NEEDLE_ASK.search(ask), COUNT_ASK.search(ask), JSON_ASK.search(ask)
-        wants_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        wants_tools = bool(body.get("tools")) and body.get("tool_choice") != "none" and "no_tools" not in faults
         if last.get("role") == "tool":
             text = f"The answer is {last.get('content')}."
         elif wants_tools and (needle or count or drawn_tool_call(ask, body["tools"])):
@@ -532,7 +570,8 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
                 if count
                 else drawn_tool_call(ask, body["tools"])
             )
-            text, finish = "", "tool_calls"
+            # a named call ends with "stop", as OpenAI ends a forced call
+            text, finish = "", "stop" if isinstance(body.get("tool_choice"), dict) else "tool_calls"
             calls = [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]
             if "leak_tool_protocol" in faults:
                 text, calls, finish = TOOL_MARK + json.dumps({"name": name, "arguments": args}), None, "stop"
