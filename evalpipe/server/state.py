@@ -142,8 +142,24 @@ class ServerState:
 
     # -- introspection -----------------------------------------------------------------------------
     async def info(self) -> dict:
+        info = self._configured_info()
+        # Everything that moves while serving lives under internal_states (SGLang's name), so that run manifests
+        # comparing /get_server_info at start and end see only configuration above it.
+        internal: dict[str, Any] = {}
+        engine_rss = 0.0
+        if self.ready.is_set():
+            self._add_loaded_engine_info(info)
+            engine_rss = await self._add_live_engine_state(internal)
+        if self.tokenizer is not None:
+            info["tokenizer"] = self.tokenizer.describe()
+        internal.update(self._footprint(engine_rss))
+        info["internal_states"] = internal
+        return redact(info, self.settings.api_keys())  # no setting or echoed command line carries the key out
+
+    def _configured_info(self) -> dict[str, Any]:
+        """What the settings fix before the engine reports anything (the engine's own view replaces parts later)."""
         s = self.settings.engine
-        info: dict[str, Any] = {
+        return {
             "model": self.model_id,
             "model_path": s.model,
             "version": __version__,
@@ -180,54 +196,58 @@ class ServerState:
             "torch": _package_version("torch"),  # the engine process's (this process never imports it)
             "python": sys.version.split()[0],
         }
-        # Everything that moves while serving lives under internal_states (SGLang's name), so that run manifests
-        # comparing /get_server_info at start and end see only configuration above it.
-        internal: dict[str, Any] = {}
+
+    def _add_loaded_engine_info(self, info: dict[str, Any]) -> None:
+        """Add (or overwrite in place) what the engine reported when it became ready."""
+        static = self.engine.info.static_info
+        info["config"] = static["config"]
+        described = static["runner"]
+        info["runner"] = {k: v for k, v in described.items() if k not in RUNNER_VOLATILE_KEYS}
+        info["engine"]["max_seq_len"] = self.max_seq_len
+        pools = described.get("pools") if isinstance(described, dict) else None
+        if isinstance(pools, dict) and {"num_pages", "page_tokens"} <= set(pools):
+            # the KV pool every sequence and the prefix cache share (qualify's kv-pressure fills it past its size)
+            info["kv_pool"] = {
+                "tokens": pools["num_pages"] * pools["page_tokens"],
+                "pages": pools["num_pages"],
+                "page_tokens": pools["page_tokens"],
+            }
+        cache = described.get("prefix_cache") if isinstance(described, dict) else None
+        if isinstance(cache, dict):
+            info["prefix_cache"] = {k: cache[k] for k in ("enabled", "page_tokens") if k in cache}
+        if "fused_sites" in static:
+            info["fused_sites"] = static["fused_sites"]
+        spec = dict(static["speculative"])
+        spec.pop("totals", None)
+        info["speculative"] = spec
+
+    async def _add_live_engine_state(self, internal: dict[str, Any]) -> float:
+        """Add the engine's live counters to `internal`; returns the engine process's peak RSS (0.0 when unknown)."""
         engine_rss = 0.0
-        if self.ready.is_set():
-            static = self.engine.info.static_info
-            info["config"] = static["config"]
-            described = static["runner"]
-            info["runner"] = {k: v for k, v in described.items() if k not in RUNNER_VOLATILE_KEYS}
-            info["engine"]["max_seq_len"] = self.max_seq_len
-            pools = described.get("pools") if isinstance(described, dict) else None
-            if isinstance(pools, dict) and {"num_pages", "page_tokens"} <= set(pools):
-                # the KV pool every sequence and the prefix cache share (qualify's kv-pressure fills it past its size)
-                info["kv_pool"] = {
-                    "tokens": pools["num_pages"] * pools["page_tokens"],
-                    "pages": pools["num_pages"],
-                    "page_tokens": pools["page_tokens"],
-                }
-            cache = described.get("prefix_cache") if isinstance(described, dict) else None
-            if isinstance(cache, dict):
-                info["prefix_cache"] = {k: cache[k] for k in ("enabled", "page_tokens") if k in cache}
-            if "fused_sites" in static:
-                info["fused_sites"] = static["fused_sites"]
-            spec = dict(static["speculative"])
-            spec.pop("totals", None)
-            info["speculative"] = spec
-            live = await self._engine_state()
-            if "error" in live:
-                internal["engine_error"] = live["error"]
-            else:
-                internal["runner"] = live["runner"]
-                if isinstance(live["runner"], dict) and isinstance(live["runner"].get("prefix_cache"), dict):
-                    internal["prefix_cache"] = live["runner"]["prefix_cache"]
-                if "fused_site_calls" in live:
-                    internal["fused_site_calls"] = live["fused_site_calls"]
-                if "totals" in live["speculative"]:
-                    internal["speculative_totals"] = live["speculative"]["totals"]
-                internal.update(live["engine"])
-                engine_rss = live["peak_rss_mb"]
-            internal["engine_process"] = {"pid": self.engine.pid, "alive": self.engine_error is None}
-        if self.tokenizer is not None:
-            info["tokenizer"] = self.tokenizer.describe()
+        live = await self._engine_state()
+        if "error" in live:
+            internal["engine_error"] = live["error"]
+        else:
+            internal["runner"] = live["runner"]
+            if isinstance(live["runner"], dict) and isinstance(live["runner"].get("prefix_cache"), dict):
+                internal["prefix_cache"] = live["runner"]["prefix_cache"]
+            if "fused_site_calls" in live:
+                internal["fused_site_calls"] = live["fused_site_calls"]
+            if "totals" in live["speculative"]:
+                internal["speculative_totals"] = live["speculative"]["totals"]
+            internal.update(live["engine"])
+            engine_rss = live["peak_rss_mb"]
+        internal["engine_process"] = {"pid": self.engine.pid, "alive": self.engine_error is None}
+        return engine_rss
+
+    def _footprint(self, engine_rss: float) -> dict[str, Any]:
+        """The server's memory (HTTP process + engine process) and uptime."""
         http_rss = _peak_rss_mb()
-        internal["peak_rss_mb"] = http_rss + engine_rss  # the server's footprint: HTTP process + engine process
-        internal["peak_rss_mb_by_process"] = {"http": http_rss, "engine": engine_rss}
-        internal["uptime_s"] = time.time() - self.started_at
-        info["internal_states"] = internal
-        return redact(info, self.settings.api_keys())  # no setting or echoed command line carries the key out
+        return {
+            "peak_rss_mb": http_rss + engine_rss,  # the server's footprint: HTTP process + engine process
+            "peak_rss_mb_by_process": {"http": http_rss, "engine": engine_rss},
+            "uptime_s": time.time() - self.started_at,
+        }
 
     async def _engine_state(self) -> dict:
         """The engine's live counters, or {"error": why} (a dead or unresponsive engine never breaks the info)."""
