@@ -81,59 +81,61 @@ def _brief(body: dict, index: int) -> dict:
     return {**body, "prompt": f"(the prompt of serial {index}, sha256 {digest})"}
 
 
-async def run(ep: Endpoint) -> GateResult:
-    cfg = ep.cfg
-    result = GateResult("kv-pressure")
-    t0 = time.perf_counter()
-    pool, source = pool_size(ep)
+def _sizing_problem(cfg, pool: Optional[int], source: str) -> tuple[int, Optional[str]]:
+    """(prompt tokens per request, why the gate cannot run with this pool and --max-context, or None)."""
     if not pool:
-        result.problem = (
+        return 0, (
             "no KV pool size: the server reports none (evalpipe's kv_pool.tokens in /get_server_info, SGLang's "
             "max_total_num_tokens, vLLM's vllm:cache_config_info in /metrics) and no launch receipt gives one; "
             "give --kv-pool-tokens N"
         )
-        return result
     per_request = min(cfg.max_context - REPLY_TOKENS - 8, pool // 2)
     if per_request < MIN_PROMPT_TOKENS:
-        result.problem = (
+        return per_request, (
             f"prompts of {per_request} tokens (the smaller of half the {pool}-token pool and --max-context "
             f"{cfg.max_context} less the reply) leave no room for a needle in notes: at least {MIN_PROMPT_TOKENS}"
         )
-        return result
     needed = math.ceil(OVERFILL * pool / (per_request + REPLY_TOKENS))
     if needed > MAX_REQUESTS:
-        result.problem = (
+        return per_request, (
             f"the {pool}-token KV pool ({source}) needs about {needed} requests of {per_request} tokens "
             f"(--max-context {cfg.max_context}) to overfill {OVERFILL:g}x, more than the {MAX_REQUESTS} this gate "
             "sends: start the server with a smaller pool (vLLM --num-gpu-blocks-override, SGLang --max-total-tokens, "
             "evalpipe serve --max-batch/--max-seq-len) or qualify a longer --max-context"
         )
-        return result
-    route = await ep.aflush()
-    tag = fresh_tag()
-    ratio = await asyncio.to_thread(_bytes_per_token, ep)
-    context_bytes = int(per_request * ratio * 0.9)
+    return per_request, None
 
-    def body_of(i: int):
-        lead = f"{i}:{tag}|\n"
-        rng = random.Random(f"qualify|kv-pressure|{i}")
-        room = context_bytes - len(lead) - needles.REPLY_ROOM - 200
-        after = rng.randint(0, max(0, room))
-        ex = needles.generate(rng, after=after, before=max(0, room - after), context=context_bytes - len(lead))
-        body = ep.body(prompt=lead + ex.prompt, max_tokens=REPLY_TOKENS, temperature=0.0, return_token_ids=True)
-        return body, ex
 
+def _needle_request(ep: Endpoint, tag: str, context_bytes: int, i: int) -> tuple[dict, object]:
+    """Request i's body (a needle prompt led by its own index and the run's tag) and its needle example."""
+    lead = f"{i}:{tag}|\n"
+    rng = random.Random(f"qualify|kv-pressure|{i}")
+    room = context_bytes - len(lead) - needles.REPLY_ROOM - 200
+    after = rng.randint(0, max(0, room))
+    ex = needles.generate(rng, after=after, before=max(0, room - after), context=context_bytes - len(lead))
+    body = ep.body(prompt=lead + ex.prompt, max_tokens=REPLY_TOKENS, temperature=0.0, return_token_ids=True)
+    return body, ex
+
+
+async def _send_serial(
+    ep: Endpoint, tag: str, context_bytes: int, pool: int, per_request: int
+) -> tuple[list[tuple[dict, object]], list[Outcome], int]:
+    """Send requests one at a time until they overfill the pool (or one fails): (plan, outcomes, tokens filled)."""
     plan: list[tuple[dict, object]] = []
     serial: list[Outcome] = []
     filled = 0
     while filled < OVERFILL * pool and len(plan) < MAX_REQUESTS:
-        body, ex = body_of(len(plan))
+        body, ex = _needle_request(ep, tag, context_bytes, len(plan))
         out = await ep.send(body, chat=False)
         plan.append((body, ex))
         serial.append(out)
         filled += _tokens(out, per_request)
         if not out.ok:
             break
+    return plan, serial, filled
+
+
+def _record_serial(result: GateResult, plan: list[tuple[dict, object]], serial: list[Outcome]) -> None:
     for i, ((body, ex), out) in enumerate(zip(plan, serial)):
         checks = [out.transport_check()] + (cold_check(out) if out.ok else [])
         reply = out.text.strip()
@@ -149,25 +151,21 @@ async def run(ep: Endpoint) -> GateResult:
                 prompt_tokens=(out.usage or {}).get("prompt_tokens"),
             )
         )
-    if not all(o.ok for o in serial):
-        result.problem = f"a serial request failed, so nothing could be compared: {result.reason}"
-        result.wall_s = time.perf_counter() - t0
-        return result
-    if filled < OVERFILL * pool:
-        result.problem = (
-            f"{len(plan)} requests filled {filled} tokens, short of {OVERFILL:g}x the {pool}-token pool: the "
-            "prompts came out shorter than planned"
-        )
-    together = await gather_limited([ep.send(body, chat=False) for body, _ in plan], cfg.concurrency)
+
+
+def _record_concurrent(
+    result: GateResult, plan: list[tuple[dict, object]], serial: list[Outcome], together: list[Outcome]
+) -> None:
     for i, ((body, _), solo, out) in enumerate(zip(plan, serial, together)):
         checks = [out.transport_check()]
         if out.ok:
             same, detail = same_output(solo, out)
             checks.append(check("same as serial", same, detail))
         result.records.append(exchange(f"concurrent {i}", "kv-pressure-concurrent", _brief(body, i), out, checks))
-    finished = [i for i, o in enumerate(together) if o.ok]
-    last = max(finished, key=lambda i: together[i].ended_at) if finished else len(plan) - 1
-    again = await ep.send(plan[last][0], chat=False)
+
+
+def _reuse_checks(solo: Outcome, again: Outcome) -> list:
+    """The repeated request must report cached prompt tokens and give its serial output again."""
     checks = [again.transport_check()]
     if again.ok:
         cached = cached_tokens(again)
@@ -182,8 +180,41 @@ async def run(ep: Endpoint) -> GateResult:
                 "vllm` passes)",
             )
         )
-        same, detail = same_output(serial[last], again)
+        same, detail = same_output(solo, again)
         checks.append(check("same as serial", same, detail))
+    return checks
+
+
+async def run(ep: Endpoint) -> GateResult:
+    cfg = ep.cfg
+    result = GateResult("kv-pressure")
+    t0 = time.perf_counter()
+    pool, source = pool_size(ep)
+    per_request, problem = _sizing_problem(cfg, pool, source)
+    if problem:
+        result.problem = problem
+        return result
+    route = await ep.aflush()
+    tag = fresh_tag()
+    ratio = await asyncio.to_thread(_bytes_per_token, ep)
+    context_bytes = int(per_request * ratio * 0.9)
+    plan, serial, filled = await _send_serial(ep, tag, context_bytes, pool, per_request)
+    _record_serial(result, plan, serial)
+    if not all(o.ok for o in serial):
+        result.problem = f"a serial request failed, so nothing could be compared: {result.reason}"
+        result.wall_s = time.perf_counter() - t0
+        return result
+    if filled < OVERFILL * pool:
+        result.problem = (
+            f"{len(plan)} requests filled {filled} tokens, short of {OVERFILL:g}x the {pool}-token pool: the "
+            "prompts came out shorter than planned"
+        )
+    together = await gather_limited([ep.send(body, chat=False) for body, _ in plan], cfg.concurrency)
+    _record_concurrent(result, plan, serial, together)
+    finished = [i for i, o in enumerate(together) if o.ok]
+    last = max(finished, key=lambda i: together[i].ended_at) if finished else len(plan) - 1
+    again = await ep.send(plan[last][0], chat=False)
+    checks = _reuse_checks(serial[last], again)
     result.records.append(
         exchange(f"reuse of {last}", "kv-pressure-reuse", _brief(plan[last][0], last), again, checks, reused=last)
     )
