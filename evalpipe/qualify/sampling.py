@@ -216,59 +216,68 @@ def logprobs_mode(info) -> str:
     return str(value) if value is not None else "not reported"
 
 
-async def run(ep: Endpoint) -> GateResult:
+def _wave_bodies(ep: Endpoint, seed: int, wave: int, n_req: int, id_keys: dict) -> list[dict]:
+    """Wave `wave`'s requests: fresh prompts, each sampled at temperature 1 with its own seed and top logprobs."""
+    texts = prompts(seed * 1_000_003 + wave, n_req)
+    return [
+        ep.body(
+            prompt=p,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            top_p=1.0,
+            logprobs=TOP_K,
+            seed=seed * 1_000_003 + wave * 10_000 + i,
+            **id_keys,
+        )
+        for i, p in enumerate(texts)
+    ]
+
+
+def _record_wave(result: GateResult, sample: PitSample, wave: int, bodies, outcomes, v_rng, tokens_file, cfg) -> None:
+    """Check each response of a wave, add its tokens to the sample and to the tokens file, and record it."""
+    for i, (body, out) in enumerate(zip(bodies, outcomes)):
+        rid = f"sampling-{wave}-{i}"
+        checks = [out.transport_check()]
+        have = out.ok and out.tokens is not None and out.top_logprobs is not None
+        if out.ok:
+            checks.append(
+                check(
+                    "logprobs",
+                    have and len(out.tokens) == len(out.top_logprobs) > 0,
+                    f"{len(out.tokens or [])} tokens with top logprobs"
+                    if have
+                    else "the response carries no per-token top logprobs",
+                )
+            )
+        if have:
+            used = sample.add_response(out.tokens, out.logprobs, out.top_logprobs, v_rng, k=TOP_K)
+            line = scrub_values({"id": rid, **used}, cfg.api_keys)
+            tokens_file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        result.records.append(exchange(rid, "completion", body, out, checks))
+
+
+async def _sample_waves(ep: Endpoint, result: GateResult, sample: PitSample, id_keys: dict) -> None:
+    """Send waves of sampled requests until the sample holds the token budget (or a wave adds nothing)."""
     cfg = ep.cfg
     budget, seed = cfg.sampling_tokens, cfg.sampling_seed
-    t0 = time.perf_counter()
-    result = GateResult("sampling")
     v_rng = np.random.default_rng(seed)
-    sample = PitSample()
-    id_keys = token_id_keys(ep.facts.get("models"))
     with open(Path(cfg.out_dir) / TOKENS_FILE, "w", encoding="utf-8") as tokens_file:
         wave = 0
         while len(sample.u) < budget:
             n_req = max(1, min(cfg.concurrency * 4, math.ceil((budget - len(sample.u)) / MAX_TOKENS)))
-            texts = prompts(seed * 1_000_003 + wave, n_req)
-            bodies = [
-                ep.body(
-                    prompt=p,
-                    max_tokens=MAX_TOKENS,
-                    temperature=1.0,
-                    top_p=1.0,
-                    logprobs=TOP_K,
-                    seed=seed * 1_000_003 + wave * 10_000 + i,
-                    **id_keys,
-                )
-                for i, p in enumerate(texts)
-            ]
+            bodies = _wave_bodies(ep, seed, wave, n_req, id_keys)
             outcomes = await gather_limited([ep.send(b, chat=False) for b in bodies], cfg.concurrency)
             tested_before = len(sample.u)
-            for i, (body, out) in enumerate(zip(bodies, outcomes)):
-                rid = f"sampling-{wave}-{i}"
-                checks = [out.transport_check()]
-                have = out.ok and out.tokens is not None and out.top_logprobs is not None
-                if out.ok:
-                    checks.append(
-                        check(
-                            "logprobs",
-                            have and len(out.tokens) == len(out.top_logprobs) > 0,
-                            f"{len(out.tokens or [])} tokens with top logprobs"
-                            if have
-                            else "the response carries no per-token top logprobs",
-                        )
-                    )
-                if have:
-                    used = sample.add_response(out.tokens, out.logprobs, out.top_logprobs, v_rng, k=TOP_K)
-                    line = scrub_values({"id": rid, **used}, cfg.api_keys)
-                    tokens_file.write(json.dumps(line, ensure_ascii=False) + "\n")
-                result.records.append(exchange(rid, "completion", body, out, checks))
+            _record_wave(result, sample, wave, bodies, outcomes, v_rng, tokens_file, cfg)
             if len(sample.u) == tested_before:  # nothing testable came back: stop instead of looping
                 break
             wave += 1
-    bins = HIST_BINS if len(sample.u) >= 5 * HIST_BINS else max(2, len(sample.u) // 5)
-    tests = pit_tests(sample, bins)
+
+
+def _notes(ep: Endpoint, sample: PitSample, tests: dict, id_keys: dict) -> dict:
+    cfg = ep.cfg
     histogram = np.histogram(np.asarray(sample.u or [0.0]), bins=HIST_BINS, range=(0.0, 1.0))[0].tolist()
-    result.notes = {
+    return {
         **tests,
         "alpha_per_test": ALPHA,
         "gated_on": [key for _, key in GATED],
@@ -277,8 +286,8 @@ async def run(ep: Endpoint) -> GateResult:
         "logprob_mismatches": sample.logprob_mismatches,
         "positions_with_extra_entries": sample.extra_entries_dropped,
         "top_k": TOP_K,
-        "token_budget": budget,
-        "seed": seed,
+        "token_budget": cfg.sampling_tokens,
+        "seed": cfg.sampling_seed,
         "pit_histogram": histogram if sample.u else [],
         "request": {"temperature": 1.0, "top_p": 1.0, "logprobs": TOP_K, "max_tokens": MAX_TOKENS},
         "server_logprobs_mode": logprobs_mode(ep.info),
@@ -286,12 +295,26 @@ async def run(ep: Endpoint) -> GateResult:
         "positions_with_fewer_entries": sample.short_tops,
         "tokens_file": TOKENS_FILE,
     }
+
+
+def _problem(result: GateResult, sample: PitSample, tests: dict) -> str | None:
     if not result.records:
-        result.problem = "no requests were sent"
-    elif len(sample.u) == 0:
-        result.problem = "no response carried top logprobs: the sampling gate needs logprobs"
-    else:
-        result.problem = verdict(tests, sample.informative)
+        return "no requests were sent"
+    if len(sample.u) == 0:
+        return "no response carried top logprobs: the sampling gate needs logprobs"
+    return verdict(tests, sample.informative)
+
+
+async def run(ep: Endpoint) -> GateResult:
+    t0 = time.perf_counter()
+    result = GateResult("sampling")
+    sample = PitSample()
+    id_keys = token_id_keys(ep.facts.get("models"))
+    await _sample_waves(ep, result, sample, id_keys)
+    bins = HIST_BINS if len(sample.u) >= 5 * HIST_BINS else max(2, len(sample.u) // 5)
+    tests = pit_tests(sample, bins)
+    result.notes = _notes(ep, sample, tests, id_keys)
+    result.problem = _problem(result, sample, tests)
     result.notes["summary"] = (
         f"{tests['tokens']} tokens ({sample.informative:.0f} informative): chi-square p = "
         f"{_fmt(tests['chi2_p'])}, collapse p = {_fmt(tests['collapse_p'])}, repeat p = "
