@@ -366,6 +366,86 @@ def _id_sort_key(qid) -> tuple:
     return (1, 0, str(qid))
 
 
+def _accuracy_block(over_a: dict, over_b: dict) -> dict:
+    return {
+        "a": over_a["accuracy"],
+        "b": over_b["accuracy"],
+        "denominator_a": over_a["n_planned"],
+        "denominator_b": over_b["n_planned"],
+        "diff": (over_b["accuracy"] - over_a["accuracy"])
+        if over_a["accuracy"] is not None and over_b["accuracy"] is not None
+        else None,
+    }
+
+
+def _add_repeated(
+    result: dict, a: LoadedRun, b: LoadedRun, pairs: dict, common: list, *, margin_pts, seed, n_resamples
+) -> None:
+    """Repeated runs: per-question permutation statistics, and output agreement where both arms shared seeds."""
+    oa: dict = {}
+    ob: dict = {}
+    for (_, qid, _), rec in a.by_key.items():
+        oa.setdefault(qid, []).append(float(is_correct(rec)))
+    for (_, qid, _), rec in b.by_key.items():
+        ob.setdefault(qid, []).append(float(is_correct(rec)))
+    ids = sorted(set(oa) & set(ob), key=_id_sort_key)
+    result["repeated_stats"] = stats.compare_repeated(
+        {q: np.array(oa[q]) for q in ids},
+        {q: np.array(ob[q]) for q in ids},
+        n_permutations=n_resamples,
+        seed=seed,
+        margin_pts=margin_pts,
+    )
+    if seeds_shared([pairs[k] for k in common]):  # both arms sent each (question, repeat) the same seed
+        per_pair = {k: compare_outputs(*pairs[k]) for k in common}
+        result["agreement"] = summarize_agreement(list(per_pair.items()))
+        result["repeated_stats"]["output_identity"] = output_identity(result["agreement"])
+    else:
+        result["agreement"] = {
+            "note": "not computed: the arms did not send every (question, repeat) the same seed "
+            "(evalpipe run --sample-seeds BASE does)"
+        }
+    result["flips"] = []
+
+
+def _add_greedy(result: dict, pairs: dict, common: list, *, margin_pts, seed, n_resamples) -> None:
+    """Single-answer runs: paired accuracy statistics, McNemar per rate, agreement, flips and per-question rows."""
+    ca = np.array([is_correct(pairs[k][0]) for k in common], dtype=bool)
+    cb = np.array([is_correct(pairs[k][1]) for k in common], dtype=bool)
+    greedy = stats.compare_greedy(ca, cb, margin_pts=margin_pts, n_resamples=n_resamples, seed=seed)
+    result["greedy"] = greedy.to_dict()
+    for name, pred in metrics.RATES:
+        fa = np.array([pred(pairs[k][0]) for k in common], dtype=bool)
+        fb = np.array([pred(pairs[k][1]) for k in common], dtype=bool)
+        result["rates"][name]["mcnemar_p"] = stats.mcnemar_exact(int(np.sum(fb & ~fa)), int(np.sum(fa & ~fb)))
+    per_pair = {k: compare_outputs(*pairs[k]) for k in common}
+    result["agreement"] = summarize_agreement(list(per_pair.items()))
+    result["greedy"]["output_identity"] = output_identity(result["agreement"])
+    result["flips"] = flip_list(pairs, per_pair)
+    result["per_question"] = [
+        {
+            "question_id": k[1],
+            "correct_a": bool(x),
+            "correct_b": bool(y),
+            "identical": per_pair[k]["identical"],
+            "divergence_position": per_pair[k]["position"],
+        }
+        for k, x, y in zip(common, ca, cb)
+    ]
+
+
+def _spec_blocks(a: LoadedRun, b: LoadedRun, recs_a: list, recs_b: list) -> dict:
+    """Each arm's speculation facts, with the server's lossy acceptance and what an import did not record."""
+    spec = {"a": spec_block(recs_a, a.summary), "b": spec_block(recs_b, b.summary)}
+    for side, run in (("a", a), ("b", b)):
+        server = lossy_acceptance((snapshot(run.manifest).get("server") or {}).get("server_info"))
+        spec[side]["server_lossy_acceptance"] = server
+        spec[side]["lossy"] = bool(server) or spec[side]["n_records_lossy"] > 0
+        imported = run.manifest.get("imported")  # `evalpipe import`: the source may have kept no speculation facts
+        spec[side]["not_recorded"] = isinstance(imported, dict) and "spec" in (imported.get("not_recorded") or [])
+    return spec
+
+
 def analyse(
     a: LoadedRun,
     b: LoadedRun,
@@ -389,15 +469,7 @@ def analyse(
         "forced": bool(forced),
         "forced_over": forced,
         "arms": {"a": over_a, "b": over_b},
-        "accuracy": {
-            "a": over_a["accuracy"],
-            "b": over_b["accuracy"],
-            "denominator_a": over_a["n_planned"],
-            "denominator_b": over_b["n_planned"],
-            "diff": (over_b["accuracy"] - over_a["accuracy"])
-            if over_a["accuracy"] is not None and over_b["accuracy"] is not None
-            else None,
-        },
+        "accuracy": _accuracy_block(over_a, over_b),
         "paired_keys": len(common),
         "keys_only_in_a": [list(k[1:]) for k in only_a],
         "keys_only_in_b": [list(k[1:]) for k in only_b],
@@ -411,63 +483,12 @@ def analyse(
     }
     recs_a, recs_b = list(a.by_key.values()), list(b.by_key.values())
     result["rates"] = rate_block(recs_a, recs_b, over_a["n_planned"], over_b["n_planned"])
+    settings = {"margin_pts": margin_pts, "seed": seed, "n_resamples": n_resamples}
     if result["repeated"]:
-        oa: dict = {}
-        ob: dict = {}
-        for (_, qid, _), rec in a.by_key.items():
-            oa.setdefault(qid, []).append(float(is_correct(rec)))
-        for (_, qid, _), rec in b.by_key.items():
-            ob.setdefault(qid, []).append(float(is_correct(rec)))
-        ids = sorted(set(oa) & set(ob), key=_id_sort_key)
-        result["repeated_stats"] = stats.compare_repeated(
-            {q: np.array(oa[q]) for q in ids},
-            {q: np.array(ob[q]) for q in ids},
-            n_permutations=n_resamples,
-            seed=seed,
-            margin_pts=margin_pts,
-        )
-        if seeds_shared([pairs[k] for k in common]):  # both arms sent each (question, repeat) the same seed
-            per_pair = {k: compare_outputs(*pairs[k]) for k in common}
-            result["agreement"] = summarize_agreement(list(per_pair.items()))
-            result["repeated_stats"]["output_identity"] = output_identity(result["agreement"])
-        else:
-            result["agreement"] = {
-                "note": "not computed: the arms did not send every (question, repeat) the same seed "
-                "(evalpipe run --sample-seeds BASE does)"
-            }
-        result["flips"] = []
+        _add_repeated(result, a, b, pairs, common, **settings)
     else:
-        ca = np.array([is_correct(pairs[k][0]) for k in common], dtype=bool)
-        cb = np.array([is_correct(pairs[k][1]) for k in common], dtype=bool)
-        greedy = stats.compare_greedy(ca, cb, margin_pts=margin_pts, n_resamples=n_resamples, seed=seed)
-        result["greedy"] = greedy.to_dict()
-        for name, pred in metrics.RATES:
-            fa = np.array([pred(pairs[k][0]) for k in common], dtype=bool)
-            fb = np.array([pred(pairs[k][1]) for k in common], dtype=bool)
-            result["rates"][name]["mcnemar_p"] = stats.mcnemar_exact(int(np.sum(fb & ~fa)), int(np.sum(fa & ~fb)))
-        per_pair = {k: compare_outputs(*pairs[k]) for k in common}
-        result["agreement"] = summarize_agreement(list(per_pair.items()))
-        result["greedy"]["output_identity"] = output_identity(result["agreement"])
-        result["flips"] = flip_list(pairs, per_pair)
-        result["per_question"] = [
-            {
-                "question_id": k[1],
-                "correct_a": bool(x),
-                "correct_b": bool(y),
-                "identical": per_pair[k]["identical"],
-                "divergence_position": per_pair[k]["position"],
-            }
-            for k, x, y in zip(common, ca, cb)
-        ]
-    result["spec"] = {"a": spec_block(recs_a, a.summary), "b": spec_block(recs_b, b.summary)}
-    for side, run in (("a", a), ("b", b)):
-        server = lossy_acceptance((snapshot(run.manifest).get("server") or {}).get("server_info"))
-        result["spec"][side]["server_lossy_acceptance"] = server
-        result["spec"][side]["lossy"] = bool(server) or result["spec"][side]["n_records_lossy"] > 0
-        imported = run.manifest.get("imported")  # `evalpipe import`: the source may have kept no speculation facts
-        result["spec"][side]["not_recorded"] = isinstance(imported, dict) and "spec" in (
-            imported.get("not_recorded") or []
-        )
+        _add_greedy(result, pairs, common, **settings)
+    result["spec"] = _spec_blocks(a, b, recs_a, recs_b)
     modes = {"a": a.deterministic, "b": b.deterministic}
     result["deterministic"] = {**modes, "note": determinism_note(modes.values())}
     result["speed"] = {"a": speed_stats(recs_a), "b": speed_stats(recs_b)}
