@@ -108,25 +108,42 @@ def command(
     Exit codes: 0 done; 1 a refused server; 2 bad input; 4 with --fail-on-control, a control response was wrong;
     130 interrupted.
     """
-    from rich.markup import escape
-    from rich.table import Table
-    from tqdm import tqdm
-
-    from evalpipe.console import make_console
-    from evalpipe.harness.client import EndpointError
     from evalpipe.harness.records import REPEAT_FILE, RESPONSES_FILE
-    from evalpipe.harness.repeat import (
-        BATCH_SHAPE,
-        BATCH_SIZES,
-        CONDITIONS,
-        SEEDED_BATCH_SHAPE,
-        SEEDED_BATCH_SIZES,
-        RepeatConfig,
-        RepeatError,
-        RepeatRun,
-        planned_requests,
-    )
+    from evalpipe.harness.repeat import RepeatConfig
     from evalpipe.harness.server_facts import determinism_note, deterministic_label
+
+    cfg = RepeatConfig(
+        base_url=base_url.rstrip("/"),
+        fixtures=_selected_fixtures(fixture_ids, long_context_chars, open_max_tokens),
+        repeats=repeats,
+        conditions=_selected_conditions(conditions),
+        model=model,
+        api_key=api_key,
+        token_ids=not no_token_ids,
+        timeout_s=timeout_s,
+        arm=arm,
+        out_dir=Path(out_dir),
+    )
+    result, records = _run_with_progress(cfg)
+    _print_table(result, repeats)
+    deterministic = result["server"].get("deterministic")
+    click.echo(f"server deterministic: {deterministic_label(deterministic)}")
+    click.echo(determinism_note([deterministic]))
+    for line in error_lines(records):
+        click.echo(line, err=True)
+    for c, why in result["config"]["conditions_skipped"].items():
+        click.echo(f"skipped condition {c}: {why}")
+    run_dir = Path(out_dir) / "repeat" / result["run_id"]
+    click.echo(f"wrote {run_dir / REPEAT_FILE} and {run_dir / RESPONSES_FILE}")
+    wrong = wrong_controls(result)
+    for line in wrong:
+        click.echo(f"control wrong: {line}", err=True)
+    if fail_on_control and wrong:
+        raise SystemExit(4)
+
+
+def _selected_fixtures(fixture_ids, long_context_chars: int, open_max_tokens: int) -> list:
+    """The fixtures `--fixtures` names (all without it); an unknown id is a usage error."""
     from evalpipe.lanes.repeat_fixtures import fixtures
 
     all_fx = fixtures(long_context_chars=long_context_chars, open_max_tokens=open_max_tokens)
@@ -136,6 +153,14 @@ def command(
         if unknown:
             raise click.UsageError(f"unknown fixture(s) {unknown}; known: {[f.id for f in all_fx]}")
         all_fx = [f for f in all_fx if f.id in wanted]
+    return all_fx
+
+
+def _selected_conditions(conditions) -> tuple:
+    """The conditions `--conditions` names, shape names expanded to their sizes (all without it); an unknown
+    condition, or none, is a usage error."""
+    from evalpipe.harness.repeat import BATCH_SHAPE, BATCH_SIZES, CONDITIONS, SEEDED_BATCH_SHAPE, SEEDED_BATCH_SIZES
+
     conds = tuple(CONDITIONS)
     if conditions:
         conds = tuple(x.strip() for x in conditions.split(",") if x.strip())
@@ -145,18 +170,17 @@ def command(
         bad = sorted(set(conds) - set(known))
         if bad or not conds:
             raise click.UsageError(f"unknown condition(s) {bad or '(none given)'}; known: {known}")
-    cfg = RepeatConfig(
-        base_url=base_url.rstrip("/"),
-        fixtures=all_fx,
-        repeats=repeats,
-        conditions=conds,
-        model=model,
-        api_key=api_key,
-        token_ids=not no_token_ids,
-        timeout_s=timeout_s,
-        arm=arm,
-        out_dir=Path(out_dir),
-    )
+    return conds
+
+
+def _run_with_progress(cfg) -> tuple[dict, list]:
+    """Run the repeat with a progress bar: (result, records). Ctrl-C writes a partial repeat.json and exits 130; a
+    refused server is a message, not a traceback."""
+    from tqdm import tqdm
+
+    from evalpipe.harness.client import EndpointError
+    from evalpipe.harness.repeat import RepeatError, RepeatRun, planned_requests
+
     bar = tqdm(total=planned_requests(cfg), desc="repeat", unit="req")
     runner = RepeatRun(cfg, progress=bar.update)
     try:
@@ -171,6 +195,16 @@ def command(
         raise click.ClickException(str(exc)) from exc
     finally:
         bar.close()
+    return result, runner.records
+
+
+def _print_table(result: dict, repeats: int) -> None:
+    """One row per fixture and condition: distinct completions, modal share, first divergence, control."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from evalpipe.console import make_console
+
     seeded = result["config"].get("seeded")
     temps = "temperature 0" + (
         f"; seeded_*: temperature {seeded['temperature']:g}, seed {seeded['seed']}" if seeded else ""
@@ -194,20 +228,6 @@ def command(
                 escape(control),
             )
     make_console().print(t)
-    deterministic = result["server"].get("deterministic")
-    click.echo(f"server deterministic: {deterministic_label(deterministic)}")
-    click.echo(determinism_note([deterministic]))
-    for line in error_lines(runner.records):
-        click.echo(line, err=True)
-    for c, why in result["config"]["conditions_skipped"].items():
-        click.echo(f"skipped condition {c}: {why}")
-    run_dir = Path(out_dir) / "repeat" / result["run_id"]
-    click.echo(f"wrote {run_dir / REPEAT_FILE} and {run_dir / RESPONSES_FILE}")
-    wrong = wrong_controls(result)
-    for line in wrong:
-        click.echo(f"control wrong: {line}", err=True)
-    if fail_on_control and wrong:
-        raise SystemExit(4)
 
 
 def wrong_controls(result: dict) -> list[str]:
