@@ -50,6 +50,7 @@ class QualifyConfig:
     timeout_s: float = 600.0
     retrieval_depths: int = 4
     needles_per_depth: int = 2
+    retrieval_prompt_form: str = "auto"  # retrieval's prompts: auto, chat or completions (qualify/retrieval.py)
     chunk_size: Optional[int] = None
     page_size: Optional[int] = None
     sliding_window: Optional[int] = None
