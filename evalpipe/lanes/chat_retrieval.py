@@ -5,8 +5,8 @@ the model's own chat template.
 The user message is the notes, the question, and then what to reply: `Reply with the code only.` Depth = bytes from
 the needle's value to the end of the notes and question: just before the question (d0), about 1,000, 3,000 and
 6,000 bytes, and the deepest (the needle first). A subword tokenizer spends about 3 to 4 bytes per token on these
-notes, so the longest prompts are about 3,000 to 4,000 tokens: a server with a 4,096-token context takes them (the
-byte-level default model, whose context is 4,096 bytes, does not; it keeps `retrieval`).
+notes (SmolLM2's: about 3.2), so the longest prompts are about 3,000 to 4,000 tokens: a server with a 4,096-token
+context takes them. They are longer than the byte-level default model's 4,096-token context; it keeps `retrieval`.
 /v1/chat/completions, greedy (temperature 0, seed 0), max_tokens 16. Graded exact: message.content with surrounding
 whitespace stripped must equal the 5-digit code. Reported per depth group.
 """
