@@ -128,6 +128,17 @@ def _gates(ctx, param, value):
     "/get_server_info, SGLang's max_total_num_tokens, vLLM's vllm:cache_config_info in /metrics, the receipt).",
 )
 @click.option(
+    "--prompt-form",
+    "retrieval_prompt_form",
+    type=click.Choice(["auto", "chat", "completions"]),
+    default="auto",
+    show_default=True,
+    help="Retrieval's prompts: chat (the model's chat template; the message asks for the code only) or "
+    "completions ('Question: ... Answer:', the default model's format). auto: completions for a byte-level "
+    "tokenizer (evalpipe's own models), else chat when the server renders a chat through /tokenize, else "
+    "completions. The fill is counted with /tokenize (bytes where the server has none).",
+)
+@click.option(
     "--chunk-size",
     type=click.IntRange(2),
     default=None,
@@ -223,6 +234,7 @@ def command(
     needles_per_depth,
     receipt,
     kv_pool_tokens,
+    retrieval_prompt_form,
     chunk_size,
     page_size,
     sliding_window,
@@ -244,7 +256,8 @@ def command(
       auth        every --api-key accepted, missing and wrong keys refused, on every route (skipped, with the
                   reason, when no --api-key is given)
       reference   --record-reference / --reference: 20 greedy fixtures against an earlier boot
-      retrieval   exact needle answers with a normal stop at several depths up to --max-context
+      retrieval   exact needle answers with a normal stop at several depths, prompts filling --max-context
+                  tokens (counted by the server's /tokenize), in chat or completion form (--prompt-form)
       boundaries  prompts at +-1 of chunk, page, window and compression sizes equal their solo runs (cold
                   cache: a flush, else a fresh random tag leading every prompt)
       mixed       a long prompt arriving during C short decodes: every output equals its solo run
@@ -293,6 +306,7 @@ def command(
         needles_per_depth=needles_per_depth,
         receipt=receipt,
         kv_pool_tokens=kv_pool_tokens,
+        retrieval_prompt_form=retrieval_prompt_form,
         chunk_size=chunk_size,
         page_size=page_size,
         sliding_window=sliding_window,

@@ -174,6 +174,17 @@ class Server:
         deterministic = deterministic_mode(info)
         return {"models": models, "server_info_path": path, "server_info": info, "deterministic": deterministic}
 
+    def count_tokens(self, model: str, prompt: Optional[str] = None, messages: Optional[list] = None) -> Optional[int]:
+        """The length in the server's own tokens of a completion `prompt` (special tokens added as a completion adds
+        them) or of a chat's `messages` (rendered by the model's chat template with the generation prompt), from
+        POST /tokenize (vLLM, SGLang and `evalpipe serve` answer `count`); None when the server has no such route or
+        cannot render the chat (no chat template)."""
+        body: dict[str, Any] = {"model": model}
+        body.update({"prompt": prompt} if messages is None else {"messages": messages, "add_generation_prompt": True})
+        answer = self.json_of(self.post("/tokenize", body))
+        count = answer.get("count") if isinstance(answer, dict) else None
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
+
     def reset_prefix_cache(self, paths: tuple[str, ...] = CACHE_RESET_PATHS) -> Optional[str]:
         """POST the first of `paths` the server answers with 2xx; that path, or None when none did."""
         for path in paths:

@@ -24,6 +24,8 @@ LANE_MODULES: dict[str, str] = {
     "arith": "evalpipe.lanes.arith",
     "retrieval": "evalpipe.lanes.retrieval",
     "copy": "evalpipe.lanes.copy_text",
+    "chat-copy": "evalpipe.lanes.chat_copy",
+    "chat-retrieval": "evalpipe.lanes.chat_retrieval",
     "chat-arith-boxed": "evalpipe.lanes.chat_arith_boxed",
     "chat-arith-boxed-think": "evalpipe.lanes.chat_arith_boxed_think",
     "chat-arith-boxed-think-x16": "evalpipe.lanes.chat_arith_boxed_think_x16",

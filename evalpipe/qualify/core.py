@@ -65,6 +65,7 @@ class QualifyConfig:
     needles_per_depth: int = 2
     receipt: Optional[Path] = None  # the launch receipt of the server (server_sizes.py reads its sizes)
     kv_pool_tokens: Optional[int] = None  # the KV pool kv-pressure fills; None: what the server exposes
+    retrieval_prompt_form: str = "auto"  # retrieval's prompts: auto, chat or completions (qualify/retrieval.py)
     chunk_size: Optional[int] = None
     page_size: Optional[int] = None
     sliding_window: Optional[int] = None

@@ -87,6 +87,8 @@ def test_lanes_cli_lists_and_checks_pins():
         "arith",
         "retrieval",
         "copy",
+        "chat-copy",
+        "chat-retrieval",
         "chat-arith-boxed",
         "chat-arith-boxed-think",
         "chat-arith-boxed-think-x16",

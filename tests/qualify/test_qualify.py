@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from evalpipe.cli import main
+from evalpipe.skills.words import NOTE_WORDS
 from tests.support.core_helpers import run_cli
 from tests.support.scripted_server import free_port, set_config, start_scripted_server, stop_scripted_server
 from tests.support.server_harness import ServerProcess
@@ -182,6 +183,10 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
         assert f"│ {name}" in r.stdout
     failed_checks = {c["name"] for rec in by["retrieval"]["records"] for c in rec["checks"] if not c["ok"]}
     assert failed_checks == {"exact answer"}, by["retrieval"]["records"]
+    notes = by["retrieval"]["notes"]  # a byte-level tokenizer: the completion form, filled by the server's /tokenize
+    assert notes["prompt_form"] == "completions" and notes["fill"].startswith("tokens")
+    longest_note = len("Note 999: the  near the  was counted 99 times.\n") + 2 * max(map(len, NOTE_WORDS))
+    assert 768 - 32 - longest_note <= notes["longest_prompt_tokens"] <= 768 - 32  # the filler is whole notes
     assert by["boundaries"]["notes"]["sizes"] == {"chunk": [512], "page": [64], "window": [64], "compression": [4, 16]}
     assert by["mixed"]["notes"]["still_running_at_arrival"] > 0
     recorded = json.loads(ref.read_text())

@@ -41,6 +41,11 @@ runtime, which also restarts the per-question counts that `fail_first` uses):
                "evict_live" a completion that overlaps another one in flight has its digits corrupted (a live
                sequence's pages evicted).
   stream_delay_s  pause between streamed events (default 0.002).
+  reply_format  mode "skills", chat: the format of a needle's code or a copy's text as the reply (default
+               "{reply}"; e.g. " {reply}\n" pads it, "The code is {reply}." decorates it).
+  bytes_per_token when set (mode "skills"), POST /tokenize answers {"tokens", "count"}: a prompt, or the messages as
+               ChatML with the generation prompt, counted as ceil(UTF-8 bytes / bytes_per_token) + 1; without it
+               the server has no /tokenize (404), as SGLang's or vLLM's peers may not.
 Mode "skills" answers the formats of evalpipe.skills the way a perfect model would: a retrieval question with the
 needle's code, a tool ask with the matching call (tools given; the fixed tools of `chat` and the drawn ones of
 `tools`), a tool result by stating it, a JSON ask under response_format with the object; any other prompt with a
@@ -88,6 +93,8 @@ DEFAULT_CONFIG: dict = {
     "faults": [],
     "stream_delay_s": 0.002,
     "error_message": None,
+    "bytes_per_token": None,
+    "reply_format": "{reply}",
 }
 OPEN_PATHS = ("/health", "/health_generate")
 PAGE_BYTES = 16  # the skills mode's prefix-cache page
@@ -238,6 +245,8 @@ class ScriptedApp:
         if path == "/flush_cache" and self.cfg["mode"] == "skills":  # other modes stand in for a server without one
             self.prompts = []
             return await self._json(send, 200, {"flushed": True})
+        if path == "/tokenize" and method == "POST" and self.cfg["mode"] == "skills" and self.cfg["bytes_per_token"]:
+            return await self._json(send, 200, scripted_tokenize(json.loads(raw), self.cfg["bytes_per_token"]))
         if path == "/v1/models":
             data = [{"id": m, "object": "model", "owned_by": "scripted"} for m in self.cfg["models"]]
             return await self._json(send, 200, {"object": "list", "data": data})
@@ -271,7 +280,7 @@ class ScriptedApp:
         cfg = self.cfg
         if cfg["mode"] == "skills":
             self.n_requests += 1
-            choice, n_prompt = skills_choice(body, chat, cfg["faults"])
+            choice, n_prompt = skills_choice(body, chat, cfg["faults"], cfg["reply_format"])
             cached = None if chat else self._cache(body, choice, cfg["faults"])
             if "evict_live" in cfg["faults"] and not chat:
                 self.in_flight += 1
@@ -513,6 +522,7 @@ def with_spec(choice: dict, cfg: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------- mode "skills"
 
+COPY_ASK = re.compile(r"^Copy the text exactly: (\S+)")  # evalpipe.skills.copy_text
 NEEDLE_ASK = re.compile(r"What is the secret code of the ([a-z]+ [a-z]+)\?")
 COUNT_ASK = re.compile(r"How many (.+) does (.+) have\?")
 JSON_ASK = re.compile(r"^(.+) has (\d+) (.+)\. Reply in JSON")
@@ -547,7 +557,24 @@ def without_images(message: dict) -> dict:
     return {**message, "content": [p for p in content if not (isinstance(p, dict) and p.get("type") == "image_url")]}
 
 
-def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
+def needle_code(text: str, ask: re.Match) -> Optional[str]:
+    """The code the needle of the asked key gives in `text`, or None."""
+    found = re.search(r"The secret code of the " + re.escape(ask.group(1)) + r" is (\d+)\.", text)
+    return found.group(1) if found else None
+
+
+def scripted_tokenize(body: dict, bytes_per_token: float) -> dict:
+    """/tokenize of mode "skills" with `bytes_per_token` (module docstring): token ids are the count's range."""
+    if body.get("messages") is not None:
+        text = "".join(f"<|im_start|>{m.get('role')}\n{m.get('content')}<|im_end|>\n" for m in body["messages"])
+        text += "<|im_start|>assistant\n" if body.get("add_generation_prompt", True) else ""
+    else:
+        text = str(body.get("prompt", ""))
+    count = -(-len(text.encode()) // bytes_per_token) + 1
+    return {"tokens": list(range(int(count))), "count": int(count), "max_model_len": None}
+
+
+def skills_choice(body: dict, chat: bool, faults: list, reply_format: str = "{reply}") -> tuple[dict, int]:
     """(choice, prompt tokens) for mode "skills"; see the module docstring."""
     max_tokens = int(body.get("max_tokens") or 16)
     finish, calls = "stop", None
@@ -575,6 +602,11 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
             calls = [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]
             if "leak_tool_protocol" in faults:
                 text, calls, finish = TOOL_MARK + json.dumps({"name": name, "arguments": args}), None, "stop"
+        elif needle and needle_code(ask, needle):
+            code = needle_code(ask, needle)
+            text = reply_format.format(reply=str((int(code) + 1) % 100000) if "lose_needle" in faults else code)
+        elif COPY_ASK.search(ask):
+            text = reply_format.format(reply=COPY_ASK.search(ask).group(1))
         elif fact and body.get("response_format"):
             text = json.dumps({"name": fact.group(1), "count": int(fact.group(2))})
         else:
@@ -582,13 +614,8 @@ def skills_choice(body: dict, chat: bool, faults: list) -> tuple[dict, int]:
     else:
         prompt = body.get("prompt") if isinstance(body.get("prompt"), str) else json.dumps(body.get("prompt"))
         needle = NEEDLE_ASK.search(prompt[-200:])
-        code = (
-            re.search(r"The secret code of the " + re.escape(needle.group(1)) + r" is (\d+)\.", prompt)
-            if needle
-            else None
-        )
-        if code:
-            value = code.group(1)
+        value = needle_code(prompt, needle) if needle else None
+        if value:
             text = " " + (str((int(value) + 1) % 100000) if "lose_needle" in faults else value)
         else:
             n = max_tokens if body.get("ignore_eos") else min(max_tokens, 24)
