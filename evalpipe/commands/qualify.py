@@ -30,7 +30,44 @@ def _gates(ctx, param, value):
     return tuple(names)
 
 
-@click.command(name="qualify", context_settings={"help_option_names": ["-h", "--help"]})
+HELP = """Qualify a serving stack: run the gates against any OpenAI-compatible server and write qualify.json (every
+request, its checks and verdict), manifest.json and report.html; print one table of the gates.
+
+\b
+Gates:
+  auth        every --api-key accepted, missing and wrong keys refused, on every route (skipped, with the
+              reason, when no --api-key is given)
+  reference   --record-reference / --reference: 20 greedy fixtures against an earlier boot
+  retrieval   exact needle answers with a normal stop at several depths, prompts filling --max-context
+              tokens (counted by the server's /tokenize), in chat or completion form (--prompt-form)
+  boundaries  prompts at +-1 of chunk, page, window and compression sizes equal their solo runs (cold
+              cache: a flush, else a fresh random tag leading every prompt)
+  mixed       a long prompt arriving during C short decodes: every output equals its solo run
+  structured  tool calls (auto, required, named), tool results, json_schema; streamed and not; serial and C
+  soak        C streams for --soak-duration s: no failures, no hangs; output-cap hits, memory sampled
+  sampling    T=1 samples with top-20 logprobs: the randomised PIT of every sampled token is uniform
+              (chi-square), argmax and context-repeat hits match their probabilities (two z-tests), each
+              at alpha 0.001; needs logprobs. sampling_tokens.jsonl beside qualify.json holds per response
+              the tokens, logprobs, top-20 and PIT draws, from which every p-value can be recomputed
+  vision      three PNG images as data URLs in chat image_url parts, greedy: the same image twice gives
+              the same output, different images give different outputs or first-token logprobs (a
+              server that drops images fails); skipped, with the reason, when the server refuses image
+              content with a 400 naming it (a text-only model)
+  kv-pressure long needle prompts past 1.2x the KV pool (--kv-pool-tokens, else what the server exposes),
+              serially, then C at once, then the last one again: the same greedy output every time, and
+              cached prompt tokens reported on the reuse (only when asked for)
+
+\b
+Exit codes:
+  0    every selected gate passed (or was skipped, as auth without --api-key, vision on a text-only server)
+  2    bad input: a flag, an unreadable --reference, an unknown --model, a refused key, a used --out
+  3    cannot connect: the endpoint is unreachable or not OpenAI-compatible
+  4    the gates ran and at least one failed (or the server's settings changed during the run)
+  130  interrupted (what ran is written)
+"""
+
+
+@click.command(name="qualify", help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--base-url",
     default=DEFAULT_BASE_URL,
@@ -219,116 +256,41 @@ def _gates(ctx, param, value):
     help="Seed of the sampling gate's prompts, its PIT randomisation and the requests' `seed` fields.",
 )
 @click.option("--no-progress", is_flag=True, help="No soak progress bar (it is drawn on a terminal only).")
-def command(
-    base_url,
-    model,
-    api_keys,
-    gates,
-    out_dir,
-    record_reference,
-    reference,
-    max_context,
-    concurrency,
-    max_tokens,
-    retrieval_depths,
-    needles_per_depth,
-    receipt,
-    kv_pool_tokens,
-    retrieval_prompt_form,
-    chunk_size,
-    page_size,
-    sliding_window,
-    compress_ratios,
-    soak_s,
-    hang_s,
-    soak_max_tokens,
-    sample_every_s,
-    timeout_s,
-    sampling_tokens,
-    sampling_seed,
-    no_progress,
-):
-    """Qualify a serving stack: run the gates against any OpenAI-compatible server and write qualify.json (every
-    request, its checks and verdict), manifest.json and report.html; print one table of the gates.
-
-    \b
-    Gates:
-      auth        every --api-key accepted, missing and wrong keys refused, on every route (skipped, with the
-                  reason, when no --api-key is given)
-      reference   --record-reference / --reference: 20 greedy fixtures against an earlier boot
-      retrieval   exact needle answers with a normal stop at several depths, prompts filling --max-context
-                  tokens (counted by the server's /tokenize), in chat or completion form (--prompt-form)
-      boundaries  prompts at +-1 of chunk, page, window and compression sizes equal their solo runs (cold
-                  cache: a flush, else a fresh random tag leading every prompt)
-      mixed       a long prompt arriving during C short decodes: every output equals its solo run
-      structured  tool calls (auto, required, named), tool results, json_schema; streamed and not; serial and C
-      soak        C streams for --soak-duration s: no failures, no hangs; output-cap hits, memory sampled
-      sampling    T=1 samples with top-20 logprobs: the randomised PIT of every sampled token is uniform
-                  (chi-square), argmax and context-repeat hits match their probabilities (two z-tests), each
-                  at alpha 0.001; needs logprobs. sampling_tokens.jsonl beside qualify.json holds per response
-                  the tokens, logprobs, top-20 and PIT draws, from which every p-value can be recomputed
-      vision      three PNG images as data URLs in chat image_url parts, greedy: the same image twice gives
-                  the same output, different images give different outputs or first-token logprobs (a
-                  server that drops images fails); skipped, with the reason, when the server refuses image
-                  content with a 400 naming it (a text-only model)
-      kv-pressure long needle prompts past 1.2x the KV pool (--kv-pool-tokens, else what the server exposes),
-                  serially, then C at once, then the last one again: the same greedy output every time, and
-                  cached prompt tokens reported on the reuse (only when asked for)
-
-    \b
-    Exit codes:
-      0    every selected gate passed (or was skipped, as auth without --api-key, vision on a text-only server)
-      2    bad input: a flag, an unreadable --reference, an unknown --model, a refused key, a used --out
-      3    cannot connect: the endpoint is unreachable or not OpenAI-compatible
-      4    the gates ran and at least one failed (or the server's settings changed during the run)
-      130  interrupted (what ran is written)
-    """
-    from evalpipe.qualify.core import QualifyConfig
+def command(**opts):
     from evalpipe.qualify.report import print_table
     from evalpipe.qualify.run import QualifyError, execute
-    from evalpipe.redact import redact_argv
 
-    if gates is None:
-        gates = DEFAULT_GATES + (("reference",) if record_reference or reference else ())
-    if out_dir is None:
-        out_dir = Path("results") / "qualify" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    cfg = QualifyConfig(
-        base_url=base_url,
-        out_dir=out_dir,
-        gates=gates,
-        model=model,
-        api_keys=tuple(api_keys),
-        max_context=max_context,
-        concurrency=concurrency,
-        max_tokens=max_tokens,
-        timeout_s=timeout_s,
-        retrieval_depths=retrieval_depths,
-        needles_per_depth=needles_per_depth,
-        receipt=receipt,
-        kv_pool_tokens=kv_pool_tokens,
-        retrieval_prompt_form=retrieval_prompt_form,
-        chunk_size=chunk_size,
-        page_size=page_size,
-        sliding_window=sliding_window,
-        compress_ratios=tuple(compress_ratios),
-        soak_s=soak_s,
-        hang_s=hang_s,
-        soak_max_tokens=soak_max_tokens,
-        sample_every_s=sample_every_s,
-        sampling_tokens=sampling_tokens,
-        sampling_seed=sampling_seed,
-        record_reference=record_reference,
-        reference=reference,
-        command_line=redact_argv(sys.argv, list(api_keys)),
-        progress=not no_progress,
-    )
     try:
-        code, result = execute(cfg)
+        code, result = execute(qualify_config(opts))
     except QualifyError as exc:
         click.echo(f"evalpipe qualify: {exc}", err=True)
         sys.exit(exc.code)
     print_table(result)
     sys.exit(code)
+
+
+def qualify_config(opts: dict):
+    """The QualifyConfig of the command line: the default gates (plus reference with a reference file), a dated
+    --out, the keys kept out of the recorded command line."""
+    from evalpipe.qualify.core import QualifyConfig
+    from evalpipe.redact import redact_argv
+
+    gates = opts["gates"]
+    if gates is None:
+        gates = DEFAULT_GATES + (("reference",) if opts["record_reference"] or opts["reference"] else ())
+    out_dir = opts["out_dir"] or Path("results") / "qualify" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    passed = {
+        k: v for k, v in opts.items() if k not in ("gates", "out_dir", "api_keys", "compress_ratios", "no_progress")
+    }
+    return QualifyConfig(
+        gates=gates,
+        out_dir=out_dir,
+        api_keys=tuple(opts["api_keys"]),
+        compress_ratios=tuple(opts["compress_ratios"]),
+        command_line=redact_argv(sys.argv, list(opts["api_keys"])),
+        progress=not opts["no_progress"],
+        **passed,
+    )
 
 
 assert EXIT_BAD_INPUT == 2  # click's own usage errors exit 2 too: one code for bad input

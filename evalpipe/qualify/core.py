@@ -256,6 +256,58 @@ def outcome_of_reply(reply: http.Reply, chat: bool) -> Outcome:
     )
 
 
+class StreamPieces:
+    """What the events of one stream add up to: token ids, logprobs and tool calls (text, usage and finish reason
+    go straight onto the Outcome)."""
+
+    def __init__(self):
+        self.ids: list = []
+        self.tokens: list = []
+        self.lps: list = []
+        self.tops: list = []
+        self.calls: dict[int, dict] = {}
+        self.got_ids = self.got_lp = False
+
+    def add(self, event: dict, chat: bool, out: Outcome) -> bool:
+        """Take one event's choices into `out` and here; whether it carried output (text or token ids)."""
+        if event.get("usage"):
+            out.usage = event["usage"]
+        produced = False
+        for choice in event.get("choices") or []:
+            piece = self._delta_text(choice) if chat else choice.get("text") or ""
+            out.text += piece
+            if choice.get("token_ids") is not None:
+                self.got_ids = True
+                self.ids += choice["token_ids"]
+            t, chunk_lps, tp = _logprob_lists(choice.get("logprobs"), chat)
+            if chunk_lps is not None:
+                self.got_lp = True
+                self.tokens += t or []
+                self.lps += chunk_lps
+                self.tops += tp or []
+            if choice.get("finish_reason"):
+                out.finish_reason = choice["finish_reason"]
+            produced = produced or bool(piece or choice.get("token_ids"))
+        return produced
+
+    def _delta_text(self, choice: dict) -> str:
+        delta = choice.get("delta") or {}
+        for tc in delta.get("tool_calls") or []:
+            slot = self.calls.setdefault(tc.get("index", 0), {"name": None, "arguments": ""})
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                slot["name"] = (slot["name"] or "") + fn["name"]
+            slot["arguments"] += fn.get("arguments") or ""
+        return delta.get("content") or ""
+
+    def finish(self, out: Outcome) -> None:
+        out.token_ids = self.ids if self.got_ids else None
+        out.logprobs, out.tokens, out.top_logprobs = (
+            (self.lps, self.tokens, self.tops) if self.got_lp else (None, None, None)
+        )
+        out.tool_calls = [self.calls[i] for i in sorted(self.calls)] or None
+
+
 def same_output(a: Outcome, b: Outcome) -> tuple[bool, str]:
     """Greedy outputs agree: the same token ids when both carry them, else the same text (and finish reason)."""
     if a.token_ids is not None and b.token_ids is not None:
@@ -350,12 +402,7 @@ class Endpoint:
         `on_first` is set when the first output arrives (a decode is running)."""
         url = self.base_url + ("/chat/completions" if chat else "/completions")
         out = Outcome(False, started_at=time.time(), n_events=0, max_gap_s=0.0, text="")
-        ids: list = []
-        tokens: list = []
-        lps: list = []
-        tops: list = []
-        calls: dict[int, dict] = {}
-        got_ids = got_lp = False
+        pieces = StreamPieces()
         t0 = last = time.perf_counter()
         done = False
         try:
@@ -369,40 +416,13 @@ class Endpoint:
                         done = True
                         break
                     now = time.perf_counter()
-                    out.max_gap_s = max(out.max_gap_s or 0.0, now - last)
-                    last = now
+                    out.max_gap_s, last = max(out.max_gap_s or 0.0, now - last), now
                     out.n_events += 1
                     if isinstance(event, dict) and event.get("error") and not event.get("choices"):
                         out.error = f"error event: {bounded(json.dumps(event['error']))}"
                         break
-                    if event.get("usage"):
-                        out.usage = event["usage"]
-                    for choice in event.get("choices") or []:
-                        if chat:
-                            delta = choice.get("delta") or {}
-                            piece = delta.get("content") or ""
-                            for tc in delta.get("tool_calls") or []:
-                                slot = calls.setdefault(tc.get("index", 0), {"name": None, "arguments": ""})
-                                fn = tc.get("function") or {}
-                                if fn.get("name"):
-                                    slot["name"] = (slot["name"] or "") + fn["name"]
-                                slot["arguments"] += fn.get("arguments") or ""
-                        else:
-                            piece = choice.get("text") or ""
-                        out.text += piece
-                        if choice.get("token_ids") is not None:
-                            got_ids = True
-                            ids += choice["token_ids"]
-                        t, chunk_lps, tp = _logprob_lists(choice.get("logprobs"), chat)
-                        if chunk_lps is not None:
-                            got_lp = True
-                            tokens += t or []
-                            lps += chunk_lps
-                            tops += tp or []
-                        if choice.get("finish_reason"):
-                            out.finish_reason = choice["finish_reason"]
-                        if on_first is not None and (piece or choice.get("token_ids")):
-                            on_first.set()
+                    if pieces.add(event, chat, out) and on_first is not None:
+                        on_first.set()
         except asyncio.TimeoutError:
             out.hung = True
             out.error = f"no event for {hang_s:g} s (hang)"
@@ -420,9 +440,7 @@ class Endpoint:
             out.error = "stream ended without a finish reason"
         out.ok = out.error is None
         out.status = out.status or (200 if out.ok or out.hung or out.n_events else None)
-        out.token_ids = ids if got_ids else None
-        out.logprobs, out.tokens, out.top_logprobs = (lps, tokens, tops) if got_lp else (None, None, None)
-        out.tool_calls = [calls[i] for i in sorted(calls)] or None
+        pieces.finish(out)
         return out
 
     def flush(self) -> Optional[str]:
