@@ -29,8 +29,9 @@ if not torch.cuda.is_available():
 
 # One torch intra-op thread in every test process: the tiny model's and the kernel references' ops are overhead
 # bound, so a second thread only adds barrier cost, and two workers' threads thrash on the 2-core machine
-# (tests/kernels/test_kernels_moe.py + test_kernels_c2.py under -n 2: 143-147 s with torch's default of 2 threads,
-# 110-121 s with one). The servers and subprocesses the tests start set their own (`serve --threads`, default 1).
+# (tests/kernels/test_kernels_moe.py + test_kernels_ratio2_compress.py under -n 2: 143-147 s with torch's default of 2
+# threads, 110-121 s with one). The servers and subprocesses the tests start set their own (`serve --threads`,
+# default 1).
 torch.set_num_threads(1)
 
 # The longest test files on the 2-core CI machine, longest first (seconds: sum of setup + call + teardown in the
@@ -78,7 +79,7 @@ LONGEST_FIRST = [
     "engine/test_spec_acceptance.py",  # 24
     "engine/test_grammar_lossless.py",  # 24
     "launchers/test_launchers.py",  # 24
-    "kernels/test_kernels_c2.py",  # 24
+    "kernels/test_kernels_ratio2_compress.py",  # 24
     "server/test_server_structured.py",  # 22
     "engine/test_overlap_schedule.py",  # 22
     "kernels/test_kernels_attention.py",  # 21

@@ -1,5 +1,5 @@
-"""Block speculation on CUDA through the captured, fused verify step (GraphRunner, fused=True: c2_verify on the
-ratio-2 layers, q_rope_store): greedy spec-on tokens equal plain greedy decoding for several drafters and block
+"""Block speculation on CUDA through the captured, fused verify step (GraphRunner, fused=True: ratio2_compress_verify on
+the ratio-2 layers, q_rope_store): greedy spec-on tokens equal plain greedy decoding for several drafters and block
 sizes, the self drafter accepts every draft, seeded sampling runs and repeats. Prints one line per case.
 
     python -m benchmarks.engine.spec_gpu_check [--new-tokens 48] [--smoke]

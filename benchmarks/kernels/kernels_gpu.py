@@ -12,8 +12,8 @@ Prints every check, then one table: op, shape, fused us, unfused us, speedup, % 
 Each op section runs in its own try/except, so one failure still prints the rest; exit status 1 if anything failed.
 
 Adding an op: write `section_<name>(bench: Bench)` using `bench.check(...)`, `bench.graph_replay_check(...)` and
-`bench.time_pair(...)`, and register it in SECTIONS. The slots for ops 4 (mxfp8) and 5 (c2_verify) are at the end.
-"""
+`bench.time_pair(...)`, and register it in SECTIONS. The slots for ops 4 (mxfp8) and 5 (ratio2_compress_verify) are at
+the end."""
 
 from __future__ import annotations
 
@@ -685,7 +685,7 @@ def section_mxfp8(bench: Bench) -> None:
         )
 
 
-# -------------------------------------------------------------------------------------------- op 5: c2_verify
+# ----------------------------------------------------------------------------------------- op 5: ratio2_compress_verify
 
 C2_HD, C2_ROPE, C2_PAGE, C2_D, C2_RING = 512, 64, 128, 6, 8  # kv|gate rows 1024 wide; ring 1 << (D+1).bit_length()
 
@@ -750,12 +750,12 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia - ib).abs().max()) if a.numel() else 0
 
 
-def section_c2_verify(bench: Bench) -> None:
-    from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
+def section_ratio2_compress_verify(bench: Bench) -> None:
+    from evalpipe.kernels.ratio2_compress_verify import ratio2_compress_verify, ratio2_compress_verify_reference
 
     dev = bench.device
     gen = torch.Generator(device=dev).manual_seed(5)
-    fused = lambda *a: c2_verify(*a, backend="triton")  # noqa: E731
+    fused = lambda *a: ratio2_compress_verify(*a, backend="triton")  # noqa: E731
     d = C2_D
 
     ring_ok, single_ok, close_ok, worst_ulps, differing = True, True, True, 0, 0
@@ -767,7 +767,7 @@ def section_c2_verify(bench: Bench) -> None:
             r_ring, r_pool = layer.ring.clone(), layer.pool.clone()
             s_ring, s_pool = layer.ring.clone(), layer.pool.clone()
             layer.run(fused, *rows, d, f_ring, f_pool)
-            layer.run(c2_verify_reference, *rows, d, r_ring, r_pool)
+            layer.run(ratio2_compress_verify_reference, *rows, d, r_ring, r_pool)
             for j in range(d):  # D single-row (decode) launches
                 idx = torch.arange(j, batch * d, d, device=dev)
                 layer.run(fused, *(t[idx] for t in rows), 1, s_ring, s_pool)
@@ -821,7 +821,7 @@ def section_c2_verify(bench: Bench) -> None:
 
     def expect():
         ring, pool = snapshot["ring"], snapshot["pool"]
-        layer.run(c2_verify_reference, *rows, d, ring, pool)
+        layer.run(ratio2_compress_verify_reference, *rows, d, ring, pool)
         return ring, pool
 
     bench.graph_replay_check(
@@ -838,9 +838,9 @@ def section_c2_verify(bench: Bench) -> None:
         n_rows = batch * dd
         moved = n_rows * 2 * C2_HD * 4 + n_rows // 2 * (C2_HD * 2 + 2 * C2_HD * 4) + batch * 2 * C2_HD * 4
         bench.time_pair(
-            f"c2_verify batch {batch} x {dd} rows, kv|gate 1024 fp32 -> bf16 pool",
+            f"ratio2_compress_verify batch {batch} x {dd} rows, kv|gate 1024 fp32 -> bf16 pool",
             lambda layer=layer, rows=rows, dd=dd: layer.run(fused, *rows, dd),
-            lambda layer=layer, rows=rows, dd=dd: layer.run(c2_verify_reference, *rows, dd),
+            lambda layer=layer, rows=rows, dd=dd: layer.run(ratio2_compress_verify_reference, *rows, dd),
             moved,
             target="<=2.5us" if (batch, dd) == (1, 6) else ">=2x",
         )
@@ -898,7 +898,7 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "candidate": section_candidate,
     "q_rope": section_q_rope,
     "mxfp8": section_mxfp8,
-    "c2": section_c2_verify,
+    "c2": section_ratio2_compress_verify,
 }
 
 

@@ -6,7 +6,7 @@ a compressor) is read through its attributes. Every op accepts `backend="auto" |
 kernels are built by the one selector and JIT cache in `_backend.py`.
 
 - the DSpark verify ops: indexer_postprocess, candidate_block_mask, q_rope_store (rope.py: its RoPE), mxfp8
-  (wo_a_mxfp8, mxfp8_linear), c2_verify (the ratio-2 compressor);
+  (wo_a_mxfp8, mxfp8_linear), ratio2_compress_verify (the ratio-2 compressor);
 - the graph step's ops: norm (RMSNorms, q/kv norms), hyper (mHC), attention (the attention core), indexer (scores,
   CSA top-k), moe (the MoE block), compress (the other compressor windows), step_meta (a step's index arrays);
 - `--deterministic`: batch_invariant (GEMMs and reductions in one order whatever the batch, as aten overrides while
@@ -14,7 +14,6 @@ kernels are built by the one selector and JIT cache in `_backend.py`.
 """
 
 from evalpipe.kernels._backend import use_triton  # the one selector; callers with a chain of their own ask it too
-from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
 from evalpipe.kernels.candidate_block_mask import candidate_block_mask, candidate_block_mask_reference
 from evalpipe.kernels.indexer_postprocess import indexer_postprocess, indexer_postprocess_reference
 from evalpipe.kernels.mxfp8 import (
@@ -27,6 +26,7 @@ from evalpipe.kernels.mxfp8 import (
     wo_a_mxfp8_reference,
 )
 from evalpipe.kernels.q_rope_store import q_rope_store, q_rope_store_reference
+from evalpipe.kernels.ratio2_compress_verify import ratio2_compress_verify, ratio2_compress_verify_reference
 
 __all__ = [
     "use_triton",
@@ -43,6 +43,6 @@ __all__ = [
     "wo_a_mxfp8_reference",
     "mxfp8_linear",
     "mxfp8_linear_reference",
-    "c2_verify",
-    "c2_verify_reference",
+    "ratio2_compress_verify",
+    "ratio2_compress_verify_reference",
 ]

@@ -31,8 +31,8 @@ cache hits and neighbours for the first, to the bucket and the verify width for 
 Deterministic, the engine marks its prompt chunks, so a chunk of a graph width (the 1-row rest after a cache hit)
 stays on the eager path (engine/static/graphs.py).
 
-Unchanged (per row already): the Triton norm, q_rope_store, indexer, compress and c2_verify kernels (one program
-per row or entry), torch softmax on CUDA (one block or warp per row, configured from the row and inner lengths),
+Unchanged (per row already): the Triton norm, q_rope_store, indexer, compress and ratio2_compress_verify kernels (one
+program per row or entry), torch softmax on CUDA (one block or warp per row, configured from the row and inner lengths),
 argmax (first maximum; the sampler's greedy choice), causal_topk (ties by entry index), elementwise ops. Not covered:
 the CPU path (torch's CPU GEMMs vary with M; the overrides act on CUDA tensors) and sampled requests' top-k/top-p.
 

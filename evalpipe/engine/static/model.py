@@ -7,11 +7,11 @@ compressor windows). Each op falls back to its PyTorch reference off CUDA, so th
 CPU (the "dry path" the CPU tests check against the plain runner); engine/static/graphs.py captures it on CUDA.
 
 `fused=True` routes the fusion sites of the step through `evalpipe.kernels`: `q_rope_store` for the RoPE of q, of
-the shared K=V head and of the indexer queries and for the inverse RoPE of the attention output; `c2_verify` for the
-ratio-2 compressors. `fused=False` runs the engine's reference chains (`apply_rope`, `Compressor.pool`) at exactly
-those sites and changes nothing else, so fusion can be A/B'd in one build. The model's own fused sites (CSA
-selection, `--wo-quant`) are its construction-time setting (engine/model/fused_sites.py) and run here too.
-"""
+the shared K=V head and of the indexer queries and for the inverse RoPE of the attention output;
+`ratio2_compress_verify` for the ratio-2 compressors. `fused=False` runs the engine's reference chains (`apply_rope`,
+`Compressor.pool`) at exactly those sites and changes nothing else, so fusion can be A/B'd in one build. The model's own
+fused sites (CSA selection, `--wo-quant`) are its construction-time setting (engine/model/fused_sites.py) and run here
+too."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from evalpipe.engine.model.attention import visible_hca_rows
 from evalpipe.engine.model.config import RopeTable
 from evalpipe.engine.model.primitives import apply_rope
 from evalpipe.engine.static.batch import StaticBatch
-from evalpipe.kernels import c2_verify, indexer, norm, q_rope_store
+from evalpipe.kernels import indexer, norm, q_rope_store, ratio2_compress_verify
 from evalpipe.kernels.attention import fused_attention
 from evalpipe.kernels.batch_invariant import invariant_ops
 from evalpipe.kernels.compress import compress
@@ -172,7 +172,7 @@ class StaticModel:
             return
         r = self._rope(comp.rope)
         pools = batch.pools
-        c2_verify(
+        ratio2_compress_verify(
             proj,
             batch.pos,
             batch.slot,

@@ -7,7 +7,7 @@ projected rows and does everything after the projection.
 
 Signature (all tensors on one device)::
 
-    c2_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, eps, cos, sin, rope_dim,
+    ratio2_compress_verify(kv_gate, positions, req, row_valid, position_bias, norm_weight, eps, cos, sin, rope_dim,
               kv_state, pool, page_table, page_size, ring_size, rows_per_request, *, backend="auto") -> None
 
 - kv_gate [N, 2*hd] fp32|bf16 (fp16: reference only), unit column stride (any row stride): row =
@@ -53,8 +53,8 @@ the pool entries rejected odd rows wrote, are rewritten when the next launch re-
 
 Exactness: the Triton kernel equals the reference bitwise on the ring (a copy). Pool entries: bitwise under the
 CPU interpreter (tests); on GPU within one unit in the last place of the pool dtype (the sum of squares is reduced
-in another order than torch's mean, and exp/rsqrt are CUDA's expf/rsqrtf as in torch). `c2_verify` over D rows
-equals D single-row launches bitwise, in both backends.
+in another order than torch's mean, and exp/rsqrt are CUDA's expf/rsqrtf as in torch). `ratio2_compress_verify` over D
+rows equals D single-row launches bitwise, in both backends.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def _masked_row_store(dst: torch.Tensor, index: torch.Tensor, values: torch.Tens
     dst.index_copy_(0, index, values)
 
 
-def c2_verify_reference(
+def ratio2_compress_verify_reference(
     kv_gate,
     positions,
     req,
@@ -160,7 +160,7 @@ def c2_verify_reference(
     ring_size,
     rows_per_request,
 ) -> None:
-    """The unfused chain in plain PyTorch (vectorised, no host syncs). Same contract as `c2_verify`."""
+    """The unfused chain in plain PyTorch (vectorised, no host syncs). Same contract as `ratio2_compress_verify`."""
     hd = _validate(
         kv_gate,
         positions,
@@ -242,7 +242,7 @@ if triton is not None:
             return libdevice.rsqrt(x)
         return 1.0 / tl.sqrt_rn(x)
 
-    def _c2_verify_kernel(
+    def _ratio2_compress_verify_kernel(
         kvg_ptr,
         kvg_stride,
         pos_ptr,
@@ -386,7 +386,7 @@ def _triton_guard(kv_gate, cos, sin, kv_state, pool) -> bool:
     )
 
 
-def c2_verify(
+def ratio2_compress_verify(
     kv_gate,
     positions,
     req,
@@ -444,7 +444,7 @@ def c2_verify(
     )
     tensors = [kv_gate, positions, req, row_valid, position_bias, norm_weight, cos, sin, kv_state, pool, page_table]
     if not use_triton(backend, tensors, _triton_guard(kv_gate, cos, sin, kv_state, pool)):
-        c2_verify_reference(*args)
+        ratio2_compress_verify_reference(*args)
         return
     _launch(*args, hd)
 
@@ -474,7 +474,7 @@ def _launch(
         return
     valid = row_valid if row_valid.dtype != torch.bool else row_valid.view(torch.uint8)
     bias = position_bias.contiguous()
-    jit(_c2_verify_kernel, helpers=_HELPERS)[(n,)](
+    jit(_ratio2_compress_verify_kernel, helpers=_HELPERS)[(n,)](
         kv_gate,
         kv_gate.stride(0),
         positions,

@@ -1,5 +1,5 @@
-"""c2_verify: the Triton kernel (CPU interpreter) against the reference chain, the single-row-launch and rollback
-invariants, and the reference against transformers' DeepseekV4HCACompressor at compress rate 2."""
+"""ratio2_compress_verify: the Triton kernel (CPU interpreter) against the reference chain, the single-row-launch and
+rollback invariants, and the reference against transformers' DeepseekV4HCACompressor at compress rate 2."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evalpipe.kernels._backend import use_triton
-from evalpipe.kernels.c2_verify import c2_verify, c2_verify_reference
+from evalpipe.kernels.ratio2_compress_verify import ratio2_compress_verify, ratio2_compress_verify_reference
 
 HD, ROPE, PAGE, SLOTS = 64, 16, 4, 8  # head dim, rope dims, page size, request slots
 MAX_POS = 96
@@ -35,7 +35,7 @@ class C2State:
         return other
 
     def launch(self, kv_gate, positions, req, valid, rows_per_request, backend="triton"):
-        c2_verify(
+        ratio2_compress_verify(
             kv_gate,
             positions,
             req,
@@ -256,7 +256,7 @@ def test_reference_chain_matches_transformers_hca_compressor_rate_2(dtype):
         rows = kv_gate[:, start : start + d].reshape(batch * d, 2 * HD)
         positions = torch.arange(start, start + d).repeat(batch)
         req = torch.arange(batch).repeat_interleave(d)
-        c2_verify_reference(
+        ratio2_compress_verify_reference(
             rows,
             positions,
             req,
