@@ -38,8 +38,8 @@ round.
 Parts: schedule (Scheduler.schedule), model (runner forward / decode_async / settle: on the GPU with the overlap
 schedule, launching the next step and waiting for the previous one's tokens), sample (Engine._commit_tokens, the
 argmax read), emit (Engine._emit: stop checks, text deltas, the SeqEvent), detokenize (the detokenizer's push and
-flush), finish (Engine._finish), hand-off (Engine._send: stream-interval merging and the listener), step other
-(the rest of Engine.step), pickle and zmq send (the Step message), messages in (EngineLoop._take_messages), and
+flush), finish (Engine._finish), hand-off (engine/output.py `deliver`: stream-interval merging and the listener), step
+other (the rest of Engine.step), pickle and zmq send (the Step message), messages in (EngineLoop._take_messages), and
 unattributed: the step's wall less all of these (the loop, its poll, the wrappers themselves).
 """
 
@@ -192,6 +192,7 @@ def install(ledger: Ledger, engine=None) -> None:
     import zmq
 
     from evalpipe.engine import engine as engine_mod
+    from evalpipe.engine import output as output_mod
     from evalpipe.engine import scheduler as scheduler_mod
     from evalpipe.engine import tokenizer as tokenizer_mod
     from evalpipe.engine.loop import EngineLoop, StepWindow
@@ -225,8 +226,9 @@ def install(ledger: Ledger, engine=None) -> None:
     ledger.undo += [(Engine, "step", step), (scheduler_mod.Scheduler, "schedule", schedule), (Engine, "__init__", init)]
     Engine.step, Engine.__init__ = step_wrapper, init_wrapper
     scheduler_mod.Scheduler.schedule = ledger.timed("schedule", schedule_wrapper)
-    for name, part in (("_commit_tokens", "sample"), ("_emit", "emit"), ("_finish", "finish"), ("_send", "hand_off")):
+    for name, part in (("_commit_tokens", "sample"), ("_emit", "emit"), ("_finish", "finish")):
         ledger.wrap(Engine, name, part)
+    ledger.wrap(output_mod, "deliver", "hand_off")  # Engine._emit and _finish call it through the module
     for cls in (tokenizer_mod.ByteDetokenizer, tokenizer_mod.HFDetokenizer):
         ledger.wrap(cls, "push", "detokenize")
         ledger.wrap(cls, "flush", "detokenize")
