@@ -9,7 +9,7 @@ normalised: case, inner spaces and punctuation count). Reported per length group
 completion form in `copy`.
 """
 
-from evalpipe.lanes.skill_lane import chat_skill_lane
+from evalpipe.lanes.skill_lane import as_user_message, chat_skill_lane
 from evalpipe.skills import copy_text
 from evalpipe.skills.chat import ChatExample
 
@@ -20,14 +20,7 @@ PARAMS = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "max_tokens": 384}
 
 
 def generate(rng, lo: int, hi: int) -> ChatExample:
-    ex = copy_text.generate(rng, length=rng.randint(lo, hi))
-    return ChatExample(
-        "chat-copy",
-        ex.identity,
-        [{"role": "user", "content": TEMPLATE.format(body=ex.body)}],
-        ex.answer,
-        meta=dict(ex.meta),
-    )
+    return as_user_message("chat-copy", copy_text.generate(rng, length=rng.randint(lo, hi)), TEMPLATE)
 
 
 LANE = chat_skill_lane(

@@ -11,7 +11,7 @@ context takes them. They are longer than the byte-level default model's 4,096-to
 whitespace stripped must equal the 5-digit code. Reported per depth group.
 """
 
-from evalpipe.lanes.skill_lane import chat_skill_lane
+from evalpipe.lanes.skill_lane import as_user_message, chat_skill_lane
 from evalpipe.skills import retrieval
 from evalpipe.skills.chat import ChatExample
 
@@ -23,13 +23,8 @@ PARAMS = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "max_tokens": 16}
 
 
 def generate(rng, after: int, before) -> ChatExample:
-    ex = retrieval.generate(rng, after=after, before=before, context=CONTEXT_BYTES)
-    return ChatExample(
-        "chat-retrieval",
-        ex.identity,
-        [{"role": "user", "content": TEMPLATE.format(body=ex.body)}],
-        ex.answer,
-        meta=dict(ex.meta),
+    return as_user_message(
+        "chat-retrieval", retrieval.generate(rng, after=after, before=before, context=CONTEXT_BYTES), TEMPLATE
     )
 
 

@@ -17,8 +17,16 @@ from typing import Callable, Optional
 
 from evalpipe.lanes import Item, Lane, LaneData, canonical_json, load_pins, prompt_sha256, sha256_hex
 from evalpipe.skills import completion_prompt, draw
+from evalpipe.skills.chat import ChatExample
 
 TEMPLATE = completion_prompt("{body}")  # 'Question: {body}\nAnswer:' (the reply follows after one space)
+
+
+def as_user_message(lane: str, ex, template: str) -> ChatExample:
+    """A skill example as one user message, its body in `template` (the chat lanes' form for instruct models)."""
+    return ChatExample(
+        lane, ex.identity, [{"role": "user", "content": template.format(body=ex.body)}], ex.answer, meta=dict(ex.meta)
+    )
 
 
 @dataclass(frozen=True)
