@@ -1,5 +1,8 @@
 """benchmarks/README.md's index table, built from benchmarks/latest.json (the one record of the latest numbers).
 
+Each entry's `howto` is the anchor of the README section that says how to run the script and where its earlier
+measurements are; tests/shared/test_docs.py checks that the section exists.
+
     python -m benchmarks.index           # rewrite the table between the README's markers
     python -m benchmarks.index --check   # exit 1 if the README's table is not the JSON's
 
@@ -16,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 LATEST = HERE / "latest.json"
 README = HERE / "README.md"
 BEGIN, END = "<!-- index: built from latest.json by `python -m benchmarks.index` -->", "<!-- end of index -->"
-FIELDS = ("script", "question", "figure", "unit", "date", "machine", "command")
+FIELDS = ("script", "question", "figure", "unit", "date", "machine", "command", "howto")
 
 
 def load(path: Path = LATEST) -> list[dict]:
@@ -32,11 +35,11 @@ def render(entries: list[dict]) -> str:
     def cell(text) -> str:
         return str(text).replace("|", "\\|")
 
-    lines = ["| script | question | latest figure | measured | command |", "|---|---|---|---|---|"]
+    lines = ["| script | question | latest figure | measured | command | how to |", "|---|---|---|---|---|---|"]
     for e in entries:
         lines.append(
             f"| [`{e['script']}`]({e['script']}) | {cell(e['question'])} | **{e['figure']:g}** {cell(e['unit'])} "
-            f"| {e['date']}, {cell(e['machine'])} | `{cell(e['command'])}` |"
+            f"| {e['date']}, {cell(e['machine'])} | `{cell(e['command'])}` | [how to](#{e['howto']}) |"
         )
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ model, split by part, and the HTTP process's CPU, at C64 and C1.
 
 On the H200 (the v4-top2 checkpoint of benchmarks/serving/gpu_serving.py, random bf16 weights, written as
 benchmarks/serving/gpu_real_job.py writes it; CUDA graphs and the overlap schedule, as `evalpipe serve` runs; the
-HTTP stack's wheels installed from .whl/ as benchmarks/README.md's "The real job on one H200" says; prompts and
+HTTP stack's wheels installed from .whl/ as benchmarks/README.md's "On the GPU machine" says; prompts and
 outputs as gpu_real_job's `evalpipe bench` arms; a --baseline tree travels in a carried folder):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
