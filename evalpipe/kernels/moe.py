@@ -588,6 +588,24 @@ def _token_block(cfg: dict, tokens: int, default: int, invariant: bool) -> int:
     return bt if invariant else min(bt, max(1, triton.next_power_of_2(tokens)))
 
 
+def _gate_up_tensors(p, x, idx, h) -> tuple:
+    """The tensors both gate_up kernels take first, in their parameter order: x, the picks, the routed experts'
+    gate_up weights, the shared expert's gate and up weights, and the output h."""
+    sg, su, _ = p.shared
+    return (x, idx, p.gate_up, sg, su, h)
+
+
+def _down_tensors(p, h, idx, w, y) -> tuple:
+    """The tensors both down kernels take first, in their parameter order: h, the picks, their routing weights, the
+    routed experts' and the shared expert's down weights, and the output y."""
+    return (h, idx, w, p.down, p.shared[2], y)
+
+
+def _sizes(p, KP1: int) -> dict:
+    """The constexpr sizes every gate_up and down kernel takes: hidden D, expert intermediate I, picks per token."""
+    return dict(D=p.D, I=p.I, KP1=KP1)
+
+
 def gate_up(
     moe,
     x: torch.Tensor,
@@ -628,22 +646,14 @@ def _gate_up_gemv(p, x, idx, h, block_n, block_k, num_warps, extra: dict) -> Non
     """gate_up's "gemv" mode into h: one program per (pick, channel block)."""
     T, KP1 = idx.shape
     R = T * KP1
-    sg, su, _ = p.shared
     bn = block_n or _pick_block_n(R, p.I)
     bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.D))
     jit(_gate_up_kernel, ("R",))[(R * triton.cdiv(p.I, bn),)](
-        x,
-        idx,
-        p.gate_up,
-        sg,
-        su,
-        h,
+        *_gate_up_tensors(p, x, idx, h),
         R,
         p.E,
         p.limit,
-        D=p.D,
-        I=p.I,
-        KP1=KP1,
+        **_sizes(p, KP1),
         BLOCK_N=bn,
         BLOCK_K=bk,
         num_warps=num_warps or 4,
@@ -654,24 +664,16 @@ def _gate_up_gemv(p, x, idx, h, block_n, block_k, num_warps, extra: dict) -> Non
 def _gate_up_mm(p, x, idx, h, cfg: dict, invariant: bool, extra: dict) -> None:
     """gate_up's "mm" mode into h: expert-major tl.dot over token blocks, launch shape `cfg` (`_mm_shape`)."""
     T, KP1 = idx.shape
-    sg, su, _ = p.shared
     bt = _token_block(cfg, T, 32, invariant)
     bn = max(16, cfg.get("block_n", 32))
     bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.D)))
     grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
     jit(_gate_up_mm_kernel, ("T",), helpers=(tile_dot,))[grid](
-        x,
-        idx,
-        p.gate_up,
-        sg,
-        su,
-        h,
+        *_gate_up_tensors(p, x, idx, h),
         T,
         p.E,
         p.limit,
-        D=p.D,
-        I=p.I,
-        KP1=KP1,
+        **_sizes(p, KP1),
         BLOCK_T=bt,
         R_PAD=triton.next_power_of_2(bt * KP1),
         BLOCK_M=max(16, cfg.get("block_m", 16)),
@@ -746,17 +748,10 @@ def _down_gemv(p, h, idx, w, y, block_n, block_k, num_warps, extra: dict) -> Non
     bn = block_n or _pick_block_n(T, p.D)
     bk = min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(p.I))
     jit(_down_kernel, ("T",))[(T * triton.cdiv(p.D, bn),)](
-        h,
-        idx,
-        w,
-        p.down,
-        p.shared[2],
-        y,
+        *_down_tensors(p, h, idx, w, y),
         T,
         p.E,
-        D=p.D,
-        I=p.I,
-        KP1=KP1,
+        **_sizes(p, KP1),
         BLOCK_N=bn,
         BLOCK_K=bk,
         num_warps=num_warps or 4,
@@ -785,18 +780,11 @@ def _down_mm(p, h, idx, w, y, cfg: dict, groups: int, invariant: bool, extra: di
     bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
     parts = y if groups == 1 else torch.empty(groups, T, p.D, device=y.device, dtype=torch.float32)
     jit(_down_mm_kernel, ("T",), helpers=(tile_dot,))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt), groups)](
-        h,
-        idx,
-        w,
-        p.down,
-        p.shared[2],
-        y,
+        *_down_tensors(p, h, idx, w, y),
         parts,
         T,
         p.E,
-        D=p.D,
-        I=p.I,
-        KP1=KP1,
+        **_sizes(p, KP1),
         BLOCK_T=bt,
         R_PAD=triton.next_power_of_2(bt * KP1),
         BLOCK_M=max(16, cfg.get("block_m", 16)),

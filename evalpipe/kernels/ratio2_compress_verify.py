@@ -79,6 +79,7 @@ def _validate(
     row_valid,
     position_bias,
     norm_weight,
+    eps,
     cos,
     sin,
     rope_dim,
@@ -89,7 +90,9 @@ def _validate(
     ring_size,
     rows_per_request,
 ) -> int:
-    """Shape/dtype checks shared by both backends (host-side metadata only, so CUDA-graph safe). Returns hd."""
+    """Shape/dtype checks shared by both backends (host-side metadata only, so CUDA-graph safe). Takes the op's
+    arguments in its signature's order, so a caller holding them as a tuple passes `*args`; eps is not checked.
+    Returns hd."""
     if ring_size <= rows_per_request:
         raise ValueError(
             f"ring_size ({ring_size}) must be wider than rows_per_request ({rows_per_request}): the block head's "
@@ -168,6 +171,7 @@ def ratio2_compress_verify_reference(
         row_valid,
         position_bias,
         norm_weight,
+        eps,
         cos,
         sin,
         rope_dim,
@@ -425,62 +429,21 @@ def ratio2_compress_verify(
         ring_size,
         rows_per_request,
     )
-    hd = _validate(
-        kv_gate,
-        positions,
-        req,
-        row_valid,
-        position_bias,
-        norm_weight,
-        cos,
-        sin,
-        rope_dim,
-        kv_state,
-        pool,
-        page_table,
-        page_size,
-        ring_size,
-        rows_per_request,
-    )
+    hd = _validate(*args)
     tensors = [kv_gate, positions, req, row_valid, position_bias, norm_weight, cos, sin, kv_state, pool, page_table]
     if not use_triton(backend, tensors, _triton_guard(kv_gate, cos, sin, kv_state, pool)):
         ratio2_compress_verify_reference(*args)
         return
-    _launch(*args, hd)
-
-
-def _launch(
-    kv_gate,
-    positions,
-    req,
-    row_valid,
-    position_bias,
-    norm_weight,
-    eps,
-    cos,
-    sin,
-    rope_dim,
-    kv_state,
-    pool,
-    page_table,
-    page_size,
-    ring_size,
-    rows_per_request,
-    hd,
-) -> None:
-    """One program per verify row of the validated arguments; `hd` is the head dim `_validate` returned."""
     n = kv_gate.shape[0]
     if n == 0:
         return
-    valid = row_valid if row_valid.dtype != torch.bool else row_valid.view(torch.uint8)
-    bias = position_bias.contiguous()
     jit(_ratio2_compress_verify_kernel, helpers=_HELPERS)[(n,)](
         kv_gate,
         kv_gate.stride(0),
         positions,
         req,
-        valid,
-        bias,
+        row_valid if row_valid.dtype != torch.bool else row_valid.view(torch.uint8),
+        position_bias.contiguous(),
         norm_weight.contiguous(),
         float(eps),
         cos,
