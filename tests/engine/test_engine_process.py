@@ -12,6 +12,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.support.server_harness import ServerProcess
 
@@ -92,8 +93,54 @@ def test_a_dead_engine_is_a_503_in_flight_and_serve_exits_1():
         server.stop()
 
 
-def test_sigterm_leaves_no_engine_process_and_threads_reach_the_engine():
-    server = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--threads", "2")
+@pytest.fixture(scope="module")
+def servers():
+    """Two servers shared by the tests below (two boots, not four): `quiet` at the default log level with
+    `--threads 2`, `info` at `--log-level info`. The log-level test reads both first; then the SIGTERM test ends
+    `quiet` and the SIGKILL test kills `info` (file order)."""
+    quiet = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--threads", "2")
+    try:
+        info = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--log-level", "info")
+    except BaseException:
+        quiet.stop(signal.SIGTERM)
+        raise
+    yield {"quiet": quiet, "info": info}
+    info.stop(signal.SIGTERM)
+    quiet.stop(signal.SIGTERM)
+
+
+def test_log_level_info_logs_the_engines_throughput(servers):
+    """`--log-level info`: once the engine runs out of work it logs the window's steps and rates (SGLang's
+    decode-batch line), with the time of `Engine.step` beside the whole loop's; the default level stays quiet."""
+    quiet, server = servers["quiet"], servers["info"]
+    for srv in (quiet, server):
+        r = httpx.post(
+            srv.base + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 12, "ignore_eos": True}
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+
+    # the request's window: its prompt's step + 11 decode steps (the first token comes from the prompt's step); the
+    # CPU runner has no overlap schedule, so none of them was queued ahead. The readiness probe's one-step window
+    # is logged before it, so the wait is for this line itself.
+    def window_lines():
+        return [
+            line
+            for line in server.output().splitlines()
+            if "generated tok/s" in line and ": 12 steps (0 overlapped, 1 with" in line
+        ]
+
+    deadline = time.monotonic() + 10
+    while not window_lines() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = window_lines()
+    assert len(lines) == 1, server.output()
+    assert "0 running, 0 waiting" in lines[0] and "ms per loop of which Engine.step" in lines[0], lines[0]
+    assert " 0 generated tok/s" not in lines[0] and " 0 prefilled tok/s" not in lines[0], lines[0]
+    assert "generated tok/s" not in quiet.output()  # its request ran out of work before the info server's
+
+
+def test_sigterm_leaves_no_engine_process_and_threads_reach_the_engine(servers):
+    server = servers["quiet"]
     try:
         pid = server.engine_pid()
         r = httpx.post(server.base + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 4})
@@ -107,39 +154,9 @@ def test_sigterm_leaves_no_engine_process_and_threads_reach_the_engine():
     assert "Traceback" not in server.output()
 
 
-def test_a_killed_server_takes_its_engine_with_it():
-    server = ServerProcess("--max-batch", "2", "--max-seq-len", "256")
+def test_a_killed_server_takes_its_engine_with_it(servers):
+    server = servers["info"]
     pid = server.engine_pid()
     server.proc.kill()
     server.proc.wait(30)
     assert gone(pid), "the engine process was orphaned"
-
-
-def test_log_level_info_logs_the_engines_throughput():
-    """`--log-level info`: once the engine runs out of work it logs the window's steps and rates (SGLang's
-    decode-batch line), with the time of `Engine.step` beside the whole loop's; the default level stays quiet."""
-    quiet = ServerProcess("--max-batch", "2", "--max-seq-len", "256")
-    server = ServerProcess("--max-batch", "2", "--max-seq-len", "256", "--log-level", "info")
-    try:
-        for srv in (quiet, server):
-            r = httpx.post(
-                srv.base + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 12, "ignore_eos": True}
-            )
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
-        deadline = time.monotonic() + 10
-        while "generated tok/s" not in server.output() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        server.stop(signal.SIGTERM)
-        quiet.stop(signal.SIGTERM)
-    # the request's window: its prompt's step + 11 decode steps (the first token comes from the prompt's step); the
-    # CPU runner has no overlap schedule, so none of them was queued ahead
-    lines = [
-        line
-        for line in server.output().splitlines()
-        if "generated tok/s" in line and ": 12 steps (0 overlapped, 1 with" in line
-    ]
-    assert len(lines) == 1, server.output()
-    assert "0 running, 0 waiting" in lines[0] and "ms per loop of which Engine.step" in lines[0], lines[0]
-    assert " 0 generated tok/s" not in lines[0] and " 0 prefilled tok/s" not in lines[0], lines[0]
-    assert "generated tok/s" not in quiet.output()
