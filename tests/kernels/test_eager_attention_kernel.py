@@ -28,13 +28,14 @@ def test_prompt_chunks_through_the_attention_kernel_equal_the_eager_chain(tiny_r
     seed = int(torch.randint(0, 1 << 20, ()))  # fresh prompts every run
     # The interpreter's cost grows with the rows (the mHC kernels run per row), so each length is the least that
     # crosses its boundary. first, 25 rows (positions 0..24): row 24's window of 24 keys leaves key 0 out, and it
-    # crosses the CSA (4) and HCA (2) ratios (6 and 12 entries). second, 15 rows (25..39): reads the first chunk's
-    # ring and entries, and its rows see 6..10 CSA entries, so the top-8 selection keeps all of them in some rows
-    # and drops some in others. other, 10 rows: a second group of another length, no history.
-    first, second, other = _prompt(25, seed), _prompt(15, seed + 1), _prompt(10, seed + 2)
+    # crosses the CSA (4) and HCA (2) ratios (6 and 12 entries). second, 11 rows (25..35): reads the first chunk's
+    # ring and entries, and its rows see 6..9 CSA entries, so the top-8 selection keeps all of them in some rows
+    # and drops some in others. other, 5 rows: a second group of another length, no history (16 rows in that
+    # forward: below 16 the mHC merge/mix kernel runs 32-column blocks, more programs).
+    first, second, other = _prompt(25, seed), _prompt(11, seed + 1), _prompt(5, seed + 2)
     steps = [
         ([0], [first]),  # one group: crosses the window and both ratios, no history
-        ([0, 1], [second, other]),  # two groups (15 and 10 rows): request 0 reads its ring and entries
+        ([0, 1], [second, other]),  # two groups (11 and 5 rows): request 0 reads its ring and entries
         ([0, 1], [[7], [9]]),  # decode rows
     ]
     for idx, rows in steps:
