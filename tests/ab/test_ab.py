@@ -1,5 +1,5 @@
 """`evalpipe ab`: arm bookkeeping, refusals, the receipt fairness check (preflight against scripted stand-in
-servers), and a real A/B on the native engine (tiny model, 12 arith items, max_tokens 32, order ABBA)."""
+servers), and a real A/B on the native engine (tiny model, 12 arith items, max_tokens 16, order ABBA)."""
 
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def abba(tmp_path_factory):
         "--num-examples",
         str(AB_QUESTIONS),
         "--max-tokens",
-        "32",
+        "16",
         "--out",
         str(out),
         "--ready-timeout",
@@ -228,7 +228,7 @@ def abba(tmp_path_factory):
 
 
 def test_native_ab_abba_four_fresh_boots_receipts_and_report(abba):
-    """Native engine, tiny model, speculation off vs block, arith, max_tokens 32, order ABBA. A dozen questions with
+    """Native engine, tiny model, speculation off vs block, arith, max_tokens 16, order ABBA. A dozen questions with
     no flips cannot support -1 pt (and the tiny model may get all of them wrong: no information), so
     `--fail-on inconclusive,not-evaluable` ends the finished A/B with the gate's exit code 4."""
     out, result, a, b = abba
