@@ -35,13 +35,14 @@ def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites)
     # The prefills run the eager Triton path row by row (the cost of this test), so the prompts are as short as the
     # boundaries allow. Request 0, 35 tokens: its decode at position 35 has a full window that leaves positions
     # 0..11 out and sees 9 CSA entries (ratio 4), one more than the top-8 keeps; its verify (36..41) wraps the
-    # CSA compressor's 40-row ring and starts on an even (C2 ratio 2) position. Request 1, 16 tokens: a window that
-    # starts before position 0, fewer entries than top-8 (empty picks), a verify (17..22) starting on an odd one;
-    # not fewer tokens: below 16 rows the mHC merge/mix kernel runs 32-column blocks, 3x the programs of 35 rows.
-    for i, n in enumerate((35, 16)):
-        toks = _prompt(n, i)
+    # CSA compressor's 40-row ring and starts on an even (C2 ratio 2) position. Request 1, 4 tokens: a window that
+    # starts before position 0, fewer entries than top-8 (empty picks), a verify (5..10) starting on an odd one.
+    # The graph runner prefills both in one forward (two groups, 39 rows: below 16 rows the mHC merge/mix kernel
+    # would run 32-column blocks, more programs than 128-column ones); the plain runner one request at a time.
+    prompts = [_prompt(n, i) for i, n in enumerate((35, 4))]
+    for i, toks in enumerate(prompts):
         last.append(int(plain.forward([seqs_p[i]], [toks])[0].argmax()))
-        graph.forward([seqs_g[i]], [toks])
+    graph.forward(seqs_g, prompts)
     calls = dict(fused_sites.site_counts())  # after the (eager) prefills: what follows is static steps only
     for step in range(3):  # decode, a 6-row verify with a rollback, decode from the rolled-back state
         if step == 1:
