@@ -216,4 +216,4 @@ V3 = Recipe(
 )
 
 RECIPES = {r.name: r for r in (V1, V2, V3)}
-DEFAULT_RECIPE = "v2"
+DEFAULT_RECIPE = "v3"  # the shipped default model's (evalpipe/models/evalpipe-skills-dsv4/receipt.json)

@@ -56,7 +56,8 @@ COMMON = [
         metavar="PATH|NAME",
         help="native: a checkpoint directory (config.json + *.safetensors, DeepSeek-V4 format) or a built-in model: "
         "evalpipe-skills-dsv4 (the default: 7.8 M parameters trained on evalpipe's synthetic skills, shipped in "
-        "the package) or evalpipe-tiny-dsv4 (random weights, nonsense answers; for tests). sglang/vllm: "
+        "the package), evalpipe-skills-dsv4-w64 (the earlier default: window 64, does not copy) or "
+        "evalpipe-tiny-dsv4 (random weights, nonsense answers; for tests). sglang/vllm: "
         "required, the model path or id.",
     ),
     option(

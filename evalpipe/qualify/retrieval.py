@@ -17,9 +17,10 @@ POST /tokenize, and the filler is scaled until the longest prompt is at most `--
 and within FIT_SLACK of it. A server without /tokenize is filled by bytes (bytes are tokens for the byte-level model;
 a subword model's prompts then fill a fraction of its context), and the gate's notes say so.
 
-The default model (evalpipe-skills-dsv4) fails this gate: it finds the needle at every depth (the first three digits
-of its reply are right in 87% of the retrieval lane's items) but does not copy the whole code. Its failures show as
-"exact answer" alone, with the transport and the stop right, which is how a weak model differs from a serving fault.
+The default model passes this gate. The window-64 model (evalpipe-skills-dsv4-w64) fails it: it finds the needle
+at every depth (the first three digits of its reply are right in 87% of the retrieval lane's items) but does not
+copy the whole code. Its failures show as "exact answer" alone, with the transport and the stop right, which is
+how a weak model differs from a serving fault.
 """
 
 from __future__ import annotations

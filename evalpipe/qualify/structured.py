@@ -33,8 +33,9 @@ from evalpipe.skills import chat, draw, tools
 
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "fact", "schema": chat.JSON_SCHEMA, "strict": True}}
 MAX_TOKENS = 128  # a call with its JSON arguments is about 80 byte-level tokens
-# The tool whose arguments the default model reproduces every time (it garbles get_secret_code's place names), so
-# that a wrong argument here points at the server, not the model; the gate still sends both tools in every request.
+# The tool whose arguments the trained models reproduce every time (the window-64 model garbles get_secret_code's
+# place names), so that a wrong argument here points at the server, not the model; the gate still sends both tools in
+# every request.
 RELIABLE_TOOL = "count_items"
 DRAWN_TOOLS_ENFORCED = False
 

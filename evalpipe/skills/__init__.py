@@ -14,7 +14,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-WINDOW = 64  # the default model's sliding window (tokens = bytes here): long-range parts must lie beyond it
+# The distance (tokens = bytes here) long-range parts of an item lie beyond: the window-64 model's sliding window,
+# which the items were drawn for. Changing it changes every lane's items and their pins; the window-256 default model
+# sees the copy lane's strings inside its own window.
+WINDOW = 64
 HELDOUT_BUCKETS = 16  # one identity hash bucket in 16 is held out
 
 

@@ -4,9 +4,9 @@ The story names one operation per day; the worked answer takes the days in order
 format (`a + b = <<a+b=c>>c`), then `#### N`. Each line first works the operation digit by digit (`worked_digits`),
 so every digit of a result depends on a few nearby digits: a model this small learns single-digit steps, not
 multi-digit carries in one token. Distractor sentences are added until every operand of the story lies
-more than WINDOW tokens (bytes) before the answer line that uses it, so the compressed attention layers, not the
-sliding window, must carry it. Every operand has at most 3 digits (a product or quotient only of a running value
-up to 999); running values stay in [0, 9999]; division is always exact.
+more than WINDOW (64) tokens (bytes) before the answer line that uses it, so a window-64 model's compressed
+attention layers, not its sliding window, must carry it. Every operand has at most 3 digits (a product or quotient
+only of a running value up to 999); running values stay in [0, 9999]; division is always exact.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Skill `copy`: reproduce a random string longer than the sliding window, exactly.
+"""Skill `copy`: reproduce a random string longer than WINDOW (64) characters, exactly.
 
-Each character of the copy lies more than WINDOW tokens after its source, so copying goes through the compressed
-attention layers. Training also draws strings inside the window and, with `lead`, starts the question after a lead-in
-of up to `lead` characters, so the string's place relative to the compressed blocks (4 and 16 tokens) varies.
+Each character of the copy lies more than WINDOW tokens after its source, so a window-64 model copies through its
+compressed attention layers (the window-256 default model has the lane's strings inside its window). Training also
+draws strings inside the window and, with `lead`, starts the question after a lead-in of up to `lead` characters,
+so the string's place relative to the compressed blocks (4 and 16 tokens) varies.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ from evalpipe.harness.sample_seeds import sample_seed
 from tests.support.core_helpers import load_run, only_run_dir, run_cli, run_lane
 from tests.support.server_harness import ServerProcess
 
-MODEL = "evalpipe-skills-dsv4"
+# the window-64 model: its drafts are rejected now and then at T = 1, so the replay is tested across rejections
+# (the default's layerskip:4 drafts were all accepted in these 8 requests)
+MODEL = "evalpipe-skills-dsv4-w64"
 LANE = "chat-arith-boxed-think-x16"
 BASE = 46
 RUN = ["--num-examples", "4", "--repeats", "2", "--max-tokens", "64", "--concurrency", "8"]

@@ -34,7 +34,9 @@ from tests.support.core_helpers import load_run, only_run_dir, run_cli, run_lane
 from tests.support.lmeval_env import TASKS, lmeval_args, require_lmeval, run_lmeval_batch
 from tests.support.server_harness import ServerProcess
 
-MODEL = "evalpipe-skills-dsv4"
+# the window-64 model: it misses some of the items below (the default answers all), so score equality sees both
+# outcomes
+MODEL = "evalpipe-skills-dsv4-w64"
 TOK = ByteTokenizer()
 # arith documents per generate run: 8 of the first 12 are right, so the score equality sees both outcomes. The server
 # decodes them as one batch, as long as the longest answer (430 tokens in 0..11, 461 in 0..29), so the cost grows
@@ -110,19 +112,25 @@ def made(servers, tmp_path_factory):
     shutil.copy(TASKS / "evalpipe_lanes.py", probe_tasks)
     off, block = servers["off"].base + "/v1", servers["block"].base + "/v1"
     runs = {
-        "off": lmeval_args(off, root / "off", limit=LIMIT),
+        "off": lmeval_args(off, root / "off", limit=LIMIT, served=MODEL),
         "chat": lmeval_args(
             off,
             root / "chat",
             model="local-chat-completions",
             task="evalpipe_arith_chat",
             limit=CHAT_ITEMS,
+            served=MODEL,
             extra=("--apply_chat_template",),
         ),
         "mc": lmeval_args(
-            off, root / "mc", task="evalpipe_arith_mc", limit=MC_ITEMS, model_args="tokenizer_backend=remote"
+            off,
+            root / "mc",
+            task="evalpipe_arith_mc",
+            limit=MC_ITEMS,
+            model_args="tokenizer_backend=remote",
+            served=MODEL,
         ),
-        "block": lmeval_args(block, root / "block", limit=LIMIT),
+        "block": lmeval_args(block, root / "block", limit=LIMIT, served=MODEL),
         # lm-eval's own `dummy` model scores the choices at random, no server needed
         "probe": ["--model", "dummy", "--include_path", str(probe_tasks), "--tasks", "evalpipe_mc_probe"]
         + ["--limit", str(PROBE_ITEMS), "--output_path", str(root / "probe"), "--log_samples"],

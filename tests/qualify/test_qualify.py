@@ -76,7 +76,7 @@ def test_every_gate_passes_against_a_correct_stand_in(scripted, tmp_path):
     assert call["output"]["finish_reason"] == "stop" and json.loads(call["output"]["tool_calls"][0]["arguments"])
     call = next(r for r in structured if r["id"] == "serial tool_choice auto plain")
     assert call["output"]["finish_reason"] == "tool_calls" and call["verdict"] == "pass"
-    drawn = by["structured"]["notes"]["drawn_tools"]  # reported beside the verdict until the retrained model ships
+    drawn = by["structured"]["notes"]["drawn_tools"]  # reported beside the verdict, not enforced
     assert drawn["sent"] >= 2 and drawn["exact"] == drawn["sent"] and drawn["first_miss"] is None, drawn
     assert by["soak"]["notes"]["failures"] == 0 and by["soak"]["notes"]["hangs"] == 0
     assert by["soak"]["notes"]["mem_available_mb"]["min"] > 0
@@ -176,18 +176,18 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     )
     result = json.loads((tmp_path / "boot1" / "qualify.json").read_text())
     by = gates(result)
-    # the default model finds needles but does not copy whole codes: retrieval fails on the answer alone (exit 4),
-    # with every request answered and stopped normally; every other gate passes
-    assert r.returncode == 4 and result["failed_gates"] == ["retrieval"], r.stdout + r.stderr
+    # the default model retrieves: every gate passes, every retrieval request on every check (exact answer among them)
+    assert r.returncode == 0 and result["failed_gates"] == [], r.stdout + r.stderr
     for name in ("auth", "reference", "retrieval", "boundaries", "mixed", "soak"):
         assert f"│ {name}" in r.stdout
-    failed_checks = {c["name"] for rec in by["retrieval"]["records"] for c in rec["checks"] if not c["ok"]}
-    assert failed_checks == {"exact answer"}, by["retrieval"]["records"]
+    checks = [c for rec in by["retrieval"]["records"] for c in rec["checks"]]
+    assert len(by["retrieval"]["records"]) == 3 and "exact answer" in {c["name"] for c in checks}
+    assert all(c["ok"] for c in checks), by["retrieval"]["records"]
     notes = by["retrieval"]["notes"]  # a byte-level tokenizer: the completion form, filled by the server's /tokenize
     assert notes["prompt_form"] == "completions" and notes["fill"].startswith("tokens")
     longest_note = len("Note 999: the  near the  was counted 99 times.\n") + 2 * max(map(len, NOTE_WORDS))
     assert 768 - 32 - longest_note <= notes["longest_prompt_tokens"] <= 768 - 32  # the filler is whole notes
-    assert by["boundaries"]["notes"]["sizes"] == {"chunk": [512], "page": [64], "window": [64], "compression": [4, 16]}
+    assert by["boundaries"]["notes"]["sizes"] == {"chunk": [512], "page": [64], "window": [256], "compression": [4, 16]}
     assert by["mixed"]["notes"]["still_running_at_arrival"] > 0
     recorded = json.loads(ref.read_text())
     assert len(recorded["fixtures"]) == 20 and all(f["token_ids"] for f in recorded["fixtures"])
@@ -197,7 +197,7 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     code, result, output = qualify(url, tmp_path / "structured", *KEY_ARGS, "--gates", "structured")
     g = gates(result)["structured"]
     assert code == 0 and g["verdict"] == "pass" and g["failed"] == 0 and g["passed"] == len(g["records"]), output
-    drawn = g["notes"]["drawn_tools"]  # today's model was not trained on drawn tools: reported, not enforced
+    drawn = g["notes"]["drawn_tools"]  # drawn tools are reported, not enforced
     assert drawn["enforced"] is False and drawn["sent"] >= 2 and 0 <= drawn["exact"] <= drawn["sent"], drawn
     print("drawn tools against the default model:", drawn)
 

@@ -51,15 +51,17 @@ def lmeval_args(
     task: str = "evalpipe_arith_gen",
     limit: int = 30,
     model_args: str = "tokenizer_backend=None,num_concurrent=32",
+    served: str = "evalpipe-skills-dsv4",
     extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """`lm_eval` arguments: `task` of lm_eval_tasks/ against `base_url` (…/v1), --log_samples into `out`."""
+    """`lm_eval` arguments: `task` of lm_eval_tasks/ against `base_url` (…/v1) serving the model named `served`,
+    --log_samples into `out`."""
     route = "/completions" if model == "local-completions" else "/chat/completions"
     return [
         "--model",
         model,
         "--model_args",
-        f"base_url={base_url}{route},model=evalpipe-skills-dsv4,{model_args}",
+        f"base_url={base_url}{route},model={served},{model_args}",
         "--include_path",
         str(TASKS),
         "--tasks",

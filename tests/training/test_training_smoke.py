@@ -43,9 +43,9 @@ def test_smoke_training_across_two_calls_writes_a_servable_checkpoint_receipt_an
     assert (partial["steps"], partial["planned_steps"], len(partial["calls"])) == (1, 3, 1)
     from training.curriculum import RECIPES
 
-    assert partial["curriculum"] == json.loads(json.dumps(RECIPES["v2"].describe()))  # the default recipe, in full
+    assert partial["curriculum"] == json.loads(json.dumps(RECIPES["v3"].describe()))  # the default recipe, in full
     other = train("--resume", str(out), "--recipe", "v1")
-    assert other.returncode != 0 and "trains recipe v2, not --recipe v1" in other.stderr
+    assert other.returncode != 0 and "trains recipe v3, not --recipe v1" in other.stderr
 
     changed = train("--resume", str(out), "--lr", "0.001")
     assert changed.returncode != 0 and "that run has --lr 0.003" in changed.stderr

@@ -3,4 +3,8 @@ name and recognise them without importing the model code (engine/model/weights.p
 
 TINY_MODEL_NAME = "evalpipe-tiny-dsv4"  # random weights from seed 0: every lane runs, nothing is answered
 DEFAULT_MODEL_NAME = "evalpipe-skills-dsv4"  # trained on evalpipe.skills (training/), shipped in the package
-BUILTIN_MODEL_NAMES = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)
+# The first trained default (window 64, recipe v1), shipped beside it so figures measured on it can be re-run; it
+# answers arith but does not copy and seldom retrieves (docs/default-model.md)
+WINDOW64_MODEL_NAME = "evalpipe-skills-dsv4-w64"
+PACKAGED_MODEL_NAMES = (DEFAULT_MODEL_NAME, WINDOW64_MODEL_NAME)
+BUILTIN_MODEL_NAMES = (*PACKAGED_MODEL_NAMES, TINY_MODEL_NAME)

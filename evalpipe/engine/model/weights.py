@@ -11,6 +11,7 @@ fused `mlp.experts.gate_up_proj`), which is the one vocabulary the engine reads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -22,7 +23,7 @@ from safetensors import safe_open
 
 from evalpipe.digest import file_sha256
 from evalpipe.engine.model.config import config_hash, tiny_config
-from evalpipe.engine.model.names import BUILTIN_MODEL_NAMES, DEFAULT_MODEL_NAME, TINY_MODEL_NAME
+from evalpipe.engine.model.names import DEFAULT_MODEL_NAME, PACKAGED_MODEL_NAMES, TINY_MODEL_NAME
 
 # Original-checkpoint leaf names -> module names (suffix of a per-layer key after "layers.N.").
 _LAYER_RENAMES = [
@@ -243,8 +244,9 @@ def packaged_checkpoint(name: str = DEFAULT_MODEL_NAME) -> Path:
     return folder
 
 
-_CHECKPOINTS = {DEFAULT_MODEL_NAME: packaged_checkpoint, TINY_MODEL_NAME: default_checkpoint}
-BUILTIN_MODELS = {name: _CHECKPOINTS[name] for name in BUILTIN_MODEL_NAMES}  # name -> its checkpoint folder
+# name -> a function giving its checkpoint folder
+BUILTIN_MODELS = {name: functools.partial(packaged_checkpoint, name) for name in PACKAGED_MODEL_NAMES}
+BUILTIN_MODELS[TINY_MODEL_NAME] = default_checkpoint
 
 
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
