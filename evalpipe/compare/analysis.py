@@ -457,10 +457,14 @@ def analyse(
     forced: list[str],
 ) -> dict:
     """The whole comparison of run A (reference) and run B (candidate)."""
-    common = sorted(set(a.by_key) & set(b.by_key), key=lambda k: (_id_sort_key(k[1]), k[2]))
-    only_a = sorted(set(a.by_key) - set(b.by_key))
-    only_b = sorted(set(b.by_key) - set(a.by_key))
-    pairs = {k: (a.by_key[k], b.by_key[k]) for k in common}
+    # A run folder holds one lane, so (question_id, repeat) names a record: pairing on it lets a forced comparison
+    # of two lanes that ask the same questions (`evalpipe run arith` and an lm-eval import of its task) pair them
+    join_a, join_b = {k[1:]: k for k in a.by_key}, {k[1:]: k for k in b.by_key}
+    joined = sorted(set(join_a) & set(join_b), key=lambda j: (_id_sort_key(j[0]), j[1]))
+    common = [join_a[j] for j in joined]
+    only_a = sorted(join_a[j] for j in set(join_a) - set(join_b))
+    only_b = sorted(join_b[j] for j in set(join_b) - set(join_a))
+    pairs = {join_a[j]: (a.by_key[join_a[j]], b.by_key[join_b[j]]) for j in joined}
     over_a, over_b = arm_overview(a), arm_overview(b)
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,

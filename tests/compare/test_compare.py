@@ -426,6 +426,24 @@ def test_refuses_mismatched_prompt_stream(tmp_path):
     assert any("prompt-stream hashes differ" in r for r in cmp["forced_over"])
 
 
+def test_forced_comparison_of_two_lanes_pairs_by_question(tmp_path):
+    """An lm-eval import of a lane's task has a lane of its own; forced, it still pairs by question and repeat."""
+    a = write_run(tmp_path / "A", "run", greedy_records("A"))
+    b = write_run(tmp_path / "B", "lmeval", [{**r, "lane": "lm-eval/gsm8k_gen"} for r in greedy_records("A")])
+    manifest = json.loads((b / "manifest.json").read_text())
+    (b / "manifest.json").write_text(json.dumps({**manifest, "lane": "lm-eval/gsm8k_gen"}))
+    res = CliRunner().invoke(compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--no-html"])
+    assert res.exit_code != 0 and "lanes differ" in res.output, res.output
+    res = CliRunner().invoke(
+        compare_cmd, [str(a), str(b), "--out", str(tmp_path / "o"), "--force", "--resamples", "200", "--no-html"]
+    )
+    assert res.exit_code == 0, res.output
+    cmp = json.loads((tmp_path / "o" / "compare.json").read_text())
+    assert any("lanes differ" in r for r in cmp["forced_over"])
+    assert cmp["paired_keys"] == N_Q and cmp["keys_only_in_a"] == cmp["keys_only_in_b"] == []
+    assert cmp["agreement"]["n_identical"] == N_Q and cmp["flips"] == []
+
+
 def test_refuses_partial_run_and_other_protocol(tmp_path):
     a = write_run(tmp_path / "A", "spec_off", greedy_records("A"))
     b = write_run(tmp_path / "B", "spec_on", greedy_records("B")[:30], n_planned=N_Q, partial=True)
