@@ -4,7 +4,7 @@ The architecture is Idefics3 (SmolVLM's): a SigLIP-style vision tower, a pixel-s
 decoder, at toy sizes, with weights drawn from a fixed seed and saved. Its processor is an Idefics3Processor made of
 the PIL image processor (vLLM's environment has no torchvision) and SmolLM2's tokenizer, with SmolLM2's ChatML
 template. Random weights still carry the image into the logits, which is all the vision gate needs to see. The
-test builds it with vLLM's interpreter (`build_with`), as `make real-model` converts SmolLM2 with it.
+test builds it with vLLM's interpreter (`build_with`), so the saved config is one that vLLM's transformers reads.
 
 Why not LLaVA itself: vLLM 0.32 imports its Pixtral module from llava.py, and that imports transformers' Pixtral
 image processor, which needs torchvision; the only torchvision on the package registry that matches the vLLM
