@@ -99,10 +99,21 @@ class Decoder:
     def propose(self, seq: Sequence) -> list[int]:
         raise NotImplementedError
 
-    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+    def accept(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        argmax: list[int] | None = None,
+        samples: list[int] | None = None,
+    ) -> list[int]:
         """Commit tokens from this sequence's rows; `argmax` (greedy sequences without a grammar) is the rows'
-        argmax, already on the host."""
+        argmax, already on the host; `samples` (keyed sampling, when `takes_samples(seq)`) the rows' keyed samples."""
         raise NotImplementedError
+
+    def takes_samples(self, seq: Sequence) -> bool:
+        """Whether `accept` decides this keyed-sampled sequence from its rows' keyed samples alone, so the step may
+        draw them for all such sequences at once (engine/commit.py)."""
+        return False
 
     def release(self, slot: int) -> None:
         """The sequence in runner slot `slot` is gone: drop any state kept for it."""

@@ -60,6 +60,25 @@ def hash_bits(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tenso
     return h1, h2
 
 
+def row_keys(rows: list[tuple[int, int]], salt: int, device) -> torch.Tensor:
+    """[len(rows), 2] int64 row keys of (seed, output index) pairs, which may come from many requests."""
+    return torch.tensor([row_key(seed, index, salt) for seed, index in rows], dtype=torch.int64, device=device).view(
+        len(rows), 2
+    )
+
+
+def uniforms_of(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float64 uniforms in (0, 1) of row keys [rows, 2]."""
+    h1, h2 = hash_bits(keys, vocab)
+    m = (h1 >> 6) * (1 << 26) + (h2 >> 6)  # 26 + 26 bits
+    return (2 * m + 1).to(torch.float64) * 2.0**-53
+
+
+def exponentials_of(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float64 Exp(1) draws, each > 0, of row keys [rows, 2]."""
+    return -torch.log(uniforms_of(keys, vocab))
+
+
 class KeyedNoise:
     """A request's noise source under keyed sampling (`--deterministic`): `seed` and nothing else."""
 
@@ -67,19 +86,15 @@ class KeyedNoise:
         self.seed = int(seed)
 
     def keys(self, start: int, rows: int, salt: int, device) -> torch.Tensor:
-        return torch.tensor(
-            [row_key(self.seed, start + r, salt) for r in range(rows)], dtype=torch.int64, device=device
-        ).view(rows, 2)
+        return row_keys([(self.seed, start + r) for r in range(rows)], salt, device)
 
     def uniforms(self, start: int, rows: int, vocab: int, device, salt: int = SALT_TOKEN) -> torch.Tensor:
         """[rows, vocab] float64 uniforms in (0, 1) for output tokens start .. start + rows - 1."""
-        h1, h2 = hash_bits(self.keys(start, rows, salt, device), vocab)
-        m = (h1 >> 6) * (1 << 26) + (h2 >> 6)  # 26 + 26 bits
-        return (2 * m + 1).to(torch.float64) * 2.0**-53
+        return uniforms_of(self.keys(start, rows, salt, device), vocab)
 
     def exponentials(self, start: int, rows: int, vocab: int, device, salt: int = SALT_TOKEN) -> torch.Tensor:
         """[rows, vocab] float64 Exp(1) draws, each > 0."""
-        return -torch.log(self.uniforms(start, rows, vocab, device, salt))
+        return exponentials_of(self.keys(start, rows, salt, device), vocab)
 
     def __repr__(self) -> str:
         return f"KeyedNoise(seed={self.seed})"

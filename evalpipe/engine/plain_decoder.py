@@ -22,10 +22,21 @@ class PlainDecoder(Decoder):
     def propose(self, seq: Sequence) -> list[int]:
         return [seq.last_token]
 
-    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+    def accept(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        argmax: list[int] | None = None,
+        samples: list[int] | None = None,
+    ) -> list[int]:
         if argmax is not None:
             return [argmax[-1]]
+        if samples is not None:
+            return [samples[-1]]
         return [sample_token(logits[-1], seq.params, seq.generator, len(seq.output))]
+
+    def takes_samples(self, seq: Sequence) -> bool:
+        return True
 
     def stats(self, seq: Sequence) -> dict | None:
         return {"debug_faults": list(self.debug_faults)} if self.debug_faults else None

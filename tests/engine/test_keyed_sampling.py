@@ -10,9 +10,9 @@ import torch
 from scipy.stats import chi2
 
 from evalpipe.engine.keyed import SALT_FAULT, KeyedNoise, hash_bits, row_key
-from evalpipe.engine.sampling import generator_for, keyed_sample, sample, sampling_probs
+from evalpipe.engine.sampling import generator_for, keyed_sample, keyed_sample_rows, sample, sampling_probs
 from evalpipe.engine.sampling_params import SamplingParams
-from evalpipe.engine.spec.accept import keyed_accept
+from evalpipe.engine.spec.accept import keyed_accept, sample_verify
 
 M32 = 0xFFFFFFFF
 FALSE_ALARM = 1e-6  # the chi-square bound's probability of failing an exact sampler
@@ -138,3 +138,36 @@ def test_sample_verify_emits_the_keyed_samples_of_plain_decoding():
     assert sum(a != b for a, b in zip(faulty, exact)) > 10
     with pytest.raises(ValueError, match="G\\+1 target rows"):
         keyed_accept(p[:3], [1, 2, 3], noise, start)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_steps_rows_drawn_at_once_equal_each_row_drawn_alone(device):
+    """engine/commit.py draws every keyed row of a step in one pass (keyed_sample_rows): rows of several requests
+    with different transforms, seeds and output indices, interleaved, each equal to its own keyed_sample."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(24, 50, generator=gen) * 2).to(device)
+    logits[5, :] = 0.0  # a row of ties
+    logits[6, 10:] = float("-inf")  # masked ids
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=5),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ]
+    rows = [(r, params[r % 4], KeyedNoise(1000 + r % 3), 7 * r) for r in torch.randperm(24, generator=gen).tolist()]
+    alone = [int(keyed_sample(sampling_probs(logits[r], p), noise, i)) for r, p, noise, i in rows]
+    assert keyed_sample_rows(logits, rows) == alone
+    assert keyed_sample_rows(logits, rows[:1]) == alone[:1]
+    assert keyed_sample_rows(logits, []) == []
+    assert set(keyed_sample_rows(logits, [(6, params[0], KeyedNoise(s), 0) for s in range(30)])) <= set(range(10))
+
+
+def test_sample_verify_from_drawn_samples_equals_keyed_accept():
+    gen = torch.Generator().manual_seed(4)
+    p = sampling_probs(torch.randn(6, 30, generator=gen), SamplingParams(temperature=1.0))
+    noise, start = KeyedNoise(9), 3
+    samples = keyed_sample(p, noise, start).tolist()
+    for n_match in range(6):
+        drafts = samples[:n_match] + [(samples[n_match] + 1) % 30] * (5 - n_match) if n_match < 5 else samples[:5]
+        assert sample_verify(samples, drafts) == keyed_accept(p, drafts, noise, start)
+    assert sample_verify(samples[:1], []) == ([samples[0]], 0)  # no drafts: the sample alone

@@ -108,14 +108,14 @@ def greedy_lines(g: dict) -> list[str]:
         lines.append(identity_sentence(ident))
     iv, bs = g["interval"], g["bootstrap"]
     lines.append(
-        f"greedy: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
+        f"paired: B right/A wrong = {g['b_only']}, A right/B wrong = {g['a_only']} of {g['n']}; "
         f"exact McNemar p = {g['mcnemar_p']:.4g}; {int(100 * iv['confidence'])}% CI of B - A by {iv['method']} "
         f"[{pts(iv['low'])}, {pts(iv['high'])}]; "
         f"non-inferiority at -{g['margin_pts']} pt: [bold]{g['verdict']}[/]"
         + (f"; [bold red]no information[/]: {escape(g['verdict_note'])}" if g.get("verdict_note") else "")
     )
     lines.append(
-        f"greedy power: {mde_sentence(g)}; paired bootstrap {int(100 * bs['confidence'])}% CI "
+        f"paired power: {mde_sentence(g)}; paired bootstrap {int(100 * bs['confidence'])}% CI "
         f"[{pts(bs['ci_low'])}, {pts(bs['ci_high'])}] ({bs['n_resamples']} resamples, seed {bs['seed']}; "
         "secondary: it collapses to a point when nothing flips)"
     )

@@ -136,15 +136,26 @@ def keyed_accept(
     if target_probs.shape[0] != len(drafts) + 1:
         raise ValueError(f"need G+1 target rows for G={len(drafts)} drafts, got {target_probs.shape[0]}")
     samples = keyed_sample(target_probs, noise, start).tolist()
+
+    def fresh_draw(i: int) -> int:  # the planted fault's token: another key's draw from the full p
+        return int(keyed_sample(target_probs[i], noise, start + i, salt=SALT_FAULT))
+
+    return sample_verify(samples, drafts, keep, fresh_draw if residual_from_target else None)
+
+
+def sample_verify(
+    samples: list[int], drafts: list[int], keep: list[bool] | None = None, replace: Callable[[int], int] | None = None
+) -> tuple[list[int], int]:
+    """The longest prefix of drafts that equal the target's own samples at their rows (or that `keep` keeps), then
+    the sample at the first mismatch (or after the last draft): (emitted tokens, number of accepted drafts).
+    samples: the target's keyed sample of each of the G+1 rows. replace: the planted residual-from-target fault's
+    token for a mismatch row, instead of the sample."""
     emitted: list[int] = []
     for i, d in enumerate(drafts):
         if d == samples[i] or (keep is not None and keep[i]):
             emitted.append(d)
             continue
-        if residual_from_target:
-            emitted.append(int(keyed_sample(target_probs[i], noise, start + i, salt=SALT_FAULT)))
-        else:
-            emitted.append(samples[i])
+        emitted.append(replace(i) if replace is not None else samples[i])
         return emitted, i
     emitted.append(samples[len(drafts)])
     return emitted, len(drafts)

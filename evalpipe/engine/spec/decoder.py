@@ -36,6 +36,7 @@ from evalpipe.engine.spec.accept import (
     in_top_k,
     keyed_accept,
     rejection_accept,
+    sample_verify,
     simulated_accept,
     threshold_accept,
     topk_accept,
@@ -96,9 +97,16 @@ class SpeculativeDecoder(Decoder):
             spec = seq.spec
         return [seq.last_token] + spec.drafts
 
-    def accept(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+    def accept(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        argmax: list[int] | None = None,
+        samples: list[int] | None = None,
+    ) -> list[int]:
         """Accept against this sequence's verify rows ([g+1, V]), roll back, return the committed tokens. `argmax`:
-        the rows' argmax already on the host (greedy requests), which the exact greedy rule uses."""
+        the rows' argmax already on the host (greedy requests), which the exact greedy rule uses; `samples`: the
+        rows' keyed samples, drawn with the step's (`takes_samples`), which sample-verify uses."""
         spec = seq.spec
         drafts, params = spec.drafts, seq.params
         if logits.shape[0] != len(drafts) + 1:
@@ -115,6 +123,8 @@ class SpeculativeDecoder(Decoder):
             tokens, n = (
                 topk_accept(logits, drafts, rule.topk) if rule.name == "topk" else greedy_accept(logits, drafts, argmax)
             )
+        elif samples is not None:
+            tokens, n = sample_verify(samples, drafts)
         elif isinstance(seq.generator, KeyedNoise):
             tokens, n = self._keyed_accept(sampling_probs(logits, params), spec, seq.generator, start)
         else:
@@ -125,6 +135,16 @@ class SpeculativeDecoder(Decoder):
         spec.stats.record(n)
         spec.drafts, spec.q = [], None
         return tokens
+
+    def takes_samples(self, seq: Sequence) -> bool:
+        """Exact sample-verify needs only the rows' keyed samples; a lossy rule, simulated acceptance and the
+        planted sampling faults need the distributions themselves."""
+        return (
+            seq.spec is not None
+            and seq.spec.sim is None
+            and not self.accept_rule.lossy
+            and not {"greedy-sampling", "residual-from-target"} & set(self.debug_faults)
+        )
 
     def _sampled_accept(
         self, p: torch.Tensor, spec: SeqSpec, generator: torch.Generator | None

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from evalpipe.engine.contracts import Runner
+from evalpipe.engine.keyed import KeyedNoise
 from evalpipe.engine.runner import ModelRunner
-from evalpipe.engine.sampling import sample, sampling_probs
+from evalpipe.engine.sampling import keyed_sample_rows, sample, sampling_probs
 from evalpipe.engine.scheduler import Sequence
 from evalpipe.engine.spec.settings import parse_drafter_spec
 
@@ -94,15 +95,23 @@ class RunnerDrafter:
         while active:
             logits = self.runner.forward([handles[i] for i in active], [feed[i] for i in active], **self.forward_kwargs)
             argmax = logits.argmax(-1).tolist()  # greedy rows need nothing else (one op for the whole batch)
+            # under keyed sampling the draft for output token k draws with the target's key at k, so a drafter
+            # whose q is close to p proposes the target's own sample (coupled noise); sample-verify reads no q
+            keyed_rows = [
+                (row, seqs[i].params, seqs[i].generator, len(seqs[i].output) + len(drafts[i]))
+                for row, i in enumerate(active)
+                if isinstance(seqs[i].generator, KeyedNoise)
+            ]
+            keyed = dict(zip((r[0] for r in keyed_rows), keyed_sample_rows(logits, keyed_rows)))
             still = []
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if seq.params.greedy:
                     token = argmax[row]
+                elif row in keyed:
+                    token = keyed[row]
                 else:
                     probs = sampling_probs(logits[row], seq.params)
-                    # under keyed sampling the draft for output token k draws with the target's key at k, so
-                    # a drafter whose q is close to p proposes the target's own sample (coupled noise)
                     token = int(sample(probs, seq.generator, len(seq.output) + len(drafts[i])))
                     qs[i].append(probs)
                 drafts[i].append(token)
