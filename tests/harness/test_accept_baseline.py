@@ -101,10 +101,13 @@ def test_bad_baseline_files_are_usage_errors(tmp_path):
     assert proc.returncode == 2 and "per_position" in proc.stderr
 
 
+ARITH_ARGS = ("--num-examples", "8", "--max-tokens", "64")  # the drafters' acceptance shows from the first tokens
+
+
 def arith_run(drafter: str, out: Path, arm: str, *extra: str) -> Path:
     server = ServerProcess("--speculative", "block", "--drafter", drafter, model="evalpipe-skills-dsv4")
     try:
-        proc = run_lane("arith", server.base + "/v1", out, "--arm", arm, "--num-examples", "8", *extra, timeout=300)
+        proc = run_lane("arith", server.base + "/v1", out, "--arm", arm, *ARITH_ARGS, *extra, timeout=300)
     finally:
         server.stop()
     assert proc.returncode == 0, proc.stderr
