@@ -101,30 +101,49 @@ def test_bad_baseline_files_are_usage_errors(tmp_path):
     assert proc.returncode == 2 and "per_position" in proc.stderr
 
 
-def arith_run(drafter: str, out: Path, arm: str, *extra: str) -> Path:
-    server = ServerProcess("--speculative", "block", "--drafter", drafter, model="evalpipe-skills-dsv4")
-    try:
-        proc = run_lane("arith", server.base + "/v1", out, "--arm", arm, "--num-examples", "8", *extra, timeout=300)
-    finally:
-        server.stop()
+ARITH_ARGS = ("--num-examples", "8", "--max-tokens", "64")  # the drafters' acceptance shows from the first tokens
+
+
+def spec_server(drafter: str) -> ServerProcess:
+    return ServerProcess("--speculative", "block", "--drafter", drafter, model="evalpipe-skills-dsv4")
+
+
+@pytest.fixture(scope="module")
+def layerskip4():
+    """One `--drafter layerskip:4` server (the default drafter) for the baseline's first run and the context buckets."""
+    server = spec_server("layerskip:4")
+    yield server
+    server.stop()
+
+
+def arith_run(server: ServerProcess, out: Path, arm: str, *extra: str) -> Path:
+    proc = run_lane("arith", server.base + "/v1", out, "--arm", arm, *ARITH_ARGS, *extra, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return only_run_dir(out, "arith")
 
 
-def test_baseline_accepts_a_fresh_boot_and_flags_a_weaker_drafter(tmp_path):
+def fresh_arith_run(drafter: str, out: Path, arm: str) -> Path:
+    server = spec_server(drafter)
+    try:
+        return arith_run(server, out, arm)
+    finally:
+        server.stop()
+
+
+def test_baseline_accepts_a_fresh_boot_and_flags_a_weaker_drafter(layerskip4, tmp_path):
     baseline = tmp_path / "layerskip4.json"
-    first = arith_run("layerskip:4", tmp_path / "a", "ls4", "--save-accept-baseline", str(baseline))
+    first = arith_run(layerskip4, tmp_path / "a", "ls4", "--save-accept-baseline", str(baseline))
     saved = json.loads(baseline.read_text())
     summary = json.loads((first / "summary.json").read_text())
     assert saved["per_position"] == summary["acceptance"]["per_position"] and len(saved["per_position"]) == 5
     assert saved["server_speculative"]["drafter"] == "layerskip:4"
-    fresh = arith_run("layerskip:4", tmp_path / "b", "ls4b")
+    fresh = fresh_arith_run("layerskip:4", tmp_path / "b", "ls4b")
     ok = run_cli("compare", first, fresh, "--out", tmp_path / "c1", "--accept-baseline", baseline)
     assert ok.returncode == 0, ok.stderr
     assert "id='accept-baseline'" in (tmp_path / "c1" / "report.html").read_text()
     check = json.loads((tmp_path / "c1" / "compare.json").read_text())["accept_baseline"]
     assert not check["regressed"] and all(r["relative_change"] == 0 for r in check["positions"])
-    weak = arith_run("layerskip:2", tmp_path / "d", "ls2")
+    weak = fresh_arith_run("layerskip:2", tmp_path / "d", "ls2")
     bad = run_cli("compare", first, weak, "--no-html", "--out", tmp_path / "c2", "--accept-baseline", baseline)
     assert bad.returncode == 4 and "ACCEPTANCE REGRESSION" in bad.stderr, bad.stdout + bad.stderr
     result = json.loads((tmp_path / "c2" / "compare.json").read_text())
@@ -134,15 +153,11 @@ def test_baseline_accepts_a_fresh_boot_and_flags_a_weaker_drafter(tmp_path):
     assert a["request_weighted_accept_length"] is not None and a["by_context_tokens"]
 
 
-def test_context_buckets_on_a_real_run_with_prompts_of_several_lengths(tmp_path):
+def test_context_buckets_on_a_real_run_with_prompts_of_several_lengths(layerskip4, tmp_path):
     """`evalpipe run retrieval` (its needles sit at ~200, ~500 and ~2000-3000 prompt tokens, interleaved) on the
     default model with block speculation: the summary's buckets hold the responses of their prompt lengths, and
     each bucket's rates and accept lengths are a direct count over its own records."""
-    server = ServerProcess("--speculative", "block", model="evalpipe-skills-dsv4")
-    try:
-        proc = run_lane("retrieval", server.base + "/v1", tmp_path / "r", "--num-examples", "4", timeout=300)
-    finally:
-        server.stop()
+    proc = run_lane("retrieval", layerskip4.base + "/v1", tmp_path / "r", "--num-examples", "4", timeout=300)
     assert proc.returncode == 0, proc.stderr
     records, summary, _ = load_run(only_run_dir(tmp_path / "r", "retrieval"))
     buckets = summary["acceptance"]["by_context_tokens"]
