@@ -52,6 +52,7 @@ def main(
         log.debug("engine build failed:\n%s", traceback.format_exc())  # --log-level debug shows where
         send.send_pyobj(ipc.LoadFailed(f"{type(exc).__name__}: {exc}"))
         send.close(linger=5000)
+        recv.close(linger=0)  # the context's term() waits for every socket: an open one kept the process alive
         ctx.term()
         sys.exit(1)
     send.send_pyobj(ready_message(config, engine))
