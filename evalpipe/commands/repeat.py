@@ -27,10 +27,11 @@ CONDITION_HELP = (
 )
 @click.option(
     "--repeats",
-    type=click.IntRange(min=2),
+    type=click.IntRange(min=1),
     default=8,
     show_default=True,
-    help="Identical requests per fixture and condition (N).",
+    help="Identical requests per fixture and condition (N). N = 1 still compares the conditions with each other "
+    "(alone against batched, for one); run-to-run variation within a condition needs N >= 2.",
 )
 @click.option("--model", default=None, help="Model id [default: the first id the server lists].")
 @click.option("--api-key", default=None, envvar="EVALPIPE_API_KEY", help="Bearer key (env EVALPIPE_API_KEY).")

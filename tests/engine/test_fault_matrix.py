@@ -5,7 +5,7 @@ Detectors, each a real command against a real `evalpipe serve --model evalpipe-s
 - sampling: `evalpipe qualify --gates sampling` (T = 1; flags on exit 4);
 - greedy agreement: `evalpipe run arith` at T = 0 on the server (8 questions, 64 tokens each), `evalpipe compare`
   against the clean spec-off run (flags when any output differs: greedy speculation must be exact);
-- batch shape: `evalpipe repeat --conditions batch_shape` on open_short, N = 2 (each request alone, then inside
+- batch shape: `evalpipe repeat --conditions batch_shape` on open_short, N = 1 (the request alone, then inside
   batches at concurrency 8 and 64 filled with other prompts; flags when the outputs differ across the shapes);
 - acceptance baseline: `evalpipe compare --accept-baseline` of the greedy arith run against the baseline the clean
   spec-on server saved (`evalpipe run --save-accept-baseline`), for the servers with its drafter (flags on exit 4);
@@ -99,7 +99,7 @@ def batch_shape(server: ServerProcess, out: Path) -> dict:
         "--base-url",
         server.base + "/v1",
         "--repeats",
-        "2",
+        "1",
         "--fixtures",
         "open_short",
         "--conditions",
@@ -315,7 +315,7 @@ def test_stale_kv_after_reject_is_caught_by_greedy_agreement(matrix):
 @pytest.mark.parametrize("name", ["batch-variant", "batch-variant, spec block"])
 def test_batch_variant_is_caught_by_the_batch_shape_condition_with_speculation_off_and_on(matrix, name):
     row = matrix[name]
-    assert row["batch_shape"]["flagged"] and row["batch_shape"]["n"] == 6, row  # alone, at 8 and at 64, N = 2
+    assert row["batch_shape"]["flagged"] and row["batch_shape"]["n"] == 3, row  # alone, at 8 and at 64, N = 1
     if "sampling" in row:  # run with speculation off
         assert not row["sampling"]["flagged"], row  # its logprobs come from the same logits it samples from
 
