@@ -16,18 +16,16 @@ export EVALPIPE_DATA_DIR ?= $(DATA_DIR)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip
 
-# torch first, pinned to the CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build. Every pip
-# install here skips compiling bytecode (--no-compile): Python compiles a module when it is first imported and caches
-# it, so only what runs is compiled (torch alone: 43 s to install with pip's compile step, 14 s without).
+# torch first, pinned to the CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build.
 # The stamp skips the install while pyproject.toml is unchanged (the editable install picks up code changes).
 INSTALL_STAMP = $(VENV)/.installed-evalpipe
 install: $(INSTALL_STAMP)
 
 $(INSTALL_STAMP): pyproject.toml | $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch '$@'
 
 # vLLM's CPU build in an environment of its own (tests/interop/test_vllm_peer.py serves with it; `--engine-python
@@ -37,9 +35,9 @@ vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile '$(VLLM_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet '$(VLLM_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch '$@'
@@ -60,8 +58,8 @@ lmeval-env: $(LMEVAL_STAMP)
 
 $(LMEVAL_STAMP):
 	$(PYTHON) -m venv $(LMEVAL_VENV)
-	$(LMEVAL_VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0
-	$(LMEVAL_VENV)/bin/python -m pip install --quiet --no-compile '$(LMEVAL_SPEC)'
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet '$(LMEVAL_SPEC)'
 	$(LMEVAL_VENV)/bin/lm_eval --help > /dev/null
 	touch '$@'
 
