@@ -65,11 +65,11 @@ def measure(model: str, drafter: str, n_responses: int, max_tokens: int, seed: i
     record: dict[int, list[dict]] = {}
     plain_accept = decoder.accept
 
-    def recording_accept(seq, logits, argmax=None):
+    def recording_accept(seq, logits, argmax=None, samples=None):
         spec = seq.spec
         drafts, q = list(spec.drafts), spec.q
         p = sampling_probs(logits, seq.params).double()
-        tokens = plain_accept(seq, logits, argmax)
+        tokens = plain_accept(seq, logits, argmax, samples)
         rows = record.setdefault(seq.id, [])
         for i, tok in enumerate(tokens):
             drafted = i < len(drafts)
