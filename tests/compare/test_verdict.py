@@ -268,7 +268,7 @@ def test_every_number_in_the_greedy_lines_is_in_compare_json(tmp_path):
     )
     assert res.exit_code == 0, res.output
     g = json.loads((tmp_path / "o" / "compare.json").read_text())["greedy"]
-    lines = [x for x in res.output.splitlines() if x.startswith(("outputs ", "greedy"))]
+    lines = [x for x in res.output.splitlines() if x.startswith(("outputs ", "paired"))]
     assert lines[0].startswith("outputs token-identical in all 60 pairs")  # identity first
     text = " ".join(lines)
     ident, iv, plan, bs = g["output_identity"], g["interval"], g["planning_discordance"], g["bootstrap"]
