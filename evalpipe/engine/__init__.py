@@ -15,7 +15,8 @@ an `Engine` (engine.py) and talks to the server with the messages of ipc.py.
   sampled and verified row;
 - runner.py: ModelRunner, the model half (weights, slots, forward, truncate, drafter views) and its optional prefix
   cache (prefix_cache.py: full pages indexed by their tokens, shared by reference count); cache.py: the paged state
-  pools; forward_batch.py: one forward's rows and their addresses in the pools; tokenizer_files.py: the byte-level
+  pools; forward_batch.py: one forward's rows and their addresses in the pools; host_to_device.py: host tensors to
+  the device without a stream sync; tokenizer_files.py: the byte-level
   tokenizer as Hugging Face files; build.py: the runner and decoder of an `EngineConfig`;
 - model/: the eager model; static/: the same forward as a fixed-shape CUDA-graph step; spec/: block speculation.
 Kernels live in evalpipe/kernels; nothing here imports the evaluation harness.

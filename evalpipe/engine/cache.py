@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from evalpipe.engine.host_to_device import to_device
 from evalpipe.engine.model.config import CSA, SLIDING, compress_ratio
 
 
@@ -207,8 +208,7 @@ class StatePools:
         page = torch.tensor(pages, dtype=torch.long)[x // P]
         cells = seq * ring_size + x % ring_size
         index = torch.stack([cells, page * tail_rows + offset - (P - tail_rows)])
-        if self.device.type == "cuda":  # pinned: queued behind the step in flight instead of waiting for it
-            index = index.pin_memory().to(self.device, non_blocking=True)
+        index = to_device(index, self.device)  # queued behind the step in flight instead of waiting for it
         return index[0], index[1]
 
     def restore_rings(self, seq: int, boundary: int) -> None:
@@ -266,7 +266,7 @@ class StatePools:
 
     def page_table_on_device(self) -> torch.Tensor:
         if self._page_table_dev is None:
-            self._page_table_dev = self.page_table.to(self.device)
+            self._page_table_dev = to_device(self.page_table, self.device)
         return self._page_table_dev
 
     def entry_rows(self, slots: torch.Tensor, entries: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from evalpipe.engine.cache import StatePools
+from evalpipe.engine.host_to_device import to_device
 
 
 @dataclass
@@ -56,14 +57,13 @@ class ForwardBatch(RowRope):
         offsets = [0]
         for c in counts:
             offsets.append(offsets[-1] + c)
-        self.last_rows = torch.tensor([o - 1 for o in offsets[1:]], device=dev)
+        self.last_rows = to_device(torch.tensor([o - 1 for o in offsets[1:]]), dev)
         counts_t = torch.tensor(counts)
         row_req = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
         starts_t, slots_t = torch.tensor(starts), torch.tensor(slots)
         row_pos = starts_t[row_req] + torch.arange(self.num_rows) - torch.tensor(offsets[:-1])[row_req]
-        self.pos = row_pos.to(dev)
-        self.slot = slots_t[row_req].to(dev)
-        self.end = (starts_t + counts_t)[row_req].to(dev)  # length of the row's request after this forward
+        row_end = (starts_t + counts_t)[row_req]  # length of the row's request after this forward
+        self.pos, self.slot, self.end = (to_device(t, dev) for t in (row_pos, slots_t[row_req], row_end))
         self.groups: list[Group] = []
         by_count: dict[int, list[int]] = {}
         for i, c in enumerate(counts):
@@ -74,26 +74,27 @@ class ForwardBatch(RowRope):
             self.groups.append(
                 Group(
                     n,
-                    slots_t[idx].to(dev),
-                    starts_t[idx].to(dev),
-                    rows.to(dev),
-                    row_pos[rows].to(dev),
+                    to_device(slots_t[idx], dev),
+                    to_device(starts_t[idx], dev),
+                    to_device(rows, dev),
+                    to_device(row_pos[rows], dev),
                     host_starts=[starts[i] for i in reqs],
                 )
             )
-        self._host_pos, self._host_slot = row_pos, slots_t[row_req]
+        self._host_pos, self._host_slot, self._host_end = row_pos, slots_t[row_req], row_end
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tail_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def ring_writes(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, ring cells) to store after a layer: each request's last `ring_size` new rows at
-        `slot * ring_size + position % ring_size` (earlier rows would be overwritten in the same scatter)."""
+        `slot * ring_size + position % ring_size` (earlier rows would be overwritten in the same scatter). Computed
+        on the host: a device-side selection would wait for the GPU mid-forward."""
         if ring_size not in self._ring_writes:
-            keep = self.pos >= self.end - ring_size
-            rows = keep.nonzero().squeeze(1)
-            cells = self.slot[rows] * ring_size + self.pos[rows] % ring_size
-            self._ring_writes[ring_size] = (rows, cells)
+            rows = (self._host_pos >= self._host_end - ring_size).nonzero().squeeze(1)
+            cells = self._host_slot[rows] * ring_size + self._host_pos[rows] % ring_size
+            dev = self.pools.device
+            self._ring_writes[ring_size] = (to_device(rows, dev), to_device(cells, dev))
         return self._ring_writes[ring_size]
 
     def tail_writes(self, tail_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +107,7 @@ class ForwardBatch(RowRope):
             pages = self.pools.page_table[self._host_slot[keep], self._host_pos[keep] // P]
             cells = pages * tail_rows + offset[keep] - (P - tail_rows)
             dev = self.pools.device
-            self._tail_writes[tail_rows] = (keep.to(dev), cells.to(dev))
+            self._tail_writes[tail_rows] = (to_device(keep, dev), to_device(cells, dev))
         return self._tail_writes[tail_rows]
 
 

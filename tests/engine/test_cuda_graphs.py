@@ -224,3 +224,31 @@ def test_serving_runner_and_drafter_on_the_wrapped_runner(tiny_runner, cache_dir
     assert seq.output[:10] == want[:10]
     assert (1, 3) in graph.steps  # the verify forwards ran the static 3-row step
     assert (1, 1) in decoder.drafter.runner.steps  # and the drafter's one-row steps ran its static step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream synchronisation is a CUDA notion; needs a GPU")
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_prompt_chunk_forward_never_waits_for_the_gpu(tiny_runner, prefix_cache):
+    """The eager forward of prompt chunks (bf16, the server's sites: grouped-GEMM experts on Hopper) queues all its
+    work without one host<->device synchronisation: a sync mid-forward drains the GPU and leaves it idle while the
+    host queues the next layer (benchmarks/gpu_results/2026-12-06/prefill-syncs: 27 syncs per chunk before)."""
+    from evalpipe.engine.model.fused_sites import SiteSettings
+
+    runner = tiny_runner(
+        max_seqs=3,
+        max_seq_len=512,
+        device="cuda",
+        dtype=torch.bfloat16,
+        sites=SiteSettings(),
+        prefix_cache=prefix_cache,
+        page_tokens=8,
+    )
+    a, b = runner.allocate(), runner.allocate()
+    runner.forward([a], [prompt(40, 1)])  # warm-up: compiles the kernels, fills the rings
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = runner.forward([a, b], [prompt(37, 2), prompt(90, 3)])  # two chunk lengths: two groups
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape[0] == 2 and bool(torch.isfinite(logits).all())

@@ -75,14 +75,14 @@ class MoE:
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
         weight_of = w.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        if grouped:
-            offs = torch.cumsum(counts, 0).to(torch.int32)
+        if grouped:  # counts by scatter: torch.bincount on CUDA reads its input's range back (a sync mid-forward)
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+            offs = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat)), 0).to(torch.int32)
             gate, up = torch._grouped_mm(x[token_of], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
             y = torch._grouped_mm(self._swiglu(gate, up), self.down.transpose(1, 2), offs=offs) * weight_of[:, None]
             return routed.index_add_(0, token_of, y.to(x.dtype))
         start = 0
-        for e, c in enumerate(counts.tolist()):
+        for e, c in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
             if c == 0:
                 continue
             tok = token_of[start : start + c]
