@@ -19,7 +19,8 @@ import torch
 
 from evalpipe.engine.cache import PoolExhausted, StatePools
 from evalpipe.engine.forward_batch import ForwardBatch
-from evalpipe.engine.model.config import load_config
+from evalpipe.engine.host_to_device import to_device
+from evalpipe.engine.model.config import load_engine_config
 from evalpipe.engine.model.deepseek_v4 import DeepseekV4Model
 from evalpipe.engine.model.fused_sites import SiteSettings
 from evalpipe.engine.model.weights import load_state_dict, resolve_model
@@ -96,7 +97,7 @@ class ModelRunner:
     ):
         path, self.model_name = resolve_model(model_path)  # None: the default (trained) model
         self.model_path = str(path)
-        self.config = load_config(path)
+        self.config = load_engine_config(path)
         self.device, self.dtype = torch.device(device), dtype
         self.max_seq_len, self.max_seqs = int(max_seq_len), int(max_seqs)
         self.model = DeepseekV4Model(
@@ -229,7 +230,7 @@ class ModelRunner:
         for seq, s, c in zip(seqs, starts, counts):
             self.pools.tails_before(seq, s, s + c)  # the model writes the tails of this forward's rows
         flat = [t for toks in tokens for t in toks]
-        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        input_ids = to_device(torch.tensor(flat, dtype=torch.long), self.device)
         batch = ForwardBatch(self.pools, seqs, starts, counts, input_ids)
         rows = torch.arange(batch.num_rows, device=self.device) if all_logits else batch.last_rows
         logits = self.model.forward(batch, self.pools, rows)

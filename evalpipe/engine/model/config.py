@@ -1,45 +1,130 @@
-"""Model configuration: transformers' `DeepseekV4Config` is the schema; this module only loads it and derives
-the few serving-side numbers (rope tables, compression ratios) the engine needs."""
+"""Model configuration: transformers' `DeepseekV4Config` is the schema and resolves every field (defaults, the
+standardised RoPE parameters); this module loads it and derives the few serving-side numbers (rope tables,
+compression ratios) the engine needs.
+
+Importing transformers costs about a second of every engine start. So what transformers resolved for a config file
+(every field, and each RoPE table's inverse frequencies and attention scaling) is kept in the evalpipe cache, keyed
+by the file's bytes and transformers' version; a later start with the same file and version reads that record
+(`ResolvedConfig`, `load_engine_config`) and does not import transformers. Tools that hand the configuration to
+transformers (checkpoint writing, the oracle, training) take `load_config`, which is always transformers'."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from transformers import DeepseekV4Config
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from evalpipe.engine.model.primitives import rotate_half_matrix
 
 TINY_CONFIG_PATH = Path(__file__).with_name("tiny_config.json")
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+ROPE_LABELS = ("main", "compress")
 
 
-def load_config(source: str | Path | dict) -> DeepseekV4Config:
-    """A `DeepseekV4Config` from a checkpoint directory, a config.json path, or a plain dict."""
+class ResolvedConfig(SimpleNamespace):
+    """The fields transformers' `DeepseekV4Config` resolved for a config file, read back from the cache, plus
+    `rope_inits`: {label: (inverse frequencies, attention scaling)} as transformers computed them."""
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "rope_inits"}
+
+
+def load_config(source: str | Path | dict):
+    """transformers' `DeepseekV4Config` from a checkpoint directory, a config.json path, or a plain dict."""
     if isinstance(source, dict):
-        return DeepseekV4Config(**source)
+        return _transformers_config(source)
+    return _transformers_config(json.loads(_config_file(source).read_bytes()))
+
+
+def load_engine_config(source: str | Path):
+    """The configuration an engine start reads: the `ResolvedConfig` cached for this file (see the module
+    docstring), or on the first start transformers' `DeepseekV4Config`, whose resolution is then cached."""
+    raw = _config_file(source).read_bytes()
+    record = _resolved_path(raw)
+    try:
+        fields = json.loads(record.read_text())
+        return ResolvedConfig(**{**fields, "rope_inits": {k: tuple(v) for k, v in fields["rope_inits"].items()}})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # not resolved yet (or a record from an interrupted write): transformers resolves it
+    config = _transformers_config(json.loads(raw))
+    _save_resolved(record, config)
+    return config
+
+
+def _config_file(source: str | Path) -> Path:
+    """The config.json of a checkpoint folder or path, checked to be a DeepSeek-V4 one."""
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
-    data = json.loads(path.read_text())
-    if data.get("model_type", "deepseek_v4") != "deepseek_v4":
-        raise ValueError(f"{path}: model_type {data.get('model_type')!r} is not deepseek_v4")
-    data.pop("transformers_version", None)
-    return DeepseekV4Config(**{k: v for k, v in data.items() if k not in ("model_type", "architectures")})
+    model_type = json.loads(path.read_bytes()).get("model_type", "deepseek_v4")
+    if model_type != "deepseek_v4":
+        raise ValueError(f"{path}: model_type {model_type!r} is not deepseek_v4")
+    return path
 
 
-def tiny_config() -> DeepseekV4Config:
+def _transformers_config(data: dict):
+    from transformers import DeepseekV4Config
+
+    data = {k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")}
+    return DeepseekV4Config(**data)
+
+
+def _resolved_path(raw: bytes) -> Path:
+    from evalpipe.engine.model.weights import cache_root
+
+    version = importlib.metadata.version("transformers")
+    key = hashlib.sha256(raw + b"\0transformers " + version.encode()).hexdigest()[:24]
+    return cache_root() / "resolved-configs" / f"{key}.json"
+
+
+def _save_resolved(record: Path, config) -> None:
+    """Write the record atomically (a concurrent start reads a whole record or none); an unwritable cache only
+    costs later starts the import."""
+    fields = config.to_dict()
+    inits = {label: _rope_init(config, label) for label in ROPE_LABELS}
+    fields["rope_inits"] = {label: (inv.tolist(), scaling) for label, (inv, scaling) in inits.items()}
+    tmp = record.with_name(f"{record.name}.tmp{os.getpid()}")
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(fields))
+        tmp.replace(record)
+    except (OSError, TypeError, ValueError):
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _rope_init(config, label: str) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rope_dim / 2] float32, attention scaling) of one rope table."""
+    inits = getattr(config, "rope_inits", None)
+    if inits is not None:
+        inv, scaling = inits[label]
+        return torch.tensor(inv, dtype=torch.float32), float(scaling)
+    params = config.rope_parameters[label]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=label)
+    return inv_freq.float(), float(scaling)
+
+
+def tiny_config():
     return load_config(TINY_CONFIG_PATH)
 
 
-def config_hash(config: DeepseekV4Config) -> str:
+def config_hash(config) -> str:
     """Short stable hash of the config's content (keys sorted, version stamp dropped): names weight caches."""
     data = config.to_dict()
     for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures"):
@@ -48,7 +133,7 @@ def config_hash(config: DeepseekV4Config) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def compress_ratio(config: DeepseekV4Config, layer_type: str) -> int:
+def compress_ratio(config, layer_type: str) -> int:
     return 0 if layer_type == SLIDING else int(config.compress_rates[layer_type])
 
 
@@ -66,18 +151,11 @@ class RopeTable:
         return self.cos.shape[-1]
 
 
-def rope_tables(config: DeepseekV4Config, max_pos: int, device: str | torch.device = "cpu") -> dict[str, RopeTable]:
+def rope_tables(config, max_pos: int, device: str | torch.device = "cpu") -> dict[str, RopeTable]:
     """{"main": ..., "compress": ...}: sliding layers use main, compressed layers and their compressors compress."""
     tables = {}
-    for label in ("main", "compress"):
-        params = config.rope_parameters[label]
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
-            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=label)
+    for label in ROPE_LABELS:
+        inv_freq, scaling = _rope_init(config, label)
         positions = torch.arange(max_pos, dtype=torch.long)
         freqs = positions[:, None].float() * inv_freq.float()
         cos = (freqs.cos() * scaling).repeat_interleave(2, dim=-1)

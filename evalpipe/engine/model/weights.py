@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from evalpipe.digest import file_sha256
-from evalpipe.engine.model.config import config_hash, tiny_config
+from evalpipe.engine.model.config import TINY_CONFIG_PATH, config_hash, load_engine_config, tiny_config
 from evalpipe.engine.model.names import DEFAULT_MODEL_NAME, PACKAGED_MODEL_NAMES, TINY_MODEL_NAME
 
 # Original-checkpoint leaf names -> module names (suffix of a per-layer key after "layers.N.").
@@ -209,10 +209,10 @@ def default_checkpoint() -> Path:
     path, so editing tiny_config.json never reuses stale weights), with the byte tokenizer's Hugging Face files."""
     from evalpipe.engine.tokenizer_files import ensure_tokenizer_files
 
-    config = tiny_config()
-    out = cache_root() / f"{TINY_MODEL_NAME}-{config_hash(config)}-seed0"
+    out = cache_root() / f"{TINY_MODEL_NAME}-{config_hash(load_engine_config(TINY_CONFIG_PATH))}-seed0"
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
+        config = tiny_config()
         save_checkpoint(config, init_tiny_weights(config, seed=0), out)
     try:
         ensure_tokenizer_files(out)  # Hugging Face tools read the folder offline (engine/tokenizer_files.py)
