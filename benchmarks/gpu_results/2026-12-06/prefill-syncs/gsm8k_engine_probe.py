@@ -1,7 +1,7 @@
 """The served GSM8K job's engine half in process (v4-top2 random bf16, the server's build and Engine, prefix cache
 on): 1,314 five-shot prompts at C64 with the lane's sampling (T 0, 256 tokens, its stop strings), then the same
 with no stop strings and ignore_eos. Per step: wall, decode rows, prompt rows; the time in steps with prompt chunks
-vs pure decode steps by batch size; a cProfile of the 200 steps from step 2,000 of the first run."""
+vs pure decode steps by batch size; a cProfile of the 200 steps from step 2,000 of the first run. With a third argument (comma-separated prefill delay factors, e.g. 0,1,0,1): one engine per factor, a 256-prompt warm-up on the first, then the lane-sampling run on each."""
 
 from __future__ import annotations
 
@@ -80,23 +80,39 @@ def main():
     data = Path(sys.argv[2])
     model_dir = out / "v4-top2"
     rj.write_checkpoint(model_dir, False)
-    config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_batch=64)
-    t0 = time.perf_counter()
-    engine = build_engine(config, build, lambda c: load_tokenizer(None))
-    print(
-        f"{torch.cuda.get_device_name()}: engine built in {time.perf_counter() - t0:.1f}s, chunk "
-        f"{config.max_tokens_per_step}",
-        flush=True,
-    )
-    items = LANE.load(data, False).items
-    tok = engine.tokenizer
-    prompts = [tok.encode_prompt(i.prompt) for i in items]
-    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} tokens", flush=True)
+    delays = [float(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if x]
     lane = SamplingParams(max_tokens=256, temperature=0.0, seed=0, stop=("Question", "Assistant:", "<|separator|>"))
     free = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
-    for label, params in (("lane sampling", lane), ("no stops, ignore_eos", free), ("lane sampling again", lane)):
-        print(f"== {label}", flush=True)
-        run(engine, prompts, params, profile_at=2000 if label == "lane sampling" else None)
+    items = LANE.load(data, False).items
+    for i, delay in enumerate(delays or [0.0]):
+        config = EngineConfig(
+            model=str(model_dir), device="cuda", dtype="bfloat16", max_batch=64, prefill_delay_factor=delay
+        )
+        t0 = time.perf_counter()
+        engine = build_engine(config, build, lambda c: load_tokenizer(None))
+        print(
+            f"{torch.cuda.get_device_name()}: engine built in {time.perf_counter() - t0:.1f}s, chunk "
+            f"{config.max_tokens_per_step}, prefill delay factor {delay}",
+            flush=True,
+        )
+        prompts = [engine.tokenizer.encode_prompt(it.prompt) for it in items]
+        if not delays:
+            print(f"{len(prompts)} prompts, {sum(map(len, prompts))} tokens", flush=True)
+            for label, params in (
+                ("lane sampling", lane),
+                ("no stops, ignore_eos", free),
+                ("lane sampling again", lane),
+            ):
+                print(f"== {label}", flush=True)
+                run(engine, prompts, params, profile_at=2000 if label == "lane sampling" else None)
+            return
+        if i == 0:
+            print("== warm-up (256 prompts)", flush=True)
+            run(engine, prompts[:256], lane)
+        print(f"== lane sampling, prefill delay factor {delay}", flush=True)
+        run(engine, prompts, lane)
+        del engine
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
