@@ -1,7 +1,9 @@
 """The served GSM8K job's engine half in process (v4-top2 random bf16, the server's build and Engine, prefix cache
 on): 1,314 five-shot prompts at C64 with the lane's sampling (T 0, 256 tokens, its stop strings), then the same
 with no stop strings and ignore_eos. Per step: wall, decode rows, prompt rows; the time in steps with prompt chunks
-vs pure decode steps by batch size; a cProfile of the 200 steps from step 2,000 of the first run. With a third argument (comma-separated prefill delay factors, e.g. 0,1,0,1): one engine per factor, a 256-prompt warm-up on the first, then the lane-sampling run on each."""
+vs pure decode steps by batch size; a cProfile of the 200 steps from step 2,000 of the first run. With a third
+argument (comma-separated prefill delay factors, e.g. 0,1,0,1): one engine per factor, a 256-prompt warm-up on the
+first, then the lane-sampling run on each."""
 
 from __future__ import annotations
 
