@@ -26,6 +26,9 @@ install: $(INSTALL_STAMP)
 $(INSTALL_STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# bytecode for the checkout's own code (pip compiles only site-packages): where PYTHONDONTWRITEBYTECODE is set,
+	@# every process the suite starts would otherwise compile what it imports from source again
+	$(PY) -m compileall -q evalpipe tests benchmarks training > /dev/null
 	touch '$@'
 
 # vLLM's CPU build in an environment of its own (tests/interop/test_vllm_peer.py serves with it; `--engine-python

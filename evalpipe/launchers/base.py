@@ -307,7 +307,7 @@ class Launcher(ABC):
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:]) or "(log is empty)"
 
-    def wait_ready(self, timeout: float, poll_interval: float = 0.5) -> None:
+    def wait_ready(self, timeout: float, poll_interval: float = 0.2) -> None:
         """Poll the health check until 200; on exit or timeout stop the whole group and raise with the log tail."""
         assert self.process is not None, "start() first"
         url = self.base_url + self.health_path

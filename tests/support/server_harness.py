@@ -49,7 +49,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server not ready after {READY_TIMEOUT_S}s:\n{self.output()}")
 

@@ -79,9 +79,12 @@ def _transformers_config(data: dict):
     return DeepseekV4Config(**data)
 
 
-def _resolved_path(raw: bytes) -> Path:
-    from evalpipe.engine.model.weights import cache_root
+def cache_root() -> Path:
+    """Where evalpipe keeps what it builds once: the random tiny checkpoint (model/weights.py), resolved configs."""
+    return Path(os.environ.get("EVALPIPE_CACHE_DIR") or Path.home() / ".cache" / "evalpipe")
 
+
+def _resolved_path(raw: bytes) -> Path:
     version = importlib.metadata.version("transformers")
     key = hashlib.sha256(raw + b"\0transformers " + version.encode()).hexdigest()[:24]
     return cache_root() / "resolved-configs" / f"{key}.json"

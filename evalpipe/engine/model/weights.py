@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from evalpipe.digest import file_sha256
-from evalpipe.engine.model.config import TINY_CONFIG_PATH, config_hash, load_engine_config, tiny_config
+from evalpipe.engine.model.config import TINY_CONFIG_PATH, cache_root, config_hash, load_engine_config, tiny_config
 from evalpipe.engine.model.names import DEFAULT_MODEL_NAME, PACKAGED_MODEL_NAMES, TINY_MODEL_NAME
 
 # Original-checkpoint leaf names -> module names (suffix of a per-layer key after "layers.N.").
@@ -141,10 +141,6 @@ def _refuse_quantized(state: dict, experts: dict) -> None:
             f"quantized checkpoint tensors are not supported ({len(bad)}, e.g. {bad[0]}): "
             "convert the checkpoint to bfloat16/float32 weights first"
         )
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EVALPIPE_CACHE_DIR") or Path.home() / ".cache" / "evalpipe")
 
 
 def init_tiny_weights(config, seed: int = 0) -> dict[str, torch.Tensor]:
