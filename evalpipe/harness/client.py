@@ -17,9 +17,8 @@ import codecs
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Optional
 
-import aiohttp
 import httpx
 import openai
 from httpx_sse import SSEError
@@ -27,6 +26,9 @@ from httpx_sse._decoders import SSEDecoder, SSELineDecoder  # the package's spec
 
 from evalpipe.harness.server_facts import deterministic_mode
 from evalpipe.redact import redact, scrub_values
+
+if TYPE_CHECKING:  # aiohttp is imported where streams are read (bench, qualify): a quarter second of every `run`
+    import aiohttp
 
 DEFAULT_BASE_URL = "http://127.0.0.1:30000/v1"  # where `evalpipe serve` listens unless told otherwise
 # vLLM's /server_info (dev mode) is one text string unless asked for JSON; others ignore the query
@@ -290,6 +292,8 @@ def streaming_client(api_key: Optional[str], timeout_s: float, connections: int)
     aiohttp, not httpx, reads streams: its C HTTP parser costs less client CPU per streamed event (measured by
     benchmarks/harness/bench_client_ceiling.py), and a bench whose client is the bound measures the client. Same
     timeouts (`timeout`), TLS context, key and proxy settings."""
+    import aiohttp
+
     limits = timeout(timeout_s)
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=connections + 4, ssl=ssl_context(), keepalive_timeout=KEEPALIVE_EXPIRY_S),
