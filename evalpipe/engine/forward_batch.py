@@ -62,8 +62,7 @@ class ForwardBatch(RowRope):
         row_req = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
         starts_t, slots_t = torch.tensor(starts), torch.tensor(slots)
         row_pos = starts_t[row_req] + torch.arange(self.num_rows) - torch.tensor(offsets[:-1])[row_req]
-        row_end = (starts_t + counts_t)[row_req]  # length of the row's request after this forward
-        self.pos, self.slot, self.end = (to_device(t, dev) for t in (row_pos, slots_t[row_req], row_end))
+        self.pos, self.slot = to_device(row_pos, dev), to_device(slots_t[row_req], dev)
         self.groups: list[Group] = []
         by_count: dict[int, list[int]] = {}
         for i, c in enumerate(counts):
@@ -81,7 +80,8 @@ class ForwardBatch(RowRope):
                     host_starts=[starts[i] for i in reqs],
                 )
             )
-        self._host_pos, self._host_slot, self._host_end = row_pos, slots_t[row_req], row_end
+        self._host_pos, self._host_slot = row_pos, slots_t[row_req]
+        self._host_end = (starts_t + counts_t)[row_req]  # length of the row's request after this forward
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tail_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
