@@ -39,37 +39,37 @@ class ResolvedConfig(SimpleNamespace):
 
 def load_config(source: str | Path | dict):
     """transformers' `DeepseekV4Config` from a checkpoint directory, a config.json path, or a plain dict."""
-    if isinstance(source, dict):
-        return _transformers_config(source)
-    return _transformers_config(json.loads(_config_file(source).read_bytes()))
+    return _transformers_config(source if isinstance(source, dict) else _read_config(source)[1])
 
 
 def load_engine_config(source: str | Path):
     """The configuration an engine start reads: the `ResolvedConfig` cached for this file (see the module
     docstring), or on the first start transformers' `DeepseekV4Config`, whose resolution is then cached."""
-    raw = _config_file(source).read_bytes()
+    raw, data = _read_config(source)
     record = _resolved_path(raw)
     try:
         fields = json.loads(record.read_text())
-        return ResolvedConfig(**{**fields, "rope_inits": {k: tuple(v) for k, v in fields["rope_inits"].items()}})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        if all(label in fields["rope_inits"] for label in ROPE_LABELS):
+            return ResolvedConfig(**fields)
+    except (OSError, ValueError, KeyError, TypeError):
         pass  # not resolved yet (or a record from an interrupted write): transformers resolves it
-    config = _transformers_config(json.loads(raw))
+    config = _transformers_config(data)
     _save_resolved(record, config)
     return config
 
 
-def _config_file(source: str | Path) -> Path:
-    """The config.json of a checkpoint folder or path, checked to be a DeepSeek-V4 one."""
+def _read_config(source: str | Path) -> tuple[bytes, dict]:
+    """(the bytes, the parsed fields) of a checkpoint folder's or path's config.json, checked to be DeepSeek-V4."""
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
-    model_type = json.loads(path.read_bytes()).get("model_type", "deepseek_v4")
-    if model_type != "deepseek_v4":
-        raise ValueError(f"{path}: model_type {model_type!r} is not deepseek_v4")
-    return path
+    raw = path.read_bytes()
+    data = json.loads(raw)
+    if data.get("model_type", "deepseek_v4") != "deepseek_v4":
+        raise ValueError(f"{path}: model_type {data.get('model_type')!r} is not deepseek_v4")
+    return raw, data
 
 
 def _transformers_config(data: dict):
