@@ -5,7 +5,8 @@ Why the default CUDA path varies with the batch (the engine's serving path; what
 - torch GEMMs (`F.linear`, `torch.matmul`, `torch.bmm`: engine/model/attention.py, compressor.py, moe.py, hyper.py,
   deepseek_v4.py's LM head, engine/static/model.py): cuBLAS picks its kernel, tile and split-K from M, so a row's
   K order changes with the rows beside it. Here: `matmul`, one tile shape per weight shape (`tile_for`, never M),
-  K walked in order, split into a fixed number of slices summed in slice order.
+  K walked in order, split into a fixed number of slices summed in slice order (prompt chunks); or `slab_matmul`,
+  the library's own GEMM on products of exactly 64 rows (the CUDA-graph step, whose C64 decode is one such slab).
 - torch reductions over a dim (`.sum`/`.mean`: the eager RMSNorms of primitives.py in bf16, the compressor's pooled
   sum, the indexer's head sum): TensorIterator splits a reduction across threads and blocks by the output count.
   Here: `reduce_sum`, one program per output, fixed block, fixed order.
@@ -44,7 +45,8 @@ tiles, same K order); the interpreter tests check the tiling, masks and order, t
 
 `invariant_ops()` routes aten's mm/addmm/bmm and sum/mean over dims on CUDA tensors to these kernels while it is
 open (torch.library overrides of the CUDA dispatch key, as Thinking Machines' batch_invariant_ops does), so the
-model code keeps its plain torch calls; the kernels are plain Triton launches, so CUDA-graph capture works inside it.
+model code keeps its plain torch calls; the kernels are plain Triton launches and library calls, so CUDA-graph
+capture works inside it. The eager forward opens it with `gemm="tiles"`, the CUDA-graph step with `gemm="slabs"`.
 """
 
 from __future__ import annotations
@@ -441,11 +443,51 @@ def reduce_sum(x, dims=None, keepdim: bool = False, *, mean: bool = False, dtype
     return out
 
 
+# ---- fixed-height products (the CUDA-graph step) -----------------------------------------------------------------
+
+SLAB_ROWS = 64  # every product of slab_matmul has exactly this many rows: the C64 decode step's own height
+
+
+def slab_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) as ceil(M / SLAB_ROWS) library products of exactly SLAB_ROWS rows each
+    (`mm.out` / `addmm.out` per slab, into one fresh output). The library picks its kernel, tile and split from the
+    product's shape, dtype, layout and pointer alignment (to 16 bytes), none of which follows M here: a is taken as
+    it is when it is contiguous, 16-byte aligned and whole slabs, and zero-padded into a fresh tensor otherwise. So
+    a row's bits do not depend on the rows beside it or their number, as with `matmul`, at the library's speed for 64
+    rows. Not for prompt chunks: a 2,048-row chunk would read each weight 32 times."""
+    _check_matmul(a, b, bias)
+    if a.dim() != 2:
+        raise ValueError(f"slab_matmul takes [M, K] @ [K, N], got {tuple(a.shape)}")
+    M, K = a.shape
+    N = b.shape[1]
+    if M == 0:
+        return a.new_empty(0, N)
+    pad = -M % SLAB_ROWS
+    if pad or not a.is_contiguous() or a.data_ptr() % 16:
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # a fresh contiguous [M + pad, K]
+    out = a.new_empty(M + pad, N)
+    for start in range(0, M + pad, SLAB_ROWS):
+        rows = slice(start, start + SLAB_ROWS)
+        # the .out overloads run the library's kernels: invariant_ops overrides only mm.default and addmm.default
+        if bias is None:
+            torch.mm(a[rows], b, out=out[rows])
+        else:
+            torch.addmm(bias, a[rows], b, out=out[rows])
+    return out[:M]
+
+
 # ---- the aten overrides -----------------------------------------------------------------------------------------
 
 
+def _gemm(a, b, bias=None):
+    """The innermost open invariant_ops' GEMM."""
+    if _GEMM_MODES[-1] == "slabs":
+        return slab_matmul(a, b, bias)
+    return matmul(a, b, bias, backend="triton")
+
+
 def _mm(a, b):
-    return matmul(a, b, backend="triton")
+    return _gemm(a, b)
 
 
 def _bmm(a, b):
@@ -454,8 +496,8 @@ def _bmm(a, b):
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
     if beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == b.shape[1] and bias.dtype == a.dtype:
-        return matmul(a, b, bias, backend="triton")
-    product = matmul(a, b, backend="triton")
+        return _gemm(a, b, bias)
+    product = _gemm(a, b)
     return product * alpha + bias * beta if beta != 0 else product * alpha  # elementwise: per row
 
 
@@ -469,12 +511,20 @@ def _mean(x, dim=None, keepdim=False, *, dtype=None):
 
 _OVERRIDES = {"mm": _mm, "bmm": _bmm, "addmm": _addmm, "sum.dim_IntList": _sum, "mean.dim": _mean}
 _OPEN: list = []  # the one registration while any invariant_ops() is open, and how deep
+GEMM_MODES = ("tiles", "slabs")
+_GEMM_MODES: list[str] = ["tiles"]  # the innermost open invariant_ops' gemm
 
 
 @contextlib.contextmanager
-def invariant_ops(enabled: bool = True):
+def invariant_ops(enabled: bool = True, gemm: str = "tiles"):
     """While open (and `enabled`), aten mm / addmm / bmm and sum / mean over dims of CUDA tensors run the kernels
-    above. Nested opens share one registration; the last close removes it. CPU tensors are not affected."""
+    above. `gemm`: how mm and addmm run, "tiles" (`matmul`, one launch whatever M: prompt chunks) or "slabs"
+    (`slab_matmul`, 64-row library products: the CUDA-graph step, whose products have at most a few slabs); bmm
+    always runs `matmul`. Both keep a row's bits whatever M, but not the same bits as each other, so one forward
+    path keeps one mode. Nested opens share one registration; the last close removes it. CPU tensors are not
+    affected."""
+    if gemm not in GEMM_MODES:
+        raise ValueError(f"gemm must be one of {GEMM_MODES}, got {gemm!r}")
     if not enabled:
         yield
         return
@@ -484,9 +534,11 @@ def invariant_ops(enabled: bool = True):
             lib.impl(name, fn, "CUDA")
         _OPEN.append(lib)
     _OPEN.append(None)
+    _GEMM_MODES.append(gemm)
     try:
         yield
     finally:
+        _GEMM_MODES.pop()
         _OPEN.pop()
         if len(_OPEN) == 1:
             _OPEN.pop()._destroy()

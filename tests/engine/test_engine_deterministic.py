@@ -79,8 +79,10 @@ def row_ops(device: str, dtype: torch.dtype, gen: torch.Generator) -> dict:
     """Ops of the model's kinds over [B, 777] rows: a linear, a folded 3-d matmul, a bmm, a sum and a mean."""
     w = torch.randn(1000, 777, generator=gen, device=device).to(dtype)
     w3 = torch.randn(7, 111, 50, generator=gen, device=device).to(dtype)
+    bias = torch.randn(1000, generator=gen, device=device).to(dtype)
     return {
         "linear": lambda x: F.linear(x, w),
+        "linear with bias": lambda x: F.linear(x, w, bias),
         "matmul 3-d": lambda x: torch.matmul(x.view(x.shape[0], 7, 111), w[:50, :111].t()),
         "bmm": lambda x: torch.bmm(x.view(x.shape[0], 7, 111).transpose(0, 1), w3).transpose(0, 1),
         "sum": lambda x: x.float().sum(-1),
@@ -96,12 +98,16 @@ def test_row_ops_shapes():
 
 
 @CUDA
+@pytest.mark.parametrize("gemm", ["tiles", "slabs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_rows_inside_invariant_ops_are_the_same_alone_and_in_a_batch(dtype):
+def test_cuda_rows_inside_invariant_ops_are_the_same_alone_and_in_a_batch(dtype, gemm):
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 1 << 20, ())))
-    rows = torch.randn(64, 777, generator=gen, device="cuda").to(dtype)
+    rows = torch.randn(150, 777, generator=gen, device="cuda").to(dtype)  # three 64-row slabs, the last padded
     rows[3] = float("nan")  # a neighbour's NaN stays in its row
-    at = 37
-    with invariant_ops():
+    rows[140] = float("inf")
+    with invariant_ops(gemm=gemm):
         for name, op in row_ops("cuda", dtype, gen).items():
-            assert torch.equal(op(rows[at : at + 1])[0], op(rows)[at]), name
+            batch = op(rows)
+            for at in (0, 37, 64, 137):  # slots of the first, second and last slab
+                assert torch.equal(op(rows[at : at + 1])[0], batch[at]), (name, at)
+                assert torch.equal(op(rows[at : at + 5])[0], batch[at]), (name, at)  # a row first among 5

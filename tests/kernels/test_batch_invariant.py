@@ -195,3 +195,53 @@ def test_invariant_ops_overrides_cuda_kernels_only_while_open_and_nests():
     assert {op: _cuda_kernel_of(op) for op in ops} == before
     with bi.invariant_ops(enabled=False):
         assert _cuda_kernel_of("aten::mm") == before["aten::mm"]
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        with bi.invariant_ops(gemm="cublas"):
+            pass
+
+
+def test_invariant_ops_leaves_mm_out_to_the_library_and_keeps_the_innermost_gemm_mode():
+    """slab_matmul's products go through `mm.out`, which the overrides must leave alone (or it would call itself);
+    the innermost open invariant_ops decides how mm and addmm run, and its close restores the outer one's."""
+
+    def mm_out_kernel() -> str | None:  # None where this torch build has no CUDA kernels
+        table = torch._C._dispatch_dump_table("aten::mm.out").split("\n")
+        return next((line for line in table if line.startswith("CUDA")), None)
+
+    mm_out = mm_out_kernel()
+    with bi.invariant_ops(gemm="tiles"):
+        assert _cuda_kernel_of("aten::mm").find("batch_invariant.py") > 0
+        assert mm_out_kernel() == mm_out and "batch_invariant.py" not in (mm_out or "")
+        assert bi._GEMM_MODES[-1] == "tiles"
+        with bi.invariant_ops(gemm="slabs"):
+            assert bi._GEMM_MODES[-1] == "slabs"
+        assert bi._GEMM_MODES[-1] == "tiles"
+    assert bi._GEMM_MODES == ["tiles"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 150])
+def test_slab_matmul_pads_to_whole_slabs_and_keeps_rows_apart(dtype, rows):
+    """Numbers only, on the CPU: each row within the accumulation bound of the reference, with and without bias.
+    The claims of the same bits in any batch and of a NaN neighbour staying in its row are the library's on CUDA,
+    checked there by tests/engine/test_engine_deterministic.py (a CPU BLAS may compute bfloat16 rows in pairs: on
+    one build a NaN row spread to a second row)."""
+    gen = torch.Generator().manual_seed(rows)
+    a = torch.randn(rows, 300, generator=gen).to(dtype)
+    w = torch.randn(300, 70, generator=gen).to(dtype)
+    bias = torch.randn(70, generator=gen).to(dtype)
+    out = bi.slab_matmul(a, w)
+    assert out.shape == (rows, 70) and out.dtype == dtype
+    _assert_matmul_close(out, a, w)
+    _assert_matmul_close(bi.slab_matmul(a, w, bias), a, w, bias)
+    view = torch.randn(rows, 301, generator=gen).to(dtype)[:, 1:]  # not contiguous: padded into a fresh copy
+    _assert_matmul_close(bi.slab_matmul(view, w), view, w)
+
+
+def test_slab_matmul_edges():
+    assert bi.slab_matmul(torch.randn(0, 5), torch.randn(5, 3)).shape == (0, 3)
+    assert torch.equal(bi.slab_matmul(torch.randn(2, 0), torch.randn(0, 3)), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="slab_matmul takes"):
+        bi.slab_matmul(torch.randn(2, 2, 5), torch.randn(2, 5, 3))
+    with pytest.raises(ValueError, match="do not fit"):
+        bi.slab_matmul(torch.randn(2, 5), torch.randn(4, 3))

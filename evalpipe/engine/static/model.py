@@ -58,7 +58,9 @@ class StaticModel:
         kernels (`kernels.hyper`: the merge that ends a block also computes the next hyper-connection's mixing
         partials; the next block starts by reducing them, Sinkhorn, collapse and its input RMSNorm)."""
         m = self.model
-        with invariant_ops(m.deterministic):  # --deterministic: batch-invariant GEMMs inside the captured step
+        # --deterministic: batch-invariant GEMMs inside the captured step, as 64-row library products (a step has
+        # at most a few slabs of rows; kernels/batch_invariant.py)
+        with invariant_ops(m.deterministic, gemm="slabs"):
             h = m.hidden_through_kernels(
                 F.embedding(batch.input_ids, m.embed),
                 lambda i, layer, x: self.attention(layer.attn, x, batch, pools.layers[i]),
