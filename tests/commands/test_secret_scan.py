@@ -13,7 +13,8 @@ import uuid
 import httpx
 import pytest
 
-from tests.support.core_helpers import DATA_DIR, evalpipe_cmd
+from tests.support.cli_fork_server import run_forked
+from tests.support.core_helpers import DATA_DIR
 from tests.support.server_harness import ServerProcess
 
 KEY = f"sk-scan-{uuid.uuid4().hex}"
@@ -32,7 +33,7 @@ def cli(*args, env_key: bool = False, timeout: float = 600) -> subprocess.Comple
     env.pop("EVALPIPE_API_KEY", None)
     if env_key:
         env["EVALPIPE_API_KEY"] = KEY
-    r = subprocess.run(evalpipe_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env)
+    r = run_forked(list(map(str, args)), env=env, cwd=os.getcwd(), timeout=timeout)
     assert r.returncode == 0, f"{args}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r
 

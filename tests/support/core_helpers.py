@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.cli_fork_server import run_forked
+
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / "data")
 
@@ -32,9 +34,14 @@ def interruptible_evalpipe_cmd(*args: str) -> list[str]:
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`evalpipe ARGS` in a fresh interpreter (progress bar off, data dir pinned to the shared copy)."""
+    """`evalpipe ARGS` in a child process (data dir pinned to the shared copy), forked from a process that has
+    imported the CLI already (tests/support/cli_fork_server.py); EVALPIPE_TESTS_FORK=0: a fresh interpreter."""
     env = dict(os.environ, EVALPIPE_DATA_DIR=str(DATA_DIR))
-    return subprocess.run(evalpipe_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO))
+    if os.environ.get("EVALPIPE_TESTS_FORK") == "0":
+        return subprocess.run(
+            evalpipe_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO)
+        )
+    return run_forked(list(map(str, args)), env=env, cwd=str(REPO), timeout=timeout)
 
 
 def run_lane(lane: str, base_url: str, out: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:

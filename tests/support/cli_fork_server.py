@@ -1,0 +1,198 @@
+"""`evalpipe ARGS` for the tests as a fork of a process that has already imported the CLI.
+
+Each of the suite's several hundred short commands (`run`, `compare`, `audit`, `qualify`, ...) spent about a second
+of CPU importing openai, httpx, scipy and evalpipe before its own work, and the 2-core CI machine is CPU bound. The
+server here imports every subcommand once per test process, then forks one child per command. The child is a real
+process running the real entry point, `evalpipe.cli.main`, as `python -m evalpipe.cli ARGS` would: its own argv
+(click names the program as such a run does), working folder, environment, stdin from /dev/null, stdout and stderr
+in files, Python's own SIGINT handler, and interpreter shutdown (atexit) when main returns. Only the imported modules
+come from its parent; no module of evalpipe reads the environment when it is imported. Tests of start-up itself, of
+signals and of long-lived processes start `python -m evalpipe.cli` as before (core_helpers.evalpipe_cmd).
+
+    python -m tests.support.cli_fork_server SOCKET    # prints "ready" once listening; exits with its parent
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+POLL_S = 0.01  # how often the server reaps finished children between requests
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """Import the CLI and every subcommand's module (none imports torch), as each command would on its own."""
+    from evalpipe import cli
+
+    for module_name, _ in cli.SUBCOMMANDS.values():
+        importlib.import_module(module_name)
+
+
+def serve(path: str) -> None:
+    parent = os.getppid()
+    preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    waiting: dict[int, socket.socket] = {}  # child pid -> the connection that waits for its exit status
+    print("ready", flush=True)
+    while os.getppid() == parent:
+        if selector.select(timeout=POLL_S):
+            conn, _ = listener.accept()
+            request = json.loads(conn.makefile("rb").readline())
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                listener.close()
+                for other in waiting.values():
+                    other.close()
+                conn.close()
+                run_child(request)  # never returns
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            waiting[pid] = conn
+        reap(waiting)
+    for pid in waiting:  # the test process is gone: so is the reason to finish
+        os.kill(pid, signal.SIGKILL)
+
+
+def reap(waiting: dict[int, socket.socket]) -> None:
+    """Send each finished child's exit status (subprocess's returncode: -N for a signal) to its connection."""
+    while waiting:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = waiting.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            except OSError:  # the client gave up (its timeout) and closed
+                pass
+            conn.close()
+
+
+def run_child(request: dict) -> None:
+    """In the forked child: become `python -m evalpipe.cli ARGV` in the request's folder and environment."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        redirect(0, os.devnull, os.O_RDONLY)
+        redirect(1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        redirect(2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        cli = sys.modules["evalpipe.cli"]
+        sys.modules["__main__"] = cli  # what `-m evalpipe.cli` makes it: click's program name, spawned workers
+        sys.argv = [cli.__file__, *request["argv"]]
+        cli.main()  # click's standalone mode ends in SystemExit
+        code = 0
+    except SystemExit as exc:
+        code = exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def redirect(fd: int, path: str, flags: int) -> None:
+    opened = os.open(path, flags, 0o600)
+    os.dup2(opened, fd)
+    os.close(opened)
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The status the interpreter would exit with for this SystemExit (a non-int code is printed, status 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+# ---- the client -------------------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_SERVER: dict = {}  # "proc", "path": this test process's server
+
+
+def server_path() -> str:
+    """The socket of this test process's server, started on first use (and again if it died)."""
+    with _LOCK:
+        proc = _SERVER.get("proc")
+        if proc is None or proc.poll() is not None:
+            folder = tempfile.mkdtemp(prefix="evalpipe-cli-fork-")
+            path = os.path.join(folder, "socket")
+            log = open(os.path.join(folder, "server.log"), "w")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.cli_fork_server", path],
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+            if proc.stdout.readline().strip() != "ready":
+                proc.kill()
+                raise RuntimeError(f"the CLI fork server did not start:\n{Path(log.name).read_text()[-3000:]}")
+            atexit.register(proc.kill)
+            _SERVER.update(proc=proc, path=path)
+        return _SERVER["path"]
+
+
+def run_forked(argv: list[str], *, env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run(python -m evalpipe.cli ARGV, capture_output=True, text=True, ...)`, in a forked child: the
+    same CompletedProcess, and on `timeout` the child killed and TimeoutExpired raised."""
+    shown = [sys.executable, "-m", "evalpipe.cli", *argv]
+    with tempfile.TemporaryDirectory(prefix="evalpipe-cli-") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        request = {"argv": argv, "env": env, "cwd": cwd, "stdout": str(out), "stderr": str(err)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(server_path())
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            replies = conn.makefile("rb")
+            pid = json.loads(replies.readline())["pid"]
+            conn.settimeout(timeout)
+            try:
+                line = replies.readline()
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(shown, timeout, read(out), read(err)) from None
+        if not line:
+            raise RuntimeError(f"the CLI fork server closed before `evalpipe {' '.join(argv)}` ended")
+        returncode = json.loads(line)["returncode"]
+        return subprocess.CompletedProcess(shown, returncode, read(out), read(err))
+
+
+def read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
