@@ -116,36 +116,36 @@ REQUIRED_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Record) if f.name 
 GRADE_STATUSES = ("ok", "no_answer", "truncated", "request_error", "grader_timeout", "grader_error")
 
 
-def record_key(record: dict) -> tuple[Any, Any, int]:
+def record_key(record: Record) -> tuple[Any, Any, int]:
     """(lane, question_id, repeat_index): the uniqueness key inside one run and the join key between arms.
 
     A question id that is not an int or str (a hand-made file) is keyed by its canonical JSON."""
-    qid = record.get("question_id")
+    qid = record.question_id
     if not isinstance(qid, (int, str)):
         qid = json.dumps(qid, sort_keys=True)
-    return (record.get("lane"), qid, int(record.get("repeat_index") or 0))
+    return (record.lane, qid, int(record.repeat_index or 0))
 
 
 @dataclass
 class Counted:
     by_key: dict  # record_key -> the record that counts, keys in order of first appearance
-    superseded: list[dict]  # every other record, in file order
+    superseded: list[Record]  # every other record, in file order
 
     @property
     def n_duplicates(self) -> int:
         return len(self.superseded)
 
 
-def counted_records(records: Iterable[dict]) -> Counted:
+def counted_records(records: Iterable[Record]) -> Counted:
     """Which record of each key counts (module docstring): the first non-error one, else the last error."""
     by_key: dict = {}  # key -> (position, record)
-    superseded: list[tuple[int, dict]] = []
+    superseded: list[tuple[int, Record]] = []
     for i, rec in enumerate(records):
         key = record_key(rec)
         old = by_key.get(key)
         if old is None:
             by_key[key] = (i, rec)
-        elif old[1].get("error"):  # a later record replaces an error: a non-error one, or the newer failure
+        elif old[1].error:  # a later record replaces an error: a non-error one, or the newer failure
             superseded.append(old)
             by_key[key] = (i, rec)
         else:
