@@ -18,6 +18,7 @@ from evalpipe.compare.runfolder import LoadedRun, flatten, snapshot
 from evalpipe.harness import metrics, spec_metrics
 from evalpipe.harness.agreement import compare_outputs, summarize_agreement
 from evalpipe.harness.metrics import completion_tokens, is_correct
+from evalpipe.harness.records import Record
 from evalpipe.harness.server_facts import determinism_note, lossy_acceptance
 from evalpipe.redact import redact
 
@@ -98,7 +99,7 @@ def arm_overview(run: LoadedRun) -> dict:
     }
 
 
-def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> dict:
+def rate_block(recs_a: list[Record], recs_b: list[Record], n_a: int, n_b: int) -> dict:
     """Truncation, error and invalid/no-answer counts and rates per arm and their difference (B - A)."""
     out = {}
     for name, pred in metrics.RATES:
@@ -116,7 +117,7 @@ def rate_block(recs_a: list[dict], recs_b: list[dict], n_a: int, n_b: int) -> di
     return out
 
 
-def spec_stats(recs: list[dict]) -> dict:
+def spec_stats(recs: list[Record]) -> dict:
     """Accept-length mean and distribution from the records' `spec` (null when speculation was off).
 
     Per record the accept length is metrics.accept_length (the server's figure, else tokens / verify steps). Per-step
@@ -129,7 +130,7 @@ def spec_stats(recs: list[dict]) -> dict:
     n_with = n_lossy = 0
     rules: set[str] = set()
     for r in recs:
-        spec = r.get("spec")
+        spec = r.spec
         if not isinstance(spec, dict):
             continue
         n_with += 1
@@ -171,7 +172,7 @@ def spec_stats(recs: list[dict]) -> dict:
     }
 
 
-def spec_block(recs: list[dict], summary: dict) -> dict:
+def spec_block(recs: list[Record], summary: dict) -> dict:
     """Per-record statistics (`spec_stats`) beside the run-level ones the run scraped from the server's /metrics
     (`server_metrics`: vLLM's counters after minus before the run; not per request)."""
     block = spec_stats(recs)
@@ -193,13 +194,13 @@ def arm_accept_length(block: Any) -> tuple[float | None, str | None]:
     return None, None
 
 
-def speed_stats(recs: list[dict]) -> dict:
+def speed_stats(recs: list[Record]) -> dict:
     """Client latency and completion tokens per second, per record and in aggregate."""
-    lat = [float(r["latency_s"]) for r in recs if isinstance(r.get("latency_s"), (int, float)) and not r.get("error")]
+    lat = [float(r.latency_s) for r in recs if isinstance(r.latency_s, (int, float)) and not r.error]
     tps, tok_total, lat_total = [], 0, 0.0
     for r in recs:
-        ct, ls = completion_tokens(r), r.get("latency_s")
-        if ct is not None and isinstance(ls, (int, float)) and ls > 0 and not r.get("error"):
+        ct, ls = completion_tokens(r), r.latency_s
+        if ct is not None and isinstance(ls, (int, float)) and ls > 0 and not r.error:
             tps.append(ct / ls)
             tok_total += ct
             lat_total += ls
@@ -315,19 +316,19 @@ def output_identity(agreement: dict, confidence: float = stats.DEFAULT_CONFIDENC
     }
 
 
-def seeds_shared(pairs: list[tuple[dict, dict]]) -> bool:
+def seeds_shared(pairs: list[tuple[Record, Record]]) -> bool:
     """Whether both arms sent every paired request the same integer seed (`evalpipe run --sample-seeds`, or a lane
     seed), so their sampled outputs can be compared pair by pair: on a server whose tokens depend only on the
     prompt and the seed they are then identical wherever the two arms' distributions are."""
 
-    def seed(rec: dict):
-        value = (rec.get("request") or {}).get("seed")
+    def seed(rec: Record):
+        value = (rec.request or {}).get("seed")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     return bool(pairs) and all(seed(ra) is not None and seed(ra) == seed(rb) for ra, rb in pairs)
 
 
-def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[dict]:
+def flip_list(pairs: dict[tuple, tuple[Record, Record]], agreement: dict) -> list[dict]:
     """Every question answered right in exactly one arm, with what each arm said."""
     flips = []
     for key, (ra, rb) in pairs.items():
@@ -340,17 +341,17 @@ def flip_list(pairs: dict[tuple, tuple[dict, dict]], agreement: dict) -> list[di
                 "question_id": key[1],
                 "repeat_index": key[2],
                 "direction": "gained" if cb else "lost",
-                "expected_answer": rb.get("expected_answer", ra.get("expected_answer")),
-                "answer_a": ra.get("extracted_answer"),
-                "answer_b": rb.get("extracted_answer"),
+                "expected_answer": rb.expected_answer,
+                "answer_a": ra.extracted_answer,
+                "answer_b": rb.extracted_answer,
                 "correct_a": ca,
                 "correct_b": cb,
-                "finish_reason_a": ra.get("finish_reason"),
-                "finish_reason_b": rb.get("finish_reason"),
+                "finish_reason_a": ra.finish_reason,
+                "finish_reason_b": rb.finish_reason,
                 "tokens_a": completion_tokens(ra),
                 "tokens_b": completion_tokens(rb),
-                "error_a": (ra.get("error") or {}).get("type") if ra.get("error") else None,
-                "error_b": (rb.get("error") or {}).get("type") if rb.get("error") else None,
+                "error_a": ra.error.get("type") if ra.error else None,
+                "error_b": rb.error.get("type") if rb.error else None,
                 "divergence_position": ag.get("position"),
                 "divergence_basis": ag.get("basis"),
                 "logprob_gap": (ag.get("logprob") or {}).get("gap"),

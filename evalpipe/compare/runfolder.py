@@ -16,6 +16,7 @@ from evalpipe.harness.records import (
     RESPONSES_FILE,
     SUMMARY_FILE,
     MalformedFile,
+    Record,
     counted_records,
     read_json_object,
     read_records,
@@ -39,33 +40,33 @@ class LoadedRun:
     """A run folder read back for comparison (harness/run_folder.py's `RunFolder` writes one)."""
 
     path: Path
-    records: list[dict]
+    records: list[Record]  # every record in file order, superseded duplicates included
     summary: dict
     manifest: dict
     bad_lines: int = 0  # 1 when the last line of responses.jsonl is cut off (a killed writer), else 0
     duplicates: int = 0
-    by_key: dict[tuple, dict] = field(default_factory=dict)  # record_key -> the record that counts (records.py)
+    by_key: dict[tuple, Record] = field(default_factory=dict)  # record_key -> the record that counts (records.py)
 
     @property
     def lane(self) -> str | None:
-        lanes = {r.get("lane") for r in self.records if r.get("lane") is not None}
+        lanes = {r.lane for r in self.records if r.lane is not None}
         if len(lanes) == 1:
             return next(iter(lanes))
         return self.summary.get("lane") or find_key(self.manifest, ("lane",))
 
     @property
     def arm(self) -> str:
-        arms = {r.get("arm") for r in self.records if r.get("arm")}
+        arms = {r.arm for r in self.records if r.arm}
         return self.summary.get("arm") or (next(iter(arms)) if len(arms) == 1 else self.path.name)
 
     @property
     def run_id(self) -> str:
-        ids = {r.get("run_id") for r in self.records if r.get("run_id")}
+        ids = {r.run_id for r in self.records if r.run_id}
         return next(iter(ids)) if len(ids) == 1 else self.path.name
 
     @property
     def repeated(self) -> bool:
-        return any(int(r.get("repeat_index") or 0) > 0 for r in self.records)
+        return any(int(r.repeat_index or 0) > 0 for r in self.records)
 
     @property
     def deterministic(self) -> bool | None:
@@ -158,7 +159,10 @@ def load_run(path: str | Path) -> LoadedRun:
         read.bad_lines
     ):  # a torn last line is a partial run (refused, --force compares it); a bad line mid-file is damage
         raise RunFolderError(read.first_bad(responses))
-    records = read.records
+    try:  # a line without a required key is damage too: named, like a line that is not JSON
+        records = read.typed(responses)
+    except MalformedFile as exc:
+        raise RunFolderError(str(exc)) from None
     counted = counted_records(records)
     return LoadedRun(
         path=folder,

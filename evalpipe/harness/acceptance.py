@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from evalpipe.harness import metrics
+from evalpipe.harness.records import Record
 
 CONTEXT_BUCKETS = (0, 256, 1024, 4096, 16384, 32768)  # lower edges, prompt tokens
 BASELINE_SCHEMA = "evalpipe-accept-baseline/1"
 
 
-def _bucket(rec: dict) -> str:
-    usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+def _bucket(rec: Record) -> str:
+    usage = rec.usage if isinstance(rec.usage, dict) else {}
     tokens = usage.get("prompt_tokens")
     if not isinstance(tokens, int):
         return "unknown"
@@ -37,7 +38,7 @@ def _bucket(rec: dict) -> str:
     return f"{lower}-{upper}" if upper is not None else f"{lower}+"
 
 
-def _profile(recs: list[dict]) -> Optional[dict]:
+def _profile(recs: list[Record]) -> Optional[dict]:
     pairs = [(r, h) for r in recs for h in [metrics.draft_histogram(r)] if h is not None and sum(h) > 0]
     if not pairs:
         return None
@@ -55,9 +56,9 @@ def _profile(recs: list[dict]) -> Optional[dict]:
     }
 
 
-def profile(recs: list[dict], spec_metrics: Any = None) -> Optional[dict]:
+def profile(recs: list[Record], spec_metrics: Any = None) -> Optional[dict]:
     """The acceptance profile of a run's records (module docstring), or None without speculative statistics."""
-    ok = [r for r in recs if not r.get("error")]
+    ok = [r for r in recs if not r.error]
     overall = _profile(ok)
     if overall is not None:
         buckets = {}

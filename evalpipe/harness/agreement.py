@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from evalpipe.harness.records import Record
+
 
 def first_divergence(a: Sequence, b: Sequence) -> int | None:
     """Index of the first differing element; len(shorter) when one is a prefix; None when equal."""
@@ -69,51 +71,51 @@ def _top_map(top: Any) -> dict:
     return {}
 
 
-def output_sequence(rec: dict) -> tuple[str, Sequence]:
+def output_sequence(rec: Record) -> tuple[str, Sequence]:
     """(basis, sequence) for one record: token ids, else logprob token strings, else text."""
-    ids = rec.get("output_token_ids")
+    ids = rec.output_token_ids
     if isinstance(ids, list):
         return "token_ids", ids
-    lps = token_logprobs(rec.get("logprobs"))
+    lps = token_logprobs(rec.logprobs)
     if lps and all(p["token"] is not None for p in lps):
         return "logprob_tokens", [p["token"] for p in lps]
-    text = (rec.get("reasoning_text") or "") + (rec.get("response_text") or "")
+    text = (rec.reasoning_text or "") + (rec.response_text or "")
     return "text", text
 
 
-def compare_outputs(rec_a: dict, rec_b: dict) -> dict:
+def compare_outputs(rec_a: Record, rec_b: Record) -> dict:
     """Agreement of two records: identical?, basis, first differing position, logprob gap there."""
     basis_a, seq_a = output_sequence(rec_a)
     basis_b, seq_b = output_sequence(rec_b)
     if basis_a != basis_b:  # compare on the finest basis both records share
         if "text" in (basis_a, basis_b) or {basis_a, basis_b} != {"token_ids", "logprob_tokens"}:
             basis_a = basis_b = "text"
-            seq_a = (rec_a.get("reasoning_text") or "") + (rec_a.get("response_text") or "")
-            seq_b = (rec_b.get("reasoning_text") or "") + (rec_b.get("response_text") or "")
+            seq_a = (rec_a.reasoning_text or "") + (rec_a.response_text or "")
+            seq_b = (rec_b.reasoning_text or "") + (rec_b.response_text or "")
         else:
             basis_a = basis_b = "logprob_tokens"
-            seq_a = [p["token"] for p in token_logprobs(rec_a.get("logprobs")) or []]
-            seq_b = [p["token"] for p in token_logprobs(rec_b.get("logprobs")) or []]
+            seq_a = [p["token"] for p in token_logprobs(rec_a.logprobs) or []]
+            seq_b = [p["token"] for p in token_logprobs(rec_b.logprobs) or []]
     pos = first_divergence(seq_a, seq_b)
     out = {"identical": pos is None, "basis": basis_a, "position": pos, "len_a": len(seq_a), "len_b": len(seq_b)}
     if pos is None and basis_a != "text":
         # identical tokens must detokenize to identical text; anything else is a server or record fault
-        out["text_differs"] = (rec_a.get("response_text") or "") != (rec_b.get("response_text") or "")
+        out["text_differs"] = (rec_a.response_text or "") != (rec_b.response_text or "")
     if pos is not None and basis_a != "text":
-        gap = logprob_gap(rec_a, rec_b, pos)
+        gap = logprob_gap(rec_a.logprobs, rec_b.logprobs, pos)
         if gap is not None:
             out["logprob"] = gap
     return out
 
 
-def logprob_gap(rec_a: dict, rec_b: dict, pos: int) -> dict | None:
-    """Logprobs at token position `pos` where each arm chose differently.
+def logprob_gap(logprobs_a: Any, logprobs_b: Any, pos: int) -> dict | None:
+    """Logprobs at token position `pos` where each arm chose differently (each arm's recorded `logprobs`).
 
     gap: how far A preferred its own token over B's, lp_A(tok_A) - lp_A(tok_B), when B's token is in A's
     top list (a near-tie gives a gap near 0); else A's top-1 minus top-2 margin; else lp_A - lp_B of the
     two chosen tokens. `gap_kind` says which.
     """
-    la, lb = token_logprobs(rec_a.get("logprobs")), token_logprobs(rec_b.get("logprobs"))
+    la, lb = token_logprobs(logprobs_a), token_logprobs(logprobs_b)
     pa = la[pos] if la and pos < len(la) else None
     pb = lb[pos] if lb and pos < len(lb) else None
     if pa is None and pb is None:

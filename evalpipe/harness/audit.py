@@ -22,7 +22,15 @@ from typing import Any, Optional
 
 from evalpipe.digest import file_sha256
 from evalpipe.harness import manifest as manifest_mod
-from evalpipe.harness.records import MANIFEST_FILE, RESPONSES_FILE, SUMMARY_FILE, missing_keys, read_records, record_key
+from evalpipe.harness.records import (
+    MANIFEST_FILE,
+    RESPONSES_FILE,
+    SUMMARY_FILE,
+    Record,
+    missing_keys,
+    read_records,
+    record_key,
+)
 from evalpipe.harness.summary import OMITTED_WHEN_FALSY, RECOMPUTABLE_KEYS, close_values, compute_summary
 from evalpipe.lanes import Item, Lane, get_lane, item_groups, load_pins, prompt_sha256, prompt_stream_sha256
 from evalpipe.lanes.data import DataError, recorded_data_dir
@@ -119,9 +127,10 @@ def audit_run(
     return AuditReport(run_dir, checks, warnings, again)
 
 
-def check_records(run: _Run, check: Check) -> list[dict]:
+def check_records(run: _Run, check: Check) -> list[Record]:
     """responses.jsonl is whole, unchanged since the run pinned its sha256, and every record has every key and
-    names this run; returns the records that have every key (the later checks read only those)."""
+    names this run; returns the records that have every key, as Records (the later checks read only those). The
+    raw objects are checked here, so a bad line or a missing key is named by its number."""
     path = run.run_dir / RESPONSES_FILE
     read = read_records(path)
     if not path.exists():
@@ -153,10 +162,10 @@ def check_records(run: _Run, check: Check) -> list[dict]:
                 f"record {i + 1}: server_deterministic={r['server_deterministic']!r}, the manifest's server "
                 f"snapshots say {' or '.join(map(repr, modes))}"
             )
-    return [r for r in read.records if not missing_keys(r)]
+    return [Record.from_json(r) for r in read.records if not missing_keys(r)]
 
 
-def check_prompts(run: _Run, records: list[dict], data_dir: Optional[Path], check: Check) -> list[Item]:
+def check_prompts(run: _Run, records: list[Record], data_dir: Optional[Path], check: Check) -> list[Item]:
     """Rebuild the selected items from the dataset; each record's prompt hash, body and gold answer must match.
     Returns the selected items (empty when the data cannot be loaded)."""
     start, lane = run.start, run.lane
@@ -175,39 +184,39 @@ def check_prompts(run: _Run, records: list[dict], data_dir: Optional[Path], chec
     if selected_stream != start["prompts"]["prompt_stream_sha256_selected"]:
         check.problems.append("prompt stream of the selected items differs from the manifest")
     for r in records:
-        it = by_id.get(r["question_id"])
+        it = by_id.get(r.question_id)
         if it is None:
             continue  # reported by `complete`
-        where = f"{r['question_id']}/{r['repeat_index']}"
-        sent = r["request"].get("prompt") if lane.api == "completions" else r["request"].get("messages")
-        if r["prompt_sha256"] != it.prompt_sha256:
+        where = f"{r.question_id}/{r.repeat_index}"
+        sent = r.request.get("prompt") if lane.api == "completions" else r.request.get("messages")
+        if r.prompt_sha256 != it.prompt_sha256:
             check.problems.append(f"{where}: prompt_sha256 differs from the rebuilt prompt")
         elif sent is None or prompt_sha256(sent) != it.prompt_sha256:
             check.problems.append(f"{where}: the request body's prompt is not the rebuilt prompt")
-        if r["expected_answer"] != it.expected_answer:
+        if r.expected_answer != it.expected_answer:
             check.problems.append(
-                f"{r['question_id']}: expected_answer {r['expected_answer']!r} != gold {it.expected_answer!r}"
+                f"{r.question_id}: expected_answer {r.expected_answer!r} != gold {it.expected_answer!r}"
             )
     return items
 
 
 def check_grades(
-    run: _Run, records: list[dict], grader_timeout_s: Optional[float], workers: int, progress: bool, check: Check
+    run: _Run, records: list[Record], grader_timeout_s: Optional[float], workers: int, progress: bool, check: Check
 ) -> None:
     """Re-grade every record from its text and finish reason; answer, verdict, status and truncated flag agree."""
     timeout = grader_timeout_s or run.start.get("transport", {}).get("grader_timeout_s") or 30.0
     regraded = _regrade(run.lane.grader, records, timeout, workers, progress)
     for r, (extracted, correct, status) in zip(records, regraded):
-        where = f"{r['question_id']}/{r['repeat_index']}"
-        got = (None, False, "request_error") if r.get("error") else (extracted, correct, status)
-        want = (r["extracted_answer"], r["correct"], r["grade_status"])
+        where = f"{r.question_id}/{r.repeat_index}"
+        got = (None, False, "request_error") if r.error else (extracted, correct, status)
+        want = (r.extracted_answer, r.correct, r.grade_status)
         if got != want:
             check.problems.append(f"{where}: recorded {want}, re-graded {got}")
-        if r["truncated"] != (r["finish_reason"] == "length"):
+        if r.truncated != (r.finish_reason == "length"):
             check.problems.append(f"{where}: truncated flag disagrees with finish_reason")
 
 
-def check_complete(run: _Run, records: list[dict], items: list[Item], check: Check) -> None:
+def check_complete(run: _Run, records: list[Record], items: list[Item], check: Check) -> None:
     """Every planned (question, repeat) has exactly one record, and no record is outside the plan."""
     planned = [(run.lane.name, it.question_id, k) for it in items for k in range(run.eff["repeats"])]
     seen: dict = {}
@@ -228,7 +237,7 @@ def check_complete(run: _Run, records: list[dict], items: list[Item], check: Che
         check.problems.append(f"{len(unplanned)} records are not in the plan, e.g. {unplanned[:5]}")
 
 
-def check_summary(run: _Run, records: list[dict], items: list[Item], check: Check) -> Optional[dict]:
+def check_summary(run: _Run, records: list[Record], items: list[Item], check: Check) -> Optional[dict]:
     """summary.json equals the summary recomputed from the records (returned; None without a summary.json), and
     its run-level /metrics figures follow from their two snapshots."""
     summ, lane = run.summ, run.lane
@@ -308,10 +317,10 @@ def _spec_metrics_problems(block: Any) -> list[str]:
     ]
 
 
-def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, progress: bool = False) -> list[tuple]:
+def _regrade(grader: str, records: list[Record], timeout_s: float, workers: int, progress: bool = False) -> list[tuple]:
     """Grades of `records` from their raw text, in order; `progress` shows a bar on stderr (the AIME grader can
     take seconds per answer)."""
-    pool = grader_pool(grader, workers, timeout_s) if any(not r.get("error") for r in records) else None
+    pool = grader_pool(grader, workers, timeout_s) if any(not r.error for r in records) else None
     bar = None
     if progress:
         from tqdm import tqdm
@@ -330,14 +339,14 @@ def _regrade(grader: str, records: list[dict], timeout_s: float, workers: int, p
 
         async def one(r):
             try:
-                if r.get("error"):
+                if r.error:
                     return (None, False, "request_error")
                 async with sem:
                     return await grade_text(
                         grader,
-                        r["expected_answer"],
-                        r.get("response_text") or "",
-                        r.get("finish_reason") == "length",
+                        r.expected_answer,
+                        r.response_text or "",
+                        r.finish_reason == "length",
                         pool,
                     )
             finally:

@@ -169,12 +169,12 @@ class RequestSender:
         planned = prepared.planned()
         self.n_planned = len(planned)
         self.todo = [(it, r) for it, r in planned if (prepared.lane.name, it.question_id, r) not in done]
-        self.records: list[dict] = list(kept)
-        self.seq = max((int(r.get("request_seq", 0)) for r in kept), default=0)
+        self.records: list[Record] = list(kept)
+        self.seq = max((int(r.request_seq) for r in kept), default=0)
         self.n_done = len(kept)
-        self.n_correct = sum(1 for r in kept if r.get("correct"))
+        self.n_correct = sum(1 for r in kept if r.correct)
         self.n_err = 0
-        self.n_trunc = sum(1 for r in kept if r.get("truncated"))
+        self.n_trunc = sum(1 for r in kept if r.truncated)
         self.interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM"
         self.refused: Optional[str] = None  # why the run stopped scoring
         self.pool: Optional[GraderPool] = None
@@ -261,9 +261,8 @@ class RequestSender:
             except Exception as exc:  # noqa: BLE001 - a surprise must still land as a record, never drop the item
                 err = {"type": "internal_error", "status": None, "message": f"{type(exc).__name__}: {exc}"[:2000]}
                 rec = self._record(item, rep, seq, body, Reply(None, 0.0, err, attempts), None, False, "request_error")
-            record = rec.as_json()
-            writer.write(record)
-            self.records.append(record)
+            writer.write(rec.as_json())
+            self.records.append(rec)
             self.n_done += 1
             self.n_correct += bool(rec.correct)
             self.n_err += bool(rec.error)
@@ -409,7 +408,7 @@ def finish(prepared: PreparedRun, folder: RunFolder, sender: RequestSender, wall
     return RunOutcome(folder.path, summary, 0)
 
 
-def _error_kinds(records: list[dict]) -> str:
+def _error_kinds(records: list[Record]) -> str:
     """`APIConnectionError x70, InternalServerError x3`: what the error records of a run were."""
-    counts = Counter((r.get("error") or {}).get("type") or "error" for r in records if r.get("error"))
+    counts = Counter(r.error.get("type") or "error" for r in records if r.error)
     return ", ".join(f"{kind} x{n}" for kind, n in counts.most_common()) or "no record"

@@ -16,6 +16,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Optional
 
+from evalpipe.harness.records import Record
+
 NO_ANSWER = "no_answer"  # the grade status of a complete response with nothing to grade
 
 ACCEPT_LENGTH_KEYS = ("accept_length", "spec_accept_length", "avg_accept_length", "mean_accept_length")
@@ -26,20 +28,20 @@ SPEC_TOKEN_KEYS = ("num_tokens", "accepted_tokens_total")
 DRAFT_HISTOGRAM_KEYS = ("accept_histogram", "spec_correct_drafts_histogram", "spec_accept_histogram")
 
 
-def is_error(rec: dict) -> bool:
-    return bool(rec.get("error"))
+def is_error(rec: Record) -> bool:
+    return bool(rec.error)
 
 
-def is_truncated(rec: dict) -> bool:
-    return not is_error(rec) and (bool(rec.get("truncated")) or rec.get("finish_reason") == "length")
+def is_truncated(rec: Record) -> bool:
+    return not is_error(rec) and (bool(rec.truncated) or rec.finish_reason == "length")
 
 
-def is_no_answer(rec: dict) -> bool:
-    return not is_error(rec) and not is_truncated(rec) and rec.get("grade_status") == NO_ANSWER
+def is_no_answer(rec: Record) -> bool:
+    return not is_error(rec) and not is_truncated(rec) and rec.grade_status == NO_ANSWER
 
 
-def is_correct(rec: dict) -> bool:
-    return rec.get("correct") is True and not is_error(rec) and not is_truncated(rec)
+def is_correct(rec: Record) -> bool:
+    return rec.correct is True and not is_error(rec) and not is_truncated(rec)
 
 
 # compare.json's rate names, in its order
@@ -51,12 +53,12 @@ def no_answer_key(grader: str) -> str:
     return "n_invalid" if grader == "legacy_last_int" else "n_no_answer"
 
 
-def completion_tokens(rec: dict) -> Optional[int]:
+def completion_tokens(rec: Record) -> Optional[int]:
     """The server's usage.completion_tokens, else the number of output token ids, else None."""
-    usage = rec.get("usage") or {}
+    usage = rec.usage or {}
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), (int, float)):
         return int(usage["completion_tokens"])
-    ids = rec.get("output_token_ids")
+    ids = rec.output_token_ids
     return len(ids) if isinstance(ids, list) else None
 
 
@@ -68,9 +70,9 @@ def first_number(d: dict, names: tuple[str, ...]) -> Optional[float]:
     return None
 
 
-def accept_length(rec: dict) -> Optional[float]:
+def accept_length(rec: Record) -> Optional[float]:
     """The record's mean accept length (bonus token included), or None without speculative statistics."""
-    spec = rec.get("spec")
+    spec = rec.spec
     if not isinstance(spec, dict):
         return None
     value = first_number(spec, ACCEPT_LENGTH_KEYS)
@@ -81,9 +83,9 @@ def accept_length(rec: dict) -> Optional[float]:
     return tokens / verify if verify and tokens else None
 
 
-def draft_histogram(rec: dict) -> Optional[list[float]]:
+def draft_histogram(rec: Record) -> Optional[list[float]]:
     """The record's verify steps by accepted drafts (index i: steps that accepted exactly i), or None."""
-    spec = rec.get("spec")
+    spec = rec.spec
     if not isinstance(spec, dict):
         return None
     for key in DRAFT_HISTOGRAM_KEYS:
@@ -93,9 +95,9 @@ def draft_histogram(rec: dict) -> Optional[list[float]]:
     return None
 
 
-def verify_steps(rec: dict) -> Optional[float]:
+def verify_steps(rec: Record) -> Optional[float]:
     """The record's verify steps: the server's count, else the sum of its draft histogram, else None."""
-    spec = rec.get("spec")
+    spec = rec.spec
     if not isinstance(spec, dict):
         return None
     count = first_number(spec, VERIFY_STEP_KEYS)
@@ -105,11 +107,11 @@ def verify_steps(rec: dict) -> Optional[float]:
     return sum(hist) if hist else None
 
 
-def token_weighted_accept_length(recs: Iterable[dict]) -> Optional[float]:
+def token_weighted_accept_length(recs: Iterable[Record]) -> Optional[float]:
     """All completion tokens over all verify steps, over the records that carry both (long completions dominate)."""
     tokens = steps = 0.0
     for rec in recs:
-        spec = rec.get("spec")
+        spec = rec.spec
         if not isinstance(spec, dict):
             continue
         n_steps = verify_steps(rec)
@@ -124,16 +126,16 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def mean_accept_length(recs: Iterable[dict]) -> Optional[float]:
+def mean_accept_length(recs: Iterable[Record]) -> Optional[float]:
     """Mean of the per-record accept lengths (records without one left out), or None."""
     values = [x for x in map(accept_length, recs) if x is not None]
     return statistics.fmean(values) if values else None
 
 
-def is_lossy(rec: dict) -> bool:
+def is_lossy(rec: Record) -> bool:
     """A lossy acceptance rule decided this response (`evalpipe serve --spec-accept-*`)."""
-    return isinstance(rec.get("spec"), dict) and rec["spec"].get("lossy") is True
+    return isinstance(rec.spec, dict) and rec.spec.get("lossy") is True
 
 
-def has_spec(rec: Any) -> bool:
-    return isinstance(rec.get("spec"), dict)
+def has_spec(rec: Record) -> bool:
+    return isinstance(rec.spec, dict)

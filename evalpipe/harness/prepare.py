@@ -144,6 +144,10 @@ class RunConfig:
         read = read_records(run_dir / RESPONSES_FILE)
         if read.bad_lines:
             raise NotResumable(f"{read.first_bad(run_dir / RESPONSES_FILE)}; fix or remove the line, then resume")
+        try:  # the resume counts Records: a line without a required key is named here, before the server is asked
+            read.typed(run_dir / RESPONSES_FILE)
+        except MalformedFile as exc:
+            raise NotResumable(f"{exc}; fix or remove the line, then resume") from None
         if data_dir is None:
             data_dir = recorded_data_dir(recorded_data)
         if lane_name is not None and lane_name != old["lane"]:

@@ -3,7 +3,8 @@
 A record is one JSON object per line of `responses.jsonl`, appended and flushed as its response lands (a crash or
 Ctrl-C loses only in-flight work). Every number in summary.json is re-derivable from these lines (`evalpipe audit`
 does that), and arms are joined on `record_key` = (lane, question_id, repeat_index). Read with `read_records`
-(it tolerates a torn last line) and `counted_records`.
+(raw JSON objects; it tolerates a torn last line), then `ReadResult.typed` or `Record.from_json` (typed `Record`s),
+and `counted_records`.
 
 Duplicates: `evalpipe run` writes each key once, but two resumes at once or a hand edit can write a key twice. Then
 the record that counts, in summary.json, audit and compare.json alike, is the key's FIRST NON-ERROR record in file
@@ -35,7 +36,7 @@ AB_FILE = "ab.json"  # `evalpipe ab`'s index of its arms, their run folders and 
 @dataclass
 class Record:
     """One line of `responses.jsonl`, fields in writing order. `as_json` omits `group` when it is None (lanes
-    without groups) and is what `RecordWriter` gets; readers see plain dicts (`read_records`)."""
+    without groups) and is what `RecordWriter` gets; `from_json` reads one line's object back."""
 
     schema_version: int
     run_id: str
@@ -78,6 +79,30 @@ class Record:
             del out["group"]
         return out
 
+    @classmethod
+    def from_json(cls, obj: dict) -> "Record":
+        """The Record of one line's JSON object; an absent optional key (OPTIONAL_KEYS) reads as None.
+
+        Keys that are not fields (an import's `source`) are left out: nothing that counts records reads them, and
+        the files that are rewritten (--resume) are rewritten from the raw objects, so no line loses them.
+        MissingKeys when a required key is absent. Values are taken as they are, not type-checked: audit is what
+        judges a record's values."""
+        missing = missing_keys(obj)
+        if missing:
+            raise MissingKeys(missing)
+        return cls(**{name: obj.get(name) for name in _FIELD_NAMES})
+
+
+class MissingKeys(ValueError):
+    """A record object lacks required keys (the message lists them)."""
+
+    def __init__(self, keys: list[str]):
+        super().__init__(f"missing keys {keys}")
+        self.keys = keys
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(Record))
+
 
 # Keys audit does not require: `group` (absent on lanes without groups), what the response body said of itself, and
 # `server_deterministic` (absent from records written before it was recorded).
@@ -91,36 +116,36 @@ REQUIRED_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Record) if f.name 
 GRADE_STATUSES = ("ok", "no_answer", "truncated", "request_error", "grader_timeout", "grader_error")
 
 
-def record_key(record: dict) -> tuple[Any, Any, int]:
+def record_key(record: Record) -> tuple[Any, Any, int]:
     """(lane, question_id, repeat_index): the uniqueness key inside one run and the join key between arms.
 
     A question id that is not an int or str (a hand-made file) is keyed by its canonical JSON."""
-    qid = record.get("question_id")
+    qid = record.question_id
     if not isinstance(qid, (int, str)):
         qid = json.dumps(qid, sort_keys=True)
-    return (record.get("lane"), qid, int(record.get("repeat_index") or 0))
+    return (record.lane, qid, int(record.repeat_index or 0))
 
 
 @dataclass
 class Counted:
     by_key: dict  # record_key -> the record that counts, keys in order of first appearance
-    superseded: list[dict]  # every other record, in file order
+    superseded: list[Record]  # every other record, in file order
 
     @property
     def n_duplicates(self) -> int:
         return len(self.superseded)
 
 
-def counted_records(records: Iterable[dict]) -> Counted:
+def counted_records(records: Iterable[Record]) -> Counted:
     """Which record of each key counts (module docstring): the first non-error one, else the last error."""
     by_key: dict = {}  # key -> (position, record)
-    superseded: list[tuple[int, dict]] = []
+    superseded: list[tuple[int, Record]] = []
     for i, rec in enumerate(records):
         key = record_key(rec)
         old = by_key.get(key)
         if old is None:
             by_key[key] = (i, rec)
-        elif old[1].get("error"):  # a later record replaces an error: a non-error one, or the newer failure
+        elif old[1].error:  # a later record replaces an error: a non-error one, or the newer failure
             superseded.append(old)
             by_key[key] = (i, rec)
         else:
@@ -193,6 +218,16 @@ class ReadResult:
     bad_lines: list[int]  # 1-based line numbers that are not valid JSON objects (other than a torn tail)
     why: dict = field(default_factory=dict)  # bad line number -> what is wrong with it
     line_numbers: list = field(default_factory=list)  # 1-based line of each record in `records`
+
+    def typed(self, path: Path) -> list[Record]:
+        """The records as `Record`s; MalformedFile names the first line that lacks a required key."""
+        out = []
+        for line, obj in zip(self.line_numbers, self.records):
+            try:
+                out.append(Record.from_json(obj))
+            except MissingKeys as exc:
+                raise MalformedFile(f"{path}:{line}: {exc}") from None
+        return out
 
     def first_bad(self, path: Path) -> str:
         """`FILE:LINE: reason` of the first bad line, and how many more there are (for an error message)."""

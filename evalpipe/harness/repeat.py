@@ -120,7 +120,7 @@ def summarize_group(fixture: Fixture, recs: list[dict], graded: bool = True) -> 
         pos = first_divergence(seq(mode_rec), seq(other))
         divergences.append(pos)
         if output_key(mode_rec)[0] == "ids" and pos is not None:
-            g = logprob_gap(mode_rec, other, pos)
+            g = logprob_gap(mode_rec.get("logprobs"), other.get("logprobs"), pos)
             if g and g.get("gap") is not None:
                 gaps.append({"position": pos, **g})
     out.update(

@@ -25,6 +25,8 @@ from evalpipe.harness.records import (
     SCHEMA_VERSION,
     SUMMARY_FILE,
     SUPERSEDED_FILE,
+    MalformedFile,
+    Record,
     counted_records,
     read_records,
     rewrite_records,
@@ -38,7 +40,7 @@ class RunFolder:
     path: Path
     run_id: str
     manifest: dict  # written (with the API key scrubbed) by write_manifest only
-    kept: list[dict]  # the records a resume keeps (they are not sent again); empty for a new run
+    kept: list[Record]  # the records a resume keeps (they are not sent again); empty for a new run
     resumed: Optional[dict]  # this resume's entry in manifest["resumes"], None for a new run
     api_key: Optional[str] = None
 
@@ -76,16 +78,22 @@ class RunFolder:
         read = read_records(path / RESPONSES_FILE)
         if read.bad_lines:
             raise RunError(f"{path / RESPONSES_FILE}: lines {read.bad_lines[:10]} are not JSON; refusing to resume")
-        # the records that count (records.py) stay, unless they are errors: those are retried
-        counted = {id(r) for r in counted_records(read.records).by_key.values() if not r.get("error")}
-        keep = [r for r in read.records if id(r) in counted]
-        superseded = [r for r in read.records if id(r) not in counted]
+        try:
+            records = read.typed(path / RESPONSES_FILE)
+        except MalformedFile as exc:
+            raise RunError(f"{exc}; refusing to resume") from None
+        # the records that count (records.py) stay, unless they are errors: those are retried. The files are
+        # rewritten from the raw objects, so a line keeps every key it had (Record holds only its fields).
+        counted = {id(r) for r in counted_records(records).by_key.values() if not r.error}
+        keep = [r for r in records if id(r) in counted]
+        keep_raw = [raw for raw, r in zip(read.records, records) if id(r) in counted]
+        superseded = [raw for raw, r in zip(read.records, records) if id(r) not in counted]
         if superseded:
             with open(path / SUPERSEDED_FILE, "a", encoding="utf-8") as fh:
-                for r in superseded:
-                    fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+                for raw in superseded:
+                    fh.write(json.dumps(raw, ensure_ascii=False) + "\n")
         if superseded or read.torn_tail:
-            rewrite_records(path / RESPONSES_FILE, keep)
+            rewrite_records(path / RESPONSES_FILE, keep_raw)
         resumed = {
             "at": time.time(),
             "kept_records": len(keep),

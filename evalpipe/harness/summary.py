@@ -14,7 +14,7 @@ import statistics
 from typing import Any, Optional
 
 from evalpipe.harness import acceptance, metrics
-from evalpipe.harness.records import SCHEMA_VERSION, Counted, counted_records
+from evalpipe.harness.records import SCHEMA_VERSION, Counted, Record, counted_records
 from evalpipe.lanes import sgl_eval_adapter
 
 
@@ -53,12 +53,12 @@ def repeated_metrics(by_key: dict, lane_name: str, question_ids: list, repeats: 
             if rec is None:
                 preds.append({"predicted_answer": None, "symbolic_correct": False})
             else:
-                ans = rec.get("extracted_answer")
+                ans = rec.extracted_answer
                 preds.append(
                     {
                         "predicted_answer": None if ans is None else str(ans),
-                        "symbolic_correct": bool(rec.get("correct")),
-                        "num_generated_tokens": _usage_int(rec.get("usage"), "completion_tokens"),
+                        "symbolic_correct": bool(rec.correct),
+                        "num_generated_tokens": _usage_int(rec.usage, "completion_tokens"),
                     }
                 )
         metrics.update(preds)
@@ -82,7 +82,7 @@ def group_accuracy(groups: dict, planned: list, by_key: dict) -> dict:
     for key in planned:
         g = out.setdefault(str(groups.get(key[1])), {"n_planned": 0, "n_correct": 0})
         g["n_planned"] += 1
-        g["n_correct"] += by_key.get(key, {}).get("correct") is True
+        g["n_correct"] += key in by_key and by_key[key].correct is True
     for g in out.values():
         g["accuracy"] = g["n_correct"] / g["n_planned"]
     return out
@@ -113,7 +113,7 @@ def compute_summary(
     grader: str,
     repeats: int,
     planned_question_ids: list,
-    records: list[dict],
+    records: list[Record],
     meta: dict,
     groups: Optional[dict] = None,
 ) -> dict:
@@ -140,7 +140,7 @@ def compute_summary(
     return summary
 
 
-def _headline_counts(lane_name: str, meta: dict, planned: list, counted: Counted, recs: list[dict]) -> dict[str, Any]:
+def _headline_counts(lane_name: str, meta: dict, planned: list, counted: Counted, recs: list[Record]) -> dict[str, Any]:
     """Identity, then planned/recorded/correct/error counts; every rate's denominator is the planned items."""
     planned_set = set(planned)
     unplanned = [k for k in counted.by_key if k not in planned_set]
@@ -148,7 +148,7 @@ def _headline_counts(lane_name: str, meta: dict, planned: list, counted: Counted
     n_correct = sum(map(metrics.is_correct, recs))
     status_counts: dict[str, int] = {}
     for r in recs:
-        status_counts[r.get("grade_status")] = status_counts.get(r.get("grade_status"), 0) + 1
+        status_counts[r.grade_status] = status_counts.get(r.grade_status, 0) + 1
     return {
         "schema_version": SCHEMA_VERSION,
         "lane": lane_name,
@@ -172,21 +172,21 @@ def _headline_counts(lane_name: str, meta: dict, planned: list, counted: Counted
     }
 
 
-def _token_totals(ok_recs: list[dict]) -> dict:
+def _token_totals(ok_recs: list[Record]) -> dict:
     """Token usage over the records that are not errors."""
-    completion = [_usage_int(r.get("usage"), "completion_tokens") for r in ok_recs]
+    completion = [_usage_int(r.usage, "completion_tokens") for r in ok_recs]
     return {
-        "prompt_total": sum(_usage_int(r.get("usage"), "prompt_tokens") for r in ok_recs),
+        "prompt_total": sum(_usage_int(r.usage, "prompt_tokens") for r in ok_recs),
         "completion_total": sum(completion),
         "completion_mean": (sum(completion) / len(completion)) if completion else None,
         "completion_max": max(completion) if completion else None,
-        "reasoning_total": sum(_reasoning_tokens(r.get("usage")) for r in ok_recs),
+        "reasoning_total": sum(_reasoning_tokens(r.usage) for r in ok_recs),
     }
 
 
-def _latency_stats(recs: list[dict]) -> dict:
+def _latency_stats(recs: list[Record]) -> dict:
     """Mean, quantiles and max of the records' numeric latencies."""
-    latencies = sorted(float(r["latency_s"]) for r in recs if isinstance(r.get("latency_s"), (int, float)))
+    latencies = sorted(float(r.latency_s) for r in recs if isinstance(r.latency_s, (int, float)))
     return {
         "mean": statistics.fmean(latencies) if latencies else None,
         "p50": _quantile(latencies, 0.5),
@@ -196,7 +196,7 @@ def _latency_stats(recs: list[dict]) -> dict:
     }
 
 
-def _spec_stats(recs: list[dict], meta: dict) -> dict:
+def _spec_stats(recs: list[Record], meta: dict) -> dict:
     """Speculative-decoding statistics from the responses; run-level ones from the server's /metrics go in
     `spec_metrics`."""
     n_lossy = sum(map(metrics.is_lossy, recs))

@@ -14,6 +14,7 @@ import pytest
 
 from evalpipe.harness.acceptance import check_baseline, profile, read_baseline
 from tests.support.core_helpers import load_run, only_run_dir, run_cli, run_lane
+from tests.support.records import as_record
 from tests.support.server_harness import ServerProcess
 
 
@@ -46,9 +47,10 @@ def test_acceptance_and_compare_read_the_same_token_weighted_accept_length(key):
     for _ in range(10):
         recs = [sglang_record(rng, rng.randint(1, 5), key) for _ in range(rng.randint(1, 8))]
         direct = sum(r["usage"]["completion_tokens"] for r in recs) / sum(sum(r["spec"][key]) for r in recs)
-        assert profile(recs)["token_weighted_accept_length"] == pytest.approx(direct)
-        assert spec_stats(recs)["accept_length_token_weighted"] == pytest.approx(direct)
-        assert spec_stats(recs)["histogram_basis"] == "per-step accept lengths"
+        typed = [as_record(r) for r in recs]
+        assert profile(typed)["token_weighted_accept_length"] == pytest.approx(direct)
+        assert spec_stats(typed)["accept_length_token_weighted"] == pytest.approx(direct)
+        assert spec_stats(typed)["histogram_basis"] == "per-step accept lengths"
 
 
 def test_profile_matches_a_direct_count_on_random_records():
@@ -56,7 +58,7 @@ def test_profile_matches_a_direct_count_on_random_records():
     for _ in range(20):
         g = rng.randint(1, 6)
         recs = [r for r in (fake_record(rng, g) for _ in range(rng.randint(2, 12))) if r["spec"]["verify_steps"]]
-        got = profile(recs)
+        got = profile([as_record(r) for r in recs])
         steps = sum(r["spec"]["verify_steps"] for r in recs)
         for j in range(1, g + 1):  # accepted at least j drafts, over all steps
             want = sum(1 for r in recs for i, h in enumerate(r["spec"]["accept_histogram"]) for _ in range(h) if i >= j)
@@ -73,8 +75,8 @@ def test_profile_matches_a_direct_count_on_random_records():
 
 
 def test_profile_edge_cases_and_baseline_check():
-    assert profile([]) is None and profile([{"spec": None}]) is None
-    assert profile([{"spec": {"accept_histogram": [0, 0, 0]}}]) is None  # no verify step
+    assert profile([]) is None and profile([as_record({"spec": None})]) is None
+    assert profile([as_record({"spec": {"accept_histogram": [0, 0, 0]}})]) is None  # no verify step
     vllm = profile([], {"acceptance_per_position": [0.8, 0.5], "mean_accept_length": 2.3})
     assert vllm["source"] == "metrics (run-level)" and vllm["per_position"] == [0.8, 0.5]
     base = {"per_position": [0.8, 0.5], "token_weighted_accept_length": 2.3}

@@ -196,3 +196,34 @@ def test_a_malformed_bench_json_is_named(tmp_path):
         run_cli("compare", tmp_path / "a", tmp_path / "b", "--no-html", "--out", tmp_path / "cmp"),
         f"{tmp_path / 'a' / 'bench.json'}:2: not UTF-8 (byte 0xff)",
     )
+
+
+def test_a_record_without_a_required_key_is_named_by_audit_compare_and_resume(runs, tmp_path):
+    """Audit validates the raw objects (a failed `records` check, exit 1); compare and --resume read Records, and
+    name the line that cannot be one (exit 2)."""
+    first = json.loads((runs["a"] / "responses.jsonl").read_bytes().split(b"\n")[0])
+    del first["correct"]
+    bad = damaged(runs["a"], tmp_path, "responses.jsonl", json.dumps(first).encode() + b"\n")
+    audit = run_cli("audit", bad, "--no-progress")
+    assert audit.returncode == 1 and f"record {LAST_LINE}: missing keys ['correct']" in audit.stdout, audit.stdout
+    where = f"{bad / 'responses.jsonl'}:{LAST_LINE}: missing keys ['correct']"
+    assert_bad_input(run_cli("compare", bad, runs["b"], "--no-html", "--out", tmp_path / "cmp"), where)
+    assert_bad_input(run_cli("run", "--resume", bad, "--no-progress"), where, "fix or remove the line")
+
+
+def test_a_record_without_the_optional_keys_reads_as_a_record_with_none_there(runs, tmp_path):
+    """The keys records written before them lack (OPTIONAL_KEYS) read as None; a key that is not a field is left
+    out of the Record and kept in the raw object."""
+    from evalpipe.harness.records import OPTIONAL_KEYS, Record, read_records
+
+    first = json.loads((runs["a"] / "responses.jsonl").read_bytes().split(b"\n")[0])
+    older = {k: v for k, v in first.items() if k not in OPTIONAL_KEYS} | {"source": {"tool": "elsewhere"}}
+    path = tmp_path / "responses.jsonl"
+    path.write_text(json.dumps(older) + "\n")
+    read = read_records(path)
+    (rec,) = read.typed(path)
+    assert all(getattr(rec, k) is None for k in OPTIONAL_KEYS)
+    assert rec == Record.from_json(older) and not hasattr(rec, "source") and read.records[0]["source"]
+    assert {k: v for k, v in rec.as_json().items() if k not in OPTIONAL_KEYS} == {
+        k: v for k, v in older.items() if k != "source"
+    }

@@ -14,9 +14,10 @@ import pytest
 
 from evalpipe.compare.workflow import compare_runs
 from evalpipe.harness.audit import audit_run
-from evalpipe.harness.records import SUPERSEDED_FILE, counted_records
+from evalpipe.harness.records import SUPERSEDED_FILE, Record, counted_records
 from evalpipe.harness.summary import compute_summary
 from tests.support.core_helpers import DATA_DIR, load_run, only_run_dir, run_cli, run_lane
+from tests.support.records import as_record
 from tests.support.scripted_server import answer_table, mixed_bucket, scripted_server
 
 N = 14  # aime26-0..13: wrong, correct x7, truncated x2, error, no answer x3 under the scripted "mixed" mode
@@ -119,10 +120,11 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
         with open(run_dir / "responses.jsonl", "a") as fh:
             fh.writelines(json.dumps(x) + "\n" for x in appended)
         all_records, _, _ = load_run(run_dir)
-        counted = counted_records(all_records)
-        assert counted.by_key[("aime26", correct_q, 0)]["correct"] is True
-        assert counted.by_key[("aime26", wrong_q, 0)]["correct"] is False
-        assert counted.by_key[("aime26", error_q, 0)]["correct"] is True and counted.n_duplicates == 4
+        typed = [Record.from_json(r) for r in all_records]
+        counted = counted_records(typed)
+        assert counted.by_key[("aime26", correct_q, 0)].correct is True
+        assert counted.by_key[("aime26", wrong_q, 0)].correct is False
+        assert counted.by_key[("aime26", error_q, 0)].correct is True and counted.n_duplicates == 4
         expected_dups = dict(expected, n_correct=expected["n_correct"] + 1, n_errors=0, n_duplicate_records=4)
         stale, audited, compared, report = counts_everywhere(run_dir, tmp_path, "dups")
         assert audited == compared == expected_dups
@@ -131,7 +133,7 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
             grader="ns_last_boxed",
             repeats=1,
             planned_question_ids=ids,
-            records=all_records,
+            records=typed,
             meta={},
         )  # what `evalpipe run` writes from these records
         assert counts_of_summary(again) == expected_dups
@@ -143,7 +145,7 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
         assert r.returncode == 0, r.stderr
     kept, _, manifest = load_run(run_dir)
     assert {(x["question_id"], x["correct"], bool(x["error"])) for x in kept} == {
-        (k[1], v["correct"], bool(v["error"])) for k, v in counted.by_key.items()
+        (k[1], v.correct, bool(v.error)) for k, v in counted.by_key.items()
     }
     assert len([line for line in (run_dir / SUPERSEDED_FILE).read_text().splitlines() if line]) == 4
     assert manifest["resumes"][-1]["superseded_error_records"] == 4
@@ -163,15 +165,17 @@ def test_summary_audit_and_compare_count_an_aime_run_alike_duplicates_included(t
 )
 def test_the_duplicate_rule(order, counted):
     recs = [
-        {
-            "lane": "l",
-            "question_id": 1,
-            "repeat_index": 0,
-            "tag": tag,
-            "error": {"type": "x"} if tag.startswith("error") else None,
-        }
+        as_record(
+            {
+                "lane": "l",
+                "question_id": 1,
+                "repeat_index": 0,
+                "response_text": tag,
+                "error": {"type": "x"} if tag.startswith("error") else None,
+            }
+        )
         for tag in order
     ]
     result = counted_records(recs)
-    assert result.by_key[("l", 1, 0)]["tag"] == counted
-    assert result.superseded == [r for r in recs if r["tag"] != counted]
+    assert result.by_key[("l", 1, 0)].response_text == counted
+    assert result.superseded == [r for r in recs if r.response_text != counted]

@@ -11,6 +11,7 @@ from evalpipe.harness.summary import compute_summary
 from evalpipe.lanes import computed_pins, get_lane, load_pins
 from evalpipe.lanes.grading import INVALID, GraderPool, extract_boxed, legacy_answer_value
 from tests.support.core_helpers import DATA_DIR, run_cli
+from tests.support.records import as_record
 
 GSM8K_SHA = "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"
 PREFIX_SHA = "8d2a7823e8b2157917ae88db830fedc5e2a984e5ecabf4ae39380756d23f48b2"
@@ -163,7 +164,12 @@ def test_repeated_lane_metrics_formulas():
             }
         )
     s = compute_summary(
-        lane_name="L", grader="ns_last_boxed", repeats=4, planned_question_ids=["q0", "q1"], records=recs, meta={}
+        lane_name="L",
+        grader="ns_last_boxed",
+        repeats=4,
+        planned_question_ids=["q0", "q1"],
+        records=[as_record(r) for r in recs],
+        meta={},
     )
     assert s["n_planned"] == 8 and s["n_records"] == 7 and s["n_missing"] == 1 and s["partial"] is True
     assert s["accuracy"] == s["pass@1"] == 2 / 8

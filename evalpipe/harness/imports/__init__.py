@@ -23,6 +23,7 @@ from evalpipe.harness.records import (
     SCHEMA_VERSION,
     SUMMARY_FILE,
     MalformedFile,
+    Record,
     RecordWriter,
     read_records,
     write_json,
@@ -175,7 +176,7 @@ def write_run_folder(imp: Imported, out: Path, arm: Optional[str] = None) -> dic
         grader=imp.grader or "imported",
         repeats=imp.repeats,
         planned_question_ids=question_ids(records),
-        records=records,
+        records=[Record.from_json(r) for r in records],
         meta={
             "arm": arm,
             "run_id": imp.run_id,

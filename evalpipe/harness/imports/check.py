@@ -21,7 +21,7 @@ from evalpipe.digest import file_sha256
 from evalpipe.harness.imports import lm_eval as lm_eval_import
 from evalpipe.harness.imports import question_ids, stream_of
 from evalpipe.harness.imports import sgl_eval as sgl_eval_import
-from evalpipe.harness.records import RESPONSES_FILE, missing_keys, read_records
+from evalpipe.harness.records import RESPONSES_FILE, Record, missing_keys, read_records
 from evalpipe.harness.summary import RECOMPUTABLE_KEYS, close_values, compute_summary
 from evalpipe.lanes import id_list_sha256, prompt_sha256, sha256_hex
 from evalpipe.lanes.grading import legacy_answer_value
@@ -113,13 +113,15 @@ def check_grades(records: list[dict], info: dict, check, regrade: Callable[..., 
         gradable = [r for r in records if not r.get("error")]
         # the source graded whatever text came back (no truncation rule); gold as the grader reads it
         as_graded = [
-            {
-                **r,
-                "finish_reason": None,
-                "expected_answer": legacy_answer_value(str(r["expected_answer"]))
-                if grader == "legacy_last_int"
-                else r["expected_answer"],
-            }
+            Record.from_json(
+                {
+                    **r,
+                    "finish_reason": None,
+                    "expected_answer": legacy_answer_value(str(r["expected_answer"]))
+                    if grader == "legacy_last_int"
+                    else r["expected_answer"],
+                }
+            )
             for r in gradable
         ]
         for r, (_, correct, status) in zip(gradable, regrade(grader, as_graded, 30.0, workers, progress)):
@@ -169,7 +171,7 @@ def recheck_summary(records: list[dict], man: dict, summ: dict, grader, repeats:
         grader=grader or "imported",
         repeats=repeats,
         planned_question_ids=question_ids(records),
-        records=records,
+        records=[Record.from_json(r) for r in records],
         meta={k: summ.get(k) for k in ("arm", "run_id", "model", "endpoint")},
     )
     for k in RECOMPUTABLE_KEYS:
