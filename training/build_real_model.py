@@ -116,9 +116,10 @@ def convert(gguf: Path, license_file: Path, packages: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     torch.manual_seed(0)  # the fresh model's random init is overwritten below; seeded anyway so nothing depends on it
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
+    # given the config, the tokenizer does not parse the GGUF's metadata for it again (a few seconds on 2 cores)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config)
     # the GGUF load marks the model quantized, which save_pretrained refuses; the weights are plain floats by now
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
