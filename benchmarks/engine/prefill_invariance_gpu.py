@@ -1,4 +1,4 @@
-"""Issue 32, the prompt path: with `--deterministic`, is every number a prompt token computes the same (bitwise)
+"""The prompt path: with `--deterministic`, is every number a prompt token computes the same (bitwise)
 whether the prompt is (a) prefilled alone in one chunk, (b) prefilled in chunks packed beside other prompts' chunks,
 or (c) prefilled after a prefix-cache hit (only the suffix computed, over cached pages)? Layer by layer, the first
 layer and op where a case differs from (a).

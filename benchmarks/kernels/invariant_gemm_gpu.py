@@ -1,4 +1,4 @@
-"""Issue 32: where `--deterministic` loses its C64 decode rate, and which batch-invariant GEMM tile wins it back.
+"""Where `--deterministic` loses its C64 decode rate, and which batch-invariant GEMM tile wins it back.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python -m benchmarks.kernels.invariant_gemm_gpu [--steps 8] [--reps 50]
 

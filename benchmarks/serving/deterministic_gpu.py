@@ -1,4 +1,4 @@
-"""Issue 32 on one GPU: with `deterministic` (EngineConfig; `evalpipe serve --deterministic`), does a greedy output
+"""On one GPU: with `deterministic` (EngineConfig; `evalpipe serve --deterministic`), does a greedy output
 depend on its prompt alone -- prefix cache on vs off, speculation off vs block (ngram, layerskip), concurrency 64 vs
 1 -- and what does it cost in C64 decode? The same arms in the default mode give today's column beside it.
 
