@@ -15,8 +15,8 @@ Detectors, each a real command against a real `evalpipe serve --model evalpipe-s
 One server at a time, started and stopped by the module fixture, which fills the whole matrix once; the tests read
 its rows. On each server the sampling gate and the arith runs go together, then the batch-shape repeat alone. Cells
 no test reads are not run: the batch-variant rows' greedy agreement and acceptance (a one-question, one-token run
-only records the fault in a summary), stale-kv-after-reject's batch shape. `pytest tests/engine/test_fault_matrix.py
--s` prints the matrix as docs/serving.md shows it, and each server's seconds.
+only records the fault in a summary), the batch shape of stale-kv-after-reject and of the two sampler faults.
+`pytest tests/engine/test_fault_matrix.py -s` prints the matrix as docs/serving.md shows it, and each server's seconds.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ CONFIGS = {  # name -> (serve arguments, sampling-gate token budget; None: not r
 }
 SUMMARY_ONLY = ("batch-variant", "batch-variant, spec block")  # no test reads their greedy agreement or acceptance:
 # a one-question, one-token run only records the fault in its summary
-NO_BATCH_SHAPE = ("stale-kv-after-reject",)  # no test reads its batch shape
+# no test reads their batch shape: stale-kv-after-reject's, and the two sampler faults', which act on sampled requests
+# only while the batch-shape repeat is greedy (their cells could not flag)
+NO_BATCH_SHAPE = ("stale-kv-after-reject", "greedy-sampling", "residual-from-target (ngram)")
 GREEDY_QUESTIONS = 8
 GREEDY_TOKENS = 64  # stale-kv-after-reject's outputs leave the clean ones at token 6 (3 of 8 at 512 tokens and at 64)
-T1_QUESTIONS = 30  # greedy-sampling vs clean: 60% -> 73%, 95% interval from +0.5 pt, 10.5 pt clear of -10
+T1_QUESTIONS = 20  # greedy-sampling vs clean: 50% -> 65%, 95% interval from -3.5 pt, 6.5 pt clear of -10
 T1_MARGIN_PTS = 10.0
 
 
@@ -293,7 +295,7 @@ def test_a_launched_native_server_gets_its_faults_passed_on():
 def test_greedy_sampling_fails_only_the_sampling_gate_while_t1_accuracy_says_non_inferior(matrix):
     row = matrix["greedy-sampling"]
     assert row["sampling"]["flagged"] and row["sampling"]["collapse_p"] < 1e-6, row
-    assert not row["greedy_agreement"]["flagged"] and not row["batch_shape"]["flagged"], row  # greedy is exact
+    assert not row["greedy_agreement"]["flagged"], row  # greedy is exact
     assert not row["accept_baseline"]["flagged"], row
     assert row["t1_accuracy"]["verdict"] == "non-inferior", row  # the point: accuracy calls it fine
     assert "server.server_info.debug_faults" in row["greedy_agreement"]["manifest_keys"]
@@ -302,7 +304,7 @@ def test_greedy_sampling_fails_only_the_sampling_gate_while_t1_accuracy_says_non
 def test_residual_from_target_is_caught_by_the_sampling_gate_only(matrix):
     row = matrix["residual-from-target (ngram)"]
     assert row["sampling"]["flagged"] and row["sampling"]["repeat_p"] < 1e-4, row
-    assert not row["greedy_agreement"]["flagged"] and not row["batch_shape"]["flagged"], row
+    assert not row["greedy_agreement"]["flagged"], row
 
 
 def test_stale_kv_after_reject_is_caught_by_greedy_agreement(matrix):
