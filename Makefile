@@ -11,12 +11,14 @@ LMEVAL_SPEC ?= lm-eval[api]==0.4.13
 LMEVAL_STAMP = $(LMEVAL_VENV)/.installed-$(subst [,-,$(subst ],,$(subst =,-,$(LMEVAL_SPEC))))
 DATA_DIR ?= $(abspath ../shared/data)
 export EVALPIPE_DATA_DIR ?= $(DATA_DIR)
+# extra flags for every `pip install` of the three environments (.ci/run passes --no-compile)
+PIP_FLAGS ?=
 
 .PHONY: install vllm-env lmeval-env real-model demo test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(PIP_FLAGS) --upgrade pip
 
 # torch first, pinned to the CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build.
 # The stamp skips the install while pyproject.toml is unchanged (the editable install picks up code changes).
@@ -24,8 +26,8 @@ INSTALL_STAMP = $(VENV)/.installed-evalpipe
 install: $(INSTALL_STAMP)
 
 $(INSTALL_STAMP): pyproject.toml | $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(PIP_FLAGS) torch==2.13.0
+	$(PY) -m pip install --quiet $(PIP_FLAGS) -e '.[dev]'
 	@# bytecode for the checkout's own code (pip compiles only site-packages): where PYTHONDONTWRITEBYTECODE is set,
 	@# every process the suite starts would otherwise compile what it imports from source again
 	$(PY) -m compileall -q evalpipe tests benchmarks training > /dev/null
@@ -38,9 +40,9 @@ vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet '$(VLLM_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(PIP_FLAGS) --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(PIP_FLAGS) torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(PIP_FLAGS) '$(VLLM_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch '$@'
@@ -61,8 +63,8 @@ lmeval-env: $(LMEVAL_STAMP)
 
 $(LMEVAL_STAMP):
 	$(PYTHON) -m venv $(LMEVAL_VENV)
-	$(LMEVAL_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(LMEVAL_VENV)/bin/python -m pip install --quiet '$(LMEVAL_SPEC)'
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet $(PIP_FLAGS) torch==2.13.0
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet $(PIP_FLAGS) '$(LMEVAL_SPEC)'
 	$(LMEVAL_VENV)/bin/lm_eval --help > /dev/null
 	touch '$@'
 
