@@ -201,14 +201,14 @@ def main() -> None:
     ap.add_argument(
         "--smoke",
         action="store_true",
-        help="seconds on the CPU: two 128-token rows, one timed step, eager experts, and a 2-batch stream of "
-        "1,024-token batches in two buckets (checks the script runs)",
+        help="seconds on the CPU: two 128-token rows, one timed step, eager experts, and a one-batch stream of "
+        "1,024 tokens in two buckets (checks the script runs)",
     )
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.batch_tokens, args.width, args.steps, args.options, args.device = "256", 128, 1, "eager,fast", "cpu"
-        args.stream, args.stream_tokens, args.short_buckets = 2, 1024, "512,1024"
+        args.stream, args.stream_tokens, args.short_buckets = 1, 1024, "512,1024"
     options = args.options.split(",")
     for option in options:
         parse_option(option)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.cli_fork_server import run_forked
+
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("kernels", "engine", "serving", "harness", "model")
 SCRIPTS = sorted(
@@ -38,8 +40,9 @@ def table_rows(text: str) -> int:
 
 
 def check_smoke(script: str, tmp_path: Path) -> None:
-    """`--smoke` of `folder/script.py` in a subprocess (OUT and the working folder: tmp_path) exits 0 and prints a
-    table."""
+    """`--smoke` of `folder/script.py` in a child process (OUT and the working folder: tmp_path) exits 0 and prints a
+    table. The child is forked from a process that has imported torch (tests/support/cli_fork_server.py, about 3 s
+    of CPU a run saved); EVALPIPE_TESTS_FORK=0: a fresh interpreter."""
     module = "benchmarks." + script[: -len(".py")].replace("/", ".")
     env = {
         **os.environ,
@@ -52,9 +55,17 @@ def check_smoke(script: str, tmp_path: Path) -> None:
         "OMP_NUM_THREADS": "1",
     }
     env.pop("TRITON_INTERPRET", None)  # a script's CPU path sets it itself, before triton loads
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "--smoke"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+    if os.environ.get("EVALPIPE_TESTS_FORK") == "0":
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "--smoke"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    else:
+        proc = run_forked(["--smoke"], module=module, env=env, cwd=str(tmp_path), timeout=600)
     tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]).strip()
     assert proc.returncode == 0, f"{module} --smoke exited {proc.returncode}:\n{tail}"
     assert table_rows(proc.stdout) >= 2, f"{module} --smoke printed no table:\n{tail}"

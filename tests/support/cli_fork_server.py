@@ -9,7 +9,12 @@ in files, Python's own SIGINT handler, and interpreter shutdown (atexit) when ma
 come from its parent; no module of evalpipe reads the environment when it is imported. Tests of start-up itself, of
 signals and of long-lived processes start `python -m evalpipe.cli` as before (core_helpers.evalpipe_cmd).
 
-    python -m tests.support.cli_fork_server SOCKET    # prints "ready" once listening; exits with its parent
+A second kind of server, `torch`, has imported torch, NumPy and transformers (about 3 s of CPU on the quiet 2-core
+machine) and runs `python -m MODULE ARGS` (runpy, as `-m` does): the benchmark scripts' `--smoke` runs
+(tests/support/benchmark_smoke.py). It imports nothing that imports Triton, so a script can still choose Triton's
+interpreter before its first Triton import, and it is started with one OpenMP thread, as those runs ask for.
+
+    python -m tests.support.cli_fork_server SOCKET [cli|torch]   # prints "ready" once listening; exits with its parent
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import atexit
 import importlib
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -35,7 +41,7 @@ POLL_S = 0.01  # how often the server reaps finished children between requests
 # ---- the server -------------------------------------------------------------------------------------------------
 
 
-def preload() -> None:
+def preload_cli() -> None:
     """Import the CLI and every subcommand's module (none imports torch), as each command would on its own."""
     from evalpipe import cli
 
@@ -43,9 +49,20 @@ def preload() -> None:
         importlib.import_module(module_name)
 
 
-def serve(path: str) -> None:
+def preload_torch() -> None:
+    """Import what every benchmark script imports first; none of these imports Triton."""
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+
+PRELOADS = {"cli": preload_cli, "torch": preload_torch}
+KIND_ENV = {"cli": {}, "torch": {"OMP_NUM_THREADS": "1"}}  # the environment a kind's server starts with
+
+
+def serve(path: str, kind: str = "cli") -> None:
     parent = os.getppid()
-    preload()
+    PRELOADS[kind]()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -91,7 +108,8 @@ def reap(waiting: dict[int, socket.socket]) -> None:
 
 
 def run_child(request: dict) -> None:
-    """In the forked child: become `python -m evalpipe.cli ARGV` in the request's folder and environment."""
+    """In the forked child: become `python -m evalpipe.cli ARGV` (or `python -m MODULE ARGV` where the request names
+    a module) in the request's folder and environment."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -102,10 +120,14 @@ def run_child(request: dict) -> None:
         redirect(0, os.devnull, os.O_RDONLY)
         redirect(1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         redirect(2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        cli = sys.modules["evalpipe.cli"]
-        sys.modules["__main__"] = cli  # what `-m evalpipe.cli` makes it: click's program name, spawned workers
-        sys.argv = [cli.__file__, *request["argv"]]
-        cli.main()  # click's standalone mode ends in SystemExit
+        if request.get("module"):
+            sys.argv = [request["module"], *request["argv"]]  # runpy puts the module's file first, as -m does
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            cli = sys.modules["evalpipe.cli"]
+            sys.modules["__main__"] = cli  # what `-m evalpipe.cli` makes it: click's program name, spawned workers
+            sys.argv = [cli.__file__, *request["argv"]]
+            cli.main()  # click's standalone mode ends in SystemExit
         code = 0
     except SystemExit as exc:
         code = exit_code(exc)
@@ -139,20 +161,22 @@ def exit_code(exc: SystemExit) -> int:
 # ---- the client -------------------------------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
-_SERVER: dict = {}  # "proc", "path": this test process's server
+_SERVERS: dict[str, dict] = {}  # kind -> {"proc", "path"}: this test process's servers
 
 
-def server_path() -> str:
-    """The socket of this test process's server, started on first use (and again if it died)."""
+def server_path(kind: str = "cli") -> str:
+    """The socket of this test process's server of that kind, started on first use (and again if it died)."""
     with _LOCK:
-        proc = _SERVER.get("proc")
+        server = _SERVERS.setdefault(kind, {})
+        proc = server.get("proc")
         if proc is None or proc.poll() is not None:
             folder = tempfile.mkdtemp(prefix="evalpipe-cli-fork-")
             path = os.path.join(folder, "socket")
             log = open(os.path.join(folder, "server.log"), "w")
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.support.cli_fork_server", path],
+                [sys.executable, "-m", "tests.support.cli_fork_server", path, kind],
                 cwd=REPO,
+                env={**os.environ, **KIND_ENV[kind]},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -162,19 +186,22 @@ def server_path() -> str:
                 proc.kill()
                 raise RuntimeError(f"the CLI fork server did not start:\n{Path(log.name).read_text()[-3000:]}")
             atexit.register(proc.kill)
-            _SERVER.update(proc=proc, path=path)
-        return _SERVER["path"]
+            server.update(proc=proc, path=path)
+        return server["path"]
 
 
-def run_forked(argv: list[str], *, env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
+def run_forked(
+    argv: list[str], *, env: dict, cwd: str, timeout: float, module: str | None = None
+) -> subprocess.CompletedProcess:
     """`subprocess.run(python -m evalpipe.cli ARGV, capture_output=True, text=True, ...)`, in a forked child: the
-    same CompletedProcess, and on `timeout` the child killed and TimeoutExpired raised."""
-    shown = [sys.executable, "-m", "evalpipe.cli", *argv]
+    same CompletedProcess, and on `timeout` the child killed and TimeoutExpired raised. With `module`: `python -m
+    MODULE ARGV`, forked from the `torch` server."""
+    shown = [sys.executable, "-m", module or "evalpipe.cli", *argv]
     with tempfile.TemporaryDirectory(prefix="evalpipe-cli-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        request = {"argv": argv, "env": env, "cwd": cwd, "stdout": str(out), "stderr": str(err)}
+        request = {"argv": argv, "env": env, "cwd": cwd, "stdout": str(out), "stderr": str(err), "module": module}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(server_path())
+            conn.connect(server_path("torch" if module else "cli"))
             conn.sendall(json.dumps(request).encode() + b"\n")
             replies = conn.makefile("rb")
             pid = json.loads(replies.readline())["pid"]
@@ -195,4 +222,4 @@ def read(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], *sys.argv[2:3])
