@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-POLL_S = 0.01  # how often the server reaps finished children between requests
+PARENT_CHECK_S = 1.0  # how often an idle server checks that its test process is still there
 
 
 # ---- the server -------------------------------------------------------------------------------------------------
@@ -66,27 +66,46 @@ def serve(path: str, kind: str = "cli") -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    # A child's exit wakes the selector through the signal wake-up fd (a SIGCHLD handler must be installed for it to
+    # be written), so the server sleeps between events instead of polling for finished children.
+    wake_read, wake_write = socket.socketpair()
+    wake_read.setblocking(False)
+    wake_write.setblocking(False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_write.fileno())
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection that waits for its exit status
     print("ready", flush=True)
     while os.getppid() == parent:
-        if selector.select(timeout=POLL_S):
+        for key, _ in selector.select(timeout=PARENT_CHECK_S):
+            if key.fileobj is wake_read:
+                drain(wake_read)
+                continue
             conn, _ = listener.accept()
             request = json.loads(conn.makefile("rb").readline())
             pid = os.fork()
             if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 selector.close()
-                listener.close()
-                for other in waiting.values():
-                    other.close()
-                conn.close()
+                for own in (listener, wake_read, wake_write, *waiting.values(), conn):
+                    own.close()
                 run_child(request)  # never returns
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             waiting[pid] = conn
         reap(waiting)
     for pid in waiting:  # the test process is gone: so is the reason to finish
         os.kill(pid, signal.SIGKILL)
+
+
+def drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def reap(waiting: dict[int, socket.socket]) -> None:
