@@ -35,52 +35,62 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 # The longest test files, longest first (seconds: sum of setup + call + teardown per file in a `-n 2` run of the
-# suite on the quiet 2-core machine of 2026-12-06, `.ci/run` on a clean clone with `--junitxml`; the order matters,
-# not the numbers). pyproject's addopts hand whole files to the two workers in collection order (`--dist loadfile
-# --no-loadscope-reorder`); starting with the longest keeps a long file from starting last and running alone while the
-# other worker idles (by xdist's default order, by number of tests, a long single-test file started last). Files not
-# listed follow, in pytest's order. Refresh with `--durations` or `--junitxml`.
+# suite on the quiet 2-core machine of 2026-12-06, `--junitxml`; ~: estimated after a later cut or for a file that run
+# skipped; the order matters, not the numbers). pyproject's addopts hand whole files to the two workers in collection
+# order (`--dist loadfile --no-loadscope-reorder`); starting with the longest keeps a long file from starting last and
+# running alone while the other worker idles (by xdist's default order, by number of tests, a long single-test file
+# started last). Files not listed follow, in pytest's order. Refresh with `--durations` or `--junitxml`, but keep the
+# vLLM files away from the fault matrix: it runs up to four busy processes at once, and a vLLM server beside it gets a
+# share of one core (the same suite, sorted strictly by time, put test_vllm_peer.py beside it: that file 69 -> 98-105 s
+# and the suite 970 -> 1,035-1,061 s in three clean-clone CI runs of 2026-12-06).
 LONGEST_FIRST = [
-    "engine/test_fault_matrix.py",  # 176
-    "interop/test_lmeval.py",  # 86
-    "benchmarks/test_smoke_serving.py",  # 75
-    "interop/test_vllm_ab.py",  # 69
-    "interop/test_vllm_peer.py",  # 69
-    "qualify/test_qualify.py",  # 66
-    "kernels/test_static_step_triton.py",  # 58
-    "interop/test_vllm_vision.py",  # 58
-    "ab/test_ab.py",  # 56
-    "qualify/test_qualify_sampling.py",  # 51
-    "benchmarks/test_smoke.py",  # 48
-    "benchmarks/test_smoke_model.py",  # 47
-    "engine/test_fault_matrix_seeded.py",  # 44
-    "harness/test_accept_baseline.py",  # 40
-    "harness/test_core_run.py",  # 39
-    "kernels/test_kernels_moe.py",  # 36
-    "lanes/test_chat_arith_boxed.py",  # 35
-    "interop/test_vllm_qualify.py",  # 35
-    "training/test_training_smoke.py",  # 34
-    "harness/test_bench.py",  # 31
-    "harness/test_sample_seeds.py",  # 30
-    "engine/test_seeded_replay.py",  # 27
+    "engine/test_fault_matrix.py",  # ~170 (216 before T = 1 at 20 questions and no batch shape for the sampler faults)
+    "benchmarks/test_smoke_serving.py",  # 97
+    "benchmarks/test_smoke.py",  # 86
+    "interop/test_lmeval.py",  # 83
+    "interop/test_vllm_vision.py",  # ~80 (a vLLM boot; it needs the real model, which that run lacked)
+    "interop/test_vllm_peer.py",  # 78
+    "interop/test_vllm_ab.py",  # 73
+    "harness/test_core_run.py",  # 72
+    "qualify/test_qualify.py",  # 72
+    "kernels/test_static_step_triton.py",  # 67
+    "ab/test_ab.py",  # 64
+    "benchmarks/test_smoke_model.py",  # 61
+    "harness/test_accept_baseline.py",  # ~57 (92 before arith at 64 tokens and a shared boot)
+    "engine/test_fault_matrix_seeded.py",  # ~57 (four --deterministic boots), not yet timed in CI
+    "qualify/test_qualify_sampling.py",  # 53
+    "harness/test_sample_seeds.py",  # 46
+    "kernels/test_kernels_moe.py",  # 44
+    "training/test_training_smoke.py",  # 42
+    "harness/test_bad_input.py",  # 41
+    "commands/test_secret_scan.py",  # 40
+    "harness/test_import_sgl_eval.py",  # 40
+    "interop/test_vllm_qualify.py",  # 38
+    "lanes/test_chat_arith_boxed.py",  # ~38 (44 before 2 questions on the real server, not 3)
+    "harness/test_bench.py",  # 35
+    "server/test_spec_server.py",  # 35
+    "engine/test_seeded_replay.py",  # 28
     "kernels/test_eager_attention_kernel.py",  # 26
     "kernels/test_kernels_hyper.py",  # 26
-    "engine/test_prefix_cache.py",  # 26
-    "engine/test_spec_lossless.py",  # 24
-    "server/test_server_scoring.py",  # 24
-    "engine/test_engine_oracle.py",  # 22
-    "engine/test_model_config.py",  # 22
-    "harness/test_import_sgl_eval.py",  # 21
-    "server/test_spec_server.py",  # 21
-    "commands/test_secret_scan.py",  # 21
+    "harness/test_deterministic_reporting.py",  # 25
+    "engine/test_prefix_cache.py",  # 24
+    "server/test_server_scoring.py",  # 23
+    "engine/test_engine_oracle.py",  # 21
+    "engine/test_spec_lossless.py",  # 21
     "engine/test_spec_acceptance.py",  # 21
-    "engine/test_grammar_lossless.py",  # 20
-    "kernels/test_kernels_mxfp8.py",  # 19
-    "server/test_server_structured.py",  # 19
-    "harness/test_deterministic_reporting.py",  # 18
+    "kernels/test_kernels_attention.py",  # 21
+    "training/test_build_real_model.py",  # ~20 (it needs the real model, which that run lacked)
+    "compare/test_compare.py",  # 20
+    "engine/test_overlap_schedule.py",  # 20
+    "kernels/test_kernels_mxfp8.py",  # 20
+    "server/test_server_structured.py",  # 20
+    "launchers/test_launchers.py",  # 20
+    "harness/test_run_exit_codes.py",  # 19
+    "engine/test_grammar_lossless.py",  # 19
+    "kernels/test_kernels_q_rope.py",  # 18
+    "kernels/test_kernels_ratio2_compress.py",  # 18
     "harness/test_repeat.py",  # 18
-    "launchers/test_launchers.py",  # 17
-    "engine/test_overlap_schedule.py",  # 17
+    "compare/test_verdict.py",  # 17
 ]
 
 
