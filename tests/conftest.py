@@ -42,7 +42,7 @@ torch.set_num_threads(1)
 # started last). Files not listed follow, in pytest's order. Refresh with `--durations` or `--junitxml`, but keep the
 # vLLM files away from the fault matrix: it runs up to four busy processes at once, and a vLLM server beside it gets a
 # share of one core (the same suite, sorted strictly by time, put test_vllm_peer.py beside it: that file 69 -> 98-105 s
-# and the suite 970 -> 1,035-1,061 s in three clean-clone CI runs of 2026-12-06).
+# and the suite 970-976 s with this order against 1,035-1,061 s, in four clean-clone CI runs of 2026-12-06).
 LONGEST_FIRST = [
     "engine/test_fault_matrix.py",  # ~170 (216 before T = 1 at 20 questions and no batch shape for the sampler faults)
     "benchmarks/test_smoke_serving.py",  # 97

@@ -203,7 +203,7 @@ def server_path(kind: str = "cli") -> str:
             )
             if proc.stdout.readline().strip() != "ready":
                 proc.kill()
-                raise RuntimeError(f"the CLI fork server did not start:\n{Path(log.name).read_text()[-3000:]}")
+                raise RuntimeError(f"the {kind} fork server did not start:\n{Path(log.name).read_text()[-3000:]}")
             atexit.register(proc.kill)
             server.update(proc=proc, path=path)
         return server["path"]
@@ -231,7 +231,7 @@ def run_forked(
                 os.kill(pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(shown, timeout, read(out), read(err)) from None
         if not line:
-            raise RuntimeError(f"the CLI fork server closed before `evalpipe {' '.join(argv)}` ended")
+            raise RuntimeError(f"the fork server closed before `python {' '.join(shown[1:])}` ended")
         returncode = json.loads(line)["returncode"]
         return subprocess.CompletedProcess(shown, returncode, read(out), read(err))
 
