@@ -6,7 +6,7 @@ scripted OpenAI-compatible server that answers instantly (tests/support/scripted
 the same for both, so the difference is harness overhead. Prints one table: wall time per tool (whole process
 and generation loop), requests/s, accuracy, and the ratio.
 
-Target (issue 2): evalpipe no slower than sgl-eval, and >= 300 requests/s on a 2-core machine.
+Target: evalpipe no slower than sgl-eval, and >= 300 requests/s on a 2-core machine.
 
     python -m benchmarks.harness.harness_overhead [--rounds 1] [--concurrency 64] [--keep DIR]
 

@@ -1,4 +1,4 @@
-"""How many tokens the sampling gate needs to catch `residual-from-target` with a given drafter (issue 28).
+"""How many tokens the sampling gate needs to catch `residual-from-target` with a given drafter.
 
 Measured in process on the CPU with the engine the server runs (`build(EngineConfig(...))`, the real Engine loop):
 the gate's own prompts (`qualify.sampling.prompts`, seed --seed), T = 1, top_p 1, 64 tokens each, the exact sampler.

@@ -1,4 +1,4 @@
-"""GPU check and benchmark of the fused verify stack (issue 4): run once on an NVIDIA H200.
+"""GPU check and benchmark of the fused verify stack: run once on an NVIDIA H200.
 
     python -m benchmarks.kernels.kernels_gpu                      # all five ops
     python -m benchmarks.kernels.kernels_gpu --ops indexer,q_rope # a subset

@@ -1,4 +1,4 @@
-"""Does a model meet the default model's targets (issue 30)? Every target measured end to end through `evalpipe
+"""Does a model meet the default model's targets? Every target measured end to end through `evalpipe
 serve`, `run`, `compare`, `qualify`, `repeat`, sgl-eval and the oracle test, and printed as one markdown table (target,
 measured, pass, command); targets.json beside the run folders under --out holds every row with its full commands.
 
@@ -20,8 +20,8 @@ Rows (--skip takes their names):
   >= 3.0 and every output token-identical to the spec-off run;
 - oracle: tests/engine/test_engine_oracle.py's shipped-model test on --model's weights (greedy tokens equal
   transformers' DeepseekV4ForCausalLM in float32);
-- t1 (issue 13): temperature 1 arith, spec on - off inside 2 points and McNemar p >= 0.01;
-- lossy (issue 13): a lossy speculator (--lossy-args) against exact greedy arith: p < 0.01 and not "non-inferior".
+- t1: temperature 1 arith, spec on - off inside 2 points and McNemar p >= 0.01;
+- lossy: a lossy speculator (--lossy-args) against exact greedy arith: p < 0.01 and not "non-inferior".
   The trained layer-4 drafter nearly always proposes the target's own argmax, so top-k acceptance behind it changes
   few tokens; a weaker drafter behind the same knob is what the check has to catch.
 Servers are booted fresh for each configuration on free ports and stopped afterwards. --quick runs a small subset of
@@ -368,7 +368,7 @@ class Targets:
         g = c["greedy"]
         self.add(
             "t1",
-            "T=1 arith, spec on - off inside 2 pt, McNemar p >= 0.01 (issue 13)",
+            "T=1 arith, spec on - off inside 2 pt, McNemar p >= 0.01",
             f"{100 * g['diff']:+.2f} pt ({pct(g['n_correct_a'] / g['n'])} vs {pct(g['n_correct_b'] / g['n'])} "
             f"of {g['n']}; McNemar p {g['mcnemar_p']:.3g}; {g['verdict']} at -2 pt)",
             abs(g["diff"]) <= 0.02 and g["mcnemar_p"] >= 0.01,
@@ -382,7 +382,7 @@ class Targets:
         g = c["greedy"]
         self.add(
             "lossy",
-            f"lossy ({self.args.lossy_args}) caught: McNemar p < 0.01, not non-inferior (issue 13)",
+            f"lossy ({self.args.lossy_args}) caught: McNemar p < 0.01, not non-inferior",
             f"{100 * g['diff']:+.2f} pt ({g['a_only']} lost / {g['b_only']} gained; McNemar p "
             f"{g['mcnemar_p']:.3g}; {g['verdict']})",
             g["mcnemar_p"] < 0.01 and g["verdict"] != "non-inferior",

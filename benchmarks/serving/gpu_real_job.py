@@ -1,4 +1,4 @@
-"""Issue 15 on one GPU, one run: the real job (five-shot GSM8K through `evalpipe serve` and `evalpipe run`, prefix
+"""The real job on one GPU in one run: five-shot GSM8K through `evalpipe serve` and `evalpipe run` (prefix
 cache on vs off), decode and prefill rates, and where a step's time goes, all on the v4-top2 checkpoint.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python -m benchmarks.serving.gpu_real_job --out $OUT --data-dir DIR \
@@ -13,7 +13,7 @@ Stages:
   (torch.profiler) and host functions (cProfile); then
   the prefill rate at several chunk sizes (`--max-tokens-per-step`) with each chunk's kernel profile.
 - `targets`: batch 1 against the weight-read limit and against transformers `generate` on the same checkpoint
-  (issue 8's targets), and `benchmarks/kernels/kernels_gpu.py --ops c2,candidate` (the two kernel targets).
+  (the serving-speed targets), and `benchmarks/kernels/kernels_gpu.py --ops c2,candidate` (the two kernel targets).
 - `http`, through real processes: `evalpipe serve --device cuda --dtype bfloat16 --max-batch 64` with the prefix
   cache on, `evalpipe bench` at concurrency 1, 16 and 64 (input 128, output 256), `evalpipe run gsm8k
   --concurrency 64 --max-tokens 256`; then a fresh server with `--prefix-cache off` and the same gsm8k run; then
@@ -342,7 +342,7 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
 
 def targets_stage(model_dir: Path, report: dict, args) -> dict:
     """The issue's other targets, in the same run: batch 1 against the weight-read limit and against transformers
-    `generate` on the same checkpoint and prompt length (issue 8's 60% and 50x; needs the engine stage's batch-1
+    `generate` on the same checkpoint and prompt length (the 60% and 50x targets; needs the engine stage's batch-1
     rate), and the two kernel targets (`benchmarks/kernels/kernels_gpu.py --ops c2,candidate`, its table kept whole)."""
     out: dict = {}
     engine = report.get("engine") or {}

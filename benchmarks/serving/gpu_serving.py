@@ -1,4 +1,4 @@
-"""GPU serving speed, one run does it all (issue 8): CUDA graphs and the fused verify path vs plain decoding and
+"""GPU serving speed, one run does it all: CUDA graphs and the fused verify path vs plain decoding and
 transformers `generate`, on a mid-size DeepSeek-V4-shaped model with random weights.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python -m benchmarks.serving.gpu_serving [--out DIR]

@@ -5,7 +5,7 @@ For each arm: a fresh `evalpipe serve --prefix-cache ARM` (default model unless 
 server start excluded). The table takes every number from the run folders' records: prompt tokens, cached tokens
 (usage.prompt_tokens_details.cached_tokens), accuracy, the server's CPU seconds during the run (its HTTP and engine
 processes: a contention-robust companion to wall time on a shared machine), and whether the two arms' completions
-are identical (greedy: they must be, the cache is exact). Target (issue 15): the cache-on arm at least 3x faster.
+are identical (greedy: they must be, the cache is exact). Target: the cache-on arm at least 3x faster.
 
     python -m benchmarks.serving.prefix_cache_cpu [--num-examples 20] [--max-tokens 64] [--concurrency N] [--threads 1]
 """

@@ -17,7 +17,7 @@ fit the model), or they are plain text (the model does not call tools).
 Drawn tools (evalpipe.skills.tools, held-out split: tool names, parameters and argument values drawn per case,
 arguments copied from the ask) are sent beside them and checked the same way, exact arguments included. Until a
 default model
-trained on them ships (issue 30) their result is reported in the gate's notes (`drawn_tools`: exact calls of
+trained on them ships, their result is reported in the gate's notes (`drawn_tools`: exact calls of
 those sent, the first miss), not counted in its verdict: DRAWN_TOOLS_ENFORCED turns them into ordinary cases.
 """
 

@@ -33,7 +33,7 @@ QUESTIONS = 8
 MAX_TOKENS = 96
 TEMPERATURE = "1"
 LANE = "gsm8k"
-WITHIN_REQUESTS = 100  # issue 46's bound on how soon the seeded column must catch residual-from-target
+WITHIN_REQUESTS = 100  # the seeded-replay target: how soon the seeded column must catch residual-from-target
 
 
 def seeded_run(server: ServerProcess, out: Path) -> Path:

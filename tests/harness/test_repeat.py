@@ -172,7 +172,7 @@ def test_error_cells_get_a_visible_reason():
 def test_controls_on_the_default_model(tmp_path):
     """The arithmetic control is asked in the default model's trained format (`arith`'s one-operation drill): against
     it the control must be right in every condition. The shipped model does not copy (its copy skill was lost when it
-    learned the column arithmetic; issue 13), so there the copy control checks only that greedy repeats agree."""
+    learned the column arithmetic), so there the copy control checks only that greedy repeats agree."""
     from tests.support.server_harness import ServerProcess
 
     srv = ServerProcess("--max-batch", "8", model="evalpipe-skills-dsv4")
@@ -202,7 +202,7 @@ def test_controls_on_the_default_model(tmp_path):
         copy = result["groups"]["exact_copy"][cond]
         assert copy["n"] == 2 and copy["n_errors"] == 0 and copy["distinct"] == 1, (cond, copy)
         # exactness against the expected copy is graded and reported beside agreement (enforced once the default
-        # model is one trained to copy: issue 30)
+        # model is one trained to copy)
         assert copy["expected"] == COPY_TEXT and isinstance(copy["mode_correct"], bool), (cond, copy)
 
 
