@@ -173,6 +173,7 @@ if tl is not None:
         BLOCK_N: tl.constexpr,
         W_CHUNKS: tl.constexpr,
         HAS_ENT: tl.constexpr,
+        ENT_SCAN: tl.constexpr,
         SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
         ALIGNED: tl.constexpr,
@@ -208,6 +209,16 @@ if tl is not None:
         js = tl.arange(0, BLOCK_N)
         c_lo = s * chunks_per_split
         c_hi = tl.minimum(c_lo + chunks_per_split, total_chunks)
+        if HAS_ENT:
+            # the entry axis is sized for the longest context (HCA: every entry a request can reach): stop after
+            # this row's last visible entry. The chunks skipped are all masked, and one would leave every running
+            # state as it was (alpha 1, no probability), so skipping them changes no bit and no batch-invariance
+            last = tl.full([], -1, tl.int32)
+            for e0 in range(0, K, ENT_SCAN):
+                es = e0 + tl.arange(0, ENT_SCAN)
+                er_scan = tl.load(rows_ptr + i64 * stride_rt + es * stride_rk, mask=es < K, other=-1)
+                last = tl.maximum(last, tl.max(tl.where(er_scan >= 0, es, -1), axis=0))
+            c_hi = tl.minimum(c_hi, W_CHUNKS + (last + BLOCK_N) // BLOCK_N)
         for c in range(c_lo, c_hi):
             # virtual key axis: W_CHUNKS * BLOCK_N window slots, then the K entry slots
             j = c * BLOCK_N + js
@@ -312,6 +323,7 @@ ATTENTION_VARYING = ("kv_off", "ent_off", "n", "K", "chunks_per_split", "total_c
 
 
 INVARIANT_SPLIT_KEYS = 512  # keys per split under `invariant` (a multiple of every BLOCK_N)
+ENT_SCAN = 1024  # entry slots a program reads at once to find its row's last visible entry
 
 
 def _sm_count(device: torch.device) -> int:
@@ -449,6 +461,7 @@ def _launch(
         BLOCK_N=cfg["BLOCK_N"],
         W_CHUNKS=cfg["W_CHUNKS"],
         HAS_ENT=has_ent,
+        ENT_SCAN=ENT_SCAN,
         SPLIT=merge,
         IEEE=q.dtype == torch.float32,
         ALIGNED=aligned,

@@ -144,6 +144,30 @@ def test_kernel_decode_rows_and_padding_request():
     assert (ref.double() - brute_force(*call(args))).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("ent_scan", [16, sa.ENT_SCAN])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_kernel_stops_after_the_last_visible_entry(ent_scan, splits, monkeypatch):
+    """An entry axis far longer than what rows can see (HCA's is sized for the longest context): rows whose visible
+    entries are a prefix of 0, 1, 17 or all slots, one whose only visible entry is the last slot, one with hidden
+    slots inside its prefix. The kernel walks each row's chunks up to its last visible entry; splits past it
+    store an empty state. Same result as the reference and the contract, with the scan for that entry in steps
+    of 16 slots (several steps) and of ENT_SCAN."""
+    monkeypatch.setattr(sa, "ENT_SCAN", ent_scan)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    args = make_case(gen, B=6, n=1, starts=(3, 9, 30, 0, 12, 41), K=120, n_entries=150)
+    rows = torch.randint(0, 150, (6, 120), generator=gen)
+    for r, visible in enumerate((0, 1, 17, 120)):
+        rows[r, visible:] = -1
+    rows[4, :-1] = -1
+    rows[5, 40:] = -1
+    rows[5, torch.randperm(40, generator=gen)[:15]] = -1
+    args["entry_rows"] = rows
+    ref = sa.fused_attention_reference(*call(args))
+    got = sa._launch(*call(args), splits=splits, block_n=16)
+    assert torch.isfinite(got).all() and (got - ref).abs().max().item() < TOL
+    assert (ref.double() - brute_force(*call(args))).abs().max().item() < TOL
+
+
 @pytest.mark.parametrize("variant", ["no_entries", "k0", "all_hidden"])
 def test_kernel_sliding_only_and_empty_entries(variant):
     gen = torch.Generator().manual_seed(3)
