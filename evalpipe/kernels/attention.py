@@ -22,7 +22,9 @@ is kept in fp32), and rounds the output once. All of these are bf16-rounding-lev
 shapes: kernel vs an fp32 reference <= 3.1e-3 relative, `_attend` vs the same reference up to 1.9e-2).
 
 Launch (`plan`): programs (row, key split, head block), 64-key chunks, 16- or 32-head blocks; with more than one
-split a merge kernel combines the partial (max, sum, output) states. The key rows are gathered through element
+split a merge kernel combines the partial (max, sum, output) states. The entry axis is sized for the longest
+context (HCA: every entry a request could reach), so a program first scans its row's entry slots and stops after
+the last visible one; a split that starts past it stores an empty state. The key rows are gathered through element
 offsets from one base pointer with an 8-element alignment hint: that is what lets Triton vectorise and
 software-pipeline the gather (checked offline with ptxas for sm_90a: no spills, cp.async row loads, 199-240
 registers at the production shapes). The first H200 measurement (benchmarks/kernels/step_attention_gpu.py) was of an
