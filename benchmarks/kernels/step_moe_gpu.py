@@ -12,7 +12,8 @@ with activations large enough that swiglu_limit clamps, and a hash layer. Timing
 weights run back to back in one captured CUDA graph (weights are not L2-resident, like a real decode step), median of
 event-timed replays / layers. The gate_up and down kernels are first timed alone over a few block configs; the best of
 each is used for the table. The down candidates include `expert_groups` G > 1 (the experts split over G program groups,
-fp32 partials summed by a second launch), each checked against down_reference; the down kernel is also timed under
+fp32 partials summed by a second launch) and mode "rows" (a row per pick, summed per token by a second launch),
+each checked against down_reference; the down kernel is also timed under
 `invariant=True` (--deterministic: MM_INVARIANT's launch shape at every T) for each G of DN_INVARIANT_GROUPS, whose
 best sets MM_INVARIANT's. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
 time.
@@ -40,6 +41,9 @@ def parse():
     ap.add_argument("--replays", type=int, default=60)
     ap.add_argument("--layers", type=int, default=4, help="MoE objects per timed graph (distinct weights)")
     ap.add_argument("--ts", default="1,6,32,64", help="token counts (rows per step) to check and time on CUDA")
+    ap.add_argument(
+        "--shapes", default="8x2,16x6", help="routed experts x picks per token, on CUDA (E8 top-2: v4-top2)"
+    )
     return ap.parse_args()
 
 
@@ -63,7 +67,7 @@ CUDA = DEV.type == "cuda"
 if CUDA:
     D, INTER, DT, LAYERS = 4096, 2048, torch.bfloat16, ARGS.layers
     TS = tuple(int(t) for t in ARGS.ts.split(","))
-    SHAPES = ((8, 2), (16, 6))
+    SHAPES = tuple(tuple(int(v) for v in shape.split("x")) for shape in ARGS.shapes.split(","))
     # candidates besides the module's own choice (None): variants of the kernel shape it picks at that T; block_t 64
     # puts a 64-row batch (the largest graph bucket) in one token block, so each expert's weights are read once
     GU_CFGS = {
@@ -83,6 +87,17 @@ if CUDA:
     # shared memory for a single stage of tiles (16 KB at block_n 32 / block_k 128): a program has about one weight
     # tile (block_n x block_k x 2 bytes, 8 KB for MM_INVARIANT's) in flight, so some candidates also widen the tile.
     DN_G = dict(mode="mm", block_t=64, block_m=32)
+    DN_R = dict(mode="rows", block_t=64, block_m=64)
+    DN_ROWS = [
+        dict(block_n=64, block_k=64, num_warps=8),
+        dict(block_n=64, block_k=64, num_warps=8, maxnreg=128),
+        dict(block_n=64, block_k=64, num_warps=8, maxnreg=128, num_stages=4),
+        dict(block_n=64, block_k=128, num_warps=8),
+        dict(block_n=128, block_k=64, num_warps=8),
+        dict(block_n=128, block_k=128, num_warps=8),
+        dict(block_n=32, block_k=128, num_warps=4),
+        dict(block_m=32, block_n=64, block_k=128, num_warps=4),
+    ]
     DN_CFGS = {
         "gemv": [dict(mode="gemv", block_n=8, block_k=1024), dict(mode="gemv", block_n=4, block_k=1024)],
         "mm": [
@@ -99,6 +114,11 @@ if CUDA:
             dict(DN_G, block_n=128, block_k=64, num_warps=8, expert_groups=9),  # 288, 16 KB
             dict(DN_G, block_n=128, block_k=128, num_warps=8, expert_groups=9),  # 288, 32 KB
             dict(DN_G, block_n=32, block_k=128, num_warps=4, expert_groups=9),  # 1152, 8 KB, 4 warps
+            # mode "rows": expert-major like gate_up, one fp32 row per pick, then a sum over each token's picks.
+            # Programs at T 64: (E + 1) x 4096 / block_n. Compiled for sm_90a without a GPU (Triton 3.9, ptxas
+            # 13.4), registers per thread and shared memory: n 64/k 64/8 warps 138 (128 with maxnreg, no spills:
+            # two programs per SM), 48 KB at 3 stages; n 64/k 128/8 warps 125, 96 KB; n 128/k 128/8 warps 180, 144 KB
+            *[dict(DN_R, **c) for c in DN_ROWS],
         ],
     }
     DN_INVARIANT_GROUPS = (1, 3, 9)
@@ -106,7 +126,11 @@ else:
     D, INTER, DT, TS, LAYERS = 64, 32, torch.float32, (1, 6), 1
     SHAPES = ((8, 2), (16, 6))
     GU_CFGS = {m: [dict(mode=m, block_n=16, block_k=32)] for m in ("gemv", "mm")}
-    DN_CFGS = {**GU_CFGS, "mm": GU_CFGS["mm"] + [dict(mode="mm", block_n=16, block_k=32, expert_groups=3)]}
+    DN_CFGS = {
+        **GU_CFGS,
+        "mm": GU_CFGS["mm"]
+        + [dict(mode="mm", block_n=16, block_k=32, expert_groups=3), dict(mode="rows", block_n=16, block_k=32)],
+    }
     DN_INVARIANT_GROUPS = (1, 3)
     if ARGS.smoke:  # CI: one shape, both T values (a decode row and a verify block), seconds in the interpreter
         SHAPES = ((8, 2),)
@@ -257,7 +281,7 @@ def down_us(tag: str, name: str, cfg: dict | None, moes, hs, idxs, ws) -> float:
         return [step_moe.down(m, h, i, w, backend="triton", **(cfg or {})) for m, h, i, w in zip(moes, hs, idxs, ws)]
 
     us = timed_or_inf(run, name) / LAYERS
-    if us < float("inf") and cfg and ("expert_groups" in cfg or cfg.get("invariant")):
+    if us < float("inf") and cfg and ("expert_groups" in cfg or cfg.get("invariant") or cfg.get("mode") == "rows"):
         want = step_moe.down_reference(moes[0], hs[0], idxs[0], ws[0])
         check(f"{tag} down {name} vs reference", run()[0], want, TOL_REF)
     return us

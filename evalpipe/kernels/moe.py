@@ -1,11 +1,13 @@
-"""The MoE block of a decode/verify step in 4 launches: router GEMM, route kernel, gate_up kernel, down kernel.
+"""The MoE block of a decode/verify step in 4 or 5 launches: router GEMM, route kernel, gate_up kernel, down kernel
+(and a sum, where down writes a row per pick or splits its experts into groups).
 
 As torch ops the block is ~25 kernels per layer (router, score, bias, topk, gather, normalise, expert GEMVs,
 chunk/clamp/silu/mul, shared gate|up and down GEMMs, sums, casts, add), and the eager MoE reads expert counts back
 to the host, which a CUDA graph cannot contain. Here the shared expert is
 just one more pick: the route kernel appends it as column K of every token's picks (index E, weight 1.0), so one
-gate_up kernel and one down kernel serve routed and shared experts alike, and the down kernel sums a token's K+1
-picks in registers (no [T, K, D] intermediate, no separate add).
+gate_up kernel and one down kernel serve routed and shared experts alike. Below DOWN_ROWS_FROM rows the down
+kernel sums a token's K+1 picks in registers (no [T, K, D] intermediate, no separate add); from there it writes an
+fp32 row per pick and a second launch adds them ("rows", faster at 64 rows: fewer registers per program).
 
 `StaticModel.moe` (engine/static/model.py) calls `moe_forward(moe, x, input_ids, backend=...)` with the engine's
 `MoE` layer object (router, gate_up, down, shared, top_k, scoring, scaling, limit, bias, tid2eid, is_hash, act).
@@ -35,7 +37,8 @@ along the reduction dim, ~2+ programs per SM); from a few tokens on, expert-majo
 expert once per token block of up to 32 tokens (MM_MIN_TOKENS). Their grids have E+1 expert programs per channel
 block, idle ones exit at once: cheap for E 8..16, not tuned for E 256. The down kernel's programs walk the
 experts instead (a token's picks summed in registers); `expert_groups` splits that walk over more programs
-(`down`). First H200 run (hidden 4096, I 2048, bf16,
+(`down`). Mode "rows" runs down expert-major too (a row per pick, summed by a second launch); "auto" takes it from
+DOWN_ROWS_FROM tokens on, when that is set. First H200 run (hidden 4096, I 2048, bf16,
 4 layers per captured graph, benchmarks/kernels/step_moe_gpu.py, before the heuristics below were retuned from it): E
 8 top-2
 T=1 56 us vs 118 us for the StaticModel chain (27
@@ -385,6 +388,60 @@ if tl is not None:
         else:
             tl.store(part_ptr + g.to(tl.int64) * T * D + rows, acc, mask=keep)
 
+    def _down_rows_kernel(
+        h_ptr,
+        idx_ptr,
+        w_ptr,
+        dn_ptr,
+        sd_ptr,
+        part_ptr,
+        T,
+        E,
+        D: tl.constexpr,
+        I: tl.constexpr,
+        KP1: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+        ROWWISE: tl.constexpr,
+    ):
+        """Expert-major like `_gate_up_mm_kernel`: program (e, channel block, token block) multiplies the compacted
+        pick rows of its token block that chose expert e with tl.dot, scales each by its routing weight and stores
+        it as pick row r of the fp32 part [T * KP1, D]; the caller sums each token's KP1 rows in pick order and
+        rounds once. Each expert's weights are read once per token block, and a program holds one dot tile, not a
+        token block's running sums: fewer registers than `_down_mm_kernel`, so more programs per SM."""
+        e = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        r0 = tl.program_id(2) * (BLOCK_T * KP1)
+        lr = tl.arange(0, R_PAD)
+        live = (lr < BLOCK_T * KP1) & (r0 + lr < T * KP1)
+        sel = live & (tl.load(idx_ptr + r0 + lr, mask=live, other=-1) == e)
+        cnt = tl.sum(sel.to(tl.int32), axis=0)
+        if cnt > 0:
+            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            base = tl.where(e == E, sd_ptr, dn_ptr + e.to(tl.int64) * (D * I))
+            ns = n0 + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            ms = tl.arange(0, BLOCK_M)
+            nm = ns < D
+            woff = ns[None, :].to(tl.int64) * I + ks[:, None]  # [BLOCK_K, BLOCK_N], unit stride along k
+            for m0 in range(0, cnt, BLOCK_M):
+                hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
+                row = r0 + tl.sum(tl.where(hit, lr[None, :], 0), axis=1)  # [BLOCK_M] compacted pick rows
+                mv = m0 + ms < cnt
+                hrow = h_ptr + row.to(tl.int64)[:, None] * I
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, I, BLOCK_K):
+                    km = k0 + ks < I
+                    ht = tl.load(hrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
+                    wt = tl.load(base + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+                    acc = tile_dot(ht.to(wt.dtype), wt, acc, IEEE, ROWWISE)
+                acc = acc * tl.load(w_ptr + row, mask=mv, other=0.0)[:, None]
+                tl.store(part_ptr + row.to(tl.int64)[:, None] * D + ns[None, :], acc, mask=mv[:, None] & nm[None, :])
+
 
 # ---- per-MoE preparation ---------------------------------------------------------------------------------------
 
@@ -548,20 +605,36 @@ def route(moe, logits: torch.Tensor, input_ids: torch.Tensor, *, backend: str = 
 MM_MIN_TOKENS = {"gate_up": 2, "down": 4}
 
 
+# From how many tokens down's "auto" takes the expert-major "rows" kernel instead of "mm" (None: never). Measured at
+# 64 rows only (H100, E 8 top-2, hidden 4096, I 2048, bf16; benchmarks/kernels/step_moe_gpu.py, log in
+# gpu_results/2026-12-06/moe-rows-attention/): "rows" at MM_LARGE["down_rows"]'s shape 57.7 us per layer against
+# 97.2 for "mm" at MM_LARGE["down"]'s. Compiled for sm_90a without a GPU (Triton 3.9, ptxas 13.4), that "mm" shape
+# takes 255 registers per thread: its programs hold a token block's running sums, one 8-warp program per SM.
+DOWN_ROWS_FROM: int | None = 64
+
+
 def _mode(mode: str, kernel: str, tokens: int) -> str:
-    if mode not in ("auto", "gemv", "mm"):
-        raise ValueError(f"mode must be auto, gemv or mm, got {mode!r}")
-    return mode if mode != "auto" else ("mm" if tokens >= MM_MIN_TOKENS[kernel] else "gemv")
+    modes = ("auto", "gemv", "mm", "rows") if kernel == "down" else ("auto", "gemv", "mm")
+    if mode not in modes:
+        raise ValueError(f"mode must be {', '.join(modes[:-1])} or {modes[-1]}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    if tokens < MM_MIN_TOKENS[kernel]:
+        return "gemv"
+    rows = kernel == "down" and DOWN_ROWS_FROM is not None and tokens >= DOWN_ROWS_FROM
+    return "rows" if rows else "mm"
 
 
 # Expert-major tl.dot launch shapes for the larger graph buckets (from this row count up): one token block of up to
 # 64 rows reads each picked expert once instead of twice, and 64-row dot tiles keep the kernel bandwidth-bound; `down`
-# splits its experts into `expert_groups` (capped at E + 1 for models with fewer experts). Below these row counts
+# splits its experts into `expert_groups` (capped at E + 1 for models with fewer experts); `down_rows` is down's
+# "rows" kernel (one program per expert and 128 channels, so 9 x 32 programs at E 8 + 1). Below these row counts
 # (decode and verify at small batch) the smaller shapes above stay. The sweeps that chose them:
 # benchmarks/kernels/step_moe_gpu.py, figures in benchmarks/README.md.
 MM_LARGE = {
     "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
     "down": (32, dict(block_t=64, block_m=32, block_n=64, block_k=128, num_warps=8, expert_groups=9)),
+    "down_rows": (64, dict(block_t=64, block_m=64, block_n=128, block_k=128, num_warps=8)),
 }
 
 # --deterministic: one launch shape at every T. The same sweep timed down's invariant shape at G = 1, 3, 9 and G = 1
@@ -596,8 +669,8 @@ def _gate_up_tensors(p, x, idx, h) -> tuple:
 
 
 def _down_tensors(p, h, idx, w, y) -> tuple:
-    """The tensors both down kernels take first, in their parameter order: h, the picks, their routing weights, the
-    routed experts' and the shared expert's down weights, and the output y."""
+    """The tensors every down kernel takes first, in their parameter order: h, the picks, their routing weights, the
+    routed experts' and the shared expert's down weights, and the output y ("rows": the fp32 rows per pick)."""
     return (h, idx, w, p.down, p.shared[2], y)
 
 
@@ -702,10 +775,15 @@ def down(
     num_warps: int | None = None,
     num_stages: int | None = None,
     expert_groups: int | None = None,
+    maxnreg: int | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes and
-    `invariant` as in `gate_up` ("mm": programs over (channel block, token block) walk the experts).
+    `invariant` as in `gate_up` ("mm": programs over (channel block, token block) walk the experts), plus "rows":
+    expert-major programs like gate_up's "mm" write one fp32 row per pick, and a second launch sums each token's
+    rows in pick order (`_down_rows`); "auto" takes it from DOWN_ROWS_FROM rows on (None: never), with
+    MM_LARGE["down_rows"]'s shape. `maxnreg` ("rows" only) caps the registers per thread, so that more programs
+    share an SM.
 
     `expert_groups` G ("mm" only; default 1, MM_LARGE's from its row count on, capped at E + 1) is for
     parallelism: with G = 1 a program walks all E + 1 experts one after the other (a data-dependent `if cnt > 0`
@@ -725,8 +803,19 @@ def down(
         return y
     extra = {} if num_stages is None else {"num_stages": num_stages}
     h, idx, w = h.contiguous(), idx.contiguous(), w.contiguous()
-    if _mode("mm" if invariant else mode, "down", T) == "gemv":
+    chosen = _mode("mm" if invariant else mode, "down", T)
+    if chosen == "gemv":
         _down_gemv(p, h, idx, w, y, block_n, block_k, num_warps, extra)
+        return y
+    if maxnreg is not None and chosen != "rows":
+        raise ValueError("maxnreg is for down's mode 'rows'")
+    if chosen == "rows":
+        if expert_groups is not None:
+            raise ValueError("expert_groups is for down's mode 'mm'; mode 'rows' sums each token's picks instead")
+        given = dict(
+            block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, maxnreg=maxnreg
+        )
+        _down_rows(p, h, idx, w, y, _mm_shape("down_rows", T, given), extra)
         return y
     given = dict(
         block_t=block_t,
@@ -757,6 +846,35 @@ def _down_gemv(p, h, idx, w, y, block_n, block_k, num_warps, extra: dict) -> Non
         num_warps=num_warps or 4,
         **extra,
     )
+
+
+def _down_rows(p, h, idx, w, y, cfg: dict, extra: dict) -> None:
+    """down's "rows" mode into y: expert-major tl.dot kernels write one fp32 row per pick (part [T * (K+1), D]:
+    (K+1) x T x D x 8 bytes of extra traffic, 6 MB at T 64 and hidden 4096, against 151 MB of E 8 + 1 experts'
+    down weights), then one `split_sum` launch adds each token's K+1 rows in pick order and rounds once into y."""
+    T, KP1 = idx.shape
+    bt = _token_block(cfg, T, 32, False)
+    bn = max(16, cfg.get("block_n", 32))
+    bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.I)))
+    part = torch.empty(T * KP1, p.D, device=y.device, dtype=torch.float32)
+    grid = (p.E + 1, triton.cdiv(p.D, bn), triton.cdiv(T, bt))
+    jit(_down_rows_kernel, ("T",), helpers=(tile_dot,))[grid](
+        *_down_tensors(p, h, idx, w, part),
+        T,
+        p.E,
+        **_sizes(p, KP1),
+        BLOCK_T=bt,
+        R_PAD=triton.next_power_of_2(bt * KP1),
+        BLOCK_M=max(16, cfg.get("block_m", 16)),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE=p.down.dtype == torch.float32,
+        ROWWISE=False,
+        num_warps=cfg.get("num_warps", 4),
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        **extra,
+    )
+    split_sum(part.view(T, KP1, 1, p.D), None, y.view(T, 1, p.D), backend="triton")
 
 
 def _expert_groups(cfg: dict, given: int | None, E: int) -> int:
@@ -812,10 +930,10 @@ def moe_forward(
 ) -> torch.Tensor:
     """y [T, hidden] (x.dtype) = engine `MoE.__call__(x, input_ids)`: routed top-k (or hash) experts plus the
     shared expert, in 4 launches on the Triton path (router GEMM, route, gate_up, down; 5 when down splits its
-    experts into groups). `gate_up_cfg` / `down_cfg` override the kernels' choices for tuning (mode "gemv"/"mm",
-    block_n, block_k, block_t, block_m, num_warps, num_stages, and down's expert_groups; see `gate_up` / `down`).
-    `invariant` (--deterministic): one path and one launch shape at every T (the router GEMM is batch-invariant
-    under kernels.batch_invariant.invariant_ops)."""
+    experts into groups or runs "rows"). `gate_up_cfg` / `down_cfg` override the kernels' choices for tuning (mode
+    "gemv"/"mm", down's "rows", block_n, block_k, block_t, block_m, num_warps, num_stages, and down's
+    expert_groups and maxnreg; see `gate_up` / `down`). `invariant` (--deterministic): one path and one launch
+    shape at every T (the router GEMM is batch-invariant under kernels.batch_invariant.invariant_ops)."""
     p = prepare(moe)
     if not p.kernel_ok or not use_triton(backend, [x, input_ids, p.gate_up]):
         if backend == "triton" and not p.kernel_ok:

@@ -173,11 +173,52 @@ def test_down_expert_groups_match_reference(groups, poisoned_empty):
         torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-4, msg=f"T {T}")
 
 
-@pytest.mark.parametrize("groups", [1, 2, 3, E + 1])
-def test_down_non_finite_pick_stays_in_its_token(groups):
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),  # the "rows" table shape at T 70 (64-row token blocks and dot tiles), the kernel's own below it
+        dict(block_t=16, block_m=16, block_n=16, block_k=16),  # channel and reduction tails, several token blocks
+        dict(block_t=8, block_m=64, block_n=64, block_k=32, maxnreg=128),
+    ],
+)
+def test_down_rows_match_reference(cfg, poisoned_empty):
+    """down's "rows" mode (one fp32 row per pick from expert-major tl.dot programs, then each token's K + 1 rows
+    summed in pick order) agrees with down_reference at T 1, 37 and 70: repeated picks, experts nobody picked, a
+    partial last token block, outputs and the per-pick rows poisoned with NaN before the launch. Fresh random
+    inputs every run."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
+    moe = make_moe(seed=int(torch.randint(0, 1 << 20, (), generator=gen)))
+    for T in (1, 37, 70):
+        h = 4 * torch.randn(T, K + 1, INTER, generator=gen)
+        idx = awkward_picks(T, gen)
+        w = torch.rand(T, K + 1, generator=gen)
+        w[:, K] = 1.0
+        y = step_moe.down(moe, h, idx, w, backend="triton", mode="rows", **cfg)
+        assert y.shape == (T, D) and torch.isfinite(y).all(), f"T {T}"
+        torch.testing.assert_close(y, step_moe.down_reference(moe, h, idx, w), rtol=1e-5, atol=1e-4, msg=f"T {T}")
+
+
+@pytest.mark.parametrize("start", [step_moe.DOWN_ROWS_FROM, 32, None])
+def test_down_auto_takes_rows_from_its_row_count(start, monkeypatch):
+    """auto's choice for down by T: the GEMVs below MM_MIN_TOKENS, "mm" up to DOWN_ROWS_FROM, "rows" from there
+    (never while it is None); gate_up has no "rows"."""
+    monkeypatch.setattr(step_moe, "DOWN_ROWS_FROM", start)
+    below = step_moe.MM_MIN_TOKENS["down"]
+    assert step_moe._mode("auto", "down", below - 1) == "gemv" and step_moe._mode("auto", "down", below) == "mm"
+    if start is None:
+        assert step_moe._mode("auto", "down", 1 << 16) == "mm"
+    else:
+        assert step_moe._mode("auto", "down", start - 1) == "mm" and step_moe._mode("auto", "down", start) == "rows"
+    assert step_moe._mode("auto", "gate_up", 1 << 16) == "mm"
+    with pytest.raises(ValueError, match="mode must be"):
+        step_moe._mode("rows", "gate_up", 64)
+
+
+@pytest.mark.parametrize("cfg", [dict(mode="mm", expert_groups=g) for g in (1, 2, 3, E + 1)] + [dict(mode="rows")])
+def test_down_non_finite_pick_stays_in_its_token(cfg):
     """A NaN in one token's h and an inf in another's, both in the token block of 30 other tokens: those two rows
-    come out non-finite and every other row is bitwise the clean run's (the one-hot dot that adds picks to their
-    token must not spread 0 * inf over the block)."""
+    come out non-finite and every other row is bitwise the clean run's (in "mm", the one-hot dot that adds picks to
+    their token must not spread 0 * inf over the block; in "rows", a pick's row must reach its own token only)."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
     moe = make_moe(seed=5)
     T = 32
@@ -187,7 +228,7 @@ def test_down_non_finite_pick_stays_in_its_token(groups):
     bad = h.clone()
     bad[nan_tok, 0, 3] = float("nan")
     bad[inf_tok, K, 7] = float("inf")  # the shared expert's pick
-    cfg = dict(backend="triton", mode="mm", block_t=32, expert_groups=groups)
+    cfg = dict(backend="triton", block_t=32, **cfg)
     clean, dirty = step_moe.down(moe, h, idx, w, **cfg), step_moe.down(moe, bad, idx, w, **cfg)
     others = [t for t in range(T) if t not in (nan_tok, inf_tok)]
     assert torch.isfinite(clean).all() and torch.equal(dirty[others], clean[others])
@@ -252,6 +293,10 @@ def test_dispatch_and_guards():
     for groups in (0, E + 2, 1.5):  # the E + 1 experts make 1..E + 1 groups
         with pytest.raises(ValueError, match="expert_groups"):
             step_moe.moe_forward(moe, x, ids, backend="triton", down_cfg=dict(mode="mm", expert_groups=groups))
+    with pytest.raises(ValueError, match="expert_groups is for down's mode 'mm'"):
+        step_moe.moe_forward(moe, x, ids, backend="triton", down_cfg=dict(mode="rows", expert_groups=1))
+    with pytest.raises(ValueError, match="maxnreg is for down's mode 'rows'"):
+        step_moe.moe_forward(moe, x, ids, backend="triton", down_cfg=dict(mode="mm", maxnreg=128))
 
 
 def test_static_step_with_moe_forward_equals_plain_runner(tiny_runner, monkeypatch):
@@ -359,7 +404,7 @@ def test_down_table_groups_are_capped_at_the_experts_of_a_smaller_model():
     w = torch.rand(T, K + 1, generator=gen)
     w[:, K] = 1.0
     h = step_moe.gate_up_reference(moe, x, idx)
-    y = step_moe.down(moe, h, idx, w, backend="triton")
+    y = step_moe.down(moe, h, idx, w, backend="triton", mode="mm")  # auto would take "rows" at this T
     torch.testing.assert_close(y, step_moe.down_reference(moe, h, idx, w), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="expert_groups"):
         step_moe.down(moe, h, idx, w, backend="triton", mode="mm", expert_groups=5)
