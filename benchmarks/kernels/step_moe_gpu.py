@@ -82,10 +82,11 @@ if CUDA:
     }
     # expert_groups G: G x the programs of a token block (at T 64, hidden 4096: 4096 / block_n x G; programs at T 64
     # in the comments), each walking (E + 1) / G experts; the fp32 partials add G x T x hidden x 8 bytes of traffic
-    # (G x 2 MB at T 64) against the 151 MB of down weights of E 8 + 1 experts. Compiled for sm_90 without a GPU
-    # (Triton 3.9), the 8-warp shapes below take 245-255 registers per thread (one program per SM at a time) and
-    # shared memory for a single stage of tiles (16 KB at block_n 32 / block_k 128): a program has about one weight
-    # tile (block_n x block_k x 2 bytes, 8 KB for MM_INVARIANT's) in flight, so some candidates also widen the tile.
+    # (G x 2 MB at T 64) against the 151 MB of down weights of E 8 + 1 experts. Compiled for sm_90a without a GPU
+    # (Triton 3.9, ptxas 13.4, 16-byte aligned pointers, Triton's default 3 stages), the 8-warp shapes take 229-255
+    # registers per thread (one program per SM at a time) and two stages of tiles (32 KB at block_n 32 / block_k 128,
+    # 48 KB at block_n 64): a program has one or two weight tiles (block_n x block_k x 2 bytes) in flight, so some
+    # candidates also widen the tile.
     DN_G = dict(mode="mm", block_t=64, block_m=32)
     DN_R = dict(mode="rows", block_t=64, block_m=64)
     DN_ROWS = [
