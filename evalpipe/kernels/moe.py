@@ -7,7 +7,7 @@ to the host, which a CUDA graph cannot contain. Here the shared expert is
 just one more pick: the route kernel appends it as column K of every token's picks (index E, weight 1.0), so one
 gate_up kernel and one down kernel serve routed and shared experts alike. Below DOWN_ROWS_FROM rows the down
 kernel sums a token's K+1 picks in registers (no [T, K, D] intermediate, no separate add); from there it writes an
-fp32 row per pick and a second launch adds them ("rows", faster at 64 rows: fewer registers per program).
+fp32 row per pick and a second launch adds them ("rows", faster at 64 rows).
 
 `StaticModel.moe` (engine/static/model.py) calls `moe_forward(moe, x, input_ids, backend=...)` with the engine's
 `MoE` layer object (router, gate_up, down, shared, top_k, scoring, scaling, limit, bias, tid2eid, is_hash, act).
@@ -412,7 +412,7 @@ if tl is not None:
         pick rows of its token block that chose expert e with tl.dot, scales each by its routing weight and stores
         it as pick row r of the fp32 part [T * KP1, D]; the caller sums each token's KP1 rows in pick order and
         rounds once. Each expert's weights are read once per token block, and a program holds one dot tile, not a
-        token block's running sums: fewer registers than `_down_mm_kernel`, so more programs per SM."""
+        token block's running sums: the registers `_down_mm_kernel` spends on those go to wider weight tiles."""
         e = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
         r0 = tl.program_id(2) * (BLOCK_T * KP1)
@@ -608,8 +608,9 @@ MM_MIN_TOKENS = {"gate_up": 2, "down": 4}
 # From how many tokens down's "auto" takes the expert-major "rows" kernel instead of "mm" (None: never). Measured at
 # 64 rows only (H100, E 8 top-2, hidden 4096, I 2048, bf16; benchmarks/kernels/step_moe_gpu.py, log in
 # gpu_results/2026-12-06/moe-rows-attention/): "rows" at MM_LARGE["down_rows"]'s shape 57.7 us per layer against
-# 97.2 for "mm" at MM_LARGE["down"]'s. Compiled for sm_90a without a GPU (Triton 3.9, ptxas 13.4), that "mm" shape
-# takes 255 registers per thread: its programs hold a token block's running sums, one 8-warp program per SM.
+# 97.2 for "mm" at MM_LARGE["down"]'s. Compiled for sm_90a without a GPU (Triton 3.9, ptxas 13.4), both run one
+# 8-warp program per SM: "mm" at 255 registers per thread (a token block's running sums) and 48 KB of shared memory
+# (two stages of 64 x 128 weight tiles), "rows" at 180 and 144 KB (three stages of 128 x 128 tiles).
 DOWN_ROWS_FROM: int | None = 64
 
 
