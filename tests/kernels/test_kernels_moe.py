@@ -404,7 +404,7 @@ def test_down_table_groups_are_capped_at_the_experts_of_a_smaller_model():
     w = torch.rand(T, K + 1, generator=gen)
     w[:, K] = 1.0
     h = step_moe.gate_up_reference(moe, x, idx)
-    y = step_moe.down(moe, h, idx, w, backend="triton", mode="mm")  # auto would take "rows" at this T
+    y = step_moe.down(moe, h, idx, w, backend="triton", mode="mm")  # named: auto's choice may move under it
     torch.testing.assert_close(y, step_moe.down_reference(moe, h, idx, w), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="expert_groups"):
         step_moe.down(moe, h, idx, w, backend="triton", mode="mm", expert_groups=5)
