@@ -5,6 +5,7 @@
     PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --detail        # also time each op alone
     PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --sweep         # also time launch-shape variants
     PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --sweep --tokens 64,3500   # a decode batch, a prompt chunk
+    PYTHONPATH=. python -m benchmarks.kernels.step_hyper_gpu --sweep --tokens 64 --dot-min-rows 16  # GEMM tiles at 64
 
 At hc 4, D 4096, bf16 streams, T in {1, 6, 32}: a 2-layer chain (4 blocks whose outputs are fixed random tensors,
 then the head) run the previous StaticModel way (baseline_ops.hc_pre + rms_norm + hc_merge per block, HyperHead +
@@ -36,6 +37,12 @@ def parse():
     ap.add_argument("--sweep", action="store_true", help="also time mix_block / rows / warps variants")
     ap.add_argument("--detail", action="store_true", help="also time each op alone")
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument(
+        "--dot-min-rows",
+        type=int,
+        default=None,
+        help="rows from which merge/mix runs as GEMM tiles (hyper.DOT_MIN_ROWS) for the whole run, checks included",
+    )
     ap.add_argument(
         "--tokens",
         default=None,
@@ -218,6 +225,8 @@ def graph_time(fn, replays: int) -> float:
 
 
 def main() -> int:
+    if ARGS.dot_min_rows is not None:
+        step_hyper.DOT_MIN_ROWS = ARGS.dot_min_rows
     cuda = ARGS.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("no CUDA device (use --device cpu for the interpreted dry run)")

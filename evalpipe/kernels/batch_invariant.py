@@ -13,9 +13,9 @@ Why the default CUDA path varies with the batch (the engine's serving path; what
 - kernels/attention.py `plan`: the key-split count and head block follow T rows x SMs, and the split merge sums
   the partial states. Deterministic: a fixed 512-key split size and 16-head blocks (`plan(invariant=True)`).
 - kernels/moe.py: GEMV below MM_MIN_TOKENS, tl.dot above, and MM_LARGE launch shapes by T. Deterministic: the
-  tl.dot path with one launch shape (MM_INVARIANT) for every T. The eager MoE (engine/model/moe.py) uses
-  torch._grouped_mm and an atomic `index_add_` (order of the top-k adds varies run to run): deterministic prefill
-  takes kernels.moe instead.
+  tl.dot paths (down's "rows") with one launch shape (MM_INVARIANT) for every T. The eager MoE
+  (engine/model/moe.py) uses torch._grouped_mm and an atomic `index_add_` (order of the top-k adds varies run to
+  run): deterministic prefill takes kernels.moe instead.
 - kernels/hyper.py: `mix_block` (32 or 128 columns per partial by T) and the tl.dot path from DOT_MIN_ROWS rows.
   Deterministic: 128-column partials and the per-row kernel at every T.
 - kernels/mxfp8.py (`--wo-quant mxfp8`): one fused launch with an atomic ticket for M <= 16, partials + reduce

@@ -638,12 +638,14 @@ MM_LARGE = {
     "down_rows": (64, dict(block_t=64, block_m=64, block_n=128, block_k=128, num_warps=8)),
 }
 
-# --deterministic: one launch shape at every T. The same sweep timed down's invariant shape at G = 1, 3, 9 and G = 1
-# won at every T (E 8 top-2 T=1 36.5 / 40.5 / 42.8 us, T=64 105.5 / 112.6 / 118.4 us), so it keeps the shape with
-# which the 1,314/1,314 identical-output runs of gpu_results/2026-12-03 were measured.
+# --deterministic: one launch shape at every T. Down runs "rows" at the default's 64-row shape (a pick's row does
+# not depend on the picks beside it in its tile, and split_sum adds a token's rows in pick order). "mm" stays
+# selectable: the same sweep timed its invariant shape at G = 1, 3, 9 and G = 1 won at every T (E 8 top-2 T=1 36.5 /
+# 40.5 / 42.8 us, T=64 105.5 / 112.6 / 118.4 us).
 MM_INVARIANT = {
     "gate_up": MM_LARGE["gate_up"][1],
     "down": dict(block_t=64, block_m=32, block_n=32, block_k=128, num_warps=8, expert_groups=1),
+    "down_rows": MM_LARGE["down_rows"][1],
 }
 
 
@@ -779,12 +781,13 @@ def down(
     maxnreg: int | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes and
-    `invariant` as in `gate_up` ("mm": programs over (channel block, token block) walk the experts), plus "rows":
-    expert-major programs like gate_up's "mm" write one fp32 row per pick, and a second launch sums each token's
-    rows in pick order (`_down_rows`); "auto" takes it from DOWN_ROWS_FROM rows on (None: never), with
-    MM_LARGE["down_rows"]'s shape. `maxnreg` ("rows" only) caps the registers per thread, so that more programs
-    share an SM.
+    """y [T, D] = sum over the K+1 picks of w * W_down[idx] @ h, fp32 accumulation, one rounding. Modes as in
+    `gate_up` ("mm": programs over (channel block, token block) walk the experts), plus "rows": expert-major
+    programs like gate_up's "mm" write one fp32 row per pick, and a second launch sums each token's rows in pick
+    order (`_down_rows`); "auto" takes it from DOWN_ROWS_FROM rows on (None: never), with MM_LARGE["down_rows"]'s
+    shape. `maxnreg` ("rows" only) caps the registers per thread, so that more programs share an SM.
+    `invariant` (--deterministic): "rows" (or "mm" when asked for) with MM_INVARIANT's launch shape at every T;
+    mode "gemv" is refused.
 
     `expert_groups` G ("mm" only; default 1, MM_LARGE's from its row count on, capped at E + 1) is for
     parallelism: with G = 1 a program walks all E + 1 experts one after the other (a data-dependent `if cnt > 0`
@@ -804,7 +807,9 @@ def down(
         return y
     extra = {} if num_stages is None else {"num_stages": num_stages}
     h, idx, w = h.contiguous(), idx.contiguous(), w.contiguous()
-    chosen = _mode("mm" if invariant else mode, "down", T)
+    if invariant and mode == "gemv":
+        raise ValueError("invariant: down's mode is 'rows' or 'mm', whose launch shape is the same at every T")
+    chosen = _mode(("rows" if mode == "auto" else mode) if invariant else mode, "down", T)
     if chosen == "gemv":
         _down_gemv(p, h, idx, w, y, block_n, block_k, num_warps, extra)
         return y
@@ -816,7 +821,7 @@ def down(
         given = dict(
             block_t=block_t, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, maxnreg=maxnreg
         )
-        _down_rows(p, h, idx, w, y, _mm_shape("down_rows", T, given), extra)
+        _down_rows(p, h, idx, w, y, _mm_shape("down_rows", T, given, invariant), invariant, extra)
         return y
     given = dict(
         block_t=block_t,
@@ -849,12 +854,12 @@ def _down_gemv(p, h, idx, w, y, block_n, block_k, num_warps, extra: dict) -> Non
     )
 
 
-def _down_rows(p, h, idx, w, y, cfg: dict, extra: dict) -> None:
+def _down_rows(p, h, idx, w, y, cfg: dict, invariant: bool, extra: dict) -> None:
     """down's "rows" mode into y: expert-major tl.dot kernels write one fp32 row per pick (part [T * (K+1), D]:
     (K+1) x T x D x 8 bytes of extra traffic, 6 MB at T 64 and hidden 4096, against 151 MB of E 8 + 1 experts'
     down weights), then one `split_sum` launch adds each token's K+1 rows in pick order and rounds once into y."""
     T, KP1 = idx.shape
-    bt = _token_block(cfg, T, 32, False)
+    bt = _token_block(cfg, T, 32, invariant)
     bn = max(16, cfg.get("block_n", 32))
     bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.I)))
     part = torch.empty(T * KP1, p.D, device=y.device, dtype=torch.float32)
@@ -870,7 +875,7 @@ def _down_rows(p, h, idx, w, y, cfg: dict, extra: dict) -> None:
         BLOCK_N=bn,
         BLOCK_K=bk,
         IEEE=p.down.dtype == torch.float32,
-        ROWWISE=False,
+        ROWWISE=invariant and interpret_mode(),
         num_warps=cfg.get("num_warps", 4),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **extra,

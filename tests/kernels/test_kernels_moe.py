@@ -297,6 +297,8 @@ def test_dispatch_and_guards():
         step_moe.moe_forward(moe, x, ids, backend="triton", down_cfg=dict(mode="rows", expert_groups=1))
     with pytest.raises(ValueError, match="maxnreg is for down's mode 'rows'"):
         step_moe.moe_forward(moe, x, ids, backend="triton", down_cfg=dict(mode="mm", maxnreg=128))
+    with pytest.raises(ValueError, match="invariant: down's mode is 'rows' or 'mm'"):
+        step_moe.moe_forward(moe, x, ids, backend="triton", invariant=True, down_cfg=dict(mode="gemv"))
 
 
 def test_static_step_with_moe_forward_equals_plain_runner(tiny_runner, monkeypatch):
@@ -345,13 +347,14 @@ def test_grouped_gemm_routed_experts_equal_the_per_expert_loop(T, dtype):
         assert (grouped.float() - loop.float()).abs().max().item() <= tol * max(1.0, loop.float().abs().max().item())
 
 
-@pytest.mark.parametrize("groups", [1, 3, E + 1])
+@pytest.mark.parametrize("down_mode,groups", [("auto", None), ("mm", 1), ("mm", 3), ("mm", E + 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype, groups):
+def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype, down_mode, groups):
     """`invariant=True` (--deterministic): one token's MoE output is bitwise the same alone and at a random place
-    among 2..64 tokens of other random data, and close to the reference, with the down kernel's experts in 1, 3
-    or E + 1 groups. The chain is moe_forward's with its router GEMM through kernels.batch_invariant.matmul (what
-    invariant_ops makes of it on CUDA). In the 17-token batch one neighbour is NaN: it must not reach the token."""
+    among 2..64 tokens of other random data, and close to the reference, with down's default ("rows") and with
+    "mm" over 1, 3 or E + 1 expert groups. The chain is moe_forward's with its router GEMM through
+    kernels.batch_invariant.matmul (what invariant_ops makes of it on CUDA). In the 17-token batch one neighbour
+    is NaN: it must not reach the token."""
     from evalpipe.kernels import batch_invariant
 
     moe = make_moe(seed=13)
@@ -364,7 +367,9 @@ def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype, groups):
         logits = batch_invariant.matmul(x, router.t(), backend="triton").float()
         idx, w = step_moe.route(moe, logits, ids, backend="triton")
         h = step_moe.gate_up(moe, x, idx, backend="triton", invariant=True)
-        return step_moe.down(moe, h, idx, w, out_dtype=x.dtype, backend="triton", invariant=True, expert_groups=groups)
+        return step_moe.down(
+            moe, h, idx, w, out_dtype=x.dtype, backend="triton", invariant=True, mode=down_mode, expert_groups=groups
+        )
 
     token = (8 * torch.randn(1, D, generator=gen)).to(dtype)
     token_id = torch.randint(0, VOCAB, (1,), generator=gen)
@@ -384,7 +389,7 @@ def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype, groups):
 
 
 def test_invariant_launch_shape_does_not_depend_on_T():
-    for kernel in ("gate_up", "down"):
+    for kernel in ("gate_up", "down", "down_rows"):
         shapes = {str(step_moe._mm_shape(kernel, T, {"block_t": 8}, invariant=True)) for T in (1, 5, 64, 3000)}
         assert len(shapes) == 1
     groups = {step_moe._mm_shape("down", T, {}, invariant=True)["expert_groups"] for T in (1, 5, 64, 3000)}
