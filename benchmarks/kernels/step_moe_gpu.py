@@ -14,8 +14,8 @@ event-timed replays / layers. The gate_up and down kernels are first timed alone
 each is used for the table. The down candidates include `expert_groups` G > 1 (the experts split over G program groups,
 fp32 partials summed by a second launch) and mode "rows" (a row per pick, summed per token by a second launch),
 each checked against down_reference; the down kernel is also timed under
-`invariant=True` (--deterministic: MM_INVARIANT's launch shape at every T) for each G of DN_INVARIANT_GROUPS, whose
-best sets MM_INVARIANT's. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
+`invariant=True` (--deterministic: MM_INVARIANT's launch shapes at every T): "rows", the default, and "mm" for each G
+of DN_INVARIANT_GROUPS. Weight bandwidth = bytes of the distinct picked experts + the shared expert + the router /
 time.
 """
 
@@ -321,9 +321,12 @@ def main() -> int:
             }
             dn_t = {label(c): down_us(tag, label(c), c, moes, hs, idxs, ws) for c in dn_cfgs}
             inv_t = {
-                g: down_us(tag, f"invariant,G={g}", dict(invariant=True, expert_groups=g), moes, hs, idxs, ws)
+                f"mm,G={g}": down_us(
+                    tag, f"invariant,mm,G={g}", dict(invariant=True, mode="mm", expert_groups=g), moes, hs, idxs, ws
+                )
                 for g in DN_INVARIANT_GROUPS
             }
+            inv_t["rows"] = down_us(tag, "invariant,rows", dict(invariant=True), moes, hs, idxs, ws)
             gu_best = min(gu_cfgs, key=lambda c: gu_t[label(c)])
             dn_best = min(dn_cfgs, key=lambda c: dn_t[label(c)])
             print(
@@ -339,9 +342,9 @@ def main() -> int:
                 flush=True,
             )
             print(
-                f"  {tag} down invariant (MM_INVARIANT shape) us: "
-                + ", ".join(f"G={g} {v:.1f}" for g, v in inv_t.items())
-                + f" -> best G={min(inv_t, key=inv_t.get)}",
+                f"  {tag} down invariant (MM_INVARIANT shapes) us: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in inv_t.items())
+                + f" -> best {min(inv_t, key=inv_t.get)}",
                 flush=True,
             )
 
