@@ -5,8 +5,9 @@ Why the default CUDA path varies with the batch (the engine's serving path; what
 - torch GEMMs (`F.linear`, `torch.matmul`, `torch.bmm`: engine/model/attention.py, compressor.py, moe.py, hyper.py,
   deepseek_v4.py's LM head, engine/static/model.py): cuBLAS picks its kernel, tile and split-K from M, so a row's
   K order changes with the rows beside it. Here: `matmul`, one tile shape per weight shape (`tile_for`, never M),
-  K walked in order, split into a fixed number of slices summed in slice order (prompt chunks); or `slab_matmul`,
-  the library's own GEMM on products of exactly 64 rows (the CUDA-graph step, whose C64 decode is one such slab).
+  K walked in order, split into a fixed number of slices summed in slice order (prompt chunks); or `slab_matmul`
+  and `slab_bmm`, the library's own GEMMs on products of exactly 64 rows (the CUDA-graph step, whose C64 decode is
+  one such slab).
 - torch reductions over a dim (`.sum`/`.mean`: the eager RMSNorms of primitives.py in bf16, the compressor's pooled
   sum, the indexer's head sum): TensorIterator splits a reduction across threads and blocks by the output count.
   Here: `reduce_sum`, one program per output, fixed block, fixed order.
@@ -476,6 +477,28 @@ def slab_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
     return out[:M]
 
 
+def slab_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] as ceil(M / SLAB_ROWS) batched library products of [B, SLAB_ROWS, K] each: `a`,
+    zero-padded to whole slabs, is laid out slab-major in one fresh contiguous tensor, so every product's shape,
+    strides and alignment are the same whatever M, as in `slab_matmul`. Rows are M's: B is the weights' batch (the
+    decode step's grouped output projection, B = groups), not the tokens'."""
+    _check_matmul(a, b, None)
+    if a.dim() != 3:
+        raise ValueError(f"slab_bmm takes [B, M, K] @ [B, K, N], got {tuple(a.shape)}")
+    B, M, K = a.shape
+    N = b.shape[2]
+    if M == 0:
+        return a.new_empty(B, 0, N)
+    slabs = -(-M // SLAB_ROWS)
+    padded = torch.nn.functional.pad(a, (0, 0, 0, slabs * SLAB_ROWS - M))
+    a_slabs = torch.empty(slabs, B, SLAB_ROWS, K, dtype=a.dtype, device=a.device)
+    a_slabs.copy_(padded.reshape(B, slabs, SLAB_ROWS, K).transpose(0, 1))
+    out = torch.empty(slabs, B, SLAB_ROWS, N, dtype=a.dtype, device=a.device)
+    for s in range(slabs):
+        torch.bmm(a_slabs[s], b, out=out[s])  # bmm.out: the library's kernel (invariant_ops overrides bmm.default)
+    return out.transpose(0, 1).reshape(B, slabs * SLAB_ROWS, N)[:, :M]
+
+
 # ---- the aten overrides -----------------------------------------------------------------------------------------
 
 
@@ -491,6 +514,8 @@ def _mm(a, b):
 
 
 def _bmm(a, b):
+    if _GEMM_MODES[-1] == "slabs":
+        return slab_bmm(a, b)
     return matmul(a, b, backend="triton")
 
 
@@ -520,8 +545,8 @@ def invariant_ops(enabled: bool = True, gemm: str = "tiles"):
     """While open (and `enabled`), aten mm / addmm / bmm and sum / mean over dims of CUDA tensors run the kernels
     above. `gemm`: how mm and addmm run, "tiles" (`matmul`, one launch whatever M: prompt chunks) or "slabs"
     (`slab_matmul`, 64-row library products: the CUDA-graph step, whose products have at most a few slabs); bmm
-    always runs `matmul`. Both keep a row's bits whatever M, but not the same bits as each other, so one forward
-    path keeps one mode. Nested opens share one registration; the last close removes it. CPU tensors are not
+    likewise runs `matmul` or `slab_bmm`. Both keep a row's bits whatever M, but not the same bits as each other, so
+    one forward path keeps one mode. Nested opens share one registration; the last close removes it. CPU tensors are not
     affected."""
     if gemm not in GEMM_MODES:
         raise ValueError(f"gemm must be one of {GEMM_MODES}, got {gemm!r}")

@@ -238,6 +238,26 @@ def test_slab_matmul_pads_to_whole_slabs_and_keeps_rows_apart(dtype, rows):
     _assert_matmul_close(bi.slab_matmul(view, w), view, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 63, 64, 65, 150])
+def test_slab_bmm_pads_to_whole_slabs(dtype, rows):
+    """Numbers only, on the CPU (the same bits in any batch are the library's claim on CUDA, checked by
+    tests/engine/test_engine_deterministic.py): each row of each batch within the accumulation bound of the
+    reference, for a contiguous a and for the decode step's transposed view of it."""
+    gen = torch.Generator().manual_seed(rows + 7)
+    w = torch.randn(3, 200, 40, generator=gen).to(dtype)
+    a = torch.randn(3, rows, 200, generator=gen).to(dtype)
+    out = bi.slab_bmm(a, w)
+    assert out.shape == (3, rows, 40) and out.dtype == dtype
+    _assert_matmul_close(out, a, w)
+    view = torch.randn(rows, 3, 200, generator=gen).to(dtype).transpose(0, 1)  # [T, G, d] read as [G, T, d]
+    _assert_matmul_close(bi.slab_bmm(view, w), view, w)
+    with pytest.raises(ValueError, match="slab_bmm takes"):
+        bi.slab_bmm(torch.randn(2, 5), torch.randn(5, 3))
+    with pytest.raises(ValueError, match="do not fit"):
+        bi.slab_bmm(torch.randn(2, 4, 5), torch.randn(3, 5, 3))
+
+
 def test_slab_matmul_edges():
     assert bi.slab_matmul(torch.randn(0, 5), torch.randn(5, 3)).shape == (0, 3)
     assert torch.equal(bi.slab_matmul(torch.randn(2, 0), torch.randn(0, 3)), torch.zeros(2, 3))
