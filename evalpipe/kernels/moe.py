@@ -239,6 +239,13 @@ if tl is not None:
             acc += wj * part
         tl.store(y_ptr + t.to(tl.int64) * D + ns, acc.to(y_ptr.dtype.element_ty), mask=nm)
 
+    def _pick_slots(sel, pos, lr, m0, ms):
+        """The slots (lr) of a token block's picks m0 .. m0 + BLOCK_M - 1 of one expert, in slot order: `sel` marks
+        the slots that picked it and `pos` is each one's place among them (0 where none is left). The expert-major
+        kernels multiply those pick rows BLOCK_M at a time."""
+        hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
+        return tl.sum(tl.where(hit, lr[None, :], 0), axis=1)
+
     def _gate_up_mm_kernel(
         x_ptr,
         idx_ptr,
@@ -281,8 +288,7 @@ if tl is not None:
             nm = ns < I
             woff = ns[None, :].to(tl.int64) * D + ks[:, None]  # [BLOCK_K, BLOCK_N], unit stride along k
             for m0 in range(0, cnt, BLOCK_M):
-                hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
-                row = r0 + tl.sum(tl.where(hit, lr[None, :], 0), axis=1)  # [BLOCK_M] compacted pick rows
+                row = r0 + _pick_slots(sel, pos, lr, m0, ms)  # [BLOCK_M] compacted pick rows
                 mv = m0 + ms < cnt
                 xrow = x_ptr + (row // KP1).to(tl.int64)[:, None] * D
                 accg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -360,8 +366,7 @@ if tl is not None:
                 pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 base = tl.where(e == E, sd_ptr, dn_ptr + tl.cast(e, tl.int64) * (D * I))
                 for m0 in range(0, cnt, BLOCK_M):
-                    hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
-                    lrow = tl.sum(tl.where(hit, lr[None, :], 0), axis=1)
+                    lrow = _pick_slots(sel, pos, lr, m0, ms)
                     mv = m0 + ms < cnt
                     hrow = h_ptr + (r0 + lrow).to(tl.int64)[:, None] * I
                     part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -429,8 +434,7 @@ if tl is not None:
             nm = ns < D
             woff = ns[None, :].to(tl.int64) * I + ks[:, None]  # [BLOCK_K, BLOCK_N], unit stride along k
             for m0 in range(0, cnt, BLOCK_M):
-                hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
-                row = r0 + tl.sum(tl.where(hit, lr[None, :], 0), axis=1)  # [BLOCK_M] compacted pick rows
+                row = r0 + _pick_slots(sel, pos, lr, m0, ms)  # [BLOCK_M] compacted pick rows
                 mv = m0 + ms < cnt
                 hrow = h_ptr + row.to(tl.int64)[:, None] * I
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -664,6 +668,22 @@ def _token_block(cfg: dict, tokens: int, default: int, invariant: bool) -> int:
     return bt if invariant else min(bt, max(1, triton.next_power_of_2(tokens)))
 
 
+def _expert_major_launch(cfg: dict, T: int, KP1: int, reduction: int, invariant: bool) -> dict:
+    """The launch keywords both expert-major kernels (gate_up's "mm", down's "rows") take from a launch shape `cfg`:
+    token block (`_token_block`) and its pick slots, dot tile (block_m 16, block_n 32, block_k 128 capped at the
+    reduction's power of two, unless `cfg` sets them), the interpreter's row-wise dots when `invariant`, warps."""
+    bt = _token_block(cfg, T, 32, invariant)
+    return dict(
+        BLOCK_T=bt,
+        R_PAD=triton.next_power_of_2(bt * KP1),
+        BLOCK_M=max(16, cfg.get("block_m", 16)),
+        BLOCK_N=max(16, cfg.get("block_n", 32)),
+        BLOCK_K=max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(reduction))),
+        ROWWISE=invariant and interpret_mode(),
+        num_warps=cfg.get("num_warps", 4),
+    )
+
+
 def _gate_up_tensors(p, x, idx, h) -> tuple:
     """The tensors both gate_up kernels take first, in their parameter order: x, the picks, the routed experts'
     gate_up weights, the shared expert's gate and up weights, and the output h."""
@@ -740,24 +760,16 @@ def _gate_up_gemv(p, x, idx, h, block_n, block_k, num_warps, extra: dict) -> Non
 def _gate_up_mm(p, x, idx, h, cfg: dict, invariant: bool, extra: dict) -> None:
     """gate_up's "mm" mode into h: expert-major tl.dot over token blocks, launch shape `cfg` (`_mm_shape`)."""
     T, KP1 = idx.shape
-    bt = _token_block(cfg, T, 32, invariant)
-    bn = max(16, cfg.get("block_n", 32))
-    bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.D)))
-    grid = (p.E + 1, triton.cdiv(p.I, bn), triton.cdiv(T, bt))
-    jit(_gate_up_mm_kernel, ("T",), helpers=(tile_dot,))[grid](
+    launch = _expert_major_launch(cfg, T, KP1, p.D, invariant)
+    grid = (p.E + 1, triton.cdiv(p.I, launch["BLOCK_N"]), triton.cdiv(T, launch["BLOCK_T"]))
+    jit(_gate_up_mm_kernel, ("T",), helpers=(tile_dot, _pick_slots))[grid](
         *_gate_up_tensors(p, x, idx, h),
         T,
         p.E,
         p.limit,
         **_sizes(p, KP1),
-        BLOCK_T=bt,
-        R_PAD=triton.next_power_of_2(bt * KP1),
-        BLOCK_M=max(16, cfg.get("block_m", 16)),
-        BLOCK_N=bn,
-        BLOCK_K=bk,
+        **launch,
         IEEE=p.gate_up.dtype == torch.float32,
-        ROWWISE=invariant and interpret_mode(),
-        num_warps=cfg.get("num_warps", 4),
         **extra,
     )
 
@@ -859,24 +871,16 @@ def _down_rows(p, h, idx, w, y, cfg: dict, invariant: bool, extra: dict) -> None
     (K+1) x T x D x 8 bytes of extra traffic, 6 MB at T 64 and hidden 4096, against 151 MB of E 8 + 1 experts'
     down weights), then one `split_sum` launch adds each token's K+1 rows in pick order and rounds once into y."""
     T, KP1 = idx.shape
-    bt = _token_block(cfg, T, 32, invariant)
-    bn = max(16, cfg.get("block_n", 32))
-    bk = max(16, min(cfg.get("block_k", 128), triton.next_power_of_2(p.I)))
+    launch = _expert_major_launch(cfg, T, KP1, p.I, invariant)
     part = torch.empty(T * KP1, p.D, device=y.device, dtype=torch.float32)
-    grid = (p.E + 1, triton.cdiv(p.D, bn), triton.cdiv(T, bt))
-    jit(_down_rows_kernel, ("T",), helpers=(tile_dot,))[grid](
+    grid = (p.E + 1, triton.cdiv(p.D, launch["BLOCK_N"]), triton.cdiv(T, launch["BLOCK_T"]))
+    jit(_down_rows_kernel, ("T",), helpers=(tile_dot, _pick_slots))[grid](
         *_down_tensors(p, h, idx, w, part),
         T,
         p.E,
         **_sizes(p, KP1),
-        BLOCK_T=bt,
-        R_PAD=triton.next_power_of_2(bt * KP1),
-        BLOCK_M=max(16, cfg.get("block_m", 16)),
-        BLOCK_N=bn,
-        BLOCK_K=bk,
+        **launch,
         IEEE=p.down.dtype == torch.float32,
-        ROWWISE=invariant and interpret_mode(),
-        num_warps=cfg.get("num_warps", 4),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **extra,
     )
@@ -903,7 +907,7 @@ def _down_mm(p, h, idx, w, y, cfg: dict, groups: int, invariant: bool, extra: di
     # 64 113 us, bn 16/bk 128 81 us, bk 256 67.6 us)
     bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
     parts = y if groups == 1 else torch.empty(groups, T, p.D, device=y.device, dtype=torch.float32)
-    jit(_down_mm_kernel, ("T",), helpers=(tile_dot,))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt), groups)](
+    jit(_down_mm_kernel, ("T",), helpers=(tile_dot, _pick_slots))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt), groups)](
         *_down_tensors(p, h, idx, w, y),
         parts,
         T,
