@@ -322,7 +322,7 @@ def sweep(T: int, new) -> None:
         for block in (32, 64, 128) + ((256,) if T >= 256 else ()):
             for r in (1, 4, 16) + ((64,) if T >= 256 else ()):
                 for mw in (4, 8):
-                    step_hyper.mix_block = lambda D, _T, b=block: min(b, step_hyper._pow2(D))
+                    step_hyper.mix_block = lambda D, _T, _invariant=False, b=block: min(b, step_hyper._pow2(D))
                     step_hyper._rows_per_program = lambda _T, r=r: r
                     step_hyper.MIX_WARPS = mw
                     print(f"    {block:>4} {r:>2} {mw:>2} -> {graph_time(new, 100):.1f}")
