@@ -61,7 +61,10 @@ def mix_block(D: int, T: int, invariant: bool = False) -> int:
     return min(128 if T >= 16 or invariant else 32, _pow2(D))
 
 
-DOT_MIN_ROWS = 128  # from this many rows (prompt chunks, wide verify steps) the merge/mix runs as a GEMM tile
+# From this many rows (prompt chunks, wide verify steps) the merge/mix runs as a GEMM tile. Not below: at 64 rows the
+# tiles made the C64 decode step slower on an H200 (2.325 ms with 16-row tiles, 2.446 with 32, against 2.214 for the
+# per-row kernel; gpu_results/2026-12-06/deterministic-rows-h200)
+DOT_MIN_ROWS = 128
 DOT_ROWS, DOT_SUB, DOT_WARPS = 32, 64, 4  # rows and columns of one GEMM tile, warps of its program
 
 
