@@ -1,5 +1,6 @@
 """The default C64 decode step (invariant_gemm_gpu's engine and profile) with merge/mix as GEMM tiles at 64 rows:
 one engine per (DOT_ROWS, DOT_SUB, DOT_WARPS) arm given on the command line as rows,sub,warps."""
+
 import json
 import sys
 import tempfile
@@ -23,7 +24,10 @@ for arm in sys.argv[2:]:
     release(engine)
     report[arm] = r
     mix = [k for k in r["kernels"] if "merge_mix" in k[0]]
-    print(f"arm rows,sub,warps={arm} (DOT_MIN_ROWS {hyper.DOT_MIN_ROWS}): {r['wall_ms']} ms per step, "
-          f"{r['device_us']} us of kernels; merge/mix {mix}", flush=True)
+    print(
+        f"arm rows,sub,warps={arm} (DOT_MIN_ROWS {hyper.DOT_MIN_ROWS}): {r['wall_ms']} ms per step, "
+        f"{r['device_us']} us of kernels; merge/mix {mix}",
+        flush=True,
+    )
     print("  top:", r["kernels"][:8], flush=True)
 (out / "hyper_dot_profile.json").write_text(json.dumps(report, indent=2))
