@@ -241,8 +241,9 @@ if tl is not None:
 
     def _pick_slots(sel, pos, lr, m0, ms):
         """The slots (lr) of a token block's picks m0 .. m0 + BLOCK_M - 1 of one expert, in slot order: `sel` marks
-        the slots that picked it and `pos` is each one's place among them (0 where none is left). The expert-major
-        kernels multiply those pick rows BLOCK_M at a time."""
+        the slots that picked it and `pos` is each marked slot's place among them. Places past the expert's last
+        pick get slot 0, which the caller masks. The expert-major kernels multiply those pick rows BLOCK_M at a
+        time."""
         hit = sel[None, :] & (pos[None, :] == (m0 + ms)[:, None])
         return tl.sum(tl.where(hit, lr[None, :], 0), axis=1)
 
