@@ -311,6 +311,33 @@ if tl is not None:
                     mask=mv[:, None] & nm[None, :],
                 )
 
+    def _down_tile(
+        h_ptr,
+        base,
+        woff,
+        row,
+        ks,
+        mv,
+        nm,
+        I: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+        ROWWISE: tl.constexpr,
+    ):
+        """[BLOCK_M, BLOCK_N] fp32: the pick rows `row` of h (live where `mv`) times one expert's down weights at
+        `base` (`woff`: the channel block's offsets of a [BLOCK_K, BLOCK_N] tile), walked along I in BLOCK_K
+        steps."""
+        hrow = h_ptr + row.to(tl.int64)[:, None] * I
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            km = k0 + ks < I
+            ht = tl.load(hrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
+            wt = tl.load(base + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
+            acc = tile_dot(ht.to(wt.dtype), wt, acc, IEEE, ROWWISE)
+        return acc
+
     def _down_mm_kernel(
         h_ptr,
         idx_ptr,
@@ -369,13 +396,9 @@ if tl is not None:
                 for m0 in range(0, cnt, BLOCK_M):
                     lrow = _pick_slots(sel, pos, lr, m0, ms)
                     mv = m0 + ms < cnt
-                    hrow = h_ptr + (r0 + lrow).to(tl.int64)[:, None] * I
-                    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for k0 in range(0, I, BLOCK_K):
-                        km = k0 + ks < I
-                        ht = tl.load(hrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
-                        wt = tl.load(base + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
-                        part = tile_dot(ht.to(wt.dtype), wt, part, IEEE, ROWWISE)
+                    part = _down_tile(
+                        h_ptr, base, woff, r0 + lrow, ks, mv, nm, I, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, ROWWISE
+                    )
                     part = part * tl.load(w_ptr + r0 + lrow, mask=mv, other=0.0)[:, None]
                     onehot = (((lrow // KP1)[None, :] == ts[:, None]) & mv[None, :]).to(tl.float32)
                     finite = tl.abs(part) < float("inf")
@@ -437,13 +460,7 @@ if tl is not None:
             for m0 in range(0, cnt, BLOCK_M):
                 row = r0 + _pick_slots(sel, pos, lr, m0, ms)  # [BLOCK_M] compacted pick rows
                 mv = m0 + ms < cnt
-                hrow = h_ptr + row.to(tl.int64)[:, None] * I
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, I, BLOCK_K):
-                    km = k0 + ks < I
-                    ht = tl.load(hrow + k0 + ks[None, :], mask=mv[:, None] & km[None, :], other=0.0)
-                    wt = tl.load(base + woff + k0, mask=km[:, None] & nm[None, :], other=0.0)
-                    acc = tile_dot(ht.to(wt.dtype), wt, acc, IEEE, ROWWISE)
+                acc = _down_tile(h_ptr, base, woff, row, ks, mv, nm, I, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, ROWWISE)
                 acc = acc * tl.load(w_ptr + row, mask=mv, other=0.0)[:, None]
                 tl.store(part_ptr + row.to(tl.int64)[:, None] * D + ns[None, :], acc, mask=mv[:, None] & nm[None, :])
 
@@ -876,7 +893,7 @@ def _down_rows(p, h, idx, w, y, cfg: dict, invariant: bool, extra: dict) -> None
     launch = _expert_major_launch(cfg, T, KP1, p.I, invariant)
     part = torch.empty(T * KP1, p.D, device=y.device, dtype=torch.float32)
     grid = (p.E + 1, triton.cdiv(p.D, launch["BLOCK_N"]), triton.cdiv(T, launch["BLOCK_T"]))
-    jit(_down_rows_kernel, ("T",), helpers=(tile_dot, _pick_slots))[grid](
+    jit(_down_rows_kernel, ("T",), helpers=(tile_dot, _pick_slots, _down_tile))[grid](
         *_down_tensors(p, h, idx, w, part),
         T,
         p.E,
@@ -909,7 +926,9 @@ def _down_mm(p, h, idx, w, y, cfg: dict, groups: int, invariant: bool, extra: di
     # 64 113 us, bn 16/bk 128 81 us, bk 256 67.6 us)
     bk = max(16, min(cfg.get("block_k", 256), triton.next_power_of_2(p.I)))
     parts = y if groups == 1 else torch.empty(groups, T, p.D, device=y.device, dtype=torch.float32)
-    jit(_down_mm_kernel, ("T",), helpers=(tile_dot, _pick_slots))[(triton.cdiv(p.D, bn), triton.cdiv(T, bt), groups)](
+    jit(_down_mm_kernel, ("T",), helpers=(tile_dot, _pick_slots, _down_tile))[
+        (triton.cdiv(p.D, bn), triton.cdiv(T, bt), groups)
+    ](
         *_down_tensors(p, h, idx, w, y),
         parts,
         T,
