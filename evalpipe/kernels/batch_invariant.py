@@ -478,10 +478,10 @@ def slab_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def slab_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N] as ceil(M / SLAB_ROWS) batched library products of [B, SLAB_ROWS, K] each: `a`,
-    zero-padded to whole slabs, is laid out slab-major in one fresh contiguous tensor, so every product's shape,
-    strides and alignment are the same whatever M, as in `slab_matmul`. Rows are M's: B is the weights' batch (the
-    decode step's grouped output projection, B = groups), not the tokens'."""
+    """a [B, M, K] @ b [B, K, N] as ceil(M / SLAB_ROWS) batched library products of [B, SLAB_ROWS, K] each: `a` is
+    copied slab-major into one fresh contiguous tensor, zero past M, so every product's shape, strides and alignment
+    are the same whatever M, as in `slab_matmul`. Rows are M's: B is the weights' batch (the decode step's grouped
+    output projection, B = groups), not the tokens'."""
     _check_matmul(a, b, None)
     if a.dim() != 3:
         raise ValueError(f"slab_bmm takes [B, M, K] @ [B, K, N], got {tuple(a.shape)}")
@@ -489,10 +489,13 @@ def slab_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     N = b.shape[2]
     if M == 0:
         return a.new_empty(B, 0, N)
-    slabs = -(-M // SLAB_ROWS)
-    padded = torch.nn.functional.pad(a, (0, 0, 0, slabs * SLAB_ROWS - M))
-    a_slabs = torch.empty(slabs, B, SLAB_ROWS, K, dtype=a.dtype, device=a.device)
-    a_slabs.copy_(padded.reshape(B, slabs, SLAB_ROWS, K).transpose(0, 1))
+    full, rest = divmod(M, SLAB_ROWS)
+    slabs = full + (rest > 0)
+    a_slabs = (torch.zeros if rest else torch.empty)(slabs, B, SLAB_ROWS, K, dtype=a.dtype, device=a.device)
+    if full:  # splitting a's row dim is a view whatever its strides: one copy, straight into the slabs
+        a_slabs[:full].copy_(a[:, : full * SLAB_ROWS].reshape(B, full, SLAB_ROWS, K).transpose(0, 1))
+    if rest:  # the last slab's rows past M stay zero
+        a_slabs[full, :, :rest].copy_(a[:, full * SLAB_ROWS :])
     out = torch.empty(slabs, B, SLAB_ROWS, N, dtype=a.dtype, device=a.device)
     for s in range(slabs):
         torch.bmm(a_slabs[s], b, out=out[s])  # bmm.out: the library's kernel (invariant_ops overrides bmm.default)
