@@ -160,7 +160,8 @@ def decode_batch(
         engine.step()
         walls.append(time.perf_counter() - t0)
     step = runner.step_for(batch, 1) if hasattr(runner, "step_for") else None
-    kernels = count_kernels(engine.step, top=12) if profile else None
+    # batch 1: every kernel (where its fixed small kernels go); batch 64: the largest
+    kernels = count_kernels(engine.step, top=200 if batch == 1 else 12) if profile else None
     host = None
     if profile:
         prof = cProfile.Profile()
@@ -188,6 +189,21 @@ def decode_batch(
         "kernels": kernels,
         "host_profile": host,
     }
+
+
+def launch_floor_us(nodes: int = 256) -> float | None:
+    """Device time per kernel of a captured graph of `nodes` one-element adds: what any launch in a replayed step
+    costs however little it does (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    x = torch.zeros(1, device="cuda")
+    x.add_(1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(nodes):
+            x.add_(1)
+    return round(gpu_bench.replay_us(graph, 20) / nodes, 3)
 
 
 def mixed_step(runner, tokenizer, batch: int = 32, chunk_rows: int = 480) -> dict:
@@ -294,7 +310,7 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
             prompt_len=prompt_len,
             overlap=overlap,
             new_tokens=4 if SMOKE else 64,
-            profile=batch == 64 and overlap,
+            profile=overlap and batch in (1, 64),
         )
         out["decode"].append(r)
         print(
@@ -305,12 +321,14 @@ def engine_stage(model_dir: Path, chunks: list[int], prefill_seqs: int) -> dict:
             flush=True,
         )
         if r["kernels"]:
-            print(f"    batch-64 step kernels: { ({k: v for k, v in r['kernels'].items() if k != 'top'}) }")
+            print(f"    batch-{batch} step kernels: { ({k: v for k, v in r['kernels'].items() if k != 'top'}) }")
             for name, count, us in r["kernels"].get("top", []):
                 print(f"      {count:5d} x {us:10.1f} us  {name}")
         if r["host_profile"]:
-            print("    host profile of 8 batch-64 steps (cProfile, tottime):")
+            print(f"    host profile of 8 batch-{batch} steps (cProfile, tottime):")
             print("\n".join("      " + line for line in r["host_profile"].splitlines()[:40]))
+    out["launch_floor_us"] = launch_floor_us()
+    print(f"  launch floor: {out['launch_floor_us']} us per kernel of a graph of one-element kernels", flush=True)
     m = mixed_step(runner, tokenizer, **({"batch": 2, "chunk_rows": 16} if SMOKE else {}))
     out["mixed"] = m
     print(
