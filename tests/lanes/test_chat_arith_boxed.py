@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,9 +120,14 @@ def test_sgl_eval_runs_the_dataset_against_evalpipe_serve(tmp_path):
     server = ServerProcess(model="evalpipe-skills-dsv4")
     try:
         base_url = server.base + "/v1"
-        # two questions, 2 and 3 operations (243 + 305 generated tokens; the third, 4 operations, alone generates 471)
-        ours = evalpipe_run("chat-arith-boxed", base_url, 2, tmp_path / "evalpipe")
-        theirs = sgl_eval_score(base_url, 2, tmp_path / "sgl")
+        # two questions, 2 and 3 operations (243 + 305 generated tokens; the third, 4 operations, alone generates 471);
+        # both harnesses at once: the server decodes their requests side by side in its batches, not one harness's
+        # after the other's (the clean engine's greedy outputs do not depend on what shares its batches:
+        # tests/engine/test_fault_matrix.py's batch-shape rows)
+        with ThreadPoolExecutor(2) as pool:
+            ours_job = pool.submit(evalpipe_run, "chat-arith-boxed", base_url, 2, tmp_path / "evalpipe")
+            theirs_job = pool.submit(sgl_eval_score, base_url, 2, tmp_path / "sgl")
+            ours, theirs = ours_job.result(), theirs_job.result()
     finally:
         server.stop()
     assert ours["n_records"] == 2 and abs(theirs - ours["accuracy"]) <= 0.01
