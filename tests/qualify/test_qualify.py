@@ -149,6 +149,11 @@ def test_a_reference_with_a_malformed_fixture_exits_2_naming_the_file(scripted, 
 def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_another_model(native, tmp_path):
     ref = tmp_path / "ref.json"
     url = native.base + "/v1"
+    # structured (below) runs beside the other gates: the server decodes both commands' requests side by side in its
+    # batches, not one command's after the other's (the clean engine's greedy outputs do not depend on what shares
+    # its batches: tests/engine/test_fault_matrix.py's batch-shape rows)
+    pool = ThreadPoolExecutor(1)
+    structured = pool.submit(qualify, url, tmp_path / "structured", *KEY_ARGS, "--gates", "structured")
     r = run_cli(
         "qualify",
         "--base-url",
@@ -194,7 +199,8 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     assert "qualify-key-" not in ref.read_text()
 
     # structured: tool calls (auto, required, named), a tool result and a JSON-schema reply through xgrammar
-    code, result, output = qualify(url, tmp_path / "structured", *KEY_ARGS, "--gates", "structured")
+    code, result, output = structured.result()
+    pool.shutdown()
     g = gates(result)["structured"]
     assert code == 0 and g["verdict"] == "pass" and g["failed"] == 0 and g["passed"] == len(g["records"]), output
     drawn = g["notes"]["drawn_tools"]  # drawn tools are reported, not enforced
