@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from scipy import stats
 
-from evalpipe.cli import main
 from evalpipe.qualify.sampling import ALPHA, PitSample, hit_test, lookup_candidate, pit_tests, verdict
+from tests.support.core_helpers import run_cli
 from tests.support.server_harness import ServerProcess
 
 K = 20
@@ -124,27 +124,24 @@ def test_lookup_candidate_is_what_the_native_ngram_drafter_proposes():
 
 
 def qualify_sampling(server: ServerProcess, out: Path, tokens: int, seed: int) -> tuple[int, dict]:
-    result = CliRunner().invoke(
-        main,
-        [
-            "qualify",
-            "--base-url",
-            server.base + "/v1",
-            "--gates",
-            "sampling",
-            "--sampling-tokens",
-            str(tokens),
-            "--sampling-seed",
-            str(seed),
-            "--out",
-            str(out),
-            "--no-progress",
-        ],
-        catch_exceptions=False,
+    proc = run_cli(
+        "qualify",
+        "--base-url",
+        server.base + "/v1",
+        "--gates",
+        "sampling",
+        "--sampling-tokens",
+        str(tokens),
+        "--sampling-seed",
+        str(seed),
+        "--out",
+        out,
+        "--no-progress",
+        timeout=300,
     )
     gate = json.loads((out / "qualify.json").read_text())["gates"][0]
     assert gate["gate"] == "sampling"
-    return result.exit_code, gate
+    return proc.returncode, gate
 
 
 # The window-64 model: over 1000 of its 1500 sampled tokens carry information (the default model is surer of its
@@ -158,18 +155,33 @@ def clean_server(request):
     server.stop()
 
 
+# The gate's runs on each clean server, by seed: (tokens, seed) of the two tests below
+RUNS = ((1500, 2), (600, 9))
+
+
+@pytest.fixture(scope="module")
+def gated(clean_server, tmp_path_factory) -> dict[int, tuple[int, dict, Path]]:
+    """Each of RUNS's gate runs on the clean server, by seed: (exit code, the gate's result, its folder). The runs go
+    at once: the server decodes both commands' requests side by side in its batches, not one command's after the
+    other's (each request carries its own seed)."""
+    root = tmp_path_factory.mktemp("sampling")
+    with ThreadPoolExecutor(len(RUNS)) as pool:
+        jobs = {seed: pool.submit(qualify_sampling, clean_server, root / f"q{seed}", t, seed) for t, seed in RUNS}
+    return {seed: (*job.result(), root / f"q{seed}") for seed, job in jobs.items()}
+
+
 # One seed per server: tests/engine/test_fault_matrix.py passes the same two servers through the gate at seed 1
 # (its clean rows), so this seed is another draw, not a repeat.
 @pytest.mark.parametrize("seed", [2])
-def test_gate_passes_on_the_default_server_with_speculation_off_and_on(clean_server, tmp_path, seed):
-    code, gate = qualify_sampling(clean_server, tmp_path / "q", 1500, seed)
+def test_gate_passes_on_the_default_server_with_speculation_off_and_on(gated, seed):
+    code, gate, folder = gated[seed]
     notes = gate["notes"]
     assert code == 0 and gate["verdict"] == "pass", gate["reason"]
     assert notes["tokens"] >= 1500 and notes["informative_tokens"] > 1000
     assert min(notes["chi2_p"], notes["collapse_p"], notes["repeat_p"]) >= ALPHA
     assert sum(notes["pit_histogram"]) == notes["tokens"] and notes["logprob_mismatches"] == 0
     assert notes["server_logprobs_mode"] == "raw_logprobs"
-    assert "PIT histogram" in (tmp_path / "q" / "report.html").read_text()
+    assert "PIT histogram" in (folder / "report.html").read_text()
 
 
 def recompute_from_files(folder: Path) -> dict:
@@ -209,9 +221,9 @@ def recompute_from_files(folder: Path) -> dict:
     }
 
 
-def test_p_values_are_recomputed_from_the_folder_alone(clean_server, tmp_path):
-    qualify_sampling(clean_server, tmp_path / "q", 600, 9)
-    again = recompute_from_files(tmp_path / "q")
+def test_p_values_are_recomputed_from_the_folder_alone(gated):
+    folder = gated[9][2]  # the 600-token run
+    again = recompute_from_files(folder)
     notes = again.pop("notes")
     assert again["tokens"] == notes["tokens"] >= 600
     for key in ("chi2_p", "collapse_p", "repeat_p"):
