@@ -11,9 +11,6 @@ The eager chain spends ~8 kernels on the scores (gather keys, cast, matmul, ReLU
   one kernel instead of a radix sort plus ~5 index ops: the (score, index) pairs packed into unique int64 keys, each
   entry's rank counted against all others by many programs in parallel (a one-program in-register bitonic sort of
   the same keys measured 37 us per call on the H200 at E = 1282, slower than torch's radix sort at 21 us).
-- `csa_topk(scores, keep, lens, k)` -> [T, k] logical entry indices, what `causal_topk` picks among the entries
-  visible to each row (index < lens, kept by the candidate mask): the fused sites' selection (the server's path,
-  engine/model/fused_sites.py), ranked the same way but only within each row's visible prefix.
 
 Triton on CUDA, the reference (the engine's own ops) elsewhere; `backend="triton"` runs the kernel on the CPU under
 TRITON_INTERPRET=1 (tests/kernels)."""
@@ -110,43 +107,6 @@ if tl is not None:
         live = ((ki >> 32) > NEG_INF_KEY) & im  # a score above -inf: a visible entry
         row = tl.load(rows_ptr + (t // n) * rows_stride + ii, mask=live, other=-1)
         tl.store(out_ptr + t * k + rank, tl.where(live, row, -1).to(out_ptr.dtype.element_ty), mask=im & (rank < k))
-
-    def _csa_topk_kernel(
-        scores_ptr,
-        keep_ptr,
-        lens_ptr,
-        out_ptr,
-        E,
-        k,
-        BY_INDEX: tl.constexpr,
-        BLOCK_I: tl.constexpr,
-        BLOCK_J: tl.constexpr,
-    ):
-        # entries at or past the row's visible prefix L (and those keep drops) count as -inf. An entry i >= L then
-        # ranks exactly i (all L prefix entries and the -inf ones of lower index come first), and no entry past L
-        # outranks one inside it, so a prefix entry is ranked against the prefix alone: L * L work, not E * E
-        t = tl.program_id(0).to(tl.int64)
-        i0 = tl.program_id(1) * BLOCK_I
-        L = tl.minimum(tl.maximum(tl.load(lens_ptr + t), 0), E).to(tl.int32)
-        ii = i0 + tl.arange(0, BLOCK_I)
-        prefix = ii < L
-        vis = prefix & (tl.load(keep_ptr + t * E + ii, mask=prefix, other=0) != 0)
-        if BY_INDEX:  # k covers every entry: causal_topk keeps index order
-            rank = ii
-        else:
-            si = tl.load(scores_ptr + t * E + ii, mask=vis, other=float("-inf"))
-            ki = _score_key(tl.where(vis, si, float("-inf")))
-            rank = tl.zeros([BLOCK_I], dtype=tl.int32)
-            j_end = tl.where(i0 < L, L, 0)
-            for j0 in range(0, j_end, BLOCK_J):
-                jj = j0 + tl.arange(0, BLOCK_J)
-                jm = jj < L
-                vj = jm & (tl.load(keep_ptr + t * E + jj, mask=jm, other=0) != 0)
-                kj = _score_key(tl.load(scores_ptr + t * E + jj, mask=vj, other=float("-inf")))
-                ahead = (kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (jj[None, :] < ii[:, None]))
-                rank += tl.sum((ahead & jm[None, :]).to(tl.int32), axis=1)
-            rank = tl.where(prefix, rank, ii)
-        tl.store(out_ptr + t * k + rank, tl.where(vis, ii, -1).to(tl.int64), mask=(ii < E) & (rank < k))
 
 
 # ---- indexer_scores ----------------------------------------------------------------------------------------------
@@ -256,59 +216,3 @@ def csa_select(scores: torch.Tensor, rows: torch.Tensor, n: int, k: int, *, back
             num_warps=4,
         )
     return out
-
-
-# ---- csa_topk ------------------------------------------------------------------------------------------------------
-
-
-def csa_topk_reference(scores: torch.Tensor, keep: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
-    """`causal_topk` over the entries visible to each row (index < lens[t] and keep[t]): the same signature and
-    results as `csa_topk`."""
-    from evalpipe.engine.model.compressor import causal_topk
-
-    _check_topk(scores, keep, lens, k)
-    E = scores.shape[1]
-    visible = (torch.arange(E, device=scores.device)[None] < lens[:, None]) & keep
-    return causal_topk(scores, visible, k)
-
-
-def csa_topk(
-    scores: torch.Tensor, keep: torch.Tensor, lens: torch.Tensor, k: int, *, backend: str = "auto"
-) -> torch.Tensor:
-    """[T, k] int64 logical entry indices of each row's k best visible entries (-1 where fewer are visible), what
-    `causal_topk` returns for visibility (index < lens[t]) & keep[t]: ranked by (score desc, index asc) when k < E,
-    in index order when k == E. scores [T, E] float32, keep [T, E] bool, lens [T] integer, 0 <= k <= E. One kernel
-    in place of torch's radix sort and the index ops around it; its work grows with the square of the visible
-    prefix (lens), not of E."""
-    _check_topk(scores, keep, lens, k)
-    T, E = scores.shape
-    if not use_triton(backend, [scores, keep, lens], guard_ok=E < 1 << 31):
-        return csa_topk_reference(scores, keep, lens, k)
-    out = torch.empty(T, k, device=scores.device, dtype=torch.long)
-    if T and k:
-        block_i = 64
-        # programs past max(lens, k) find nothing to write; the grid covers E so no host read of lens is needed
-        jit(_csa_topk_kernel, ("E", "k"), helpers=(_score_key,))[(T, triton.cdiv(E, block_i))](
-            scores.contiguous(),
-            keep.contiguous(),
-            lens,
-            out,
-            E,
-            k,
-            BY_INDEX=k >= E,
-            BLOCK_I=block_i,
-            BLOCK_J=128,
-            num_warps=4,
-        )
-    return out
-
-
-def _check_topk(scores: torch.Tensor, keep: torch.Tensor, lens: torch.Tensor, k: int) -> None:
-    if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be [T, E] float32, got {tuple(scores.shape)} {scores.dtype}")
-    if keep.shape != scores.shape or keep.dtype != torch.bool:
-        raise ValueError(f"keep must be a bool tensor of the scores' shape, got {tuple(keep.shape)} {keep.dtype}")
-    if lens.shape != scores.shape[:1] or lens.dtype.is_floating_point:
-        raise ValueError(f"lens must be [T] integers, got {tuple(lens.shape)} {lens.dtype}")
-    if not 0 <= k <= scores.shape[1]:
-        raise ValueError(f"k must be in [0, E={scores.shape[1]}], got {k}")

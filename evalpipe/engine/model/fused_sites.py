@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalpipe.engine.model.compressor import index_order
+from evalpipe.engine.model.compressor import causal_topk, index_order
 from evalpipe.kernels import candidate_block_mask, indexer_postprocess, mxfp8_linear, mxfp8_quantize, wo_a_mxfp8
-from evalpipe.kernels.indexer import csa_topk
 
 WO_QUANT_CHOICES = ("none", "mxfp8")
 _CALLS: Counter = Counter()
@@ -143,7 +142,8 @@ def csa_rows(attn, scores: torch.Tensor, group, batch, k: int) -> torch.Tensor:
     # only entries of kept blocks stay candidates; the default budget keeps every block with a visible entry, so
     # this is the plain causal selection (finite scores); a set budget narrows it
     masked = masked.masked_fill(~keep, float("-inf"))
-    picked = csa_topk(masked, keep, lens, k, backend=settings.backend).view(G, n, k)  # logical indices, -1 = none
+    visible = (torch.arange(E, device=scores.device)[None] < lens[:, None]) & keep
+    picked = causal_topk(masked.view(G, n, E), visible.view(G, n, E), k)  # [G, n, k] logical indices, -1 = none
     if settings.deterministic:  # the same picks in the same slots whatever E (the chunk, the batch): index order
         picked = index_order(picked)
     pools = batch.pools
