@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.core_helpers import only_run_dir, run_cli, run_lane
+from tests.support.core_helpers import only_run_dir, run_cli, run_lane, run_sampling_gate
 from tests.support.server_harness import ServerProcess
 
 MODEL = "evalpipe-skills-dsv4-w64"  # the matrix in docs/serving.md was measured on this model
@@ -54,23 +54,9 @@ T1_MARGIN_PTS = 10.0
 
 
 def sampling_gate(server: ServerProcess, out: Path, tokens: int) -> dict:
-    proc = run_cli(
-        "qualify",
-        "--base-url",
-        server.base + "/v1",
-        "--gates",
-        "sampling",
-        "--sampling-tokens",
-        str(tokens),
-        "--sampling-seed",
-        "1",
-        "--out",
-        out,
-        "--no-progress",
-        timeout=300,
-    )
+    proc, gate = run_sampling_gate(server.base + "/v1", out, tokens, 1)
     assert proc.returncode in (0, 4), proc.stderr
-    notes = json.loads((out / "qualify.json").read_text())["gates"][0]["notes"]
+    notes = gate["notes"]
     return {
         "flagged": proc.returncode == 4,
         "tokens": notes["tokens"],

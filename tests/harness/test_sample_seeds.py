@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from evalpipe.harness.sample_seeds import sample_seed
-from tests.support.core_helpers import load_run, only_run_dir, run_cli, run_lane
+from tests.support.core_helpers import load_run, only_run_dir, run_cli, run_lane, run_sampling_gate
 from tests.support.server_harness import ServerProcess
 
 # the window-64 model: its drafts are rejected now and then at T = 1, so the replay is tested across rejections
@@ -58,23 +58,8 @@ def seed_reports(server: ServerProcess) -> dict:
 
 
 def sampling_gate(server: ServerProcess, out: Path) -> dict:
-    proc = run_cli(
-        "qualify",
-        "--base-url",
-        server.base + "/v1",
-        "--gates",
-        "sampling",
-        "--sampling-tokens",
-        str(GATE_TOKENS),
-        "--sampling-seed",
-        "1",
-        "--out",
-        out,
-        "--no-progress",
-        timeout=300,
-    )
-    notes = json.loads((out / "qualify.json").read_text())["gates"][0]["notes"]
-    return {"exit_code": proc.returncode, "stderr": proc.stderr, **notes}
+    proc, gate = run_sampling_gate(server.base + "/v1", out, GATE_TOKENS, 1)
+    return {"exit_code": proc.returncode, "stderr": proc.stderr, **gate["notes"]}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 from evalpipe.qualify.sampling import ALPHA, PitSample, hit_test, lookup_candidate, pit_tests, verdict
-from tests.support.core_helpers import run_cli
+from tests.support.core_helpers import run_sampling_gate
 from tests.support.server_harness import ServerProcess
 
 K = 20
@@ -124,22 +124,7 @@ def test_lookup_candidate_is_what_the_native_ngram_drafter_proposes():
 
 
 def qualify_sampling(server: ServerProcess, out: Path, tokens: int, seed: int) -> tuple[int, dict]:
-    proc = run_cli(
-        "qualify",
-        "--base-url",
-        server.base + "/v1",
-        "--gates",
-        "sampling",
-        "--sampling-tokens",
-        str(tokens),
-        "--sampling-seed",
-        str(seed),
-        "--out",
-        out,
-        "--no-progress",
-        timeout=300,
-    )
-    gate = json.loads((out / "qualify.json").read_text())["gates"][0]
+    proc, gate = run_sampling_gate(server.base + "/v1", out, tokens, seed)
     assert gate["gate"] == "sampling"
     return proc.returncode, gate
 

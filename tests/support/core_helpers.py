@@ -60,6 +60,27 @@ def run_lane(lane: str, base_url: str, out: Path, *extra: str, timeout: float = 
     )
 
 
+def run_sampling_gate(base_url: str, out: Path, tokens: int, seed: int) -> tuple[subprocess.CompletedProcess, dict]:
+    """`evalpipe qualify --gates sampling` against `base_url` (the `/v1` root) with this token budget and seed, in a
+    child process: (the process, the gate's entry of OUT/qualify.json)."""
+    proc = run_cli(
+        "qualify",
+        "--base-url",
+        base_url,
+        "--gates",
+        "sampling",
+        "--sampling-tokens",
+        str(tokens),
+        "--sampling-seed",
+        str(seed),
+        "--out",
+        out,
+        "--no-progress",
+        timeout=300,
+    )
+    return proc, json.loads((Path(out) / "qualify.json").read_text())["gates"][0]
+
+
 def only_run_dir(out: Path, lane: str) -> Path:
     dirs = sorted((out / lane).iterdir())
     assert len(dirs) == 1, dirs
