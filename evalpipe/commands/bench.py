@@ -109,7 +109,8 @@ def command(
     Token counts per streamed event are exact (chunk token_ids or cumulative usage), never chunk counts. The
     server's prefix cache is reset between rounds where it offers /flush_cache or /reset_prefix_cache. Also
     records TTFT, total time, the server's accept length when reported, and run-level speculative counters from
-    its /metrics (vLLM, SGLang). Writes bench.json (every event time and count) and prints medians.
+    its /metrics (vLLM, SGLang). Writes bench.json (every event time and count) and prints each metric's median,
+    min, max and count.
     """
     from evalpipe.harness.bench import BenchConfig
 
@@ -167,11 +168,12 @@ def measure(cfg, out: Path) -> tuple[dict, Path]:
 
 
 def report(result: dict, path: Path, no_flush: bool) -> None:
-    """The medians table, the warnings, where bench.json went; exit 1 when no measured request succeeded."""
+    """The medians table (median, min, max, count per metric), the warnings, where bench.json went; exit 1 when no
+    measured request succeeded."""
     from evalpipe.console import make_console
 
     res = result["results"]
-    make_console().print(medians_table(result))
+    make_console().print(medians_table(result, path))
     if res["n_errors"]:
         msgs = sorted({str((r.get("error") or {}).get("message"))[:300] for r in result["requests"] if r.get("error")})
         click.echo(
@@ -188,7 +190,7 @@ def report(result: dict, path: Path, no_flush: bool) -> None:
         raise click.ClickException("no measured request succeeded")
 
 
-def medians_table(result: dict):
+def medians_table(result: dict, path: Path):
     from rich.table import Table
 
     res, config = result["results"], result["config"]
@@ -196,22 +198,23 @@ def medians_table(result: dict):
         f"evalpipe bench — {config['model']} in={config['input_len']} out={config['output_len']} "
         f"c={config['concurrency']}"
     )
-    t = Table(title=title)
-    for col in ("metric", "median", "values (measured rounds)"):
-        t.add_column(col)
+    # one row per metric: its median and range over the measured requests (rounds for the aggregate); every value
+    # is in bench.json, as a C64 run has hundreds
+    t = Table(title=title, caption=f"every request's and round's value: {path}")
+    for col in ("metric", "median", "min", "max", "n"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+
+    def add(name: str, median, values: list, fmt: str = ".4g") -> None:
+        ends = (min(values), max(values)) if values else (None, None)
+        cells = ["n/a" if v is None else format(v, fmt) for v in (median, *ends)]
+        t.add_row(name, *cells, str(len(values)))
+
     for name in ("decode_tokens_per_s", "ttft_s", "total_s", "aggregate_tokens_per_s"):
-        median = res[name]["median"]
-        t.add_row(
-            name, "n/a" if median is None else f"{median:.4g}", ", ".join(f"{v:.4g}" for v in res[name]["values"])
-        )
+        add(name, res[name]["median"], res[name]["values"])
     if res["accept_length_values"]:
-        values = ", ".join(f"{v:.3g}" for v in res["accept_length_values"])
-        t.add_row("accept_length", f"{res['accept_length_median']:.4g}", values)
+        add("accept_length", res["accept_length_median"], res["accept_length_values"])
     run_level = res.get("spec_metrics") or {}
     if run_level.get("mean_accept_length") is not None:
-        t.add_row(
-            "accept_length (run-level, /metrics)",
-            f"{run_level['mean_accept_length']:.4g}",
-            "server counters over the measured rounds, not per request",
-        )
+        # server counters over the measured rounds, not per request
+        t.add_row("accept_length (run-level, /metrics)", f"{run_level['mean_accept_length']:.4g}", "", "", "")
     return t

@@ -74,7 +74,22 @@ def test_bench_against_scripted_peer(tmp_path):
     )
     assert bench["server"]["flush_cache_offered"] is True
     assert peer["flushes"] == 1 + 4  # the probe, then one before each of the 4 rounds
-    assert "decode_tokens_per_s" in res.output
+    # the printed table: each metric's median, min, max and count as bench.json has them (not every value)
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:6]]
+        for line in res.output.splitlines()
+        if line.count("│") == 6
+    }
+    for name in ("decode_tokens_per_s", "ttft_s", "total_s", "aggregate_tokens_per_s", "accept_length"):
+        vals = bench["results"][f"{name}_values"] if name == "accept_length" else bench["results"][name]["values"]
+        median = (
+            bench["results"]["accept_length_median"] if name == "accept_length" else bench["results"][name]["median"]
+        )
+        assert rows[name] == [f"{median:.4g}", f"{min(vals):.4g}", f"{max(vals):.4g}", str(len(vals))], rows
+    assert (
+        len(bench["results"]["ttft_s"]["values"]) == 6
+        and len(bench["results"]["aggregate_tokens_per_s"]["values"]) == 3
+    )
 
 
 def test_bench_refuses_a_stream_without_token_counts(tmp_path):
