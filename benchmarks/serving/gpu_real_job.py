@@ -9,8 +9,9 @@ The checkpoint is `benchmarks/serving/gpu_serving.py`'s v4-top2 (2.11 B paramete
 Stages:
 - `engine`, in process, on the runner the server builds (`build_runner`: CUDA graphs for every batch bucket up to
   --max-batch): for batch 1, 16 and 64, with the overlap schedule off and on, the steady decode step's wall time
-  beside its graph replay's device time (what is left is exposed host work), the batch-64 step's kernels
-  (torch.profiler) and host functions (cProfile); then
+  beside its graph replay's device time (what is left is exposed host work), the kernels (torch.profiler: every
+  one at batch 1, the largest at batch 64) and host functions (cProfile) of the batch-1 and batch-64 steps with
+  the overlap schedule on; the launch floor (device time per kernel of a captured graph of one-element adds); then
   the prefill rate at several chunk sizes (`--max-tokens-per-step`) with each chunk's kernel profile.
 - `targets`: batch 1 against the weight-read limit and against transformers `generate` on the same checkpoint
   (the serving-speed targets), and `benchmarks/kernels/kernels_gpu.py --ops c2,candidate` (the two kernel targets).
