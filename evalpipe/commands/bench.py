@@ -204,9 +204,9 @@ def medians_table(result: dict, path: Path):
     for col in ("metric", "median", "min", "max", "n"):
         t.add_column(col, justify="left" if col == "metric" else "right")
 
-    def add(name: str, median, values: list, fmt: str = ".4g") -> None:
+    def add(name: str, median, values: list) -> None:
         ends = (min(values), max(values)) if values else (None, None)
-        cells = ["n/a" if v is None else format(v, fmt) for v in (median, *ends)]
+        cells = ["n/a" if v is None else f"{v:.4g}" for v in (median, *ends)]
         t.add_row(name, *cells, str(len(values)))
 
     for name in ("decode_tokens_per_s", "ttft_s", "total_s", "aggregate_tokens_per_s"):

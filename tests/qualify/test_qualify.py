@@ -152,33 +152,34 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     # structured (below) runs beside the other gates: the server decodes both commands' requests side by side in its
     # batches, not one command's after the other's (the clean engine's greedy outputs do not depend on what shares
     # its batches: tests/engine/test_fault_matrix.py's batch-shape rows)
-    pool = ThreadPoolExecutor(1)
-    structured = pool.submit(qualify, url, tmp_path / "structured", *KEY_ARGS, "--gates", "structured")
-    r = run_cli(
-        "qualify",
-        "--base-url",
-        url,
-        *KEY_ARGS,
-        "--out",
-        tmp_path / "boot1",
-        "--record-reference",
-        ref,
-        "--gates",
-        "auth,reference,retrieval,boundaries,mixed,soak",
-        "--max-context",
-        "768",
-        "--max-tokens",
-        "8",
-        "--soak-duration",
-        "2",
-        "--soak-max-tokens",
-        "16",
-        "--retrieval-depths",
-        "3",
-        "--needles-per-depth",
-        "1",
-        timeout=600,
-    )
+    with ThreadPoolExecutor(1) as pool:
+        structured = pool.submit(qualify, url, tmp_path / "structured", *KEY_ARGS, "--gates", "structured")
+        r = run_cli(
+            "qualify",
+            "--base-url",
+            url,
+            *KEY_ARGS,
+            "--out",
+            tmp_path / "boot1",
+            "--record-reference",
+            ref,
+            "--gates",
+            "auth,reference,retrieval,boundaries,mixed,soak",
+            "--max-context",
+            "768",
+            "--max-tokens",
+            "8",
+            "--soak-duration",
+            "2",
+            "--soak-max-tokens",
+            "16",
+            "--retrieval-depths",
+            "3",
+            "--needles-per-depth",
+            "1",
+            timeout=600,
+        )
+        structured_run = structured.result()
     result = json.loads((tmp_path / "boot1" / "qualify.json").read_text())
     by = gates(result)
     # the default model retrieves: every gate passes, every retrieval request on every check (exact answer among them)
@@ -199,8 +200,7 @@ def test_native_server_passes_and_a_reference_matches_a_fresh_boot_but_not_anoth
     assert "qualify-key-" not in ref.read_text()
 
     # structured: tool calls (auto, required, named), a tool result and a JSON-schema reply through xgrammar
-    code, result, output = structured.result()
-    pool.shutdown()
+    code, result, output = structured_run
     g = gates(result)["structured"]
     assert code == 0 and g["verdict"] == "pass" and g["failed"] == 0 and g["passed"] == len(g["records"]), output
     drawn = g["notes"]["drawn_tools"]  # drawn tools are reported, not enforced
