@@ -15,6 +15,7 @@ import subprocess
 import httpx
 import pytest
 
+from tests.support.core_helpers import run_sampling_gate
 from tests.support.vllm_peer import (
     DATA_DIR,
     VLLM_ENV,
@@ -213,19 +214,7 @@ def test_sampling_gate_passes_against_vllm_with_ngram_speculation(vllm_server, t
     whose byte tokens share texts, so the gate keys logprobs by token id. (A second vLLM without speculation, booted
     for this gate alone, was dropped to keep CI short: tests/interop/test_vllm_ab.py boots one for its run.)"""
     base_url, _, _ = vllm_server
-    result = evalpipe(
-        "qualify",
-        "--base-url",
-        base_url,
-        "--gates",
-        "sampling",
-        "--sampling-tokens",
-        "2000",
-        "--out",
-        str(tmp_path / "q"),
-        "--no-progress",
-    )
-    gate = json.loads((tmp_path / "q" / "qualify.json").read_text())["gates"][0]
+    result, gate = run_sampling_gate(base_url, tmp_path / "q", 2000, 0)  # 0: qualify's default seed
     notes = gate["notes"]
     assert result.returncode == 0 and gate["verdict"] == "pass", (gate["reason"], result.stderr[-2000:])
     assert notes["token_identity"] == "token ids (return_tokens_as_token_ids)"
