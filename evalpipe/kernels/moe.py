@@ -651,7 +651,8 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
 # Expert-major tl.dot launch shapes for the larger graph buckets (from this row count up): one token block of up to
 # 64 rows reads each picked expert once instead of twice, and 64-row dot tiles keep the kernel bandwidth-bound; `down`
 # splits its experts into `expert_groups` (capped at E + 1 for models with fewer experts); `down_rows` is down's
-# "rows" kernel (one program per expert and 128 channels, so 9 x 32 programs at E 8 + 1). Below these row counts
+# "rows" kernel (one program per expert and 128 channels, so 9 x 32 programs at E 8 + 1). gate_up's and down_rows'
+# shapes may also set num_stages and maxnreg (registers per thread). Below these row counts
 # (decode and verify at small batch) the smaller shapes above stay. The sweeps that chose them:
 # benchmarks/kernels/step_moe_gpu.py, figures in benchmarks/README.md.
 MM_LARGE = {
@@ -789,8 +790,14 @@ def _gate_up_mm(p, x, idx, h, cfg: dict, invariant: bool, extra: dict) -> None:
         **_sizes(p, KP1),
         **launch,
         IEEE=p.gate_up.dtype == torch.float32,
-        **extra,
+        **_compiler_options(cfg, extra),
     )
+
+
+def _compiler_options(cfg: dict, extra: dict) -> dict:
+    """An expert-major launch's num_stages and maxnreg: the launch shape's (MM_LARGE may set them), the caller's
+    num_stages (`extra`) over it."""
+    return {**{k: cfg[k] for k in ("num_stages", "maxnreg") if cfg.get(k)}, **extra}
 
 
 def down(
@@ -900,8 +907,7 @@ def _down_rows(p, h, idx, w, y, cfg: dict, invariant: bool, extra: dict) -> None
         **_sizes(p, KP1),
         **launch,
         IEEE=p.down.dtype == torch.float32,
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-        **extra,
+        **_compiler_options(cfg, extra),
     )
     split_sum(part.view(T, KP1, 1, p.D), None, y.view(T, 1, p.D), backend="triton")
 

@@ -413,3 +413,12 @@ def test_down_table_groups_are_capped_at_the_experts_of_a_smaller_model():
     torch.testing.assert_close(y, step_moe.down_reference(moe, h, idx, w), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="expert_groups"):
         step_moe.down(moe, h, idx, w, backend="triton", mode="mm", expert_groups=5)
+
+
+def test_a_launch_shape_sets_num_stages_and_registers_and_the_callers_num_stages_wins():
+    """MM_LARGE's gate_up and down_rows shapes may name num_stages and maxnreg; an unset or zero value is left to
+    Triton, and a num_stages the caller passes (the sweep's candidates) replaces the shape's."""
+    shape = dict(block_n=64, num_stages=4, maxnreg=128)
+    assert step_moe._compiler_options(shape, {}) == {"num_stages": 4, "maxnreg": 128}
+    assert step_moe._compiler_options(shape, {"num_stages": 2}) == {"num_stages": 2, "maxnreg": 128}
+    assert step_moe._compiler_options(dict(block_n=64, num_stages=None, maxnreg=0), {}) == {}
