@@ -654,9 +654,10 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
 # "rows" kernel (one program per expert and 128 channels, so 9 x 32 programs at E 8 + 1). gate_up's and down_rows'
 # shapes may also set num_stages and maxnreg (registers per thread). Below these row counts
 # (decode and verify at small batch) the smaller shapes above stay. The sweeps that chose them:
-# benchmarks/kernels/step_moe_gpu.py, figures in benchmarks/README.md.
+# benchmarks/kernels/step_moe_gpu.py, figures in benchmarks/README.md; gate_up's block_k 128 (against 64) from the C64
+# decode step with each shape on an H100 (benchmarks/gpu_results/2026-12-07/moe-shapes-h100/: 2,474 against 2,505 us).
 MM_LARGE = {
-    "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=64, num_warps=8)),
+    "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=128, num_warps=8)),
     "down": (32, dict(block_t=64, block_m=32, block_n=64, block_k=128, num_warps=8, expert_groups=9)),
     "down_rows": (64, dict(block_t=64, block_m=64, block_n=128, block_k=128, num_warps=8)),
 }
