@@ -655,9 +655,10 @@ def _mode(mode: str, kernel: str, tokens: int) -> str:
 # shapes may also set num_stages and maxnreg (registers per thread). Below these row counts
 # (decode and verify at small batch) the smaller shapes above stay. The sweeps that chose them:
 # benchmarks/kernels/step_moe_gpu.py, figures in benchmarks/README.md; gate_up's block_k 128 (against 64) from the C64
-# decode step with each shape on an H100 (benchmarks/gpu_results/2026-12-07/moe-shapes-h100/: 2,474 against 2,505 us).
+# decode step with each shape on an H100 (benchmarks/gpu_results/2026-12-07/moe-shapes-h100/: 2,474 against 2,505 us),
+# and its 4 stages (against 3) from the same A/B a call later (moe-stages-h100/: median replay 2,426 against 2,439 us).
 MM_LARGE = {
-    "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=128, num_warps=8)),
+    "gate_up": (32, dict(block_t=64, block_m=64, block_n=64, block_k=128, num_warps=8, num_stages=4)),
     "down": (32, dict(block_t=64, block_m=32, block_n=64, block_k=128, num_warps=8, expert_groups=9)),
     "down_rows": (64, dict(block_t=64, block_m=64, block_n=128, block_k=128, num_warps=8)),
 }
