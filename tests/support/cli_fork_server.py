@@ -5,9 +5,11 @@ of CPU importing openai, httpx, scipy and evalpipe before its own work, and the 
 server here imports every subcommand once per test process, then forks one child per command. The child is a real
 process running the real entry point, `evalpipe.cli.main`, as `python -m evalpipe.cli ARGS` would: its own argv
 (click names the program as such a run does), working folder, environment, stdin from /dev/null, stdout and stderr
-in files, Python's own SIGINT handler, and interpreter shutdown (atexit) when main returns. Only the imported modules
-come from its parent; no module of evalpipe reads the environment when it is imported. Tests of start-up itself, of
-signals and of long-lived processes start `python -m evalpipe.cli` as before (core_helpers.evalpipe_cmd).
+in files, Python's own SIGINT handler, and interpreter shutdown (atexit) when main returns. Only the imported modules,
+the TLS context and the skill lanes' generated items (preload_cli) come from its parent; no module of evalpipe reads
+the environment when it is imported, the items do not depend on it, and no test sets the TLS context's variables
+(SSL_CERT_FILE, SSL_CERT_DIR). Tests of start-up itself, of signals and of long-lived processes start
+`python -m evalpipe.cli` as before (core_helpers.evalpipe_cmd).
 
 A second kind of server, `torch`, has imported torch, NumPy and transformers (about 3 s of CPU on the quiet 2-core
 machine) and runs `python -m MODULE ARGS` (runpy, as `-m` does): the benchmark scripts' `--smoke` runs
@@ -41,12 +43,55 @@ PARENT_CHECK_S = 1.0  # how often an idle server checks that its test process is
 # ---- the server -------------------------------------------------------------------------------------------------
 
 
+# Modules the commands import on first use rather than at import: the async HTTP transport's backend (the first
+# request), the progress bar and console, what each command imports in its body, and compare's plots (matplotlib
+# and PIL, for report.html), each seen new in a command run after the imports above.
+FIRST_USE_MODULES = (
+    "anyio._backends._asyncio",
+    "anyio.streams.tls",
+    "tqdm",
+    "multiprocessing.synchronize",
+    "aiohttp",
+    "evalpipe.console",
+    "evalpipe.ab.run",
+    "evalpipe.compare.planning",
+    "evalpipe.compare.workflow",
+    "evalpipe.harness.audit",
+    "evalpipe.harness.bench",
+    "evalpipe.harness.imports.lm_eval",
+    "evalpipe.harness.imports.sgl_eval",
+    "evalpipe.harness.lane_run",
+    "evalpipe.harness.repeat",
+    "evalpipe.lanes.repeat_fixtures",
+    "evalpipe.launchers.launch",
+    "evalpipe.qualify.run",
+    "evalpipe.compare.report.plots",
+    "matplotlib.backends.backend_agg",
+    *(f"PIL.{name}" for name in ("BmpImagePlugin", "GifImagePlugin", "JpegImagePlugin", "PngImagePlugin")),
+    *(f"PIL.{name}" for name in ("PpmImagePlugin", "ImageOps", "features")),
+)
+
+
 def preload_cli() -> None:
-    """Import the CLI and every subcommand's module (none imports torch), as each command would on its own."""
+    """Import the CLI and every subcommand's module (none imports torch), as each command would on its own, and the
+    modules they import on first use; then build the TLS context and generate the skill lanes' items, once.
+    SkillLane.items keeps a lane's items per process: run, audit and compare of a skill lane each generate its
+    200-1,200 items (0.2-1.6 s of CPU apiece), which every forked child would otherwise repeat. The items are the same
+    in any process, and each command still checks their digest against the lane's pins."""
     from evalpipe import cli
 
     for module_name, _ in cli.SUBCOMMANDS.values():
         importlib.import_module(module_name)
+    for module_name in FIRST_USE_MODULES:
+        importlib.import_module(module_name)
+    from evalpipe.harness.client import ssl_context
+    from evalpipe.lanes import all_lanes
+    from evalpipe.lanes.skill_lane import SkillLane
+
+    ssl_context()  # the process's one TLS context (loading the CA bundle: ~0.1 s), which every client asks for
+    for lane in all_lanes():
+        if isinstance(lane, SkillLane):
+            lane.items()
 
 
 def preload_torch() -> None:
@@ -204,9 +249,15 @@ def server_path(kind: str = "cli") -> str:
             if proc.stdout.readline().strip() != "ready":
                 proc.kill()
                 raise RuntimeError(f"the {kind} fork server did not start:\n{Path(log.name).read_text()[-3000:]}")
-            atexit.register(proc.kill)
+            atexit.register(stop_server, proc)
             server.update(proc=proc, path=path)
         return server["path"]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Kill a fork server and reap it (so its CPU, and its reaped children's, counts in the test process's)."""
+    proc.kill()
+    proc.wait()
 
 
 def run_forked(

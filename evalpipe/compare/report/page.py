@@ -11,7 +11,6 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader
 from markupsafe import Markup, escape
 
-from evalpipe.compare.report import plots
 from evalpipe.compare.report.text import (
     AGREEMENT_LABELS,
     BENCH_COLUMNS,
@@ -68,6 +67,8 @@ _ENV.filters["rich"] = rich_to_html
 
 
 def render_html(result: dict) -> str:
+    from evalpipe.compare.report import plots  # matplotlib: about a second of imports that --no-html never needs
+
     if result["kind"] == "bench":
         return _render(
             "bench.html.jinja",
