@@ -44,7 +44,7 @@ torch.set_num_threads(1)
 # share of one core (the same suite, sorted strictly by time, put test_vllm_peer.py beside it: that file 69 -> 98-105 s
 # and the suite 970-976 s with this order against 1,035-1,061 s, in four clean-clone CI runs of 2026-12-06).
 LONGEST_FIRST = [
-    "engine/test_fault_matrix.py",  # ~170 (216 before T = 1 at 20 questions and no batch shape for the sampler faults)
+    "engine/test_fault_matrix.py",  # ~115 (170 before smaller gate, greedy and T = 1 budgets; 216 before that)
     "benchmarks/test_smoke_serving.py",  # 97
     "benchmarks/test_smoke.py",  # 86
     "interop/test_lmeval.py",  # 83
