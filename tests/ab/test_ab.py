@@ -16,6 +16,7 @@ import pytest
 from evalpipe.ab.arms import arm_labels, comparison_pairs, declared_flags, merge_args
 from evalpipe.launchers.base import group_members
 from evalpipe.launchers.flags import parse_serve_args
+from tests.support.cli_fork_server import run_forked, running
 
 PY = sys.executable
 FAKE = str(Path(__file__).resolve().parents[1] / "support" / "fake_engine_server.py")
@@ -24,9 +25,14 @@ DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / 
 
 
 def evalpipe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the real CLI; on a timeout (ours or pytest's) SIGTERM it first so that it stops its servers."""
+    """Run the real CLI, forked from the test process's preloaded CLI server (tests/support/cli_fork_server.py: the
+    entry point in a child of its own, without the second of CPU a fresh interpreter spends importing it; with
+    EVALPIPE_TESTS_FORK=0, a fresh interpreter). On a timeout (ours or pytest's) SIGTERM it first so that it stops
+    its servers, then SIGKILL it a minute later if it is still there."""
     env = {**os.environ, "EVALPIPE_DATA_DIR": str(DATA_DIR)}
     argv = [PY, "-m", "evalpipe.cli", *args]
+    if os.environ.get("EVALPIPE_TESTS_FORK") != "0":
+        return run_forked(list(args), env=env, cwd=str(REPO), timeout=timeout, term_grace=60)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -38,13 +44,6 @@ def evalpipe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
             proc.kill()
         raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_arm_order_and_pairs():
@@ -147,7 +146,7 @@ def test_preflight_refuses_an_undeclared_difference_and_stops_both_servers(tmp_p
     assert (out / "report.html").read_text().count("mem_fraction_static") >= 1
     for arm in ("A1", "B1"):
         receipt = json.loads((out / "arms" / arm / "receipt.json").read_text())
-        assert receipt["stopped_at"] and not _alive(receipt["pid"]) and not group_members(receipt["pid"])
+        assert receipt["stopped_at"] and not running(receipt["pid"]) and not group_members(receipt["pid"])
         assert receipt["env_set"] == {"FAKE_SHARED": "1"}
 
     # The same pair passes when the differences are allowed explicitly.
@@ -248,7 +247,7 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(abba):
         summary = json.loads((out / arm["runs"]["arith"] / "summary.json").read_text())
         assert summary["n_planned"] == n and summary["n_records"] == n and summary["n_errors"] == 0
         assert summary["arm"] == arm["label"]
-    assert len(set(pids)) == 4 and not any(_alive(pid) for pid in pids)  # four fresh servers, all gone
+    assert len(set(pids)) == 4 and not any(running(pid) for pid in pids)  # four fresh servers, all gone
     # B1 vs A1; B2 vs B1 and A1; A2 vs A1 and B1
     assert [(c["arm"], c["against"]) for c in index["receipt_checks"]] == [
         ("B1", "A1"),

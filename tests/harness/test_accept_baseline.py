@@ -103,7 +103,9 @@ def test_bad_baseline_files_are_usage_errors(tmp_path):
     assert proc.returncode == 2 and "per_position" in proc.stderr
 
 
-ARITH_ARGS = ("--num-examples", "8", "--max-tokens", "64")  # the drafters' acceptance shows from the first tokens
+# The drafters' acceptance differs from the first tokens, but at 32 tokens layerskip:4 accepted every draft and
+# layerskip:2's drop showed at positions 3-5 only; at 64 it shows at position 1, which the test checks.
+ARITH_ARGS = ("--num-examples", "8", "--max-tokens", "64")
 
 
 def spec_server(drafter: str) -> ServerProcess:
@@ -156,16 +158,16 @@ def test_baseline_accepts_a_fresh_boot_and_flags_a_weaker_drafter(layerskip4, tm
 
 
 def test_context_buckets_on_a_real_run_with_prompts_of_several_lengths(layerskip4, tmp_path):
-    """`evalpipe run retrieval` (its needles sit at ~200, ~500 and ~2000-3000 prompt tokens, interleaved) on the
+    """`evalpipe run retrieval` (its first three prompts are ~180, ~470 and ~1,800 bytes, a byte a token) on the
     default model with block speculation: the summary's buckets hold the responses of their prompt lengths, and
     each bucket's rates and accept lengths are a direct count over its own records."""
-    proc = run_lane("retrieval", layerskip4.base + "/v1", tmp_path / "r", "--num-examples", "4", timeout=300)
+    proc = run_lane("retrieval", layerskip4.base + "/v1", tmp_path / "r", "--num-examples", "3", timeout=300)
     assert proc.returncode == 0, proc.stderr
     records, summary, _ = load_run(only_run_dir(tmp_path / "r", "retrieval"))
     buckets = summary["acceptance"]["by_context_tokens"]
     prompt_tokens = sorted(r["usage"]["prompt_tokens"] for r in records)
     assert prompt_tokens[0] < 256 <= prompt_tokens[1] < 1024 <= prompt_tokens[2]  # three lengths, three buckets
-    assert {k: v["responses"] for k, v in buckets.items()} == {"0-256": 1, "256-1024": 1, "1024-4096": 2}
+    assert {k: v["responses"] for k, v in buckets.items()} == {"0-256": 1, "256-1024": 1, "1024-4096": 1}
     for name, lower, upper in (("0-256", 0, 256), ("256-1024", 256, 1024), ("1024-4096", 1024, 4096)):
         mine = [r for r in records if lower <= r["usage"]["prompt_tokens"] < upper]
         hists = [r["spec"]["accept_histogram"] for r in mine]

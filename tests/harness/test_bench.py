@@ -92,41 +92,48 @@ def test_bench_against_scripted_peer(tmp_path):
     )
 
 
-def test_bench_refuses_a_stream_without_token_counts(tmp_path):
+@pytest.fixture(scope="module")
+def pair_peer():
+    """One peer streaming two events of two tokens, for the tests below that need no other setting."""
+    with start_peer(stream_groups=[2, 2]) as peer:
+        yield peer
+
+
+def test_bench_refuses_a_stream_without_token_counts(pair_peer, tmp_path):
     """A server whose chunks carry neither token_ids nor cumulative usage cannot be measured honestly."""
-    with start_peer(stream_groups=[2, 2]) as (base_url, _):
-        res = CliRunner().invoke(
-            bench_cmd,
-            [
-                "--base-url",
-                base_url,
-                "--input-len",
-                "4",
-                "--output-len",
-                "4",
-                "--rounds",
-                "1",
-                "--warmup",
-                "0",
-                "--out",
-                str(tmp_path / "b"),
-            ],
-        )
-        assert res.exit_code == 0, res.output  # token_ids present: fine
-        import asyncio
+    base_url, _ = pair_peer
+    res = CliRunner().invoke(
+        bench_cmd,
+        [
+            "--base-url",
+            base_url,
+            "--input-len",
+            "4",
+            "--output-len",
+            "4",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
+    assert res.exit_code == 0, res.output  # token_ids present: fine
+    import asyncio
 
-        from evalpipe.harness.bench import BenchConfig, BenchError, run_bench
+    from evalpipe.harness.bench import BenchConfig, BenchError, run_bench
 
-        cfg = BenchConfig(
-            base_url=base_url,
-            input_len=4,
-            output_len=4,
-            rounds=1,
-            warmup=0,
-            extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}},
-        )
-        with pytest.raises(BenchError, match="exact per-event token counts"):
-            asyncio.run(run_bench(cfg))
+    cfg = BenchConfig(
+        base_url=base_url,
+        input_len=4,
+        output_len=4,
+        rounds=1,
+        warmup=0,
+        extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}},
+    )
+    with pytest.raises(BenchError, match="exact per-event token counts"):
+        asyncio.run(run_bench(cfg))
 
 
 def test_bench_refuses_when_the_servers_token_ids_cannot_be_known(tmp_path):
@@ -224,8 +231,15 @@ def test_repeat_against_native_engine(native_server, tmp_path):
     assert groups["serial"]["mode_correct"] is False  # random weights: the control catches a model that cannot add
 
 
+@pytest.fixture(scope="module")
+def slow_peer():
+    """One peer for both Ctrl-C cases: one token per event, an event every 0.1 s."""
+    with start_peer(stream_groups=[1, 1, 1, 1], event_delay_s=0.1) as peer:
+        yield peer
+
+
 @pytest.mark.parametrize("processes", [1, 2])
-def test_bench_ctrl_c_keeps_finished_rounds(tmp_path, processes):
+def test_bench_ctrl_c_keeps_finished_rounds(slow_peer, tmp_path, processes):
     """SIGINT to a real `evalpipe bench` writes a partial bench.json with the rounds already measured, exit 130;
     with client worker processes too (a round in flight in the workers does not hold the interrupt)."""
     import signal
@@ -234,36 +248,37 @@ def test_bench_ctrl_c_keeps_finished_rounds(tmp_path, processes):
 
     from tests.support.core_helpers import interruptible_evalpipe_cmd
 
-    with start_peer(stream_groups=[1, 1, 1, 1], event_delay_s=0.1) as (base_url, stats):
-        proc = subprocess.Popen(
-            interruptible_evalpipe_cmd(
-                "bench",
-                "--base-url",
-                base_url,
-                "--input-len",
-                "4",
-                "--output-len",
-                "4",
-                "--rounds",
-                "100",
-                "--warmup",
-                "0",
-                "--concurrency",
-                "2",
-                "--client-processes",
-                str(processes),
-                "--out",
-                str(tmp_path / "b"),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.time() + 60
-        while stats()["requests"] < 3 and time.time() < deadline:
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+    base_url, stats = slow_peer
+    before = stats()["requests"]  # the shared peer's count before this bench
+    proc = subprocess.Popen(
+        interruptible_evalpipe_cmd(
+            "bench",
+            "--base-url",
+            base_url,
+            "--input-len",
+            "4",
+            "--output-len",
+            "4",
+            "--rounds",
+            "100",
+            "--warmup",
+            "0",
+            "--concurrency",
+            "2",
+            "--client-processes",
+            str(processes),
+            "--out",
+            str(tmp_path / "b"),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 60
+    while stats()["requests"] - before < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert bench["partial"] is True and 2 <= len(bench["requests"]) < 100 * 2
@@ -358,7 +373,7 @@ def test_client_processes_give_the_same_records_as_one(tmp_path):
         assert rnd["aggregate_tokens_per_s"] == pytest.approx(rnd["completion_tokens"] / rnd["wall_s"])
 
 
-def test_client_worker_failures_stop_the_bench_with_their_reason():
+def test_client_worker_failures_stop_the_bench_with_their_reason(pair_peer):
     """A worker's exception (here: a stream without exact token counts) and a worker killed mid-bench are reported
     by worker and reason, not lost."""
     import asyncio
@@ -367,35 +382,36 @@ def test_client_worker_failures_stop_the_bench_with_their_reason():
     from evalpipe.harness.bench import BenchConfig, BenchError, run_bench, stream_request
     from evalpipe.harness.bench_workers import ClientWorkers, WorkerFailed
 
-    with start_peer(stream_groups=[2, 2]) as (base_url, stats):
-        cfg = BenchConfig(
-            base_url=base_url,
-            input_len=4,
-            output_len=4,
-            rounds=1,
-            warmup=0,
-            concurrency=2,
-            client_processes=2,
-            extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}},
-        )
-        with pytest.raises(BenchError, match=r"client worker 0: BenchError: .*exact per-event token counts"):
-            asyncio.run(run_bench(cfg))
-        with ClientWorkers(2, stream_request, None, 30.0, 2) as workers:
-            workers.procs[1].kill()
-            body = {"model": "peer-model", "prompt": [1, 2], "max_tokens": 4, "stream": True, "return_token_ids": True}
-            with pytest.raises(WorkerFailed, match=f"client worker 1 exited with code -{int(signal.SIGKILL)}"):
-                asyncio.run(workers.round(base_url + "/completions", [body, body]))
-        assert all(not p.is_alive() for p in workers.procs)
+    base_url, _ = pair_peer
+    cfg = BenchConfig(
+        base_url=base_url,
+        input_len=4,
+        output_len=4,
+        rounds=1,
+        warmup=0,
+        concurrency=2,
+        client_processes=2,
+        extra_body={"return_token_ids": False, "stream_options": {"include_usage": True}},
+    )
+    with pytest.raises(BenchError, match=r"client worker 0: BenchError: .*exact per-event token counts"):
+        asyncio.run(run_bench(cfg))
+    with ClientWorkers(2, stream_request, None, 30.0, 2) as workers:
+        workers.procs[1].kill()
+        body = {"model": "peer-model", "prompt": [1, 2], "max_tokens": 4, "stream": True, "return_token_ids": True}
+        with pytest.raises(WorkerFailed, match=f"client worker 1 exited with code -{int(signal.SIGKILL)}"):
+            asyncio.run(workers.round(base_url + "/completions", [body, body]))
+    assert all(not p.is_alive() for p in workers.procs)
 
 
-def test_client_processes_out_of_range_are_refused_with_exit_2(tmp_path):
-    with start_peer() as (base_url, stats):
-        args = ["--base-url", base_url, "--input-len", "4", "--output-len", "4", "--rounds", "1", "--warmup", "0"]
-        zero = CliRunner().invoke(bench_cmd, [*args, "--client-processes", "0", "--out", str(tmp_path / "a")])
-        many = CliRunner().invoke(
-            bench_cmd, [*args, "--concurrency", "2", "--client-processes", "3", "--out", str(tmp_path / "b")]
-        )
-        assert stats()["requests"] == 0
+def test_client_processes_out_of_range_are_refused_with_exit_2(pair_peer, tmp_path):
+    base_url, stats = pair_peer
+    before = stats()["requests"]  # the shared peer's count before these commands
+    args = ["--base-url", base_url, "--input-len", "4", "--output-len", "4", "--rounds", "1", "--warmup", "0"]
+    zero = CliRunner().invoke(bench_cmd, [*args, "--client-processes", "0", "--out", str(tmp_path / "a")])
+    many = CliRunner().invoke(
+        bench_cmd, [*args, "--concurrency", "2", "--client-processes", "3", "--out", str(tmp_path / "b")]
+    )
+    assert stats()["requests"] == before
     assert zero.exit_code == 2 and "--client-processes" in zero.output, zero.output
     assert many.exit_code == 2 and "3 processes for 2 streams: at most --concurrency" in many.output, many.output
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -60,7 +60,7 @@ def _n_requests(base_url):
 
 def test_mixed_run_lands_every_item_once_and_counts_failures_in_the_denominator(srv, tmp_path):
     url = srv(mode="mixed")
-    n = 120
+    n = 60  # gsm8k items 5-64 fall in every bucket: 36 correct, 11 truncated, 5 wrong, 5 no answer, 3 error 500
     r = run_lane(
         "gsm8k",
         url,

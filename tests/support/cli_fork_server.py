@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -261,11 +262,18 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def run_forked(
-    argv: list[str], *, env: dict, cwd: str, timeout: float, module: str | None = None
+    argv: list[str],
+    *,
+    env: dict,
+    cwd: str,
+    timeout: float,
+    module: str | None = None,
+    term_grace: float | None = None,
 ) -> subprocess.CompletedProcess:
     """`subprocess.run(python -m evalpipe.cli ARGV, capture_output=True, text=True, ...)`, in a forked child: the
     same CompletedProcess, and on `timeout` the child killed and TimeoutExpired raised. With `module`: `python -m
-    MODULE ARGV`, forked from the `torch` server."""
+    MODULE ARGV`, forked from the `torch` server. With `term_grace`, a child that is still running when the wait ends
+    (the timeout, or pytest's own) gets SIGTERM first, to stop what it started, and SIGKILL after that many seconds."""
     shown = [sys.executable, "-m", module or "evalpipe.cli", *argv]
     with tempfile.TemporaryDirectory(prefix="evalpipe-cli-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
@@ -278,13 +286,38 @@ def run_forked(
             conn.settimeout(timeout)
             try:
                 line = replies.readline()
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(shown, timeout, read(out), read(err)) from None
+            except BaseException as exc:
+                stop_child(pid, term_grace)
+                if isinstance(exc, TimeoutError):
+                    raise subprocess.TimeoutExpired(shown, timeout, read(out), read(err)) from None
+                raise
         if not line:
             raise RuntimeError(f"the fork server closed before `python {' '.join(shown[1:])}` ended")
         returncode = json.loads(line)["returncode"]
         return subprocess.CompletedProcess(shown, returncode, read(out), read(err))
+
+
+def stop_child(pid: int, term_grace: float | None) -> None:
+    """SIGKILL, or with `term_grace` SIGTERM and SIGKILL that many seconds later if it has not ended (the fork
+    server reaps it, so a gone child leaves no /proc entry, or a zombie for a moment)."""
+    try:
+        if term_grace is not None:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + term_grace
+            while running(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not running(pid):
+                return
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def read(path: Path) -> str:
