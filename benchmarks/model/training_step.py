@@ -30,6 +30,7 @@ from training.train_default_model import parse_args
 # trainer's fast forward: "fast" (plain), "compiled" (forward and losses through torch.compile) or "dynamic" (the same
 # with symbolic sizes: with --stream, whether it compiles fewer times over the stream's batch shapes)
 OPTIONS = ["grouped_mm", "grouped_mm+compile", "fast", "compiled"]
+MODEL_ARGS: list[str] = []  # more training-script flags for every option's model (--smoke: the tiny config)
 
 
 def parse_option(option: str) -> tuple[str, bool]:
@@ -59,7 +60,7 @@ def make_step(experts: str, device, compiled: bool = False):
     optimizer_step) and a device sync. `experts` "fast"/"compiled": the trainer's fast forward; otherwise
     transformers' forward with that experts implementation, `compiled`: through `model.compile()`."""
     fast = experts in trainer.FAST_STEPS
-    args = parse_args(["--out", "/dev/null", "--experts", "eager" if fast else experts])
+    args = parse_args(["--out", "/dev/null", "--experts", "eager" if fast else experts, *MODEL_ARGS])
     model = trainer.build_model(args, device)
     if compiled and not fast:
         model.compile()
@@ -201,14 +202,18 @@ def main() -> None:
     ap.add_argument(
         "--smoke",
         action="store_true",
-        help="seconds on the CPU: two 128-token rows, one timed step, eager experts, and a one-batch stream of "
-        "1,024 tokens in two buckets (checks the script runs)",
+        help="seconds on the CPU: the engine's tiny config, two 128-token rows, one timed step, eager experts, and "
+        "a one-batch stream of 656 tokens in two buckets (checks the script runs)",
     )
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.batch_tokens, args.width, args.steps, args.options, args.device = "256", 128, 1, "eager,fast", "cpu"
-        args.stream, args.stream_tokens, args.short_buckets = 1, 1024, "512,1024"
+        # the stream's first example (seed 0) has 654 tokens: a 656 bucket holds it in a 1 x 656 batch, not 1 x 1024
+        args.stream, args.stream_tokens, args.short_buckets = 1, 656, "656,1024"
+        from evalpipe.engine.model.config import TINY_CONFIG_PATH
+
+        MODEL_ARGS[:] = ["--config", str(TINY_CONFIG_PATH)]  # 4 layers of every kind the default model has
     options = args.options.split(",")
     for option in options:
         parse_option(option)
