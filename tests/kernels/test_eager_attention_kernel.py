@@ -1,16 +1,20 @@
 """The eager runner's forward through the kernels (Triton's CPU interpreter): what a prompt chunk runs on a GPU when
 the model is built with sites (the server) -- the attention kernel of the graph step and mHC as `kernels.hyper`.
-Float32 on the tiny model (window 24, CSA ratio 4 with top-8 selection, HCA ratio 2): the logits of every row equal
-the eager chain's (`backend="reference"`) for a first chunk, a second chunk that reads the first one's ring and
-entries, two requests of different lengths in one forward (two groups) and decode rows, and the route was taken
-(the sites' call counter)."""
+Float32 on a smaller random model than the tiny one (tests/support/small_dsv4.py: one sliding, one CSA and one HCA
+layer; window 8, CSA ratio 4 with top-2 selection, HCA ratio 2): the logits of every row equal the eager chain's
+(`backend="reference"`) for a first chunk, a second chunk that reads the first one's ring and entries, two
+requests of different lengths in one forward (two groups) and decode rows, and the route was taken (the sites'
+call counter)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from evalpipe.engine.model import fused_sites
 from evalpipe.engine.model.fused_sites import SiteSettings
+from evalpipe.engine.runner import ModelRunner
+from tests.support.small_dsv4 import TOPK, WINDOW, make_small_dsv4
 
 TOL = 1e-4  # float32, IEEE dots in the kernel: op grouping only
 
@@ -19,23 +23,28 @@ def _prompt(n, seed):
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_prompt_chunks_through_the_attention_kernel_equal_the_eager_chain(tiny_runner):
-    chain = tiny_runner(max_seqs=3, max_seq_len=64, sites=SiteSettings(backend="reference"))
-    kernel = tiny_runner(max_seqs=3, max_seq_len=64, sites=SiteSettings(backend="triton"))
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return str(make_small_dsv4(tmp_path_factory.mktemp("small-dsv4") / "model"))
+
+
+def test_prompt_chunks_through_the_attention_kernel_equal_the_eager_chain(small_model):
+    assert (WINDOW, TOPK) == (8, 2)  # the chunk lengths below are chosen for these
+    chain = ModelRunner(small_model, max_seqs=3, max_seq_len=24, sites=SiteSettings(backend="reference"))
+    kernel = ModelRunner(small_model, max_seqs=3, max_seq_len=24, sites=SiteSettings(backend="triton"))
     layers = len(kernel.model.layers)
     a_seqs = [chain.allocate() for _ in range(2)]
     b_seqs = [kernel.allocate() for _ in range(2)]
     seed = int(torch.randint(0, 1 << 20, ()))  # fresh prompts every run
     # The interpreter's cost grows with the rows (the mHC kernels run per row), so each length is the least that
-    # crosses its boundary. first, 25 rows (positions 0..24): row 24's window of 24 keys leaves key 0 out, and it
-    # crosses the CSA (4) and HCA (2) ratios (6 and 12 entries). second, 11 rows (25..35): reads the first chunk's
-    # ring and entries, and its rows see 6..9 CSA entries, so the top-8 selection keeps all of them in some rows
-    # and drops some in others. other, 5 rows: a second group of another length, no history (16 rows in that
-    # forward: below 16 the mHC merge/mix kernel runs 32-column blocks, more programs).
-    first, second, other = _prompt(25, seed), _prompt(11, seed + 1), _prompt(5, seed + 2)
+    # crosses its boundary. first, 9 rows (positions 0..8): row 8's window of 8 keys leaves key 0 out, and it
+    # crosses the CSA (4) and HCA (2) ratios (2 and 4 entries). second, 4 rows (9..12): reads the first chunk's
+    # ring and entries, and its rows see 2..3 CSA entries, so the top-2 selection keeps all of them in some rows
+    # and drops one in others. other, 5 rows: a second group of another length, no history.
+    first, second, other = _prompt(9, seed), _prompt(4, seed + 1), _prompt(5, seed + 2)
     steps = [
         ([0], [first]),  # one group: crosses the window and both ratios, no history
-        ([0, 1], [second, other]),  # two groups (11 and 5 rows): request 0 reads its ring and entries
+        ([0, 1], [second, other]),  # two groups (4 and 5 rows): request 0 reads its ring and entries
         ([0, 1], [[7], [9]]),  # decode rows
     ]
     for idx, rows in steps:

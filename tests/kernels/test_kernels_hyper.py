@@ -75,9 +75,20 @@ def streams_with_extremes(gen, T):
     return s
 
 
-# 130 rows: past DOT_MIN_ROWS, the GEMM-tile merge/mix kernel, its last tile of 32 rows mostly padding
-@pytest.mark.parametrize("T", [1, 6, 130])
-def test_mix_and_pre_norm_match_reference_and_engine(T):
+# The GEMM-tile merge/mix kernel takes over from DOT_MIN_ROWS rows (128); the tests lower that threshold to 32 so
+# that 34 rows reach it (two 32-row tiles, the last one mostly padding) with a quarter of the per-row programs of
+# 130 rows (pre_norm runs two programs per row): the dispatch rule and the kernel are the same, only fewer tiles.
+DOT_T = 34
+
+
+@pytest.fixture
+def dot_from_32(monkeypatch):
+    monkeypatch.setattr(step_hyper, "DOT_MIN_ROWS", 32)
+
+
+# DOT_T rows: past DOT_MIN_ROWS, the GEMM-tile merge/mix kernel, its last tile of 32 rows mostly padding
+@pytest.mark.parametrize("T", [1, 6, DOT_T])
+def test_mix_and_pre_norm_match_reference_and_engine(T, dot_from_32):
     gen = torch.Generator().manual_seed(10 + T)
     cfg = config()
     conn = make_conn(gen, cfg)
@@ -109,8 +120,8 @@ def test_mix_and_pre_norm_match_reference_and_engine(T):
     assert got[2].abs().max() < 10
 
 
-@pytest.mark.parametrize("T", [1, 6, 130])
-def test_merge_mix_matches_reference_and_engine(T):
+@pytest.mark.parametrize("T", [1, 6, DOT_T])
+def test_merge_mix_matches_reference_and_engine(T, dot_from_32):
     gen = torch.Generator().manual_seed(20 + T)
     cfg = config()
     conn, nxt, head = make_conn(gen, cfg), make_conn(gen, cfg), make_head(gen, cfg)
@@ -163,9 +174,10 @@ def test_deterministic_and_row_grouping_free(monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_gemm_tile_path_taken_and_deterministic(monkeypatch):
-    """From DOT_MIN_ROWS rows the merge/mix runs on the GEMM-tile kernel: it is the one launched, two runs are
-    bitwise equal, and its partials match the per-row kernel's (same blocks, another summation order)."""
+def test_gemm_tile_path_taken_and_deterministic(monkeypatch, dot_from_32):
+    """From DOT_MIN_ROWS rows (lowered to 32, see DOT_T) the merge/mix runs on the GEMM-tile kernel: it is the one
+    launched, two runs are bitwise equal, and its partials match the per-row kernel's (same blocks, another
+    summation order)."""
     gen = torch.Generator().manual_seed(6)
     cfg = config()
     conn, nxt = make_conn(gen, cfg), make_conn(gen, cfg)
@@ -209,7 +221,7 @@ def test_two_layer_chain_matches_engine(tiny_model, backend):
     weights; each block replaced by a fixed random output) against the engine's own chain, block input by block
     input."""
     m = tiny_model
-    eps, T = m.config.rms_norm_eps, 6
+    eps, T = m.config.rms_norm_eps, 3  # each row its own programs (T <= 8: one row a program), 3 as good as more
     gen = torch.Generator().manual_seed(6)
     layers = m.layers[:2]
     blocks = [b for layer in layers for b in ((layer.attn_hc, layer.attn_norm), (layer.ffn_hc, layer.mlp_norm))]
@@ -245,10 +257,13 @@ def test_prepared_weights_go_with_their_object():
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NaN/inf neighbours
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_invariant_chain_row_is_bitwise_the_same_in_any_batch(dtype):
+def test_invariant_chain_row_is_bitwise_the_same_in_any_batch(dtype, monkeypatch):
     """`invariant=True` (--deterministic): mix -> pre-norm -> merge-mix -> head-norm of one row is bitwise the same
-    alone and at a random place among 2 or 17 rows (float32 also 130 rows, past DOT_MIN_ROWS) of other random data,
-    one NaN and one inf row among them; the partials have mix_block's 128-column blocks at every T."""
+    alone and at a random place among 2 or 17 rows (17: past DOT_MIN_ROWS, lowered to 17 here) of other random
+    data, one NaN and one inf row among them; the partials have mix_block's 128-column blocks at every T."""
+    # the T thresholds of the launch: _rows_per_program (above 8 rows), mix_block (from 16) and DOT_MIN_ROWS, which
+    # 17 rows pass once it is 17 instead of 128 (the invariant path ignores it; 130 rows ran 8x the programs)
+    monkeypatch.setattr(step_hyper, "DOT_MIN_ROWS", 17)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))  # fresh inputs every run
     cfg = config()
     conn, head = make_conn(gen, cfg), make_head(gen, cfg)
@@ -264,9 +279,9 @@ def test_invariant_chain_row_is_bitwise_the_same_in_any_batch(dtype):
         return x, new, out
 
     alone = [t[0] for t in chain(row_s[None], row_y[None])]
-    # 17 rows: 4 rows a program (_rows_per_program), the last group partial; 130 (float32): a batch on which the
-    # non-invariant merge/mix takes the GEMM-tile kernel
-    for batch in (2, 17) + ((step_hyper.DOT_MIN_ROWS + 2,) if dtype == torch.float32 else ()):
+    # 17 rows: 4 rows a program (_rows_per_program), the last group partial, and a batch on which the non-invariant
+    # merge/mix takes the GEMM-tile kernel
+    for batch in (2, 17):
         s = torch.randn(batch, HC, D, generator=gen).to(dtype)
         y = torch.randn(batch, D, generator=gen).to(dtype)
         at = int(torch.randint(0, batch, (1,), generator=gen))

@@ -112,17 +112,15 @@ def test_gate_up_and_down_kernels_match_references(T):
     w = torch.rand(T, K + 1, generator=gen)
     w[:, K] = 1.0
     yr = step_moe.down_reference(moe, hr, idx, w)
+    # auto is "mm" for both kernels from T 4 (MM_MIN_TOKENS), with the same launch shape as an explicit mode "mm":
+    # dict() is that case at every T. The GEMVs (one program per pick) run the same code at any T, so T 5 has them;
+    # the explicit 8-row token blocks make several blocks with a partial last one at T 20 (one block at T 5). T 70
+    # checks the large-batch shapes only
     cfgs = [dict()]
-    if T < step_moe.MM_LARGE["gate_up"][0]:
-        # From MM_LARGE's row count on, mode "mm" launches what auto does, and the GEMVs (one program per pick) and
-        # the explicit 8-row token blocks run the same code as at T 5 and 20 with more programs: T 70 checks the
-        # large-batch shapes only
-        cfgs += [
-            dict(mode="gemv", block_n=16, block_k=16),
-            dict(mode="gemv", block_n=64, block_k=32),
-            dict(mode="mm"),
-            dict(mode="mm", block_t=8, block_n=16, block_k=16),
-        ]
+    if T == 5:
+        cfgs += [dict(mode="gemv", block_n=16, block_k=16), dict(mode="gemv", block_n=64, block_k=32)]
+    elif T == 20:
+        cfgs += [dict(mode="mm", block_t=8, block_n=16, block_k=16)]
     for cfg in cfgs:
         h = step_moe.gate_up(moe, x, idx, backend="triton", **cfg)
         assert h.shape == (T, K + 1, INTER) and torch.isfinite(h).all()
@@ -183,12 +181,14 @@ def test_down_expert_groups_match_reference(groups, poisoned_empty):
 )
 def test_down_rows_match_reference(cfg, poisoned_empty):
     """down's "rows" mode (one fp32 row per pick from expert-major tl.dot programs, then each token's K + 1 rows
-    summed in pick order) agrees with down_reference at T 1, 37 and 70: repeated picks, experts nobody picked, a
-    partial last token block, outputs and the per-pick rows poisoned with NaN before the launch. Fresh random
-    inputs every run."""
+    summed in pick order) agrees with down_reference at T 1 and 37 (and 70 for the table's shape): repeated picks,
+    experts nobody picked, a partial last token block, outputs and the per-pick rows poisoned with NaN before the
+    launch. Fresh random inputs every run."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))
     moe = make_moe(seed=int(torch.randint(0, 1 << 20, (), generator=gen)))
-    for T in (1, 37, 70):
+    # the explicit 16- and 8-row token blocks already make several blocks with a partial last one at T 37; T 70
+    # adds only programs to them, and is where dict() takes MM_LARGE["down_rows"]'s 64-row shape
+    for T in (1, 37, 70) if not cfg else (1, 37):
         h = 4 * torch.randn(T, K + 1, INTER, generator=gen)
         idx = awkward_picks(T, gen)
         w = torch.rand(T, K + 1, generator=gen)
@@ -235,11 +235,12 @@ def test_down_non_finite_pick_stays_in_its_token(cfg):
     assert torch.isnan(dirty[nan_tok]).all() and not torch.isfinite(dirty[inf_tok]).any()
 
 
-@pytest.mark.parametrize("T", [1, 6, 13])
+@pytest.mark.parametrize("T", [1, 6])
 @pytest.mark.parametrize("kind", ["moe", "hash", "sigmoid"])
 def test_moe_forward_matches_engine_moe(T, kind):
     """moe_forward (4 launches, Triton interpreted) == engine MoE.__call__ on the same object, with activations
-    large enough that swiglu_limit clamps."""
+    large enough that swiglu_limit clamps. T 1: both GEMVs; T 6: both expert-major "mm" kernels (T 13 ran the same
+    kernels, in one token block each as T 6)."""
     moe = make_moe(scoring="sigmoid" if kind == "sigmoid" else "sqrtsoftplus", is_hash=kind == "hash", seed=7 + T)
     gen = torch.Generator().manual_seed(100 + T)
     x = 8 * torch.randn(T, D, generator=gen)
@@ -256,7 +257,9 @@ def test_moe_forward_matches_engine_moe(T, kind):
 
 def test_moe_forward_on_tiny_model_layers(tiny_runner):
     """The default tiny model's own MoE objects as ModelRunner builds them (a hash_moe and a moe layer, E 8,
-    top-2, I 128, hidden 256), T = 6 rows."""
+    top-2, I 128, hidden 256), T = 6 rows. Both kernels in mode "mm" with 64-channel blocks: the objects are what
+    this test is about; the default 32- and 16-channel blocks (4x the programs on the interpreter, each walking
+    every expert) run in the tests above on the same code."""
     layers = tiny_runner(max_seqs=2, max_seq_len=64).model.layers
     gen = torch.Generator().manual_seed(21)
     for layer in (layers[0], layers[2]):
@@ -264,7 +267,9 @@ def test_moe_forward_on_tiny_model_layers(tiny_runner):
         assert moe.is_hash == (layer is layers[0])
         x = 3 * torch.randn(6, moe.gate_up.shape[-1], generator=gen)
         ids = torch.randint(0, moe.tid2eid.shape[0] if moe.is_hash else 512, (6,), generator=gen)
-        y, ye = step_moe.moe_forward(moe, x, ids, backend="triton"), moe(x, ids)
+        cfg = dict(mode="mm", block_n=64)
+        y = step_moe.moe_forward(moe, x, ids, backend="triton", gate_up_cfg=cfg, down_cfg=cfg)
+        ye = moe(x, ids)
         assert (y - ye).abs().max().item() < 1e-4 * max(1.0, ye.abs().max().item())
 
 
@@ -347,11 +352,22 @@ def test_grouped_gemm_routed_experts_equal_the_per_expert_loop(T, dtype):
         assert (grouped.float() - loop.float()).abs().max().item() <= tol * max(1.0, loop.float().abs().max().item())
 
 
-@pytest.mark.parametrize("down_mode,groups", [("auto", None), ("mm", 1), ("mm", 3), ("mm", E + 1)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# "mm" over 3 and over E + 1 groups run the same kernel with a group axis and the same split_sum of the groups:
+# one in each dtype (float32 3, bfloat16 E + 1), "rows" and "mm" over one group in both
+@pytest.mark.parametrize(
+    "dtype,down_mode,groups",
+    [
+        (torch.float32, "auto", None),
+        (torch.bfloat16, "auto", None),
+        (torch.float32, "mm", 1),
+        (torch.bfloat16, "mm", 1),
+        (torch.float32, "mm", 3),
+        (torch.bfloat16, "mm", E + 1),
+    ],
+)
 def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype, down_mode, groups):
     """`invariant=True` (--deterministic): one token's MoE output is bitwise the same alone and at a random place
-    among 2..64 tokens of other random data, and close to the reference, with down's default ("rows") and with
+    among 17 or 64 tokens of other random data, and close to the reference, with down's default ("rows") and with
     "mm" over 1, 3 or E + 1 expert groups. The chain is moe_forward's with its router GEMM through
     kernels.batch_invariant.matmul (what invariant_ops makes of it on CUDA). In the 17-token batch one neighbour
     is NaN: it must not reach the token."""
@@ -378,7 +394,9 @@ def test_invariant_moe_token_is_bitwise_the_same_in_any_batch(dtype, down_mode, 
     assert (alone.float() - ref.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 3e-2) * max(
         1.0, ref.float().abs().max().item()
     )
-    for batch in (2, 17, 64):
+    # the invariant launch shape has 64-token blocks at every T: 17 tokens are a partial block (as 2 were), 64 a
+    # full one
+    for batch in (17, 64):
         x = (8 * torch.randn(batch, D, generator=gen)).to(dtype)
         ids = torch.randint(0, VOCAB, (batch,), generator=gen)
         at = int(torch.randint(0, batch, (1,), generator=gen))

@@ -1,45 +1,58 @@
 """The whole CUDA-graph static step with every Triton kernel forced (Triton's CPU interpreter) against the plain
 runner: the composition the H200 replays -- mHC merge/mix + pre_norm, q/kv norms, RoPE stores, C2 and window
-compressors, indexer scores, the split-KV attention core, the MoE kernels -- on the tiny model, float32."""
+compressors, indexer scores, the split-KV attention core, the MoE kernels -- float32, on a smaller random model
+than the tiny one (tests/support/small_dsv4.py: one sliding, one CSA and one HCA layer, window 8, top-2
+selection)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from evalpipe.engine.runner import ModelRunner
 from evalpipe.engine.static.graphs import GraphRunner
 from tests.support.engine_state import state_snapshot
+from tests.support.small_dsv4 import TOPK, WINDOW, make_small_dsv4
 
 
 def _prompt(n, seed):
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return str(make_small_dsv4(tmp_path_factory.mktemp("small-dsv4") / "model"))
+
+
 # The served configuration only (the server always builds with sites): the bare runner's plain CSA selection
 # runs the same kernels except candidate_block_mask/indexer_postprocess, each tested alone against its reference.
 @pytest.mark.parametrize("sites", [True], ids=["served-csa-sites"])
-def test_static_step_with_triton_kernels_equals_plain_runner(tiny_runner, sites):
-    """Two requests (bucket 2), one past the sliding window and the top-8 selection, one short: decode steps and
+def test_static_step_with_triton_kernels_equals_plain_runner(small_model, sites):
+    """Two requests (bucket 2), one past the sliding window and the top-2 selection, one short: decode steps and
     one 6-row verify step give the plain runner's logits (fp32, different op grouping) and the same greedy tokens,
     and leave the same state behind. `served-csa-sites`: the model set up as the server sets it up
     (built with sites: CSA selection through candidate_block_mask + indexer_postprocess, Triton too)."""
     from evalpipe.engine.model import fused_sites
 
-    # 48 positions hold the longest history (35 + 1 + 6); the static step scans max_seq_len // ratio entries
-    plain = tiny_runner(max_seqs=4, max_seq_len=48)
-    base = tiny_runner(max_seqs=4, max_seq_len=48, sites=fused_sites.SiteSettings(backend="triton") if sites else None)
+    assert (WINDOW, TOPK) == (8, 2)  # the prompt lengths below are chosen for these
+    # 24 positions hold the longest history (12 + 1 + 6); the static step scans max_seq_len // ratio entries. A
+    # rollback margin of 6 (the verify width) makes rings of 13 (window), 14 (CSA compressor and indexer) and 8
+    # (HCA compressor) rows, which these short prompts wrap
+    kw = dict(max_seqs=4, max_seq_len=24, rollback_margin=6)
+    plain = ModelRunner(small_model, **kw)
+    base = ModelRunner(small_model, **kw, sites=fused_sites.SiteSettings(backend="triton") if sites else None)
     graph = GraphRunner(base, widths=(1, 6), buckets=(2,), fused=True, kernel_backend="triton")
     seqs_p = [plain.allocate() for _ in range(2)]
     seqs_g = [graph.allocate() for _ in range(2)]
     last = []
-    # The prefills run the eager Triton path row by row (the cost of this test), so the prompts are as short as the
-    # boundaries allow. Request 0, 35 tokens: its decode at position 35 has a full window that leaves positions
-    # 0..11 out and sees 9 CSA entries (ratio 4), one more than the top-8 keeps; its verify (36..41) wraps the
-    # CSA compressor's 40-row ring and starts on an even (C2 ratio 2) position. Request 1, 4 tokens: a window that
-    # starts before position 0, fewer entries than top-8 (empty picks), a verify (5..10) starting on an odd one.
-    # The graph runner prefills both in one forward (two groups, 39 rows: below 16 rows the mHC merge/mix kernel
+    # The prefills run the eager Triton path row by row (much of this test's cost), so the prompts are as short as the
+    # boundaries allow. Request 0, 12 tokens: its decode at position 12 has a full window that leaves positions
+    # 0..4 out and sees 3 CSA entries (ratio 4), one more than the top-2 keeps; its verify (13..18) wraps the
+    # CSA compressor's 14-row ring and starts on an odd (C2 ratio 2) position. Request 1, 5 tokens: a window that
+    # starts before position 0, fewer entries than top-2 (empty picks), a verify (6..11) starting on an even one.
+    # The graph runner prefills both in one forward (two groups, 17 rows: below 16 rows the mHC merge/mix kernel
     # would run 32-column blocks, more programs than 128-column ones); the plain runner one request at a time.
-    prompts = [_prompt(n, i) for i, n in enumerate((35, 4))]
+    prompts = [_prompt(n, i) for i, n in enumerate((12, 5))]
     for i, toks in enumerate(prompts):
         last.append(int(plain.forward([seqs_p[i]], [toks])[0].argmax()))
     graph.forward(seqs_g, prompts)
