@@ -108,16 +108,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=file_rank)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """A private weight cache (EVALPIPE_CACHE_DIR-style) for the module's default-model runners."""
+    """A private weight cache (EVALPIPE_CACHE_DIR-style) for the test process's default-model runners: its entries
+    are keyed by the config's hash, so every module reuses the seeded tiny checkpoint the first one built."""
     return tmp_path_factory.mktemp("evalpipe-cache")
 
 
 @pytest.fixture(scope="module")
 def tiny_runner(cache_dir):
     """Factory: `tiny_runner(**kwargs)` is a ModelRunner on the random tiny model whose seeded weights are cached
-    in the module's private cache (built once per module, reused by every runner after the first)."""
+    in the test process's private cache (built once, reused by every runner after the first)."""
     from evalpipe.engine.model.names import TINY_MODEL_NAME
     from evalpipe.engine.runner import ModelRunner
 
