@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 PREFILL_LOGIT_BOUND = 1e-4  # max |engine - oracle| over every prefill row's logits (observed ~5e-6)
 TIE_MARGIN = 1e-4
-NEW_TOKENS = 40
+NEW_TOKENS = 32  # from 7 and 101 every decode crosses two boundaries of the largest ratio (16), from 7 every window
 ORACLE_MODEL_ENV = "EVALPIPE_ORACLE_MODEL"  # the shipped-model test's checkpoint (default: the default model)
 
 _BASE = dict(
@@ -95,7 +95,9 @@ CONFIGS = {
         mlp_layer_types=["moe", "moe", "hash_moe"],
     ),
 }
-PROMPT_LENGTHS = (7, 45, 101)  # below / above every window; decodes cross more window and ratio boundaries
+# below / above every window (the longer one also gives every ratio several compressed blocks and every CSA layer
+# more entries than its top-k); decodes cross more window and ratio boundaries
+PROMPT_LENGTHS = (7, 101)
 
 
 def make_checkpoint(tmp_dir, name: str) -> str:
@@ -217,7 +219,7 @@ def test_shipped_default_model_matches_transformers_on_lane_prompts(capsys):
     runner = ModelRunner(model, max_seqs=2, max_seq_len=1024)
     tok = load_tokenizer(str(path) if has_hf_tokenizer(path) else None)  # what `evalpipe serve --model` encodes with
     report = []
-    for lane, index, steps in (("arith", 0, 24), ("retrieval", 1, 8), ("copy", 0, 24)):
+    for lane, index, steps in (("arith", 0, 16), ("retrieval", 1, 8), ("copy", 0, 16)):
         prompt = tok.encode_prompt(get_lane(lane).items()[index].prompt)
         seq = runner.allocate()
         got = runner.forward([seq], [prompt], all_logits=True)

@@ -72,12 +72,12 @@ def test_the_record_keeps_every_field_transformers_resolved(tmp_path, monkeypatc
         assert getattr(warm, field) == getattr(cold, field)
 
 
-def test_a_damaged_record_is_resolved_again_and_rewritten(tmp_path):
-    probe(TINY_CONFIG_PATH, tmp_path)
+def test_a_damaged_record_is_resolved_again_and_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(tmp_path))
+    load_engine_config(TINY_CONFIG_PATH)
     (record,) = (tmp_path / "resolved-configs").glob("*.json")
     record.write_text(record.read_text()[:100])  # an interrupted write of another tool
-    again = probe(TINY_CONFIG_PATH, tmp_path)
-    assert again["type"] == "DeepseekV4Config" and again["transformers_imported"]
+    assert type(load_engine_config(TINY_CONFIG_PATH)).__name__ == "DeepseekV4Config"  # resolved by transformers again
     assert json.loads(record.read_text())["hidden_size"] == 256  # whole again
 
 
@@ -92,10 +92,12 @@ def test_another_file_gets_its_own_record(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache" / "resolved-configs").glob("*.json"))) == 2
 
 
-def test_an_unwritable_cache_only_costs_the_import(tmp_path):
+def test_an_unwritable_cache_only_costs_the_import(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # the cache folder would have to be made inside a file: mkdir fails, even as root
-    assert probe(TINY_CONFIG_PATH, blocker / "cache")["type"] == "DeepseekV4Config"
+    monkeypatch.setenv("EVALPIPE_CACHE_DIR", str(blocker / "cache"))
+    assert type(load_engine_config(TINY_CONFIG_PATH)).__name__ == "DeepseekV4Config"
+    assert not (blocker / "cache").exists()
 
 
 def test_a_file_that_is_not_a_file_or_not_deepseek_v4_is_refused(tmp_path):

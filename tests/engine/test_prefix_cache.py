@@ -136,15 +136,20 @@ def test_cache_on_equals_cache_off_at_every_boundary(tiny_runner, tokenizer, pro
         assert drafter["hits"] >= len(prompts) - 2 and drafter["hit_tokens"] > 0, drafter
 
 
+ORACLE_PROMPTS = ("base", "prefix-of-base", "base-page-edge", "page", "window", "csa", "hca+1", "mid-chunk")
+
+
 def test_reference_matches_transformers(tiny_runner, prompts, reference):
-    """The tokens both arms produce are transformers' full-sequence greedy tokens (tie rule as test_engine_oracle)."""
+    """The tokens both arms produce are transformers' full-sequence greedy tokens (tie rule as test_engine_oracle),
+    on 8 of the 14 prompts: the base, its two truncations and one variant per boundary kind (lengths 148 to 202;
+    the oracle has no cache, so what a variant shares with the base does not matter to it)."""
     transformers = pytest.importorskip("transformers")
     path = tiny_runner(max_seqs=1, max_seq_len=64).model_path
     oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     report = []
     with torch.no_grad():
-        for name, prompt in prompts.items():
-            seq, want, margins = list(prompt), [], []
+        for name in ORACLE_PROMPTS:
+            seq, want, margins = list(prompts[name]), [], []
             for _ in range(NEW_TOKENS):
                 logits = oracle(torch.tensor([seq])).logits[0, -1].double()
                 top2 = torch.topk(logits, 2).values
@@ -181,7 +186,7 @@ def test_static_step_pages_are_cached_and_reused(tiny_runner, tokenizer, device)
         )
         runner = GraphRunner(base, widths=(1, 4), buckets=(1, 2), fused=cuda, use_graphs=cuda)
         engine = Engine(runner, tokenizer, max_batch=2, max_tokens_per_step=CHUNK, decoder=spec_decoder(runner))
-        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         a = Sequence(prompt=first, params=params)
         engine.submit([a])
         while a.status is not Status.FINISHED:
@@ -192,7 +197,7 @@ def test_static_step_pages_are_cached_and_reused(tiny_runner, tokenizer, device)
             engine.step()
         out[cache] = (a.output, follow.output, follow.cached_tokens)
     assert out[True][:2] == out[False][:2]
-    assert out[False][2] == 0 and out[True][2] >= 96  # 60 prompt + 39 fed completion tokens: 12 full pages
+    assert out[False][2] == 0 and out[True][2] >= 72  # 60 prompt + 19 fed completion tokens: 9 full pages
 
 
 def test_eviction_under_pressure_loses_nothing_and_corrupts_no_shared_page(tiny_runner, tokenizer):
@@ -253,7 +258,8 @@ def _refeed(runner, seq, prompt):
 
 def test_default_model_gsm8k_prompts_hit_the_five_shot_prefix(cache_dir, tokenizer, monkeypatch):
     """The trained default model on two GSM8K lane prompts (one five-shot prefix, 2,212 characters): with the cache
-    the 2nd prompt reuses every full page of the prefix and decode exactly what they decode without it."""
+    the 2nd prompt reuses every full page of the prefix and decodes exactly what it decodes without it. The 1st
+    prompt, a miss, runs with the cache only (a miss against the cache off is the boundary tests' "base")."""
     from evalpipe.engine.runner import ModelRunner
     from evalpipe.lanes import get_lane
 
@@ -265,10 +271,9 @@ def test_default_model_gsm8k_prompts_hit_the_five_shot_prefix(cache_dir, tokeniz
     for cache in (False, True):
         runner = ModelRunner(None, max_seqs=2, max_seq_len=4096, prefix_cache=cache)
         engine = Engine(runner, tokenizer, max_batch=2, max_tokens_per_step=512)
-        outs[cache] = run(engine, prompts, together=False)
+        outs[cache] = run(engine, prompts if cache else prompts[1:], together=False)
     page = 64
-    for off, on in zip(*outs.values()):
-        assert on.output == off.output
+    assert [s.output for s in outs[True][1:]] == [s.output for s in outs[False]]
     assert outs[True][0].cached_tokens == 0
     # byte tokens: BOS + the prefix's bytes; every full page inside it is reused
     assert all(s.cached_tokens >= (prefix + 1) // page * page for s in outs[True][1:]), [
