@@ -90,7 +90,7 @@ def test_audit_fails_a_record_whose_mode_the_manifest_does_not_say(native_runs, 
 
 
 def test_compare_of_two_deterministic_runs_says_a_difference_is_a_bug(native_runs, tmp_path):
-    result = cli("compare", str(native_runs[0]), str(native_runs[1]), "--out", str(tmp_path / "cmp"))
+    result = cli("compare", str(native_runs[0]), str(native_runs[1]), "--out", str(tmp_path / "cmp"), "--no-html")
     assert result.exit_code == 0, result.output
     compared = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert compared["deterministic"]["a"] is True and compared["deterministic"]["b"] is True
@@ -102,7 +102,7 @@ def test_compare_against_a_server_that_does_not_say_warns_of_batch_shape_noise(n
     assert r.returncode == 0, r.stdout + r.stderr
     peer = only_run_dir(tmp_path / "peer", "arith")
     assert json.loads((peer / "summary.json").read_text())["server_deterministic"] is None
-    result = cli("compare", str(native_runs[0]), str(peer), "--out", str(tmp_path / "cmp"))
+    result = cli("compare", str(native_runs[0]), str(peer), "--out", str(tmp_path / "cmp"), "--no-html")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["deterministic"]["b"] is None
     assert "deterministic not on everywhere (on, unknown)" in " ".join(result.output.split())
