@@ -16,7 +16,7 @@ import pytest
 from evalpipe.ab.arms import arm_labels, comparison_pairs, declared_flags, merge_args
 from evalpipe.launchers.base import group_members
 from evalpipe.launchers.flags import parse_serve_args
-from tests.support.cli_fork_server import run_forked, running
+from tests.support.cli_fork_server import alive, run_forked
 
 PY = sys.executable
 FAKE = str(Path(__file__).resolve().parents[1] / "support" / "fake_engine_server.py")
@@ -146,7 +146,7 @@ def test_preflight_refuses_an_undeclared_difference_and_stops_both_servers(tmp_p
     assert (out / "report.html").read_text().count("mem_fraction_static") >= 1
     for arm in ("A1", "B1"):
         receipt = json.loads((out / "arms" / arm / "receipt.json").read_text())
-        assert receipt["stopped_at"] and not running(receipt["pid"]) and not group_members(receipt["pid"])
+        assert receipt["stopped_at"] and not alive(receipt["pid"]) and not group_members(receipt["pid"])
         assert receipt["env_set"] == {"FAKE_SHARED": "1"}
 
     # The same pair passes when the differences are allowed explicitly.
@@ -247,7 +247,7 @@ def test_native_ab_abba_four_fresh_boots_receipts_and_report(abba):
         summary = json.loads((out / arm["runs"]["arith"] / "summary.json").read_text())
         assert summary["n_planned"] == n and summary["n_records"] == n and summary["n_errors"] == 0
         assert summary["arm"] == arm["label"]
-    assert len(set(pids)) == 4 and not any(running(pid) for pid in pids)  # four fresh servers, all gone
+    assert len(set(pids)) == 4 and not any(alive(pid) for pid in pids)  # four fresh servers, all gone
     # B1 vs A1; B2 vs B1 and A1; A2 vs A1 and B1
     assert [(c["arm"], c["against"]) for c in index["receipt_checks"]] == [
         ("B1", "A1"),

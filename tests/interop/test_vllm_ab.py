@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import shlex
 
+from tests.support.cli_fork_server import alive
 from tests.support.vllm_peer import (
     BOOT_TIMEOUT_S,
     DATA_DIR,
     ENGINE_ARGS,
     PASSTHROUGH,
-    alive,
     evalpipe,
     make_model,
     require_vllm,

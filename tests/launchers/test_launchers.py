@@ -25,6 +25,7 @@ from evalpipe.launchers.base import free_port, group_members
 from evalpipe.launchers.env import build_child_env, redact_argv, redact_env
 from evalpipe.launchers.flags import given, needs_launcher
 from evalpipe.launchers.receipts import effective_problems, receipt_differences
+from tests.support.cli_fork_server import alive
 
 PY = sys.executable
 FAKE = str(Path(__file__).resolve().parents[1] / "support" / "fake_engine_server.py")
@@ -817,14 +818,6 @@ def _launch(args: list[str], env_extra: dict, tmp_path: Path) -> subprocess.Pope
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_polluted_environment_never_reaches_a_real_server_and_receipt_is_complete(tmp_path):
     port = free_port()
     receipt = tmp_path / "receipt.json"
@@ -891,7 +884,7 @@ def test_polluted_environment_never_reaches_a_real_server_and_receipt_is_complet
     assert data["server_info_path"] == "/get_server_info"
     assert data["models"]["data"][0]["id"] == "fake-model"
     assert data["started_at"] <= data["ready_at"] <= data["stopped_at"]
-    assert "gpus" in data and not _alive(data["pid"])
+    assert "gpus" in data and not alive(data["pid"])
     assert not group_members(data["pid"])
 
 
@@ -922,7 +915,7 @@ def test_server_that_never_becomes_ready_fails_with_log_tail_and_no_orphan(tmp_p
     assert "fake engine: still warming up" in err  # the server's own log tail
     assert time.monotonic() - start < 40
     pids = json.loads(pidfile.read_text())
-    assert not _alive(pids["server"]) and not _alive(pids["child"])  # the server's own child died with it
+    assert not alive(pids["server"]) and not alive(pids["child"])  # the server's own child died with it
     assert not group_members(pids["server"])
     receipt = json.loads((tmp_path / "r.json").read_text())
     assert receipt["ready_at"] is None and receipt["stopped_at"] is not None
@@ -957,7 +950,7 @@ def test_server_that_exits_early_and_one_that_never_listens(tmp_path):
     with pytest.raises(Exception) as info:
         launcher.wait_ready(timeout=2)
     assert "not ready after 2s" in str(info.value) and "sleeping" in str(info.value)
-    assert not _alive(pgid) and not group_members(pgid)
+    assert not alive(pgid) and not group_members(pgid)
 
 
 def test_server_reporting_lossy_settings_is_refused(tmp_path):
@@ -983,7 +976,7 @@ def test_server_reporting_lossy_settings_is_refused(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "lossy acceptance" in err, err
     receipt = json.loads((tmp_path / "r.json").read_text())
-    assert not _alive(receipt["pid"]) and receipt["stopped_at"]
+    assert not alive(receipt["pid"]) and receipt["stopped_at"]
 
 
 def test_evalpipe_serve_hook_routes_engines_and_dry_run():
@@ -1048,14 +1041,14 @@ def test_server_dies_with_a_launcher_killed_by_sigkill(tmp_path):
     try:
         assert proc.stdout.readline().startswith("ready: ")
         server = json.loads(receipt.read_text())["pid"]
-        assert _alive(server)
+        assert alive(server)
     finally:
         proc.kill()
         proc.communicate(timeout=30)
     deadline = time.monotonic() + 20
-    while _alive(server) and time.monotonic() < deadline:
+    while alive(server) and time.monotonic() < deadline:
         time.sleep(0.1)
-    survived = _alive(server)
+    survived = alive(server)
     if survived:
         os.kill(server, signal.SIGKILL)  # do not leave it to the next test
     assert not survived
@@ -1184,7 +1177,7 @@ def test_server_reporting_deterministic_off_when_asked_is_refused(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "--deterministic was requested but the server reports" in err, err
     receipt = json.loads((tmp_path / "r.json").read_text())
-    assert receipt["deterministic"] is False and not _alive(receipt["pid"])
+    assert receipt["deterministic"] is False and not alive(receipt["pid"])
     assert "--enable-deterministic-inference" in receipt["argv"]
 
 

@@ -304,16 +304,17 @@ def stop_child(pid: int, term_grace: float | None) -> None:
         if term_grace is not None:
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + term_grace
-            while running(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if not running(pid):
+            if not alive(pid):
                 return
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:  # it ended meanwhile
         pass
 
 
-def running(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an ended child not yet reaped)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from evalpipe.launchers.base import free_port
+from tests.support.cli_fork_server import alive
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -90,13 +91,6 @@ def evalpipe(*args: str, timeout: float = 600, cwd: Path | None = None) -> subpr
             proc.kill()
         raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def serve_model(root: Path, model: Path, *flags: str, passthrough: list[str] = PASSTHROUGH):
