@@ -39,7 +39,8 @@ from httpx_sse import EventSource
 from evalpipe.qualify.soak import rss_mb
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_TOKENS = (16, 160)  # a request's max_tokens is drawn from this range (--smoke: 4 to 12)
+MAX_TOKENS = (16, 160)  # a request's max_tokens is drawn from this range
+SMOKE_MAX_TOKENS = (4, 12)  # --smoke: short requests, so the last ones end soon after the window
 WORDS = "the of and to in is that for it as was with be by on not he this are or his from at which but".split()
 
 
@@ -91,12 +92,18 @@ class Tally:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, rng: random.Random, tally: Tally, abandon: bool, measuring: bool
+    client: httpx.AsyncClient,
+    url: str,
+    rng: random.Random,
+    tally: Tally,
+    abandon: bool,
+    measuring: bool,
+    max_tokens: tuple[int, int],
 ) -> None:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))
     body = {
         "prompt": prompt,
-        "max_tokens": rng.randint(*MAX_TOKENS),
+        "max_tokens": rng.randint(*max_tokens),
         "temperature": rng.choice([0.0, 0.8]),
         "seed": rng.randint(0, 1 << 30),
         "ignore_eos": True,
@@ -159,13 +166,21 @@ async def one_request(
         tally.ttft.append(first)
 
 
-async def client_loop(i: int, url: str, deadline: float, warm_until: float, disconnect: float, tally: Tally) -> None:
+async def client_loop(
+    i: int,
+    url: str,
+    deadline: float,
+    warm_until: float,
+    disconnect: float,
+    max_tokens: tuple[int, int],
+    tally: Tally,
+) -> None:
     rng = random.Random(i)
     timeout = httpx.Timeout(600.0, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1)) as client:
         while time.monotonic() < deadline:
             measuring = time.monotonic() >= warm_until
-            await one_request(client, url, rng, tally, rng.random() < disconnect, measuring)
+            await one_request(client, url, rng, tally, rng.random() < disconnect, measuring, max_tokens)
 
 
 def quantile(xs: list[float], q: float) -> float | None:
@@ -175,7 +190,14 @@ def quantile(xs: list[float], q: float) -> float | None:
 
 
 async def soak(
-    url: str, clients: int, seconds: float, warmup_s: float, disconnect: float, pid: int | None, root: str
+    url: str,
+    clients: int,
+    seconds: float,
+    warmup_s: float,
+    disconnect: float,
+    max_tokens: tuple[int, int],
+    pid: int | None,
+    root: str,
 ) -> dict:
     tally = Tally()
     t_start = time.monotonic()
@@ -188,7 +210,10 @@ async def soak(
         rss["start"] = rss_mb(pid)
 
     sampler = asyncio.create_task(sample_rss())
-    tasks = [asyncio.create_task(client_loop(i, url, deadline, warm_until, disconnect, tally)) for i in range(clients)]
+    tasks = [
+        asyncio.create_task(client_loop(i, url, deadline, warm_until, disconnect, max_tokens, tally))
+        for i in range(clients)
+    ]
     await asyncio.sleep(max(0.0, warm_until - time.monotonic()))
     t_measure = time.monotonic()
     await asyncio.gather(*tasks)
@@ -231,9 +256,10 @@ def main() -> None:
         help="CI check: 2 clients, 0.5 s warm-up, 1.2 s measured, 4 to 12 tokens a request, half abandoned",
     )
     args = ap.parse_args()
-    if args.smoke:  # short requests, so the last ones end soon after the window; half abandoned, as a check of both
-        global MAX_TOKENS
-        args.clients, args.warmup_s, args.minutes, args.disconnect, MAX_TOKENS = 2, 0.5, 0.02, 0.5, (4, 12)
+    max_tokens = MAX_TOKENS
+    if args.smoke:  # half abandoned, so both a finished and an abandoned request are likely
+        args.clients, args.warmup_s, args.minutes, args.disconnect = 2, 0.5, 0.02, 0.5
+        max_tokens = SMOKE_MAX_TOKENS
 
     proc = log_path = None
     if args.base_url:
@@ -250,7 +276,16 @@ def main() -> None:
             flush=True,
         )
         res = asyncio.run(
-            soak(url + "/completions", args.clients, args.minutes * 60, args.warmup_s, args.disconnect, pid, root)
+            soak(
+                url + "/completions",
+                args.clients,
+                args.minutes * 60,
+                args.warmup_s,
+                args.disconnect,
+                max_tokens,
+                pid,
+                root,
+            )
         )
     finally:
         if proc is not None:

@@ -65,7 +65,8 @@ def start_peer(**config):
     root = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
-        with httpx.Client(timeout=1) as client:  # one for the wait: a bare httpx.get builds a TLS context (~34 ms)
+        # One client for the wait and for stats(), which tests poll: a bare httpx.get builds a TLS context (~34 ms)
+        with httpx.Client(timeout=1) as client:
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"peer exited: {proc.stderr.read().decode()[-2000:]}")
@@ -77,7 +78,7 @@ def start_peer(**config):
                 if time.time() > deadline:
                     raise RuntimeError("peer did not start")
                 time.sleep(0.05)
-        yield root + "/v1", lambda: httpx.get(root + "/peer/stats", timeout=10).json()
+            yield root + "/v1", lambda: client.get(root + "/peer/stats", timeout=10).json()
     finally:
         stop_scripted_server(proc)
 
