@@ -1,9 +1,12 @@
 """Per-forward row metadata: the new rows of all requests flattened request-major, plus the gather indices every
 layer needs (computed once per forward and shared by all layers with the same ring size or ratio).
 
-Requests with the same number of new rows form a group and are attended together with no padding on the query
-axis (all decodes are one group; all k+1-row verifies are one group; each prefill chunk of a distinct length is
-its own group)."""
+Requests are attended in groups (`group_requests`): requests of the same number of new rows share one (all decodes
+are one group; all k+1-row verifies are one group), and so do prompt chunks of lengths within a factor of
+PAD_FACTOR, padded on the query axis to the group's longest: a padding row repeats its request's last row (same
+id, same position), so it reads only what that row reads and nothing is written for it. Each group costs the
+attention, compressor and indexer ops of every layer once, whatever its size, so a step that prefills a dozen
+prompts of a dozen lengths would otherwise launch them a dozen times."""
 
 from __future__ import annotations
 
@@ -24,10 +27,52 @@ class Group:
     pos: torch.Tensor  # [G, n] absolute positions
     memo: dict = field(default_factory=dict)
     host_starts: list[int] | None = None  # the starts on the host, when known: shape decisions without a sync
+    # padded groups only: each request's own count of new rows (host, device), and the flat indices into [G * n]
+    # of the rows that are not padding with their batch rows
+    host_counts: list[int] | None = None
+    counts: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    real_rows: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return self.slots.shape[0]
+
+    @property
+    def padded(self) -> bool:
+        return self.real is not None
+
+    def ends(self) -> torch.Tensor:
+        """[G] each request's length after this forward (start + its own count)."""
+        return self.starts + (self.counts if self.counts is not None else self.n)
+
+    def host_ends(self) -> list[int]:
+        counts = self.host_counts or [self.n] * len(self.host_starts)
+        return [s + c for s, c in zip(self.host_starts, counts)]
+
+    def scatter(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        """Write this group's per-row results `values` [G, n, ...] into the batch-row tensor `out` [T, ...],
+        padding rows left out."""
+        if self.real is None:
+            out[self.rows] = values
+        else:
+            out[self.real_rows] = values.reshape(-1, *values.shape[2:])[self.real]
+
+
+PAD_FACTOR = 2  # a padded group's rows are at most this many times its real rows, per request
+
+
+def group_requests(counts: list[int]) -> list[list[int]]:
+    """Request indices grouped for attention: by descending count, a request joins the open group while its count
+    is at least 1 / PAD_FACTOR of the group's longest, and each group lists its requests in batch order."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i in sorted(range(len(counts)), key=lambda i: -counts[i]):
+        if not groups or counts[i] * PAD_FACTOR < longest:
+            groups.append([])
+            longest = counts[i]
+        groups[-1].append(i)
+    return [sorted(g) for g in groups]
 
 
 class RowRope:
@@ -48,8 +93,17 @@ class RowRope:
 
 class ForwardBatch(RowRope):
     def __init__(
-        self, pools: StatePools, slots: list[int], starts: list[int], counts: list[int], input_ids: torch.Tensor
+        self,
+        pools: StatePools,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        input_ids: torch.Tensor,
+        *,
+        pad_groups: bool = True,
     ):
+        """`pad_groups=False`: one group per distinct count, no padding (--deterministic: a row's numbers must not
+        depend on which requests share its forward)."""
         dev = pools.device
         self.pools = pools
         self.input_ids = input_ids
@@ -64,22 +118,35 @@ class ForwardBatch(RowRope):
         row_pos = starts_t[row_req] + torch.arange(self.num_rows) - torch.tensor(offsets[:-1])[row_req]
         self.pos, self.slot = to_device(row_pos, dev), to_device(slots_t[row_req], dev)
         self.groups: list[Group] = []
-        by_count: dict[int, list[int]] = {}
-        for i, c in enumerate(counts):
-            by_count.setdefault(c, []).append(i)
-        for n, reqs in by_count.items():
+        if pad_groups:
+            grouped = group_requests(counts)
+        else:
+            by_count: dict[int, list[int]] = {}
+            for i, c in enumerate(counts):
+                by_count.setdefault(c, []).append(i)
+            grouped = list(by_count.values())
+        first_row = torch.tensor(offsets[:-1])
+        for reqs in grouped:
             idx = torch.tensor(reqs)
-            rows = torch.tensor(offsets[:-1])[idx][:, None] + torch.arange(n)[None]
-            self.groups.append(
-                Group(
-                    n,
-                    to_device(slots_t[idx], dev),
-                    to_device(starts_t[idx], dev),
-                    to_device(rows, dev),
-                    to_device(row_pos[rows], dev),
-                    host_starts=[starts[i] for i in reqs],
-                )
+            own = counts_t[idx]
+            n = int(own.max())
+            col = torch.arange(n)[None]
+            rows = first_row[idx][:, None] + torch.minimum(col, own[:, None] - 1)  # padding: the last row again
+            group = Group(
+                n,
+                to_device(slots_t[idx], dev),
+                to_device(starts_t[idx], dev),
+                to_device(rows, dev),
+                to_device(row_pos[rows], dev),
+                host_starts=[starts[i] for i in reqs],
             )
+            if bool((own < n).any()):
+                real = (col < own[:, None]).flatten().nonzero().squeeze(1)
+                group.host_counts = own.tolist()
+                group.counts = to_device(own, dev)
+                group.real = to_device(real, dev)
+                group.real_rows = to_device(rows.flatten()[real], dev)
+            self.groups.append(group)
         self._host_pos, self._host_slot = row_pos, slots_t[row_req]
         self._host_end = (starts_t + counts_t)[row_req]  # length of the row's request after this forward
         self._ring_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -143,7 +210,7 @@ def window_plan(
     if key in group.memo:
         return group.memo[key]
     if group.host_starts is not None:
-        nw = max((s + group.n) // ratio - s // ratio for s in group.host_starts)
+        nw = max(e // ratio - s // ratio for s, e in zip(group.host_starts, group.host_ends()))
         if nw == 0:
             group.memo[key] = None
             return None
@@ -156,7 +223,7 @@ def window_plan(
     past_cells = group.slots[:, None] * ring_size + past % ring_size
     first = start // ratio
     w = first[:, None] + torch.arange(nw, device=dev)[None]  # [G, nw]
-    valid = w < ((start + n) // ratio)[:, None]
+    valid = w < (group.ends() // ratio)[:, None]
     slots_in = torch.arange(ratio, device=dev)
     limit = lookback + n - 1
     cur = (w[..., None] * ratio + slots_in - base[:, None, None]).clamp(0, limit)
@@ -179,9 +246,9 @@ def entry_index(group: Group, pools: StatePools, ratio: int) -> tuple[torch.Tens
     if key not in group.memo:
         dev = group.starts.device
         if group.host_starts is not None:
-            count = max((s + group.n) // ratio for s in group.host_starts)
+            count = max(e // ratio for e in group.host_ends())
         else:
-            count = int(((group.starts + group.n) // ratio).max())
+            count = int((group.ends() // ratio).max())
         w = torch.arange(count, device=dev)
         rows = pools.entry_rows(group.slots, w[None].expand(group.size, -1), ratio)
         visible = w[None, None] < ((group.pos + 1) // ratio)[..., None]

@@ -231,7 +231,7 @@ class ModelRunner:
             self.pools.tails_before(seq, s, s + c)  # the model writes the tails of this forward's rows
         flat = [t for toks in tokens for t in toks]
         input_ids = to_device(torch.tensor(flat, dtype=torch.long), self.device)
-        batch = ForwardBatch(self.pools, seqs, starts, counts, input_ids)
+        batch = ForwardBatch(self.pools, seqs, starts, counts, input_ids, pad_groups=not self.model.deterministic)
         rows = torch.arange(batch.num_rows, device=self.device) if all_logits else batch.last_rows
         logits = self.model.forward(batch, self.pools, rows)
         for seq, toks in zip(seqs, tokens):

@@ -100,12 +100,12 @@ class Attention:
             self.indexer.compressor.pool(idx_proj, batch, pool.indexer)
             idx_q = self.indexer.queries_from(qb[:, self.heads * self.head_dim :], projected[4], cos, sin)
 
-        if len(batch.groups) == 1:
+        if len(batch.groups) == 1 and not batch.groups[0].padded:
             out = self._attend(q, kv, batch.groups[0], batch, pool, idx_q).view(T, self.heads, self.head_dim)
         else:
             out = torch.empty_like(q)
             for group in batch.groups:
-                out[group.rows] = self._attend(q, kv, group, batch, pool, idx_q)
+                group.scatter(out, self._attend(q, kv, group, batch, pool, idx_q))
 
         # rings last: the reads above must see the pre-forward history
         self._store_ring(pool.window, kv, batch, batch.pools.window_ring)
