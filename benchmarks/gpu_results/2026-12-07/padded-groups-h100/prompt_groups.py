@@ -58,6 +58,7 @@ def main():
         f"{K} lengths, padded group": (spread, PADDED),
         f"{K} lengths, {K} groups": (spread, one_group_per_count),
         f"{K} chunks, one length": ([a.chunk] * K, PADDED),
+        "1 chunk": ([a.chunk], PADDED),
     }
 
     def prepared(counts):
@@ -90,7 +91,7 @@ def main():
         k = count_kernels(lambda: runner.forward(seqs, chunks, prompt_chunks=len(seqs)), top=10)
         done(seqs)
         print(f"  profiled: {name}: {k}", flush=True)
-    for name, (counts, rule) in list(arms.items())[:2]:
+    for name, (counts, rule) in [*list(arms.items())[:2], list(arms.items())[-1]]:
         forward_batch.group_requests = rule
         seqs, chunks = prepared(counts)
         prof = cProfile.Profile()
@@ -100,7 +101,7 @@ def main():
         prof.disable()
         done(seqs)
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
         print(f"  cProfile of {name}:\n{s.getvalue()}", flush=True)
     forward_batch.group_requests = PADDED
 
