@@ -20,15 +20,15 @@ from evalpipe.engine.host_to_device import to_device
 
 @dataclass
 class Group:
-    n: int  # new rows per request
+    n: int  # new rows per request (a padded group's longest)
     slots: torch.Tensor  # [G]
     starts: torch.Tensor  # [G] position of the first new row
-    rows: torch.Tensor  # [G, n] flattened row ids
-    pos: torch.Tensor  # [G, n] absolute positions
+    rows: torch.Tensor  # [G, n] flattened row ids (padding: the request's last row again)
+    pos: torch.Tensor  # [G, n] absolute positions (padding: that row's)
     memo: dict = field(default_factory=dict)
     host_starts: list[int] | None = None  # the starts on the host, when known: shape decisions without a sync
-    # padded groups only: each request's own count of new rows (host, device), and the flat indices into [G * n]
-    # of the rows that are not padding with their batch rows
+    # padded groups only: each request's own count of new rows (host, device), the flat indices into [G * n] of the
+    # rows that are not padding, and those rows' batch rows
     host_counts: list[int] | None = None
     counts: torch.Tensor | None = None
     real: torch.Tensor | None = None
