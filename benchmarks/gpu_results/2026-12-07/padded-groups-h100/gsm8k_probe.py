@@ -154,10 +154,12 @@ def main():
         forward_batch.group_requests = one_group_per_count
     rj.place("gsm8k_probe", a.smoke)
     model_dir = a.out / "v4-top2"
-    if not (model_dir / 'config.json').exists():  # the same seeded weights as another script's
+    if not (model_dir / "config.json").exists():  # the same seeded weights as another script's
         rj.write_checkpoint(model_dir, a.smoke)
     max_tokens = 8 if a.smoke else 256
-    lane = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0, stop=("Question", "Assistant:", "<|separator|>"))
+    lane = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, seed=0, stop=("Question", "Assistant:", "<|separator|>")
+    )
     items = LANE.load(a.data, False).items
     if a.examples:
         items = items[: a.examples]
