@@ -4,8 +4,8 @@ Float32 on a smaller random model than the tiny one (tests/support/small_dsv4.py
 layer; window 8, CSA ratio 4 with top-2 selection, HCA ratio 2): the logits of every row equal the eager chain's
 (`backend="reference"`) and a runner that feeds each request in a forward of its own, for a first chunk, a second
 chunk that reads the first one's ring and entries beside a request of another length (one group, padded:
-engine/forward_batch.py), two requests whose lengths are too far apart to share one (two groups) and decode rows,
-and the route was taken (the sites' call counter)."""
+engine/forward_batch.py), then 3 rows beside a decode row (lengths too far apart to share one: two groups), and the
+route was taken (the sites' call counter)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,7 @@ def test_prompt_chunks_through_the_attention_kernel_equal_the_eager_chain(small_
     steps = [
         ([0], [first]),  # one group: crosses the window and both ratios, no history
         ([0, 1], [second, other]),  # one padded group (4 and 5 rows): request 0 reads its ring and entries
-        ([0, 1], [[7, 8, 9], [9]]),  # two groups (3 rows and a decode row)
-        ([0, 1], [[7], [9]]),  # decode rows
+        ([0, 1], [[7, 8, 9], [9]]),  # two groups: 3 rows, and a decode row
     ]
     for idx, rows in steps:
         before = fused_sites.site_counts()
