@@ -62,13 +62,14 @@ class Group:
 PAD_FACTOR = 2  # a padded group's rows are at most this many times its real rows, per request
 
 
-def group_requests(counts: list[int]) -> list[list[int]]:
+def group_requests(counts: list[int], pad_factor: int = PAD_FACTOR) -> list[list[int]]:
     """Request indices grouped for attention: by descending count, a request joins the open group while its count
-    is at least 1 / PAD_FACTOR of the group's longest, and each group lists its requests in batch order."""
+    is at least 1 / pad_factor of the group's longest (1: equal counts only, no padding), and each group lists its
+    requests in batch order."""
     groups: list[list[int]] = []
     longest = 0
     for i in sorted(range(len(counts)), key=lambda i: -counts[i]):
-        if not groups or counts[i] * PAD_FACTOR < longest:
+        if not groups or counts[i] * pad_factor < longest:
             groups.append([])
             longest = counts[i]
         groups[-1].append(i)
@@ -118,15 +119,8 @@ class ForwardBatch(RowRope):
         row_pos = starts_t[row_req] + torch.arange(self.num_rows) - torch.tensor(offsets[:-1])[row_req]
         self.pos, self.slot = to_device(row_pos, dev), to_device(slots_t[row_req], dev)
         self.groups: list[Group] = []
-        if pad_groups:
-            grouped = group_requests(counts)
-        else:
-            by_count: dict[int, list[int]] = {}
-            for i, c in enumerate(counts):
-                by_count.setdefault(c, []).append(i)
-            grouped = list(by_count.values())
         first_row = torch.tensor(offsets[:-1])
-        for reqs in grouped:
+        for reqs in group_requests(counts, PAD_FACTOR if pad_groups else 1):
             idx = torch.tensor(reqs)
             own = counts_t[idx]
             n = int(own.max())

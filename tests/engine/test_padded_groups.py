@@ -22,6 +22,7 @@ def test_requests_within_the_pad_factor_share_a_group():
     assert group_requests([5, 5, 5]) == [[0, 1, 2]]
     assert group_requests([1, 2, 3, 4]) == [[1, 2, 3], [0]]  # 2 * 2 >= 4 joins; 1 * 2 < 3 starts a group
     assert group_requests([7]) == [[0]]
+    assert group_requests([5, 7, 5, 4], pad_factor=1) == [[1], [0, 2], [3]]  # equal counts only
 
 
 def test_a_padded_group_marks_its_padding_and_repeats_each_request_s_last_row():
