@@ -137,6 +137,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         self.window.begin()
+        prompt_steps = self.engine.stats["prefill_steps"]
         started = time.perf_counter()
         try:
             advanced = self.engine.step()
@@ -144,7 +145,7 @@ class EngineLoop:
             log.error("engine loop error:\n%s", traceback.format_exc())
             self.engine.fail_all("error", error=f"{type(exc).__name__}: {exc}")
             advanced = 1
-        self.window.stepped(time.perf_counter() - started)
+        self.window.stepped(time.perf_counter() - started, self.engine.stats["prefill_steps"] > prompt_steps)
         now = time.monotonic()
         if self.events or (advanced and now - self.sent_at >= self.heartbeat_s):
             events, self.events = self.events, []
@@ -244,14 +245,15 @@ class EngineLoop:
 class StepWindow:
     """Throughput of the last STATS_INTERVAL_S of steps, logged at INFO (as SGLang's decode-batch line): a slow
     server shows whether the time goes to `Engine.step` (the model and the engine's bookkeeping) or to the loop
-    around it (messages in, events out to the HTTP process)."""
+    around it (messages in, events out to the HTTP process), and `Engine.step`'s mean time over decode-only steps
+    and over steps that fed prompt chunks, each apart."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.start: float | None = None  # None: idle, the window opens at the next step
 
     def _reset(self, now: float | None) -> None:
-        self.start, self.steps, self.step_s = now, 0, 0.0
+        self.start, self.steps, self.step_s, self.prompt_step_s = now, 0, 0.0, 0.0
         self.base = dict(self.engine.stats)  # the engine's counters when the window opened
 
     def begin(self) -> None:
@@ -259,9 +261,12 @@ class StepWindow:
         if self.start is None:
             self._reset(time.monotonic())
 
-    def stepped(self, seconds: float) -> None:
+    def stepped(self, seconds: float, fed_prompt: bool) -> None:
+        """One `Engine.step` took `seconds`; `fed_prompt`: it fed prompt chunks (timed apart from decode-only steps)."""
         self.steps += 1
         self.step_s += seconds
+        if fed_prompt:
+            self.prompt_step_s += seconds
 
     def idle(self) -> None:
         """The engine ran out of work: log the partial window, and do not count the idle time."""
@@ -282,7 +287,7 @@ class StepWindow:
             log.info(
                 "engine: %d running, %d waiting; last %.1f s: %d steps (%d overlapped, %d with prompt chunks, "
                 "%.0f prompt rows each), %.0f generated tok/s, %.0f prefilled tok/s, %.2f ms per loop of which "
-                "Engine.step %.2f ms",
+                "Engine.step %.2f ms; Engine.step %.2f ms without prompt chunks, %.1f ms with them",
                 self.engine.scheduler.num_running,
                 self.engine.scheduler.num_waiting,
                 wall,
@@ -294,6 +299,8 @@ class StepWindow:
                 prefilled / wall,
                 wall / self.steps * 1e3,
                 self.step_s / self.steps * 1e3,
+                (self.step_s - self.prompt_step_s) / (self.steps - chunked) * 1e3 if self.steps > chunked else 0.0,
+                self.prompt_step_s / chunked * 1e3 if chunked else 0.0,
             )
         self._reset(now)
 

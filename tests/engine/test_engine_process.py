@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -136,6 +137,9 @@ def test_log_level_info_logs_the_engines_throughput(servers):
     assert len(lines) == 1, server.output()
     assert "0 running, 0 waiting" in lines[0] and "ms per loop of which Engine.step" in lines[0], lines[0]
     assert " 0 generated tok/s" not in lines[0] and " 0 prefilled tok/s" not in lines[0], lines[0]
+    # the 11 decode-only steps and the prompt's step, each timed apart (neither window is empty, so neither reads 0)
+    split = re.search(r"Engine\.step ([\d.]+) ms without prompt chunks, ([\d.]+) ms with them", lines[0])
+    assert split and float(split[1]) > 0 and float(split[2]) > 0, lines[0]
     assert "generated tok/s" not in quiet.output()  # its request ran out of work before the info server's
 
 
