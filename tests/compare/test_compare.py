@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from click.testing import CliRunner
 
 from evalpipe.commands.compare import command as compare_cmd
 from evalpipe.harness.records import REQUIRED_KEYS
+from tests.support.core_helpers import run_cli
 
 N_Q = 40
 GAINED = [3, 8, 12, 17, 21, 30, 33]  # B right, A wrong
@@ -396,23 +396,7 @@ def test_report_html_reads_as_prose(all_wrong_pair, greedy_pair):
 def test_refuses_mismatched_prompt_stream(tmp_path):
     a = write_run(tmp_path / "A", "spec_off", greedy_records("A"))
     b = write_run(tmp_path / "B", "spec_on", greedy_records("B"), prompt_stream="99" * 32)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "evalpipe.cli",
-            "compare",
-            str(a),
-            str(b),
-            "--out",
-            str(tmp_path / "o"),
-            "--resamples",
-            "200",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("compare", a, b, "--out", tmp_path / "o", "--resamples", "200", timeout=120)
     assert proc.returncode != 0
     assert "refusing to compare" in proc.stderr and "prompt-stream hashes differ" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -633,26 +617,19 @@ def test_compare_on_folders_written_by_evalpipe_run(tmp_path):
             fail_first=0,
             spec={"verify_steps": 2, "accept_histogram": [0, 2]} if mode == "mixed" else None,
         ) as url:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "evalpipe.cli",
-                    "run",
-                    "gsm8k",
-                    "--base-url",
-                    url,
-                    "--num-examples",
-                    "30",
-                    "--arm",
-                    arm,
-                    "--out",
-                    str(tmp_path),
-                    "--max-retries",
-                    "0",
-                ],
-                capture_output=True,
-                text=True,
+            proc = run_cli(
+                "run",
+                "gsm8k",
+                "--base-url",
+                url,
+                "--num-examples",
+                "30",
+                "--arm",
+                arm,
+                "--out",
+                tmp_path,
+                "--max-retries",
+                "0",
                 timeout=300,
             )
             assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 import time
 
 from tests.support.core_helpers import DATA_DIR, evalpipe_cmd, load_run, only_run_dir, run_cli, run_lane
@@ -122,11 +121,7 @@ def test_server_killed_mid_run_exits_4_and_resumes_on_a_new_address(tmp_path):
 def test_new_run_defaults_to_the_address_serve_listens_on(tmp_path):
     from evalpipe.harness.client import DEFAULT_BASE_URL
 
-    serve_help = " ".join(
-        subprocess.run(
-            [sys.executable, "-m", "evalpipe.cli", "serve", "--help"], capture_output=True, text=True
-        ).stdout.split()
-    )
+    serve_help = " ".join(run_cli("serve", "--help").stdout.split())
     port = DEFAULT_BASE_URL.rsplit(":", 1)[1].split("/")[0]
     assert DEFAULT_BASE_URL == f"http://127.0.0.1:{port}/v1"
     assert f"[default: {port};" in serve_help and "binds. [default: 127.0.0.1]" in serve_help
@@ -134,9 +129,7 @@ def test_new_run_defaults_to_the_address_serve_listens_on(tmp_path):
     # whether or not a server listens there on this machine, the run went to that address
     said = r.stdout + r.stderr + "".join(p.read_text() for p in tmp_path.rglob("manifest.json"))
     assert DEFAULT_BASE_URL in said or f"127.0.0.1:{port}" in said, said
-    help_text = subprocess.run(
-        [sys.executable, "-m", "evalpipe.cli", "run", "--help"], capture_output=True, text=True
-    ).stdout
+    help_text = run_cli("run", "--help").stdout
     assert DEFAULT_BASE_URL in help_text
     for lane in ("gsm8k 64", "aime26 1", "aime26-x16 64", "arith 64", "retrieval", "copy"):
         assert lane in " ".join(help_text.split()), help_text  # every lane's concurrency default

@@ -8,8 +8,9 @@
 - multiple choice (evalpipe_arith_mc.yaml through `local-completions` with the server's remote tokenizer): above
   chance, with the model's own loglikelihoods; a run of lm-eval's `dummy` model imports with acc re-derived.
 
-Two module servers (speculation off and block); every lm-eval run of the module is made up front by one lm-eval
-process (tests/support/lmeval_env.py says why), and evalpipe's own run and chat replies beside it (`made` says why).
+Two module servers (speculation off and block); every lm-eval run of the module is made up front by two lm-eval
+processes side by side, each running several (tests/support/lmeval_env.py says why), and evalpipe's own run and chat
+replies beside them (`made` says why).
 Needs `make lmeval-env` (skips without it; fails under CI)."""
 
 from __future__ import annotations
@@ -100,11 +101,11 @@ def chat_replies(base_url: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def made(servers, tmp_path_factory):
-    """Every lm-eval run of the module (`lmeval`: by name, LmevalRun, .ok() is its output folder) from one lm-eval
-    process; `evalpipe run arith` of the same documents (`lane`: a Future of the finished command, its run folder under
-    `lane_out`) and the server's own chat replies (`replies`: a Future of chat_replies) on the off server, sent while
-    lm-eval's first run is under way: the server decodes them in one batch with lm-eval's documents, instead of three
-    passes of one answer's length one after another."""
+    """Every lm-eval run of the module (`lmeval`: by name, LmevalRun, .ok() is its output folder) from two lm-eval
+    processes, one starting with the generate run and one with the chat run; `evalpipe run arith` of the same
+    documents (`lane`: a Future of the finished command, its run folder under `lane_out`) and the server's own chat
+    replies (`replies`: a Future of chat_replies) on the off server, sent while lm-eval's first runs are under way: the
+    server decodes them all in one batch, instead of four passes of one answer's length one after another."""
     root = tmp_path_factory.mktemp("lmeval")
     probe_tasks = root / "probe_tasks"  # a task of its own: three choices, acc only
     probe_tasks.mkdir()
@@ -135,10 +136,13 @@ def made(servers, tmp_path_factory):
         "probe": ["--model", "dummy", "--include_path", str(probe_tasks), "--tasks", "evalpipe_mc_probe"]
         + ["--limit", str(PROBE_ITEMS), "--output_path", str(root / "probe"), "--log_samples"],
     }
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         lane = pool.submit(run_lane, "arith", off, root / "evalpipe", "--num-examples", str(LIMIT), timeout=300)
         replies = pool.submit(chat_replies, off)
-        lmeval = run_lmeval_batch(runs, root)
+        # the chat run from a second lm-eval process beside the first: its documents decode in the off server's
+        # batches with the generate run's too, instead of in a pass of their own after it; the block run follows it
+        second = pool.submit(run_lmeval_batch, {name: runs.pop(name) for name in ("chat", "block")}, root / "second")
+        lmeval = {**run_lmeval_batch(runs, root), **second.result()}
     return SimpleNamespace(lmeval=lmeval, lane=lane, lane_out=root / "evalpipe", replies=replies)
 
 
