@@ -191,8 +191,7 @@ def test_gemm_tile_path_taken_and_deterministic(monkeypatch, dot_from_32):
     second = step_hyper.hc_merge_mix(s, y, post, comb, nxt, backend="triton")
     assert launched == ["_merge_mix_dot_kernel"] * 2
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    monkeypatch.setattr(step_hyper, "DOT_MIN_ROWS", 1 << 30)  # the per-row kernel on the same inputs,
-    monkeypatch.setattr(step_hyper, "DECODE_MIX", (128,) + step_hyper.DECODE_MIX[1:])  # with the same blocks
+    monkeypatch.setattr(step_hyper, "DOT_MIN_ROWS", 1 << 30)  # the per-row kernel on the same inputs
     per_row = step_hyper.hc_merge_mix(s, y, post, comb, nxt, backend="triton")
     assert launched[-1] == "_merge_mix_kernel"
     close(first[0], per_row[0], 1e-6, "streams")
