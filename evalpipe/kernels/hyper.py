@@ -37,10 +37,7 @@ try:
 except Exception:  # pragma: no cover - triton is optional
     triton = tl = None
 
-MIX_WARPS = 4  # warps of a merge/mix program (the decode steps' are DECODE_MIX's)
-# The per-row merge/mix launch of the decode steps (16 <= T < DOT_MIN_ROWS, not --deterministic): (columns of each
-# stream a program owns, rows a program handles, warps)
-DECODE_MIX = (128, 4, 4)
+MIX_WARPS = 4  # warps of a merge/mix program
 NORM_WARPS = 0  # warps of a pre_norm program; 0: by row size
 NORM_SPLIT = True  # pre_norm: Sinkhorn and collapse + norm in two programs per row
 MAX_ROW = 65536  # hc * next_pow2(D) elements that one hc_pre_norm program holds; wider rows use the reference
@@ -61,9 +58,7 @@ def mix_block(D: int, T: int, invariant: bool = False) -> int:
     """Columns of each stream that one merge/mix program owns: the partials have cdiv(D, mix_block(D, T))
     blocks. Narrow blocks spread few rows over many SMs; with many rows, wide blocks read fn fewer times.
     `invariant` (--deterministic): 128 at every T, so a row's partials, and their sum, do not depend on T."""
-    if invariant or T >= DOT_MIN_ROWS:
-        return min(128, _pow2(D))
-    return min(32 if T < 16 else DECODE_MIX[0], _pow2(D))
+    return min(128 if T >= 16 or invariant else 32, _pow2(D))
 
 
 # From this many rows (prompt chunks, wide verify steps) the merge/mix runs as a GEMM tile. Not below: at 64 rows the
@@ -76,7 +71,7 @@ DOT_ROWS, DOT_SUB, DOT_WARPS = 32, 64, 4  # rows and columns of one GEMM tile, w
 def _rows_per_program(T: int) -> int:
     """Rows one merge/mix program handles, reusing its fn slice from registers (fn is read from L2 T / rows
     times). Does not change any result: each row's arithmetic is the same whatever the grouping."""
-    return 1 if T <= 8 else DECODE_MIX[1] if 16 <= T < DOT_MIN_ROWS else 4
+    return 1 if T <= 8 else 4
 
 
 # ---- per-object preparation ------------------------------------------------------------------------------------
@@ -125,8 +120,6 @@ if tl is not None:
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # fn's slice is loaded one stream at a time ([M_PAD, BLOCK], reused by the program's rows): all HC streams
-        # at once ([M_PAD, HC, BLOCK], with its product as large) took 128 fp32 registers a thread each at BLOCK 128
         g = tl.program_id(0)
         b = tl.program_id(1)
         nb = tl.num_programs(1)
@@ -135,39 +128,38 @@ if tl is not None:
         ks = b * BLOCK + tl.arange(0, BLOCK)
         km = ks < D
         ms = tl.arange(0, M_PAD)
-        rs = tl.arange(0, ROWS)
         col = hs[:, None] * D + ks[None, :]  # [HC, BLOCK] offsets into one flattened row
-        part = tl.zeros([ROWS, M_PAD], dtype=tl.float32)
-        ss = tl.zeros([ROWS], dtype=tl.float32)
-        for h in tl.static_range(HC):
-            f = tl.load(
-                fn_ptr + ms[:, None].to(tl.int64) * K + h * D + ks[None, :],
-                mask=(ms[:, None] < M) & km[None, :],
-                other=0.0,
-            )
-            for i in tl.static_range(ROWS):
-                t = g * ROWS + i
-                ok = t < T  # (masks are built from comparisons alone: the interpreter rejects bool & scalar bool)
-                t64 = t.to(tl.int64)
-                kr = ks < tl.where(ok, D, 0)  # this row's live columns (none past the last row)
-                if MERGE:  # stream h of HyperConnection.merge, accumulated in fp32, one rounding
-                    hr = hs < tl.where(ok, HC, 0)
-                    sj = tl.load(streams_ptr + t64 * K + col, mask=hr[:, None] & kr[None, :], other=0.0).to(tl.float32)
-                    y = tl.load(block_ptr + t64 * D + ks, mask=kr, other=0.0).to(tl.float32)
-                    c = tl.load(comb_ptr + t64 * HC * HC + hs * HC + h, mask=hr, other=0.0)  # comb[j, h] over j
-                    post = tl.load(post_ptr + t64 * HC + h, mask=ok, other=0.0)
-                    out = (post * y + tl.sum(c[:, None] * sj, axis=0)).to(new_ptr.dtype.element_ty)
-                    tl.store(new_ptr + t64 * K + h * D + ks, out, mask=kr)
-                    s = out.to(tl.float32)  # the next block sees the stored (rounded) streams
-                else:
-                    s = tl.load(streams_ptr + t64 * K + h * D + ks, mask=kr, other=0.0).to(tl.float32)
-                part += tl.where(rs[:, None] == i, tl.sum(f * s[None, :], axis=1)[None, :], 0.0)
-                ss += tl.where(rs == i, tl.sum(s * s, axis=0), 0.0)
-        ts = g * ROWS + rs
-        tm = ts < T
-        prow = part_ptr + (ts.to(tl.int64) * nb + b) * (M + 1)
-        tl.store(prow[:, None] + ms[None, :], part, mask=tm[:, None] & (ms[None, :] < M))
-        tl.store(prow + M, ss, mask=tm)
+        # this program's slice of fn [M_PAD, HC, BLOCK], read once and reused for each of its rows
+        f = tl.load(
+            fn_ptr + ms[:, None, None].to(tl.int64) * K + col[None, :, :],
+            mask=(ms[:, None, None] < M) & km[None, None, :],
+            other=0.0,
+        )
+        for i in tl.static_range(ROWS):
+            t = g * ROWS + i
+            ok = t < T  # (masks are built from comparisons alone: the interpreter rejects bool & scalar bool)
+            t64 = t.to(tl.int64)
+            kr = ks < tl.where(ok, D, 0)  # this row's live columns (none past the last row)
+            hr = hs < tl.where(ok, HC, 0)
+            m2 = hr[:, None] & kr[None, :]
+            s = tl.load(streams_ptr + t64 * K + col, mask=m2, other=0.0).to(tl.float32)
+            if MERGE:  # HyperConnection.merge accumulated in fp32, one rounding
+                y = tl.load(block_ptr + t64 * D + ks, mask=kr, other=0.0).to(tl.float32)
+                post = tl.load(post_ptr + t64 * HC + hs, mask=hr, other=0.0)
+                comb = tl.load(
+                    comb_ptr + t64 * HC * HC + hs[:, None] * HC + hs[None, :],
+                    mask=hr[:, None] & (hs[None, :] < HC),
+                    other=0.0,
+                )  # [j, h]
+                mixed = tl.sum(comb[:, :, None] * s[:, None, :], axis=0)  # [h, BLOCK]
+                out = (post[:, None] * y[None, :] + mixed).to(new_ptr.dtype.element_ty)
+                tl.store(new_ptr + t64 * K + col, out, mask=m2)
+                s = out.to(tl.float32)  # the next block sees the stored (rounded) streams
+            part = tl.sum(tl.sum(f * s[None, :, :], axis=2), axis=1)  # [M_PAD]
+            ss = tl.sum(tl.sum(s * s, axis=1), axis=0)
+            prow = part_ptr + (t64 * nb + b) * (M + 1)
+            tl.store(prow + ms, part, mask=ms < tl.where(ok, M, 0))
+            tl.store(prow + M, ss, mask=ok)
 
     def _merge_mix_dot_kernel(
         streams_ptr,
@@ -429,9 +421,8 @@ def _launch_mix(streams, block_out, post, comb, fn, M: int, new, invariant: bool
         )
     elif T:
         rows = _rows_per_program(T)
-        warps = DECODE_MIX[2] if 16 <= T < DOT_MIN_ROWS and not invariant else MIX_WARPS  # invariant: one layout
         jit(_merge_mix_kernel, ("T",))[(_cdiv(T, rows), nb)](
-            *args, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows, BLOCK=block, num_warps=warps
+            *args, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows, BLOCK=block, num_warps=MIX_WARPS
         )
     return parts
 
