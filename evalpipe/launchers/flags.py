@@ -312,7 +312,8 @@ NATIVE = [
         show_default=True,
         type=click.Choice(["debug", "info", "warning", "error"]),
         help="native: server log verbosity. info adds the engine's rates every 10 s of work (steps, steps with "
-        "prompt chunks and their rows, generated and prefilled tok/s, time per loop beside Engine.step's).",
+        "prompt chunks and their rows, generated and prefilled tok/s, time per loop beside Engine.step's, and "
+        "Engine.step's time over decode-only steps and over steps with prompt chunks, each apart).",
     ),
 ]
 LAUNCH = [
