@@ -17,7 +17,7 @@ Why the default CUDA path varies with the batch (the engine's serving path; what
   tl.dot paths (down's "rows") with one launch shape (MM_INVARIANT) for every T. The eager MoE
   (engine/model/moe.py) uses torch._grouped_mm and an atomic `index_add_` (order of the top-k adds varies run to
   run): deterministic prefill takes kernels.moe instead.
-- kernels/hyper.py: `mix_block` (32 or 128 columns per partial by T) and the tl.dot path from DOT_MIN_ROWS rows.
+- kernels/hyper.py: `mix_block` (32, 64 or 128 columns per partial by T) and the tl.dot path from DOT_MIN_ROWS rows.
   Deterministic: 128-column partials and the per-row kernel at every T.
 - kernels/mxfp8.py (`--wo-quant mxfp8`): one fused launch with an atomic ticket for M <= 16, partials + reduce
   above. Deterministic: partials + reduce at every M.

@@ -37,7 +37,7 @@ try:
 except Exception:  # pragma: no cover - triton is optional
     triton = tl = None
 
-MIX_WARPS = 4  # warps of a merge/mix program
+MIX_WARPS = 4  # warps of a per-row merge/mix program (but the decode steps': _mix_warps)
 NORM_WARPS = 0  # warps of a pre_norm program; 0: by row size
 NORM_SPLIT = True  # pre_norm: Sinkhorn and collapse + norm in two programs per row
 MAX_ROW = 65536  # hc * next_pow2(D) elements that one hc_pre_norm program holds; wider rows use the reference
@@ -58,7 +58,11 @@ def mix_block(D: int, T: int, invariant: bool = False) -> int:
     """Columns of each stream that one merge/mix program owns: the partials have cdiv(D, mix_block(D, T))
     blocks. Narrow blocks spread few rows over many SMs; with many rows, wide blocks read fn fewer times.
     `invariant` (--deterministic): 128 at every T, so a row's partials, and their sum, do not depend on T."""
-    return min(128 if T >= 16 or invariant else 32, _pow2(D))
+    if invariant or T >= DOT_MIN_ROWS:
+        return min(128, _pow2(D))
+    # the decode steps (16 to 127 rows): 64 columns, 2 rows and 2 warps a program made v4-top2's C64 step 71 us
+    # faster than 128 / 4 / 4 on an H100 (2,364 against 2,435 us a replay; gpu_results/2026-12-07/mix-shapes-h100)
+    return min(64 if T >= 16 else 32, _pow2(D))
 
 
 # From this many rows (prompt chunks, wide verify steps) the merge/mix runs as a GEMM tile. Not below: at 64 rows the
@@ -71,7 +75,13 @@ DOT_ROWS, DOT_SUB, DOT_WARPS = 32, 64, 4  # rows and columns of one GEMM tile, w
 def _rows_per_program(T: int) -> int:
     """Rows one merge/mix program handles, reusing its fn slice from registers (fn is read from L2 T / rows
     times). Does not change any result: each row's arithmetic is the same whatever the grouping."""
-    return 1 if T <= 8 else 4
+    return 1 if T <= 8 else 2 if 16 <= T < DOT_MIN_ROWS else 4
+
+
+def _mix_warps(T: int, invariant: bool) -> int:
+    """Warps of a per-row merge/mix program. A reduction's order can follow the warp count, so --deterministic
+    keeps MIX_WARPS at every T (a row's partials must not depend on T); the decode steps take 2 (see mix_block)."""
+    return 2 if not invariant and 16 <= T < DOT_MIN_ROWS else MIX_WARPS
 
 
 # ---- per-object preparation ------------------------------------------------------------------------------------
@@ -422,7 +432,14 @@ def _launch_mix(streams, block_out, post, comb, fn, M: int, new, invariant: bool
     elif T:
         rows = _rows_per_program(T)
         jit(_merge_mix_kernel, ("T",))[(_cdiv(T, rows), nb)](
-            *args, M=M, M_PAD=_pow2(M), MERGE=merge, HC=hc, ROWS=rows, BLOCK=block, num_warps=MIX_WARPS
+            *args,
+            M=M,
+            M_PAD=_pow2(M),
+            MERGE=merge,
+            HC=hc,
+            ROWS=rows,
+            BLOCK=block,
+            num_warps=_mix_warps(T, invariant),
         )
     return parts
 

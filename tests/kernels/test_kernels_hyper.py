@@ -86,8 +86,12 @@ def dot_from_32(monkeypatch):
     monkeypatch.setattr(step_hyper, "DOT_MIN_ROWS", 32)
 
 
-# DOT_T rows: past DOT_MIN_ROWS, the GEMM-tile merge/mix kernel, its last tile of 32 rows mostly padding
-@pytest.mark.parametrize("T", [1, 6, DOT_T])
+# DOT_T rows: past DOT_MIN_ROWS, the GEMM-tile merge/mix kernel, its last tile of 32 rows mostly padding; DECODE_T:
+# the per-row kernel at the decode steps' launch (2 rows and 2 warps a program, mix_block's 64-column blocks)
+DECODE_T = 20
+
+
+@pytest.mark.parametrize("T", [1, 6, DECODE_T, DOT_T])
 def test_mix_and_pre_norm_match_reference_and_engine(T, dot_from_32):
     gen = torch.Generator().manual_seed(10 + T)
     cfg = config()
@@ -120,7 +124,7 @@ def test_mix_and_pre_norm_match_reference_and_engine(T, dot_from_32):
     assert got[2].abs().max() < 10
 
 
-@pytest.mark.parametrize("T", [1, 6, DOT_T])
+@pytest.mark.parametrize("T", [1, 6, DECODE_T, DOT_T])
 def test_merge_mix_matches_reference_and_engine(T, dot_from_32):
     gen = torch.Generator().manual_seed(20 + T)
     cfg = config()
