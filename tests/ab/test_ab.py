@@ -25,25 +25,10 @@ DATA_DIR = Path(os.environ.get("EVALPIPE_DATA_DIR") or REPO.parent / "shared" / 
 
 
 def evalpipe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the real CLI, forked from the test process's preloaded CLI server (tests/support/cli_fork_server.py: the
-    entry point in a child of its own, without the second of CPU a fresh interpreter spends importing it; with
-    EVALPIPE_TESTS_FORK=0, a fresh interpreter). On a timeout (ours or pytest's) SIGTERM it first so that it stops
-    its servers, then SIGKILL it a minute later if it is still there."""
+    """Run the real CLI in the checkout with tests/support/cli_fork_server.run_forked. On a timeout (ours or pytest's)
+    SIGTERM it first so that it stops its servers, then SIGKILL it a minute later if it is still there."""
     env = {**os.environ, "EVALPIPE_DATA_DIR": str(DATA_DIR)}
-    argv = [PY, "-m", "evalpipe.cli", *args]
-    if os.environ.get("EVALPIPE_TESTS_FORK") != "0":
-        return run_forked(list(args), env=env, cwd=str(REPO), timeout=timeout, term_grace=60)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-        raise
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return run_forked(list(args), env=env, cwd=str(REPO), timeout=timeout, term_grace=60)
 
 
 def test_arm_order_and_pairs():

@@ -266,24 +266,16 @@ def test_the_collapse_statistic_is_standard_normal_under_the_null():
 def test_the_residual_fault_power_benchmark_runs_in_smoke_mode(tmp_path):
     """benchmarks/harness/residual_fault_power.py --smoke (README's tokens-to-detect figures): in process on the default
     model with the ngram drafter, every drafted position's f moves the draft token up, so the repeat drift is
-    positive and every statistic's token count is a positive number. The script runs as a fork of a process that has
-    imported torch (tests/support/cli_fork_server.py's `torch` server, as the benchmark smoke runs do;
-    EVALPIPE_TESTS_FORK=0: a fresh interpreter)."""
+    positive and every statistic's token count is a positive number. The script is run by
+    tests/support/cli_fork_server.run_forked (forked from its `torch` server, as the benchmark smoke runs are)."""
     import os
-    import subprocess
-    import sys
 
     from tests.support.cli_fork_server import run_forked
 
     out = tmp_path / "power.json"
     module, argv = "benchmarks.harness.residual_fault_power", ["--smoke", "--drafter", "ngram", "--json", str(out)]
     repo = str(Path(__file__).resolve().parents[2])
-    if os.environ.get("EVALPIPE_TESTS_FORK") == "0":
-        proc = subprocess.run(
-            [sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=300, cwd=repo
-        )
-    else:
-        proc = run_forked(argv, module=module, env=dict(os.environ), cwd=repo, timeout=300)
+    proc = run_forked(argv, module=module, env=dict(os.environ), cwd=repo, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     pred = data["prediction"]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.support.cli_fork_server import run_forked
@@ -41,8 +39,8 @@ def table_rows(text: str) -> int:
 
 def check_smoke(script: str, tmp_path: Path) -> None:
     """`--smoke` of `folder/script.py` in a child process (OUT and the working folder: tmp_path) exits 0 and prints a
-    table. The child is forked from a process that has imported torch (tests/support/cli_fork_server.py, about 3 s
-    of CPU a run saved); EVALPIPE_TESTS_FORK=0: a fresh interpreter."""
+    table. The child is run by tests/support/cli_fork_server.run_forked (forked from its `torch` server: about 3 s of
+    CPU a run saved)."""
     module = "benchmarks." + script[: -len(".py")].replace("/", ".")
     env = {
         **os.environ,
@@ -55,17 +53,7 @@ def check_smoke(script: str, tmp_path: Path) -> None:
         "OMP_NUM_THREADS": "1",
     }
     env.pop("TRITON_INTERPRET", None)  # a script's CPU path sets it itself, before triton loads
-    if os.environ.get("EVALPIPE_TESTS_FORK") == "0":
-        proc = subprocess.run(
-            [sys.executable, "-m", module, "--smoke"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    else:
-        proc = run_forked(["--smoke"], module=module, env=env, cwd=str(tmp_path), timeout=600)
+    proc = run_forked(["--smoke"], module=module, env=env, cwd=str(tmp_path), timeout=600)
     tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]).strip()
     assert proc.returncode == 0, f"{module} --smoke exited {proc.returncode}:\n{tail}"
     assert table_rows(proc.stdout) >= 2, f"{module} --smoke printed no table:\n{tail}"

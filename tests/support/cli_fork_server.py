@@ -9,7 +9,8 @@ in files, Python's own SIGINT handler, and interpreter shutdown (atexit) when ma
 the TLS context and the skill lanes' generated items (preload_cli) come from its parent; no module of evalpipe reads
 the environment when it is imported, the items do not depend on it, and no test sets the TLS context's variables
 (SSL_CERT_FILE, SSL_CERT_DIR). Tests of start-up itself, of signals and of long-lived processes start
-`python -m evalpipe.cli` as before (core_helpers.evalpipe_cmd).
+`python -m evalpipe.cli` as before (core_helpers.evalpipe_cmd). With EVALPIPE_TESTS_FORK=0 run_forked starts no
+server and runs each command in a fresh interpreter instead.
 
 A second kind of server, `torch`, has imported torch, NumPy and transformers (about 3 s of CPU on the quiet 2-core
 machine) and runs `python -m MODULE ARGS` (runpy, as `-m` does): the benchmark scripts' `--smoke` runs
@@ -273,10 +274,15 @@ def run_forked(
     """`subprocess.run(python -m evalpipe.cli ARGV, capture_output=True, text=True, ...)`, in a forked child: the
     same CompletedProcess, and on `timeout` the child killed and TimeoutExpired raised. With `module`: `python -m
     MODULE ARGV`, forked from the `torch` server. With `term_grace`, a child that is still running when the wait ends
-    (the timeout, or pytest's own) gets SIGTERM first, to stop what it started, and SIGKILL after that many seconds."""
+    (the timeout, or pytest's own) gets SIGTERM first, to stop what it started, and SIGKILL after that many seconds.
+    With EVALPIPE_TESTS_FORK=0 in the test process's environment the child is that command in a fresh interpreter
+    instead, started here with the same environment, folder, stdin (/dev/null), output files and stopping."""
     shown = [sys.executable, "-m", module or "evalpipe.cli", *argv]
     with tempfile.TemporaryDirectory(prefix="evalpipe-cli-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        if os.environ.get("EVALPIPE_TESTS_FORK") == "0":
+            returncode = run_fresh(shown, env=env, cwd=cwd, timeout=timeout, term_grace=term_grace, out=out, err=err)
+            return subprocess.CompletedProcess(shown, returncode, read(out), read(err))
         request = {"argv": argv, "env": env, "cwd": cwd, "stdout": str(out), "stderr": str(err), "module": module}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(server_path("torch" if module else "cli"))
@@ -295,6 +301,29 @@ def run_forked(
             raise RuntimeError(f"the fork server closed before `python {' '.join(shown[1:])}` ended")
         returncode = json.loads(line)["returncode"]
         return subprocess.CompletedProcess(shown, returncode, read(out), read(err))
+
+
+def run_fresh(
+    shown: list[str], *, env: dict, cwd: str, timeout: float, term_grace: float | None, out: Path, err: Path
+) -> int:
+    """run_forked's child as `shown` in a fresh interpreter: its exit status (-N for a signal), or, when the wait
+    ends first, the child stopped as stop_child stops a forked one and TimeoutExpired raised on the timeout."""
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(shown, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env, cwd=cwd)
+    try:
+        return proc.wait(timeout=timeout)
+    except BaseException as exc:
+        if term_grace is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=term_grace)
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()  # nothing once it has been reaped
+        proc.wait()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise subprocess.TimeoutExpired(shown, timeout, read(out), read(err)) from None
+        raise
 
 
 def stop_child(pid: int, term_grace: float | None) -> None:

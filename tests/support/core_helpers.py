@@ -34,13 +34,9 @@ def interruptible_evalpipe_cmd(*args: str) -> list[str]:
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`evalpipe ARGS` in a child process (data dir pinned to the shared copy), forked from a process that has
-    imported the CLI already (tests/support/cli_fork_server.py); EVALPIPE_TESTS_FORK=0: a fresh interpreter."""
+    """`evalpipe ARGS` in a child process (data dir pinned to the shared copy), run by
+    tests/support/cli_fork_server.run_forked."""
     env = dict(os.environ, EVALPIPE_DATA_DIR=str(DATA_DIR))
-    if os.environ.get("EVALPIPE_TESTS_FORK") == "0":
-        return subprocess.run(
-            evalpipe_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO)
-        )
     return run_forked(list(map(str, args)), env=env, cwd=str(REPO), timeout=timeout)
 
 

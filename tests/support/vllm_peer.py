@@ -77,25 +77,11 @@ def make_model(path: Path) -> Path:
 
 
 def evalpipe(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the real CLI in `cwd` (default: the checkout), forked from the test process's preloaded CLI server
-    (tests/support/cli_fork_server.py: without the second or two of CPU a fresh interpreter spends importing it; with
-    EVALPIPE_TESTS_FORK=0, a fresh interpreter). On a timeout (ours or pytest's) SIGTERM it first so that it stops
-    any server it started, then SIGKILL it a minute later if it is still there."""
+    """Run the real CLI in `cwd` (default: the checkout) with tests/support/cli_fork_server.run_forked. On a timeout
+    (ours or pytest's) SIGTERM it first so that it stops any server it started, then SIGKILL it a minute later if it
+    is still there."""
     env = {**os.environ, "EVALPIPE_DATA_DIR": str(DATA_DIR)}
-    if os.environ.get("EVALPIPE_TESTS_FORK") != "0":
-        return run_forked(list(args), env=env, cwd=str(cwd or REPO), timeout=timeout, term_grace=60)
-    argv = [sys.executable, "-m", "evalpipe.cli", *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-        raise
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return run_forked(list(args), env=env, cwd=str(cwd or REPO), timeout=timeout, term_grace=60)
 
 
 def serve_model(root: Path, model: Path, *flags: str, passthrough: list[str] = PASSTHROUGH):
