@@ -127,20 +127,27 @@ class StatePools:
 
     def reserve(self, wants: dict[int, int]) -> None:
         """Give each seq enough pages for its new length, all or nothing (PoolExhausted leaves nothing changed)."""
-        total = sum(self.pages_needed(seq, length) for seq, length in wants.items())
+        # counted once per sequence (every decode step reserves for every row); eviction takes only parked pages,
+        # which no sequence holds, so the counts stay right
+        needs = [(seq, self.pages_needed(seq, length)) for seq, length in wants.items()]
+        total = sum(n for _, n in needs)
         if total > len(self.free_pages):
             evictable = self.cache.evictable if self.cache is not None else 0
             if total > len(self.free_pages) + evictable:
                 raise PoolExhausted(f"need {total} pages, {len(self.free_pages)} free, {evictable} evictable")
             self.cache.evict(total - len(self.free_pages))  # least recently used cached pages first
-        for seq, length in wants.items():
+        added = []  # (seq, column, page): one page-table write for all (a batch in step needs pages together)
+        for seq, n in needs:
             pages = self.seq_pages.setdefault(seq, [])
-            for _ in range(self.pages_needed(seq, length)):
+            for _ in range(n):
                 page = self.free_pages.pop()
                 self.page_refs[page] = 1
-                self.page_table[seq, len(pages)] = page
+                added.append((seq, len(pages), page))
                 pages.append(page)
-                self._page_table_dev = None
+        if added:
+            seqs, columns, new = zip(*added)
+            self.page_table[list(seqs), list(columns)] = torch.tensor(new, dtype=torch.long)
+            self._page_table_dev = None
 
     def share(self, seq: int, pages: list[int]) -> None:
         """Give an empty sequence existing (cached) pages as its first pages, by reference."""
@@ -241,23 +248,43 @@ class StatePools:
             cells, tails = memo[size, tail_rows]
             tail.index_copy_(0, tails, ring[cells])
 
-    def tails_from_rings(self, seq: int, start: int, end: int) -> None:
-        """After a forward that took `seq` from `start` to `end` rows without writing tails itself (the static step):
-        copy each crossed page's tail from the rings, which still hold it while end - edge <= rollback_margin."""
+    def tails_from_rings(self, spans: list[tuple[int, int, int]]) -> None:
+        """After a forward that took each `(seq, start, end)` of `spans` from `start` to `end` rows without writing
+        tails itself (the static step): copy each crossed page's tail from the rings, which still hold it while
+        end - edge <= rollback_margin. One index and one copy per ring for the whole step: a batch that decodes in
+        step crosses its page edges together (C sequences every page_tokens steps), and per sequence that was
+        dozens of small tensor ops (kernel launches and pinned copies on a GPU) each."""
         if not self.prefix_tails:
             return
         P = self.page_tokens
-        pages = self.seq_pages.get(seq, [])
-        first_edge = (start // P + 1) * P
-        for edge in range(first_edge, end + 1, P):
-            if end - edge > self.margin:
-                raise ValueError(f"page edge {edge} is no longer in the rings at length {end}")
-            memo = {}
-            for ring, size, tail, tail_rows, _ in self._rings():
-                if (size, tail_rows) not in memo:
-                    memo[size, tail_rows] = self._ring_tail_index(seq, pages, edge - tail_rows, edge, size, tail_rows)
-                cells, tails = memo[size, tail_rows]
-                tail.index_copy_(0, tails, ring[cells])
+        crossed = []  # (seq, the page that ends at the edge, edge)
+        for seq, start, end in spans:
+            for edge in range((start // P + 1) * P, end + 1, P):
+                if end - edge > self.margin:
+                    raise ValueError(f"page edge {edge} is no longer in the rings at length {end}")
+                crossed.append((seq, self.seq_pages.get(seq, [])[edge // P - 1], edge))
+        if not crossed:
+            return
+        edges = torch.tensor(crossed, dtype=torch.long)
+        memo = {}
+        for ring, size, tail, tail_rows, _ in self._rings():
+            if (size, tail_rows) not in memo:
+                memo[size, tail_rows] = self._edge_tail_index(edges, size, tail_rows)
+            cells, tails = memo[size, tail_rows]
+            tail.index_copy_(0, tails, ring[cells])  # pages being written are private: no two rows share a tail row
+
+    def _edge_tail_index(
+        self, edges: torch.Tensor, ring_size: int, tail_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ring cells, tail rows) of the last `tail_rows` positions before each edge of `edges` (rows of seq, page,
+        edge): position edge - tail_rows + j is tail row j of the page (`_ring_tail_index` over [edge - tail_rows,
+        edge), for every edge at once)."""
+        seq, page, edge = edges[:, :1], edges[:, 1:2], edges[:, 2:]
+        j = torch.arange(tail_rows)
+        cells = seq * ring_size + (edge - tail_rows + j) % ring_size
+        index = torch.stack([cells.reshape(-1), (page * tail_rows + j).reshape(-1)])
+        index = to_device(index, self.device)  # queued behind the step in flight instead of waiting for it
+        return index[0], index[1]
 
     def use_device_page_table(self, table: torch.Tensor) -> None:
         """Read the page table from `table` (a static step's copy inside its input buffer, on the device) until the

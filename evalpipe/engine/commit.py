@@ -48,9 +48,10 @@ def commit_tokens(
                 constraint.commit([token])
             out[chunk.seq] = ([token], row)
         offset += w
-    decode_rows = rows[len(batch.prefills) :]
-    for seq, w, fed in zip(batch.decodes, width[len(batch.prefills) :], decode_rows):
-        seq_rows = logits[offset : offset + w]
+    decode_rows, decode_width = rows[len(batch.prefills) :], width[len(batch.prefills) :]
+    # every decoding sequence's rows as views made in one call: a slice per sequence costs microseconds of host time
+    decode_logits = logits[offset : offset + sum(decode_width)].split(decode_width) if batch.decodes else ()
+    for seq, w, fed, seq_rows in zip(batch.decodes, decode_width, decode_rows, decode_logits):
         constraint = seq.matcher
         banned = seq.params.bans_stops(len(seq.output))
         if constraint is None and not banned:
@@ -61,7 +62,7 @@ def commit_tokens(
             tokens = decoder.accept(seq, ban_stops(seq, masked, eos_token_id) if banned else masked)
             if constraint is not None:
                 constraint.commit(tokens)
-        out[seq] = (tokens, seq_rows[: len(tokens)])
+        out[seq] = (tokens, seq_rows if len(tokens) >= w else seq_rows[: len(tokens)])  # the rows of its tokens
         offset += w
     return out
 

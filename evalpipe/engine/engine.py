@@ -255,17 +255,17 @@ class Engine:
         if self._aborts or admit:
             return False
         seqs, running = set(self._inflight[0]), self.scheduler.running
-        return all(seq in seqs for seq in running) and not all(self._ends_in_flight(seq) for seq in running)
+        return seqs.issuperset(running) and not all(self._ends_in_flight(seq) for seq in running)
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
         """Whether the token in flight for `seq` is its last by max_tokens or the length limit."""
-        done = len(seq.output) + 1
-        return done >= seq.params.max_tokens or len(seq.prompt) + done >= self._max_len()
+        return _last_in_flight(seq, self._max_len())
 
     def _step_async(self, decodes: list[Sequence]) -> int:
         previous = self._inflight
         fed = set(previous[0]) if previous is not None else set()
-        decodes = [seq for seq in decodes if not (seq in fed and self._ends_in_flight(seq))]
+        max_len = self._max_len()  # read once: this filter runs over every sequence of every overlapped step
+        decodes = [seq for seq in decodes if not (seq in fed and _last_in_flight(seq, max_len))]
         if not decodes:  # every sequence's last token is in flight (_can_chain settles first; kept safe anyway)
             self._settle()
             return 0
@@ -368,6 +368,12 @@ class Engine:
 
     def _max_len(self) -> int:
         return self.runner.max_seq_len
+
+
+def _last_in_flight(seq: Sequence, max_len: int) -> bool:
+    """Whether the token in flight for `seq` is its last by max_tokens or the length limit `max_len`."""
+    done = len(seq.output) + 1
+    return done >= seq.params.max_tokens or len(seq.prompt) + done >= max_len
 
 
 def _greedy_plain(params: SamplingParams) -> bool:

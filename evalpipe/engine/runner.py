@@ -98,6 +98,9 @@ class ModelRunner:
         path, self.model_name = resolve_model(model_path)  # None: the default (trained) model
         self.model_path = str(path)
         self.config = load_engine_config(path)
+        # read by check_rows for every sequence of every step; on a first start the config is transformers' own,
+        # whose attribute reads are Python calls
+        self._vocab = int(self.config.vocab_size)
         self.device, self.dtype = torch.device(device), dtype
         self.max_seq_len, self.max_seqs = int(max_seq_len), int(max_seqs)
         self.model = DeepseekV4Model(
@@ -139,6 +142,7 @@ class ModelRunner:
         view.model_path, view.device, view.dtype = self.model_path, self.device, self.dtype
         view.max_seq_len, view.max_seqs, view.fused_sites = self.max_seq_len, self.max_seqs, self.fused_sites
         view.model_name, view.model, view.config = self.model_name, self.model, self.config
+        view._vocab = self._vocab
         if num_layers is not None:
             view.model = self.model.first_layers(num_layers)
             view.config = copy.copy(self.config)
@@ -186,9 +190,10 @@ class ModelRunner:
         """Validate that `tokens` may be appended to `seq` (allocated, ids in the vocabulary, within max_seq_len;
         None: a token the device supplies) and return where they start (ValueError/KeyError otherwise)."""
         self._check(seq)
-        vocab = self.config.vocab_size
-        if any(t is not None and not 0 <= t < vocab for t in tokens):
-            raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
+        vocab = self._vocab
+        for t in tokens:  # a loop, not any(<generator>): this runs for every sequence of every step
+            if t is not None and not 0 <= t < vocab:
+                raise ValueError(f"sequence {seq}: token id out of range [0, {vocab})")
         start = len(self._tokens[seq])
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"sequence {seq}: length {start + len(tokens)} exceeds max_seq_len {self.max_seq_len}")
@@ -198,7 +203,7 @@ class ModelRunner:
         """Record tokens whose state a forward (this runner's, or a static step over its pools) has written; -1
         holds the place of a token still on the device (`set_token` fills it)."""
         self._check(seq)
-        self._tokens[seq].extend(int(t) for t in tokens)
+        self._tokens[seq].extend(map(int, tokens))
 
     def set_token(self, seq: int, position: int, token: int) -> None:
         """Fill a placeholder that `append_tokens` recorded at `position`."""

@@ -160,18 +160,16 @@ class Scheduler:
         """The next step's rows; `admit=False` leaves the waiting queue alone this step (the engine's prefill delay):
         admitted prompts still get their next chunks."""
         batch = StepBatch()
-        budget = self.max_tokens_per_step
+        prefilling: list[Sequence] = []  # one pass over the running sequences: every decode step schedules them all
         for seq in self.running:
-            if not seq.prefilling:
-                batch.decodes.append(seq)
-                budget -= self.decode_width
-        pending = any(s.prefilling for s in self.running) or (admit and bool(self.waiting))
+            (prefilling if seq.prefilling else batch.decodes).append(seq)
+        budget = self.max_tokens_per_step - self.decode_width * len(batch.decodes)
+        pending = bool(prefilling) or (admit and bool(self.waiting))
         prefill_budget = max(budget, min(MIN_PREFILL_ROWS, self.max_tokens_per_step)) if pending else 0
-        for seq in self.running:
+        for seq in prefilling:
             if prefill_budget <= 0:
                 break
-            if seq.prefilling:
-                prefill_budget -= self._add_chunk(batch, seq, prefill_budget)
+            prefill_budget -= self._add_chunk(batch, seq, prefill_budget)
         while admit and prefill_budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             try:

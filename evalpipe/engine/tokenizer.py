@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,8 @@ class ByteTokenizer:
         # Hugging Face's tojson: plain JSON, no HTML escaping, non-ASCII kept (ensure_ascii=False)
         env.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)
         self._template = env.from_string(BYTE_CHAT_TEMPLATE)
+        # token_bytes of every id of the layout (ids past it have none): the detokenizers' lookup, every step
+        self.bytes_table = {i: self.token_bytes(i) for i in range(BYTE_VOCAB_SIZE)}
 
     def encode(self, text: str) -> list[int]:
         """Bytes of `text`, with special-token strings mapped to their ids (as Hugging Face tokenizers do)."""
@@ -154,10 +157,12 @@ class ByteDetokenizer:
 
     def __init__(self, tokenizer: ByteTokenizer):
         self._tok = tokenizer
+        self._bytes_of = tokenizer.bytes_table.get
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_ids: list[int]) -> str:
-        return self._utf8.decode(b"".join(self._tok.token_bytes(t) for t in token_ids))
+        # every sequence pushes every step: a table lookup per token, not a token_bytes call
+        return self._utf8.decode(b"".join(map(self._bytes_of, token_ids, repeat(b""))))
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)

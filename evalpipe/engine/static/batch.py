@@ -12,6 +12,8 @@ never touches a live request's state. Compressed entries are addressed over the 
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from evalpipe.engine.forward_batch import Group, RowRope
@@ -30,10 +32,9 @@ def pack_step_inputs(
     if pad < 0:
         raise ValueError(f"{len(tokens)} requests do not fit bucket {bucket}")
     ids = [t for toks in tokens for t in toks] + [0] * (pad * n)
-    head = torch.tensor(
-        ids + list(starts) + [0] * pad + list(slots) + [pad_slot] * pad + [1] * (len(tokens) * n) + [0] * (pad * n),
-        dtype=torch.long,
-    )
+    head = ids + list(starts) + [0] * pad + list(slots) + [pad_slot] * pad + [1] * (len(tokens) * n) + [0] * (pad * n)
+    # through an int64 array: torch.tensor converts a list element by element (~30 us for a 64-row step's head)
+    head = torch.frombuffer(array.array("q", head), dtype=torch.long)
     return torch.cat([head, page_table.reshape(-1).to(torch.long)])
 
 

@@ -306,8 +306,8 @@ class GraphRunner:
             r.append_tokens(seq, [-1 if tok is None else tok])
             if tok is None:
                 self._placeholders[seq] = start
-            r.pools.tails_from_rings(seq, start, start + 1)
             self._chosen_at[seq] = start + 1
+        r.pools.tails_from_rings([(seq, start, start + 1) for seq, start in zip(seqs, starts)])
         return PendingTokens(list(seqs), starts, host_ids, event)
 
     def settle(self, pending: PendingTokens) -> list[int]:
@@ -351,9 +351,9 @@ class GraphRunner:
         host = pack_step_inputs(tokens, starts, seqs, step.B, self.pad_slot, r.pools.page_table)
         logits = step(host).view(step.B, n, -1)[: len(seqs)]
         logits = (logits.reshape(len(seqs) * n, -1) if all_logits else logits[:, -1]).clone()
-        for seq, toks, start in zip(seqs, tokens, starts):
+        for seq, toks in zip(seqs, tokens):
             r.append_tokens(seq, toks)
-            r.pools.tails_from_rings(seq, start, start + n)  # the static step writes rings only
+        r.pools.tails_from_rings([(seq, start, start + n) for seq, start in zip(seqs, starts)])  # it writes rings only
         return logits
 
     def describe(self) -> dict:
