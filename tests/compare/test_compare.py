@@ -20,7 +20,6 @@ from click.testing import CliRunner
 
 from evalpipe.commands.compare import command as compare_cmd
 from evalpipe.harness.records import REQUIRED_KEYS
-from tests.support.ci_pending import wait_for
 from tests.support.core_helpers import run_cli
 
 N_Q = 40
@@ -281,7 +280,6 @@ def test_report_html_is_self_contained(greedy_pair):
 
 
 def test_report_renders_in_headless_chromium(greedy_pair, tmp_path):
-    wait_for("chromium")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("Chromium is not installed (Debian package `chromium`); the HTML render check needs it")

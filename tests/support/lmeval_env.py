@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ci_pending import wait_for
-
 REPO = Path(__file__).resolve().parents[2]
 LM_EVAL = os.environ.get("EVALPIPE_LMEVAL") or str(REPO / ".venv-lmeval" / "bin" / "lm_eval")
 TASKS = REPO / "lm_eval_tasks"
@@ -30,7 +28,6 @@ TASKS = REPO / "lm_eval_tasks"
 
 def require_lmeval() -> str:
     """The `lm_eval` executable; skips (or, under CI, fails) when it is not installed."""
-    wait_for("lmeval-env")
     if Path(LM_EVAL).exists():
         return LM_EVAL
     reason = f"no lm-eval at {LM_EVAL} (`make lmeval-env` installs lm-eval[api]==0.4.13 into .venv-lmeval)"

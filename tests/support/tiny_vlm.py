@@ -29,9 +29,6 @@ def require_smollm2() -> Path:
     """SmolLM2's folder; skips (or, under CI, fails) when `make real-model` has not built it."""
     import pytest
 
-    from tests.support.ci_pending import wait_for
-
-    wait_for("real-model")
     if (SMOLLM2_DIR / "tokenizer.json").exists():
         return SMOLLM2_DIR
     reason = f"no SmolLM2-135M-Instruct tokenizer at {SMOLLM2_DIR} (`make real-model` builds it)"

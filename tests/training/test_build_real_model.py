@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ci_pending import wait_for
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "training" / "build_real_model.py"
 SPEC = json.loads((REPO / "manifests" / "real_models.json").read_text())["SmolLM2-135M-Instruct"]
@@ -23,7 +21,6 @@ WHEEL = REPO / ".evalpipe-cache" / "downloads" / SPEC["wheel"]["file"]
 
 
 def require(path: Path) -> None:
-    wait_for("real-model")
     if path.exists():
         return
     reason = f"{path} is missing (`make real-model` builds it)"
