@@ -192,7 +192,7 @@ class WindowPlan:
     cur: torch.Tensor  # [G, nw, ratio] index into cat(past, new) of the window's rows
     prev: torch.Tensor | None  # [G, nw, ratio] same for the previous window (overlap only)
     has_prev: torch.Tensor | None  # [G, nw] window index >= 1
-    entry_pos: torch.Tensor  # [G, nw] absolute position of the window start (RoPE position of the entry)
+    entry_pos: torch.Tensor  # [G, nw] absolute position of the window start (RoPE position of the entry; padding: any)
     out_rows: torch.Tensor  # [G, nw] pool rows to write (trash page for padding windows)
 
 
@@ -228,7 +228,10 @@ def window_plan(
     rows = pools.entry_rows(group.slots, w, ratio)
     trash = pools.trash_page * (pools.page_tokens // ratio)
     out_rows = torch.where(valid, rows, torch.full_like(rows, trash))
-    plan = WindowPlan(past_cells, cur, prev, has_prev, w * ratio, out_rows)
+    # a padding window (past its request's end: a padded group runs its longest request's count) may lie past the
+    # RoPE table; its entry goes to trash, so it takes its request's first window's position instead
+    entry_pos = torch.where(valid, w * ratio, (first * ratio)[:, None])
+    plan = WindowPlan(past_cells, cur, prev, has_prev, entry_pos, out_rows)
     group.memo[key] = plan
     return plan
 

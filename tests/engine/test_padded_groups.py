@@ -80,3 +80,30 @@ def test_chunks_of_many_lengths_in_one_forward_equal_each_request_fed_alone(site
         assert got.shape == want.shape and torch.isfinite(got).all()
         assert (got - want).abs().max().item() < TOL * max(1.0, want.abs().max().item())
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_a_late_short_chunk_beside_a_long_one_stays_inside_the_position_table():
+    """A padded group runs as many compression windows per request as its longest needs; a short chunk that starts
+    late then has padding windows past its end, here past max_seq_len (the RoPE table's length). They are written
+    to the trash page, and must not index the table with their position: a 3,500-token prompt chunked beside
+    others at 8,192 rows a step hit this on an H100 ("index out of bounds" on the device, every later step lost)."""
+    together = ModelRunner(None, max_seqs=3, max_seq_len=64)
+    alone = ModelRunner(None, max_seqs=3, max_seq_len=64)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, ())))  # fresh ids every run
+    ids = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (40, 40, 20)]
+    a, b = [together.allocate() for _ in range(2)], [alone.allocate() for _ in range(2)]
+    together.forward([a[1]], [ids[1]])
+    alone.forward([b[1]], [ids[1]])
+    # a new 40-row prompt beside rows 40-59 of the other: one padded group (20 * 2 >= 40); the late chunk's
+    # windows 10-19 run past 64 / 4 = 16, its own last is 14
+    rows = [ids[0], ids[2]]
+    assert group_requests([len(r) for r in rows]) == [[0, 1]]
+    got = together.forward(a, rows, all_logits=True)
+    want = torch.cat([alone.forward([s], [r], all_logits=True) for s, r in zip(b, rows)])
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < TOL * max(1.0, want.abs().max().item())
+    # the entries it wrote are the ones a decode row then reads
+    last = [[int(got[39].argmax())], [int(got[59].argmax())]]
+    got = together.forward(a, last)
+    want = torch.cat([alone.forward([s], [t]) for s, t in zip(b, last)])
+    assert (got - want).abs().max().item() < TOL * max(1.0, want.abs().max().item())
