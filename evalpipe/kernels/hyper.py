@@ -60,9 +60,7 @@ def mix_block(D: int, T: int, invariant: bool = False) -> int:
     `invariant` (--deterministic): 128 at every T, so a row's partials, and their sum, do not depend on T."""
     if invariant or T >= DOT_MIN_ROWS:
         return min(128, _pow2(D))
-    # the decode steps (16 to 127 rows): 64 columns, 2 rows and 2 warps a program made v4-top2's C64 step 71 us
-    # faster than 128 / 4 / 4 on an H100 (2,364 against 2,435 us a replay; gpu_results/2026-12-07/mix-shapes-h100)
-    return min(64 if T >= 16 else 32, _pow2(D))
+    return min(64 if _decode_shape(T) else 32, _pow2(D))
 
 
 # From this many rows (prompt chunks, wide verify steps) the merge/mix runs as a GEMM tile. Not below: at 64 rows the
@@ -72,16 +70,27 @@ DOT_MIN_ROWS = 128
 DOT_ROWS, DOT_SUB, DOT_WARPS = 32, 64, 4  # rows and columns of one GEMM tile, warps of its program
 
 
+# The decode steps of batch DECODE_MIN_ROWS and up (to DOT_MIN_ROWS) take 64 columns, 2 rows and 2 warps a program:
+# v4-top2's C64 step replayed 71 us faster than at 128 / 4 / 4 on an H100 (2,364 against 2,435 us;
+# gpu_results/2026-12-07/mix-shapes-h100). Below it: 32 columns and MIX_WARPS a program (a row each up to 8 rows).
+DECODE_MIN_ROWS = 16
+
+
+def _decode_shape(T: int) -> bool:
+    """Whether a merge/mix of T rows takes the decode steps' launch shape (outside --deterministic)."""
+    return DECODE_MIN_ROWS <= T < DOT_MIN_ROWS
+
+
 def _rows_per_program(T: int) -> int:
     """Rows one merge/mix program handles, reusing its fn slice from registers (fn is read from L2 T / rows
     times). Does not change any result: each row's arithmetic is the same whatever the grouping."""
-    return 1 if T <= 8 else 2 if 16 <= T < DOT_MIN_ROWS else 4
+    return 1 if T <= 8 else 2 if _decode_shape(T) else 4
 
 
 def _mix_warps(T: int, invariant: bool) -> int:
     """Warps of a per-row merge/mix program. A reduction's order can follow the warp count, so --deterministic
-    keeps MIX_WARPS at every T (a row's partials must not depend on T); the decode steps take 2 (see mix_block)."""
-    return 2 if not invariant and 16 <= T < DOT_MIN_ROWS else MIX_WARPS
+    keeps MIX_WARPS at every T (a row's partials must not depend on T); the decode steps take 2."""
+    return 2 if not invariant and _decode_shape(T) else MIX_WARPS
 
 
 # ---- per-object preparation ------------------------------------------------------------------------------------
