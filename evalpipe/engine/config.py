@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 # with its rows, so 512 keeps decode steps short beside it; on a GPU a chunk is launch-bound until thousands of rows
 # (H200, v4-top2 eager prefill: 5,600 tok/s at 512, 26,600 at one 3500-row chunk; benchmarks/serving/gpu_real_job.py).
 DEFAULT_TOKENS_PER_STEP = {"cpu": 512, "cuda": 8192}
+GATHER_CAP = 10  # --burst-wait-ms: an idle engine gathers a burst for at most this many times MS in all
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class EngineConfig:
     prefix_cache: str = "on"  # engine/prefix_cache.py: "on" | "off"
     overlap_schedule: str = "on"  # engine/engine.py: queue greedy decode steps one ahead on the CUDA-graph runner
     prefill_delay_factor: float = 0.0  # Engine._admit_now: new prompts wait F x the last prompt step's time
+    burst_wait_ms: float = 0.0  # EngineLoop._gather: an idle engine gathers a burst of requests before its first step
     stream_interval: int = 1  # output.deliver: streamed events carry N tokens (the first excepted)
     # ask for batch-invariant kernels (evalpipe/kernels, tests/kernels/test_batch_invariant.py): a greedy output
     # should then depend on its prompt alone, not on the batch it ran in; reported in /get_server_info

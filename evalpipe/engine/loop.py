@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import resource
 import time
@@ -24,7 +25,7 @@ import zmq
 
 from evalpipe.engine import ipc
 from evalpipe.engine.cache import PoolExhausted
-from evalpipe.engine.config import EngineConfig
+from evalpipe.engine.config import GATHER_CAP, EngineConfig
 from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.engine import Engine
 from evalpipe.engine.grammar import GrammarError
@@ -97,10 +98,17 @@ class EngineLoop:
     """Messages in, one step, one `Step` message out; until `Shutdown` or the parent is gone."""
 
     def __init__(
-        self, engine: Engine, recv: zmq.Socket, send: zmq.Socket, parent: int, heartbeat_s: float = HEARTBEAT_S
+        self,
+        engine: Engine,
+        recv: zmq.Socket,
+        send: zmq.Socket,
+        parent: int,
+        heartbeat_s: float = HEARTBEAT_S,
+        burst_wait_ms: float = 0.0,
     ):
         self.engine = engine
         self.heartbeat_s = heartbeat_s
+        self.burst_wait_ms = burst_wait_ms
         self.sent_at = 0.0  # time.monotonic() of the last Step message
         self.recv = recv
         self.send = send
@@ -126,7 +134,10 @@ class EngineLoop:
                             log.warning("the server process is gone; the engine exits")
                             return
                         continue
+                was_idle = not self.engine.busy
                 if not self._take_messages():
+                    return
+                if was_idle and self.burst_wait_ms and self.engine.busy and not self._gather():
                     return
                 self._reply_compiled()
                 if self.engine.busy:
@@ -152,6 +163,18 @@ class EngineLoop:
             self.send.send_pyobj(ipc.Step(events))
             self.sent_at = now
         self.window.maybe_log()
+
+    def _gather(self) -> bool:
+        """--burst-wait-ms: requests have just reached an idle engine; take those that follow each within
+        burst_wait_ms of the last, for at most GATHER_CAP x burst_wait_ms, so that a burst starts as one prompt step
+        (on a GPU a small prompt step costs nearly as much as a large one). False on Shutdown."""
+        end = time.monotonic() + GATHER_CAP * self.burst_wait_ms / 1e3
+        while (left_ms := (end - time.monotonic()) * 1e3) > 0:
+            if not self.poller.poll(max(1, math.ceil(min(self.burst_wait_ms, left_ms)))):
+                return True
+            if not self._take_messages():
+                return False
+        return True
 
     # -- messages ----------------------------------------------------------------------------------
     def _take_messages(self) -> bool:

@@ -57,7 +57,7 @@ def main(
         sys.exit(1)
     send.send_pyobj(ready_message(config, engine))
     try:
-        EngineLoop(engine, recv, send, parent).run()
+        EngineLoop(engine, recv, send, parent, burst_wait_ms=config.burst_wait_ms).run()
     finally:
         recv.close(linger=0)
         send.close(linger=1000)

@@ -21,7 +21,7 @@ import shlex
 import click
 from click.core import ParameterSource
 
-from evalpipe.engine.config import DEFAULT_TOKENS_PER_STEP, EngineConfig
+from evalpipe.engine.config import DEFAULT_TOKENS_PER_STEP, GATHER_CAP, EngineConfig
 from evalpipe.engine.config import ENGINE_DEFAULTS as D
 from evalpipe.engine.faults import DEBUG_FAULTS
 from evalpipe.launchers import ENGINES
@@ -257,6 +257,17 @@ NATIVE = [
         "--scheduler-delay-factor). Fewer, larger prompt chunks: each prompt step stalls every decoding "
         "sequence, and on a GPU a small chunk costs nearly as much as a large one. Trades time to first token "
         "for throughput; 0 admits at every step.",
+    ),
+    option(
+        "--burst-wait-ms",
+        default=D.burst_wait_ms,
+        show_default=True,
+        type=click.FloatRange(0),
+        metavar="MS",
+        help="native: when requests reach an idle engine, it keeps taking them until MS ms pass without a new one "
+        f"(at most {GATHER_CAP} x MS in all) before its first step, so a burst (a benchmark round, an eval's first "
+        "wave) starts as one prompt step instead of several small ones. Adds up to that wait to the first token "
+        "after an idle spell; 0 steps at once.",
     ),
     option(
         "--stream-interval",
