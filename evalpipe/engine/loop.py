@@ -3,7 +3,8 @@
 engine/process.py `main` builds the engine here (`build_engine`), reports it (`ready_message`) and runs `EngineLoop`,
 which talks to the server over two ZeroMQ pipes with the messages of engine/ipc.py. The loop takes every message that
 has arrived, applies it (new requests, aborts, calls), runs one `Engine.step()` and sends that step's events as one
-`Step` message. A step that released no event (a prompt chunk, tokens held back by the stream interval) sends nothing,
+`Step` message (with --burst-wait-ms, an engine that was idle first gathers the requests that keep arriving:
+`_gather`). A step that released no event (a prompt chunk, tokens held back by the stream interval) sends nothing,
 so neither process pays a message for it, except one empty `Step` every HEARTBEAT_S while such steps go on: the sign of
 life /health_generate takes from a busy engine. An abort therefore reaches the engine before its next forward, and the
 HTTP event loop and the model each have a GIL of their own. Grammars compile on a worker thread, so a slow schema does
