@@ -210,11 +210,19 @@ class StatePools:
         """(ring cells, tail rows) of the positions [start, end) of `seq` that the tails keep."""
         P = self.page_tokens
         x = torch.arange(max(0, start), end)
-        offset = x % P
-        x, offset = x[offset >= P - tail_rows], offset[offset >= P - tail_rows]
+        x = x[x % P >= P - tail_rows]
         page = torch.tensor(pages, dtype=torch.long)[x // P]
-        cells = seq * ring_size + x % ring_size
-        index = torch.stack([cells, page * tail_rows + offset - (P - tail_rows)])
+        return self._tail_cells(seq, page, x, ring_size, tail_rows)
+
+    def _tail_cells(
+        self, seq: int | torch.Tensor, page: torch.Tensor, pos: torch.Tensor, ring_size: int, tail_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layout of rings and tails, on the device: (ring cells, tail rows) of positions `pos` (each in the
+        last tail_rows of its page `page`) of sequences `seq`, broadcast together and flattened."""
+        P = self.page_tokens
+        cells = seq * ring_size + pos % ring_size
+        rows = page * tail_rows + pos % P - (P - tail_rows)
+        index = torch.stack([cells.reshape(-1), rows.reshape(-1)])
         index = to_device(index, self.device)  # queued behind the step in flight instead of waiting for it
         return index[0], index[1]
 
@@ -277,14 +285,9 @@ class StatePools:
         self, edges: torch.Tensor, ring_size: int, tail_rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(ring cells, tail rows) of the last `tail_rows` positions before each edge of `edges` (rows of seq, page,
-        edge): position edge - tail_rows + j is tail row j of the page (`_ring_tail_index` over [edge - tail_rows,
-        edge), for every edge at once)."""
+        edge): `_ring_tail_index` over [edge - tail_rows, edge), for every edge at once."""
         seq, page, edge = edges[:, :1], edges[:, 1:2], edges[:, 2:]
-        j = torch.arange(tail_rows)
-        cells = seq * ring_size + (edge - tail_rows + j) % ring_size
-        index = torch.stack([cells.reshape(-1), (page * tail_rows + j).reshape(-1)])
-        index = to_device(index, self.device)  # queued behind the step in flight instead of waiting for it
-        return index[0], index[1]
+        return self._tail_cells(seq, page, edge - tail_rows + torch.arange(tail_rows), ring_size, tail_rows)
 
     def use_device_page_table(self, table: torch.Tensor) -> None:
         """Read the page table from `table` (a static step's copy inside its input buffer, on the device) until the
