@@ -255,11 +255,8 @@ class Engine:
         if self._aborts or admit:
             return False
         seqs, running = set(self._inflight[0]), self.scheduler.running
-        return seqs.issuperset(running) and not all(self._ends_in_flight(seq) for seq in running)
-
-    def _ends_in_flight(self, seq: Sequence) -> bool:
-        """Whether the token in flight for `seq` is its last by max_tokens or the length limit."""
-        return _last_in_flight(seq, self._max_len())
+        max_len = self._max_len()
+        return seqs.issuperset(running) and not all(_last_in_flight(seq, max_len) for seq in running)
 
     def _step_async(self, decodes: list[Sequence]) -> int:
         previous = self._inflight
