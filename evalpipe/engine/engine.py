@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from evalpipe.engine import commit, output
+from evalpipe.engine import commit, faults, output
 from evalpipe.engine.contracts import Decoder, Runner
+from evalpipe.engine.device_loss import check_device
 from evalpipe.engine.grammar import Grammars
 from evalpipe.engine.ipc import SeqEvent
 from evalpipe.engine.plain_decoder import PlainDecoder
@@ -71,6 +72,7 @@ class Engine:
         stream_interval: int = 1,
         clock: Callable[[], float] = time.monotonic,
         keyed_sampling: bool = False,
+        debug_faults: tuple[str, ...] = (),
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -114,6 +116,7 @@ class Engine:
         self.keyed_sampling = bool(keyed_sampling)
         self._last_prefill = (0.0, 0.0)  # (end, seconds) of the last step that fed prompt chunks
         self._inflight: tuple[list[Sequence], PendingTokens] | None = None  # overlap: a queued step
+        self.debug_faults = tuple(debug_faults)  # planted faults that act in the engine (engine/faults.py)
 
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request; raises QueueFull (nothing queued) when the queue is full."""
@@ -197,6 +200,10 @@ class Engine:
             for seq in batch.decodes:
                 slots.append(seq.slot)
                 rows.append(self.decoder.propose(seq))
+            if self.debug_faults:
+                faults.plant_device_assert(
+                    self.debug_faults, {seq.params.seed for seq in _seqs_of(batch)}, self.runner.device
+                )
             started = self._clock()
             all_logits = self.decoder.all_logits or any(
                 c.seq.params.prompt_logprobs is not None for c in batch.prefills
@@ -205,9 +212,7 @@ class Engine:
             self._cache_prompts(batch)
             committed = self._commit_tokens(batch, rows, logits, all_logits)
         except Exception as exc:  # keep serving: fail this step's sequences, not the server
-            log.error("engine step failed:\n%s", traceback.format_exc())
-            for seq in [c.seq for c in batch.prefills] + batch.decodes:
-                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            self._fail_step(_seqs_of(batch), exc)
             return len(batch.prefills) + len(batch.decodes)
         self.stats["steps"] += 1
         if batch.prefills:
@@ -270,10 +275,8 @@ class Engine:
         try:
             pending = self.runner.decode_async([seq.slot for seq in decodes], tokens)
         except Exception as exc:  # keep serving: fail this step's sequences, not the server
-            log.error("engine step failed:\n%s", traceback.format_exc())
             self._inflight = None
-            for seq in decodes:
-                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            self._fail_step(decodes, exc)
             return len(decodes)
         self._inflight = (list(decodes), pending)
         self.stats["steps"] += 1
@@ -281,6 +284,19 @@ class Engine:
         if previous is not None:
             self._settle(previous)
         return len(decodes)
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
+        """Finish a failed step's sequences with its error. First, raise DeviceLost (engine/device_loss.py) when the
+        failure left the device unable to run anything (the engine process then exits, and the server fails every
+        request in flight)."""
+        log.error("engine step failed:\n%s", traceback.format_exc())
+        self.check_device()
+        for seq in seqs:
+            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def check_device(self) -> None:
+        """Raise DeviceLost when the runner's device can run nothing more (a sticky CUDA error)."""
+        check_device(self.runner.device)
 
     def _settle(self, inflight: tuple[list[Sequence], PendingTokens] | None = None) -> None:
         """Read a queued step's tokens (default: the one in flight) and emit them; a sequence finished since it was
@@ -365,6 +381,11 @@ class Engine:
 
     def _max_len(self) -> int:
         return self.runner.max_seq_len
+
+
+def _seqs_of(batch: StepBatch) -> list[Sequence]:
+    """A step's sequences: those its prompt chunks feed, then the decoding ones."""
+    return [chunk.seq for chunk in batch.prefills] + batch.decodes
 
 
 def _last_in_flight(seq: Sequence, max_len: int) -> bool:

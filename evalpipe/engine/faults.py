@@ -14,6 +14,12 @@ Torch-free at import: the HTTP process and the flag rules read the names. Where 
 - `batch-variant` (model/deepseek_v4.py, through `head_linear`): the LM head's matmul is split over the hidden
   dimension into a number of chunks that depends on the forward's logit rows, each partial sum rounded to bfloat16
   (as a GEMM that picks split-K for small batches), so tokens change with the batch shape.
+
+One more is not a decoding bug but a broken device, to show how the server and a run meet one:
+- `device-assert` (engine/engine.py): a step that carries a request seeded DEVICE_ASSERT_SEED indexes a device
+  tensor past its end. On CUDA that is a device-side assert, a sticky error: the engine process exits
+  (engine/device_loss.py) and the server answers 503 `engine_dead` and stops. On the CPU it is an IndexError that
+  fails that request's step, and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ DEBUG_FAULTS = {
     "residual-from-target": "on rejection, resample from the target p instead of the residual max(0, p - q)",
     "stale-kv-after-reject": "the target cache keeps the rejected drafts' rows",
     "batch-variant": "LM-head reduction split by batch rows, bfloat16 partial sums",
+    "device-assert": "a step with a request seeded 4004 indexes a device tensor past its end",
 }
+DEVICE_ASSERT_SEED = 4004  # the request seed that sets off `device-assert`
 NEEDS_SPECULATION = ("greedy-sampling", "residual-from-target", "stale-kv-after-reject")
 
 
@@ -57,3 +65,14 @@ def batch_variant_linear(h, weight):
         for hc, wc in zip(h.chunk(chunks, dim=-1), weight.chunk(chunks, dim=-1))
     ]
     return torch.stack(parts).sum(0)
+
+
+def plant_device_assert(faults: tuple[str, ...], seeds, device) -> None:
+    """`device-assert`: when `seeds` (the step's requests' seeds) hold DEVICE_ASSERT_SEED, read one element past a
+    one-element device tensor and wait for it (CUDA: a device-side assert; CPU: IndexError)."""
+    if "device-assert" not in faults or DEVICE_ASSERT_SEED not in seeds:
+        return
+    import torch
+
+    one = torch.zeros(1, device=device)
+    one[torch.ones(1, dtype=torch.long, device=device)].sum().item()

@@ -4,7 +4,8 @@ Server -> engine: `Submit` (one request's sequences, all or none), `Abort` (a re
 the next forward), `Call` (anything else that needs an answer: grammar compile, cache flush, describe), `Shutdown`.
 Engine -> server: `Ready` (or `LoadFailed`) once, then one `Step` per engine step that produced events, carrying all of
 them (all rows' new tokens in one message, never one message per token), an empty `Step` as a sign of life while steps
-produce none (engine/loop.py, HEARTBEAT_S), and a `Reply` per `Submit` and `Call`. A request is identified by the
+produce none (engine/loop.py, HEARTBEAT_S), a `Reply` per `Submit` and `Call`, and `Lost` when its device can run
+nothing more, just before it exits. A request is identified by the
 server's `rid`; the engine's `SeqEvent.index` is the choice within it. Everything here is plain data and torch-free: the
 HTTP process unpickles it without importing the model's code.
 """
@@ -101,6 +102,11 @@ class Ready:
 @dataclass
 class LoadFailed:
     error: str  # "ExceptionType: message", shown to the user
+
+
+@dataclass
+class Lost:
+    error: str  # the device's own error; the engine process exits next (engine/device_loss.py)
 
 
 @dataclass

@@ -8,7 +8,8 @@ has arrived, applies it (new requests, aborts, calls), runs one `Engine.step()` 
 so neither process pays a message for it, except one empty `Step` every HEARTBEAT_S while such steps go on: the sign of
 life /health_generate takes from a busy engine. An abort therefore reaches the engine before its next forward, and the
 HTTP event loop and the model each have a GIL of their own. Grammars compile on a worker thread, so a slow schema does
-not stall the steps of other requests.
+not stall the steps of other requests. A step that leaves the device lost (engine/device_loss.py) ends the loop: it
+sends `Lost`, then `run` raises DeviceLost and the process exits with EXIT_DEVICE_LOST.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from evalpipe.engine import ipc
 from evalpipe.engine.cache import PoolExhausted
 from evalpipe.engine.config import GATHER_CAP, EngineConfig
 from evalpipe.engine.contracts import Decoder, Runner
+from evalpipe.engine.device_loss import DeviceLost
 from evalpipe.engine.engine import Engine
+from evalpipe.engine.faults import faults_of
 from evalpipe.engine.grammar import GrammarError
 from evalpipe.engine.model.names import DEFAULT_MODEL_NAME
 from evalpipe.engine.scheduler import QueueFull, Sequence, make_sequences
@@ -68,6 +71,7 @@ def build_engine(
         prefill_delay_factor=config.prefill_delay_factor,
         stream_interval=config.stream_interval,
         keyed_sampling=config.deterministic,
+        debug_faults=faults_of(config),
     )
 
 
@@ -124,6 +128,7 @@ class EngineLoop:
         self.window = StepWindow(engine)
 
     def run(self) -> None:
+        lost = False
         try:
             while True:
                 if not self.engine.busy:
@@ -143,9 +148,22 @@ class EngineLoop:
                 self._reply_compiled()
                 if self.engine.busy:
                     self._step()
+        except DeviceLost as exc:
+            lost = True
+            self._lost(exc)
+            raise
         finally:
             self.compiler.shutdown(wait=False, cancel_futures=True)
-            self.engine.fail_all("abort")
+            if not lost:  # after a lost device the server fails what was in flight
+                self.engine.fail_all("abort")
+
+    def _lost(self, exc: DeviceLost) -> None:
+        """Tell the server, which fails every request in flight as `engine_dead` and stops. The sequences are not
+        finished here: that gives back their slots, which may touch the lost device."""
+        log.error("the engine's device is lost (%s); the engine exits", exc)
+        if self.events:
+            self.send.send_pyobj(ipc.Step(self.events))
+        self.send.send_pyobj(ipc.Lost(str(exc)))
 
     def _step(self) -> None:
         self.window.begin()
@@ -153,8 +171,11 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             advanced = self.engine.step()
+        except DeviceLost:
+            raise
         except Exception as exc:  # a bug outside the forward: fail what is in flight, keep the engine alive
             log.error("engine loop error:\n%s", traceback.format_exc())
+            self.engine.check_device()
             self.engine.fail_all("error", error=f"{type(exc).__name__}: {exc}")
             advanced = 1
         self.window.stepped(time.perf_counter() - started, self.engine.stats["prefill_steps"] > prompt_steps)

@@ -2,7 +2,8 @@
 
 `main` connects the two ZeroMQ pipes of engine/ipc.py, builds the engine (engine/loop.py: torch and the model are
 imported here, in this process only; this module stays torch-free because the HTTP process imports it to name the
-spawn target), reports `Ready` or `LoadFailed`, then runs the loop until `Shutdown` or until the parent is gone.
+spawn target), reports `Ready` or `LoadFailed`, then runs the loop until `Shutdown` or until the parent is gone
+(exit 0), or until its device is lost (exit EXIT_DEVICE_LOST, engine/device_loss.py).
 
 The process ignores SIGINT (Ctrl-C reaches the whole process group; the server stops it with `Shutdown`) and dies
 with its parent (PR_SET_PDEATHSIG on Linux, and a parent check while idle), so it is never left orphaned.
@@ -56,23 +57,29 @@ def main(
         ctx.term()
         sys.exit(1)
     send.send_pyobj(ready_message(config, engine))
+    from evalpipe.engine.device_loss import EXIT_DEVICE_LOST, DeviceLost
+
+    code = 0
     try:
         EngineLoop(engine, recv, send, parent, burst_wait_ms=config.burst_wait_ms).run()
+    except DeviceLost:  # the loop has told the server (ipc.Lost)
+        code = EXIT_DEVICE_LOST
     finally:
         recv.close(linger=0)
         send.close(linger=1000)
         ctx.term()
-    exit_after_clean_stop()
+    exit_after_clean_stop(code)
 
 
-def exit_after_clean_stop() -> None:
-    """Exit 0 once everything is stopped and closed: flush the log and the streams, then skip the interpreter's
-    teardown (in the engine process, of torch's and transformers' objects: ~1.5-2 s of CPU, which every stop waited
-    for). Both processes of `evalpipe serve` end this way; failure paths exit normally."""
+def exit_after_clean_stop(code: int = 0) -> None:
+    """Exit with `code` once everything is stopped and closed: flush the log and the streams, then skip the
+    interpreter's teardown (in the engine process, of torch's and transformers' objects: ~1.5-2 s of CPU, which every
+    stop waited for; after a lost device, CUDA's teardown would meet the broken context). Both processes of
+    `evalpipe serve` end this way; a failed build exits normally."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _die_with_parent() -> None:

@@ -309,13 +309,16 @@ NATIVE = [
         default=D.debug_faults,
         type=click.Choice(list(DEBUG_FAULTS)),
         metavar="NAME",
-        help="native, EVALUATION OF EVALUATIONS ONLY (never on by default; repeatable): plant a known "
-        "speculative-decoding bug to show which check notices it. greedy-sampling (verify takes the argmax for "
-        "sampled requests), residual-from-target (on rejection resample from p, not max(0, p - q)), "
-        "stale-kv-after-reject (rejected drafts stay in the target's cache): these three need --speculative "
-        "block. batch-variant (the LM head's reduction is split by the batch's row count, bfloat16 partial "
-        "sums: tokens change with concurrency; --device cpu only). Reported as debug_faults in "
-        "/get_server_info, every choice's `spec`, the ready line and the receipt; `evalpipe run` warns.",
+        help="native, EVALUATION OF EVALUATIONS ONLY (never on by default; repeatable): plant a known speculative-"
+        "decoding bug to show which check notices it, or a broken device. greedy-sampling (verify takes the "
+        "argmax for sampled requests), residual-from-target (on rejection resample from p, not max(0, p - "
+        "q)), stale-kv-after-reject (rejected drafts stay in the target's cache): these three need "
+        "--speculative block. batch-variant (the LM head's reduction is split by the batch's row count, "
+        "bfloat16 partial sums: tokens change with concurrency; --device cpu only). device-assert (a step "
+        "with a request seeded 4004 reads past a device tensor's end: on CUDA a device-side assert, after "
+        "which the engine exits and the server answers 503 engine_dead and exits 1; on the CPU an IndexError "
+        "fails that step and serving goes on). Reported as debug_faults in /get_server_info, every choice's "
+        "`spec`, the ready line and the receipt; `evalpipe run` warns.",
     ),
     option(
         "--log-level",

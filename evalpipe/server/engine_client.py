@@ -2,7 +2,8 @@
 
 One reader task on the HTTP event loop takes the engine's messages (engine/ipc.py): a `Step` puts each
 (rid, SeqEvent) on its job's asyncio queue, a `Reply` resolves the awaiting call. Sends happen on the event loop
-only (ZeroMQ sockets are not thread-safe). When the process exits, every waiting call fails with `EngineDead`
+only (ZeroMQ sockets are not thread-safe). When the process exits (or says with `Lost` that its device is lost,
+just before it exits), every waiting call fails with `EngineDead`
 and every open job's queue gets `ENGINE_DEAD`, so no request hangs on a dead engine; `on_dead` lets the server
 stop. The process is spawned (never forked: the server has threads) and told to stop with `Shutdown`, then
 terminated and killed if it does not go.
@@ -217,8 +218,12 @@ class EngineClient:
         elif isinstance(msg, ipc.LoadFailed):
             if not self._ready.done():
                 self._ready.set_exception(EngineLoadError(msg.error))
+        elif isinstance(msg, ipc.Lost):
+            self._died(f"its device is lost: {msg.error}")
 
     def _died(self, reason: str) -> None:
+        if self.dead is not None:  # told by a Lost message first, then seen exiting
+            return
         self.dead = reason
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineLoadError(reason))
