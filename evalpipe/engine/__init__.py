@@ -9,7 +9,8 @@ an `Engine` (engine.py) and talks to the server with the messages of ipc.py.
 - contracts.py: the `Runner` and `Decoder` contracts the engine calls; engine.py: `Engine`, one step is one forward;
   commit.py: a step's logits become committed tokens (grammar masks, min_tokens bans, the decoder's accept);
   output.py: committed tokens become text, stops, logprobs and events; plain_decoder.py: decoding without drafts;
-  loop.py: the engine process's loop; scheduler.py: `Sequence`, admission, prefill chunks, decode rows;
+  loop.py: the engine process's loop (device_loss.py: a step that left the device unable to run anything ends
+  it); scheduler.py: `Sequence`, admission, prefill chunks, decode rows;
   sampling.py: the per-request distribution and draws (keyed.py: the counter-based noise of --deterministic);
   tokenizer.py: tokenizers and detokenizers; grammar.py: xgrammar matchers (tools, response formats) masking every
   sampled and verified row;
