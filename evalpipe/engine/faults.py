@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from evalpipe.engine.config import EngineConfig
 
+DEVICE_ASSERT_SEED = 4004  # the request seed that sets off `device-assert`
 DEBUG_FAULTS = {
     "greedy-sampling": "verify takes the target argmax for sampled requests",
     "residual-from-target": "on rejection, resample from the target p instead of the residual max(0, p - q)",
     "stale-kv-after-reject": "the target cache keeps the rejected drafts' rows",
     "batch-variant": "LM-head reduction split by batch rows, bfloat16 partial sums",
-    "device-assert": "a step with a request seeded 4004 indexes a device tensor past its end",
+    "device-assert": f"a step with a request seeded {DEVICE_ASSERT_SEED} indexes a device tensor past its end",
 }
-DEVICE_ASSERT_SEED = 4004  # the request seed that sets off `device-assert`
 NEEDS_SPECULATION = ("greedy-sampling", "residual-from-target", "stale-kv-after-reject")
 
 

@@ -23,7 +23,7 @@ from click.core import ParameterSource
 
 from evalpipe.engine.config import DEFAULT_TOKENS_PER_STEP, GATHER_CAP, EngineConfig
 from evalpipe.engine.config import ENGINE_DEFAULTS as D
-from evalpipe.engine.faults import DEBUG_FAULTS
+from evalpipe.engine.faults import DEBUG_FAULTS, DEVICE_ASSERT_SEED
 from evalpipe.launchers import ENGINES
 from evalpipe.launchers.base import LaunchOptions
 from evalpipe.launchers.env import parse_assignments
@@ -315,10 +315,10 @@ NATIVE = [
         "q)), stale-kv-after-reject (rejected drafts stay in the target's cache): these three need "
         "--speculative block. batch-variant (the LM head's reduction is split by the batch's row count, "
         "bfloat16 partial sums: tokens change with concurrency; --device cpu only). device-assert (a step "
-        "with a request seeded 4004 reads past a device tensor's end: on CUDA a device-side assert, after "
-        "which the engine exits and the server answers 503 engine_dead and exits 1; on the CPU an IndexError "
-        "fails that step and serving goes on). Reported as debug_faults in /get_server_info, every choice's "
-        "`spec`, the ready line and the receipt; `evalpipe run` warns.",
+        f"with a request seeded {DEVICE_ASSERT_SEED} reads past a device tensor's end: on CUDA a device-side "
+        "assert, after which the engine exits and the server answers 503 engine_dead and exits 1; on the CPU "
+        "an IndexError fails that step and serving goes on). Reported as debug_faults in /get_server_info, "
+        "every choice's `spec`, the ready line and the receipt; `evalpipe run` warns.",
     ),
     option(
         "--log-level",
