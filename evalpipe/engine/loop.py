@@ -27,7 +27,7 @@ import zmq
 
 from evalpipe.engine import ipc
 from evalpipe.engine.cache import PoolExhausted
-from evalpipe.engine.config import GATHER_CAP, EngineConfig
+from evalpipe.engine.config import GATHER_CAP, LONE_SHARE, EngineConfig
 from evalpipe.engine.contracts import Decoder, Runner
 from evalpipe.engine.device_loss import DeviceLost
 from evalpipe.engine.engine import Engine
@@ -110,10 +110,12 @@ class EngineLoop:
         parent: int,
         heartbeat_s: float = HEARTBEAT_S,
         burst_wait_ms: float = 0.0,
+        lone_wait_ms: float | None = None,
     ):
         self.engine = engine
         self.heartbeat_s = heartbeat_s
         self.burst_wait_ms = burst_wait_ms
+        self.lone_wait_ms = burst_wait_ms / LONE_SHARE if lone_wait_ms is None else lone_wait_ms
         self.sent_at = 0.0  # time.monotonic() of the last Step message
         self.recv = recv
         self.send = send
@@ -189,10 +191,13 @@ class EngineLoop:
     def _gather(self) -> bool:
         """--burst-wait-ms: requests have just reached an idle engine; take those that follow each within
         burst_wait_ms of the last, for at most GATHER_CAP x burst_wait_ms, so that a burst starts as one prompt step
-        (on a GPU a small prompt step costs nearly as much as a large one). False on Shutdown."""
+        (on a GPU a small prompt step costs nearly as much as a large one). While the engine holds a lone request
+        the wait is lone_wait_ms (burst_wait_ms / LONE_SHARE): a client that sends one request at a time pays that,
+        not the whole wait. False on Shutdown."""
         end = time.monotonic() + GATHER_CAP * self.burst_wait_ms / 1e3
         while (left_ms := (end - time.monotonic()) * 1e3) > 0:
-            if not self.poller.poll(max(1, math.ceil(min(self.burst_wait_ms, left_ms)))):
+            wait_ms = self.lone_wait_ms if len(self.requests) <= 1 else self.burst_wait_ms
+            if not self.poller.poll(max(1, math.ceil(min(wait_ms, left_ms)))):
                 return True
             if not self._take_messages():
                 return False

@@ -21,7 +21,7 @@ import shlex
 import click
 from click.core import ParameterSource
 
-from evalpipe.engine.config import DEFAULT_TOKENS_PER_STEP, GATHER_CAP, EngineConfig
+from evalpipe.engine.config import DEFAULT_TOKENS_PER_STEP, GATHER_CAP, LONE_SHARE, EngineConfig
 from evalpipe.engine.config import ENGINE_DEFAULTS as D
 from evalpipe.engine.faults import DEBUG_FAULTS, DEVICE_ASSERT_SEED
 from evalpipe.launchers import ENGINES
@@ -266,8 +266,9 @@ NATIVE = [
         metavar="MS",
         help="native: when requests reach an idle engine, it keeps taking them until MS ms pass without a new one "
         f"(at most {GATHER_CAP} x MS in all) before its first step, so a burst (a benchmark round, an eval's first "
-        "wave) starts as one prompt step instead of several small ones. Adds up to that wait to the first token "
-        "after an idle spell; 0 steps at once.",
+        "wave) starts as one prompt step instead of several small ones. While it holds a lone request it waits "
+        f"MS / {LONE_SHARE} for a second, so a client that sends one request at a time pays that on each first "
+        "token, and a burst up to the whole wait; 0 steps at once.",
     ),
     option(
         "--stream-interval",

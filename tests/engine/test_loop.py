@@ -13,7 +13,7 @@ import time
 import zmq
 
 from evalpipe.engine import ipc
-from evalpipe.engine.config import GATHER_CAP
+from evalpipe.engine.config import GATHER_CAP, LONE_SHARE
 from evalpipe.engine.engine import Engine
 from evalpipe.engine.loop import EngineLoop
 from evalpipe.engine.sampling_params import SamplingParams
@@ -92,13 +92,14 @@ def test_steps_without_events_send_nothing_until_the_heartbeat_is_due(tiny_runne
     assert [len(ev.token_ids) for s in never for _, ev in s.events] == [1, 4, 4, 4]
 
 
-def serve_burst(tiny_runner, burst_wait_ms: float, gaps_s: list[float]) -> tuple[dict, float]:
+def serve_burst(tiny_runner, burst_wait_ms: float, gaps_s: list[float], **loop_kwargs) -> tuple[dict, float]:
     """Submit len(gaps_s) + 1 greedy requests to an idle EngineLoop, gaps_s[i] apart; run them to the end. Returns
     the engine's counters and the time from the first submit to the first Step (the first token)."""
     n = len(gaps_s) + 1
     engine = Engine(tiny_runner(max_seqs=n, max_seq_len=64), load_tokenizer(None), max_batch=n, max_tokens_per_step=512)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    with running_loop(engine, heartbeat_s=float("inf"), burst_wait_ms=burst_wait_ms) as (to_loop, from_loop):
+    loop = running_loop(engine, heartbeat_s=float("inf"), burst_wait_ms=burst_wait_ms, **loop_kwargs)
+    with loop as (to_loop, from_loop):
         t0 = time.monotonic()
         for rid in range(n):
             if rid:
@@ -115,19 +116,29 @@ def serve_burst(tiny_runner, burst_wait_ms: float, gaps_s: list[float]) -> tuple
 
 
 def test_an_idle_engine_gathers_a_burst_into_one_prompt_step(tiny_runner):
-    """--burst-wait-ms 300: three requests 20 ms apart (15x inside the wait) reach an idle engine, and all three
-    prompts go in its first step; a lone request waits the quiet 300 ms (a lower bound the monotonic clock
-    guarantees), then runs."""
+    """--burst-wait-ms 300: three requests 20 ms apart (inside the 75 ms a lone request waits, and the 300 ms two
+    do) reach an idle engine, and all three prompts go in its first step."""
+    assert 300 / LONE_SHARE > 20 * 3  # the test's premise, with a margin for a slow sender
     stats, _ = serve_burst(tiny_runner, 300.0, [0.02, 0.02])
     assert stats["prefill_steps"] == 1 and stats["prompt_tokens"] == 36
-    stats, first_s = serve_burst(tiny_runner, 300.0, [])
-    assert stats["prefill_steps"] == 1 and first_s >= 0.3
+
+
+def test_a_lone_request_waits_a_share_of_the_burst_wait(tiny_runner):
+    """--burst-wait-ms 1000: a lone request waits 250 ms (MS / LONE_SHARE; a lower bound the monotonic clock
+    guarantees) for a second one, then runs: one that comes 700 ms after it (inside the whole wait, past the lone
+    one) gets a prompt step of its own. Only a 450 ms stall of the loop could put the two in one step."""
+    assert 1000 / LONE_SHARE == 250
+    stats, first_s = serve_burst(tiny_runner, 1000.0, [])
+    assert stats["prefill_steps"] == 1 and first_s >= 0.25
+    stats, _ = serve_burst(tiny_runner, 1000.0, [0.7])
+    assert stats["prefill_steps"] == 2 and stats["prompt_tokens"] == 24
 
 
 def test_the_gather_stops_at_its_cap_while_requests_keep_coming(tiny_runner):
-    """--burst-wait-ms 50: requests every 25 ms for 575 ms never leave a 50 ms gap, so only the cap (GATHER_CAP x
-    50 = 500 ms) starts the first step, and the later ones wait for a step of their own. (A stall that stretches a
-    gap past 50 ms ends the gather early: the same count, never a false failure.)"""
+    """--burst-wait-ms 50 (and a lone request's wait set to 50 too): requests every 25 ms for 575 ms never leave a
+    50 ms gap, so only the cap (GATHER_CAP x 50 = 500 ms) starts the first step, and the later ones wait for a step
+    of their own. (A stall that stretches a gap past 50 ms ends the gather early: the same count, never a false
+    failure.)"""
     assert GATHER_CAP * 50 < 575  # the test's premise: the burst outlasts the cap
-    stats, _ = serve_burst(tiny_runner, 50.0, [0.025] * 23)
+    stats, _ = serve_burst(tiny_runner, 50.0, [0.025] * 23, lone_wait_ms=50.0)
     assert stats["prompt_tokens"] == 24 * 12 and stats["prefill_steps"] >= 2
