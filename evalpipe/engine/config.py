@@ -14,7 +14,10 @@ from dataclasses import dataclass, fields
 # (H200, v4-top2 eager prefill: 5,600 tok/s at 512, 26,600 at one 3500-row chunk; benchmarks/serving/gpu_real_job.py).
 DEFAULT_TOKENS_PER_STEP = {"cpu": 512, "cuda": 8192}
 GATHER_CAP = 10  # --burst-wait-ms: an idle engine gathers a burst for at most this many times MS in all
-LONE_SHARE = 4  # --burst-wait-ms: a lone request at an idle engine waits MS / LONE_SHARE for a second one
+# --burst-wait-ms: a lone request at an idle engine waits MS / LONE_SHARE for a second one. A one-at-a-time client
+# pays this wait on every first token, while a burst's second request follows its first within a few ms (the
+# 2-core CPU at 20: 7 of 12 C32 rounds still went as one prompt step; benchmarks/serving/burst_wait.py).
+LONE_SHARE = 4
 
 
 @dataclass(frozen=True)
