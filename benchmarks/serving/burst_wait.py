@@ -3,7 +3,7 @@ arm, `evalpipe bench` at C1 (time to first token) and at a burst concurrency (ag
 log's INFO windows how many of the burst rounds went to the engine as a single prompt step.
 
     PYTHONPATH=. python -m benchmarks.serving.burst_wait [--arms 0,20,0,20] [--concurrency 32] [--out DIR]
-        [--serve-args "--device cuda --model DIR"] [--input-len 16] [--output-len 16] [--rounds 5] [--smoke]
+        [--model DIR --serve-args "--device cuda"] [--input-len 16] [--output-len 16] [--rounds 5] [--smoke]
 
 The engine goes idle between bench rounds (each round's requests end together), so every round starts at an idle
 engine, where the burst wait acts, and ends with one INFO window line (`engine/loop.py`, StepWindow).
@@ -47,7 +47,7 @@ def burst_windows(log: str, rows: int) -> list[int]:
 
 
 def arm(ms: str, index: int, args) -> dict:
-    srv = ServerProcess("--burst-wait-ms", ms, "--log-level", "info", *shlex.split(args.serve_args))
+    srv = ServerProcess("--burst-wait-ms", ms, "--log-level", "info", *shlex.split(args.serve_args), model=args.model)
     try:
         c1 = bench(srv.base, 1, 2 * args.rounds, args, args.out / f"{index}-burst{ms}-c1")
         c = args.concurrency
@@ -68,10 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", default="0,20,0,20", help="burst waits in ms, one serve boot each, in this order")
     ap.add_argument("--concurrency", type=int, default=32, help="requests of a burst round")
-    ap.add_argument("--input-len", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=16, help="prompt tokens of every bench request")
+    ap.add_argument("--output-len", type=int, default=16, help="completion tokens of every bench request")
     ap.add_argument("--rounds", type=int, default=5, help="measured bench rounds (C1 runs twice as many)")
-    ap.add_argument("--serve-args", default="", help="more `evalpipe serve` arguments (the tiny model on the CPU)")
+    ap.add_argument(
+        "--model", default="evalpipe-tiny-dsv4", help="`evalpipe serve --model` (a built-in name or a folder)"
+    )
+    ap.add_argument("--serve-args", default="", help='more `evalpipe serve` arguments, e.g. "--device cuda"')
     ap.add_argument("--out", type=Path, default=None, help="folder for the bench runs and burst_wait.json")
     ap.add_argument("--smoke", action="store_true", help="CI check: one arm (20), C4, 1 round, 4-token completions")
     args = ap.parse_args(argv)
